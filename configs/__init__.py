@@ -1,0 +1,1 @@
+"""Model and hardware configs shipped as package data."""

@@ -1,0 +1,1 @@
+"""The IR: typed values with symbolic dims, nodes, the op registry, text format, interpreter."""

@@ -1,0 +1,1 @@
+"""Op implementations: a pure-torch reference per op, faster ones selected by capability."""

@@ -1,0 +1,1 @@
+"""Declarative model descriptions (config -> step graph) and checkpoint I/O."""

@@ -1,0 +1,1 @@
+"""Graph -> Graph compiler passes, the per-hardware pipeline and the artifact writer."""

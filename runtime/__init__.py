@@ -1,0 +1,1 @@
+"""Artifacts + checkpoint -> executable steps, scheduler, sampling, server."""
