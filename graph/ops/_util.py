@@ -1,0 +1,20 @@
+"""Small helpers shared by type rules."""
+
+from ..registry import expect
+from ..types import FLOAT_DTYPES, TensorType
+
+META = ("positions", "token_req", "seq_slots")  # per-step metadata most stateful ops read
+
+
+def is_float(t: TensorType) -> bool:
+    return t.dtype in FLOAT_DTYPES
+
+
+def expect_meta(positions: TensorType, token_req: TensorType, seq_slots: TensorType) -> None:
+    expect(positions.dtype == "i64" and positions.rank == 1, f"positions must be i64[T], got {positions}")
+    expect(token_req.shape == positions.shape, f"token_req must be {positions}, got {token_req}")
+    expect(seq_slots.dtype == "i64" and seq_slots.rank == 1, f"seq_slots must be i64[R], got {seq_slots}")
+
+
+def expect_rows(x: TensorType, positions: TensorType, what: str) -> None:
+    expect(x.shape[:1] == positions.shape[:1], f"{what} must have one row per token ({positions.shape[0]}), got {x}")
