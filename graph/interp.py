@@ -14,6 +14,7 @@ import torch
 
 from .errors import IRError
 from .ir import Graph
+from .registry import get_op
 from .types import DTYPES, eval_dim
 
 Impl = Callable[..., "torch.Tensor | tuple[torch.Tensor, ...]"]
@@ -28,8 +29,9 @@ assert set(TORCH_DTYPES) == set(DTYPES)
 
 def default_impls() -> dict[str, Impl]:
     from megagraph.kernels.reference import REFERENCE
+    from megagraph.kernels.reference.structural import STRUCTURAL
 
-    return dict(REFERENCE)
+    return {**REFERENCE, **STRUCTURAL}
 
 
 def bind_dims(g: Graph, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
@@ -73,13 +75,14 @@ def interpret(g: Graph, inputs: Mapping[str, torch.Tensor], weights: Mapping[str
                 last_use[i] = idx
     pinned = {v for _, v in g.outputs} | set(keep) | set(g.weights) | set(g.inputs)
     kept: dict[str, torch.Tensor] = {}
+    attrs = [get_op(n.op).resolve_attrs(n.attr_dict, f"node %{n.outputs[0]}") for n in g.nodes]
     for idx, n in enumerate(g.nodes):
         fn = impls.get(n.op)
         if fn is None:
             raise IRError(f"no implementation of op {n.op!r} (node %{n.outputs[0]})")
         args = [None if i is None else env_vals[i] for i in n.inputs]
         try:
-            out = fn(*args, **n.attr_dict)
+            out = fn(*args, **attrs[idx])
         except Exception as e:
             raise RuntimeError(f"{n.op} -> %{n.outputs[0]} failed: {e}") from e
         out = out if isinstance(out, tuple) else (out,)

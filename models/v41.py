@@ -65,6 +65,8 @@ def build_v41_step(cfg: ModelConfig, *, logits: str = "all") -> Graph:
     published: dict[str, str] = {}  # "ckv.<owner>", "ikey.<owner>", "topk.<owner>", "cand"
     emb = b.op("embed", s.meta["token_ids"], s.w.tensor("embed.weight", cfg.vocab_size, cfg.hidden_size),
                name="emb")
+    if b.type_of(emb).dtype != s.act:
+        emb = b.op("cast", emb, dtype=s.act, name="emb_act")
     streams, pre_mix = b.op("hc_embed", emb, n_hc=cfg.hc_mult, name=("streams", "pre_mix"))
     cids = None
     if cfg.engram_layers:

@@ -80,6 +80,8 @@ def rope(x: TensorType, pos: TensorType, *, rope_dim, theta, yarn_factor, yarn_o
 def fake_quant(x: TensorType, *, fmt, block) -> TensorType:
     """Quantize-dequantize along the last dim (fp8_e4m3 / mxfp4 / nvfp4 with per-block scales)."""
     expect(fmt in ("fp8_e4m3", "mxfp4", "nvfp4"), f"unknown fake_quant fmt {fmt!r}")
+    last = x.shape[-1]
+    expect(isinstance(last, int) and last % block == 0, f"last dim {last} is not a multiple of block {block}")
     return x
 
 
