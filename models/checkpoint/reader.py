@@ -1,0 +1,422 @@
+"""Read an official-layout safetensors checkpoint: validate against specs, then stream shard by shard.
+
+Layouts accepted by :func:`open_checkpoint`:
+
+* a directory with ``model.safetensors.index.json`` (HF ``{"metadata": {"total_size": N}, "weight_map":
+  {tensor: shard file}}``) and its shards;
+* a directory with a single ``model.safetensors``;
+* a path to one ``.safetensors`` file.
+
+Opening parses only the JSON headers (never tensor data) and checks every shard for damage: a header
+that is not valid JSON, or one whose data offsets run past the end of the file (truncated download or
+copy), raises :class:`CheckpointError` naming the file (and the first tensor cut off).
+
+:meth:`Checkpoint.load` checks **all** expected tensors (presence, shape, dtype) before reading any
+data, then reads shard by shard through ``safe_open`` (memory-mapped; only the requested tensors are
+materialized), stacking ``*`` expert specs into one preallocated tensor.
+
+Scale pairing for ``dequantize=True``: a quantized ``X.weight`` (fp8e4m3 or fp4x2) is decoded with
+``X.scale`` (e8m0) - fp8 with the block size inferred from the two shapes (32x32, 128x128, row-wise
+1x32 for Engram tables; ragged edges fine), fp4x2 as MXFP4 (``[O, I/2]`` + ``[O, I/32]``).  The result
+holds ``X.weight`` as a float tensor and **no** ``X.scale`` entry.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from megagraph.kernels.formats import (
+    DTYPES,
+    dequantize_fp8_block,
+    unpack_mxfp4,
+)
+
+from .errors import CheckpointError
+from .spec import QUANTIZED_DTYPES, WeightSpec, bytes_needed, expand_spec, scale_name, validate_specs
+
+__all__ = ["TensorInfo", "Checkpoint", "open_checkpoint", "read_header", "dequantize_tensor", "INDEX_NAME", "SINGLE_NAME"]
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+# bytes per element of every safetensors dtype (for size checks of dtypes megagraph does not use)
+_ST_ITEMSIZE = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F8_E4M3FNUZ": 1,
+    "F8_E5M2FNUZ": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
+}
+_MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: shard file, safetensors dtype string, shape, byte range in the data."""
+
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    data_offsets: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data_offsets[1] - self.data_offsets[0]
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse one safetensors file's header (no tensor data read): ``({name: TensorInfo}, __metadata__)``.
+
+    Raises :class:`CheckpointError` if the file is missing, too short, its header is not valid JSON or
+    inconsistent, or the data it describes extends past the end of the file (truncated).
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(path, f"not a safetensors file: only {size} bytes (truncated?)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > _MAX_HEADER:
+                raise CheckpointError(path, f"corrupt header: claims a {n}-byte header")
+            if 8 + n > size:
+                raise CheckpointError(path, f"truncated: header claims {n} bytes but the file holds {size} bytes")
+            hdr = f.read(n)
+    except FileNotFoundError:
+        raise CheckpointError(path, "file not found") from None
+    except IsADirectoryError:
+        raise CheckpointError(path, "is a directory, expected a .safetensors file") from None
+    try:
+        meta = json.loads(hdr.decode("utf-8"))
+        if not isinstance(meta, dict):
+            raise ValueError("header is not a JSON object")
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(path, f"corrupt header (not valid JSON): {e}") from None
+    user_meta = meta.pop("__metadata__", None) or {}
+    infos: dict[str, TensorInfo] = {}
+    data_size = size - 8 - n
+    worst: tuple[int, str] | None = None
+    for name, d in meta.items():
+        try:
+            dtype, shape, (b, e) = d["dtype"], tuple(int(x) for x in d["shape"]), d["data_offsets"]
+            b, e = int(b), int(e)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(path, f"corrupt header entry {d!r}", tensor=name) from None
+        item = _ST_ITEMSIZE.get(dtype)
+        if item is not None and e - b != math.prod(shape) * item:
+            raise CheckpointError(path, f"corrupt header: {dtype}{list(shape)} needs {math.prod(shape) * item} "
+                                  f"bytes but data_offsets span {e - b}", tensor=name)
+        if e > data_size and (worst is None or b < worst[0]):
+            worst = (b, name)
+        infos[name] = TensorInfo(name, path, dtype, shape, (b, e))
+    if worst is not None:
+        need = max(i.data_offsets[1] for i in infos.values())
+        raise CheckpointError(
+            path,
+            f"truncated: header claims {need} bytes of tensor data but the file holds {max(data_size, 0)} "
+            f"(file size {size}, expected {8 + n + need})",
+            tensor=worst[1],
+        )
+    return infos, dict(user_meta)
+
+
+class Checkpoint:
+    """An opened checkpoint: header-level inventory of every tensor, plus :meth:`load`."""
+
+    def __init__(self, root: Path, tensors: dict[str, TensorInfo], files: list[Path],
+                 metadata: dict, index_file: Path | None):
+        self.root = root
+        self.tensors = tensors
+        self.files = files
+        self.index_file = index_file
+        self._metadata = metadata
+
+    # ------------------------------------------------------------------ inventory
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CheckpointError(self._where(), "not in checkpoint", tensor=name) from None
+
+    def metadata(self) -> dict:
+        """Index ``metadata`` (always with ``total_size``) or, for one file, its ``__metadata__``."""
+        return dict(self._metadata)
+
+    @property
+    def total_size(self) -> int:
+        """Sum of all tensor data bytes, from the headers."""
+        return sum(i.nbytes for i in self.tensors.values())
+
+    def specs(self) -> list[WeightSpec]:
+        """Per-tensor specs of everything in the checkpoint (``I8`` read as ``i8``; unknown dtypes skipped)."""
+        from megagraph.kernels.formats import safetensors_to_ir
+
+        out = []
+        for i in self.tensors.values():
+            try:
+                out.append(WeightSpec(i.name, i.shape, safetensors_to_ir(i.dtype)))
+            except ValueError:
+                continue
+        return out
+
+    def _where(self) -> Path:
+        return self.index_file or (self.files[0] if len(self.files) == 1 else self.root)
+
+    # ------------------------------------------------------------------ validation
+    def check(self, specs: Sequence[WeightSpec], *, cast_floats: bool = False,
+              warn_unexpected: bool = True) -> list[WeightSpec]:
+        """Validate every expected tensor (presence, shape, dtype) without reading data.
+
+        Returns the expanded per-tensor specs.  Raises one :class:`CheckpointError` listing every
+        problem (missing tensors by name - the first few -, then mismatches with file, expected and
+        found).  Extra checkpoint tensors not in ``specs`` produce a warning.  ``cast_floats`` accepts
+        any of bf16/f16/f32 for a float spec (converted on load).
+        """
+        flat = expand_spec(specs)
+        missing: list[str] = []
+        problems: list[tuple[str | None, str | None, str]] = []
+        for s in flat:
+            info = self.tensors.get(s.name)
+            if info is None:
+                missing.append(s.name)
+                continue
+            if info.shape != s.shape:
+                problems.append((str(info.file), s.name,
+                                 f"shape mismatch: expected {list(s.shape)}, found {list(info.shape)}"))
+            if not _dtype_ok(s.dtype, info.dtype, cast_floats):
+                problems.append((str(info.file), s.name,
+                                 f"dtype mismatch: expected {s.dtype} ({s.safetensors_dtype}), found {info.dtype}"))
+        if missing:
+            shown = ", ".join(missing[:5]) + (f", ... ({len(missing) - 5} more)" if len(missing) > 5 else "")
+            problems.insert(0, (str(self._where()), missing[0],
+                                f"{len(missing)} expected tensor(s) missing from the checkpoint: {shown}"))
+        if problems:
+            f, t, r = problems[0]
+            raise CheckpointError(f, r, tensor=t, problems=problems)
+        if warn_unexpected:
+            wanted = {s.name for s in flat}
+            extra = [n for n in self.tensors if n not in wanted]
+            if extra:
+                shown = ", ".join(extra[:5]) + (", ..." if len(extra) > 5 else "")
+                warnings.warn(f"{self._where()}: {len(extra)} checkpoint tensor(s) not in the specs "
+                              f"(ignored): {shown}", stacklevel=3)
+        return flat
+
+    # ------------------------------------------------------------------ loading
+    def load(
+        self,
+        specs: Sequence[WeightSpec],
+        *,
+        dequantize: bool = False,
+        dequant_dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        progress: bool = True,
+        cast_floats: bool = False,
+        warn_unexpected: bool = True,
+    ) -> dict[str, torch.Tensor]:
+        """Load the tensors of ``specs`` -> ``{spec name: tensor}`` (stacked ``*`` specs as one tensor).
+
+        Everything is validated first (:meth:`check`); then shards are streamed one at a time in file
+        order.  ``dequantize=True``: quantized ``X.weight`` + ``X.scale`` pairs become one float tensor
+        ``X.weight`` of ``dequant_dtype`` (the scale entries are dropped); other tensors are returned as
+        stored (floats cast to ``dequant_dtype`` too if ``cast_floats``).  ``progress`` shows a tqdm bar in
+        bytes with ETA.
+        """
+        specs = list(specs)
+        pairs = validate_specs(specs) if dequantize else {}
+        flat = self.check(specs, cast_floats=cast_floats, warn_unexpected=warn_unexpected)
+        device = torch.device(device)
+        # member tensor name -> (spec, index in the stack or None)
+        owner: dict[str, tuple[WeightSpec, int | None]] = {}
+        for s in specs:
+            if s.stacked:
+                for e, n in enumerate(s.member_names()):
+                    owner[n] = (s, e)
+            else:
+                owner[s.name] = (s, None)
+        out: dict[str, torch.Tensor] = {}
+        by_file: dict[Path, list[str]] = {}
+        for m in flat:
+            by_file.setdefault(self.tensors[m.name].file, []).append(m.name)
+        total = sum(self.tensors[m.name].nbytes for m in flat)
+        bar = _progress(total, progress)
+        try:
+            for path in self.files:
+                names = by_file.get(path)
+                if not names:
+                    continue
+                names.sort(key=lambda n: self.tensors[n].data_offsets[0])  # sequential reads
+                n = None
+                try:
+                    with safe_open(str(path), framework="pt", device="cpu") as f:
+                        for n in names:
+                            spec, e = owner[n]
+                            t = f.get_tensor(n)
+                            if t.dtype != spec.torch_dtype:
+                                t = t.to(spec.torch_dtype)  # only reachable with cast_floats
+                            if e is None:
+                                out[spec.name] = t.to(device) if device.type != "cpu" else t
+                            else:
+                                dst = out.get(spec.name)
+                                if dst is None:
+                                    dst = out[spec.name] = torch.empty(spec.shape, dtype=spec.torch_dtype, device=device)
+                                dst[e].copy_(t)
+                            bar.update(self.tensors[n].nbytes)
+                except CheckpointError:
+                    raise
+                except Exception as err:  # safetensors raises its own error types
+                    raise CheckpointError(path, f"read failed: {err}", tensor=n) from err
+        finally:
+            bar.close()
+        out = {s.name: out[s.name] for s in specs}  # spec order
+        if dequantize:
+            out = _dequantize_all(out, specs, pairs, dequant_dtype, cast_floats)
+        return out
+
+    def bytes_needed(self, specs: Iterable[WeightSpec], *, dequantize: bool = False) -> int:
+        """Bytes :meth:`load` would return for ``specs`` (see :func:`spec.bytes_needed`)."""
+        return bytes_needed(specs, dequantize=dequantize)
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.root)!r}, {len(self.tensors)} tensors in {len(self.files)} file(s))"
+
+
+def _dtype_ok(ir: str, found: str, cast_floats: bool) -> bool:
+    want = DTYPES[ir].safetensors
+    if found == want:
+        return True
+    return cast_floats and ir in ("bf16", "f16", "f32") and found in ("BF16", "F16", "F32")
+
+
+def _progress(total: int, enabled: bool):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover
+        enabled = False
+    if not enabled:
+        class _Null:
+            def update(self, n):  # noqa: D401
+                pass
+
+            def close(self):
+                pass
+
+        return _Null()
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading weights",
+                dynamic_ncols=True)
+
+
+def _dequantize_all(out: dict[str, torch.Tensor], specs: list[WeightSpec], pairs: dict[str, WeightSpec],
+                    dtype: torch.dtype, cast_floats: bool) -> dict[str, torch.Tensor]:
+    by_name = {s.name: s for s in specs}
+    res: dict[str, torch.Tensor] = {}
+    consumed = {p.name for p in pairs.values()}
+    for name, t in out.items():
+        if name in consumed:
+            continue
+        s = by_name[name]
+        if name in pairs:
+            res[name] = dequantize_tensor(t, out[scale_name(name)], s.dtype, stacked=s.stacked).to(dtype)
+        elif s.dtype in QUANTIZED_DTYPES:
+            res[name] = t.to(torch.float32).to(dtype) if s.dtype == "fp8e4m3" else t  # scale-less
+        elif cast_floats and t.dtype.is_floating_point:
+            res[name] = t.to(dtype)
+        else:
+            res[name] = t
+    return res
+
+
+def dequantize_tensor(w: torch.Tensor, scale: torch.Tensor, dtype: str, *, stacked: bool = False) -> torch.Tensor:
+    """Decode one quantized weight with its scale -> float32 (``stacked``: leading expert dim)."""
+    if dtype == "fp4x2":
+        if stacked:
+            E, O, H = w.shape
+            return unpack_mxfp4(w.reshape(E * O, H), scale.reshape(E * O, -1)).reshape(E, O, 2 * H)
+        return unpack_mxfp4(w, scale)
+    if dtype == "fp8e4m3":
+        if stacked:
+            return torch.stack([dequantize_fp8_block(w[e], scale[e]) for e in range(w.shape[0])])
+        return dequantize_fp8_block(w, scale)
+    raise ValueError(f"dequantize_tensor: {dtype} is not a quantized dtype")
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Open a checkpoint directory (index + shards, or one ``model.safetensors``) or one file.
+
+    Reads headers only.  Raises :class:`CheckpointError` for a missing directory, a malformed index, an
+    index entry whose shard is missing or lacks the tensor, and damaged/truncated shards.
+    """
+    root = Path(path)
+    if root.is_file():
+        infos, meta = read_header(root)
+        return Checkpoint(root.parent, infos, [root], {**meta, "total_size": sum(i.nbytes for i in infos.values())}, None)
+    if not root.is_dir():
+        raise CheckpointError(root, "checkpoint directory not found")
+    index = root / INDEX_NAME
+    if index.is_file():
+        return _open_index(root, index)
+    single = root / SINGLE_NAME
+    if single.is_file():
+        infos, meta = read_header(single)
+        return Checkpoint(root, infos, [single], {**meta, "total_size": sum(i.nbytes for i in infos.values())}, None)
+    others = sorted(p.name for p in root.glob("*.safetensors"))
+    hint = f" (found {', '.join(others[:3])}{', ...' if len(others) > 3 else ''} without an index)" if others else ""
+    raise CheckpointError(root, f"no {INDEX_NAME} or {SINGLE_NAME}{hint}")
+
+
+def _open_index(root: Path, index: Path) -> Checkpoint:
+    try:
+        doc = json.loads(index.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(index, f"malformed index JSON: {e}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
+        raise CheckpointError(index, "malformed index: no 'weight_map' object")
+    wmap = doc["weight_map"]
+    meta = doc.get("metadata") or {}
+    if not isinstance(meta, dict):
+        raise CheckpointError(index, "malformed index: 'metadata' is not an object")
+    shard_of: dict[str, list[str]] = {}
+    for name, shard in wmap.items():
+        if not isinstance(shard, str) or not shard or os.path.isabs(shard) or ".." in Path(shard).parts:
+            raise CheckpointError(index, f"malformed index: bad shard file name {shard!r}", tensor=name)
+        shard_of.setdefault(shard, []).append(name)
+    files: list[Path] = []
+    tensors: dict[str, TensorInfo] = {}
+    for shard in sorted(shard_of):
+        p = root / shard
+        names = shard_of[shard]
+        if not p.is_file():
+            raise CheckpointError(p, f"index {index.name} refers to a missing shard ({len(names)} tensor(s), "
+                                     f"e.g. {', '.join(names[:3])})", tensor=names[0])
+        infos, _ = read_header(p)
+        for n in names:
+            if n not in infos:
+                raise CheckpointError(p, f"index {index.name} maps the tensor to this shard but the shard does "
+                                         "not contain it", tensor=n)
+            tensors[n] = infos[n]
+        files.append(p)
+    total = sum(i.nbytes for i in tensors.values())
+    claimed = meta.get("total_size")
+    if claimed is not None and claimed != total:
+        warnings.warn(f"{index}: metadata.total_size = {claimed} but the shard headers sum to {total}", stacklevel=3)
+    meta = {**meta, "total_size": claimed if claimed is not None else total}
+    return Checkpoint(root, tensors, files, meta, index)
