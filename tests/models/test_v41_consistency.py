@@ -5,6 +5,12 @@ Tolerance: act_dtype f32 everywhere; the only differences come from fp32 GEMMs r
 differently for different row counts (~1e-7 relative per op), amplified through 9 layers of
 norms and softmaxes. Measured max |diff| ~6e-6 on logits of std ~1, so atol = rtol = 1e-4 leaves
 a 15x margin while still catching any real state bug (those show up as O(1e-2..1) errors).
+
+With the QAT fake-quantization of window / compressed / index rows on (`quantize_kv`, the vendor
+numerics), a different batch composition can move an element across an FP8/FP4 rounding boundary:
+one code step is up to 1/8 (E4M3) or 1/3 (E2M1) of that element, which shows up as ~1e-4..1e-3
+on logits. Mixed-batch tests therefore check the state logic exactly with quantize_kv off and the
+quantized path with atol 2e-3.
 """
 
 import pytest
@@ -46,7 +52,9 @@ def test_chunked_prefill_equals_prefill(model):
     torch.testing.assert_close(torch.cat(out), full, **TOL)
 
 
-def test_mixed_batch_equals_each_request_alone(model):
+@pytest.mark.parametrize("quantize_kv,tol", [(False, TOL), (True, dict(rtol=2e-3, atol=2e-3))])
+def test_mixed_batch_equals_each_request_alone(quantize_kv, tol):
+    model = tiny(MODEL, "f32", 0, quantize_kv=quantize_kv)
     a, b, c = random_tokens(19, 4), random_tokens(11, 5), random_tokens(26, 6)
     alone = {k: prefill(model, t) for k, t in {"a": a, "b": b, "c": c}.items()}
     s = session(*model)
@@ -55,13 +63,13 @@ def test_mixed_batch_equals_each_request_alone(model):
     # step 2: a finishes its prompt, b starts, c decodes one token
     out2 = s.step([SeqChunk(0, c[20:21]), SeqChunk(3, a[12:]), SeqChunk(1, b)])
     # step 3: everyone decodes / finishes
-    out3 = s.step([SeqChunk(1, ()), ][:0] + [SeqChunk(0, c[21:])])
-    torch.testing.assert_close(out1[:12], alone["a"][:12], **TOL)
-    torch.testing.assert_close(out1[12:], alone["c"][:20], **TOL)
-    torch.testing.assert_close(out2[0:1], alone["c"][20:21], **TOL)
-    torch.testing.assert_close(out2[1:8], alone["a"][12:], **TOL)
-    torch.testing.assert_close(out2[8:], alone["b"], **TOL)
-    torch.testing.assert_close(out3, alone["c"][21:], **TOL)
+    out3 = s.step([SeqChunk(0, c[21:])])
+    torch.testing.assert_close(out1[:12], alone["a"][:12], **tol)
+    torch.testing.assert_close(out1[12:], alone["c"][:20], **tol)
+    torch.testing.assert_close(out2[0:1], alone["c"][20:21], **tol)
+    torch.testing.assert_close(out2[1:8], alone["a"][12:], **tol)
+    torch.testing.assert_close(out2[8:], alone["b"], **tol)
+    torch.testing.assert_close(out3, alone["c"][21:], **tol)
 
 
 def test_slot_reuse_after_release(model):
@@ -71,17 +79,6 @@ def test_slot_reuse_after_release(model):
     s.step([SeqChunk(0, a)])
     s.release(0)
     torch.testing.assert_close(s.step([SeqChunk(0, b)]), prefill(model, b), **TOL)
-
-
-def test_bf16_prefill_close_to_f32():
-    """The bf16 reference tracks the f32 one on the first window (before any discrete top-k
-    choice can flip): bf16 keeps 8 mantissa bits, so ~1e-2 relative per op; 0.15 absolute on
-    logits of std ~1 after 9 layers."""
-    toks = random_tokens(6, 9)
-    f32 = prefill(tiny(MODEL, "f32", 0), toks)
-    bf16 = prefill(tiny(MODEL, "bf16", 0), toks)
-    assert bf16.dtype == torch.float32  # the LM head always runs in fp32
-    assert (bf16 - f32).abs().max().item() < 0.15
 
 
 def test_capacity_overflow_is_a_clear_error(model):
