@@ -340,26 +340,28 @@ def quantize_fp8_block(
 def dequantize_fp8_block(
     q: torch.Tensor, scale: torch.Tensor, block: int | tuple[int, int] | None = None
 ) -> torch.Tensor:
-    """``(q e4m3 [O, I], scale e8m0 [ceil(O/bo), ceil(I/bi)])`` -> f32 ``[O, I]``.
+    """``(q e4m3 [..., O, I], scale e8m0 [..., ceil(O/bo), ceil(I/bi)])`` -> f32 ``[..., O, I]``.
 
     The block size is inferred from the shapes (:func:`infer_block_size`: 32x32 for V4.1, 128x128 for
-    V4; ragged edges fine) unless given.
+    V4; ragged edges fine) unless given.  Leading dims (stacked experts) must match.
     """
-    if q.dim() != 2:
-        raise ValueError(f"dequantize_fp8_block expects a 2-D weight, got shape {tuple(q.shape)}")
-    O, I = q.shape
+    if q.dim() < 2 or scale.dim() != q.dim() or q.shape[:-2] != scale.shape[:-2]:
+        raise ValueError(f"dequantize_fp8_block: weight {tuple(q.shape)} and scale {tuple(scale.shape)} do not pair")
+    O, I = q.shape[-2:]
     if block is None:
-        bo, bi = infer_block_size(tuple(q.shape), tuple(scale.shape))
+        bo, bi = infer_block_size(tuple(q.shape[-2:]), tuple(scale.shape[-2:]))
     else:
         bo, bi = (block, block) if isinstance(block, int) else block
-        if scale.shape != (-(-O // bo), -(-I // bi)):
-            raise ValueError(f"scale shape {tuple(scale.shape)} does not match weight {(O, I)} / block {(bo, bi)}")
+        if tuple(scale.shape[-2:]) != (-(-O // bo), -(-I // bi)):
+            raise ValueError(f"scale shape {tuple(scale.shape)} does not match weight {tuple(q.shape)} / block {(bo, bi)}")
     s = e8m0_to_f32(scale)
-    no, ni = s.shape
+    no, ni = s.shape[-2:]
+    lead = q.shape[:-2]
     qf = q.to(torch.float32)
-    qp = torch.nn.functional.pad(qf, (0, ni * bi - I, 0, no * bo - O))
-    out = qp.reshape(no, bo, ni, bi) * s[:, None, :, None]
-    return out.reshape(no * bo, ni * bi)[:O, :I].contiguous()
+    if no * bo != O or ni * bi != I:
+        qf = torch.nn.functional.pad(qf, (0, ni * bi - I, 0, no * bo - O))
+    out = qf.reshape(*lead, no, bo, ni, bi) * s[..., :, None, :, None]
+    return out.reshape(*lead, no * bo, ni * bi)[..., :O, :I].contiguous()
 
 
 def quantize_fp8_rows(table: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -399,13 +401,13 @@ def quantize_mxfp4(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torc
 
 
 def unpack_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``(packed int8 [O, I/2], scale e8m0 [O, I/b])`` -> f32 ``[O, I]`` (b inferred, 32 in practice)."""
-    if packed.dim() != 2 or scale.dim() != 2 or packed.shape[0] != scale.shape[0]:
+    """``(packed int8 [..., O, I/2], scale e8m0 [..., O, I/b])`` -> f32 ``[..., O, I]`` (b inferred from
+    the shapes, 32 in practice; leading dims = stacked experts)."""
+    if packed.dim() < 2 or scale.dim() != packed.dim() or packed.shape[:-1] != scale.shape[:-1]:
         raise ValueError(f"unpack_mxfp4: weight {tuple(packed.shape)} and scale {tuple(scale.shape)} do not pair")
-    O, I = packed.shape[0], packed.shape[1] * 2
-    if scale.shape[1] == 0 or I % scale.shape[1]:
-        raise ValueError(f"unpack_mxfp4: {I} columns not divisible into {scale.shape[1]} scale blocks")
-    b = I // scale.shape[1]
-    vals = e2m1_to_f32(unpack_e2m1(packed)).reshape(O, I // b, b)
-    return (vals * e8m0_to_f32(scale)[..., None]).reshape(O, I)
-
+    I = packed.shape[-1] * 2
+    nb = scale.shape[-1]
+    if nb == 0 or I % nb:
+        raise ValueError(f"unpack_mxfp4: {I} columns not divisible into {nb} scale blocks")
+    vals = e2m1_to_f32(unpack_e2m1(packed)).reshape(*packed.shape[:-1], nb, I // nb)
+    return (vals * e8m0_to_f32(scale)[..., None]).reshape(*packed.shape[:-1], I)

@@ -335,7 +335,7 @@ def _dequantize_all(out: dict[str, torch.Tensor], specs: list[WeightSpec], pairs
             continue
         s = by_name[name]
         if name in pairs:
-            res[name] = dequantize_tensor(t, out[scale_name(name)], s.dtype, stacked=s.stacked).to(dtype)
+            res[name] = dequantize_tensor(t, out[scale_name(name)], s.dtype).to(dtype)
         elif s.dtype in QUANTIZED_DTYPES:
             res[name] = t.to(torch.float32).to(dtype) if s.dtype == "fp8e4m3" else t  # scale-less
         elif cast_floats and t.dtype.is_floating_point:
@@ -345,16 +345,12 @@ def _dequantize_all(out: dict[str, torch.Tensor], specs: list[WeightSpec], pairs
     return res
 
 
-def dequantize_tensor(w: torch.Tensor, scale: torch.Tensor, dtype: str, *, stacked: bool = False) -> torch.Tensor:
-    """Decode one quantized weight with its scale -> float32 (``stacked``: leading expert dim)."""
+def dequantize_tensor(w: torch.Tensor, scale: torch.Tensor, dtype: str) -> torch.Tensor:
+    """Decode a quantized weight (IR ``dtype`` fp8e4m3 or fp4x2) with its e8m0 scale -> float32.
+    Leading dims (stacked experts) are supported."""
     if dtype == "fp4x2":
-        if stacked:
-            E, O, H = w.shape
-            return unpack_mxfp4(w.reshape(E * O, H), scale.reshape(E * O, -1)).reshape(E, O, 2 * H)
-        return unpack_mxfp4(w, scale)
+        return unpack_mxfp4(w, scale)  # leading (expert) dims supported
     if dtype == "fp8e4m3":
-        if stacked:
-            return torch.stack([dequantize_fp8_block(w[e], scale[e]) for e in range(w.shape[0])])
         return dequantize_fp8_block(w, scale)
     raise ValueError(f"dequantize_tensor: {dtype} is not a quantized dtype")
 

@@ -177,6 +177,17 @@ def test_v4_128_blocks_dequantize(tmp_path):
     assert torch.equal(w, F.dequantize_fp8_block(q["layers.0.attn.wq_b.weight"], q["layers.0.attn.wq_b.scale"], 128))
 
 
+def test_stacked_fp8_dequantize(tmp_path):
+    specs = [WeightSpec("l.experts.*.w.weight", (3, 40, 64), "fp8e4m3"), WeightSpec("l.experts.*.w.scale", (3, 2, 2), "e8m0")]
+    d = write_random_checkpoint(tmp_path / "s", specs, seed=SEED)
+    ck = open_checkpoint(d)
+    q = ck.load(specs, progress=False)
+    w = ck.load(specs, dequantize=True, progress=False)["l.experts.*.w.weight"]
+    for e in range(3):
+        ref = F.dequantize_fp8_block(q["l.experts.*.w.weight"][e], q["l.experts.*.w.scale"][e])
+        assert torch.equal(w[e], ref)
+
+
 def test_random_weights_properties(specs):
     a = random_weights(specs, seed=SEED)
     b = random_weights(list(reversed(specs)), seed=SEED)
