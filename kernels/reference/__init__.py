@@ -1,1 +1,51 @@
-"""Pure-torch reference implementations: the semantics of every op (CPU, fp32 or bf16)."""
+"""Pure-torch reference implementations: the semantics of every op (CPU, fp32 or bf16).
+
+Calling convention: ``fn(*tensor_inputs, **attrs)``; ``REFERENCE`` maps op name → function.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .attention import ring_update, sparse_attn
+from .compressor import cache_write, compress_pool
+from .elementwise import add, embed
+from .engram import (engram_gate, engram_hash, engram_hist_update, engram_layout, engram_lookup,
+                     token_map)
+from .indexer import candidate_mask, index_scores, topk_select
+from .linear import grouped_linear, linear
+from .mhc import hc_collapse, hc_embed, hc_expand, hc_mixer
+from .moe import moe_experts, route, swiglu_mlp
+from .norm import rms_norm
+from .quant import fake_quant
+from .rope import rope, rope_frequencies
+
+REFERENCE: dict[str, Callable] = {
+    "rms_norm": rms_norm,
+    "linear": linear,
+    "grouped_linear": grouped_linear,
+    "rope": rope,
+    "fake_quant": fake_quant,
+    "hc_embed": hc_embed,
+    "hc_mixer": hc_mixer,
+    "hc_collapse": hc_collapse,
+    "hc_expand": hc_expand,
+    "embed": embed,
+    "sparse_attn": sparse_attn,
+    "ring_update": ring_update,
+    "compress_pool": compress_pool,
+    "cache_write": cache_write,
+    "index_scores": index_scores,
+    "candidate_mask": candidate_mask,
+    "topk_select": topk_select,
+    "route": route,
+    "moe_experts": moe_experts,
+    "swiglu_mlp": swiglu_mlp,
+    "add": add,
+    "token_map": token_map,
+    "engram_hash": engram_hash,
+    "engram_hist_update": engram_hist_update,
+    "engram_lookup": engram_lookup,
+    "engram_gate": engram_gate,
+}
+
+__all__ = ["REFERENCE", "engram_layout", "rope_frequencies", *REFERENCE]

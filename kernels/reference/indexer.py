@@ -1,0 +1,81 @@
+"""Lightning indexer: scores over compressed entries, two-level candidate blocks and top-k selection
+(spec §3.4.4)."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._meta import request_spans
+
+
+def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_req: Tensor,
+                 seq_slots: Tensor, *, ratio: int, weight_scale: float) -> Tensor:
+    """Indexer scores f32[T, C].
+
+    qi [T, Hi, Di]; w [T, Hi] (raw weights_proj output); ikey [S, C, Di] (index-key cache).
+    ``S[t, j] = Σ_h (w[t,h]·weight_scale) · ReLU(qi[t,h]·ikey[slot, j])`` for visible j
+    (j < (p+1)//ratio), −inf otherwise. fp32 math.
+    """
+    T = qi.shape[0]
+    C = ikey.shape[1]
+    out = torch.full((T, C), float("-inf"), dtype=torch.float32, device=qi.device)
+    for r, (start, n) in enumerate(request_spans(token_req, seq_slots.shape[0])):
+        if n == 0:
+            continue
+        sl = slice(start, start + n)
+        keys = ikey[int(seq_slots[r])].float()  # [C, Di]
+        dots = torch.relu(torch.einsum("nhd,cd->nhc", qi[sl].float(), keys))
+        sc = torch.einsum("nh,nhc->nc", w[sl].float() * weight_scale, dots)
+        vis = torch.arange(C, device=qi.device)[None, :] < ((positions[sl] + 1) // ratio)[:, None]
+        out[sl] = torch.where(vis, sc, torch.full_like(sc, float("-inf")))
+    return out
+
+
+def candidate_mask(scores: Tensor, *, block: int, topk_blocks: int) -> Tensor:
+    """Two-level candidate mask bool[T, C] from indexer scores f32[T, C].
+
+    Visible entries are the finite scores (a prefix, as produced by :func:`index_scores`). Entries are
+    grouped in blocks of ``block``; block score = max of its entries (−inf if none visible); the block
+    of the newest visible entry is forced to +inf; the top min(topk_blocks, n_blocks) blocks with
+    score > −inf are kept; the result is the block mask expanded to entries ∧ visibility.
+    """
+    T, C = scores.shape
+    nb = -(-C // block)
+    vis = scores > float("-inf")
+    pad = nb * block - C
+    sp = torch.nn.functional.pad(scores.float(), (0, pad), value=float("-inf"))
+    bscore = sp.reshape(T, nb, block).amax(dim=-1)  # [T, nb]
+    n_vis = vis.sum(dim=-1)  # [T]
+    newest = ((n_vis - 1).clamp(min=0) // block)[:, None]
+    force = torch.zeros(T, nb, dtype=torch.bool, device=scores.device)
+    force.scatter_(1, newest, (n_vis > 0)[:, None])
+    bscore = torch.where(force, torch.full_like(bscore, float("inf")), bscore)
+    kb = min(topk_blocks, nb)
+    keep = torch.zeros(T, nb, dtype=torch.bool, device=scores.device)
+    if kb > 0:
+        vals, idx = bscore.topk(kb, dim=-1)
+        keep.scatter_(1, idx, vals > float("-inf"))
+    return keep.repeat_interleave(block, dim=1)[:, :C] & vis
+
+
+def topk_select(scores: Tensor, mask: Tensor | None = None, *, k: int) -> Tensor:
+    """Top-k compressed entries per token: i64[T, k].
+
+    Scores outside ``mask`` (bool[T, C], optional) become −inf; take the top min(k, C) entries; those
+    with score −inf are dropped (−1). Row layout: the selected indices in ascending order, then −1
+    padding up to exactly k columns.
+    """
+    T, C = scores.shape
+    s = scores.float()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    kk = min(k, C)
+    out = torch.full((T, k), -1, dtype=torch.int64, device=scores.device)
+    if kk == 0:
+        return out
+    vals, idx = s.topk(kk, dim=-1)
+    big = torch.iinfo(torch.int64).max
+    idx = torch.where(vals > float("-inf"), idx, torch.full_like(idx, big))
+    idx = idx.sort(dim=-1).values
+    out[:, :kk] = torch.where(idx == big, torch.full_like(idx, -1), idx)
+    return out

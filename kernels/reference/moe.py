@@ -1,0 +1,80 @@
+"""Mixture of experts: router, routed experts and shared SwiGLU expert (spec §3.5)."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .linear import dequantize_weight
+
+
+def route(x: Tensor, gate_w: Tensor, bias: Tensor | None, *, topk: int, route_scale: float,
+          norm_topk: bool = True, score_func: str = "sqrtsoftplus") -> tuple[Tensor, Tensor]:
+    """Top-k expert routing.
+
+    x [T, d]; gate_w [E, d]; bias f32[E] or None (selection bias only).
+    Logits ``l = x·gate_wᵀ`` (fp32); scores σ = sqrt(softplus(l)) (``sqrtsoftplus``), softmax(l) or
+    sigmoid(l). Experts = topk(σ + bias) (descending); weights = σ of those experts, divided by
+    (their sum + 1e-20) when norm_topk, times route_scale.
+    Returns (ids i64[T, topk], weights f32[T, topk]).
+    """
+    logits = x.float() @ gate_w.float().t()
+    if score_func == "sqrtsoftplus":
+        sc = torch.sqrt(torch.nn.functional.softplus(logits))
+    elif score_func == "softmax":
+        sc = torch.softmax(logits, dim=-1)
+    elif score_func == "sigmoid":
+        sc = torch.sigmoid(logits)
+    else:
+        raise ValueError(f"unknown score_func {score_func!r}")
+    sel = sc if bias is None else sc + bias.float()
+    ids = sel.topk(topk, dim=-1).indices
+    wts = sc.gather(1, ids)
+    if norm_topk:
+        wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, wts * route_scale
+
+
+def _swiglu(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, swiglu_limit: float | None) -> Tensor:
+    """fp32 SwiGLU with dequantized fp32 weights: W2(silu(min(W1x, lim)) ⊙ clamp(W3x, ±lim))."""
+    g = x @ w1.t()
+    u = x @ w3.t()
+    if swiglu_limit is not None and swiglu_limit > 0:
+        u = u.clamp(-swiglu_limit, swiglu_limit)
+        g = g.clamp(max=swiglu_limit)
+    return (torch.nn.functional.silu(g) * u) @ w2.t()
+
+
+def swiglu_mlp(x: Tensor, w1: Tensor, w1_scale: Tensor | None, w3: Tensor, w3_scale: Tensor | None,
+               w2: Tensor, w2_scale: Tensor | None, *, fmt: str, swiglu_limit: float | None) -> Tensor:
+    """One SwiGLU expert (the shared expert): x [T, d]; w1, w3 [F, d]; w2 [d, F] (quantized layouts and
+    scales as for ``linear``). ``u = clamp(W3x, −lim, lim)``, ``g = min(W1x, lim)``,
+    ``y = W2(silu(g) ⊙ u)`` (no clamp when swiglu_limit is None or ≤ 0). fp32 math, x.dtype out.
+    """
+    y = _swiglu(x.float(), dequantize_weight(w1, w1_scale, fmt), dequantize_weight(w3, w3_scale, fmt),
+                dequantize_weight(w2, w2_scale, fmt), swiglu_limit)
+    return y.to(x.dtype)
+
+
+def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, w1: Tensor, w1_scale: Tensor | None,
+                w3: Tensor, w3_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, *, fmt: str,
+                swiglu_limit: float | None) -> Tensor:
+    """Routed experts: ``y[t] = Σ_k weights[t,k] · E_{ids[t,k]}(x[t])``.
+
+    x [T, d]; ids i64[T, k]; weights f32[T, k]; stacked expert weights w1, w3 [E, F, d] (mxfp4:
+    int8 [E, F, d/2]), w2 [E, d, F] (mxfp4: [E, d, F/2]); scales stacked the same way ([E, …]) or
+    None for ``dense``. Each expert as in :func:`swiglu_mlp`. fp32 accumulate, x.dtype out.
+    """
+    T, d = x.shape
+    xf = x.float()
+    y = torch.zeros(T, d, dtype=torch.float32, device=x.device)
+
+    def sc(s: Tensor | None, e: int) -> Tensor | None:
+        return None if s is None else s[e]
+
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        ye = _swiglu(xf[tok], dequantize_weight(w1[e], sc(w1_scale, e), fmt),
+                     dequantize_weight(w3[e], sc(w3_scale, e), fmt),
+                     dequantize_weight(w2[e], sc(w2_scale, e), fmt), swiglu_limit)
+        y.index_add_(0, tok, ye * weights[tok, slot].float()[:, None])
+    return y.to(x.dtype)
