@@ -270,6 +270,8 @@ def with_scales(specs: Iterable[WeightSpec], *, block: int = 32) -> list[WeightS
         out.append(s)
         if s.dtype not in QUANTIZED_DTYPES or not s.name.endswith(".weight") or scale_name(s.name) in names:
             continue
+        if len(s.member_shape) != 2:
+            raise SpecError(f"{s.name} {s.shape}: quantized weights must be 2-D per member")
         lead, (o, i) = (s.shape[:1], s.member_shape) if s.stacked else ((), s.shape)
         if s.dtype == "fp4x2":
             shp = (o, 2 * i // 32)
