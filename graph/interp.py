@@ -15,7 +15,7 @@ import torch
 from .errors import IRError
 from .ir import Graph
 from .registry import get_op
-from .types import DTYPES, eval_dim
+from .types import DTYPES, dim_symbol, eval_dim
 
 Impl = Callable[..., "torch.Tensor | tuple[torch.Tensor, ...]"]
 
@@ -29,9 +29,11 @@ assert set(TORCH_DTYPES) == set(DTYPES)
 
 def default_impls() -> dict[str, Impl]:
     from megagraph.kernels.reference import REFERENCE
+    from megagraph.kernels.reference.fused import FUSED
     from megagraph.kernels.reference.structural import STRUCTURAL
+    from megagraph.kernels.reference.v4 import V4_REFERENCE
 
-    return {**REFERENCE, **STRUCTURAL}
+    return {**REFERENCE, **STRUCTURAL, **V4_REFERENCE, **FUSED}
 
 
 def bind_dims(g: Graph, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
@@ -45,15 +47,18 @@ def bind_dims(g: Graph, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
         if x.dim() != t.rank:
             raise IRError(f"graph {g.name}: {name} has shape {tuple(x.shape)}, expected {t}")
         for d, n in zip(t.shape, x.shape):
-            if isinstance(d, str) and d in g.dims:
-                if env.setdefault(d, n) != n:
-                    raise IRError(f"graph {g.name}: dim {d} is {env[d]} elsewhere but {n} in {name}")
+            sym = dim_symbol(d)
+            if sym is None or sym not in g.dims or sym in env:
+                continue
+            if d == sym:
+                env[sym] = n
+            elif "/" in d:  # N/4 of size n binds N = 4n (checked against every use below)
+                env[sym] = n * int(d.split("/")[1])
+            elif n % int(d.split("*")[1]) == 0:
+                env[sym] = n // int(d.split("*")[1])
     for name in (*g.inputs, *g.weights):
         t, x = g.types[name], tensors[name]
-        try:
-            want = t.concrete(env)
-        except IRError:
-            continue  # a derived dim whose symbol only appears scaled; checked by kernels
+        want = t.concrete(env)
         if tuple(x.shape) != want:
             raise IRError(f"graph {g.name}: {name} has shape {tuple(x.shape)}, expected {t} = {want}")
         if x.dtype != TORCH_DTYPES[t.dtype]:

@@ -215,8 +215,7 @@ def validate(c: ModelConfig) -> ModelConfig:
     need(c.experts_per_token <= c.n_routed_experts, "experts_per_token", "must be <= n_routed_experts")
     need(c.num_hash_layers <= c.num_layers, "num_hash_layers", "must be <= num_layers")
     need(c.hc_mult >= 1, "hc_mult", "must be >= 1")
-    need(c.hidden_size % c.fp8_block == 0 or c.weight_format == "dense", "fp8_block",
-         f"must divide hidden_size {c.hidden_size}")
+    need(c.fp8_block in (32, 64, 128), "fp8_block", f"must be 32, 64 or 128, got {c.fp8_block}")
     if c.is_v41:
         for i in c.kv_source_layers + c.index_source_layers + c.engram_layers:
             need(0 <= i < c.num_layers, "kv_source_layers/index_source_layers/engram_layers",

@@ -35,6 +35,7 @@ def engram_layouts(cfg: ModelConfig):
 def engram_prologue(s: Step) -> str:
     """Compressed ids of this step's tokens, and the history state update (once per step)."""
     cfg, b = s.cfg, s.b
+    # tokenizer-derived, not in the checkpoint; must map the pad id to itself (see tiny_token_map)
     table = b.input("engram_token_map", T("i64", cfg.vocab_size))
     cids = b.op("token_map", s.meta["token_ids"], table, name="engram.cids")
     hist = s.state("engram_hist", "S", cfg.engram_max_ngram - 1, dtype="i64")
@@ -67,8 +68,14 @@ def engram_block(s: Step, layer: int, table_index: int, streams: str, cids: str)
 
 
 def tiny_token_map(cfg: ModelConfig, seed: int = 0) -> torch.Tensor:
-    """A deterministic stand-in for the tokenizer-derived map (tiny models have no tokenizer):
-    every id maps to one of engram_compressed_vocab_size classes, the pad id to its own class."""
+    """A deterministic stand-in for the tokenizer-derived map (tiny models have no tokenizer).
+
+    Like the real map it numbers classes by first appearance over increasing token ids, so the
+    special ids 0..pad keep their own classes (tokenmap[pad] == pad, which engram_hash relies on:
+    its `pad_id` attribute is the compressed pad id)."""
     g = torch.Generator().manual_seed(seed)
-    m = torch.randint(0, cfg.engram_compressed_vocab_size, (cfg.vocab_size,), generator=g)
-    return m.to(torch.int64)
+    n_special = cfg.engram_pad_token_id + 1
+    raw = torch.randint(n_special, cfg.engram_compressed_vocab_size, (cfg.vocab_size,), generator=g)
+    raw[:n_special] = torch.arange(n_special)
+    first: dict[int, int] = {}
+    return torch.tensor([first.setdefault(int(v), len(first)) for v in raw], dtype=torch.int64)

@@ -77,7 +77,7 @@ _LAYER_LEAF = {
     "hc_ffn_scale": "ffn_hc.scale",
     "attn.attn_sink": "self_attn.sinks",
     "attn.q_norm.weight": "self_attn.q_a_norm.weight",
-    "attn.norm.weight": "self_attn.kv_norm.weight",
+    "attn.kv_norm.weight": "self_attn.kv_norm.weight",  # as in V4.1 headers (spec §2.3)
     "attn.compressor.ape": "self_attn.compressor.position_bias",
     "attn.compressor.norm.weight": "self_attn.compressor.kv_norm.weight",
     "attn.indexer.compressor.ape": "self_attn.compressor.indexer.position_bias",
@@ -243,6 +243,9 @@ def official_to_hf_state_dict(tensors: Mapping[str, torch.Tensor]) -> dict[str, 
 # ---------------------------------------------------------------------------------------------------
 
 
+_SAVED_ALIASES = re.compile(r"^(layers\.\d+)\.attn\.norm\.weight$")
+
+
 def _sources(ck) -> dict[str, tuple[str, int | None, int | None, int]]:
     """official per-tensor name -> (checkpoint tensor, expert index or None, concat part or None, n parts)."""
     src: dict[str, tuple[str, int | None, int | None, int]] = {}
@@ -257,6 +260,9 @@ def _sources(ck) -> dict[str, tuple[str, int | None, int | None, int]]:
             offs = hf_to_official(k)
         except KeyError:
             off = k[len("model."):] if k.startswith("model.") else k
+            # save_pretrained reverses transformers' `.norm.` -> `.kv_norm.` rename, so the main
+            # attention's kv_norm comes back spelled `attn.norm`
+            off = _SAVED_ALIASES.sub(r"\1.attn.kv_norm.weight", off)
             add(off, (k, None, None, 1), k)
             continue
         if "*" not in offs[0]:
