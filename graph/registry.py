@@ -21,8 +21,10 @@ class OpDef:
     """Signature and semantics summary of one op (its reference kernel lives in kernels/)."""
 
     name: str  # e.g. "sparse_attn"
-    inputs: tuple[str, ...]  # input names; a trailing '?' marks an optional (may be absent) input
-    outputs: tuple[str, ...]  # output names (a node must define exactly these many values)
+    inputs: tuple[str, ...]  # input names; a trailing '?' marks an optional (may be absent) input,
+    #                          a trailing '*' on the last one a variadic group (passed as a tuple)
+    outputs: tuple[str, ...]  # output names (a node must define exactly these many values), or
+    #                           one name ending in '*': as many as the type rule returns
     attrs: dict[str, object]  # attr name -> default (REQUIRED for none)
     rule: TypeRule  # (input types..., **attrs) -> output type(s)
     doc: str  # one paragraph: what it computes
@@ -38,10 +40,20 @@ class OpDef:
     def break_reason(self) -> str:
         return self.capture.partition(":")[2].strip()
 
+    @property
+    def is_variadic(self) -> bool:
+        return bool(self.inputs) and self.inputs[-1].endswith("*")
+
+    @property
+    def variadic_outputs(self) -> bool:
+        return len(self.outputs) == 1 and self.outputs[0].endswith("*")
+
     def optional(self, i: int) -> bool:
-        return self.inputs[i].endswith("?")
+        return self.inputs[min(i, len(self.inputs) - 1)].endswith("?")
 
     def input_name(self, i: int) -> str:
+        if self.is_variadic and i >= len(self.inputs) - 1:
+            return f"{self.inputs[-1][:-1]}[{i - len(self.inputs) + 1}]"
         return self.inputs[i].rstrip("?")
 
     def resolve_attrs(self, attrs: dict[str, object], where: str) -> dict[str, object]:
@@ -62,20 +74,22 @@ class OpDef:
     def infer(self, in_types: list[TensorType | None], attrs: dict[str, object],
               where: str) -> tuple[TensorType, ...]:
         """Run the type rule; errors name the node and show the operand types."""
-        if len(in_types) != len(self.inputs):
+        fixed = len(self.inputs) - self.is_variadic
+        if len(in_types) != len(self.inputs) and not (self.is_variadic and len(in_types) >= fixed):
             raise IRError(f"{where}: {self.name} takes {len(self.inputs)} inputs "
                           f"({', '.join(self.inputs)}), got {len(in_types)}")
         for i, t in enumerate(in_types):
             if t is None and not self.optional(i):
                 raise IRError(f"{where}: {self.name} input {self.input_name(i)!r} is required")
         full = self.resolve_attrs(attrs, where)
+        args = [*in_types[:fixed], tuple(in_types[fixed:])] if self.is_variadic else in_types
         try:
-            out = self.rule(*in_types, **full)
+            out = self.rule(*args, **full)
         except IRError as e:
             operands = "\n".join(f"  {self.input_name(i):<12}: {t}" for i, t in enumerate(in_types))
             raise IRError(f"{where}: {self.name}: {e}\n{operands}") from None
         out = out if isinstance(out, tuple) else (out,)
-        if len(out) != len(self.outputs):
+        if len(out) != len(self.outputs) and not self.variadic_outputs:
             raise IRError(f"{self.name}: type rule returned {len(out)} types for outputs {self.outputs}")
         return out
 

@@ -37,7 +37,7 @@ def check_types(g: Graph) -> None:
     for n in g.nodes:
         where = f"graph {g.name}, node %{n.outputs[0]}"
         d = get_op(n.op)
-        if len(n.outputs) != len(d.outputs):
+        if len(n.outputs) != len(d.outputs) and not d.variadic_outputs:
             raise IRError(f"{where}: {n.op} defines {len(d.outputs)} outputs "
                           f"({', '.join(d.outputs)}), node has {len(n.outputs)}")
         in_types = [None if i is None else g.type_of(i) for i in n.inputs]

@@ -107,7 +107,7 @@ def test_full_size_graph_builds_without_weight_memory(full, monkeypatch):
     assert len(g.weights) > 1000 and g.types["layers.0.ffn.experts.*.w1.weight"].shape == (384, 2304, 2560)
 
 
-@pytest.mark.parametrize("name", ["v4.1-flash", "v4.1-flash-tiny"])
+@pytest.mark.parametrize("name", ["v4.1-flash", "v4.1-flash-tiny", "v4-flash", "v4-flash-tiny"])
 @pytest.mark.parametrize("logits", ["all", "last"])
 def test_text_round_trip_is_identical(name, logits):
     g = build_step(load_model_config(name), logits=logits)
