@@ -1,0 +1,82 @@
+"""Which implementations exist per op, what each needs, and which one a hardware profile gets.
+
+Today only the pure-torch `reference` kernels exist (they run on any device, on the GPU through
+cuBLAS/ATen); the fast kernels are listed as `planned` with the capability they need, so the plan
+says honestly what a profile would use and what it actually gets.
+Capabilities are the strings of `HwProfile.capabilities`: arch (`sm_90`, `sm_100`, `sm_103`,
+`sm_100f` = the Blackwell family), tensor-core formats (`mxfp8`, `mxfp4`, ...), libraries
+(`deepgemm`, `flashmla`, `deepep`, `triton`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelImpl:
+    """One implementation of one op."""
+
+    name: str  # e.g. "deepgemm.fp8_fp4_mega_moe"
+    needs: frozenset[str]  # capabilities the device must have
+    status: str  # "available" or "planned"
+    note: str = ""  # what it is / what it takes
+
+
+def _k(name: str, needs: str, status: str = "planned", note: str = "") -> KernelImpl:
+    return KernelImpl(name, frozenset(needs.split()), status, note)
+
+
+REFERENCE = KernelImpl("reference", frozenset(), "available", "pure torch (kernels/reference)")
+BLACKWELL_GEMM = "sm_100f deepgemm"
+
+# op (or "op[attr=value]" for a variant) -> implementations in order of preference
+KERNELS: dict[str, list[KernelImpl]] = {
+    "linear[fmt=fp8_block]": [_k("deepgemm.fp8_gemm_nt", "sm_90 deepgemm",
+                                 note="1x128 act x 128x128 weight recipe; V4.1's 32x32 weight blocks need a re-blocked scale")],
+    "linear_q[act_fmt=mxfp8]": [_k("deepgemm.fp8_fp4_gemm_nt", f"{BLACKWELL_GEMM} mxfp8", note="recipe (1,1,32)")],
+    "linear_q[act_fmt=fp8_1x128]": [_k("deepgemm.fp8_gemm_nt", "sm_90 deepgemm", note="recipe (1,128,128)")],
+    "grouped_linear_q[act_fmt=mxfp8]": [_k("deepgemm.fp8_einsum", f"{BLACKWELL_GEMM} mxfp8")],
+    "grouped_linear_q[act_fmt=fp8_1x128]": [_k("triton.grouped_fp8_gemm", "sm_90 triton")],
+    "moe_experts": [_k("triton.moe_mxfp4", "cuda triton")],
+    "moe_experts_q[act_fmt=mxfp8]": [_k("deepgemm.m_grouped_fp8_fp4_gemm_nt_masked", f"{BLACKWELL_GEMM} mxfp4")],
+    "moe_experts_q[act_fmt=fp8_1x128]": [_k("triton.moe_fp8_mxfp4", "sm_90 triton",
+                                            note="FP4 -> FP8 upcast in shared memory")],
+    "mega_mhc": [_k("deepgemm.mega_mhc", f"{BLACKWELL_GEMM}"), _k("triton.mega_mhc", "sm_90 triton")],
+    "mega_moe": [_k("deepgemm.fp8_fp4_mega_moe", f"{BLACKWELL_GEMM} mxfp4"),
+                 _k("triton.mega_moe", "sm_90 triton")],
+    "hc_mixer": [_k("deepgemm.tf32_hc_prenorm_gemm+triton.sinkhorn", "cuda deepgemm triton")],
+    "sparse_attn": [_k("flashmla.sparse_fwd", "cuda flashmla")],
+    "sparse_attn_q": [_k("flashmla.mega_attention", "sm_100f flashmla mxfp8")],
+    "index_scores": [_k("deepgemm.fp8_fp4_mqa_logits", f"{BLACKWELL_GEMM} mxfp4"),
+                     _k("deepgemm.fp8_mqa_logits", "sm_90 deepgemm")],
+    "quantize_act": [_k("triton.quantize_act", "cuda triton")],
+    "compressor": [_k("triton.compressor", "cuda triton")],
+    "ring_update_batched": [_k("triton.ring_copy_batched", "cuda triton")],
+    "engram_lookup": [_k("host.engram_gather", "", note="CPU gather from the memory-mapped table")],
+}
+
+
+def kernel_key(op: str, attrs: dict) -> str:
+    """The variant key of a node: `op[attr=value]` for the attrs that select kernels."""
+    for attr in ("act_fmt", "fmt"):
+        key = f"{op}[{attr}={attrs.get(attr)}]"
+        if key in KERNELS:
+            return key
+    return op
+
+
+def choose_kernel(op: str, attrs: dict, caps: frozenset[str], arch: str) -> tuple[str, str]:
+    """(implementation name, reason) for one op variant on a device with `caps`."""
+    key = kernel_key(op, attrs)
+    impls = KERNELS.get(key, [])
+    for impl in impls:
+        if impl.status == "available" and impl.needs <= caps:
+            return impl.name, f"{impl.name}: available, needs {sorted(impl.needs) or 'nothing'}"
+    fitting = [i.name for i in impls if i.needs <= caps]
+    if arch == "cpu":
+        return "reference", "reference (the CPU target runs every op's reference kernel)"
+    why = f"reference (no {arch} kernel registered"
+    if fitting:
+        why += f"; planned: {', '.join(fitting)}"
+    return "reference", why + ")"

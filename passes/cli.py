@@ -1,0 +1,69 @@
+"""compile: build a model's step graph, run the pipeline for a hardware profile, write artifacts."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .pipeline import PIPELINE, CompileOptions
+
+DEFAULTS = CompileOptions()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="NAME|PATH",
+                   help="shipped model name (e.g. v4.1-flash), a model YAML, or a checkpoint dir")
+    p.add_argument("--hw", required=True, metavar="NAME", help="hardware profile (configs/hw/NAME.yaml)")
+    p.add_argument("--out", required=True, metavar="DIR", help="artifact directory to write")
+    p.add_argument("--force", action="store_true", help="replace an existing artifact directory")
+    p.add_argument("--bounded-replay", action="store_true", default=DEFAULTS.bounded_replay,
+                   help="also emit the approximate bounded-suffix / encoder-replay graphs")
+    p.add_argument("--logits", choices=("all", "last"), default=DEFAULTS.logits,
+                   help=f"logits for all rows or each request's last (default {DEFAULTS.logits})")
+    p.add_argument("-p", "--passes", metavar="A,B,...",
+                   help=f"run exactly these passes in order (default: {','.join(PIPELINE)})")
+    p.add_argument("--keep", type=int, default=DEFAULTS.keep,
+                   help="bounded replay: rows kept per request (default: window + draft backtracking)")
+    p.add_argument("--context", type=int, default=DEFAULTS.context,
+                   help=f"tokens per slot assumed by the memory plan (default {DEFAULTS.context})")
+
+
+def main(args: argparse.Namespace) -> int:
+    from megagraph.graph.errors import IRError
+    from megagraph.models.config import ConfigError, load_model_config
+
+    from .artifacts import ArtifactError, check_output_dir, write_artifacts
+    from .base import PASSES, PassError
+    from .hw import load_hw_profile
+    from .pipeline import compile_model
+
+    try:
+        cfg = load_model_config(args.model)
+        hw = load_hw_profile(args.hw)
+        passes = None
+        if args.passes:
+            passes = tuple(x.strip() for x in args.passes.split(",") if x.strip())
+            unknown = [x for x in passes if x not in PASSES]
+            if unknown:
+                raise ConfigError(f"-p: unknown pass(es) {unknown}; known: {', '.join(sorted(PASSES))}")
+        opt = CompileOptions(bounded_replay=args.bounded_replay, logits=args.logits, passes=passes,
+                             keep=args.keep, context=args.context)
+        check_output_dir(_path(args.out), force=args.force)
+        t0 = time.perf_counter()
+        compiled = compile_model(cfg, hw, opt)
+        out = write_artifacts(compiled, args.out, force=args.force, model_arg=args.model)
+        secs = time.perf_counter() - t0
+    except (ConfigError, ArtifactError, PassError, IRError) as e:
+        print(f"megagraph compile: error: {e}", file=sys.stderr)
+        return 2
+    print(f"compiled {cfg.name} for {hw.name} in {secs:.2f}s -> {out}")
+    for r in compiled.records:
+        print(f"  {r.index:02d} {r.name:<20} {r.status:<9} {r.note}")
+    return 0
+
+
+def _path(p: str):
+    from pathlib import Path
+
+    return Path(p)

@@ -1,0 +1,203 @@
+"""The execution plan written to plan.yaml: segments, breaks, buckets, static buffers, graph memory
+per bucket, kernel choice per op, and the memory plan (weights, state, graph pools).
+
+Everything is computed from types and the hardware profile, with no tensors. Bytes assume
+R = T (every row its own request: an upper bound) and N = `context` tokens per slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megagraph.graph.ir import Graph
+from megagraph.graph.registry import get_op
+from megagraph.graph.types import TensorType
+from megagraph.kernels.registry import choose_kernel, kernel_key
+
+from .hw import HwProfile
+from .partition import segments
+
+
+@dataclass(frozen=True)
+class Linear:
+    """bytes = per_token * T + fixed, for a value or a sum of values."""
+
+    per_token: int
+    fixed: int
+
+    def at(self, t: int) -> int:
+        return self.per_token * t + self.fixed
+
+    def __add__(self, o: "Linear") -> "Linear":
+        return Linear(self.per_token + o.per_token, self.fixed + o.fixed)
+
+
+ZERO = Linear(0, 0)
+
+
+def value_bytes(t: TensorType, *, context: int) -> Linear:
+    """Bytes of a value as a linear function of the step's rows (T, or K in suffix graphs)."""
+
+    def at(rows: int) -> int:
+        return t.nbytes({"T": rows, "K": rows, "R": rows, "N": context, "S": 1})
+
+    one, two = at(1), at(2)
+    return Linear(two - one, 2 * one - two)
+
+
+def _aliases(g: Graph) -> set[str]:
+    """Values that own no memory: views, and state updates written in place into their input."""
+    state = {v for lab, v in g.outputs if lab in g.inputs}
+    views = {o for n in g.nodes if get_op(n.op).cost == "view" for o in n.outputs}
+    return state | views
+
+
+def live_profile(g: Graph, *, context: int) -> list[Linear]:
+    """Live intermediate bytes after each node (inputs, weights and state excluded)."""
+    alias = _aliases(g)
+    last: dict[str, int] = {}
+    for i, n in enumerate(g.nodes):
+        for v in n.inputs:
+            if v is not None:
+                last[v] = i
+    keep_to_end = {v for _, v in g.outputs}
+    size = {o: (ZERO if o in alias else value_bytes(g.types[o], context=context))
+            for n in g.nodes for o in n.outputs}
+    live, out = ZERO, []
+    frees: dict[int, list[str]] = {}
+    for o, i in last.items():
+        if o in size and o not in keep_to_end:
+            frees.setdefault(i, []).append(o)
+    for i, n in enumerate(g.nodes):
+        for o in n.outputs:
+            live = live + size[o]
+        out.append(live)
+        for o in frees.get(i, ()):
+            live = live + Linear(-size[o].per_token, -size[o].fixed)
+    return out
+
+
+def peak_at(profile: list[Linear], rows: int) -> int:
+    return max((p.at(rows) for p in profile), default=0)
+
+
+def static_buffers(g: Graph, segs, *, context: int) -> list[dict]:
+    """Values produced in one segment and read in a later one (they must live in fixed buffers)."""
+    seg_of = {o: i for i, s in enumerate(segs) for n in s.nodes for o in n.outputs}
+    readers: dict[str, set[int]] = {}
+    for i, s in enumerate(segs):
+        for n in s.nodes:
+            for v in n.inputs:
+                if v in seg_of and seg_of[v] != i:
+                    readers.setdefault(v, set()).add(i)
+    out = []
+    for v in sorted(readers, key=lambda v: (seg_of[v], v)):
+        b = value_bytes(g.types[v], context=context)
+        out.append({"value": v, "type": str(g.types[v]), "from_segment": seg_of[v],
+                    "to_segments": sorted(readers[v]), "bytes_per_token": b.per_token,
+                    "fixed_bytes": b.fixed})
+    return out
+
+
+def kernel_table(graphs: list[Graph], hw: HwProfile) -> dict:
+    """Kernel choice per op variant (op[attr=value]) with the reason and the node count."""
+    rows: dict[str, dict] = {}
+    for g in graphs:
+        for n in g.nodes:
+            attrs = n.attr_dict
+            key = kernel_key(n.op, attrs)
+            if key not in rows:
+                impl, why = choose_kernel(n.op, attrs, hw.capabilities, hw.arch)
+                rows[key] = {"kernel": impl, "reason": why, "nodes": 0}
+            rows[key]["nodes"] += 1
+    return dict(sorted(rows.items()))
+
+
+STATE_KINDS = ((".ring", "rings"), (".ckv", "compressed_kv"), (".ikey", "index_keys"),
+               (".pend_", "pending_rows"), ("engram_hist", "engram_history"))
+
+
+def state_plan(g: Graph, *, context: int) -> dict:
+    """State bytes per token of context and per slot, by kind."""
+    per_token: dict[str, int] = {}
+    per_slot: dict[str, int] = {}
+    for s in g.state_labels:
+        kind = next((k for pat, k in STATE_KINDS if pat in s), "other")
+        t = g.types[s]
+        a = t.nbytes({"S": 1, "N": 1024})
+        b = t.nbytes({"S": 1, "N": 2048})
+        per_token[kind] = per_token.get(kind, 0) + (b - a) // 1024
+        per_slot[kind] = per_slot.get(kind, 0) + (2 * a - b)
+    return {"per_token_bytes": dict(sorted(per_token.items())),
+            "per_slot_fixed_bytes": dict(sorted(per_slot.items())),
+            "total_per_token_bytes": sum(per_token.values()),
+            "total_per_slot_fixed_bytes": sum(per_slot.values()),
+            "per_slot_bytes_at_context": sum(per_token.values()) * context + sum(per_slot.values())}
+
+
+def weights_plan(g: Graph) -> dict:
+    """Weight bytes by dtype; weights read only by eager host ops (Engram tables) stay on the host."""
+    users = g.users()
+    by: dict[str, int] = {}
+    host = 0
+    for w in g.weights:
+        t = g.types[w]
+        b = t.nbytes({})
+        by[t.dtype] = by.get(t.dtype, 0) + b
+        if users.get(w) and all(get_op(u.op).is_break for u in users[w]):
+            host += b
+    total = sum(by.values())
+    return {"by_dtype_bytes": dict(sorted(by.items())), "total_bytes": total,
+            "host_resident_bytes": host, "device_bytes": total - host, "tensors": len(g.weights)}
+
+
+def build_plan(g: Graph, hw: HwProfile, *, context: int, extra: dict[str, Graph]) -> dict:
+    """The plan of a compiled step graph (+ bounded-replay graphs, if any)."""
+    segs = segments(g)
+    captured = hw.cuda_graphs
+    prefill = hw.prefill_token_buckets() if captured else []
+    decode = list(hw.decode_buckets) if captured else []
+    prof = live_profile(g, context=context)
+    seg_rows = []
+    for i, s in enumerate(segs):
+        kind = s.kind if captured else "eager"
+        row = {"index": i, "kind": kind, "first": s.first, "last": s.last, "nodes": len(s.nodes)}
+        if s.reasons:
+            row["breaks"] = list(s.reasons)
+        elif not captured:
+            row["why_eager"] = f"profile {hw.name} has no CUDA graphs"
+        seg_rows.append(row)
+    bufs = static_buffers(g, segs, context=context) if len(segs) > 1 else []
+    buf_total = sum((Linear(b["bytes_per_token"], b["fixed_bytes"]) for b in bufs), ZERO)
+    graph_mem = {"prefill": {b: peak_at(prof, b) for b in prefill},
+                 "decode": {b: peak_at(prof, b) for b in decode}}
+    pools = {"prefill": max(graph_mem["prefill"].values(), default=0),
+             "decode": max(graph_mem["decode"].values(), default=0)}
+    buckets = {"prefill_tokens": prefill, "decode_rows": decode,
+               "graph_token_limit": hw.graph_token_limit,
+               "above_limit": "eager" if captured else "eager (no CUDA graphs on this profile)"}
+    if "prefill-suffix" in extra:
+        replay = hw.replay_buckets()
+        sprof = live_profile(extra["prefill-suffix"], context=context)
+        buckets["suffix_rows"] = replay
+        graph_mem["suffix"] = {b: peak_at(sprof, b) for b in replay}
+        pools["suffix"] = max(graph_mem["suffix"].values(), default=0)
+    weights, state = weights_plan(g), state_plan(g, context=context)
+    device = int(hw.memory_gib * 2**30)
+    need = weights["device_bytes"] + state["per_slot_bytes_at_context"] + max(pools.values(), default=0)
+    memory = {"weights": weights, "state": state, "graph_pools_bytes": pools,
+              "device_memory_bytes": device,
+              "one_slot_at_context_bytes": need,
+              "fits_one_device": (need <= device) if device else None}
+    return {
+        "assumptions": {"context_tokens": context, "requests": "R = T (upper bound)",
+                        "bytes": "intermediates only; views and in-place state updates own none"},
+        "segments": seg_rows,
+        "buckets": buckets,
+        "static_buffers": bufs,
+        "static_buffer_bytes": {b: buf_total.at(b) for b in prefill} if bufs else {},
+        "graph_memory_bytes": graph_mem,
+        "kernels": kernel_table([g, *extra.values()], hw),
+        "memory": memory,
+    }
+
