@@ -29,11 +29,12 @@ assert set(TORCH_DTYPES) == set(DTYPES)
 
 def default_impls() -> dict[str, Impl]:
     from megagraph.kernels.reference import REFERENCE
+    from megagraph.kernels.reference.dspark import DSPARK
     from megagraph.kernels.reference.fused import FUSED
     from megagraph.kernels.reference.structural import STRUCTURAL
     from megagraph.kernels.reference.v4 import V4_REFERENCE
 
-    return {**REFERENCE, **STRUCTURAL, **V4_REFERENCE, **FUSED}
+    return {**REFERENCE, **STRUCTURAL, **V4_REFERENCE, **FUSED, **DSPARK}
 
 
 def bind_dims(g: Graph, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:

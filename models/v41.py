@@ -76,6 +76,10 @@ def build_v41_step(cfg: ModelConfig, *, logits: str = "all") -> Graph:
     for role in layer_roles(cfg):
         with b.scope(f"L{role.layer}"):
             streams, pre_mix = block(s, role, streams, pre_mix, published, cids)
+    if cfg.num_mtp_layers > 0:  # DSpark draft context rings (models/dspark.py)
+        from .dspark import draft_context
+
+        draft_context(s, published)
     lm_head(s, streams, pre_mix, logits)
     return finish(s)
 
@@ -87,6 +91,8 @@ def block(s: Step, role: LayerRole, streams: str, pre_mix: str, published: dict,
 
         with b.scope("engram"):
             streams = engram_block(s, role.layer, role.engram_table, streams, cids)
+    if cfg.num_mtp_layers > 0 and i in cfg.dspark_target_layers:  # DSpark target feature (§3.9)
+        published[f"dspark_feat.{i}"] = b.op("stream_mean", streams, name="dspark_feat")
     with b.scope("attn"):
         a_pre, a_post, a_comb = hc_mixer(s, streams, f"layers.{i}.hc_attn")
         x = collapse_norm(s, streams, pre_mix, f"layers.{i}.attn_norm.weight")
