@@ -1,0 +1,37 @@
+"""Artifacts dir -> RunPlan, through the compiler's loader (passes/artifacts.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megagraph.models.config import ModelConfig
+
+from .plan import ArtifactsError, RunPlan, default_tokenizer, segments_from_rows
+
+
+def load_run_plan(path: Path) -> RunPlan:
+    from megagraph.passes.artifacts import ArtifactError, load_artifacts
+
+    try:
+        arts = load_artifacts(path)
+    except ArtifactError as e:
+        raise ArtifactsError(str(e)) from None
+    where = str(path / "plan.yaml")
+    plan, hw = arts.plan, arts.manifest.get("hardware", {})
+    try:
+        cfg = ModelConfig.from_dict(arts.model, source=str(path / "model.yaml"))
+        graph = arts.graphs["step"]
+        segments = segments_from_rows(graph, plan["segments"], where)
+        buckets = plan.get("buckets", {})
+        kernels = {k: row["kernel"] for k, row in plan.get("kernels", {}).items()}
+    except KeyError as e:
+        raise ArtifactsError(f"{where}: missing field {e.args[0]!r} (artifacts from an older "
+                             "compiler? recompile with --force)") from None
+    extra = {k: v for k, v in arts.graphs.items() if k != "step"}
+    return RunPlan(cfg, graph, hw.get("name", "?"), hw.get("arch", "?"), segments,
+                   decode_buckets=tuple(buckets.get("decode_rows", ())),
+                   prefill_buckets=tuple(buckets.get("prefill_tokens", ())),
+                   kernels=kernels, compile_backend=plan.get("compile_backend"),
+                   extra_graphs=extra, memory=plan.get("memory", {}),
+                   tokenizer=arts.manifest.get("model", {}).get("tokenizer") or default_tokenizer(cfg),
+                   source=Path(path))

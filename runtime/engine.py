@@ -1,0 +1,239 @@
+"""The offline engine: artifacts + weights -> steps -> sampled tokens.
+
+`Engine.step(chunks)` runs one step of the plan (a captured bucket when one fits, else eagerly)
+and returns logits; `generate` / `stream` drive it with a FIFO continuous-batching loop
+(runtime/generate.py). The full scheduler (prefill caps, preemption, overlap) is a later issue
+and only needs `step`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from .batch import SeqChunk, make_batch, pad_batch
+from .compile import StartupReport, cache_dir, cache_key, check_backend, point_caches
+from .cuda_graphs import GraphRunner
+from .kernels import resolve_kernels
+from .plan import ArtifactsError, RunPlan
+from .sampling import SamplingParams
+from .state import SlotAllocator, allocate_state, state_bytes_per_slot
+from .step import StepProgram
+from .weights import (available_bytes, check_fit, fast_random_weights, graph_weight_specs,
+                      host_resident, load_weights, memory_need, seeded_weights)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Start-up choices (CLI flags map 1:1; defaults here are the CLI's)."""
+
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    max_slots: int = 8  # concurrent sequences (one more slot is the padding scratch slot)
+    capacity: int = 1024  # tokens per sequence (prompt + output)
+    max_step_tokens: int = 256  # tokens per step (longer prompts prefill in chunks)
+    compile: str = "none"  # torch.compile backend: none, eager or inductor
+    cuda_graphs: bool = True  # capture the plan's buckets on CUDA
+    buckets: tuple[int, ...] | None = None  # override the plan's buckets (CPU: none unless given)
+    allow_fallback: bool = False  # run kernels this device lacks as reference kernels
+    kernels: str = "plan"  # "capturable": capturable kernels where the plan says reference
+    seed: int = 0  # random weights (no checkpoint) and unseeded sampling
+    random_weights: str = "seeded"  # without a checkpoint: "seeded" (tests' values) or "fast"
+    memory_budget: int | None = None  # bytes the fit check may use (default: free memory)
+    progress: bool = True  # progress bar while loading a checkpoint
+
+
+class Engine:
+    """One model on one device: state pools, segments, captured graphs, a sampler."""
+
+    def __init__(self, plan: RunPlan, weights: dict | str | Path | None = None,
+                 config: EngineConfig | None = None, report: StartupReport | None = None):
+        self.plan, self.cfg, self.config = plan, plan.cfg, config or EngineConfig()
+        c = self.config
+        self.report = report or StartupReport()
+        self.device = torch.device(c.device)
+        self.ckpt_dir = Path(weights) if isinstance(weights, (str, Path)) else None
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("--device cuda: no CUDA device is available (torch "
+                               f"{torch.__version__}); use --device cpu")
+        g = plan.graph
+        with self.report.timed("kernels"):
+            self.kernels = resolve_kernels(plan, [g], self.device, allow_fallback=c.allow_fallback,
+                                           override=c.kernels)
+        self.report.kernel_fallbacks = dict(self.kernels.fallbacks)
+        self.report.hardware = f"artifacts for {plan.hw_name} ({plan.hw_arch}) on {self.device}"
+        specs = graph_weight_specs([g])
+        host = host_resident(g) if self.device.type == "cuda" else set()
+        if c.buckets is not None:
+            buckets = tuple(c.buckets)
+        else:  # the plan's buckets are for captured graphs; on CPU nothing is gained by padding
+            buckets = plan.buckets if self.device.type == "cuda" and c.cuda_graphs else ()
+        pools = int(plan.memory.get("graph_pools_bytes", {}).get("decode", 0)) if buckets else 0
+        need = memory_need(specs, host, state_bytes=state_bytes_per_slot(g, c.capacity) * (c.max_slots + 1),
+                           graph_pools=pools)
+        check_fit(self.cfg, need, available_bytes(self.device, c.memory_budget), str(self.device))
+        with self.report.timed("weights"):
+            self.weights = self._bind(weights, specs, host)
+        with self.report.timed("state"):
+            self.state = allocate_state(g, num_slots=c.max_slots + 1, capacity=c.capacity,
+                                        device=self.device)
+            self.slots = SlotAllocator(c.max_slots + 1)
+            self.cached: dict[int, int] = {}
+            self.constants = self._constants()
+            self.program = StepProgram(g, plan.segments, self.kernels, self.weights,
+                                       self.constants, self.state)
+        self.runner = None
+        if buckets:
+            self._start_runner(buckets)
+        self.report.remember()
+        from .generate import Generator
+
+        self.generator = Generator(self)
+
+    @classmethod
+    def from_artifacts(cls, path: str | Path, weights: str | Path | None = None, *,
+                       device: str = "cpu", seed: int = 0, **config) -> "Engine":
+        """Load compiled artifacts, bind weights (checkpoint dir, or seeded random), start up."""
+        report = StartupReport()
+        with report.timed("artifacts"):
+            plan = RunPlan.from_artifacts(path)
+        return cls(plan, weights, EngineConfig(device=device, seed=seed, **config), report)
+
+    # -- start-up --------------------------------------------------------------------------------
+    def _bind(self, weights, specs, host) -> dict[str, torch.Tensor]:
+        c = self.config
+        if isinstance(weights, dict):
+            self.report.weights = "given tensors"
+            w = {k: v.to(self.device) if k not in host else v for k, v in weights.items()}
+        elif weights is not None:
+            self.report.weights = f"checkpoint {weights}"
+            w = load_weights(specs, host, weights, device=self.device, cfg=self.cfg, progress=c.progress)
+        elif c.random_weights == "fast":
+            self.report.weights = f"random (fast, on device, seed {c.seed})"
+            w = fast_random_weights(specs, self.cfg, seed=c.seed, device=self.device)
+        else:
+            self.report.weights = f"random (seeded, seed {c.seed})"
+            w = seeded_weights(specs, self.cfg, seed=c.seed, device=self.device)
+        for name in host:
+            w[name] = w[name].cpu()
+        return w
+
+    def _constants(self) -> dict[str, torch.Tensor]:
+        if "engram_token_map" not in self.plan.graph.inputs:
+            return {}
+        from megagraph.models.engram import tiny_token_map
+
+        from .tokenizer import compressed_token_map
+
+        tok = self.tokenizer
+        if tok is not None and tok.path.name == "tokenizer.json":  # a real checkpoint tokenizer
+            m = compressed_token_map(tok, self.cfg)
+        else:  # tiny / random models: the deterministic stand-in the tests use
+            m = tiny_token_map(self.cfg)
+        return {"engram_token_map": m.to(self.device)}
+
+    def _start_runner(self, buckets: tuple[int, ...]) -> None:
+        c, g = self.config, self.plan.graph
+        capturable = {s.index for s in self.plan.segments if s.kind == "graph"
+                      and all(g.nodes[i].outputs[0] in self.kernels.capture_safe for i in s.nodes)}
+        reasons = {}
+        for s in self.plan.segments:
+            if s.index in capturable:
+                continue
+            if s.kind != "graph":
+                reasons[s.index] = s.why_eager or "the plan runs it eagerly"
+            else:
+                bad = sorted({f"{g.nodes[i].op}" for i in s.nodes
+                              if g.nodes[i].outputs[0] not in self.kernels.capture_safe})
+                reasons[s.index] = f"kernels not capturable (reference): {', '.join(bad[:6])}" + \
+                    (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
+        backend = check_backend(c.compile if c.compile != "none" else (self.plan.compile_backend or "none"))
+        wrap_fn = None
+        if backend != "none":
+            from .compile import cache_counters, load_megacache, wrap
+
+            d = cache_dir(self.plan.source, cache_key(self._plan_id(), self.device, backend))
+            point_caches(d)
+            self.report.cache_dir, self.report.compile_backend = str(d), backend
+            self.report.megacache_loaded = load_megacache(d)
+            targets = capturable if self.device.type == "cuda" else {s.index for s in self.plan.segments}
+
+            def wrap_fn(i, fn):
+                return wrap(fn, backend, len(buckets)) if i in targets else fn
+
+        with self.report.timed("capture"):
+            self.runner = GraphRunner(self.program, buckets, capturable=capturable,
+                                      eager_reasons=reasons, device=self.device, wrap=wrap_fn)
+            rep = self.runner.capture(scratch_slot=self.slots.scratch_slot, capacity=c.capacity)
+        self.report.buckets, self.report.captured_segments = rep.buckets, rep.captured_segments
+        self.report.eager_segments, self.report.graph_memory_bytes = rep.eager_segments, rep.graph_memory_bytes
+        if backend != "none":
+            from .compile import save_megacache
+
+            self.report.cache = cache_counters()
+            save_megacache(Path(self.report.cache_dir))
+
+    def _plan_id(self) -> str:
+        src = self.plan.source
+        manifest = src / "manifest.yaml" if src else None
+        if manifest is not None and manifest.is_file():
+            return manifest.read_text()
+        return str(self.plan.graph)
+
+    # -- stepping --------------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        if not hasattr(self, "_tokenizer"):
+            from .tokenizer import Tokenizer, find_tokenizer
+
+            p = find_tokenizer(self.cfg, self.plan.tokenizer, self.ckpt_dir)
+            self._tokenizer = Tokenizer(p, self.cfg) if p else None
+        return self._tokenizer
+
+    def step(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        """Run one step over `chunks` (slot, new tokens); returns the logits of the real rows
+        (one per token, or one per request for a plan with logits=last), on the device."""
+        for ch in chunks:
+            if not 0 <= ch.slot < self.slots.scratch_slot:
+                raise ValueError(f"slot {ch.slot} is not a request slot (0..{self.slots.scratch_slot - 1})")
+            if self.cached.get(ch.slot, 0) + len(ch.tokens) > self.config.capacity:
+                raise ValueError(f"slot {ch.slot}: {self.cached.get(ch.slot, 0)} cached + "
+                                 f"{len(ch.tokens)} new tokens exceed the capacity {self.config.capacity}")
+        batch = make_batch(chunks, self.cached)
+        if self.runner is not None and self.runner.can_run(batch):
+            b = self.runner.padded_size(batch.num_tokens)
+            padded = pad_batch(batch, b, b, scratch_slot=self.slots.scratch_slot,
+                               capacity=self.config.capacity, pad_token_id=self.cfg.pad_token_id)
+            out = self.runner.replay(padded)
+        else:
+            out = self.program.run({k: v.to(self.device) for k, v in batch.meta.items()})
+        for ch in chunks:
+            self.cached[ch.slot] = self.cached.get(ch.slot, 0) + len(ch.tokens)
+        logits = out["logits"]
+        rows = batch.num_tokens if self.plan.graph.types[self.plan.graph.output_value("logits")].shape[0] == "T" \
+            else batch.num_reqs
+        return logits[:rows].clone()
+
+    def release(self, slot: int) -> None:
+        """Forget a finished sequence and free its slot."""
+        self.cached.pop(slot, None)
+        self.slots.free(slot)
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(self, prompts: Iterable[str | Sequence[int]] | str,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list:
+        """Complete every prompt; returns one `Output` per prompt, in order."""
+        return self.generator.generate(prompts, sampling_params)
+
+    def stream(self, prompts, sampling_params=None) -> Iterator:
+        """Yield a `TokenEvent` per sampled token as the batch runs."""
+        return self.generator.stream(prompts, sampling_params)
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+
+
+__all__ = ["Engine", "EngineConfig", "ArtifactsError"]

@@ -1,0 +1,111 @@
+"""Kernel choices of the plan -> one implementation per node, with the fallbacks said out loud.
+
+Choice names map to tables: `reference` -> graph.interp.default_impls() (runs anywhere, may sync
+with the host, so never captured), `capturable` -> kernels.capturable.CAPTURABLE (vectorized,
+host-sync free: the only kernels a CUDA graph captures). Other names are loaded through
+kernels.registry when it can load them. Artifacts compiled for another device, or a choice this
+machine cannot load, are an error unless fallback to the reference kernels is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import torch
+
+from megagraph.graph.interp import Impl, default_impls
+from megagraph.graph.ir import Graph, Node
+
+from .plan import ArtifactsError, RunPlan
+
+
+def device_arch(device: torch.device) -> str:
+    """"cpu", or the CUDA device's "sm_XY" (sm_90 Hopper, sm_100 / sm_103 Blackwell)."""
+    if device.type != "cuda":
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def capturable_tables(g: Graph) -> tuple[dict[str, Impl], dict[str, Impl], set[str]]:
+    """(functional table, in-place-state table, nodes that must stay functional) for `g`;
+    empty tables when kernels/capturable is not installed."""
+    try:
+        from megagraph.kernels.capturable import capturable_impls, inplace_hazards
+    except ImportError:
+        return {}, {}, set()
+    unsafe = {h.split(" ", 1)[0].lstrip("%") for h in inplace_hazards(g)}
+    return capturable_impls(), capturable_impls(inplace_state=True), unsafe
+
+
+def _named_kernel(name: str, op: str) -> Impl | None:
+    try:
+        from megagraph.kernels import registry
+    except ImportError:
+        return None
+    load = getattr(registry, "load_impl", None)
+    return load(name, op) if load else None
+
+
+@dataclass
+class KernelSet:
+    """The implementation of every node of a graph and what the choice honoured."""
+
+    impls: dict[str, Impl]  # node (first output) -> implementation
+    capture_safe: set[str]  # nodes whose implementation may be captured in a CUDA graph
+    fallbacks: dict[str, str] = field(default_factory=dict)  # kernel key -> what happened
+
+    def for_node(self, n: Node) -> Impl:
+        return self.impls[n.outputs[0]]
+
+
+def resolve_kernels(plan: RunPlan, graphs: list[Graph], device: torch.device, *,
+                    allow_fallback: bool = False, override: str = "plan") -> KernelSet:
+    """Pick each node's implementation from the plan's choice; raise or fall back per the flag.
+
+    `override="capturable"` runs every op that has a capturable kernel with it where the plan
+    chose `reference` (for benchmarks while the plan's fast kernels are only planned); state ops
+    write their pools in place unless a later node still reads the old state."""
+    from megagraph.kernels.registry import kernel_key
+
+    arch = device_arch(device)
+    if arch != plan.hw_arch and not allow_fallback:
+        raise ArtifactsError(
+            f"{plan.source or 'artifacts'}: compiled for hardware profile {plan.hw_name!r} "
+            f"({plan.hw_arch}), but this device is {arch}. Compile for this device (megagraph compile "
+            f"--hw {'cpu' if arch == 'cpu' else '<profile of ' + arch + '>'}) or pass "
+            "--allow-fallback to run every kernel this device lacks as its reference kernel")
+    if override not in ("plan", "capturable"):
+        raise ValueError(f"unknown kernel override {override!r}; choose plan or capturable")
+    ks = KernelSet({}, set())
+    for g in graphs:
+        functional, inplace, unsafe = capturable_tables(g)
+        tables = {"reference": default_impls(), "capturable": functional}
+        for n in g.nodes:
+            key = kernel_key(n.op, n.attr_dict)
+            want = plan.kernels.get(key, "reference")
+            if override == "capturable" and want == "reference" and n.op in functional:
+                want = "capturable"
+            tables["capturable"] = functional if n.outputs[0] in unsafe else inplace
+            fn, safe = _lookup(tables, want, n.op)
+            if fn is None:
+                if not allow_fallback:
+                    raise ArtifactsError(
+                        f"{plan.source or 'artifacts'}: the plan runs {key} with kernel {want!r}, "
+                        f"which is not available on this {arch} machine; pass --allow-fallback "
+                        "to use the reference kernel")
+                fn, safe = tables["reference"][n.op], False
+                ks.fallbacks[key] = f"{want} -> reference"
+            ks.impls[n.outputs[0]] = fn
+            if safe:
+                ks.capture_safe.add(n.outputs[0])
+    return ks
+
+
+def _lookup(tables: dict[str, dict[str, Impl]], want: str, op: str) -> tuple[Impl | None, bool]:
+    base = want.split(".")[0]
+    if base in tables:
+        fn = tables[base].get(op)
+        return fn, base == "capturable" and fn is not None
+    fn = _named_kernel(want, op)
+    return fn, fn is not None and getattr(fn, "capturable", False)
+
