@@ -29,7 +29,7 @@ class BatchWindowCopies(Pass):
       %L8.attn.ring.next = ring_update(%L8.ring, %L8.attn.kv, %positions, %token_req, %seq_slots) {window=8}
     after (at the last layer's former ring_update):
       %L0.attn.ring.next, ..., %L8.attn.ring.next = ring_update_batched(%positions, %token_req,
-          %seq_slots, %L0.ring, %L0.attn.kv, ..., %L8.ring, %L8.attn.kv) {layers=[0, ..., 8], window=8}
+          %seq_slots, %L0.ring, %L0.attn.kv, ..., %L8.ring, %L8.attn.kv) {window=8}
 
     Requires: no node reads an updated ring (each ring_update result is only a state output).
     """
@@ -59,11 +59,8 @@ class BatchWindowCopies(Pass):
         batched = 0
         for (window, meta), nodes in groups.items():
             operands = [v for n in nodes for v in n.inputs[:2]]
-            layers = [layer_of(n.outputs[0]) for n in nodes]
-            if any(x is None for x in layers):
-                layers = list(range(len(nodes)))
             fused = rw.node("ring_update_batched", [*meta, *operands],
-                            [n.outputs[0] for n in nodes], window=window, layers=layers)
+                            [n.outputs[0] for n in nodes], window=window)
             rw.remove(*nodes)
             rw.insert_after(nodes[-1], fused)
             batched += len(nodes)

@@ -29,7 +29,7 @@ from megagraph.graph.verify import verify_graph
 from .base import Pass, PassResult, dead_code, layer_of, register_pass
 from .hw import HwProfile
 
-KV_SOURCE_OPS = ("cache_write", "compressor", "compress_pool")
+KV_SOURCE_OPS = ("cache_write", "compressor", "compress_pool", "v4_compressor", "v4_compress_pool")
 NOT_IN_SUFFIX = KV_SOURCE_OPS + ("engram_hash", "engram_lookup", "engram_gate", "token_map",
                                  "engram_hist_update")
 PREFIX, SUFFIX, ENCODER = "prefill-prefix", "prefill-suffix", "encoder-replay"
@@ -97,35 +97,38 @@ def split_bounded(g: Graph, keep: int) -> tuple[Graph, Graph, int, list[int]]:
     if not late:
         raise IRError(f"no layers after the last KV-source layer {boundary}")
     pre_nodes, suf_nodes = [], []
+    late_values: set[str] = set()
     for n in g.nodes:
         if n.op == "ring_update_batched":
-            a, b = _split_batched(n, boundary)
+            a, b = _split_batched(n, late_values)
             pre_nodes += a
             suf_nodes += b
+            late_values.update(o for x in b for o in x.outputs)
             continue
         lay = layer[n.outputs[0]]
-        (suf_nodes if lay is not None and (lay > boundary or lay == -1) else pre_nodes).append(n)
+        is_late = (lay is not None and (lay > boundary or lay == -1)
+                   or any(i in late_values for i in n.inputs))
+        if is_late:
+            suf_nodes.append(n)
+            late_values.update(n.outputs)
+        else:
+            pre_nodes.append(n)
     bad = sorted({n.op for n in suf_nodes if n.op in NOT_IN_SUFFIX})
     if bad:
         raise IRError(f"late layers run {', '.join(bad)}, which need every row")
     return _prefix(g, pre_nodes, suf_nodes), _suffix(g, suf_nodes, keep, boundary), boundary, late
 
 
-def _split_batched(n: Node, boundary: int) -> tuple[list[Node], list[Node]]:
-    layers = list(n.attr("layers"))
+def _split_batched(n: Node, late_values: set[str]) -> tuple[list[Node], list[Node]]:
+    """A batched ring copy split into its early part (prefix) and late part (suffix)."""
     meta, ops = n.inputs[:3], n.inputs[3:]
-    parts = ([], [])
-    for i, lay in enumerate(layers):
-        parts[lay > boundary].append((lay, ops[2 * i], ops[2 * i + 1], n.outputs[i]))
+    parts: tuple[list, list] = ([], [])
+    for i in range(len(ops) // 2):
+        parts[ops[2 * i + 1] in late_values].append((ops[2 * i], ops[2 * i + 1], n.outputs[i]))
     out = []
     for part in parts:
-        if not part:
-            out.append([])
-            continue
-        node = Node(n.op, (*meta, *(v for _, r, k, _ in part for v in (r, k))),
-                    tuple(o for *_, o in part),
-                    freeze_attrs({**n.attr_dict, "layers": [lay for lay, *_ in part]}))
-        out.append([node])
+        out.append([Node(n.op, (*meta, *(v for r, k, _ in part for v in (r, k))),
+                         tuple(o for *_, o in part), n.attrs)] if part else [])
     return out[0], out[1]
 
 

@@ -62,7 +62,11 @@ class FuseCompressor(Pass):
         fused, misses = [], []
         for layer, ws in by_layer.items():
             try:
-                _fuse_one(rw, prod, users, ws)
+                if all(_v4_chain(w, prod) for w in ws):
+                    for w in ws:
+                        _fuse_v4(rw, users, w, _v4_chain(w, prod))
+                else:
+                    _fuse_one(rw, prod, users, ws)
                 fused.append(layer)
             except NoMatch as e:
                 misses.append(f"L{layer}: {e}")
@@ -177,6 +181,49 @@ def _fuse_one(rw: Rewrite, prod, users, writes: list[Node]) -> None:
                     ckv_fmt=ck_fq.attr("fmt") if ck_fq else "none", **attrs)
     rw.remove(*chain)
     rw.insert_after(max(chain, key=lambda n: g.nodes.index(n)), fused)
+
+
+def _v4_chain(write: Node, prod) -> list[Node] | None:
+    """[cast?, rope, rms_norm, v4_compress_pool, kv linear, gate linear] feeding a V4 cache write."""
+    chain, n = [], prod.get(write.inputs[1])
+    if n is not None and n.op == "cast":
+        chain.append(n)
+        n = prod.get(n.inputs[0])
+    for opname in ("rope", "rms_norm", "v4_compress_pool"):
+        if n is None or n.op != opname:
+            return None
+        chain.append(n)
+        n = prod.get(n.inputs[0])
+    pool = chain[-1]
+    kv, gate = prod.get(pool.inputs[0]), prod.get(pool.inputs[1])
+    if kv is None or gate is None or kv.op != "linear" or gate.op != "linear":
+        return None
+    return chain + [kv, gate]
+
+
+def _fuse_v4(rw: Rewrite, users, write: Node, chain: list[Node]) -> None:
+    *head, rope_n, norm, pool, kv, gate = ([None] if chain[0].op != "cast" else []) + chain
+    if kv.inputs[0] != gate.inputs[0] or any(n.attr("fmt", "dense") != "dense" for n in (kv, gate)):
+        raise NoMatch("V4 compressor projections differ in input or are not dense")
+    x = kv.inputs[0]
+    src = rw.producer.get(x)
+    if src is not None and src.op == "cast" and src.attr("dtype") == "f32":
+        x = src.inputs[0]  # the (possibly shared) f32 cast dies once every chain is fused
+    inside = {id(n) for n in chain} | {id(write)}
+    for n in chain:
+        for o in n.outputs:
+            if o not in pool.outputs[1:] and any(id(u) not in inside for u in users.get(o, [])):
+                raise NoMatch(f"%{o} is also read outside the compressor")
+    ra = rope_n.attr_dict
+    if ra.get("inverse"):
+        raise NoMatch("inverse RoPE in a compressor chain")
+    fused = rw.node("v4_compressor", [x, kv.inputs[1], gate.inputs[1], *pool.inputs[2:5],
+                                      norm.inputs[1], write.inputs[0], *write.inputs[2:5]],
+                    [write.outputs[0], *pool.outputs[1:]], ratio=pool.attr("ratio"),
+                    overlap=pool.attr("overlap"), eps=norm.attr("eps"),
+                    **{k: ra.get(k) for k in ROPE_KEYS})
+    rw.remove(write, *chain)
+    rw.insert_after(write, fused)
 
 
 def _ranges(layers: list[int | None]) -> str:

@@ -114,7 +114,8 @@ def stage(g: Graph, p: Pass, index: int, opt: CompileOptions, done: list[str]) -
               else "emitted" if res.extra_graphs else "unchanged")
     notes = list(out.meta_value("notes", ()) or ())
     out = out.with_meta(notes=[*notes, f"{p.name}: {res.note}"])
-    return StageRecord(index, p.name, status, res.note, dict(res.stats), p.options(),
+    note = res.note.removeprefix("skipped: ")
+    return StageRecord(index, p.name, status, note, dict(res.stats), p.options(),
                        g.op_counts(), out.op_counts(), len(after - before), len(before - after),
                        out, dict(res.extra_graphs), secs)
 

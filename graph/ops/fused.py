@@ -207,13 +207,13 @@ def compressor(x, wkv, wgate, pend_kv, pend_gate, norm_w, wk, knorm_w, ikey, ckv
 
 
 @op("ring_update_batched", ("positions", "token_req", "seq_slots", "operands*"), ("rings*",),
-    attrs={"window": REQUIRED, "layers": REQUIRED}, cost="memory", fused_from=("ring_update",))
-def ring_update_batched(pos, req, slots, operands, *, window, layers):
-    """Every layer's sliding-window ring update of the step in one batched copy: operands are
-    (ring_0, kv_0, ring_1, kv_1, ...) in `layers` order; returns the new rings in that order."""
+    attrs={"window": REQUIRED}, cost="memory", fused_from=("ring_update",))
+def ring_update_batched(pos, req, slots, operands, *, window):
+    """Every sliding-window ring update of the step in one batched copy: operands are
+    (ring_0, kv_0, ring_1, kv_1, ...); returns the new rings in that order."""
     expect_meta(pos, req, slots)
-    expect(len(operands) == 2 * len(layers) and operands,
-           f"need one (ring, kv) pair per layer in layers={list(layers)}, got {len(operands)} operands")
+    expect(len(operands) >= 2 and len(operands) % 2 == 0,
+           f"need (ring, kv) pairs, got {len(operands)} operands")
     rings = operands[0::2]
     for ring, kv in zip(rings, operands[1::2]):
         expect(ring.rank == 3 and ring.shape[1] == window and ring.shape[2] == kv.shape[-1],
@@ -248,3 +248,32 @@ def suffix_meta(rows, pos, req, new, *, keep):
 def fill(x, *, value) -> TensorType:
     """A tensor of x's type filled with `value` (encoder replay: an all-invalid ring view)."""
     return x
+
+
+@op("v4_compressor",
+    ("x", "wkv", "wgate", "ape", "pend_kv", "pend_gate", "norm_weight", "cache", "positions",
+     "token_req", "seq_slots"),
+    ("cache", "pend_kv", "pend_gate"),
+    attrs={"ratio": REQUIRED, "overlap": REQUIRED, "eps": REQUIRED, "rope_dim": REQUIRED,
+           "theta": REQUIRED, "yarn_factor": 1.0, "yarn_original": 0, "yarn_beta_fast": 32.0,
+           "yarn_beta_slow": 1.0, "offset": 0},
+    cost="memory",
+    fused_from=("cast", "linear", "v4_compress_pool", "rms_norm", "rope", "cache_write"))
+def v4_compressor(x, wkv, wgate, ape, pend_kv, pend_gate, norm_w, cache, pos, req, slots, *, ratio,
+                  overlap, eps, rope_dim, theta, yarn_factor, yarn_original, yarn_beta_fast,
+                  yarn_beta_slow, offset):
+    """One V4 compressor (CSA overlapping ratio 4 or HCA ratio 128, for the compressed KV or the
+    index keys) in one op: fp32 kv/gate projections, APE-biased gated pooling with the pending ring,
+    norm, RoPE at the group's first position, cache write. Returns (cache', pend_kv', pend_gate')."""
+    from .v4 import v4_compress_pool
+
+    expect_rows(x, pos, "x")
+    expect(wkv.rank == 2 and wkv.shape[1] == x.shape[-1] and wgate == wkv,
+           f"wkv/wgate must be [c*D, {x.shape[-1]}], got {wkv} / {wgate}")
+    proj = TensorType("f32", (x.shape[0], wkv.shape[0]))
+    latent, pk, pg = v4_compress_pool(proj, proj, ape, pend_kv, pend_gate, pos, req, slots,
+                                      ratio=ratio, overlap=overlap)
+    expect(norm_w.shape == latent.shape[1:], f"norm_weight must be [{latent.shape[1]}], got {norm_w}")
+    expect(cache.rank == 3 and cache.shape[2] == latent.shape[1],
+           f"cache must be [S, C, {latent.shape[1]}], got {cache}")
+    return cache, pk, pg

@@ -157,7 +157,7 @@ def compressor(x, wkv, wgate, pend_kv, pend_gate, norm_weight, wk, k_norm_weight
 _FQ_BLOCK = {"mxfp4": 32, "nvfp4": 16, "fp8_e4m3": 32}
 
 
-def ring_update_batched(positions, token_req, seq_slots, *operands, window, layers):
+def ring_update_batched(positions, token_req, seq_slots, *operands, window):
     """ring_update for every (ring, kv) pair, in order."""
     return tuple(ring_update(r, kv, positions, token_req, seq_slots, window=window)
                  for r, kv in zip(operands[0::2], operands[1::2]))
@@ -188,3 +188,24 @@ FUSED = {
     "ring_update_batched": ring_update_batched, "select_rows": select_rows,
     "suffix_meta": suffix_meta, "fill": fill,
 }
+
+
+def v4_compressor(x, wkv, wgate, ape, pend_kv, pend_gate, norm_weight, cache, positions, token_req,
+                  seq_slots, *, ratio, overlap, eps, rope_dim, theta, yarn_factor, yarn_original,
+                  yarn_beta_fast, yarn_beta_slow, offset):
+    """cast -> linear x2 -> v4_compress_pool -> rms_norm -> rope -> cache_write (V4 chain)."""
+    from .v4 import v4_compress_pool
+
+    x32 = x.float()
+    kv, gate = linear(x32, wkv, None, fmt="dense"), linear(x32, wgate, None, fmt="dense")
+    meta = (positions, token_req, seq_slots)
+    latent, pend_kv, pend_gate = v4_compress_pool(kv, gate, ape, pend_kv, pend_gate, *meta,
+                                                  ratio=ratio, overlap=overlap)
+    latent = rms_norm(latent, norm_weight, eps=eps)
+    rows = rope(latent, positions, rope_dim=rope_dim, theta=theta, yarn_factor=yarn_factor,
+                yarn_original=yarn_original, yarn_beta_fast=yarn_beta_fast,
+                yarn_beta_slow=yarn_beta_slow, offset=offset)
+    return cache_write(cache, rows.to(cache.dtype), *meta, ratio=ratio), pend_kv, pend_gate
+
+
+FUSED["v4_compressor"] = v4_compressor
