@@ -81,8 +81,14 @@ def save_megacache(d: Path) -> int:
     return len(data)
 
 
-def wrap(fn: Callable, backend: str, num_shapes: int) -> Callable:
-    """`fn` compiled with `backend` (no dynamic shapes: one specialization per bucket)."""
+def wrap(program, backend: str, num_shapes: int) -> Callable:
+    """`program` (a segments.Program) compiled with `backend`, one specialization per bucket.
+
+    NOTE: Inductor cannot generate code that takes float8_e8m0fnu buffers, so e8m0 scale weights
+    enter the compiled program as their uint8 bytes (the kernels' e8m0 decoding accepts both)."""
+    e8m0 = {k: v.view(torch.uint8) for k, v in program.weights.items()
+            if v.dtype == torch.float8_e8m0fnu}
+    fn = program.with_weights(e8m0) if e8m0 else program
     cfg = torch._dynamo.config
     for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
                  "accumulated_recompile_limit"):

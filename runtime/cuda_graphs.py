@@ -49,15 +49,17 @@ class GraphRunner:
     """Padded steps over static buffers, replayed from CUDA graphs where the plan allows."""
 
     def __init__(self, step: StepProgram, buckets: tuple[int, ...], *, capturable: set[int],
-                 eager_reasons: dict[int, str], device: torch.device,
+                 eager_reasons: dict[int, str], device: torch.device, capture: bool = True,
                  wrap: Callable[[int, Callable], Callable] | None = None):
-        """`capturable`: segment indices to capture (CUDA only); `wrap(seg, fn)`: torch.compile."""
+        """`capturable`: segment indices to capture (CUDA only, unless `capture` is off);
+        `wrap(seg, program)`: torch.compile."""
         self.step, self.device = step, device
         self.buckets = tuple(sorted(buckets))
-        self.use_graphs = device.type == "cuda"
+        self.use_graphs = device.type == "cuda" and capture
         self.capturable = capturable if self.use_graphs else set()
+        why = "CUDA graphs are off" if device.type == "cuda" else "no CUDA on this device"
         self.report = CaptureReport(list(self.buckets), sorted(self.capturable),
-                                    {**eager_reasons, **{i: "no CUDA on this device" for i in capturable
+                                    {**eager_reasons, **{i: why for i in capturable
                                                          if not self.use_graphs}})
         self.fns = [wrap(i, p) if wrap else p for i, p in enumerate(step.programs)]
         self.buffers = self._allocate() if self.buckets else None

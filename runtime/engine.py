@@ -66,6 +66,7 @@ class Engine:
         self.report.hardware = f"artifacts for {plan.hw_name} ({plan.hw_arch}) on {self.device}"
         specs = graph_weight_specs([g])
         host = host_resident(g) if self.device.type == "cuda" else set()
+        self.kernels.run_on_host(g, host)
         if c.buckets is not None:
             buckets = tuple(c.buckets)
         else:  # the plan's buckets are for captured graphs; on CPU nothing is gained by padding
@@ -158,14 +159,15 @@ class Engine:
             point_caches(d)
             self.report.cache_dir, self.report.compile_backend = str(d), backend
             self.report.megacache_loaded = load_megacache(d)
-            targets = capturable if self.device.type == "cuda" else {s.index for s in self.plan.segments}
+            targets = {s.index for s in self.plan.segments if s.kind == "graph"}
 
             def wrap_fn(i, fn):
                 return wrap(fn, backend, len(buckets)) if i in targets else fn
 
         with self.report.timed("capture"):
             self.runner = GraphRunner(self.program, buckets, capturable=capturable,
-                                      eager_reasons=reasons, device=self.device, wrap=wrap_fn)
+                                      eager_reasons=reasons, device=self.device,
+                                      capture=c.cuda_graphs, wrap=wrap_fn)
             rep = self.runner.capture(scratch_slot=self.slots.scratch_slot, capacity=c.capacity)
         self.report.buckets, self.report.captured_segments = rep.buckets, rep.captured_segments
         self.report.eager_segments, self.report.graph_memory_bytes = rep.eager_segments, rep.graph_memory_bytes

@@ -57,6 +57,14 @@ class KernelSet:
     def for_node(self, n: Node) -> Impl:
         return self.impls[n.outputs[0]]
 
+    def run_on_host(self, g: Graph, host_weights: set[str]) -> list[str]:
+        """Wrap the nodes reading host-resident weights with `on_host`; returns their names."""
+        moved = [n.outputs[0] for n in g.nodes if host_weights.intersection(n.inputs)]
+        for name in moved:
+            self.impls[name] = on_host(self.impls[name])
+            self.capture_safe.discard(name)
+        return moved
+
 
 def resolve_kernels(plan: RunPlan, graphs: list[Graph], device: torch.device, *,
                     allow_fallback: bool = False, override: str = "plan") -> KernelSet:
@@ -99,6 +107,23 @@ def resolve_kernels(plan: RunPlan, graphs: list[Graph], device: torch.device, *,
             if safe:
                 ks.capture_safe.add(n.outputs[0])
     return ks
+
+
+def on_host(fn: Impl) -> Impl:
+    """`fn` run on the host: device tensors in, device tensors out (for breaks that read
+    host-resident weights, e.g. Engram row gathers from memory-mapped tables)."""
+
+    def run(*args, **attrs):
+        dev = next((a.device for a in args if isinstance(a, torch.Tensor) and a.device.type != "cpu"),
+                   None)
+        out = fn(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args], **attrs)
+        if dev is None:
+            return out
+        if isinstance(out, tuple):
+            return tuple(o.to(dev) for o in out)
+        return out.to(dev)
+
+    return run
 
 
 def _lookup(tables: dict[str, dict[str, Impl]], want: str, op: str) -> tuple[Impl | None, bool]:

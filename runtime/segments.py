@@ -10,6 +10,7 @@ the step's outputs need.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -95,6 +96,12 @@ class Program:
             calls.append(Call(fn, n.inputs, n.outputs, attrs, drop, f"{n.op} -> %{n.outputs[0]}"))
         self.calls = tuple(calls)
         self.ops = tuple(g.nodes[i].op for i in nodes)
+
+    def with_weights(self, weights: Mapping[str, torch.Tensor]) -> "Program":
+        """The same program over other tensors for (some of) its weights."""
+        p = copy.copy(self)
+        p.weights = {**self.weights, **weights}
+        return p
 
     def __call__(self, env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run the nodes on `env` (metadata, state, earlier values); a failure names the node.

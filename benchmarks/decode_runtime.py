@@ -1,0 +1,270 @@
+"""Decode step time of the runtime: eager vs CUDA graphs vs CUDA graphs + torch.compile.
+
+Baseline: the same engine run eagerly at exact shapes (`eager`). Modes: `graphs` (one CUDA graph per
+(segment, bucket), eager breaks between), `graphs+compile` (segments wrapped with torch.compile
+before capture), and `padded` (the graphs' padding and buffers without capture: the reference for
+the token check, since padded and unpadded batches round differently). Models: the tiny V4.1
+(seeded random weights) and a full-dimension V4.1-Flash layer slice: 4 layers (L0 window-only +
+Engram, L1 ratio-2 KV/index source, L2 ratio-2 reuse, L3 ratio-1 KV/index/candidate source) at the
+release widths and formats (FP8 + e8m0 projections, MXFP4 experts, 384 experts), random weights made
+on the device. Its Engram table is cut from 384M to 2.4M rows (prime search from 100,000 instead of
+16M); lookups still go through the host like the real tables. A step = host metadata + copies +
+replay (or eager kernels) + logits copy, timed with a device synchronize around it; the table shows
+the median over `--steps` decode steps after a `--context`-token prefill of every request.
+
+    python benchmarks/decode_runtime.py --out benchmarks/results/decode_runtime   # GPU: everything
+    python benchmarks/decode_runtime.py --smoke --out /tmp/x                       # CPU, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+MODES = ("eager", "padded", "graphs", "graphs+compile")
+
+
+def slice_config():
+    """Full-width V4.1-Flash, 4 layers covering every layer role, a 2.4M-row Engram table."""
+    from megagraph.kernels.reference.engram import engram_layout
+    from megagraph.models.config import load_model_config
+
+    cfg = load_model_config("v4.1-flash")
+    start = 100_000
+    rows = engram_layout([0], None, max_ngram=cfg.engram_max_ngram, n_heads=cfg.engram_n_heads,
+                         vocab_start=start, compressed_vocab=cfg.engram_compressed_vocab_size)[0]
+    return cfg.replace(name="v4.1-flash-slice4", num_layers=4, compress_ratios=(0, 2, 2, 1),
+                       kv_source_layers=(1, 3), index_source_layers=(1, 3), candidate_source_layer=3,
+                       engram_layers=(0,), engram_num_embeddings=(rows.num_embeddings,),
+                       engram_vocab_size=start, num_mtp_layers=0, dspark_target_layers=())
+
+
+def model_config(name: str):
+    from megagraph.models.config import load_model_config
+
+    return slice_config() if name == "slice" else load_model_config("v4.1-flash-tiny")
+
+
+def hw_for(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "cpu"
+    from megagraph.runtime.kernels import device_arch
+
+    arch = device_arch(device)
+    return {"sm_90": "h200", "sm_100": "b200", "sm_103": "b300"}.get(arch, "h200")
+
+
+def compile_artifacts(cfg, hw: str, root: Path) -> Path:
+    from megagraph.passes import compile_model, load_hw_profile
+    from megagraph.passes.artifacts import write_artifacts
+
+    out = root / f"{cfg.name}-{hw}"
+    write_artifacts(compile_model(cfg, load_hw_profile(hw)), out, force=True)
+    return out
+
+
+def engine_for(plan, weights, mode: str, args, device) -> "object":
+    from megagraph.runtime.engine import Engine, EngineConfig
+
+    batches = tuple(args.batches)
+    conf = dict(device=str(device), max_slots=max(batches), capacity=args.context + args.steps + 8,
+                max_step_tokens=args.prefill_tokens, kernels="capturable", progress=False,
+                allow_fallback=device.type == "cpu")
+    if mode == "eager":
+        conf.update(cuda_graphs=False, buckets=())
+    elif mode == "padded":
+        conf.update(cuda_graphs=False, buckets=batches)
+    else:
+        conf.update(cuda_graphs=True, buckets=batches,
+                    compile=args.compile_backend if mode == "graphs+compile" else "none")
+    return Engine(plan, dict(weights), EngineConfig(**conf))
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_batch(eng, n: int, args, device) -> tuple[float, list[list[int]]]:
+    """Prefill n requests, then time decode steps; returns (median ms/step, argmax tokens)."""
+    from megagraph.runtime.batch import SeqChunk
+
+    gen = torch.Generator().manual_seed(1234)
+    vocab = eng.cfg.vocab_size
+    prompts = torch.randint(3, vocab, (n, args.context), generator=gen).tolist()
+    inputs = torch.randint(3, vocab, (args.warmup + args.steps, n), generator=gen).tolist()
+    slots = [eng.slots.allocate() for _ in range(n)]
+    try:
+        per_step = max(1, args.prefill_tokens // args.context)
+        for i in range(0, n, per_step):
+            eng.step([SeqChunk(slots[j], tuple(prompts[j])) for j in range(i, min(n, i + per_step))])
+        times, tokens = [], []
+        for k, row in enumerate(inputs):
+            sync(device)
+            t0 = time.perf_counter()
+            logits = eng.step([SeqChunk(s, (t,)) for s, t in zip(slots, row)])
+            sync(device)
+            if k >= args.warmup:
+                times.append(time.perf_counter() - t0)
+                tokens.append(logits.argmax(-1).tolist())
+        return 1e3 * statistics.median(times), tokens
+    finally:
+        for s in slots:
+            eng.release(s)
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    return sum(x == y for x, y in pairs) / max(len(pairs), 1)
+
+
+def bench_model(name: str, args, device, root: Path, log) -> dict:
+    from megagraph.runtime.plan import RunPlan
+    from megagraph.runtime.weights import fast_random_weights, graph_weight_specs, seeded_weights
+
+    cfg = model_config(name)
+    hw = hw_for(device)
+    t0 = time.perf_counter()
+    plan = RunPlan.from_artifacts(compile_artifacts(cfg, hw, root))
+    specs = graph_weight_specs([plan.graph])
+    make = fast_random_weights if name == "slice" else seeded_weights
+    weights = make(specs, plan.cfg, seed=0, device=device)
+    res = {"model": cfg.name, "hw_profile": hw, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
+           "experts": cfg.n_routed_experts, "weight_bytes": sum(w.numel() * w.element_size()
+                                                               for w in weights.values()),
+           "setup_s": round(time.perf_counter() - t0, 2), "modes": {}}
+    log(f"{cfg.name}: artifacts + weights in {res['setup_s']}s")
+    tokens = {}
+    for mode in args.modes:
+        row = res["modes"][mode] = {}
+        try:
+            t1 = time.perf_counter()
+            eng = engine_for(plan, weights, mode, args, device)
+            rep = eng.report
+            row.update(startup_s=round(time.perf_counter() - t1, 2),
+                       capture_s=round(rep.phases.get("capture", 0.0), 2),
+                       graph_memory_mib=round(rep.graph_memory_bytes / 2**20, 1),
+                       captured_segments=rep.captured_segments,
+                       eager_segments={str(k): v for k, v in rep.eager_segments.items()},
+                       ms_per_step={}, cache=rep.cache)
+            for n in args.batches:
+                ms, toks = run_batch(eng, n, args, device)
+                row["ms_per_step"][str(n)] = round(ms, 3)
+                tokens[(mode, n)] = toks
+                log(f"  {mode:15s} B={n:4d}  {ms:9.3f} ms/step")
+            eng.close()
+            del eng
+        except Exception as e:  # keep the rest of the table
+            row["error"] = f"{type(e).__name__}: {e}"
+            log(f"  {mode}: FAILED {row['error']}\n{traceback.format_exc(limit=4)}")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    res["tokens"] = token_checks(tokens, args.batches)
+    return res
+
+
+def token_checks(tokens: dict, batches) -> dict:
+    """graphs vs padded must be identical (same kernels, same shapes); vs eager, report agreement."""
+    out = {}
+    for mode in ("graphs", "graphs+compile"):
+        for ref in ("padded", "eager"):
+            pairs = [(tokens[(mode, n)], tokens[(ref, n)]) for n in batches
+                     if (mode, n) in tokens and (ref, n) in tokens]
+            if pairs:
+                exact = all(a == b for a, b in pairs)
+                agree = statistics.mean(agreement(a, b) for a, b in pairs)
+                out[f"{mode} vs {ref}"] = {"identical": exact, "agreement": round(agree, 4)}
+    return out
+
+
+def environment(device) -> dict:
+    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__,
+           "python": platform.python_version(), "command": " ".join(sys.argv),
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+           "cuda": torch.version.cuda}
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True, cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        pass
+    return env
+
+
+def markdown(results: dict) -> str:
+    env = results["environment"]
+    lines = [f"# Decode step time: eager vs CUDA graphs vs graphs + torch.compile", "",
+             f"{env['device']}, torch {env['torch']} (CUDA {env['cuda']}), {env['date']}, commit "
+             f"{env.get('commit', '?')}", f"`{env['command']}`", ""]
+    for m in results["models"]:
+        bs = [str(b) for b in results["batches"]]
+        lines += [f"## {m['model']} ({m['layers']} layers, hidden {m['hidden']}, {m['experts']} experts, "
+                  f"weights {m['weight_bytes'] / 2**30:.2f} GiB, profile {m['hw_profile']})", "",
+                  "| mode | " + " | ".join(f"B={b} ms/step" for b in bs) + " | capture s | graph MiB |",
+                  "|---|" + "---|" * (len(bs) + 2)]
+        for mode, row in m["modes"].items():
+            if "error" in row:
+                lines.append(f"| {mode} | failed: {row['error'][:120]} |")
+                continue
+            cells = [f"{row['ms_per_step'].get(b, float('nan')):.3f}" for b in bs]
+            lines.append(f"| {mode} | " + " | ".join(cells) +
+                         f" | {row['capture_s']:.2f} | {row['graph_memory_mib']:.1f} |")
+        for k, v in m.get("tokens", {}).items():
+            lines.append(f"- tokens {k}: {'identical' if v['identical'] else 'differ'} "
+                         f"(agreement {100 * v['agreement']:.1f}%)")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="directory for decode_runtime.json / .md")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, B=1,4, 2 steps")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--models", default="tiny,slice")
+    p.add_argument("--batches", default="1,8,64,256")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--context", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--prefill-tokens", type=int, default=4096, help="tokens per prefill step")
+    p.add_argument("--compile-backend", default="inductor", choices=("inductor", "eager"))
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.device, args.models, args.batches, args.steps, args.warmup = "cpu", "tiny", "1,4", 2, 1
+        args.context, args.modes = 16, "eager,padded,graphs"
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.modes = [m for m in args.modes.split(",") if m]
+    bad = sorted(set(args.modes) - set(MODES))
+    if bad:
+        p.error(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    torch.set_num_threads(1 if args.device == "cpu" else torch.get_num_threads())
+    device = torch.device(args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def log(msg):
+        print(msg, flush=True)
+
+    results = {"environment": environment(device), "batches": args.batches, "steps": args.steps,
+               "context": args.context, "models": []}
+    with tempfile.TemporaryDirectory(prefix="megagraph-bench-") as tmp:
+        for name in args.models.split(","):
+            results["models"].append(bench_model(name, args, device, Path(tmp), log))
+            (out / "decode_runtime.json").write_text(json.dumps(results, indent=1))
+            (out / "decode_runtime.md").write_text(markdown(results))
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
