@@ -135,7 +135,7 @@ def diff(a, b) -> str:
     for k in sorted(set(ka) | set(kb)):
         x, y = ka.get(k, {}).get("kernel"), kb.get(k, {}).get("kernel")
         if x != y:
-            out.append(f"kernel {k}: {x} -> {y}")
+            out.append(f"kernel {k}: {x or '-'} -> {y or '-'}")
     pools_a, pools_b = a.plan["memory"]["graph_pools_bytes"], b.plan["memory"]["graph_pools_bytes"]
     if pools_a != pools_b:
         out.append("graph pools: " + ", ".join(f"{k} {_gib(pools_a.get(k))} -> {_gib(pools_b.get(k))}"

@@ -171,6 +171,12 @@ class Rewrite:
         return dead_code(g)
 
 
+def escapes(g: Graph, users: dict[str, list[Node]], value: str, inside: set[int]) -> bool:
+    """Is `value` read outside a region (nodes by id in `inside`), or returned by the graph?"""
+    return any(id(u) not in inside for u in users.get(value, [])) or any(
+        v == value for _, v in g.outputs)
+
+
 def only_user(users: dict[str, list[Node]], value: str) -> Node | None:
     us = users.get(value, [])
     return us[0] if len(us) == 1 else None

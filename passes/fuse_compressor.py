@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from megagraph.graph.ir import Graph, Node
 
-from .base import Pass, PassResult, Rewrite, layer_of, only_user, register_pass
+from .base import Pass, PassResult, Rewrite, escapes, layer_of, only_user, register_pass
 from .hw import HwProfile
 
 ROPE_KEYS = ("rope_dim", "theta", "yarn_factor", "yarn_original", "yarn_beta_fast",
@@ -169,7 +169,7 @@ def _fuse_one(rw: Rewrite, prod, users, writes: list[Node]) -> None:
     inside = {id(n) for n in chain}
     for n in chain:
         for o in n.outputs:
-            if o not in outs and any(id(u) not in inside for u in users.get(o, [])):
+            if o not in outs and escapes(g, users, o, inside):
                 raise NoMatch(f"%{o} is also read outside the compressor")
     meta = ikey_w.inputs[2:5]
     ins = [x, kv_lin.inputs[1], gate_lin.inputs[1] if pool else None,
@@ -212,7 +212,7 @@ def _fuse_v4(rw: Rewrite, users, write: Node, chain: list[Node]) -> None:
     inside = {id(n) for n in chain} | {id(write)}
     for n in chain:
         for o in n.outputs:
-            if o not in pool.outputs[1:] and any(id(u) not in inside for u in users.get(o, [])):
+            if o not in pool.outputs[1:] and escapes(rw.g, users, o, inside):
                 raise NoMatch(f"%{o} is also read outside the compressor")
     ra = rope_n.attr_dict
     if ra.get("inverse"):

@@ -17,7 +17,7 @@ from typing import ClassVar
 from megagraph.graph.ir import Graph, Node
 from megagraph.graph.registry import get_op
 
-from .base import Pass, PassResult, Rewrite, layer_of, register_pass
+from .base import Pass, PassResult, Rewrite, escapes, layer_of, register_pass
 from .hw import HwProfile
 
 
@@ -121,10 +121,8 @@ def _fuse_site(rw: Rewrite, prod, users, expand: Node) -> None:
     site_outputs = {x, *mixer.outputs, expand.outputs[0], xq, xs}
     for n in inside:
         for o in n.outputs:
-            if o not in site_outputs:
-                _need(all(id(u) in ids_in for u in users.get(o, [])), f"%{o} is read outside the FFN site")
-    for o in (xq, xs):
-        _need(all(id(u) in ids_in for u in users.get(o, [])), f"%{o} is read outside the FFN site")
+            if o not in site_outputs or o in (xq, xs):
+                _need(not escapes(rw.g, users, o, ids_in), f"%{o} is read outside the FFN site")
     ma, ra, ea = _resolved(mixer), _resolved(router), _resolved(routed)
     sa = _resolved(shared) if shared else {}
     _need(not shared or sa["swiglu_limit"] == ea["swiglu_limit"], "routed and shared SwiGLU limits differ")

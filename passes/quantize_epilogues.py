@@ -19,7 +19,7 @@ from typing import ClassVar
 
 from megagraph.graph.ir import Graph, Node
 
-from .base import Pass, PassResult, Rewrite, only_user, register_pass
+from .base import Pass, PassResult, Rewrite, escapes, register_pass
 from .hw import HwProfile
 
 # GEMM op -> its quantized-input twin; input 0 is the activation in both
@@ -87,8 +87,8 @@ class QuantizeEpilogues(Pass):
                 counts["left_alone"] += 1
                 continue
             q, qs = rw.fresh(f"{v}.q"), rw.fresh(f"{v}.qscale")
-            chain = _attention_chain(v, prod, users) if fold else None
-            if chain is not None and len(users[v]) != len(gemms):
+            chain = _attention_chain(g, v, prod, users) if fold else None
+            if chain is not None and escapes(g, users, v, {id(x) for x in gemms}):
                 chain = None  # the unquantized output is read elsewhere too
             if chain is not None:
                 attn, rope_n, merge = chain
@@ -127,7 +127,7 @@ class QuantizeEpilogues(Pass):
         return PassResult(rw.apply(), note, counts)
 
 
-def _attention_chain(v: str, prod, users) -> tuple[Node, Node, Node] | None:
+def _attention_chain(g: Graph, v: str, prod, users) -> tuple[Node, Node, Node] | None:
     """(sparse_attn, inverse rope, merge_heads) producing v, each read only by the next."""
     merge = prod.get(v)
     if merge is None or merge.op != "merge_heads":
@@ -135,10 +135,10 @@ def _attention_chain(v: str, prod, users) -> tuple[Node, Node, Node] | None:
     rope_n = prod.get(merge.inputs[0])
     if rope_n is None or rope_n.op != "rope" or not rope_n.attr("inverse", False):
         return None
-    if rope_n.attr("offset", 0) != 0 or only_user(users, rope_n.outputs[0]) is not merge:
+    if rope_n.attr("offset", 0) != 0 or escapes(g, users, rope_n.outputs[0], {id(merge)}):
         return None
     attn = prod.get(rope_n.inputs[0])
-    if attn is None or attn.op != "sparse_attn" or only_user(users, attn.outputs[0]) is not rope_n:
+    if attn is None or attn.op != "sparse_attn" or escapes(g, users, attn.outputs[0], {id(rope_n)}):
         return None
     if rope_n.inputs[1] != attn.inputs[6]:  # rotated back at the query positions
         return None

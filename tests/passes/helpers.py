@@ -56,7 +56,7 @@ def compiled_f32(model: str, hw: str):
 # two prefills (crossing the tiny windows and compressor groups), one decode row per request, then
 # a mixed step (a new prefill beside a decode row and a 3-row verify)
 STEPS = (
-    ("prefill", ((0, random_tokens(11, 1)), (1, random_tokens(6, 2)))),
+    ("prefill", ((0, random_tokens(20, 1)), (1, random_tokens(6, 2)))),
     ("decode", ((0, (17,)), (1, (23,)))),
     ("mixed", ((2, random_tokens(5, 3)), (0, (41,)), (1, (7, 8, 9)))),
 )
@@ -64,7 +64,7 @@ STEPS = (
 
 def run_scenario(cfg, g, w, consts, steps=STEPS) -> dict[str, torch.Tensor]:
     """{"<kind>.logits": ..., "state.<name>": ...} after running every step."""
-    s = session(cfg, g, w, consts, slots=3, capacity=32)
+    s = session(cfg, g, w, consts, slots=3, capacity=128)
     out = {}
     for kind, chunks in steps:
         out[f"{kind}.logits"] = s.step([SeqChunk(slot, toks) for slot, toks in chunks])

@@ -1,0 +1,125 @@
+"""Small cases per pass: a positive case and a must-not-fire case each, plus registry rules."""
+
+import inspect
+from dataclasses import replace
+
+import pytest
+
+from megagraph.graph.ir import Node, freeze_attrs
+from megagraph.graph.registry import all_ops
+from megagraph.graph.text import parse_graph
+from megagraph.graph.verify import verify_graph
+from megagraph.kernels.reference.fused import FUSED
+from megagraph.passes import PASSES, PIPELINE, load_hw_profile
+from megagraph.passes.batch_window_copies import BatchWindowCopies
+from megagraph.passes.cleanup import CommonSubexpressions, DeadCode, FoldConstants
+from megagraph.passes.fuse_compressor import FuseCompressor
+from megagraph.passes.mega_moe import MegaMoeFusion
+from megagraph.passes.partition import PartitionPrefill, segments
+from megagraph.passes.quantize_epilogues import QuantizeEpilogues
+from tests.tiny import tiny
+
+GB300, CPU = load_hw_profile("gb300"), load_hw_profile("cpu")
+
+SMALL = """graph f {
+  dims T
+  input %x : f32[T, 64]
+  input %positions : i64[T]
+  %x32 = cast(%x) {dtype="f32"} : f32[T, 64]
+  %h = split_heads(%x32) {heads=4} : f32[T, 4, 16]
+  %flat = merge_heads(%h) : f32[T, 64]
+  %a = rope(%flat, %positions) {rope_dim=16, theta=10000.0} : f32[T, 64]
+  %b = rope(%flat, %positions) {rope_dim=16, theta=10000.0} : f32[T, 64]
+  %c = add(%a, %b) : f32[T, 64]
+  %dead = rope(%c, %positions) {rope_dim=16, theta=10000.0} : f32[T, 64]
+  return y=%c
+}
+"""
+
+
+def test_every_pass_is_registered_documented_and_in_the_pipeline():
+    assert set(PIPELINE) == set(PASSES)
+    for name, cls in PASSES.items():
+        doc = inspect.getdoc(cls) or ""
+        assert doc and name == cls.name
+        if name not in ("bounded-replay",):
+            assert "before" in doc and "after" in doc, f"{name}: docstring needs before/after"
+        assert cls.__dataclass_params__.frozen
+
+
+def test_every_fused_op_has_a_reference_kernel():
+    fused = [d for d in all_ops().values() if d.name in FUSED or d.fused_from]
+    assert {d.name for d in fused if d.fused_from} <= set(FUSED)
+    for d in fused:
+        assert d.doc and d.capture == "graph"
+
+
+def test_cleanups_fold_cse_and_dead_code():
+    g = parse_graph(SMALL)
+    assert DeadCode().run(g).graph.op_counts().get("rope") == 2
+    f = FoldConstants().run(g)
+    assert f.stats == {"folded": 2} and "cast" not in f.graph.op_counts()  # cast + merge(split)
+    assert "merge_heads" not in f.graph.op_counts()
+    c = CommonSubexpressions().run(f.graph)
+    assert c.stats == {"merged": 1} and c.graph.op_counts()["rope"] == 1
+    verify_graph(c.graph)
+    again = FoldConstants().run(c.graph)
+    assert again.graph is c.graph and "nothing to fold" in again.note
+
+
+@pytest.mark.parametrize("cls", [FuseCompressor, QuantizeEpilogues, MegaMoeFusion, BatchWindowCopies,
+                                 PartitionPrefill])
+def test_profile_dependent_passes_do_not_fire_on_cpu(cls):
+    _, g, _, _ = tiny("v4.1-flash-tiny", "bf16")
+    r = cls(hw=CPU).run(g)
+    assert r.graph is g and r.skipped and "cpu" in r.note
+
+
+def test_mega_moe_needs_quantized_ffn_input():
+    _, g, _, _ = tiny("v4.1-flash-tiny", "bf16")
+    r = MegaMoeFusion(GB300).run(g)  # quantize-epilogues has not run
+    assert r.graph is g and r.skipped and "not quantized" in r.note
+    q = QuantizeEpilogues(GB300).run(g).graph
+    m = MegaMoeFusion(GB300).run(q)
+    ops = m.graph.op_counts()
+    assert ops["mega_mhc"] == ops["mega_moe"] == 9 and "route" not in ops and "add" not in ops
+    assert ops["hc_expand"] == 9  # the attention sites' expands stay
+
+
+def test_mega_moe_leaves_a_site_whose_intermediate_escapes():
+    _, g, _, _ = tiny("v4.1-flash-tiny", "bf16")
+    q = QuantizeEpilogues(GB300).run(g).graph
+    # make layer 3's routed-expert output a graph output: it may no longer stay inside the site
+    q = replace(q, outputs=q.outputs + (("debug", "L3.ffn.routed"),))
+    m = MegaMoeFusion(GB300).run(q)
+    assert m.stats == {"sites": 9, "fused": 8} and "L3:" in m.note and "L3.ffn.routed" in m.note
+
+
+def test_fuse_compressor_leaves_a_layer_whose_latent_escapes():
+    _, g, _, _ = tiny("v4.1-flash-tiny", "bf16")
+    g2 = replace(g, outputs=g.outputs + (("debug", "L4.attn.compressor.latent"),))
+    r = FuseCompressor(GB300).run(g2)
+    assert r.stats == {"fused": 2, "left_alone": 1} and "L4:" in r.note
+
+
+def test_batch_window_copies_holds_back_a_ring_read_in_the_step():
+    _, g, _, _ = tiny("v4.1-flash-tiny", "bf16")
+    reader = Node("rms_norm", ("L3.attn.ring.next", None), ("probe",), freeze_attrs({"eps": 1e-6}))
+    g2 = g.with_nodes([*g.nodes, reader], types={"probe": g.types["L3.attn.ring.next"]},
+                      outputs=g.outputs + (("probe", "probe"),))
+    r = BatchWindowCopies(GB300).run(g2)
+    assert "held back: L3" in r.note and r.graph.op_counts()["ring_update"] == 1
+
+
+def test_partition_hoists_host_breaks_into_one_island():
+    _, g, _, _ = tiny("v4.1-flash-tiny", "bf16")
+    assert [s.kind for s in segments(g)] == ["graph", "eager", "graph", "eager", "graph"]
+    r = PartitionPrefill(GB300).run(g)
+    segs = segments(r.graph)
+    assert [s.kind for s in segs] == ["graph", "eager", "graph"]
+    assert {n.op for n in segs[1].nodes} == {"engram_lookup"}
+    assert "host-resident" in segs[1].reasons[0]
+    assert r.graph.meta_value("segments")[1].startswith("eager 2 node(s)")
+    verify_graph(r.graph)
+    keep = PartitionPrefill(GB300, hoist=False).run(g)
+    assert len(segments(keep.graph)) == 5
