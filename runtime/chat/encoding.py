@@ -394,7 +394,6 @@ class ChatPromptBuilder:
     def _constraint(self, req, side: dict[str, Any], thinking: bool,
                     parser_options: ParserOptions) -> OutputConstraint | None:
         """What grammar (if any) decoding must follow; see grammar.OutputConstraint."""
-        oc = req.inference_options.output_constraint
         conv = req.conversation
         tools_json = None
         if conv.tools and side["tool_mode"] != "none":
@@ -432,5 +431,4 @@ class ChatPromptBuilder:
         if auto_tools and any(t.strict for t in conv.tools):
             return OutputConstraint(kind="tool_calls", field="tools", tools_json=auto_tools,
                                     tool_mode="auto", **common)
-        del oc
         return None

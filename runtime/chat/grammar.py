@@ -18,7 +18,8 @@ What is constrained (the `OutputConstraint` that `encoding.ChatPromptBuilder` de
   other servers report JSON landing inside the reasoning when the grammar starts at the first token).
 
 xgrammar is optional (the `grammar` extra): without it `GrammarFactory(...)` raises
-`GrammarUnavailable` and `GrammarFactory.maybe_create(...)` returns None, and `make_grammar_state(None, constraint)` raises it naming the request field
+`GrammarUnavailable`, `GrammarFactory.maybe_create(...)` returns None, and
+`make_grammar_state(None, constraint)` raises `GrammarUnavailable` naming the request field
 (`response_format`, `regex`, `ebnf`, `tool_choice`, `tools`), which the server answers with HTTP 400.
 Constraints whose `required` is False (`tool_choice` required without thinking, where the prompt
 already forces the block) decode unconstrained instead.

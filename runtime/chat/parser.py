@@ -237,7 +237,6 @@ class ChatOutputParser:
         self._param: dict[str, Any] | None = None  # the parameter being parsed
         if options.parse_tool_calls and options.starts_in_tool_calls:
             self._mode = _BLOCK
-            self._block_emitted = False
             self._strip_nl = False
         elif options.thinking:
             self._mode = _REASONING
@@ -557,8 +556,7 @@ class ChatOutputParser:
             self.notes.append(f"ignored unknown attribute(s) {extra} in {tag[:80]!r}")
 
     def _end_block(self) -> None:
-        if self._call is not None:  # cannot happen from _BLOCK, kept for safety
-            self._call = None
+        self._call = None
         self._raw = ""
         self._mode = _CONTENT
         self._strip_ws = True
