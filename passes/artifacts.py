@@ -53,9 +53,14 @@ def _sha(text: str) -> str:
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
+class _Dumper(yaml.SafeDumper):
+    def ignore_aliases(self, data):  # never write &id001 anchors: every value in full
+        return True
+
+
 def dump_yaml(data) -> str:
-    return yaml.safe_dump(data, sort_keys=True, default_flow_style=None, width=100,
-                          allow_unicode=True)
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=True, default_flow_style=None, width=100,
+                     allow_unicode=True)
 
 
 def render(c: Compiled, *, model_arg: str | None = None) -> dict[str, str]:

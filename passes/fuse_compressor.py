@@ -227,4 +227,11 @@ def _fuse_v4(rw: Rewrite, users, write: Node, chain: list[Node]) -> None:
 
 
 def _ranges(layers: list[int | None]) -> str:
-    return ", ".join(str(i) for i in sorted(x for x in layers if x is not None))
+    """[2, 3, 4, 8] -> "2-4, 8"."""
+    xs, runs = sorted(x for x in layers if x is not None), []
+    for x in xs:
+        if runs and x == runs[-1][1] + 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -100,8 +100,8 @@ def _fuse_site(rw: Rewrite, prod, users, expand: Node) -> None:
     xq, xs, ids, wts = routed.inputs[:4]
     _need(shared is None or tuple(shared.inputs[:2]) == (xq, xs), "experts read different inputs")
     router, quant = prod.get(ids), prod.get(xq)
-    _need(router is not None and router.op == "route" and router.outputs == (ids, wts),
-          "the experts' ids/weights do not come from a `route` router")
+    _need(router is not None and router.op in ("route", "hash_route") and router.outputs == (ids, wts),
+          "the experts' ids/weights do not come from a `route` / `hash_route` router")
     _need(quant is not None and quant.op == "quantize_act", "x_q is not a quantize_act result")
     x = router.inputs[0]
     _need(quant.inputs[0] == x, "router and experts read different activations")
@@ -132,8 +132,12 @@ def _fuse_site(rw: Rewrite, prod, users, expand: Node) -> None:
                   sinkhorn_iters=ma["sinkhorn_iters"], norm_eps=norm.attr("eps"),
                   act_fmt=quant.attr("act_fmt"))
     sh_in = list(shared.inputs[2:8]) if shared else [None] * 6
-    moe = rw.node("mega_moe", [x, xq, xs, streams, post, comb, *router.inputs[1:3],
-                               *routed.inputs[4:10], *sh_in], [expand.outputs[0]],
+    if router.op == "route":
+        gate, hashed = list(router.inputs[1:3]), [None, None]
+    else:  # hash_route(x, gate_w, tid2eid, token_ids): experts from a table, no selection bias
+        gate, hashed = [router.inputs[1], None], list(router.inputs[2:4])
+    moe = rw.node("mega_moe", [x, xq, xs, streams, post, comb, *gate, *routed.inputs[4:10], *sh_in,
+                               *hashed], [expand.outputs[0]],
                   topk=ra["topk"], route_scale=ra["route_scale"], norm_topk=ra["norm_topk"],
                   score_func=ra["score_func"], fmt=ea["fmt"], shared_fmt=sa.get("fmt", "dense"),
                   swiglu_limit=ea["swiglu_limit"], act_fmt=ea["act_fmt"])

@@ -99,17 +99,20 @@ def static_buffers(g: Graph, segs, *, context: int) -> list[dict]:
     return out
 
 
-def kernel_table(graphs: list[Graph], hw: HwProfile) -> dict:
-    """Kernel choice per op variant (op[attr=value]) with the reason and the node count."""
+def kernel_table(graphs: dict[str, Graph], hw: HwProfile) -> dict:
+    """Kernel choice per op variant (op[attr=value]) with the reason, its node count in the step
+    graph, and the graphs it appears in."""
     rows: dict[str, dict] = {}
-    for g in graphs:
+    for name, g in graphs.items():
         for n in g.nodes:
             attrs = n.attr_dict
             key = kernel_key(n.op, attrs)
             if key not in rows:
                 impl, why = choose_kernel(n.op, attrs, hw.capabilities, hw.arch)
-                rows[key] = {"kernel": impl, "reason": why, "nodes": 0}
-            rows[key]["nodes"] += 1
+                rows[key] = {"kernel": impl, "reason": why, "nodes": 0, "graphs": []}
+            rows[key]["nodes"] += name == "step"
+            if name not in rows[key]["graphs"]:
+                rows[key]["graphs"].append(name)
     return dict(sorted(rows.items()))
 
 
@@ -158,7 +161,7 @@ def build_plan(g: Graph, hw: HwProfile, *, context: int, extra: dict[str, Graph]
     prefill = hw.prefill_token_buckets() if captured else []
     decode = list(hw.decode_buckets) if captured else []
     prof = live_profile(g, context=context)
-    seg_rows = []
+    seg_rows, start = [], 0
     for i, s in enumerate(segs):
         kind = s.kind if captured else "eager"
         row = {"index": i, "kind": kind, "first": s.first, "last": s.last, "nodes": len(s.nodes)}
@@ -166,7 +169,12 @@ def build_plan(g: Graph, hw: HwProfile, *, context: int, extra: dict[str, Graph]
             row["breaks"] = list(s.reasons)
         elif not captured:
             row["why_eager"] = f"profile {hw.name} has no CUDA graphs"
+        else:  # captured once per prefill bucket and per decode bucket
+            row["captures"] = len(set(prefill) | set(decode))
+            if prefill:
+                row["peak_bytes_at_limit"] = peak_at(prof[start:start + len(s.nodes)], prefill[-1])
         seg_rows.append(row)
+        start += len(s.nodes)
     bufs = static_buffers(g, segs, context=context) if len(segs) > 1 else []
     buf_total = sum((Linear(b["bytes_per_token"], b["fixed_bytes"]) for b in bufs), ZERO)
     graph_mem = {"prefill": {b: peak_at(prof, b) for b in prefill},
@@ -176,8 +184,20 @@ def build_plan(g: Graph, hw: HwProfile, *, context: int, extra: dict[str, Graph]
     buckets = {"prefill_tokens": prefill, "decode_rows": decode,
                "graph_token_limit": hw.graph_token_limit,
                "above_limit": "eager" if captured else "eager (no CUDA graphs on this profile)"}
+    replay_plan = None
     if "prefill-suffix" in extra:
         replay = hw.replay_buckets()
+        suffix = extra["prefill-suffix"]
+        replay_plan = {
+            "keep": suffix.meta_value("keep"), "boundary_layer": suffix.meta_value("boundary_layer"),
+            "graphs": {"prefix": "prefill-prefix", "suffix": "prefill-suffix",
+                       "encoder": "encoder-replay"},
+            "suffix_row_buckets": replay,
+            "use_for": "prefill steps; each request's last `keep` rows go through the suffix",
+            "never_for": "requests that want prompt logprobs (they need every row): use the step graph",
+            "above_largest_bucket": "the suffix runs eagerly",
+            "exact_path": "the step graph (default); replay is approximate, see "
+                          "benchmarks/results/bounded-replay-tiny.md"}
         sprof = live_profile(extra["prefill-suffix"], context=context)
         buckets["suffix_rows"] = replay
         graph_mem["suffix"] = {b: peak_at(sprof, b) for b in replay}
@@ -197,7 +217,8 @@ def build_plan(g: Graph, hw: HwProfile, *, context: int, extra: dict[str, Graph]
         "static_buffers": bufs,
         "static_buffer_bytes": {b: buf_total.at(b) for b in prefill} if bufs else {},
         "graph_memory_bytes": graph_mem,
-        "kernels": kernel_table([g, *extra.values()], hw),
+        "kernels": kernel_table({"step": g, **extra}, hw),
+        **({"bounded_replay": replay_plan} if replay_plan else {}),
         "memory": memory,
     }
 

@@ -143,19 +143,25 @@ def mega_mhc(h, fn, base, scale, mix, w, *, eps, hc_eps, sinkhorn_iters, norm_ep
 @op("mega_moe",
     ("x", "x_q", "x_scale", "streams", "post", "comb", "gate_w", "gate_bias?",
      "w1", "w1_scale?", "w3", "w3_scale?", "w2", "w2_scale?",
-     "sw1?", "sw1_scale?", "sw3?", "sw3_scale?", "sw2?", "sw2_scale?"),
+     "sw1?", "sw1_scale?", "sw3?", "sw3_scale?", "sw2?", "sw2_scale?", "tid2eid?", "token_ids?"),
     ("streams",),
     attrs={"topk": REQUIRED, "route_scale": REQUIRED, "norm_topk": True,
            "score_func": "sqrtsoftplus", "fmt": "dense", "shared_fmt": "dense",
            "swiglu_limit": 0.0, "act_fmt": REQUIRED}, cost="gemm",
     fused_from=("route", "moe_experts_q", "swiglu_mlp_q", "add", "hc_expand"))
 def mega_moe(x, xq, xs, h, post, comb, gate_w, bias, w1, s1, w3, s3, w2, s2, sw1, ss1, sw3, ss3,
-             sw2, ss2, *, topk, route_scale, norm_topk, score_func, fmt, shared_fmt, swiglu_limit,
-             act_fmt) -> TensorType:
-    """The whole MoE of one FFN site plus its residual expand: router (gate GEMM on x, top-k),
+             sw2, ss2, tid2eid, token_ids, *, topk, route_scale, norm_topk, score_func, fmt,
+             shared_fmt, swiglu_limit, act_fmt) -> TensorType:
+    """The whole MoE of one FFN site plus its residual expand: router (gate GEMM on x, top-k; or,
+    with tid2eid/token_ids, V4's hash routing: experts from the table, weights from the gate),
     dispatch, expert GEMMs on x_q/x_scale, SwiGLU, combine, shared expert, and
     streams' = post * y + comb^T streams. Only the new streams leave it."""
     expect(score_func in SCORE_FUNCS, f"score_func must be one of {SCORE_FUNCS}")
+    expect((tid2eid is None) == (token_ids is None), "hash routing needs both tid2eid and token_ids")
+    if tid2eid is not None:
+        expect(bias is None, "hash routing takes no selection bias")
+        expect(tid2eid.rank == 2 and tid2eid.shape[1] == topk and token_ids.shape == x.shape[:1],
+               f"tid2eid must be [V, {topk}] and token_ids [T], got {tid2eid} / {token_ids}")
     _expect_q(xq, xs, act_fmt)
     expect(x.shape == xq.shape, f"x and x_q must have one shape, got {x} / {xq}")
     expect(gate_w.rank == 2 and gate_w.shape[1] == x.shape[-1], f"gate_w must be [E, {x.shape[-1]}], got {gate_w}")

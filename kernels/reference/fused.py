@@ -112,11 +112,18 @@ def mega_mhc(streams, fn, base, scale, mix, norm_weight, *, eps, hc_eps, sinkhor
 
 
 def mega_moe(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_scale, w3, w3_scale,
-             w2, w2_scale, sw1, sw1_scale, sw3, sw3_scale, sw2, sw2_scale, *, topk, route_scale,
-             norm_topk, score_func, fmt, shared_fmt, swiglu_limit, act_fmt):
-    """route -> moe_experts_q (+ swiglu_mlp_q, add) -> hc_expand."""
-    ids, wts = route(x, gate_w, gate_bias, topk=topk, route_scale=route_scale,
-                     norm_topk=norm_topk, score_func=score_func)
+             w2, w2_scale, sw1, sw1_scale, sw3, sw3_scale, sw2, sw2_scale, tid2eid=None,
+             token_ids=None, *, topk, route_scale, norm_topk, score_func, fmt, shared_fmt,
+             swiglu_limit, act_fmt):
+    """route (or hash_route) -> moe_experts_q (+ swiglu_mlp_q, add) -> hc_expand."""
+    if tid2eid is not None:
+        from .v4 import hash_route
+
+        ids, wts = hash_route(x, gate_w, tid2eid, token_ids, topk=topk, route_scale=route_scale,
+                              score_func=score_func, norm_topk=norm_topk)
+    else:
+        ids, wts = route(x, gate_w, gate_bias, topk=topk, route_scale=route_scale,
+                         norm_topk=norm_topk, score_func=score_func)
     out_dtype = _ir_dtype(x.dtype)
     y = moe_experts_q(x_q, x_scale, ids, wts, w1, w1_scale, w3, w3_scale, w2, w2_scale, fmt=fmt,
                       swiglu_limit=swiglu_limit, act_fmt=act_fmt, out_dtype=out_dtype)
