@@ -72,8 +72,26 @@ def run_scenario(cfg, g, w, consts, steps=STEPS) -> dict[str, torch.Tensor]:
     return out
 
 
+def notes_apart(text: str) -> str:
+    """A dump with the meta line's pass notes moved to one `# <pass>: <note>` line each (so a
+    diff shows the new note, not a changed 2000-character meta line)."""
+    from megagraph.graph.text import format_attrs, parse_attrs
+
+    out = []
+    for line in text.splitlines(keepends=True):
+        if line.startswith("  meta {"):
+            meta = parse_attrs(line.strip()[len("meta "):])
+            notes = meta.pop("notes", [])
+            out.append(f"  meta {format_attrs(sorted(meta.items()))}\n")
+            out += [f"  # {n}\n" for n in notes]
+        else:
+            out.append(line)
+    return "".join(out)
+
+
 def stage_diff(before: str, after: str, name: str) -> str:
-    """Unified diff of two dumps (the snapshot of what one pass did)."""
-    lines = difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
+    """Unified diff of two dumps (the snapshot of what one pass did); notes one per line."""
+    lines = difflib.unified_diff(notes_apart(before).splitlines(keepends=True),
+                                 notes_apart(after).splitlines(keepends=True),
                                  fromfile="before", tofile=f"after {name}", n=1)
     return "".join(lines) or "(no change)\n"
