@@ -215,7 +215,7 @@ def main() -> int:
               "* Random weights are a stress test: nothing in them damps the perturbation the "
               "truncated windows cause, unlike a trained model; the numbers bound the mechanism, "
               "not the quality loss on real text, which must be measured with the real checkpoint.",
-              f"", f"Wall time: {time.time() - t0:.0f} s."]
+              "", f"Wall time: {time.time() - t0:.0f} s."]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text("\n".join(lines) + "\n")
     print(f"wrote {RESULTS.relative_to(ROOT)}")

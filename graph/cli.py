@@ -60,7 +60,7 @@ def summary(a) -> str:
     out = [f"artifacts {a.path.name}: {m['model']['name']} ({m['model']['family']}) for "
            f"{m['hardware']['name']} ({m['hardware']['arch']}), schema {m['schema_version']}, "
            f"megagraph {m['megagraph_version']}",
-           f"options: " + ", ".join(f"{k}={v}" for k, v in sorted(m["options"].items())), "",
+           "options: " + ", ".join(f"{k}={v}" for k, v in sorted(m["options"].items())), "",
            "passes:"]
     for p in m["passes"]:
         out.append(f"  {p['index']:02d} {p['name']:<20} {p['status']:<9} "

@@ -33,13 +33,17 @@ BLACKWELL_GEMM = "sm_100f deepgemm"
 # op (or "op[attr=value]" for a variant) -> implementations in order of preference
 KERNELS: dict[str, list[KernelImpl]] = {
     "linear[fmt=fp8_block]": [_k("deepgemm.fp8_gemm_nt", "sm_90 deepgemm",
-                                 note="1x128 act x 128x128 weight recipe; V4.1's 32x32 weight blocks need a re-blocked scale")],
-    "linear_q[act_fmt=mxfp8]": [_k("deepgemm.fp8_fp4_gemm_nt", f"{BLACKWELL_GEMM} mxfp8", note="recipe (1,1,32)")],
-    "linear_q[act_fmt=fp8_1x128]": [_k("deepgemm.fp8_gemm_nt", "sm_90 deepgemm", note="recipe (1,128,128)")],
+                                 note="1x128 act x 128x128 weight recipe; V4.1's 32x32 weight "
+                                      "blocks need a re-blocked scale")],
+    "linear_q[act_fmt=mxfp8]": [_k("deepgemm.fp8_fp4_gemm_nt", f"{BLACKWELL_GEMM} mxfp8",
+                                   note="recipe (1,1,32)")],
+    "linear_q[act_fmt=fp8_1x128]": [_k("deepgemm.fp8_gemm_nt", "sm_90 deepgemm",
+                                       note="recipe (1,128,128)")],
     "grouped_linear_q[act_fmt=mxfp8]": [_k("deepgemm.fp8_einsum", f"{BLACKWELL_GEMM} mxfp8")],
     "grouped_linear_q[act_fmt=fp8_1x128]": [_k("triton.grouped_fp8_gemm", "sm_90 triton")],
     "moe_experts": [_k("triton.moe_mxfp4", "cuda triton")],
-    "moe_experts_q[act_fmt=mxfp8]": [_k("deepgemm.m_grouped_fp8_fp4_gemm_nt_masked", f"{BLACKWELL_GEMM} mxfp4")],
+    "moe_experts_q[act_fmt=mxfp8]": [_k("deepgemm.m_grouped_fp8_fp4_gemm_nt_masked",
+                                        f"{BLACKWELL_GEMM} mxfp4")],
     "moe_experts_q[act_fmt=fp8_1x128]": [_k("triton.moe_fp8_mxfp4", "sm_90 triton",
                                             note="FP4 -> FP8 upcast in shared memory")],
     "mega_mhc": [_k("deepgemm.mega_mhc", f"{BLACKWELL_GEMM}"), _k("triton.mega_mhc", "sm_90 triton")],

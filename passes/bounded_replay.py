@@ -43,7 +43,8 @@ class BoundedReplay(Pass):
     prefill-prefix: the step up to and including the last KV-source layer; the values later layers
     read are returned as `bridge.<value>` outputs.
     prefill-suffix (new dim K = kept rows, bucketed by the runtime):
-      %positions.k, %token_req.k, %seq_new.k = suffix_meta(%keep_rows, %positions, %token_req, %seq_new) {keep=14}
+      %positions.k, %token_req.k, %seq_new.k = suffix_meta(%keep_rows, %positions, %token_req,
+          %seq_new) {keep=14}
       %L5.ffn.streams.k = select_rows(%L5.ffn.streams, %keep_rows) : bf16[K, 4, 64]
       ... layers 6-8 and the LM head on K rows ...
     encoder-replay: the step with every sparse attention's seq_cached replaced by

@@ -124,7 +124,8 @@ class PartitionPrefill(Pass):
         n_eager = sum(s.kind == "eager" for s in segs)
         how = (f"hoisted {moved} node(s) to the front" if n_eager
                else "no op in this graph needs to run eagerly")
-        note = (f"{len(segs)} segment(s), {n_eager} eager; {how}; prefill token buckets {buckets[0]}..{buckets[-1]} ({len(buckets)}), steps above "
+        note = (f"{len(segs)} segment(s), {n_eager} eager; {how}; prefill token buckets "
+                f"{buckets[0]}..{buckets[-1]} ({len(buckets)}), steps above "
                 f"{self.hw.graph_token_limit} tokens per GPU run eagerly")
         out = g.with_meta(segments=[s.describe() for s in segs])
         return PassResult(out, note, {"segments": len(segs), "eager": n_eager, "hoisted": moved})

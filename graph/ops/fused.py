@@ -164,7 +164,8 @@ def mega_moe(x, xq, xs, h, post, comb, gate_w, bias, w1, s1, w3, s3, w2, s2, sw1
                f"tid2eid must be [V, {topk}] and token_ids [T], got {tid2eid} / {token_ids}")
     _expect_q(xq, xs, act_fmt)
     expect(x.shape == xq.shape, f"x and x_q must have one shape, got {x} / {xq}")
-    expect(gate_w.rank == 2 and gate_w.shape[1] == x.shape[-1], f"gate_w must be [E, {x.shape[-1]}], got {gate_w}")
+    expect(gate_w.rank == 2 and gate_w.shape[1] == x.shape[-1],
+           f"gate_w must be [E, {x.shape[-1]}], got {gate_w}")
     _expert_bank(w1, s1, w3, s3, w2, s2, fmt, x.shape[1], stacked=True)
     if sw1 is not None:
         _expert_bank(sw1, ss1, sw3, ss3, sw2, ss2, shared_fmt, x.shape[1], stacked=False)
