@@ -35,7 +35,13 @@ def main(args: argparse.Namespace) -> int:
 
 # -- summary -------------------------------------------------------------------------------------
 def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+    """Bytes in a readable unit (B, KiB, MiB, GiB)."""
+    if n is None:
+        return "-"
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{n} B"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -91,8 +97,9 @@ def summary(a) -> str:
             "  graph pools (peak intermediates at the largest bucket): "
             + ", ".join(f"{k} {_gib(v)}" for k, v in mem["graph_pools_bytes"].items()),
             f"  one slot at {plan['assumptions']['context_tokens']} tokens: "
-            f"{_gib(mem['one_slot_at_context_bytes'])} of {_gib(mem['device_memory_bytes'])} "
-            f"(fits one device: {mem['fits_one_device']})"]
+            f"{_gib(mem['one_slot_at_context_bytes'])} "
+            + (f"of {_gib(mem['device_memory_bytes'])} (fits one device: {mem['fits_one_device']})"
+               if mem["device_memory_bytes"] else "(device memory not modelled)")]
     kernels = plan["kernels"]
     fast = {k: v for k, v in kernels.items() if v["kernel"] != "reference"}
     out += ["", f"kernels: {len(kernels)} op variants, {len(fast)} with a non-reference kernel"]
