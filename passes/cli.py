@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from .pipeline import PIPELINE, CompileOptions
 
@@ -49,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
                 raise ConfigError(f"-p: unknown pass(es) {unknown}; known: {', '.join(sorted(PASSES))}")
         opt = CompileOptions(bounded_replay=args.bounded_replay, logits=args.logits, passes=passes,
                              keep=args.keep, context=args.context)
-        check_output_dir(_path(args.out), force=args.force)
+        check_output_dir(Path(args.out), force=args.force)
         t0 = time.perf_counter()
         compiled = compile_model(cfg, hw, opt)
         out = write_artifacts(compiled, args.out, force=args.force, model_arg=args.model)
@@ -62,8 +63,3 @@ def main(args: argparse.Namespace) -> int:
         print(f"  {r.index:02d} {r.name:<20} {r.status:<9} {r.note}")
     return 0
 
-
-def _path(p: str):
-    from pathlib import Path
-
-    return Path(p)
