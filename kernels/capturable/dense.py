@@ -1,0 +1,228 @@
+"""Token-parallel ops: norms, GEMMs, RoPE, fake quantization, mHC, embedding, views and casts.
+
+These are row-independent (pad rows cannot affect real rows) and mostly identical to the
+reference; the differences are only where the reference builds a host tensor (RoPE frequencies,
+the E2M1 lookup table) that would be copied to the device on every call.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from megagraph.graph.interp import TORCH_DTYPES
+
+from ._common import dequantize, e2m1_decode
+
+# ---------------------------------------------------------------------------------------------
+# elementwise, norm, GEMM
+# ---------------------------------------------------------------------------------------------
+
+
+def add(a: Tensor, b: Tensor) -> Tensor:
+    return (a.float() + b.float()).to(a.dtype)
+
+
+def embed(token_ids: Tensor, table: Tensor) -> Tensor:
+    return table.index_select(0, token_ids)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None = None, *, eps: float) -> Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if weight is not None:
+        y = weight.float() * y
+    return y.to(x.dtype)
+
+
+def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None, *, fmt: str = "dense") -> Tensor:
+    w = dequantize(weight, scale, fmt)
+    return (x.float() @ w.t()).to(x.dtype)
+
+
+def grouped_linear(x: Tensor, weight: Tensor, scale: Tensor | None = None, *, groups: int,
+                   fmt: str = "dense") -> Tensor:
+    w = dequantize(weight, scale, fmt)
+    go, i = w.shape
+    o = go // groups
+    xg = x.float().reshape(*x.shape[:-1], groups, i)
+    y = torch.einsum("...gi,goi->...go", xg, w.reshape(groups, o, i))
+    return y.reshape(*x.shape[:-1], groups * o).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE
+# ---------------------------------------------------------------------------------------------
+
+
+def _yarn_range(rope_dim, theta, yarn_original, yarn_beta_fast, yarn_beta_slow):
+    def corr_dim(beta: float) -> float:
+        return rope_dim * math.log(yarn_original / (beta * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = math.floor(corr_dim(yarn_beta_fast))
+    high = math.ceil(corr_dim(yarn_beta_slow))
+    return max(low, 0), min(high, rope_dim - 1)
+
+
+def rope_frequencies(device, *, rope_dim: int, theta: float, yarn_factor: float = 1.0,
+                     yarn_original: int = 0, yarn_beta_fast: float = 32.0,
+                     yarn_beta_slow: float = 1.0) -> Tensor:
+    """kernels.reference.rope.rope_frequencies computed on `device` (same fp32 ops, same values)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=device) / rope_dim))
+    if yarn_factor > 1.0:
+        low, high = _yarn_range(rope_dim, theta, yarn_original, yarn_beta_fast, yarn_beta_slow)
+        if high == low:
+            high = low + 0.001
+        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32, device=device) - low)
+                / (high - low)).clamp(0, 1)
+        freqs = freqs / yarn_factor * ramp + freqs * (1 - ramp)
+    return freqs
+
+
+def rope(x: Tensor, positions: Tensor, *, rope_dim: int, theta: float, yarn_factor: float = 1.0,
+         yarn_original: int = 0, yarn_beta_fast: float = 32.0, yarn_beta_slow: float = 1.0,
+         offset: int = 0, inverse: bool = False) -> Tensor:
+    d = x.shape[-1]
+    if rope_dim > d or rope_dim % 2:
+        raise ValueError(f"bad rope_dim {rope_dim} for last dim {d}")
+    freqs = rope_frequencies(x.device, rope_dim=rope_dim, theta=theta, yarn_factor=yarn_factor,
+                             yarn_original=yarn_original, yarn_beta_fast=yarn_beta_fast,
+                             yarn_beta_slow=yarn_beta_slow)
+    ang = (positions + offset).to(torch.float32)[:, None] * freqs[None, :]
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    if inverse:
+        sin = -sin
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim // 2,)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    xr = x[..., d - rope_dim:].float()
+    a, b = xr[..., 0::2], xr[..., 1::2]
+    rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat((x[..., :d - rope_dim], rot), dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# activation fake quantization
+# ---------------------------------------------------------------------------------------------
+
+FP8_E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+
+
+def _pow2_ceil(y: Tensor) -> Tensor:
+    m, e = torch.frexp(y)
+    e = torch.where(m == 0.5, e - 1, e)
+    return torch.ldexp(torch.ones_like(y), e)
+
+
+def round_e2m1(v: Tensor) -> Tensor:
+    from megagraph.kernels import formats
+
+    v = v.clamp(-E2M1_MAX, E2M1_MAX)
+    return e2m1_decode(formats.f32_to_e2m1_codes(v, ties="even"))
+
+
+def fake_quant(x: Tensor, *, fmt: str, block: int) -> Tensor:
+    d = x.shape[-1]
+    if d % block:
+        raise ValueError(f"last dim {d} not divisible by block {block}")
+    xb = x.float().reshape(*x.shape[:-1], d // block, block)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    if fmt == "fp8_e4m3":
+        scale = _pow2_ceil(amax.clamp(min=1e-4) / FP8_E4M3_MAX)
+        q = (xb / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
+    elif fmt == "mxfp4":
+        scale = _pow2_ceil(amax.clamp(min=1e-4) / E2M1_MAX)
+        q = round_e2m1(xb / scale)
+    elif fmt == "nvfp4":
+        s = (amax.clamp(min=E2M1_MAX * 2.0**-9) / E2M1_MAX).clamp(max=FP8_E4M3_MAX)
+        scale = s.to(torch.float8_e4m3fn).float()
+        q = round_e2m1(xb / scale)
+    else:
+        raise ValueError(f"unknown fake-quant format {fmt!r}")
+    return (q * scale).reshape(x.shape).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# mHC
+# ---------------------------------------------------------------------------------------------
+
+
+def hc_embed(e: Tensor, *, n_hc: int) -> tuple[Tensor, Tensor]:
+    t = e.shape[0]
+    h = e.unsqueeze(1).expand(t, n_hc, e.shape[-1]).contiguous()
+    col = torch.arange(n_hc, device=e.device)
+    pre = (col == 0).to(torch.float32).expand(t, n_hc).contiguous()
+    return h, pre
+
+
+def _hc_logits(H: Tensor, fn: Tensor, eps: float) -> Tensor:
+    t, n, d = H.shape
+    h = H.float().reshape(t, n * d)
+    return (h @ fn.float().t()) * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+def hc_mixer(H: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, eps: float, hc_eps: float,
+             sinkhorn_iters: int) -> tuple[Tensor, Tensor, Tensor]:
+    t, n, _ = H.shape
+    m = _hc_logits(H, fn, eps)
+    sc = scale.float()
+    s = torch.cat([sc[0].expand(n), sc[1].expand(n), sc[2].expand(n * n)])
+    a = m * s + base.float()
+    pre = torch.sigmoid(a[:, :n]) + hc_eps
+    post = 2.0 * torch.sigmoid(a[:, n:2 * n])
+    c = a[:, 2 * n:].reshape(t, n, n)
+    c = torch.softmax(c, dim=-1) + hc_eps
+    c = c / (c.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        c = c / (c.sum(dim=-1, keepdim=True) + hc_eps)
+        c = c / (c.sum(dim=-2, keepdim=True) + hc_eps)
+    return pre, post, c
+
+
+def hc_collapse(H: Tensor, w: Tensor) -> Tensor:
+    return torch.einsum("tc,tcd->td", w.float(), H.float()).to(H.dtype)
+
+
+def hc_expand(H: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    out = post.float()[:, :, None] * y.float()[:, None, :]
+    out = out + torch.einsum("tij,tid->tjd", comb.float(), H.float())
+    return out.to(H.dtype)
+
+
+def hc_head_mix(H: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, eps: float, hc_eps: float) -> Tensor:
+    m = _hc_logits(H, fn, eps)
+    return torch.sigmoid(m * scale.float().reshape(-1)[0] + base.float()) + hc_eps
+
+
+# ---------------------------------------------------------------------------------------------
+# structural
+# ---------------------------------------------------------------------------------------------
+
+
+def split_heads(x: Tensor, *, heads: int) -> Tensor:
+    return x.reshape(x.shape[0], heads, x.shape[1] // heads)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    return x.reshape(x.shape[0], -1)
+
+
+def cast(x: Tensor, *, dtype: str) -> Tensor:
+    return x.to(TORCH_DTYPES[dtype])
+
+
+def select_last(x: Tensor, seq_new: Tensor) -> Tensor:
+    """Row of each request's last new token. A request row without tokens gets the row before its
+    (empty) span, clamped into range: a defined but meaningless value (the reference would index
+    row -1 for a leading empty request)."""
+    last = (torch.cumsum(seq_new, 0) - 1).clamp(0, max(x.shape[0] - 1, 0))
+    return x.index_select(0, last)
+
+
+def select_rows(x: Tensor, rows: Tensor) -> Tensor:
+    return x.index_select(0, rows)
+
+
+def fill(x: Tensor, *, value) -> Tensor:
+    return torch.full_like(x, value)
