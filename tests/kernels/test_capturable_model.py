@@ -58,12 +58,12 @@ def run_sessions(name, impls_list, quantize_kv=False):
 def test_sessions_match_reference(name, quantize_kv, tol):
     (ref, cap), (lr, lc) = run_sessions(name, [None, IMPLS], quantize_kv)
     for i, (a, b) in enumerate(zip(lr, lc)):
-        torch.testing.assert_close(b, a, rtol=tol, atol=tol, msg=lambda m: f"step {i}: {m}")
+        torch.testing.assert_close(b, a, rtol=tol, atol=tol, msg=lambda m, i=i: f"step {i}: {m}")
     for k in ref.state:
         a, b = ref.state[k], cap.state[k]
         assert a.dtype == b.dtype and a.shape == b.shape
         if a.dtype.is_floating_point:
-            torch.testing.assert_close(b, a, rtol=tol, atol=tol, msg=lambda m: f"state {k}: {m}")
+            torch.testing.assert_close(b, a, rtol=tol, atol=tol, msg=lambda m, k=k: f"state {k}: {m}")
         else:
             assert torch.equal(a, b), k
 
@@ -150,7 +150,7 @@ def padded_inputs(chunks, cached, pads):
 
 @pytest.mark.parametrize("name", [V41, V4])
 def test_pad_requests_and_empty_rows_leave_real_requests_unchanged(name):
-    cfg, g, w, consts = model(name)
+    _, g, w, consts = model(name)
     cap = 64 if name == V41 else 256
     state = initial_state(g, slots=4, capacity=cap)
     cached: dict[int, int] = {}
@@ -169,7 +169,7 @@ def test_pad_requests_and_empty_rows_leave_real_requests_unchanged(name):
         for k in state:
             a, b = out_plain[k][:SCRATCH], out_pad[k][:SCRATCH]
             if a.dtype.is_floating_point:
-                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=lambda m: f"state {k}: {m}")
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"state {k}: {m}")
             else:
                 assert torch.equal(a, b), k
         state = {k: out_plain[k] for k in state}
@@ -185,7 +185,7 @@ def test_pad_requests_and_empty_rows_leave_real_requests_unchanged(name):
 @pytest.mark.parametrize("name", [V41, V4])
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
 def test_model_step_runs_on_meta_without_host_tensors(name, kind):
-    cfg, g, w, consts = model(name)
+    _, g, w, consts = model(name)
     cap = 64 if name == V41 else 256
     cached = {0: 20, 1: 7, 2: 33, 3: 1}
     if kind == "decode":
@@ -208,7 +208,7 @@ def test_v41_decode_step_compiles_fullgraph():
     a tensor value in any kernel) is an error. backend="eager": only Dynamo's tracing is tested."""
     import torch._dynamo
 
-    cfg, g, w, consts = model(V41)
+    _, g, w, consts = model(V41)
     cached = {0: 20, 1: 7, 2: 33, 3: 1}
     chunks = [SeqChunk(s, random_tokens(1, 40 + s)) for s in range(4)]
     inputs = {**step_metadata(chunks, cached), **initial_state(g, slots=4, capacity=64), **consts}
@@ -221,4 +221,4 @@ def test_v41_decode_step_compiles_fullgraph():
         torch._dynamo.reset()
     want = interpret(g, inputs, w, CAPTURABLE)
     for k, v in want.items():
-        torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
