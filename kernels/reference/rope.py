@@ -58,6 +58,7 @@ def rope(x: Tensor, positions: Tensor, *, rope_dim: int, theta: float, yarn_fact
     freqs = rope_frequencies(rope_dim=rope_dim, theta=theta, yarn_factor=yarn_factor,
                              yarn_original=yarn_original, yarn_beta_fast=yarn_beta_fast,
                              yarn_beta_slow=yarn_beta_slow)
+    freqs = freqs.to(positions.device)
     ang = (positions + offset).to(torch.float32)[:, None] * freqs[None, :]  # [T, rope_dim/2]
     cos, sin = torch.cos(ang), torch.sin(ang)
     if inverse:

@@ -24,7 +24,7 @@ def cast(x: Tensor, *, dtype: str) -> Tensor:
 
 def select_last(x: Tensor, seq_new: Tensor) -> Tensor:
     """Row of each request's last new token (requests are contiguous in the step)."""
-    last = torch.cumsum(seq_new, 0) - 1
+    last = (torch.cumsum(seq_new, 0) - 1).clamp(min=0)  # an empty request row gets row 0 (unused)
     return x.index_select(0, last)
 
 
