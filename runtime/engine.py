@@ -129,8 +129,8 @@ class Engine:
         from .tokenizer import compressed_token_map
 
         tok = self.tokenizer
-        if tok is not None and tok.path.name == "tokenizer.json":  # a real checkpoint tokenizer
-            m = compressed_token_map(tok, self.cfg)
+        if tok is not None and self.ckpt_dir is not None and tok.path.parent == self.ckpt_dir:
+            m = compressed_token_map(tok, self.cfg)  # the checkpoint's own tokenizer
         else:  # tiny / random models: the deterministic stand-in the tests use
             m = tiny_token_map(self.cfg)
         return {"engram_token_map": m.to(self.device)}

