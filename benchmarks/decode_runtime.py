@@ -128,7 +128,8 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / max(len(pairs), 1)
 
 
-def bench_model(name: str, args, device, root: Path, log) -> dict:
+def setup_model(name: str, args, device, root: Path, log) -> tuple[dict, object, dict]:
+    """Compile the model's artifacts for this device's profile and make its weights once."""
     from megagraph.runtime.plan import RunPlan
     from megagraph.runtime.weights import fast_random_weights, graph_weight_specs, seeded_weights
 
@@ -136,41 +137,44 @@ def bench_model(name: str, args, device, root: Path, log) -> dict:
     hw = hw_for(device)
     t0 = time.perf_counter()
     plan = RunPlan.from_artifacts(compile_artifacts(cfg, hw, root))
-    specs = graph_weight_specs([plan.graph])
     make = fast_random_weights if name == "slice" else seeded_weights
-    weights = make(specs, plan.cfg, seed=0, device=device)
+    weights = make(graph_weight_specs([plan.graph]), plan.cfg, seed=0, device=device)
     res = {"model": cfg.name, "hw_profile": hw, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
-           "experts": cfg.n_routed_experts, "weight_bytes": sum(w.numel() * w.element_size()
-                                                               for w in weights.values()),
-           "setup_s": round(time.perf_counter() - t0, 2), "modes": {}}
+           "experts": cfg.n_routed_experts,
+           "weight_bytes": sum(w.numel() * w.element_size() for w in weights.values()),
+           "setup_s": round(time.perf_counter() - t0, 2), "modes": {}, "tokens": {}}
     log(f"{cfg.name}: artifacts + weights in {res['setup_s']}s")
-    tokens = {}
-    for mode in args.modes:
-        row = res["modes"][mode] = {}
-        try:
-            t1 = time.perf_counter()
-            eng = engine_for(plan, weights, mode, args, device)
-            rep = eng.report
-            row.update(startup_s=round(time.perf_counter() - t1, 2),
-                       capture_s=round(rep.phases.get("capture", 0.0), 2),
-                       graph_memory_mib=round(rep.graph_memory_bytes / 2**20, 1),
-                       captured_segments=rep.captured_segments,
-                       eager_segments={str(k): v for k, v in rep.eager_segments.items()},
-                       ms_per_step={}, cache=rep.cache)
-            for n in args.batches:
-                ms, toks = run_batch(eng, n, args, device)
-                row["ms_per_step"][str(n)] = round(ms, 3)
-                tokens[(mode, n)] = toks
-                log(f"  {mode:15s} B={n:4d}  {ms:9.3f} ms/step")
-            eng.close()
-            del eng
-        except Exception as e:  # keep the rest of the table
-            row["error"] = f"{type(e).__name__}: {e}"
-            log(f"  {mode}: FAILED {row['error']}\n{traceback.format_exc(limit=4)}")
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    return res, plan, weights
+
+
+def run_mode(res: dict, plan, weights, mode: str, args, device, tokens: dict, log) -> None:
+    """Start an engine in `mode`, time every batch size, keep the argmax tokens."""
+    row = res["modes"][mode] = {}
+    try:
+        t1 = time.perf_counter()
+        eng = engine_for(plan, weights, mode, args, device)
+        rep = eng.report
+        row.update(startup_s=round(time.perf_counter() - t1, 2),
+                   capture_s=round(rep.phases.get("capture", 0.0), 2),
+                   graph_memory_mib=round(rep.graph_memory_bytes / 2**20, 1),
+                   captured_segments=rep.captured_segments,
+                   eager_segments={str(k): v for k, v in rep.eager_segments.items()},
+                   ms_per_step={}, cache=rep.cache)
+        log(f"  {res['model']} {mode}: start-up {row['startup_s']}s (capture {row['capture_s']}s, "
+            f"graphs {row['graph_memory_mib']} MiB, captured segments {rep.captured_segments})")
+        for n in args.batches:
+            ms, toks = run_batch(eng, n, args, device)
+            row["ms_per_step"][str(n)] = round(ms, 3)
+            tokens[(mode, n)] = toks
+            log(f"  {res['model']} {mode:15s} B={n:4d}  {ms:9.3f} ms/step")
+        eng.close()
+        del eng
+    except Exception as e:  # keep the rest of the table
+        row["error"] = f"{type(e).__name__}: {e}"
+        log(f"  {res['model']} {mode}: FAILED {row['error']}\n{traceback.format_exc(limit=6)}")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     res["tokens"] = token_checks(tokens, args.batches)
-    return res
 
 
 def token_checks(tokens: dict, batches) -> dict:
@@ -238,6 +242,8 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--prefill-tokens", type=int, default=4096, help="tokens per prefill step")
     p.add_argument("--compile-backend", default="inductor", choices=("inductor", "eager"))
+    p.add_argument("--time-budget", type=float, default=420.0,
+                   help="seconds after which remaining (model, mode) runs are skipped")
     args = p.parse_args(argv)
     if args.smoke:
         args.device, args.models, args.batches, args.steps, args.warmup = "cpu", "tiny", "1,4", 2, 1
@@ -257,11 +263,27 @@ def main(argv=None) -> int:
 
     results = {"environment": environment(device), "batches": args.batches, "steps": args.steps,
                "context": args.context, "models": []}
+    t_start = time.perf_counter()
+
+    def save():
+        (out / "decode_runtime.json").write_text(json.dumps(results, indent=1))
+        (out / "decode_runtime.md").write_text(markdown(results))
+
     with tempfile.TemporaryDirectory(prefix="megagraph-bench-") as tmp:
+        models = []
         for name in args.models.split(","):
-            results["models"].append(bench_model(name, args, device, Path(tmp), log))
-            (out / "decode_runtime.json").write_text(json.dumps(results, indent=1))
-            (out / "decode_runtime.md").write_text(markdown(results))
+            res, plan, weights = setup_model(name, args, device, Path(tmp), log)
+            results["models"].append(res)
+            models.append((res, plan, weights, {}))
+        # every model's cheap modes first, torch.compile last: a slow compile cannot starve the rest
+        for mode in sorted(args.modes, key=lambda m: m == "graphs+compile"):
+            for res, plan, weights, tokens in models:
+                if time.perf_counter() - t_start > args.time_budget:
+                    res["modes"][mode] = {"error": f"skipped: --time-budget {args.time_budget}s spent"}
+                    continue
+                run_mode(res, plan, weights, mode, args, device, tokens, log)
+                save()
+    save()
     print(markdown(results))
     return 0
 
