@@ -155,7 +155,7 @@ def run_mode(res: dict, plan, weights, mode: str, args, device, tokens: dict, lo
         eng = engine_for(plan, weights, mode, args, device)
         rep = eng.report
         row.update(startup_s=round(time.perf_counter() - t1, 2),
-                   capture_s=round(rep.phases.get("capture", 0.0), 2),
+                   capture_s=round(rep.phases.get("warm-up+capture", 0.0), 2),
                    graph_memory_mib=round(rep.graph_memory_bytes / 2**20, 1),
                    captured_segments=rep.captured_segments,
                    eager_segments={str(k): v for k, v in rep.eager_segments.items()},

@@ -57,10 +57,7 @@ class GraphRunner:
         self.buckets = tuple(sorted(buckets))
         self.use_graphs = device.type == "cuda" and capture
         self.capturable = capturable if self.use_graphs else set()
-        why = "CUDA graphs are off" if device.type == "cuda" else "no CUDA on this device"
-        self.report = CaptureReport(list(self.buckets), sorted(self.capturable),
-                                    {**eager_reasons, **{i: why for i in capturable
-                                                         if not self.use_graphs}})
+        self.report = CaptureReport(list(self.buckets), sorted(self.capturable), dict(eager_reasons))
         self.fns = [wrap(i, p) if wrap else p for i, p in enumerate(step.programs)]
         self.buffers = self._allocate() if self.buckets else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}

@@ -146,15 +146,21 @@ class Engine:
             if s.kind != "graph":
                 reasons[s.index] = s.why_eager or "the plan runs it eagerly"
             else:
-                bad = sorted({f"{g.nodes[i].op}" for i in s.nodes
+                bad = sorted({g.nodes[i].op for i in s.nodes
                               if g.nodes[i].outputs[0] not in self.kernels.capture_safe})
                 reasons[s.index] = f"kernels not capturable (reference): {', '.join(bad[:6])}" + \
                     (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
+        if self.device.type != "cuda" or not c.cuda_graphs:
+            why = "no CUDA on this device" if self.device.type != "cuda" else "CUDA graphs are off"
+            reasons = {s.index: f"{why} (plan: {reasons.get(s.index, 'capturable')})"
+                       for s in self.plan.segments}
+            capturable = set()
         backend = check_backend(c.compile if c.compile != "none" else (self.plan.compile_backend or "none"))
         wrap_fn = None
         if backend != "none":
             from .compile import cache_counters, load_megacache, wrap
 
+            before = cache_counters()
             d = cache_dir(self.plan.source, cache_key(self._plan_id(), self.device, backend))
             point_caches(d)
             self.report.cache_dir, self.report.compile_backend = str(d), backend
@@ -164,7 +170,7 @@ class Engine:
             def wrap_fn(i, fn):
                 return wrap(fn, backend, len(buckets)) if i in targets else fn
 
-        with self.report.timed("capture"):
+        with self.report.timed("warm-up+capture"):
             self.runner = GraphRunner(self.program, buckets, capturable=capturable,
                                       eager_reasons=reasons, device=self.device,
                                       capture=c.cuda_graphs, wrap=wrap_fn)
@@ -174,7 +180,7 @@ class Engine:
         if backend != "none":
             from .compile import save_megacache
 
-            self.report.cache = cache_counters()
+            self.report.cache = {k: v - before[k] for k, v in cache_counters().items()}
             save_megacache(Path(self.report.cache_dir))
 
     def _plan_id(self) -> str:

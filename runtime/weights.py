@@ -84,13 +84,17 @@ def check_fit(cfg: ModelConfig, need: MemoryNeed, available: int, where: str) ->
     layers = max(0, (available - fixed) // per_layer) if per_layer else 0
     gpus = math.ceil(need.total / max(available, 1))
     raise FitError(
-        f"{cfg.name} does not fit {where}: it needs {need.total / GiB:.1f} GiB (weights "
-        f"{need.weights / GiB:.1f} GiB in storage format, state {need.state / GiB:.2f} GiB, graph "
-        f"pools {need.graph_pools / GiB:.2f} GiB) and {available / GiB:.1f} GiB is available.\n"
+        f"{cfg.name} does not fit {where}: it needs {_size(need.total)} (weights "
+        f"{_size(need.weights)} in storage format, state {_size(need.state)}, graph pools "
+        f"{_size(need.graph_pools)}) and {_size(available)} is available.\n"
         f"What would fit: a layer slice of at most {min(layers, cfg.num_layers)} of "
-        f"{cfg.num_layers} layers ({per_layer / GiB:.2f} GiB each; benchmarks/decode_runtime.py "
-        f"builds one), fewer slots or a shorter context (state), or about {gpus} GPUs with the "
-        "experts split across them (expert parallelism is a later issue).")
+        f"{cfg.num_layers} layers ({_size(per_layer)} each; benchmarks/decode_runtime.py builds "
+        f"one), fewer slots or a shorter context (state), or about {gpus} GPUs with the experts "
+        "split across them (expert parallelism is a later issue).")
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
 
 
 def available_bytes(device: torch.device, budget: int | None = None) -> int:

@@ -1,0 +1,100 @@
+"""Bad input fails early and clearly: other hardware, mismatched or damaged checkpoints, missing
+files, a model that does not fit."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+
+from megagraph.models.checkpoint import CheckpointError, random_weights, write_checkpoint
+from megagraph.runtime.engine import Engine, EngineConfig
+from megagraph.runtime.plan import ArtifactsError, RunPlan
+from megagraph.runtime.weights import FitError, graph_weight_specs
+from tests.runtime.conftest import make_engine
+from tests.tiny import SeqChunk, tiny
+
+MODEL = "v4.1-flash-tiny"
+CONF = dict(max_slots=2, capacity=64, progress=False)
+
+
+def test_artifacts_for_another_device(compiled):
+    path = compiled(MODEL, hw="h200")
+    with pytest.raises(ArtifactsError, match=r"compiled for hardware profile 'h200' \(sm_90\), but "
+                                             r"this device is cpu.*--allow-fallback"):
+        Engine.from_artifacts(path, **CONF)
+    eng = Engine.from_artifacts(path, allow_fallback=True, **CONF)
+    assert "artifacts for h200 (sm_90) on cpu" in "\n".join(eng.report.lines())
+
+
+def test_fallback_names_the_kernels(compiled):
+    plan = RunPlan.from_artifacts(compiled(MODEL))
+    plan = dataclasses.replace(plan, kernels={**plan.kernels, "linear[fmt=fp8_block]": "deepgemm.fp8_gemm_nt"})
+    with pytest.raises(ArtifactsError, match=r"linear\[fmt=fp8_block\] with kernel 'deepgemm.fp8_gemm_nt'"):
+        Engine(plan, None, EngineConfig(**CONF))
+    eng = Engine(plan, None, EngineConfig(allow_fallback=True, **CONF))
+    assert eng.report.kernel_fallbacks == {"linear[fmt=fp8_block]": "deepgemm.fp8_gemm_nt -> reference"}
+    assert "deepgemm.fp8_gemm_nt -> reference" in "\n".join(eng.report.lines())
+
+
+def _checkpoint(tmp_path, model, drop=None):
+    cfg, g, _, _ = tiny(model, act_dtype="f32")
+    w = random_weights(graph_weight_specs([g]), seed=0, init_std=cfg.hidden_size ** -0.5)
+    if drop:
+        w.pop(drop)
+    return write_checkpoint(tmp_path / "ckpt", w, max_shard_bytes=8 << 20)
+
+
+def test_checkpoint_loads_in_storage_format(compiled, tmp_path):
+    ckpt = _checkpoint(tmp_path, MODEL)
+    eng = Engine.from_artifacts(compiled(MODEL), ckpt, **CONF)
+    assert eng.weights["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn  # not dequantized
+    ref = make_engine(compiled(MODEL), MODEL, **CONF)  # the same seeded values, in memory
+    chunks = [SeqChunk(0, (5, 6, 7))]
+    torch.testing.assert_close(eng.step(chunks), ref.step(chunks), rtol=0, atol=0)
+
+
+def test_checkpoint_of_another_model_names_a_tensor(compiled, tmp_path):
+    ckpt = _checkpoint(tmp_path, "v4-flash-tiny")
+    with pytest.raises(CheckpointError, match=r"layers\.\d+\.|embed|head"):
+        Engine.from_artifacts(compiled(MODEL), ckpt, **CONF)
+
+
+def test_checkpoint_missing_a_tensor(compiled, tmp_path):
+    ckpt = _checkpoint(tmp_path, MODEL, drop="layers.3.attn.wq_b.weight")
+    with pytest.raises(CheckpointError, match=r"layers\.3\.attn\.wq_b\.weight"):
+        Engine.from_artifacts(compiled(MODEL), ckpt, **CONF)
+
+
+def test_missing_files(compiled, tmp_path):
+    with pytest.raises(ArtifactsError, match="no such directory"):
+        Engine.from_artifacts(tmp_path / "nope", **CONF)
+    art = tmp_path / "art"
+    shutil.copytree(compiled(MODEL), art)
+    (art / "plan.yaml").unlink()
+    with pytest.raises(ArtifactsError, match="plan.yaml"):
+        Engine.from_artifacts(art, **CONF)
+    shutil.rmtree(art)
+    shutil.copytree(compiled(MODEL), art)
+    final = sorted((art / "graph").glob("*.mgir"))[-1]
+    final.unlink()
+    with pytest.raises(ArtifactsError, match=final.name):
+        Engine.from_artifacts(art, **CONF)
+    with pytest.raises(CheckpointError, match="not found"):
+        Engine.from_artifacts(compiled(MODEL), tmp_path / "no-ckpt", **CONF)
+
+
+def test_fit_check_fails_before_loading(compiled, tmp_path):
+    with pytest.raises(FitError, match=r"(?s)needs [0-9.]+ MiB .* and 1\.0 MiB is available.*layer slice"):
+        Engine.from_artifacts(compiled(MODEL), tmp_path / "never-read", memory_budget=1 << 20, **CONF)
+
+
+def test_full_size_model_says_what_would_fit(compiled):
+    path = compiled("v4.1-flash", act="bf16")
+    with pytest.raises(FitError) as e:
+        Engine.from_artifacts(path, memory_budget=139 << 30, **CONF)
+    msg = str(e.value)
+    assert "v4.1-flash does not fit" in msg and "139.0 GiB is available" in msg
+    assert "a layer slice of at most" in msg and "GPUs" in msg
