@@ -78,6 +78,17 @@ def e4m3_value(v, MANUAL: tl.constexpr):
 
 
 @triton.jit
+def cast_to(x, dtype: tl.constexpr, MANUAL: tl.constexpr):
+    """x (fp32) cast to dtype; under the interpreter (MANUAL), whose fp32 -> bf16 cast truncates,
+    round to nearest even first."""
+    if MANUAL and dtype == tl.bfloat16:
+        b = x.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        x = b.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
 def round_e2m1(v):
     """Nearest E2M1 value {0, .5, 1, 1.5, 2, 3, 4, 6} (signed), ties to the even code, saturating
     at 6 (kernels.formats.f32_to_e2m1_codes with ties='even')."""
@@ -91,12 +102,13 @@ def round_e2m1(v):
 
 
 @triton.jit
-def rope_pairs(x, pos_f, freq_ptr, ROWS: tl.constexpr, D: tl.constexpr, ROPE_DIM: tl.constexpr,
-               INVERSE: tl.constexpr):
-    """Rotate the last ROPE_DIM channels of x [ROWS, D] (fp32) as interleaved pairs by the angle
-    pos_f[row] * freq[k] (conjugate if INVERSE); pos_f f32[ROWS]."""
-    a, b = tl.split(tl.reshape(x, (ROWS, D // 2, 2)))
-    kp = tl.arange(0, D // 2) - (D - ROPE_DIM) // 2
+def rope_chunk(x, pos_f, freq_ptr, ROWS: tl.constexpr, CW: tl.constexpr, c0, DTOT: tl.constexpr,
+               ROPE_DIM: tl.constexpr, INVERSE: tl.constexpr):
+    """x [ROWS, CW] holds channels c0 .. c0+CW-1 (c0 even) of rows DTOT wide: rotate those among
+    the last ROPE_DIM channels as interleaved pairs by the angle pos_f[row] * freq[k] (conjugate
+    if INVERSE), k = the pair's index inside the rotated part; pos_f f32[ROWS]."""
+    a, b = tl.split(tl.reshape(x, (ROWS, CW // 2, 2)))
+    kp = c0 // 2 + tl.arange(0, CW // 2) - (DTOT - ROPE_DIM) // 2
     isr = kp >= 0
     f = tl.load(freq_ptr + tl.maximum(kp, 0), mask=isr, other=0.0)
     ang = pos_f[:, None] * f[None, :]
@@ -106,7 +118,37 @@ def rope_pairs(x, pos_f, freq_ptr, ROWS: tl.constexpr, D: tl.constexpr, ROPE_DIM
         sn = -sn
     a2 = tl.where(isr[None, :], a * cs - b * sn, a)
     b2 = tl.where(isr[None, :], a * sn + b * cs, b)
-    return tl.reshape(tl.join(a2, b2), (ROWS, D))
+    return tl.reshape(tl.join(a2, b2), (ROWS, CW))
+
+
+@triton.jit
+def fake_quant_rows(x, ROWS: tl.constexpr, CW: tl.constexpr, FMT: tl.constexpr,
+                    BLOCK: tl.constexpr, MANUAL_FP8: tl.constexpr):
+    """kernels.reference.quant.fake_quant of x [ROWS, CW] in blocks of BLOCK channels
+    (CW % BLOCK == 0). FMT 0: none; 1: fp8_e4m3 (pow2 scale of amax/448, amax >= 1e-4);
+    2: mxfp4 (pow2 scale of amax/6, amax >= 1e-4, E2M1 ties to even); 3: nvfp4 (E4M3 scale of
+    min(max(amax, 6*2^-9)/6, 448), E2M1 of x/scale)."""
+    if FMT == 0:
+        return x
+    NB: tl.constexpr = CW // BLOCK
+    xb = tl.reshape(x, (ROWS, NB, BLOCK))
+    amax = tl.max(tl.abs(xb), axis=2)
+    if FMT == 3:
+        s = tl.minimum(tl.math.div_rn(tl.maximum(amax, 6.0 * 0.001953125), 6.0), 448.0)
+        scale = e4m3_value(s, MANUAL_FP8)
+        q = round_e2m1(tl.math.div_rn(xb, scale[:, :, None]))
+    else:
+        if FMT == 1:
+            e = pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0))
+        else:
+            e = pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 1e-4), 6.0))
+        scale = exp_to_f32(e)
+        y = xb * exp_to_f32(254 - e)[:, :, None]
+        if FMT == 1:
+            q = e4m3_value(tl.minimum(tl.maximum(y, -448.0), 448.0), MANUAL_FP8)
+        else:
+            q = round_e2m1(y)
+    return tl.reshape(q * scale[:, :, None], (ROWS, CW))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,11 +193,11 @@ def _finish(acc, m_i, l_i, heads, hmask, t, p, sink_ptr, freq_ptr, o_ptr, os_ptr
     t64 = t.to(tl.int64)
     if MODE == 0:
         ptrs = o_ptr + t64 * H * D + heads[:, None] * D + d[None, :]
-        tl.store(ptrs, o.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
+        tl.store(ptrs, cast_to(o, o_ptr.dtype.element_ty, MANUAL_FP8), mask=hmask[:, None])
     else:
         if ROPE_DIM > 0:
             pos_f = tl.zeros([BLOCK_H], tl.float32) + p.to(tl.float32)
-            o = rope_pairs(o, pos_f, freq_ptr, BLOCK_H, D, ROPE_DIM, True)
+            o = rope_chunk(o, pos_f, freq_ptr, BLOCK_H, D, 0, D, ROPE_DIM, True)
         NB: tl.constexpr = D // QBLOCK
         ob = tl.reshape(o, (BLOCK_H, NB, QBLOCK))
         amax = tl.maximum(tl.max(tl.abs(ob), axis=2), 1e-4)
