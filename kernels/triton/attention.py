@@ -125,9 +125,11 @@ def _splits(cfg: AttnConfig, programs: int, tiles: int, dev) -> int:
 def launch(q: Tensor, kv: Tensor, ring: Tensor, ckv: Tensor | None, topk: Tensor | None,
            sink: Tensor, positions: Tensor, token_req: Tensor, seq_slots: Tensor,
            seq_cached: Tensor, *, window: int, scale: float, ratio: int, attend_all: bool,
-           quant: tuple[str, dict] | None, config: AttnConfig | None = None):
+           quant: tuple[str, dict] | None, config: AttnConfig | None = None,
+           out: tuple[Tensor, ...] | None = None):
     """Run the kernels. quant None: returns o [T, H, D] (q.dtype, not de-rotated); quant =
-    (act_fmt, rope attrs): returns (o_q fp8 [T, H*D], scales [T, H*D/block])."""
+    (act_fmt, rope attrs): returns (o_q fp8 [T, H*D], scales [T, H*D/block]; e8m0 scales are
+    written as their bytes). `out`: preallocated outputs of those shapes (tests poison them)."""
     import triton
 
     from .attention_jit import sparse_attn_combine, sparse_attn_fwd
@@ -154,6 +156,8 @@ def launch(q: Tensor, kv: Tensor, ring: Tensor, ckv: Tensor | None, topk: Tensor
         mode = 1
         o = torch.empty(T, H * D, dtype=torch.float8_e4m3fn, device=dev)
         os_ = torch.empty(T, H * D // qb, dtype=torch.uint8 if e8 else torch.float32, device=dev)
+    if out is not None:
+        o, os_ = (out[0], out[0]) if quant is None else (out[0], out[1].view(os_.dtype))
     if T == 0:
         return o if quant is None else _scales(o, os_, e8)
 
