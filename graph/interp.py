@@ -31,10 +31,11 @@ def default_impls() -> dict[str, Impl]:
     from megagraph.kernels.reference import REFERENCE
     from megagraph.kernels.reference.dspark import DSPARK
     from megagraph.kernels.reference.fused import FUSED
+    from megagraph.kernels.reference.parallel import PARALLEL
     from megagraph.kernels.reference.structural import STRUCTURAL
     from megagraph.kernels.reference.v4 import V4_REFERENCE
 
-    return {**REFERENCE, **STRUCTURAL, **V4_REFERENCE, **FUSED, **DSPARK}
+    return {**REFERENCE, **STRUCTURAL, **V4_REFERENCE, **FUSED, **DSPARK, **PARALLEL}
 
 
 def bind_dims(g: Graph, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:

@@ -58,7 +58,30 @@ KERNELS: dict[str, list[KernelImpl]] = {
     "compressor": [_k("triton.compressor", "cuda triton")],
     "ring_update_batched": [_k("triton.ring_copy_batched", "cuda triton")],
     "engram_lookup": [_k("host.engram_gather", "", note="CPU gather from the memory-mapped table")],
+    # expert parallelism (kernels/reference/parallel.py; docs/parallelism.md)
+    "ep_place": [_k("torch.ep_place", "cuda", "available", note="sync-free torch, capturable")],
+    "ep_dispatch": [_k("deepep.dispatch", "cuda deepep",
+                       note="DeepEP V2 ElasticBuffer: low-latency for captured decode, normal for "
+                            "prefill; adapter lands with the multi-GPU issue"),
+                    _k("nccl.all_to_all_single", "cuda", "available",
+                       note="torch.distributed over static worst-case blocks; capturable")],
+    "ep_combine": [_k("deepep.combine", "cuda deepep", note="DeepEP V2 ElasticBuffer.combine"),
+                   _k("nccl.all_to_all_single", "cuda", "available",
+                      note="torch.distributed over static worst-case blocks; capturable")],
 }
+# available implementations other than the reference: name -> module defining a function per op
+LOADABLE: dict[str, str] = {"torch.ep_place": "megagraph.kernels.reference.parallel",
+                            "nccl.all_to_all_single": "megagraph.kernels.reference.parallel"}
+
+
+def load_impl(name: str, op: str):
+    """The function implementing `op` as `name` (a KERNELS entry marked available), or None."""
+    mod = LOADABLE.get(name)
+    if mod is None:
+        return None
+    import importlib
+
+    return getattr(importlib.import_module(mod), op, None)
 
 
 def kernel_key(op: str, attrs: dict) -> str:

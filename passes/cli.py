@@ -28,6 +28,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bounded replay: rows kept per request (default: window + draft backtracking)")
     p.add_argument("--context", type=int, default=DEFAULTS.context,
                    help=f"tokens per slot assumed by the memory plan (default {DEFAULTS.context})")
+    par = p.add_argument_group("parallel layout (docs/parallelism.md)")
+    par.add_argument("--dp", type=int, default=DEFAULTS.dp, metavar="N",
+                     help="data-parallel attention ranks: each owns its requests' attention and state")
+    par.add_argument("--ep", type=int, default=DEFAULTS.ep, metavar="N",
+                     help="expert-parallel ranks (= --dp for DEP, 1 = experts replicated)")
+    par.add_argument("--redundant-experts", type=int, default=DEFAULTS.redundant_experts, metavar="K",
+                     help="extra expert replicas over the EP group, placed by EPLB (default 0)")
+    par.add_argument("--ep-max-tokens", type=int, default=DEFAULTS.ep_max_tokens, metavar="T",
+                     help="tokens per rank per step the static dispatch buffers hold (default: the "
+                          "profile's graph token limit, or 256)")
+    par.add_argument("--balanced-routing", action="store_true",
+                     help="benchmarks only: assign experts round-robin instead of by the router")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -49,7 +61,10 @@ def main(args: argparse.Namespace) -> int:
             if unknown:
                 raise ConfigError(f"-p: unknown pass(es) {unknown}; known: {', '.join(sorted(PASSES))}")
         opt = CompileOptions(bounded_replay=args.bounded_replay, logits=args.logits, passes=passes,
-                             keep=args.keep, context=args.context)
+                             keep=args.keep, context=args.context, dp=args.dp, ep=args.ep,
+                             redundant_experts=args.redundant_experts,
+                             ep_max_tokens=args.ep_max_tokens,
+                             balanced_routing=args.balanced_routing)
         check_output_dir(Path(args.out), force=args.force)
         t0 = time.perf_counter()
         compiled = compile_model(cfg, hw, opt)

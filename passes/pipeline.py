@@ -17,6 +17,7 @@ from megagraph.graph.ir import Graph
 from megagraph.graph.verify import verify_graph
 from megagraph.models.config import ModelConfig
 
+from . import expert_parallel  # registers the pass; check_options
 from .base import PASSES, Pass, PassError, PassResult
 from .hw import HwProfile
 
@@ -27,6 +28,7 @@ PIPELINE = (
     "fuse-compressor",      # before quantize-epilogues: the compressor reads the unquantized norm
     "quantize-epilogues",   # before mega-moe-fusion, which absorbs the MoE-input quantize_act
     "mega-moe-fusion",      # needs quantize-epilogues' moe_experts_q / swiglu_mlp_q
+    "expert-parallel",      # after mega-moe-fusion (splits mega_moe); only with --dp/--ep > 1
     "batch-window-copies",  # after every attention rewrite: it reads each layer's final kv value
     "dead-code",            # safety net for anything the rewrites orphaned
     "partition-prefill",    # last pass that reorders nodes: the plan's segments index this order
@@ -44,6 +46,15 @@ class CompileOptions:
     keep: int = 0  # bounded replay: rows kept per request (0 = window + draft backtracking)
     context: int = 65536  # tokens per slot assumed by the plan's memory numbers
     verify: bool = True  # verify the graph after every pass
+    dp: int = 1  # data-parallel attention ranks (passes/expert_parallel.py)
+    ep: int = 1  # expert-parallel ranks: 1 or dp
+    redundant_experts: int = 0  # extra expert replicas over the EP group (EPLB)
+    ep_max_tokens: int = 0  # tokens per rank per step the dispatch buffers hold (0 = auto)
+    balanced_routing: bool = False  # benchmarks: experts assigned round-robin, not by the router
+
+    @property
+    def parallel(self) -> bool:
+        return self.dp > 1 or self.ep > 1
 
     def resolved_keep(self, cfg: ModelConfig) -> int:
         """window + the rows a draft may roll back (DSpark: block + 1 verify rows)."""
@@ -89,6 +100,10 @@ def make_pass(name: str, hw: HwProfile, opt: CompileOptions, keep: int = 0) -> P
         kwargs["hw"] = hw
     if name == "bounded-replay":
         kwargs.update(enabled=opt.bounded_replay, keep=keep or opt.keep)
+    if name == "expert-parallel":
+        kwargs.update(dp=opt.dp, ep=opt.ep, redundant_experts=opt.redundant_experts,
+                      max_tokens=opt.ep_max_tokens,
+                      routing="balanced" if opt.balanced_routing else "model")
     return cls(**kwargs)
 
 
@@ -124,7 +139,9 @@ def compile_graph(g: Graph, hw: HwProfile, options: CompileOptions | None = None
                   keep: int = 0) -> tuple[Graph, list[StageRecord]]:
     """Run the pipeline (or `options.passes`) on a built step graph."""
     opt = options or CompileOptions()
-    names = opt.passes if opt.passes is not None else PIPELINE
+    expert_parallel.check_options(opt.dp, opt.ep, opt.bounded_replay, opt.passes)
+    names = opt.passes if opt.passes is not None else tuple(
+        n for n in PIPELINE if n != "expert-parallel" or opt.parallel)  # single rank: no record
     records: list[StageRecord] = []
     for i, name in enumerate(names, start=1):
         rec = stage(g, make_pass(name, hw, opt, keep), i, opt, [r.name for r in records])

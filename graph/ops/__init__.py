@@ -4,4 +4,4 @@ Reference kernels with the same names live in kernels/reference/; fused ops that
 create live in `fused.py`.
 """
 
-from . import attention, core, dspark, engram, fused, indexer, mhc, moe, v4  # noqa: F401
+from . import attention, core, dspark, engram, fused, indexer, mhc, moe, parallel, v4  # noqa: F401

@@ -37,6 +37,7 @@ from .fused import (compressor, grouped_linear_q, linear_q, mega_mhc, mega_moe, 
                     quantize_act, sparse_attn_q, suffix_meta, swiglu_mlp_q, v4_compressor)
 from .indexer import candidate_mask, index_scores, topk_select
 from .moe import hash_route, moe_experts, route, swiglu_mlp
+from ..reference.parallel import PARALLEL  # expert parallelism: already sync-free, static shapes
 
 CAPTURABLE: dict[str, Callable] = {
     # core
@@ -63,6 +64,8 @@ CAPTURABLE: dict[str, Callable] = {
     "v4_compressor": v4_compressor,
     "ring_update_batched": ring_update_batched, "select_rows": select_rows,
     "suffix_meta": suffix_meta, "fill": fill,
+    # expert parallelism (graph/ops/parallel.py): collectives over static blocks
+    **PARALLEL,
     # DSpark drafter (graph/ops/dspark.py)
     "stream_mean": stream_mean, "concat": concat, "draft_rows": draft_rows,
     "block_attn": block_attn, "markov_draft": markov_draft,

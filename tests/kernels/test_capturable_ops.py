@@ -406,6 +406,15 @@ PLAIN_CASES = {
     "concat": ("concat", lambda g: ((rnd(g, 5, 3), rnd(g, 5, 4), rnd(g, 5, 1)), {})),
     "draft_rows": ("draft_rows", lambda g: ((torch.tensor([7, 3, 9]), torch.tensor([4, 0, 11])), dict(block=3, noise_id=500))),
     "markov_draft": ("markov_draft", markov_case),
+    # expert parallelism on one rank (ep_size=1: the all-to-all is the identity); multi-rank
+    # cases run under torch.distributed in tests/parallel
+    "ep_place": ("ep_place", lambda g: ((torch.randint(0, 6, (7, 2), generator=g),
+                                         torch.tensor([[0, -1], [5, 1], [2, -1], [3, 4], [6, -1], [7, -1]])),
+                                        dict(ep_size=1, slots_per_rank=8))),
+    "ep_dispatch": ("ep_dispatch", lambda g: ((torch.randint(0, 6, (5, 2), generator=g), rnd(g, 5, 8)),
+                                              dict(ep_size=1, slots_per_rank=6, max_tokens=7))),
+    "ep_combine": ("ep_combine", lambda g: ((rnd(g, 14, 8), torch.randint(0, 14, (5, 2), generator=g),
+                                             rnd(g, 5, 2)), dict(ep_size=1, slots_per_rank=6, max_tokens=7))),
 }
 
 
