@@ -38,7 +38,10 @@ def supports(qi: Tensor, ikey: Tensor) -> bool:
 
 def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_req: Tensor,
                  seq_slots: Tensor, *, ratio: int, weight_scale: float,
-                 precision: str | None = None, token_tile: int | None = None) -> Tensor:
+                 precision: str | None = None, token_tile: int | None = None,
+                 out: Tensor | None = None) -> Tensor:
+    """kernels.reference.indexer.index_scores; `precision` / `token_tile` override the defaults,
+    `out` is a preallocated f32[T, C] result (tests poison it)."""
     if not supports(qi, ikey):
         from megagraph.kernels.capturable.indexer import index_scores as fallback
 
@@ -53,7 +56,7 @@ def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_r
     T, hi, di = qi.shape
     C = ikey.shape[1]
     R = seq_slots.shape[0]
-    out = torch.empty(T, C, dtype=torch.float32, device=qi.device)
+    out = torch.empty(T, C, dtype=torch.float32, device=qi.device) if out is None else out
     if T == 0 or C == 0:
         return out.fill_(float("-inf"))
     bt = token_tile or min(MAX_TOKEN_TILE, 1 << (max(1, T // max(1, R)).bit_length() - 1))

@@ -1,0 +1,161 @@
+"""kernels/triton lightning-indexer scores vs the reference, and the on-device selection that
+follows them (capturable candidate_mask / topk_select on the kernel's scores).
+
+CUDA GPU, or the CPU under TRITON_INTERPRET=1 (small sizes); skipped otherwise. Outputs are
+poisoned (NaN) before each launch. Error bound: the reference multiplies in fp32; the kernel's
+default tf32x3 products (exact fp32 "ieee" under the interpreter) keep |err| <= 2e-5 (1 + max_row
+|ref|); the -inf pattern (visibility) is exact. Selections: identical index sets, except where the
+reference's scores at the differing entries tie the k-th best within that bound.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_capturable_ops import PADDED
+from test_triton_attention import CUDA, DEV, dev_meta, pytestmark, seed  # noqa: F401
+
+from megagraph.kernels.capturable.indexer import candidate_mask, topk_select
+from megagraph.kernels.reference.indexer import index_scores as ref_index_scores
+from megagraph.kernels.reference.quant import fake_quant
+
+S, HI, DI = 6, 16, 32
+
+
+def tk():
+    from megagraph.kernels.triton import indexer
+
+    return indexer
+
+
+def case(g, reqs, ratio, dtype, *, s=S, hi=HI, di=DI, cap=32, mxfp4=False):
+    m = dev_meta(reqs)
+    T = m["positions"].shape[0]
+    qi = torch.randn(T, hi, di, generator=g)
+    ikey = torch.randn(s, cap // ratio, di, generator=g)
+    if mxfp4:
+        qi, ikey = fake_quant(qi, fmt="mxfp4", block=32), fake_quant(ikey, fmt="mxfp4", block=32)
+    qi = qi.to(dtype).to(DEV)
+    w = torch.randn(T, hi, generator=g).to(dtype).to(DEV)
+    return (qi, w, ikey.to(DEV), m["positions"], m["token_req"], m["seq_slots"]), \
+        dict(ratio=ratio, weight_scale=(di ** -0.5) * (hi ** -0.5))
+
+
+def run(args, kw, **opt):
+    T, C = args[0].shape[0], args[2].shape[1]
+    out = torch.full((T, C), float("nan"), device=DEV)
+    got = tk().index_scores(*args, **kw, out=out, **opt)
+    assert not torch.isnan(got).any(), "unwritten scores"
+    return got
+
+
+def check_scores(got, want, tol=2e-5):
+    got, want = got.cpu(), want.cpu()
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got)) and (got[~fin] == float("-inf")).all()
+    rowmax = torch.where(fin, want.abs(), 0).amax(1, keepdim=True)
+    err = torch.where(fin, (got - want).abs(), 0)
+    assert (err <= tol * (1 + rowmax)).all()
+
+
+def check_selection(sel_got, sel_want, scores_ref, tol=2e-5):
+    """Same index sets, or differing only in entries whose reference scores tie the k-th best."""
+    for r in range(sel_got.shape[0]):
+        a = set(sel_got[r].tolist()) - {-1}
+        b = set(sel_want[r].tolist()) - {-1}
+        if a == b:
+            continue
+        assert len(a) == len(b)
+        row = scores_ref[r]
+        kth = row[list(b)].min()
+        scale = tol * (1 + row[torch.isfinite(row)].abs().max())
+        for j in a ^ b:
+            assert (row[j] - kth).abs() <= 2 * scale, (r, j)
+
+
+def cpu(args):
+    return [a.cpu().float() if isinstance(a, torch.Tensor) and a.is_floating_point() else
+            (a.cpu() if isinstance(a, torch.Tensor) else a) for a in args]
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("token_tile", [None, 1, 4])
+def test_index_scores_match_reference(ratio, dtype, token_tile):
+    g = torch.Generator().manual_seed(seed(ratio, dtype, token_tile))
+    args, kw = case(g, PADDED, ratio, dtype)
+    got = run(args, kw, token_tile=token_tile)
+    check_scores(got, ref_index_scores(*cpu(args), **kw))
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_selection_on_kernel_scores(ratio):
+    """candidate blocks + top-k on the kernel's scores select what the reference selects."""
+    g = torch.Generator().manual_seed(seed("sel", ratio))
+    args, kw = case(g, PADDED, ratio, torch.bfloat16)
+    got = run(args, kw)
+    want = ref_index_scores(*cpu(args), **kw)
+    mask_g = candidate_mask(got, block=2, topk_blocks=3)
+    mask_w = candidate_mask(want.to(DEV), block=2, topk_blocks=3)
+    check_selection(topk_select(got, k=5).cpu(), topk_select(want, k=5), want)
+    if torch.equal(mask_g.cpu(), mask_w.cpu()):
+        check_selection(topk_select(got, mask_g, k=5).cpu(), topk_select(want, mask_w.cpu(), k=5),
+                        want.masked_fill(~mask_w.cpu(), float("-inf")))
+
+
+def test_bf16_precision_exact_on_mxfp4_values():
+    """With MXFP4-representable queries and keys (V4.1's quantize_kv) the bf16 mode is exact."""
+    g = torch.Generator().manual_seed(9)
+    args, kw = case(g, PADDED, 2, torch.bfloat16, mxfp4=True)
+    check_scores(run(args, kw, precision="bf16"), ref_index_scores(*cpu(args), **kw), tol=1e-6)
+
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+def long_case(g, ratio, contexts, prefill=0, cap=131072):
+    reqs = [(i, c, 1) for i, c in enumerate(contexts)] + ([(len(contexts), 8000, prefill)] if prefill else [])
+    m = dev_meta(reqs)
+    T = m["positions"].shape[0]
+    qi = fake_quant(torch.randn(T, 32, 128, generator=g), fmt="mxfp4", block=32).bfloat16().to(DEV)
+    ikey = fake_quant(torch.randn(len(reqs), cap // ratio, 128, device=DEV), fmt="mxfp4", block=32)
+    w = torch.randn(T, 32, generator=g).bfloat16().to(DEV)
+    return (qi, w, ikey, m["positions"], m["token_req"], m["seq_slots"]), \
+        dict(ratio=ratio, weight_scale=128 ** -0.5 * 32 ** -0.5)
+
+
+@gpu
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_real_dims_long_contexts(ratio):
+    """V4.1 dims (32 heads x 128), contexts 1 token .. 128K at group boundaries, a 200-token
+    prefill chunk; vs the capturable kernel (fp32), then the top-512 selections."""
+    from megagraph.kernels.capturable.indexer import index_scores as cap
+
+    g = torch.Generator().manual_seed(ratio)
+    ctx = [0, 1, 2, 127, 128, 1023, 1024, 8191, 65535, 65536, 131071]
+    args, kw = long_case(g, ratio, ctx, prefill=200)
+    want = cap(*[a.float() if a.is_floating_point() else a for a in args], **kw)
+    for prec in ("tf32x3", "bf16", "ieee"):
+        got = run(args, kw, precision=prec)
+        check_scores(got, want)
+        check_selection(topk_select(got, k=512).cpu(), topk_select(want, k=512).cpu(), want.cpu())
+
+
+@gpu
+def test_captures_in_cuda_graph():
+    g = torch.Generator().manual_seed(4)
+    static, kw = long_case(g, 2, [5, 900, 16000, 3], cap=32768)
+    fn = lambda: topk_select(tk().index_scores(*static, **kw), k=512)  # noqa: E731
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(), fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    new, _ = long_case(torch.Generator().manual_seed(5), 2, [30000, 2, 77, 12345], cap=32768)
+    for a, b in zip(static, new):
+        a.copy_(b)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fn())
