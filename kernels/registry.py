@@ -29,6 +29,7 @@ def _k(name: str, needs: str, status: str = "planned", note: str = "") -> Kernel
 
 REFERENCE = KernelImpl("reference", frozenset(), "available", "pure torch (kernels/reference)")
 BLACKWELL_GEMM = "sm_100f deepgemm"
+TRITON_ATTN = "kernels/triton/attention.py: split-K MQA over ring + step rows + top-k, sink"
 
 # op (or "op[attr=value]" for a variant) -> implementations in order of preference
 KERNELS: dict[str, list[KernelImpl]] = {
@@ -50,13 +51,27 @@ KERNELS: dict[str, list[KernelImpl]] = {
     "mega_moe": [_k("deepgemm.fp8_fp4_mega_moe", f"{BLACKWELL_GEMM} mxfp4"),
                  _k("triton.mega_moe", "sm_90 triton")],
     "hc_mixer": [_k("deepgemm.tf32_hc_prenorm_gemm+triton.sinkhorn", "cuda deepgemm triton")],
-    "sparse_attn": [_k("flashmla.sparse_fwd", "cuda flashmla")],
-    "sparse_attn_q": [_k("flashmla.mega_attention", "sm_100f flashmla mxfp8")],
+    "sparse_attn": [_k("flashmla.sparse_fwd", "cuda flashmla"),
+                    _k("triton.sparse_attn", "sm_90 triton", "available", note=TRITON_ATTN)],
+    "sparse_attn_q": [_k("flashmla.mega_attention", "sm_100f flashmla mxfp8"),
+                      _k("triton.sparse_attn_q", "sm_90 triton", "available",
+                         note=f"{TRITON_ATTN}; inverse RoPE + quantization epilogue")],
     "index_scores": [_k("deepgemm.fp8_fp4_mqa_logits", f"{BLACKWELL_GEMM} mxfp4"),
-                     _k("deepgemm.fp8_mqa_logits", "sm_90 deepgemm")],
+                     _k("deepgemm.fp8_mqa_logits", "sm_90 deepgemm"),
+                     _k("triton.index_scores", "sm_90 triton", "available",
+                        note="kernels/triton/indexer.py: request tiles, tf32x3 products")],
+    "candidate_mask": [_k("capturable", "sm_90", "available", note="device torch, no host sync")],
+    "topk_select": [_k("capturable", "sm_90", "available", note="device torch.topk + sort")],
     "quantize_act": [_k("triton.quantize_act", "cuda triton")],
-    "compressor": [_k("triton.compressor", "cuda triton")],
-    "ring_update_batched": [_k("triton.ring_copy_batched", "cuda triton")],
+    "compressor": [_k("triton.compressor", "sm_90 triton", "available",
+                      note="kernels/triton/compressor.py: GEMM + pool/norm/RoPE/fake-quant rows"),
+                   _k("triton.compressor", "cuda triton")],
+    "ring_update_batched": [_k("triton.ring_copy_batched", "sm_90 triton", "available",
+                               note="kernels/triton/ring.py: 8 rings per launch"),
+                            _k("triton.ring_copy_batched", "cuda triton")],
+    "ring_update": [_k("triton.ring_update", "sm_90 triton", "available")],
+    "engram_hash": [_k("triton.engram_hash", "sm_90 triton", "available")],
+    "engram_gate": [_k("triton.engram_gate", "sm_90 triton", "available")],
     "engram_lookup": [_k("host.engram_gather", "", note="CPU gather from the memory-mapped table")],
     # expert parallelism (kernels/reference/parallel.py; docs/parallelism.md)
     "ep_place": [_k("torch.ep_place", "cuda", "available", note="sync-free torch, capturable")],
@@ -72,6 +87,18 @@ KERNELS: dict[str, list[KernelImpl]] = {
 # available implementations other than the reference: name -> module defining a function per op
 LOADABLE: dict[str, str] = {"torch.ep_place": "megagraph.kernels.reference.parallel",
                             "nccl.all_to_all_single": "megagraph.kernels.reference.parallel"}
+# CSA2 attention path in Triton (Hopper; each falls back to kernels/capturable off the GPU).
+# State ops (compressor, ring copies) are functional here; `inplace=True` updates the state inputs.
+LOADABLE.update({
+    "triton.sparse_attn": "megagraph.kernels.triton.attention",
+    "triton.sparse_attn_q": "megagraph.kernels.triton.attention",
+    "triton.index_scores": "megagraph.kernels.triton.indexer",
+    "triton.compressor": "megagraph.kernels.triton.compressor",
+    "triton.ring_copy_batched": "megagraph.kernels.triton.ring",
+    "triton.ring_update": "megagraph.kernels.triton.ring",
+    "triton.engram_hash": "megagraph.kernels.triton.engram",
+    "triton.engram_gate": "megagraph.kernels.triton.engram",
+})
 
 
 def load_impl(name: str, op: str):
