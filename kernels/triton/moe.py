@@ -1,0 +1,576 @@
+"""MegaMoE on Hopper in Triton: router, expert permutation, grouped expert GEMMs on MXFP4 weights
+with the SwiGLU clamp fused into the first GEMM and the combine weights into the second, the
+shared expert through the FP8-block GEMM, and the combine + mHC residual expand; plus the dense
+FP8-block GEMMs (`linear_q`, `grouped_linear_q`, `swiglu_mlp_q`).
+
+Same calling convention and semantics as kernels/reference/fused.py (and kernels/capturable):
+no host synchronization, static shapes (the workspaces are sized from the input shapes, i.e.
+the plan's worst case), so every op here is CUDA-graph capturable. Inputs the kernels do not
+cover (CPU tensors outside the Triton interpreter, act_fmt other than fp8_1x128, dense expert
+weights, K not a multiple of 128, ...) run the capturable kernels instead.
+
+mega_moe launches (T tokens, k = topk, E experts, P = T*k pairs):
+  1 gate_scores   x @ gate_w^T in fp32 (bf16 tensor cores, exact products)     [T, E] f32
+  2 route_topk    sqrtsoftplus / bias / top-k / renormalize / x route_scale, expert counts
+                  by atomics (hash routing: experts from tid2eid[token_ids])   ids, w [T, k]
+  3 moe_plan      exclusive scan of the counts -> per-expert cursors (1 program)
+  4 moe_scatter   pair -> its expert-sorted row (atomic cursors)               sorted [P]
+  5 moe_gemm L1   rows of one expert per tile, A = x_q rows gathered by token, W1 and W3 of
+                  the tile's expert, SwiGLU-clamp epilogue                       H [P, F] f16
+  6 moe_gemm L2   A = H rows, B = W2, epilogue: x routing weight, row scattered to its
+                  (token, slot)                                                  Y [T, k+1, d]
+  7,8 moe_gemm    shared expert, dense (FP8-block weights): L1 (SwiGLU) -> Hs, L2 -> Y[:, k]
+  9 moe_combine   y = sum of the k slots (+ shared), streams' = post*y + comb^T streams
+(+ one memset of the counts). The grouped GEMMs launch a static worst-case grid
+(min(P, P // BM + E) row tiles x N tiles); each program finds its expert by a scan of the
+counts, and programs past the last tile return at once. Empty experts own no tile.
+
+Numerics (vs the reference: fp32 math on dequantized operands):
+* L1 (FP8 MMA): per 128-column chunk, the four E8M0 scales of a weight row are split into
+  S = max - 6 (applied to the fp32 partial product with the activation's f32 scale) and
+  rel = s - S folded exactly into the E4M3 weight values (E2M1 x 2^rel is exact in E4M3 for
+  rel in [-5, 6]: every row whose scales within 128 columns span <= 11 binades; blocks further
+  below are flushed to 0, an error below 2^-11 of the chunk's largest weight). Products are
+  exact; Hopper's FP8 MMA accumulates each 128-chunk with ~2^-14 relative precision before the
+  fp32 promotion. g, u, SwiGLU in fp32; H stored in fp16 (2^-11 relative).
+* L2 (FP16 MMA): W2 dequantized the same way to E4M3 and upcast to fp16 (exact), H in fp16;
+  fp32 accumulation and promotion per 128 columns.
+* Shared expert / dense FP8-block weights (32x32 or 128x128 blocks): fp16 MMA, the weight
+  exponents within a 128-chunk folded in fp16 (exact for spreads <= 15 binades); FP8 MMA when
+  one scale covers the chunk (128x128 blocks).
+* Y (per-(token, slot) weighted expert outputs) in bf16 (fp32 for fp32 activations), summed in
+  fp32 in slot order and rounded like the reference (routed -> act dtype, + shared -> act dtype,
+  expand in fp32 -> streams dtype).
+* Router: bf16 x bf16 products are exact in fp32 (an fp32 gate weight is split into bf16 hi +
+  lo); only the summation order differs, so top-k picks equal the reference's except at ties
+  within ~1e-6.
+Result: bf16 outputs within ~3e-3 relative (Frobenius) of the reference; tests bound 1e-2.
+
+MEGAGRAPH_FP4_ASM=1 enables the PTX (prmt) E2M1 -> E4M3 upcast (2.5 integer ops per weight
+instead of ~11); it is off until validated on the device (benchmarks/kernels.py checks both).
+MEGAGRAPH_MOE_EXACT=1 runs every GEMM on fully dequantized bf16 (fp32 in the interpreter)
+operands: slower, bit-faithful products, for debugging.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+USE_ASM = os.environ.get("MEGAGRAPH_FP4_ASM", "0") == "1" and not INTERPRET
+EXACT = os.environ.get("MEGAGRAPH_MOE_EXACT", "0") == "1"
+MMA_FP8, MMA_FP16, MMA_BF16, MMA_F32 = 0, 1, 2, 3
+WFMT = {"mxfp4": 0, "fp8_block": 1}
+RDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile of one GEMM launch: rows, columns (per weight matrix), K chunk (divides 128 or is
+    128), warps, software-pipeline stages."""
+
+    bm: int
+    bn: int
+    bk: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Benchmarks and tests may set these: role ("l1", "l2", "dense", "dense_swiglu") -> GemmConfig.
+CONFIG_OVERRIDE: dict[str, GemmConfig] = {}
+
+
+def pick_config(role: str, rows_per_group: float) -> GemmConfig:
+    """Heuristic tile per role and expected rows per group (expert or dense M)."""
+    if role in CONFIG_OVERRIDE:
+        return CONFIG_OVERRIDE[role]
+    if INTERPRET:
+        return GemmConfig(16, 32, 128, 4, 1)
+    swiglu = role in ("l1", "dense_swiglu")
+    if rows_per_group <= 12:
+        return GemmConfig(16, 64, 128, 4, 4)
+    if rows_per_group <= 48:
+        return GemmConfig(64, 64 if swiglu else 128, 128, 4, 3)
+    return GemmConfig(128, 64 if swiglu else 128, 128, 8, 3)
+
+
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _cuda_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)  # FP8 tensor cores
+
+
+def on_device(t: Tensor) -> bool:
+    """Triton runs here: a CUDA tensor on an sm_89+ device, or any tensor under the interpreter."""
+    if INTERPRET:
+        return t.device.type == "cpu"
+    return t.device.type == "cuda" and _cuda_ok(t.device.index or 0)
+
+
+def _jit():
+    from . import moe_jit
+
+    return moe_jit
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# ---------------------------------------------------------------------------------------------
+# weights
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Bank:
+    """One weight matrix (or a stack of G) as the GEMM reads it: B [G, N, K or K/2] (rows
+    contiguous), E8M0 scales as uint8 [G, ns, ks], block of one scale (bn, bk), format code."""
+
+    w: Tensor
+    s: Tensor
+    wfmt: int
+    bn: int
+    bk: int
+    n: int
+    k: int
+
+    @property
+    def groups(self) -> int:
+        return self.w.shape[0]
+
+
+def bank(w: Tensor, s: Tensor | None, fmt: str) -> Bank | None:
+    """A Bank of 2-D [N, K] or stacked [G, N, K] weights, or None when the GEMM does not take
+    this format / layout."""
+    if fmt not in WFMT or s is None or w.dim() not in (2, 3) or s.dim() != w.dim():
+        return None
+    w3 = w if w.dim() == 3 else w.unsqueeze(0)
+    s3 = s if s.dim() == 3 else s.unsqueeze(0)
+    if w3.stride(-1) != 1 or s3.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        return None
+    n = w3.shape[1]
+    if fmt == "mxfp4":
+        if w3.dtype not in (torch.int8, torch.uint8):
+            return None
+        k = w3.shape[2] * 2
+        if tuple(s3.shape[1:]) != (n, k // 32):
+            return None
+        bn, bk = 1, 32
+    else:
+        if w3.dtype != torch.float8_e4m3fn:
+            return None
+        from megagraph.kernels import formats
+
+        k = w3.shape[2]
+        try:
+            bn, bk = formats.infer_block_size((n, k), tuple(s3.shape[1:]))
+        except ValueError:
+            return None
+        if bk & (bk - 1) or bn & (bn - 1) or bk < 32:
+            return None
+    if k % 128:
+        return None
+    s3 = s3.view(torch.uint8)
+    return Bank(w3, s3 if s3.stride(-1) == 1 else s3.contiguous(), WFMT[fmt], bn, bk, n, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# the GEMM launcher
+# ---------------------------------------------------------------------------------------------
+
+
+def _mma_for(a_dtype: torch.dtype, b: Bank, bk: int) -> int:
+    if EXACT or a_dtype == torch.float32:
+        return MMA_F32 if (INTERPRET or a_dtype == torch.float32) else MMA_BF16
+    if a_dtype == torch.float8_e4m3fn:
+        if b.wfmt == 0 or b.bk >= bk:
+            return MMA_FP8
+        return MMA_FP16
+    return MMA_FP16  # fp16 A (H)
+
+
+def gemm(a: Tensor, a_scale: Tensor | None, b1: Bank, out: Tensor, *, b2: Bank | None = None,
+         role: str, rows_per_group: float, counts: Tensor | None = None,
+         a_idx: Tensor | None = None, c_idx: Tensor | None = None, row_w: Tensor | None = None,
+         topk: int = 1, ks: int = 1, m: int | None = None, max_tiles: int | None = None,
+         limit: float | None = None, batched: bool = False,
+         a_group_stride: int = 0, as_group_stride: int = 0, c_group_stride: int = 0) -> Tensor:
+    """One moe_gemm launch. a [R, K] (fp8 with a_scale [R, K/128] f32, fp16, or fp32);
+    out [rows, N] rows (stride(0) = row stride; a view is fine). Grouped when `counts` is given
+    (rows sorted by group, `max_tiles` row tiles), else dense over m rows (x G groups with
+    per-group offsets when `batched`)."""
+    jit = _jit()
+    cfg = pick_config(role, rows_per_group)
+    bk = cfg.bk
+    K = b1.k
+    if K % bk or (a_scale is not None and 128 % bk):
+        raise ValueError(f"K {K} and the chunk {bk} do not fit")
+    mma = _mma_for(a.dtype, b1, bk)
+    nsub = bk // min(bk, b1.bk)
+    N = b1.n
+    bn = max(16, min(cfg.bn, _next_pow2(N)))
+    bm = cfg.bm
+    num_n = -(-N // bn)
+    G = b1.groups
+    grouped = counts is not None
+    if grouped:
+        grid = (max_tiles * num_n, 1)
+    else:
+        grid = (-(-m // bm) * num_n, G if batched else 1)
+    if grid[0] == 0:
+        return out
+    dummy = out
+    b2 = b2 or b1
+    jit.moe_gemm[grid](
+        a, a_scale if a_scale is not None else dummy, a_idx if a_idx is not None else dummy,
+        b1.w, b1.s, b2.w, b2.s, out, c_idx if c_idx is not None else dummy,
+        row_w if row_w is not None else dummy, counts if counts is not None else dummy,
+        m or 0, N, K, G, float(limit or 0.0),
+        a.stride(0), a_scale.stride(0) if a_scale is not None else 0, a_group_stride,
+        as_group_stride, b1.w.stride(0), b1.w.stride(1), b1.s.stride(0), b1.s.stride(1),
+        out.stride(0), c_group_stride,
+        TOPK=topk, KS=ks, GROUPED=grouped, GATHER_A=a_idx is not None,
+        SCATTER_C=c_idx is not None, WEIGHTED=row_w is not None, SWIGLU=b2 is not b1,
+        HAS_LIMIT=limit is not None and limit > 0, A_SCALED=a_scale is not None,
+        WFMT=b1.wfmt, MMA=mma, BLK_N_S=b1.bn, BLK_K_S=b1.bk, NSUB=nsub,
+        USE_ASM=USE_ASM and b1.wfmt == 0 and mma in (MMA_FP8, MMA_FP16), MANUAL=INTERPRET,
+        BM=bm, BN=bn, BK=bk, G_PAD=_next_pow2(G) if grouped else 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# router and permutation
+# ---------------------------------------------------------------------------------------------
+
+SCORES = {"sqrtsoftplus": 0, "softmax": 1, "sigmoid": 2}
+
+
+def route_ids(x: Tensor, gate_w: Tensor, bias: Tensor | None, *, topk: int, route_scale: float,
+              norm_topk: bool, score_func: str, tid2eid: Tensor | None = None,
+              token_ids: Tensor | None = None, counts: Tensor | None = None,
+              ids64: bool = False) -> tuple[Tensor, Tensor]:
+    """(ids [T, k] i32 (i64 if ids64), weights [T, k] f32); counts (i32 [E], zeroed) gets the
+    expert histogram when given."""
+    jit = _jit()
+    T, D = x.shape
+    E = gate_w.shape[0]
+    dev = x.device
+    ids = torch.empty(T, topk, dtype=torch.int64 if ids64 else torch.int32, device=dev)
+    wts = torch.empty(T, topk, dtype=torch.float32, device=dev)
+    if T == 0:
+        return ids, wts
+    scores = torch.empty(T, E, dtype=torch.float32, device=dev)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gw = gate_w if gate_w.stride(-1) == 1 else gate_w.contiguous()
+    if INTERPRET or x.dtype == torch.float32 or x.dtype != torch.bfloat16:
+        mode = 2
+    else:
+        mode = 0 if gw.dtype == torch.bfloat16 else 1
+        if gw.dtype not in (torch.bfloat16, torch.float32):
+            mode = 2
+    bm = 16 if (T <= 256 or INTERPRET) else 64
+    be = 64
+    jit.gate_scores[(-(-T // bm), -(-E // be))](
+        x, gw, scores, T, E, D, x.stride(0), gw.stride(0), scores.stride(0),
+        MODE=mode, BM=bm, BE=be, BK=64, num_warps=4, num_stages=3)
+    hashed = tid2eid is not None
+    bmk = 8
+    jit.route_topk[(-(-T // bmk),)](
+        scores, bias if bias is not None else scores, ids, wts,
+        counts if counts is not None else ids, tid2eid if hashed else ids,
+        token_ids if hashed else ids, T, E, float(route_scale), scores.stride(0),
+        TOPK=topk, K_PAD=_next_pow2(max(topk, 2)), SCORE=SCORES[score_func],
+        HAS_BIAS=bias is not None, NORM=bool(norm_topk), HASH=hashed, COUNT=counts is not None,
+        IDS64=ids64, BM=bmk, E_PAD=_next_pow2(E), num_warps=4)
+    return ids, wts
+
+
+def permute(ids: Tensor, counts: Tensor, E: int) -> Tensor:
+    """Expert-sorted pair list (i32 [P]) from flat ids [P] and their histogram counts [E]."""
+    jit = _jit()
+    P = ids.numel()
+    srt = torch.empty(P, dtype=torch.int32, device=ids.device)
+    cur = torch.empty(E, dtype=torch.int32, device=ids.device)
+    jit.moe_plan[(1,)](counts, cur, E, E_PAD=_next_pow2(E), num_warps=4)
+    bp = 256
+    jit.moe_scatter[(-(-P // bp),)](ids, cur, srt, P, E, BP=bp, num_warps=4)
+    return srt
+
+
+def routed_experts(x_q: Tensor, x_scale: Tensor, ids: Tensor, wts: Tensor, counts: Tensor,
+                   w1: Bank, w3: Bank, w2: Bank, y: Tensor, *, topk: int,
+                   swiglu_limit: float | None) -> Tensor:
+    """Y[t, j] = wts[t, j] * E_{ids[t, j]}(x[t]) for every pair, into y [T, KS, d] (KS >= topk)."""
+    T = x_q.shape[0]
+    P = T * topk
+    E, F = w1.groups, w1.n
+    srt = permute(ids.reshape(-1), counts, E)
+    rpg = P / max(1, min(E, P))
+    h_dtype = torch.float32 if (EXACT or x_q.dtype == torch.float32) else torch.float16
+    h = torch.empty(P, F, dtype=h_dtype, device=x_q.device)
+    cfg1 = pick_config("l1", rpg)
+    gemm(x_q, x_scale, w1, h, b2=w3, role="l1", rows_per_group=rpg, counts=counts, a_idx=srt,
+         topk=topk, max_tiles=min(P, P // cfg1.bm + E), limit=swiglu_limit)
+    cfg2 = pick_config("l2", rpg)
+    ks = y.shape[1]
+    gemm(h, None, w2, y.view(T * ks, -1), role="l2", rows_per_group=rpg, counts=counts,
+         c_idx=srt, row_w=wts.reshape(-1), topk=topk, ks=ks, max_tiles=min(P, P // cfg2.bm + E))
+    return y
+
+
+def shared_expert(x_q: Tensor, x_scale: Tensor, w1: Bank, w3: Bank, w2: Bank, out: Tensor, *,
+                  swiglu_limit: float | None) -> Tensor:
+    """out [T, d] (a strided view is fine) = W2 (silu(min(W1 x, lim)) * clamp(W3 x)) (dense)."""
+    T = x_q.shape[0]
+    h_dtype = torch.float32 if (EXACT or x_q.dtype == torch.float32) else torch.float16
+    h = torch.empty(T, w1.n, dtype=h_dtype, device=x_q.device)
+    gemm(x_q, x_scale, w1, h, b2=w3, role="dense_swiglu", rows_per_group=T, m=T,
+         limit=swiglu_limit)
+    gemm(h, None, w2, out, role="dense", rows_per_group=T, m=T)
+    return out
+
+
+def combine(y: Tensor, out: Tensor, *, topk: int, shared: bool, rdt: torch.dtype,
+            streams: Tensor | None = None, post: Tensor | None = None,
+            comb: Tensor | None = None) -> Tensor:
+    jit = _jit()
+    T, _, D = y.shape
+    if T == 0:
+        return out
+    bd = 256 if not INTERPRET else 128
+    expand = streams is not None
+    hc = streams.shape[1] if expand else 1
+    jit.moe_combine[(T, -(-D // bd))](
+        y, streams if expand else y, post if expand else y, comb if expand else y, out, D,
+        y.stride(0), streams.stride(0) if expand else 0, streams.stride(1) if expand else 0,
+        out.stride(0), out.stride(1) if expand else 0,
+        K=topk, SHARED=shared, EXPAND=expand, HC=hc, RDT=RDT[rdt], MANUAL=INTERPRET, BD=bd,
+        num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# ops
+# ---------------------------------------------------------------------------------------------
+
+
+def _fallback(name: str):
+    from megagraph.kernels.capturable import fused
+
+    return getattr(fused, name)
+
+
+def _q_ok(x_q: Tensor, x_scale: Tensor, act_fmt: str) -> bool:
+    return (available() and on_device(x_q) and act_fmt == "fp8_1x128"
+            and x_q.dtype == torch.float8_e4m3fn and x_scale.dtype == torch.float32
+            and x_q.shape[-1] % 128 == 0 and x_q.stride(-1) == 1 and x_scale.stride(-1) == 1)
+
+
+def _flat(t: Tensor) -> Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _ydtype(dt: torch.dtype) -> torch.dtype:
+    return torch.float32 if dt == torch.float32 else torch.bfloat16
+
+
+def moe_experts_q(x_q, x_scale, ids, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, *, fmt,
+                  swiglu_limit, act_fmt, out_dtype):
+    """kernels.reference.fused.moe_experts_q: routed experts on the quantized activation."""
+    from megagraph.graph.interp import TORCH_DTYPES
+
+    banks = [bank(w, s, fmt) for w, s in ((w1, w1_scale), (w3, w3_scale), (w2, w2_scale))]
+    odt = TORCH_DTYPES[out_dtype]
+    if (not _q_ok(x_q, x_scale, act_fmt) or None in banks or x_q.dim() != 2
+            or odt not in RDT or banks[0].k != x_q.shape[1]):
+        return _fallback("moe_experts_q")(x_q, x_scale, ids, weights, w1, w1_scale, w3, w3_scale,
+                                          w2, w2_scale, fmt=fmt, swiglu_limit=swiglu_limit,
+                                          act_fmt=act_fmt, out_dtype=out_dtype)
+    jit = _jit()
+    T, d = x_q.shape
+    k = ids.shape[1]
+    E = banks[0].groups
+    out = torch.empty(T, d, dtype=odt, device=x_q.device)
+    if T == 0:
+        return out
+    ids32 = ids.to(torch.int32).clamp_(0, E - 1).contiguous()
+    counts = torch.zeros(E, dtype=torch.int32, device=x_q.device)
+    P = T * k
+    jit.count_ids[(-(-P // 1024),)](ids32, counts, P, E, BP=1024, num_warps=4)
+    y = torch.empty(T, k, d, dtype=_ydtype(odt), device=x_q.device)
+    routed_experts(x_q, x_scale, ids32, weights.float().contiguous(), counts, *banks, y,
+                   topk=k, swiglu_limit=swiglu_limit)
+    return combine(y, out, topk=k, shared=False, rdt=odt)
+
+
+def swiglu_mlp_q(x_q, x_scale, w1, w1_scale, w3, w3_scale, w2, w2_scale, *, fmt, swiglu_limit,
+                 act_fmt, out_dtype):
+    """kernels.reference.fused.swiglu_mlp_q: one dense SwiGLU expert (the shared expert)."""
+    from megagraph.graph.interp import TORCH_DTYPES
+
+    banks = [bank(w, s, fmt) for w, s in ((w1, w1_scale), (w3, w3_scale), (w2, w2_scale))]
+    if (not _q_ok(x_q, x_scale, act_fmt) or None in banks or banks[0].groups != 1
+            or banks[0].k != x_q.shape[-1]):
+        return _fallback("swiglu_mlp_q")(x_q, x_scale, w1, w1_scale, w3, w3_scale, w2, w2_scale,
+                                         fmt=fmt, swiglu_limit=swiglu_limit, act_fmt=act_fmt,
+                                         out_dtype=out_dtype)
+    xq, xs = _flat(x_q), _flat(x_scale)
+    out = torch.empty(xq.shape[0], banks[2].n, dtype=TORCH_DTYPES[out_dtype], device=x_q.device)
+    if xq.shape[0]:
+        shared_expert(xq, xs, *banks, out, swiglu_limit=swiglu_limit)
+    return out.reshape(*x_q.shape[:-1], banks[2].n)
+
+
+def linear_q(x_q, x_scale, weight, scale=None, *, fmt, act_fmt, out_dtype):
+    """kernels.reference.fused.linear_q: y = dequant(x_q) @ dequant(W)^T on FP8-block (or MXFP4)
+    weights; DeepGEMM's fp8_gemm_nt where importable and the scales are its 1x128 / 128x128
+    recipe (V4 blocks), else this Triton GEMM."""
+    from megagraph.graph.interp import TORCH_DTYPES
+
+    b = bank(weight, scale, fmt) if weight.dim() == 2 else None
+    if not _q_ok(x_q, x_scale, act_fmt) or b is None or b.k != x_q.shape[-1]:
+        return _fallback("linear_q")(x_q, x_scale, weight, scale, fmt=fmt, act_fmt=act_fmt,
+                                     out_dtype=out_dtype)
+    xq, xs = _flat(x_q), _flat(x_scale)
+    odt = TORCH_DTYPES[out_dtype]
+    y = _deepgemm_linear(xq, xs, weight, scale, b, odt)
+    if y is None:
+        y = torch.empty(xq.shape[0], b.n, dtype=odt, device=x_q.device)
+        if xq.shape[0]:
+            gemm(xq, xs, b, y, role="dense", rows_per_group=xq.shape[0], m=xq.shape[0])
+    return y.reshape(*x_q.shape[:-1], b.n)
+
+
+def grouped_linear_q(x_q, x_scale, weight, scale=None, *, groups, fmt, act_fmt, out_dtype):
+    """kernels.reference.fused.grouped_linear_q (block-diagonal): one batched launch, program
+    axis 1 = group."""
+    from megagraph.graph.interp import TORCH_DTYPES
+
+    b = bank(weight, scale, fmt) if weight.dim() == 2 else None
+    ok = (_q_ok(x_q, x_scale, act_fmt) and b is not None and x_q.dim() == 2
+          and b.n % groups == 0 and x_q.shape[1] == groups * b.k and b.k % 128 == 0)
+    if ok and b.wfmt == 1:
+        ok = (b.n // groups) % b.bn == 0
+    if not ok:
+        return _fallback("grouped_linear_q")(x_q, x_scale, weight, scale, groups=groups, fmt=fmt,
+                                             act_fmt=act_fmt, out_dtype=out_dtype)
+    T = x_q.shape[0]
+    o = b.n // groups
+    y = torch.empty(T, b.n, dtype=TORCH_DTYPES[out_dtype], device=x_q.device)
+    if T == 0:
+        return y
+    # the weight as G groups of [o, K]: views with a group stride
+    ws = b.w.shape[-1]
+    wg = Bank(b.w.reshape(groups, o, ws), b.s.reshape(groups, -1, b.s.shape[-1]), b.wfmt, b.bn,
+              b.bk, o, b.k)
+    gemm(x_q, x_scale, wg, y, role="dense", rows_per_group=T, m=T, batched=True,
+         a_group_stride=b.k, as_group_stride=b.k // 128, c_group_stride=o)
+    return y
+
+
+def _deepgemm_linear(xq, xs, weight, scale, b: Bank, odt) -> Tensor | None:
+    """DeepGEMM's sm90 FP8 GEMM when importable and the weight scales are 128x128 blocks (its
+    1d2d recipe; V4.1's 32x32 blocks do not fit it): optional, never required."""
+    if b.wfmt != 1 or (b.bn, b.bk) != (128, 128) or odt != torch.bfloat16 or INTERPRET:
+        return None
+    try:
+        import deep_gemm
+    except ImportError:
+        return None
+    try:
+        from megagraph.kernels import formats
+
+        y = torch.empty(xq.shape[0], b.n, dtype=torch.bfloat16, device=xq.device)
+        deep_gemm.fp8_gemm_nt((xq, xs), (weight, formats.e8m0_to_f32(scale)), y)
+        return y
+    except Exception:  # noqa: BLE001  (an API / layout mismatch: the Triton GEMM runs)
+        return None
+
+
+def route(x, gate_w, bias=None, *, topk, route_scale, norm_topk=True, score_func="sqrtsoftplus"):
+    """kernels.reference.moe.route: (ids i64 [T, k], weights f32 [T, k])."""
+    if not (available() and on_device(x) and x.dim() == 2 and score_func in SCORES):
+        from megagraph.kernels.capturable.moe import route as fallback
+
+        return fallback(x, gate_w, bias, topk=topk, route_scale=route_scale,
+                        norm_topk=norm_topk, score_func=score_func)
+    return route_ids(x, gate_w, bias, topk=topk, route_scale=route_scale, norm_topk=norm_topk,
+                     score_func=score_func, ids64=True)
+
+
+def mega_moe(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_scale, w3, w3_scale,
+             w2, w2_scale, sw1=None, sw1_scale=None, sw3=None, sw3_scale=None, sw2=None,
+             sw2_scale=None, tid2eid=None, token_ids=None, *, topk, route_scale, norm_topk=True,
+             score_func="sqrtsoftplus", fmt="dense", shared_fmt="dense", swiglu_limit=0.0,
+             act_fmt):
+    """kernels.reference.fused.mega_moe: route -> routed experts + shared expert -> combine ->
+    hc_expand, in 9 launches (module doc)."""
+    banks = [bank(w, s, fmt) for w, s in ((w1, w1_scale), (w3, w3_scale), (w2, w2_scale))]
+    shared = sw1 is not None
+    sbanks = ([bank(w, s, shared_fmt) for w, s in ((sw1, sw1_scale), (sw3, sw3_scale),
+                                                    (sw2, sw2_scale))] if shared else [])
+    ok = (_q_ok(x_q, x_scale, act_fmt) and None not in banks and None not in sbanks
+          and x.dim() == 2 and streams.dim() == 3 and x.dtype in RDT and streams.dtype in RDT
+          and score_func in SCORES and banks[0].k == x.shape[1]
+          and (not shared or sbanks[0].groups == 1))
+    if not ok:
+        return _mega_moe_fallback(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1,
+                                  w1_scale, w3, w3_scale, w2, w2_scale, sw1, sw1_scale, sw3,
+                                  sw3_scale, sw2, sw2_scale, tid2eid, token_ids, topk=topk,
+                                  route_scale=route_scale, norm_topk=norm_topk,
+                                  score_func=score_func, fmt=fmt, shared_fmt=shared_fmt,
+                                  swiglu_limit=swiglu_limit, act_fmt=act_fmt)
+    T, d = x.shape
+    E = banks[0].groups
+    dev = x.device
+    out = torch.empty(streams.shape, dtype=streams.dtype, device=dev)
+    if T == 0:
+        return out
+    counts = torch.zeros(E, dtype=torch.int32, device=dev)
+    ids, wts = route_ids(x, gate_w, gate_bias, topk=topk, route_scale=route_scale,
+                         norm_topk=norm_topk, score_func=score_func, tid2eid=tid2eid,
+                         token_ids=token_ids, counts=counts)
+    ks = topk + int(shared)
+    y = torch.empty(T, ks, d, dtype=_ydtype(x.dtype), device=dev)
+    routed_experts(x_q, x_scale, ids, wts, counts, *banks, y, topk=topk,
+                   swiglu_limit=swiglu_limit)
+    if shared:
+        shared_expert(x_q, x_scale, *sbanks, y[:, topk], swiglu_limit=swiglu_limit)
+    sc = streams if streams.stride(-1) == 1 else streams.contiguous()
+    return combine(y, out, topk=topk, shared=shared, rdt=x.dtype, streams=sc,
+                   post=post.float().contiguous(), comb=comb.float().contiguous())
+
+
+def _mega_moe_fallback(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_scale, w3,
+                       w3_scale, w2, w2_scale, sw1, sw1_scale, sw3, sw3_scale, sw2, sw2_scale,
+                       tid2eid, token_ids, **attrs):
+    if tid2eid is None:
+        return _fallback("mega_moe")(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1,
+                                     w1_scale, w3, w3_scale, w2, w2_scale, sw1, sw1_scale, sw3,
+                                     sw3_scale, sw2, sw2_scale, **attrs)
+    from megagraph.kernels.reference.fused import mega_moe as reference
+
+    return reference(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_scale, w3,
+                     w3_scale, w2, w2_scale, sw1, sw1_scale, sw3, sw3_scale, sw2, sw2_scale,
+                     tid2eid, token_ids, **attrs)
+
+
+for _f in (moe_experts_q, swiglu_mlp_q, linear_q, grouped_linear_q, route, mega_moe):
+    _f.capturable = True
+
+__all__ = ["CONFIG_OVERRIDE", "GemmConfig", "available", "bank", "combine", "gemm",
+           "grouped_linear_q", "linear_q", "mega_moe", "moe_experts_q", "on_device", "permute",
+           "pick_config", "route", "route_ids", "routed_experts", "shared_expert", "swiglu_mlp_q"]

@@ -1,0 +1,516 @@
+"""Triton code of the MoE path (imported only by kernels/triton/moe.py, after triton): router
+scores and top-k, the expert permutation, the grouped / dense GEMM on MXFP4 or FP8-block
+weights with fused SwiGLU-clamp and fused combine weights, and the combine + mHC residual
+expand. Docs of the design and the numerics: kernels/triton/moe.py.
+
+Formats: MXFP4 weights [G, N, K/2] int8 (two E2M1 codes per byte, low nibble = even column) with
+E8M0 scales [G, N, K/32]; FP8-block weights [G, N, K] e4m3 with E8M0 scales
+[G, ceil(N/bn), ceil(K/bk)]; activations e4m3 with one f32 power-of-two scale per 128 columns
+(fp8_1x128), or fp16 / bf16 / f32.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# MMA modes (constexpr MMA)
+MMA_FP8 = 0  # e4m3 x e4m3 tensor cores, fp32 partial per K-chunk promoted with the two scales
+MMA_FP16 = 1  # fp16 x fp16, same promotion (B upcast from e4m3 / fp8 block values)
+MMA_BF16 = 2  # bf16 x bf16 on fully dequantized operands, no promotion (exact products)
+MMA_F32 = 3  # fp32 "ieee" on fully dequantized operands (fp32 activations, the interpreter)
+WFMT_MXFP4 = 0
+WFMT_FP8 = 1
+
+# E2M1 -> E4M3 in SIMD-within-a-register PTX (4 packed bytes = 8 codes per call): the E4M3 bytes
+# of the 8 magnitudes, shifted by the group's exponent offset `rel` (byte 0 of $3, signed), are
+# two 32-bit lookup words; `prmt` picks them by code; sign bits are moved into bit 7. rel < -5
+# would leave the E4M3 normal range: those groups become zero (see moe.py, numerics).
+FP4_E4M3_ASM = """
+{
+.reg .b32 t, u, r1, r2, s, la, lb, k, rl;
+.reg .pred pz;
+bfe.s32 rl, $3, 0, 8;
+setp.lt.s32 pz, rl, -5;
+mul.lo.s32 k, rl, 0x08080800;
+add.s32 la, k, 0x3C383000;
+mul.lo.s32 k, rl, 0x08080808;
+add.s32 lb, k, 0x4C484440;
+selp.b32 la, 0, la, pz;
+selp.b32 lb, 0, lb, pz;
+and.b32 t, $2, 0x07070707;
+shr.u32 u, t, 4;
+or.b32 u, u, t;
+prmt.b32 r1, la, lb, u;
+shr.u32 u, u, 16;
+prmt.b32 r2, la, lb, u;
+prmt.b32 t, r1, r2, 0x5410;
+shl.b32 s, $2, 4;
+and.b32 s, s, 0x80808080;
+or.b32 $0, t, s;
+shr.u32 t, $2, 4;
+and.b32 t, t, 0x07070707;
+shr.u32 u, t, 4;
+or.b32 u, u, t;
+prmt.b32 r1, la, lb, u;
+shr.u32 u, u, 16;
+prmt.b32 r2, la, lb, u;
+prmt.b32 t, r1, r2, 0x5410;
+and.b32 s, $2, 0x80808080;
+or.b32 $1, t, s;
+}
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# number formats
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def exp2_biased(e):
+    """2^(e-127) in fp32 for an int32 biased exponent e in [0, 254] (0 -> 2^-127, subnormal)."""
+    bits = tl.where(e <= 0, 0x00400000, e << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 rounded to the nearest bf16 value (ties to even), as fp32 (the interpreter's bf16
+    cast truncates)."""
+    b = x.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def cast_out(x, dtype: tl.constexpr, MANUAL: tl.constexpr):
+    if MANUAL and dtype == tl.bfloat16:
+        x = round_bf16(x)
+    return x.to(dtype)
+
+
+@triton.jit
+def round_like(x, RDT: tl.constexpr):
+    """fp32 x rounded to dtype code RDT (0 fp32, 1 bf16, 2 fp16), returned as fp32."""
+    if RDT == 1:
+        return round_bf16(x)
+    elif RDT == 2:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def round_e4m3(v):
+    """|v| <= 448 rounded to the E4M3 grid (nearest, ties to even) in fp32 arithmetic."""
+    a = tl.abs(v)
+    e = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.maximum(e, 127 - 6) - 3  # ulp exponent: 3 mantissa bits, subnormal step 2^-9
+    ulp = (e << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
+    r = ((a * inv + 12582912.0) - 12582912.0) * ulp
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def e2m1_e4m3_bits(c, rel):
+    """E4M3 byte (int32) of E2M1 code c (int32, low 4 bits) times 2^rel; rel in [-5, 6] is exact,
+    rel < -5 gives (signed) zero."""
+    m = c & 7
+    base = tl.where(m >= 2, m * 4 + 0x30, m * 0x30) + rel * 8
+    base = tl.where((m == 0) | (rel < -5), 0, base)
+    return base | ((c & 8) << 4)
+
+
+@triton.jit
+def e2m1_f32(c):
+    """fp32 value of E2M1 code c (int32, low 4 bits)."""
+    m = c & 7
+    bits = tl.where(m == 1, 126 << 23, (((m >> 1) + 126) << 23) | ((m & 1) << 22))
+    bits = tl.where(m == 0, 0, bits) | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp4_tile_e4m3(p, rel_p, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
+    """Packed codes p uint8 [BN, BK//2] with exponent offsets rel_p int32 [BN, BK//2] ->
+    float8e4nv [BN, BK] in column order."""
+    if USE_ASM:
+        lo, hi = tl.inline_asm_elementwise(FP4_E4M3_ASM, "=r,=r,r,r", [p, rel_p.to(tl.int8)],
+                                           dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+    else:
+        pi = p.to(tl.int32)
+        lo = e2m1_e4m3_bits(pi & 0xF, rel_p).to(tl.uint8)
+        hi = e2m1_e4m3_bits(pi >> 4, rel_p).to(tl.uint8)
+    b = tl.reshape(tl.join(lo, hi), (BN, BK))
+    return b.to(tl.float8e4nv, bitcast=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# one B tile: load + dequantize for the chosen MMA mode
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def load_b_tile(b_ptr, bs_ptr, rn, nmask, k0, stride_bn, stride_bsn,
+                WFMT: tl.constexpr, MMA: tl.constexpr, BLK_N_S: tl.constexpr,
+                BLK_K_S: tl.constexpr, NSUB: tl.constexpr, USE_ASM: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr):
+    """B rows rn [BN] (of one group, pointers already offset), columns k0 .. k0+BK-1 ->
+    (tile [BN, BK] in the MMA dtype, per-row promotion scale f32 [BN] (ones for the exact
+    modes)). NSUB = scale groups along K in the chunk (BK // min(BK, BLK_K_S))."""
+    rs = tl.arange(0, NSUB)
+    srow = rn // BLK_N_S
+    scol = (k0 + rs * (BK // NSUB)) // BLK_K_S
+    e = tl.load(bs_ptr + srow[:, None] * stride_bsn + scol[None, :], mask=nmask[:, None],
+                other=127).to(tl.int32)  # [BN, NSUB] biased exponents
+    if WFMT == 0:  # MXFP4
+        rk2 = tl.arange(0, BK // 2)
+        p = tl.load(b_ptr + rn[:, None] * stride_bn + (k0 // 2 + rk2)[None, :],
+                    mask=nmask[:, None], other=0).to(tl.uint8, bitcast=True)
+        if MMA == 0 or MMA == 1:
+            smax = tl.max(e, axis=1)
+            S = tl.maximum(smax - 6, 1)
+            rel = e - S[:, None]
+            rel_p = tl.reshape(tl.broadcast_to(rel[:, :, None], (BN, NSUB, BK // NSUB // 2)),
+                               (BN, BK // 2))
+            b = fp4_tile_e4m3(p, rel_p, BN, BK, USE_ASM)
+            if MMA == 1:
+                b = b.to(tl.float16)
+            sb = exp2_biased(S)
+        else:
+            pi = p.to(tl.int32)
+            v = tl.reshape(tl.join(e2m1_f32(pi & 0xF), e2m1_f32(pi >> 4)), (BN, BK))
+            sc = tl.reshape(tl.broadcast_to(exp2_biased(e)[:, :, None], (BN, NSUB, BK // NSUB)),
+                            (BN, BK))
+            b = v * sc
+            if MMA == 2:
+                b = b.to(tl.bfloat16)
+            sb = tl.full((BN,), 1.0, tl.float32)
+    else:  # FP8 block
+        rk = tl.arange(0, BK)
+        q = tl.load(b_ptr + rn[:, None] * stride_bn + (k0 + rk)[None, :], mask=nmask[:, None],
+                    other=0.0)
+        if MMA == 0:  # needs NSUB == 1 (one scale per row in the chunk)
+            b = q
+            sb = exp2_biased(tl.max(e, axis=1))
+        elif MMA == 1:
+            b = q.to(tl.float16)
+            if NSUB > 1:
+                smax = tl.max(e, axis=1)
+                f = exp2_biased(e - smax[:, None] + 127)
+                f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, NSUB, BK // NSUB)), (BN, BK))
+                b = b * f.to(tl.float16)
+                sb = exp2_biased(smax)
+            else:
+                sb = exp2_biased(tl.max(e, axis=1))
+        else:
+            sc = tl.reshape(tl.broadcast_to(exp2_biased(e)[:, :, None], (BN, NSUB, BK // NSUB)),
+                            (BN, BK))
+            b = q.to(tl.float32) * sc
+            if MMA == 2:
+                b = b.to(tl.bfloat16)
+            sb = tl.full((BN,), 1.0, tl.float32)
+    return b, sb
+
+
+@triton.jit
+def mma_step(acc, a, sa, b, sb, A_SCALED: tl.constexpr, MMA: tl.constexpr):
+    if MMA == 0 or MMA == 1:
+        if MMA == 1:
+            a = a.to(tl.float16)
+        part = tl.dot(a, tl.trans(b))
+        if A_SCALED:
+            acc += part * (sa[:, None] * sb[None, :])
+        else:
+            acc += part * sb[None, :]
+    else:
+        af = a.to(tl.float32)
+        if A_SCALED:
+            af = af * sa[:, None]
+        if MMA == 2:
+            acc = tl.dot(af.to(tl.bfloat16), tl.trans(b), acc)
+        else:
+            acc = tl.dot(af, tl.trans(b), acc, input_precision="ieee")
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------
+# the GEMM
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def moe_gemm(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, cidx_ptr, w_ptr,
+             cnt_ptr, M, N, K, G, limit,
+             stride_am, stride_as, stride_ag, stride_asg,
+             stride_bg, stride_bn, stride_bsg, stride_bsn, stride_cm, stride_cg,
+             TOPK: tl.constexpr, KS: tl.constexpr, GROUPED: tl.constexpr,
+             GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, WEIGHTED: tl.constexpr,
+             SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, A_SCALED: tl.constexpr,
+             WFMT: tl.constexpr, MMA: tl.constexpr, BLK_N_S: tl.constexpr, BLK_K_S: tl.constexpr,
+             NSUB: tl.constexpr, USE_ASM: tl.constexpr, MANUAL: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G_PAD: tl.constexpr):
+    """C = A @ B^T (fp32 accumulate), per group.
+
+    GROUPED: program_id(0) = m_tile * num_n + n_tile over a static worst-case tile count; the
+    rows of group g are the cnt[g] consecutive rows after sum(cnt[:g]) (expert-sorted order);
+    tiles never span two groups; programs past the last tile return at once. Else (dense /
+    batched): program_id(0) = m_tile * num_n + n_tile over M rows, program_id(1) = group
+    (block-diagonal projections: pointer offsets stride_*g).
+    GATHER_A: A row = aidx[row] // TOPK (the token of a sorted (token, slot) pair).
+    SWIGLU: B1 = W1, B2 = W3 of the same rows; C = silu(min(g, lim)) * clamp(u, -lim, lim).
+    SCATTER_C: C row of sorted row r = pair p = cidx[r] -> (p // TOPK) * KS + p % TOPK,
+    times w[p] if WEIGHTED.
+    """
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BN)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    if GROUPED:
+        ge = tl.arange(0, G_PAD)
+        cnt = tl.load(cnt_ptr + ge, mask=ge < G, other=0)
+        tiles = (cnt + (BM - 1)) // BM
+        tend = tl.cumsum(tiles, 0)
+        total = tl.sum(tiles, 0)
+        if pid_m >= total:
+            return
+        g = tl.sum((tend <= pid_m).to(tl.int32), 0)
+        before = ge < g
+        local0 = (pid_m - tl.sum(tl.where(before, tiles, 0), 0)) * BM
+        row0 = tl.sum(tl.where(before, cnt, 0), 0) + local0
+        nrows = tl.sum(tl.where(ge == g, cnt, 0), 0) - local0
+    else:
+        g = tl.program_id(1)
+        row0 = pid_m * BM
+        nrows = M - row0
+    g64 = g.to(tl.int64)
+    rm = tl.arange(0, BM)
+    rmask = rm < nrows
+    rows = row0 + rm
+    if GATHER_A:
+        src = tl.load(aidx_ptr + rows, mask=rmask, other=0)
+        a_rows = (src // TOPK).to(tl.int64)
+    else:
+        a_rows = rows.to(tl.int64)
+    rn = pid_n * BN + tl.arange(0, BN)
+    nmask = rn < N
+    rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + g64 * stride_ag + a_rows[:, None] * stride_am + rk[None, :]
+    as_ptrs = as_ptr + g64 * stride_asg + a_rows * stride_as
+    b1 = b1_ptr + g64 * stride_bg
+    bs1 = bs1_ptr + g64 * stride_bsg
+    b2 = b2_ptr + g64 * stride_bg
+    bs2 = bs2_ptr + g64 * stride_bsg
+    acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+    acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+    sa = tl.full((BM,), 1.0, tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(a_ptrs + k0, mask=rmask[:, None], other=0.0)
+        if A_SCALED:
+            sa = tl.load(as_ptrs + k0 // 128, mask=rmask, other=1.0)
+        b, sb = load_b_tile(b1, bs1, rn, nmask, k0, stride_bn, stride_bsn, WFMT, MMA, BLK_N_S,
+                            BLK_K_S, NSUB, USE_ASM, BN, BK)
+        acc1 = mma_step(acc1, a, sa, b, sb, A_SCALED, MMA)
+        if SWIGLU:
+            b, sb = load_b_tile(b2, bs2, rn, nmask, k0, stride_bn, stride_bsn, WFMT, MMA,
+                                BLK_N_S, BLK_K_S, NSUB, USE_ASM, BN, BK)
+            acc2 = mma_step(acc2, a, sa, b, sb, A_SCALED, MMA)
+    if SWIGLU:
+        gt = acc1
+        up = acc2
+        if HAS_LIMIT:
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            gt = tl.minimum(gt, limit)
+        out = gt * tl.sigmoid(gt) * up
+    else:
+        out = acc1
+    if SCATTER_C:
+        pair = tl.load(cidx_ptr + rows, mask=rmask, other=0)
+        crow = ((pair // TOPK) * KS + pair % TOPK).to(tl.int64)
+        if WEIGHTED:
+            out = out * tl.load(w_ptr + pair, mask=rmask, other=0.0)[:, None]
+    else:
+        crow = rows.to(tl.int64)
+    c_ptrs = c_ptr + g64 * stride_cg + crow[:, None] * stride_cm + rn[None, :]
+    tl.store(c_ptrs, cast_out(out, c_ptr.dtype.element_ty, MANUAL),
+             mask=rmask[:, None] & nmask[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# router: gate scores, top-k (+ expert counts), permutation
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def gate_scores(x_ptr, w_ptr, s_ptr, T, E, D, stride_x, stride_w, stride_s,
+                MODE: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+    """s[T, E] = x @ w^T in fp32. MODE 0: bf16 x bf16 (exact products); 1: x bf16, w fp32 split
+    into bf16 hi + lo (two products, ~2^-16 relative); 2: fp32 "ieee"."""
+    pm = tl.program_id(0)
+    pe = tl.program_id(1)
+    rm = pm * BM + tl.arange(0, BM)
+    re = pe * BE + tl.arange(0, BE)
+    mmask = rm < T
+    emask = re < E
+    acc = tl.zeros((BM, BE), dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        rk = k0 + tl.arange(0, BK)
+        kmask = rk < D
+        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_x + rk[None, :],
+                    mask=mmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptr + re[:, None].to(tl.int64) * stride_w + rk[None, :],
+                    mask=emask[:, None] & kmask[None, :], other=0.0)
+        if MODE == 0:
+            acc = tl.dot(x, tl.trans(w), acc)
+        elif MODE == 1:
+            wf = w.to(tl.float32)
+            hi = wf.to(tl.bfloat16)
+            lo = (wf - hi.to(tl.float32)).to(tl.bfloat16)
+            acc = tl.dot(x, tl.trans(hi), acc)
+            acc = tl.dot(x, tl.trans(lo), acc)
+        else:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
+                         input_precision="ieee")
+    tl.store(s_ptr + rm[:, None].to(tl.int64) * stride_s + re[None, :], acc,
+             mask=mmask[:, None] & emask[None, :])
+
+
+@triton.jit
+def log1p_f32(z):
+    """log(1 + z) for z >= 0, accurate for small z (Goldberg: log(u) * z / (u - 1), u = 1 + z)."""
+    u = 1.0 + z
+    d = u - 1.0
+    return tl.where(d == 0.0, z, tl.log(u) * (z / tl.where(d == 0.0, 1.0, d)))
+
+
+@triton.jit
+def route_topk(s_ptr, bias_ptr, ids_ptr, w_ptr, cnt_ptr, tid_ptr, tok_ptr, T, E, route_scale,
+               stride_s, TOPK: tl.constexpr, K_PAD: tl.constexpr, SCORE: tl.constexpr,
+               HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HASH: tl.constexpr,
+               COUNT: tl.constexpr, IDS64: tl.constexpr, BM: tl.constexpr, E_PAD: tl.constexpr):
+    """Scores (sqrtsoftplus / softmax / sigmoid of the logits), top-k of scores + bias (ties: the
+    lower expert id), weights = unbiased scores of the chosen, normalized, times route_scale;
+    HASH: experts from tid2eid[token_ids] instead. COUNT: cnt[e] += picks of e (atomics)."""
+    pm = tl.program_id(0)
+    rm = pm * BM + tl.arange(0, BM)
+    rmask = rm < T
+    ce = tl.arange(0, E_PAD)
+    emask = ce < E
+    lg = tl.load(s_ptr + rm[:, None].to(tl.int64) * stride_s + ce[None, :],
+                 mask=rmask[:, None] & emask[None, :], other=0.0)
+    if SCORE == 0:
+        sp = tl.where(lg > 20.0, lg, log1p_f32(tl.exp(tl.minimum(lg, 20.0))))
+        sc = tl.sqrt_rn(sp)
+    elif SCORE == 1:
+        lm = tl.where(emask[None, :], lg, float("-inf"))
+        mx = tl.max(lm, axis=1)
+        ex = tl.exp(lm - mx[:, None])
+        sc = ex / tl.sum(ex, axis=1)[:, None]
+    else:
+        sc = tl.sigmoid(lg)
+    kk = tl.arange(0, K_PAD)
+    wt = tl.zeros((BM, K_PAD), dtype=tl.float32)
+    kmask = rmask[:, None] & (kk < TOPK)[None, :]
+    if HASH:
+        tok = tl.load(tok_ptr + rm, mask=rmask, other=0).to(tl.int64)
+        idm = tl.load(tid_ptr + tok[:, None] * TOPK + kk[None, :], mask=kmask, other=0)
+        idm = idm.to(tl.int32)
+        for j in tl.static_range(TOPK):
+            idj = tl.sum(tl.where(kk[None, :] == j, idm, 0), axis=1)
+            wj = tl.sum(tl.where(ce[None, :] == idj[:, None], sc, 0.0), axis=1)
+            wt = tl.where(kk[None, :] == j, wj[:, None], wt)
+    else:
+        sel = sc
+        if HAS_BIAS:
+            sel = sel + tl.load(bias_ptr + ce, mask=emask, other=0.0)[None, :]
+        sel = tl.where(emask[None, :], sel, float("-inf"))
+        idm = tl.zeros((BM, K_PAD), dtype=tl.int32)
+        for j in tl.static_range(TOPK):
+            mx = tl.max(sel, axis=1)
+            idj = tl.min(tl.where(sel == mx[:, None], ce[None, :], E_PAD), axis=1)
+            hit = ce[None, :] == idj[:, None]
+            wj = tl.sum(tl.where(hit, sc, 0.0), axis=1)
+            sel = tl.where(hit, float("-inf"), sel)
+            wt = tl.where(kk[None, :] == j, wj[:, None], wt)
+            idm = tl.where(kk[None, :] == j, idj[:, None], idm)
+    if NORM:
+        wt = wt / (tl.sum(wt, axis=1)[:, None] + 1e-20)
+    wt = wt * route_scale
+    off = rm[:, None] * TOPK + kk[None, :]
+    if IDS64:
+        tl.store(ids_ptr + off, idm.to(tl.int64), mask=kmask)
+    else:
+        tl.store(ids_ptr + off, idm, mask=kmask)
+    tl.store(w_ptr + off, wt, mask=kmask)
+    if COUNT:
+        tl.atomic_add(cnt_ptr + idm, 1, mask=kmask)
+
+
+@triton.jit
+def count_ids(ids_ptr, cnt_ptr, P, E, BP: tl.constexpr):
+    """cnt[e] += number of ids == e (ids clamped into [0, E))."""
+    rp = tl.program_id(0) * BP + tl.arange(0, BP)
+    pm = rp < P
+    e = tl.load(ids_ptr + rp, mask=pm, other=0).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, 0), E - 1)
+    tl.atomic_add(cnt_ptr + e, 1, mask=pm)
+
+
+@triton.jit
+def moe_plan(cnt_ptr, cur_ptr, E, E_PAD: tl.constexpr):
+    """cur[e] = sum(cnt[:e]) (one program): the first sorted row of each expert."""
+    ce = tl.arange(0, E_PAD)
+    cnt = tl.load(cnt_ptr + ce, mask=ce < E, other=0)
+    tl.store(cur_ptr + ce, tl.cumsum(cnt, 0) - cnt, mask=ce < E)
+
+
+@triton.jit
+def moe_scatter(ids_ptr, cur_ptr, sorted_ptr, P, E, BP: tl.constexpr):
+    """sorted[cur[e]++] = p for every pair p with expert e (atomic cursor started at the expert's
+    first row by moe_plan: rows of one expert land in any order, which changes no result since
+    every row is computed on its own)."""
+    rp = tl.program_id(0) * BP + tl.arange(0, BP)
+    pm = rp < P
+    e = tl.load(ids_ptr + rp, mask=pm, other=0).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, 0), E - 1)
+    pos = tl.atomic_add(cur_ptr + e, 1, mask=pm)
+    tl.store(sorted_ptr + pos, rp, mask=pm)
+
+
+# ---------------------------------------------------------------------------------------------
+# combine (+ shared) (+ mHC residual expand)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def moe_combine(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, D, stride_yt, stride_ht, stride_hc,
+                stride_ot, stride_oc, K: tl.constexpr, SHARED: tl.constexpr,
+                EXPAND: tl.constexpr, HC: tl.constexpr, RDT: tl.constexpr,
+                MANUAL: tl.constexpr, BD: tl.constexpr):
+    """Per token t: routed = round_RDT(sum_j y[t, j]) (fp32 sum in slot order); with SHARED:
+    y = round_RDT(routed + y[t, K]). EXPAND: out[t, c] = post[t, c] * y + sum_i comb[t, i, c] *
+    h[t, i] (fp32), else out[t] = y."""
+    t = tl.program_id(0).to(tl.int64)
+    rd = tl.program_id(1) * BD + tl.arange(0, BD)
+    dm = rd < D
+    acc = tl.zeros((BD,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        acc += tl.load(y_ptr + t * stride_yt + j * D + rd, mask=dm, other=0.0).to(tl.float32)
+    y = round_like(acc, RDT)
+    if SHARED:
+        y = round_like(y + tl.load(y_ptr + t * stride_yt + K * D + rd, mask=dm,
+                                   other=0.0).to(tl.float32), RDT)
+    if EXPAND:
+        ci = tl.arange(0, HC)
+        h = tl.load(h_ptr + t * stride_ht + ci[:, None] * stride_hc + rd[None, :],
+                    mask=dm[None, :], other=0.0).to(tl.float32)
+        post = tl.load(post_ptr + t * HC + ci)
+        comb = tl.load(comb_ptr + t * HC * HC + ci[:, None] * HC + ci[None, :])
+        mix = tl.sum(comb[:, :, None] * h[:, None, :], axis=0)
+        out = post[:, None] * y[None, :] + mix
+        tl.store(out_ptr + t * stride_ot + ci[:, None] * stride_oc + rd[None, :],
+                 cast_out(out, out_ptr.dtype.element_ty, MANUAL), mask=dm[None, :])
+    else:
+        tl.store(out_ptr + t * stride_ot + rd, cast_out(y, out_ptr.dtype.element_ty, MANUAL),
+                 mask=dm)
