@@ -11,6 +11,7 @@ the step's outputs need.
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -71,6 +72,21 @@ def segment_io(g: Graph, segments: Sequence[Sequence[int]]) -> list[SegmentIO]:
     return out
 
 
+def _fit_inputs(fn: Impl, inputs: tuple[str | None, ...]) -> tuple[str | None, ...]:
+    """Drop trailing absent optional inputs a kernel does not take (an op that gained optional
+    inputs, e.g. mega_moe's hash-routing tables, keeps working with kernels written before)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return inputs
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return inputs
+    n = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    if len(inputs) > n and all(i is None for i in inputs[n:]):
+        return inputs[:n]
+    return inputs
+
+
 class Program:
     """A run of graph nodes as one callable over a value dict."""
 
@@ -93,7 +109,8 @@ class Program:
             attrs = get_op(n.op).resolve_attrs(n.attr_dict, f"node %{n.outputs[0]}")
             drop = tuple(v for v in dict.fromkeys(x for x in n.inputs if x is not None)
                          if last[v] == pos and v not in keep)
-            calls.append(Call(fn, n.inputs, n.outputs, attrs, drop, f"{n.op} -> %{n.outputs[0]}"))
+            calls.append(Call(fn, _fit_inputs(fn, n.inputs), n.outputs, attrs, drop,
+                              f"{n.op} -> %{n.outputs[0]}"))
         self.calls = tuple(calls)
         self.ops = tuple(g.nodes[i].op for i in nodes)
 

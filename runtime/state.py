@@ -8,6 +8,8 @@ real request's state.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megagraph.graph.interp import TORCH_DTYPES
@@ -15,9 +17,20 @@ from megagraph.graph.ir import Graph
 from megagraph.models.session import initial_state
 
 
+def capacity_multiple(g: Graph) -> int:
+    """Capacities must be multiples of this (compressed caches hold N/r rows)."""
+    ks = {int(d.split("/")[1]) for n in g.state_labels for d in g.types[n].shape
+          if isinstance(d, str) and "/" in d}
+    return math.lcm(*ks) if ks else 1
+
+
 def allocate_state(g: Graph, *, num_slots: int, capacity: int,
                    device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """{state label: pool [S, ...]} for every state input of `g`, on `device`."""
+    k = capacity_multiple(g)
+    if capacity % k:
+        raise ValueError(f"capacity {capacity} must be a multiple of {k} (the compressed caches "
+                         f"of {g.name} hold N/{k} rows); use {capacity + k - capacity % k}")
     with torch.device(device):
         return initial_state(g, slots=num_slots, capacity=capacity)
 
