@@ -30,6 +30,8 @@ def _k(name: str, needs: str, status: str = "planned", note: str = "") -> Kernel
 REFERENCE = KernelImpl("reference", frozenset(), "available", "pure torch (kernels/reference)")
 BLACKWELL_GEMM = "sm_100f deepgemm"
 TRITON_ATTN = "kernels/triton/attention.py: split-K MQA over ring + step rows + top-k, sink"
+TRITON_GEMM = "kernels/triton/moe.py: FP8-block weights, fp16 MMA with folded block scales"
+TRITON_MOE = "kernels/triton/moe.py: grouped MXFP4 GEMMs, FP4 -> FP8 upcast, fused SwiGLU/combine"
 
 # op (or "op[attr=value]" for a variant) -> implementations in order of preference
 KERNELS: dict[str, list[KernelImpl]] = {
@@ -39,17 +41,25 @@ KERNELS: dict[str, list[KernelImpl]] = {
     "linear_q[act_fmt=mxfp8]": [_k("deepgemm.fp8_fp4_gemm_nt", f"{BLACKWELL_GEMM} mxfp8",
                                    note="recipe (1,1,32)")],
     "linear_q[act_fmt=fp8_1x128]": [_k("deepgemm.fp8_gemm_nt", "sm_90 deepgemm",
-                                       note="recipe (1,128,128)")],
+                                       note="recipe (1,128,128)"),
+                                    _k("triton.fp8_block_gemm", "sm_90 triton", "available",
+                                       note=TRITON_GEMM)],
     "grouped_linear_q[act_fmt=mxfp8]": [_k("deepgemm.fp8_einsum", f"{BLACKWELL_GEMM} mxfp8")],
-    "grouped_linear_q[act_fmt=fp8_1x128]": [_k("triton.grouped_fp8_gemm", "sm_90 triton")],
+    "grouped_linear_q[act_fmt=fp8_1x128]": [_k("triton.grouped_fp8_gemm", "sm_90 triton",
+                                               "available", note=f"{TRITON_GEMM}, batched")],
     "moe_experts": [_k("triton.moe_mxfp4", "cuda triton")],
     "moe_experts_q[act_fmt=mxfp8]": [_k("deepgemm.m_grouped_fp8_fp4_gemm_nt_masked",
                                         f"{BLACKWELL_GEMM} mxfp4")],
-    "moe_experts_q[act_fmt=fp8_1x128]": [_k("triton.moe_fp8_mxfp4", "sm_90 triton",
-                                            note="FP4 -> FP8 upcast in shared memory")],
-    "mega_mhc": [_k("deepgemm.mega_mhc", f"{BLACKWELL_GEMM}"), _k("triton.mega_mhc", "sm_90 triton")],
+    "moe_experts_q[act_fmt=fp8_1x128]": [_k("triton.moe_fp8_mxfp4", "sm_90 triton", "available",
+                                            note=TRITON_MOE)],
+    "swiglu_mlp_q[act_fmt=fp8_1x128]": [_k("triton.swiglu_fp8_block", "sm_90 triton", "available",
+                                           note=f"{TRITON_GEMM}, SwiGLU-clamp epilogue")],
+    "mega_mhc": [_k("deepgemm.mega_mhc", f"{BLACKWELL_GEMM}"),
+                 _k("triton.mega_mhc", "sm_90 triton", "available",
+                    note="kernels/triton/mhc.py: projection (split-K when few tokens) + finish")],
     "mega_moe": [_k("deepgemm.fp8_fp4_mega_moe", f"{BLACKWELL_GEMM} mxfp4"),
-                 _k("triton.mega_moe", "sm_90 triton")],
+                 _k("triton.mega_moe", "sm_90 triton", "available",
+                    note=f"{TRITON_MOE}; router, permutation, shared expert, combine + expand")],
     "hc_mixer": [_k("deepgemm.tf32_hc_prenorm_gemm+triton.sinkhorn", "cuda deepgemm triton")],
     "sparse_attn": [_k("flashmla.sparse_fwd", "cuda flashmla"),
                     _k("triton.sparse_attn", "sm_90 triton", "available", note=TRITON_ATTN)],
@@ -98,6 +108,15 @@ LOADABLE.update({
     "triton.ring_update": "megagraph.kernels.triton.ring",
     "triton.engram_hash": "megagraph.kernels.triton.engram",
     "triton.engram_gate": "megagraph.kernels.triton.engram",
+})
+# MegaMoE path, FP8-block GEMMs and Mega-mHC in Triton (Hopper; capturable fallbacks elsewhere)
+LOADABLE.update({
+    "triton.mega_moe": "megagraph.kernels.triton.moe",
+    "triton.moe_fp8_mxfp4": "megagraph.kernels.triton.moe",
+    "triton.swiglu_fp8_block": "megagraph.kernels.triton.moe",
+    "triton.fp8_block_gemm": "megagraph.kernels.triton.moe",
+    "triton.grouped_fp8_gemm": "megagraph.kernels.triton.moe",
+    "triton.mega_mhc": "megagraph.kernels.triton.mhc",
 })
 
 

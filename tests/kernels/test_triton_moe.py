@@ -1,0 +1,493 @@
+"""Triton MegaMoE / Mega-mHC / FP8-block GEMM kernels (kernels/triton/moe.py, mhc.py) against the
+reference ops.
+
+Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set here before
+triton loads), on small shapes: that covers the kernels' logic - tile scan, permutation, MMA
+modes, scale folding, epilogues, combine, Sinkhorn - in every mode except the inline-PTX upcast,
+whose bit logic is checked here by emulating the PTX. With CUDA the same tests run the compiled
+kernels, plus the GPU-only checks (CUDA-graph capture, the PTX upcast).
+
+Every output is checked against kernels.reference with fresh random inputs, under poisoned
+allocations (every torch.empty of the call is filled with NaN / huge indices), so an element or
+a workspace row the kernels read without writing it shows up as NaN or a crash.
+Tolerances (relative Frobenius error; moe.py explains where the differences come from): fp32
+outputs 2e-3 (fp16 SwiGLU output feeding the second GEMM), bf16 outputs 1e-2.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from megagraph.kernels import formats  # noqa: E402
+from megagraph.kernels.reference import fused as rf  # noqa: E402
+from megagraph.kernels.reference.moe import route as ref_route  # noqa: E402
+from megagraph.kernels.triton import mhc as tmhc  # noqa: E402
+from megagraph.kernels.triton import moe as tm  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+GPU = DEV == "cuda"
+ACT = "fp8_1x128"
+
+
+def rel(a, b) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def gen(seed: int) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return g
+
+
+def randn(*shape, g, scale=1.0, dtype=torch.float32):
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEV)
+
+
+def mxfp4(E, N, K, g, lo=119, hi=124):
+    w = torch.randint(-128, 128, (E, N, K // 2), dtype=torch.int8, generator=g)
+    s = torch.randint(lo, hi + 1, (E, N, K // 32), dtype=torch.uint8, generator=g)
+    return w.to(DEV), s.view(torch.float8_e8m0fnu).to(DEV)
+
+
+def fp8_block(N, K, g, block=32, scale=0.05):
+    w, s = formats.quantize_fp8_block(torch.randn(N, K, generator=g) * scale, block)
+    return w.to(DEV), s.to(DEV)
+
+
+@contextlib.contextmanager
+def poisoned():
+    """Every torch.empty in the block returns NaN (floats, fp8 too), 0xFF (uint8 / e8m0) or a huge
+    index (ints): reading an element nobody wrote poisons the result."""
+    real = torch.empty
+
+    def empty(*size, dtype=None, device=None, **kw):
+        t = real(*size, dtype=dtype, device=device, **kw)
+        dt = t.dtype
+        if dt.is_floating_point:
+            t.view(torch.uint8).fill_(0xFF) if t.element_size() == 1 else t.fill_(float("nan"))
+        elif dt == torch.uint8:
+            t.fill_(0xFF)
+        elif dt in (torch.int32, torch.int64):
+            t.fill_(1 << 30)
+        return t
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real
+
+
+def finite(*ts):
+    for t in ts:
+        assert not torch.isnan(t.float()).any(), "unwritten (poisoned) elements in the output"
+
+
+# ---------------------------------------------------------------------------------------------
+# the E2M1 -> E4M3 upcast: arithmetic helper semantics and the PTX (emulated) bit logic
+# ---------------------------------------------------------------------------------------------
+
+
+def _e4m3_ref_byte(c: int, rel_: int) -> int:
+    """What both upcasts must produce: E4M3 of e2m1(c) * 2^rel, zero when rel < -5."""
+    m = c & 7
+    base = (m * 4 + 0x30 if m >= 2 else m * 0x30) + rel_ * 8
+    if m == 0 or rel_ < -5:
+        base = 0
+    return base | ((c & 8) << 4)
+
+
+def test_e4m3_fold_is_exact():
+    """The folded E4M3 byte decodes to exactly e2m1(c) * 2^rel for rel in [-5, 6]."""
+    codes = torch.arange(16)
+    e2 = formats.e2m1_to_f32(codes)
+    for r in range(-5, 7):
+        b = torch.tensor([_e4m3_ref_byte(int(c), r) for c in codes], dtype=torch.uint8)
+        got = b.view(torch.float8_e4m3fn).float()
+        assert torch.equal(got, e2 * 2.0 ** r), r
+
+
+def _prmt(a, b, c):
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = 0
+    for k in range(4):
+        sel = (c >> (4 * k)) & 0xF
+        byte = pool[sel & 7]
+        if sel & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * k)
+    return out
+
+
+def _run_ptx(asm: str, operands: list[int]) -> tuple[int, int]:
+    """Emulate the integer PTX subset of moe_jit.FP4_E4M3_ASM."""
+    m32 = 0xFFFFFFFF
+    regs = {f"${i}": v for i, v in enumerate(operands)}
+    preds = {}
+
+    def s32(v):
+        v &= m32
+        return v - (1 << 32) if v & 0x80000000 else v
+
+    def val(x):
+        return regs[x] & m32 if x in regs else int(x, 0) & m32
+
+    for line in asm.strip().splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        a = [x.strip() for x in rest.split(",")]
+        if op == "bfe.s32":
+            v = (val(a[1]) >> int(a[2])) & ((1 << int(a[3])) - 1)
+            regs[a[0]] = (v - (1 << int(a[3])) if v >> (int(a[3]) - 1) else v) & m32
+        elif op == "setp.lt.s32":
+            preds[a[0]] = s32(val(a[1])) < s32(val(a[2]))
+        elif op == "mul.lo.s32":
+            regs[a[0]] = (s32(val(a[1])) * s32(val(a[2]))) & m32
+        elif op == "add.s32":
+            regs[a[0]] = (val(a[1]) + val(a[2])) & m32
+        elif op == "selp.b32":
+            regs[a[0]] = val(a[1]) if preds[a[3]] else val(a[2])
+        elif op == "and.b32":
+            regs[a[0]] = val(a[1]) & val(a[2])
+        elif op == "or.b32":
+            regs[a[0]] = val(a[1]) | val(a[2])
+        elif op == "shr.u32":
+            regs[a[0]] = val(a[1]) >> int(a[2], 0)
+        elif op == "shl.b32":
+            regs[a[0]] = (val(a[1]) << int(a[2], 0)) & m32
+        elif op == "prmt.b32":
+            regs[a[0]] = _prmt(val(a[1]), val(a[2]), val(a[3]))
+        else:
+            raise AssertionError(f"unknown PTX op {op}")
+    return regs["$0"], regs["$1"]
+
+
+def test_ptx_upcast_bit_logic():
+    """The prmt-based PTX upcast (4 packed bytes -> low-nibble and high-nibble E4M3 bytes)
+    equals the arithmetic helper for every byte value and offset (the GPU tests check it runs)."""
+    src = open(os.path.join(os.path.dirname(tm.__file__), "moe_jit.py")).read()
+    asm = src.split('FP4_E4M3_ASM = """')[1].split('"""')[0]
+    g = gen(0)
+    for r in range(-8, 7):
+        for _ in range(64):
+            bs = torch.randint(0, 256, (4,), generator=g).tolist()
+            w = sum(b << (8 * i) for i, b in enumerate(bs))
+            lo, hi = _run_ptx(asm, [0, 0, w, (r & 0xFF) * 0x01010101])
+            for i, b in enumerate(bs):
+                assert (lo >> 8 * i) & 0xFF == _e4m3_ref_byte(b & 0xF, r)
+                assert (hi >> 8 * i) & 0xFF == _e4m3_ref_byte(b >> 4, r)
+
+
+# ---------------------------------------------------------------------------------------------
+# routed experts, shared expert, dense GEMMs
+# ---------------------------------------------------------------------------------------------
+
+
+def _experts(E, d, F, g, **kw):
+    return (*mxfp4(E, F, d, g, **kw), *mxfp4(E, F, d, g, **kw), *mxfp4(E, d, F, g, **kw))
+
+
+@pytest.mark.parametrize("T,subset", [(1, None), (5, None), (17, (0, 2, 5))])
+def test_moe_experts_q(T, subset):
+    """Odd token counts; `subset`: only those experts picked, every other one empty."""
+    g = gen(T)
+    E, d, F, k = 8, 256, 128, 3
+    x = randn(T, d, g=g)
+    xq, xs = rf.quantize_act(x, act_fmt=ACT)
+    bank = _experts(E, d, F, g)
+    pool = torch.tensor(subset) if subset else torch.arange(E)
+    ids = pool[torch.randint(0, len(pool), (T, k), generator=g)].to(DEV)
+    wts = torch.rand(T, k, generator=g).to(DEV)
+    kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype="f32")
+    with poisoned():
+        y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    ref = rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    finite(y)
+    assert y.dtype == ref.dtype and y.shape == ref.shape
+    assert rel(y, ref) < 2e-3
+
+
+@pytest.mark.parametrize("spread", [0, 11, 14])
+def test_mxfp4_scale_spread(spread):
+    """Block scales of one row spanning `spread` binades within 128 columns: the E4M3 fold is
+    exact up to 11; beyond, the lowest blocks flush (error < 2^-11 of the chunk's largest
+    weight, far below the bound)."""
+    g = gen(100 + spread)
+    E, d, F, k, T = 4, 256, 128, 2, 6
+    x = randn(T, d, g=g)
+    xq, xs = rf.quantize_act(x, act_fmt=ACT)
+    bank = list(_experts(E, d, F, g))
+    for i in (1, 3, 5):  # scales 120 - spread .. 120 inside every 128 columns
+        s = torch.full(bank[i].shape, 120, dtype=torch.uint8)
+        s[..., 0::4] = 120 - spread
+        bank[i] = s.view(torch.float8_e8m0fnu).to(DEV)
+    ids = torch.randint(0, E, (T, k), generator=g).to(DEV)
+    wts = torch.rand(T, k, generator=g).to(DEV)
+    kw = dict(fmt="mxfp4", swiglu_limit=0.0, act_fmt=ACT, out_dtype="f32")
+    y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    ref = rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    assert rel(y, ref) < 2e-3
+
+
+def test_moe_exact_mode(monkeypatch):
+    """MEGAGRAPH_MOE_EXACT: fully dequantized operands, fp32 H (bf16 / fp32 MMA): agrees to fp32
+    summation order."""
+    monkeypatch.setattr(tm, "EXACT", True)
+    g = gen(7)
+    E, d, F, k, T = 4, 256, 128, 2, 5
+    x = randn(T, d, g=g)
+    xq, xs = rf.quantize_act(x, act_fmt=ACT)
+    bank = _experts(E, d, F, g)
+    ids = torch.randint(0, E, (T, k), generator=g).to(DEV)
+    wts = torch.rand(T, k, generator=g).to(DEV)
+    kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype="f32")
+    y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    ref = rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    assert rel(y, ref) < (1e-3 if GPU else 1e-5)
+
+
+@pytest.mark.parametrize("block", [32, 128])
+@pytest.mark.parametrize("T", [1, 9])
+def test_swiglu_mlp_q_fp8_block(block, T):
+    g = gen(block + T)
+    d, F = 256, 256
+    x = randn(T, d, g=g)
+    xq, xs = rf.quantize_act(x, act_fmt=ACT)
+    ws = (*fp8_block(F, d, g, block), *fp8_block(F, d, g, block), *fp8_block(d, F, g, block))
+    kw = dict(fmt="fp8_block", swiglu_limit=10.0, act_fmt=ACT, out_dtype="bf16")
+    with poisoned():
+        y = tm.swiglu_mlp_q(xq, xs, *ws, **kw)
+    ref = rf.swiglu_mlp_q(xq, xs, *ws, **kw)
+    finite(y)
+    assert y.dtype == torch.bfloat16 and rel(y, ref) < 1e-2
+
+
+@pytest.mark.parametrize("fmt,block", [("fp8_block", 32), ("fp8_block", 128), ("mxfp4", 32)])
+def test_linear_q(fmt, block):
+    g = gen(block)
+    T, K, N = 3, 384, 96
+    x = randn(2, T, K, g=g)  # leading dims are flattened
+    xq, xs = rf.quantize_act(x, act_fmt=ACT)
+    if fmt == "mxfp4":
+        w, s = mxfp4(1, N, K, g)
+        w, s = w[0], s[0]
+    else:
+        w, s = fp8_block(N, K, g, block)
+    with poisoned():
+        y = tm.linear_q(xq, xs, w, s, fmt=fmt, act_fmt=ACT, out_dtype="f32")
+    ref = rf.linear_q(xq, xs, w, s, fmt=fmt, act_fmt=ACT, out_dtype="f32")
+    finite(y)
+    assert y.shape == ref.shape and rel(y, ref) < 1e-5
+
+
+def test_grouped_linear_q():
+    g = gen(3)
+    T, G, I, O = 5, 4, 128, 64
+    x = randn(T, G * I, g=g)
+    xq, xs = rf.quantize_act(x, act_fmt=ACT)
+    w, s = fp8_block(G * O, I, g, 32)
+    with poisoned():
+        y = tm.grouped_linear_q(xq, xs, w, s, groups=G, fmt="fp8_block", act_fmt=ACT,
+                                out_dtype="f32")
+    ref = rf.grouped_linear_q(xq, xs, w, s, groups=G, fmt="fp8_block", act_fmt=ACT,
+                              out_dtype="f32")
+    finite(y)
+    assert rel(y, ref) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# router, MegaMoE
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("score_func", ["sqrtsoftplus", "softmax", "sigmoid"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_route(score_func, with_bias):
+    g = gen(11)
+    T, d, E, k = 13, 128, 24, 6
+    x = randn(T, d, g=g, dtype=torch.bfloat16)
+    gw = randn(E, d, g=g, scale=0.1, dtype=torch.bfloat16)
+    bias = randn(E, g=g, scale=0.1) if with_bias else None
+    kw = dict(topk=k, route_scale=1.5, norm_topk=True, score_func=score_func)
+    with poisoned():
+        ids, w = tm.route(x, gw, bias, **kw)
+    rids, rw = ref_route(x, gw, bias, **kw)
+    assert ids.dtype == torch.int64 and torch.equal(ids.cpu(), rids.cpu())
+    assert rel(w, rw) < 1e-5
+
+
+def _mhc_inputs(T, n, d, g, dtype=torch.bfloat16):
+    streams = randn(T, n, d, g=g, dtype=dtype)
+    fn = randn((2 + n) * n, n * d, g=g, scale=0.02)
+    base = randn((2 + n) * n, g=g, scale=0.1)
+    scale = (torch.rand(3, generator=g) + 0.5).to(DEV)
+    nw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(DEV)
+    return streams, fn, base, scale, nw
+
+
+def _moe_weights(E, d, F, g, shared_block=32):
+    gate = randn(E, d, g=g, scale=0.05, dtype=torch.bfloat16)
+    bias = randn(E, g=g, scale=0.1)
+    routed = _experts(E, d, F, g)
+    shared = (*fp8_block(F, d, g, shared_block), *fp8_block(F, d, g, shared_block),
+              *fp8_block(d, F, g, shared_block))
+    return gate, bias, routed, shared
+
+
+MOE_KW = dict(route_scale=1.5, norm_topk=True, score_func="sqrtsoftplus", fmt="mxfp4",
+              shared_fmt="fp8_block", swiglu_limit=10.0, act_fmt=ACT)
+
+
+@pytest.mark.parametrize("T,with_shared,hashed", [(1, True, False), (7, True, False),
+                                                  (6, False, False), (5, True, True)])
+def test_mega_moe(T, with_shared, hashed):
+    g = gen(20 + T)
+    n, d, F, E, k = 4, 256, 128, 8, 3
+    streams, fn, base, scale, nw = _mhc_inputs(T, n, d, g)
+    x, xq, xs, pre, post, comb = rf.mega_mhc(streams, fn, base, scale, None, nw, eps=1e-20,
+                                             hc_eps=1e-6, sinkhorn_iters=20, norm_eps=1e-20,
+                                             act_fmt=ACT)
+    gate, bias, routed, shared = _moe_weights(E, d, F, g)
+    shared = shared if with_shared else (None,) * 6
+    extra = ()
+    if hashed:
+        tid2eid = torch.randint(0, E, (50, k), generator=g).to(DEV)
+        token_ids = torch.randint(0, 50, (T,), generator=g).to(DEV)
+        extra, bias = (tid2eid, token_ids), None
+    args = (x, xq, xs, streams, post, comb, gate, bias, *routed, *shared, *extra)
+    with poisoned():
+        out = tm.mega_moe(*args, topk=k, **MOE_KW)
+    ref = rf.mega_moe(*args, topk=k, **MOE_KW)
+    finite(out)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert rel(out, ref) < 1e-2
+
+
+def test_mega_moe_fallbacks():
+    """Inputs the kernels do not take (here mxfp8 activations) run the capturable kernels."""
+    g = gen(5)
+    T, n, d, F, E, k = 3, 4, 256, 128, 8, 2
+    streams, fn, base, scale, nw = _mhc_inputs(T, n, d, g)
+    x, xq, xs, pre, post, comb = rf.mega_mhc(streams, fn, base, scale, None, nw, eps=1e-20,
+                                             hc_eps=1e-6, sinkhorn_iters=20, norm_eps=1e-20,
+                                             act_fmt="mxfp8")
+    gate, bias, routed, shared = _moe_weights(E, d, F, g)
+    kw = {**MOE_KW, "act_fmt": "mxfp8"}
+    args = (x, xq, xs, streams, post, comb, gate, bias, *routed, *shared)
+    out = tm.mega_moe(*args, topk=k, **kw)
+    ref = rf.mega_moe(*args, topk=k, **kw)
+    assert rel(out, ref) < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# Mega-mHC
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T,dtype,act_fmt,with_mix", [
+    (3, torch.bfloat16, "fp8_1x128", False),   # split-K projection (atomics)
+    (40, torch.bfloat16, "fp8_1x128", True),   # one program per 16 tokens
+    (5, torch.float32, "mxfp8", True),
+])
+def test_mega_mhc(T, dtype, act_fmt, with_mix):
+    g = gen(T)
+    n, d = 4, 256
+    streams, fn, base, scale, nw = _mhc_inputs(T, n, d, g, dtype)
+    mix = torch.softmax(torch.randn(T, n, generator=g), -1).to(DEV) if with_mix else None
+    kw = dict(eps=1e-20, hc_eps=1e-6, sinkhorn_iters=20, norm_eps=1e-20, act_fmt=act_fmt)
+    with poisoned():
+        out = tmhc.mega_mhc(streams, fn, base, scale, mix, nw, **kw)
+    ref = rf.mega_mhc(streams, fn, base, scale, mix, nw, **kw)
+    finite(*out)
+    names = ("x", "x_q", "x_scale", "pre", "post", "comb")
+    for name, a, b in zip(names, out, ref, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+    x, xq, xs, pre, post, comb = out
+    rx, rxq, rxs, rpre, rpost, rcomb = ref
+    for a, b in ((pre, rpre), (post, rpost), (comb, rcomb)):
+        assert rel(a, b) < 1e-5
+    assert rel(x, rx) < 1e-2
+    deq = rf.dequant_act(xq, xs, act_fmt=act_fmt)
+    rdeq = rf.dequant_act(rxq, rxs, act_fmt=act_fmt)
+    assert rel(deq, rdeq) < 2e-2  # one E4M3 step where x rounded the other way
+    assert rel(deq, x.float()) < 5e-2  # the quantizer's own error
+
+
+# ---------------------------------------------------------------------------------------------
+# registry
+# ---------------------------------------------------------------------------------------------
+
+
+def test_registry_h200_picks_triton():
+    from megagraph.kernels import registry
+    from megagraph.passes.hw import load_hw_profile as load_profile
+
+    hw = load_profile("h200")
+    for op, attrs, name in (("mega_moe", {}, "triton.mega_moe"),
+                            ("mega_mhc", {}, "triton.mega_mhc"),
+                            ("moe_experts_q", {"act_fmt": ACT}, "triton.moe_fp8_mxfp4"),
+                            ("swiglu_mlp_q", {"act_fmt": ACT}, "triton.swiglu_fp8_block"),
+                            ("linear_q", {"act_fmt": ACT}, "triton.fp8_block_gemm"),
+                            ("grouped_linear_q", {"act_fmt": ACT}, "triton.grouped_fp8_gemm")):
+        impl, why = registry.choose_kernel(op, attrs, hw.capabilities, hw.arch)
+        assert impl == name, (op, why)
+        fn = registry.load_impl(impl, op)
+        assert fn is not None and getattr(fn, "capturable", False), op
+    cpu = load_profile("cpu")
+    assert registry.choose_kernel("mega_moe", {}, cpu.capabilities, cpu.arch)[0] == "reference"
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU only: CUDA-graph capture, the PTX upcast, decode/prefill tiles
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("asm", [False, True])
+@pytest.mark.parametrize("T", [64, 1000])
+def test_mega_moe_cuda_graph(T, asm, monkeypatch):
+    """Captured once, replayed with new inputs copied into the static buffers: equals eager and
+    the reference (tiles: decode at 64 tokens, prefill at 1000)."""
+    monkeypatch.setattr(tm, "USE_ASM", asm)
+    g = gen(T)
+    n, d, F, E, k = 4, 1024, 512, 64, 6
+    streams, fn, base, scale, nw = _mhc_inputs(T, n, d, g)
+    gate, bias, routed, shared = _moe_weights(E, d, F, g)
+    mkw = dict(eps=1e-20, hc_eps=1e-6, sinkhorn_iters=20, norm_eps=1e-20, act_fmt=ACT)
+
+    def step(s):
+        x, xq, xs, pre, post, comb = tmhc.mega_mhc(s, fn, base, scale, None, nw, **mkw)
+        return tm.mega_moe(x, xq, xs, s, post, comb, gate, bias, *routed, *shared, topk=k,
+                           **MOE_KW)
+
+    static = streams.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(static)
+    fresh = randn(T, n, d, g=g, dtype=torch.bfloat16)
+    static.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step(fresh)
+    x, xq, xs, pre, post, comb = rf.mega_mhc(fresh, fn, base, scale, None, nw, **mkw)
+    ref = rf.mega_moe(x, xq, xs, fresh, post, comb, gate, bias, *routed, *shared, topk=k,
+                      **MOE_KW)
+    assert rel(out, eager) < 1e-3
+    assert rel(out, ref) < 1e-2
