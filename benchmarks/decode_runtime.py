@@ -74,12 +74,11 @@ def compile_artifacts(cfg, hw: str, root: Path) -> Path:
     return out
 
 
-def engine_for(plan, weights, mode: str, args, device) -> "object":
+def engine_for(plan, weights, mode: str, args, device, batches: tuple[int, ...]) -> "object":
     from megagraph.runtime.engine import Engine, EngineConfig
 
-    batches = tuple(args.batches)
     need = args.context + args.warmup + max(args.steps, args.slice_steps)
-    conf = dict(device=str(device), max_slots=max(batches), capacity=-(-need // 128) * 128,
+    conf = dict(device=str(device), max_slots=max(args.batches), capacity=-(-need // 128) * 128,
                 max_step_tokens=args.prefill_tokens, kernels="capturable", progress=False,
                 allow_fallback=device.type == "cpu")
     if mode == "eager":
@@ -88,7 +87,8 @@ def engine_for(plan, weights, mode: str, args, device) -> "object":
         conf.update(cuda_graphs=False, buckets=batches)
     else:
         conf.update(cuda_graphs=True, buckets=batches,
-                    compile=args.compile_backend if mode == "graphs+compile" else "none")
+                    compile=args.compile_backend if mode == "graphs+compile" else "none",
+                    compile_dynamic=args.compile_dynamic)
     return Engine(plan, dict(weights), EngineConfig(**conf))
 
 
@@ -151,33 +151,39 @@ def setup_model(name: str, args, device, root: Path, log) -> tuple[dict, object,
     return res, plan, weights
 
 
-def run_mode(res: dict, plan, weights, mode: str, args, device, tokens: dict, log) -> None:
-    """Start an engine in `mode`, time every batch size, keep the argmax tokens."""
-    row = res["modes"][mode] = {}
-    try:
-        t1 = time.perf_counter()
-        eng = engine_for(plan, weights, mode, args, device)
-        rep = eng.report
-        row.update(startup_s=round(time.perf_counter() - t1, 2),
-                   capture_s=round(rep.phases.get("warm-up+capture", 0.0), 2),
-                   graph_memory_mib=round(rep.graph_memory_bytes / 2**20, 1),
-                   captured_segments=rep.captured_segments,
-                   eager_segments={str(k): v for k, v in rep.eager_segments.items()},
-                   ms_per_step={}, cache=rep.cache)
-        log(f"  {res['model']} {mode}: start-up {row['startup_s']}s (capture {row['capture_s']}s, "
-            f"graphs {row['graph_memory_mib']} MiB, captured segments {rep.captured_segments})")
-        for n in args.batches:
-            ms, toks, logits = run_batch(eng, n, args, device)
-            row["ms_per_step"][str(n)] = round(ms, 3)
-            tokens[(mode, n)] = (toks, logits)
-            log(f"  {res['model']} {mode:15s} B={n:4d}  {ms:9.3f} ms/step")
-        eng.close()
-        del eng
-    except Exception as e:  # keep the rest of the table
-        row["error"] = f"{type(e).__name__}: {e}"
-        log(f"  {res['model']} {mode}: FAILED {row['error']}\n{traceback.format_exc(limit=6)}")
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+def run_mode(res: dict, plan, weights, mode: str, batches: list[int], args, device, tokens: dict,
+             log, over_budget) -> None:
+    """Start an engine in `mode` for `batches`, time each, keep the argmax tokens and logits."""
+    row = res["modes"].setdefault(mode, {"ms_per_step": {}, "startup_s": 0.0, "capture_s": 0.0,
+                                         "graph_memory_mib": 0.0})
+    for group in [batches]:
+        if over_budget():
+            row.setdefault("skipped", []).extend(group)
+            continue
+        try:
+            t1 = time.perf_counter()
+            eng = engine_for(plan, weights, mode, args, device, tuple(group))
+            rep = eng.report
+            row["startup_s"] = round(row["startup_s"] + time.perf_counter() - t1, 2)
+            row["capture_s"] = round(row["capture_s"] + rep.phases.get("warm-up+capture", 0.0), 2)
+            row["graph_memory_mib"] = round(row["graph_memory_mib"] + rep.graph_memory_bytes / 2**20, 1)
+            row.update(captured_segments=rep.captured_segments, cache=rep.cache,
+                       eager_segments={str(k): v for k, v in rep.eager_segments.items()})
+            log(f"  {res['model']} {mode}: start-up {time.perf_counter() - t1:.1f}s for buckets "
+                f"{group} (graphs {rep.graph_memory_bytes / 2**20:.1f} MiB, captured segments "
+                f"{rep.captured_segments})")
+            for n in group:
+                ms, toks, logits = run_batch(eng, n, args, device)
+                row["ms_per_step"][str(n)] = round(ms, 3)
+                tokens[(mode, n)] = (toks, logits)
+                log(f"  {res['model']} {mode:15s} B={n:4d}  {ms:9.3f} ms/step")
+            eng.close()
+            del eng
+        except Exception as e:  # keep the rest of the table
+            row["error"] = f"{type(e).__name__}: {e}"
+            log(f"  {res['model']} {mode}: FAILED {row['error']}\n{traceback.format_exc(limit=6)}")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     res["tokens"] = token_checks(tokens, args.batches)
 
 
@@ -230,7 +236,8 @@ def markdown(results: dict) -> str:
             if "error" in row:
                 lines.append(f"| {mode} | failed: {row['error'][:120]} |")
                 continue
-            cells = [f"{row['ms_per_step'].get(b, float('nan')):.3f}" for b in bs]
+            cells = [f"{row['ms_per_step'][b]:.3f}" if b in row["ms_per_step"] else "skipped"
+                     for b in bs]
             lines.append(f"| {mode} | " + " | ".join(cells) +
                          f" | {row['capture_s']:.2f} | {row['graph_memory_mib']:.1f} |")
         for k, v in m.get("tokens", {}).items():
@@ -256,8 +263,11 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--prefill-tokens", type=int, default=4096, help="tokens per prefill step")
     p.add_argument("--compile-backend", default="inductor", choices=("inductor", "eager"))
-    p.add_argument("--time-budget", type=float, default=420.0,
-                   help="seconds after which remaining (model, mode) runs are skipped")
+    p.add_argument("--compile-dynamic", action=argparse.BooleanOptionalAction, default=False,
+                   help="one torch.compile for every bucket (dynamic shapes) instead of one each")
+    p.add_argument("--time-budget", type=float, default=300.0,
+                   help="seconds after which no further engine is started (a torch.compile "
+                        "bucket that has started still finishes: minutes)")
     args = p.parse_args(argv)
     if args.smoke:
         args.device, args.models, args.batches, args.steps, args.warmup = "cpu", "tiny", "1,4", 2, 1
@@ -291,12 +301,18 @@ def main(argv=None) -> int:
             results["models"].append(res)
             models.append((res, plan, weights, {}))
         # every model's cheap modes first, torch.compile last: a slow compile cannot starve the rest
-        for mode in sorted(args.modes, key=lambda m: m == "graphs+compile"):
+        def over_budget():
+            return time.perf_counter() - t_start > args.time_budget
+
+        # every model's cheap modes first; then torch.compile one bucket at a time (B=1 of every
+        # model, then B=8, ...), so the time budget is checked between Inductor compiles (minutes
+        # each for these graphs) and a slow compile cannot starve the rest of the table
+        runs = [(m, list(args.batches)) for m in args.modes if m != "graphs+compile"]
+        if "graphs+compile" in args.modes:
+            runs += [("graphs+compile", [n]) for n in args.batches]
+        for mode, batches in runs:
             for res, plan, weights, tokens in models:
-                if time.perf_counter() - t_start > args.time_budget:
-                    res["modes"][mode] = {"error": f"skipped: --time-budget {args.time_budget}s spent"}
-                    continue
-                run_mode(res, plan, weights, mode, args, device, tokens, log)
+                run_mode(res, plan, weights, mode, batches, args, device, tokens, log, over_budget)
                 save()
     save()
     print(markdown(results))

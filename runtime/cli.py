@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="random weights and sampling seed (per-request seeds derive from it)")
     g.add_argument("--compile", choices=("none", "eager", "inductor"), default=E.compile,
                    help="wrap segments with torch.compile (default: the plan's choice, else none)")
+    g.add_argument("--compile-dynamic", action="store_true",
+                   help="one torch.compile for every bucket (dynamic shapes) instead of one each")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly on CUDA")
     g.add_argument("--buckets", metavar="B,B,...", help="capture these step sizes instead of the plan's")
     g.add_argument("--kernels", choices=("plan", "capturable"), default=E.kernels,
@@ -70,7 +72,8 @@ def main(args: argparse.Namespace) -> int:
         eng = Engine.from_artifacts(
             args.artifacts, args.weights, device=args.device, seed=args.seed,
             max_slots=args.max_slots, capacity=args.capacity, max_step_tokens=args.max_step_tokens,
-            compile=args.compile, cuda_graphs=not args.no_cuda_graphs, buckets=buckets,
+            compile=args.compile, compile_dynamic=args.compile_dynamic,
+            cuda_graphs=not args.no_cuda_graphs, buckets=buckets,
             kernels=args.kernels, allow_fallback=args.allow_fallback, progress=not args.quiet)
         if not args.quiet:
             for line in eng.report.lines():

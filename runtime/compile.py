@@ -81,8 +81,9 @@ def save_megacache(d: Path) -> int:
     return len(data)
 
 
-def wrap(program, backend: str, num_shapes: int) -> Callable:
-    """`program` (a segments.Program) compiled with `backend`, one specialization per bucket.
+def wrap(program, backend: str, num_shapes: int, dynamic: bool = False) -> Callable:
+    """`program` (a segments.Program) compiled with `backend`: one specialization per bucket, or
+    with `dynamic` one compile for every bucket (sizes 0 and 1 still specialize).
 
     NOTE: Inductor cannot generate code that takes float8_e8m0fnu buffers, so e8m0 scale weights
     enter the compiled program as their uint8 bytes (the kernels' e8m0 decoding accepts both)."""
@@ -94,7 +95,7 @@ def wrap(program, backend: str, num_shapes: int) -> Callable:
                  "accumulated_recompile_limit"):
         if hasattr(cfg, knob):
             setattr(cfg, knob, max(getattr(cfg, knob), 4 * num_shapes + 8))
-    return torch.compile(fn, backend=backend, dynamic=False)
+    return torch.compile(fn, backend=backend, dynamic=dynamic)
 
 
 def cache_counters() -> dict[str, int]:

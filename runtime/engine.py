@@ -35,6 +35,7 @@ class EngineConfig:
     capacity: int = 1024  # tokens per sequence (prompt + output)
     max_step_tokens: int = 256  # tokens per step (longer prompts prefill in chunks)
     compile: str = "none"  # torch.compile backend: none, eager or inductor
+    compile_dynamic: bool = False  # one torch.compile for all buckets (dynamic shapes)
     cuda_graphs: bool = True  # capture the plan's buckets on CUDA
     buckets: tuple[int, ...] | None = None  # override the plan's buckets (CPU: none unless given)
     allow_fallback: bool = False  # run kernels this device lacks as reference kernels
@@ -168,7 +169,7 @@ class Engine:
             targets = {s.index for s in self.plan.segments if s.kind == "graph"}
 
             def wrap_fn(i, fn):
-                return wrap(fn, backend, len(buckets)) if i in targets else fn
+                return wrap(fn, backend, len(buckets), c.compile_dynamic) if i in targets else fn
 
         with self.report.timed("warm-up+capture"):
             self.runner = GraphRunner(self.program, buckets, capturable=capturable,

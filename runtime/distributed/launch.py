@@ -40,6 +40,7 @@ def torchrun_argv(nproc: int, argv: Sequence[str], *, nnodes: int = 1,
     on every node with `nnodes` and the c10d rendezvous endpoint HOST:PORT of one of them."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    argv = strip_flags(argv)
     cmd = [python or sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     if nnodes == 1 and rdzv_endpoint is None:
         cmd += ["--standalone"]
@@ -52,6 +53,26 @@ def torchrun_argv(nproc: int, argv: Sequence[str], *, nnodes: int = 1,
     return cmd + ["-m", module, *argv]
 
 
+LAUNCHER_FLAGS = ("--nproc", "--nnodes", "--rdzv-endpoint")  # consumed here, not by the ranks
+
+
+def strip_flags(argv: Sequence[str], flags: Sequence[str] = LAUNCHER_FLAGS) -> list[str]:
+    """argv without `flags` and their values (`--nproc 4` or `--nproc=4`). torchrun's own parser
+    rejects a forwarded `--nproc` as an ambiguous abbreviation of its --nproc-per-node, and the
+    ranks must not see a launcher flag anyway."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in flags:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
 def is_rank_process() -> bool:
     """Was this process started as one rank of a job (torchrun or launch)?"""
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
@@ -62,8 +83,8 @@ def relaunch_under_torchrun(nproc: int, argv: Sequence[str], **torchrun_kw) -> b
 
     Returns False (and does nothing) when `nproc` is 1 or this process already is a rank; it never
     returns otherwise (os.execv). `argv` is the megagraph command line after the program name,
-    e.g. ["runtime", "serve", "artifacts/", "--nproc", "4"]: the ranks re-parse it, see
-    WORLD_SIZE and carry on as ranks."""
+    e.g. ["runtime", "serve", "artifacts/", "--nproc", "4"]: the ranks get it without the launcher
+    flags (--nproc, --nnodes, --rdzv-endpoint), see WORLD_SIZE and carry on as ranks."""
     if nproc <= 1 or is_rank_process():
         return False
     cmd = torchrun_argv(nproc, argv, **torchrun_kw)
@@ -147,4 +168,4 @@ def launch(fn: Callable, nproc: int, *args: Any, timeout_s: float | None = 600,
     return [got[r] for r in range(nproc)]
 
 
-__all__ = ["is_rank_process", "launch", "relaunch_under_torchrun", "torchrun_argv"]
+__all__ = ["LAUNCHER_FLAGS", "strip_flags", "is_rank_process", "launch", "relaunch_under_torchrun", "torchrun_argv"]
