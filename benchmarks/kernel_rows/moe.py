@@ -1,0 +1,451 @@
+"""Benchmark rows of the MegaMoE path in Triton (kernels/triton/moe.py, mhc.py) at real
+V4.1-Flash dims: hidden 5120, 384 routed experts x 2304 (MXFP4, E8M0 per 32), top-6 + 1 shared
+expert (FP8, 32x32 E8M0 blocks), 4 mHC streams; random weights made on the device.
+
+Rows per token count (64 = decode, 8192 = prefill; --smoke / CPU: tiny dims, torch paths only):
+  mega_mhc          Triton vs the capturable torch path (what the plan ran before), its
+                    torch.compile, and the reference;
+  mega_moe          the whole MoE layer (router, routed + shared experts, combine, residual
+                    expand) vs capturable and reference;
+  routed experts    moe_experts_q alone (the routed-expert GEMMs + permutation + combine): the row
+                    to read next to DeepGEMM's grouped FP8 GEMMs on this H200 (4.23 ms at 8192
+                    tokens, 2.23 ms at 64 decode tokens; experts upcast to FP8), with a sweep of
+                    tiles and of the PTX upcast (MEGAGRAPH_FP4_ASM) in its notes;
+  pieces            router (gate GEMM + top-k + counts), permutation, L1, L2, shared expert,
+                    combine + expand, timed alone;
+  FP8-block GEMMs   attention projections (linear_q, grouped wo_a) vs capturable, torch.compile
+                    and torch._scaled_mm (per-tensor FP8 cuBLAS at the same shape: a speed
+                    reference, not the same numerics).
+Bytes are the floor: weights of the experts the routing touched (FP4 + scales) + every
+activation read once and written once; FLOPs count the multiply-adds the op must do (x2).
+Each Triton row carries its relative error vs the reference op on the same inputs.
+Time: CUDA-graph replays (kernel_rows.time_ms); slow torch baselines: one timed call after a
+warm-up call. Rows stop being added after BUDGET_S seconds.
+"""
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+
+import torch
+
+from . import rel_err, row, time_ms, time_once_ms
+
+V41 = dict(d=5120, F=2304, E=384, k=6, n=4, fs=2304, block=32)
+TINY = dict(d=256, F=128, E=8, k=2, n=4, fs=128, block=32)
+MHC_KW = dict(eps=1e-20, hc_eps=1e-6, sinkhorn_iters=20, norm_eps=1e-20, act_fmt="fp8_1x128")
+MOE_KW = dict(route_scale=1.5, norm_topk=True, score_func="sqrtsoftplus", fmt="mxfp4",
+              shared_fmt="fp8_block", swiglu_limit=10.0, act_fmt="fp8_1x128")
+DEEPGEMM_MS = {8192: 4.23, 64: 2.23}  # grouped FP8 GEMMs, routed experts, this H200 (brief)
+BUDGET_S = 250.0
+COMPILE = True  # torch.compile baselines where they compile in seconds
+
+
+def log(msg: str) -> None:
+    print(f"[moe rows] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def make_weights(dims: dict, dev, seed: int = 0) -> dict:
+    from megagraph.kernels import formats
+
+    g = torch.Generator(device=dev)
+    g.manual_seed(seed)
+    d, F, E, n, fs, blk = dims["d"], dims["F"], dims["E"], dims["n"], dims["fs"], dims["block"]
+
+    def fp4(*shape):
+        w = torch.randint(-128, 128, shape, dtype=torch.int8, device=dev, generator=g)
+        s = torch.randint(119, 125, (*shape[:-1], shape[-1] * 2 // 32), dtype=torch.uint8,
+                          device=dev, generator=g)
+        return w, s.view(torch.float8_e8m0fnu)
+
+    def fp8(N, K):
+        return formats.quantize_fp8_block(
+            torch.randn(N, K, device=dev, generator=g) * 0.02, blk)
+
+    w = {"gate": (torch.randn(E, d, device=dev, generator=g) * 0.02).to(torch.bfloat16),
+         "bias": torch.randn(E, device=dev, generator=g) * 0.01,
+         "fn": torch.randn((2 + n) * n, n * d, device=dev, generator=g) * 0.01,
+         "base": torch.randn((2 + n) * n, device=dev, generator=g) * 0.1,
+         "scale": torch.rand(3, device=dev, generator=g) + 0.5,
+         "nw": (1 + 0.1 * torch.randn(d, device=dev, generator=g)).to(torch.bfloat16)}
+    w1, s1 = fp4(E, F, d // 2)
+    w3, s3 = fp4(E, F, d // 2)
+    w2, s2 = fp4(E, d, F // 2)
+    w["routed"] = (w1, s1, w3, s3, w2, s2)
+    w["shared"] = (*fp8(fs, d), *fp8(fs, d), *fp8(d, fs))
+    return w
+
+
+def layer_inputs(dims: dict, w: dict, T: int, dev, seed: int):
+    """streams, and the Mega-mHC outputs the MoE reads (through the reference on CPU / the
+    Triton kernel on the GPU)."""
+    g = torch.Generator(device=dev)
+    g.manual_seed(seed)
+    streams = torch.randn(T, dims["n"], dims["d"], device=dev, generator=g).to(torch.bfloat16)
+    from megagraph.kernels.triton import moe as tm
+
+    if tm.available() and tm.on_device(streams):
+        from megagraph.kernels.triton.mhc import mega_mhc
+    else:
+        from megagraph.kernels.reference.fused import mega_mhc
+    mhc = mega_mhc(streams, w["fn"], w["base"], w["scale"], None, w["nw"], **MHC_KW)
+    return streams, mhc
+
+
+def moe_counts(dims: dict, T: int, routed_experts_touched: int) -> tuple[int, int]:
+    """(flops, bytes) of the whole MoE layer (router + routed + shared + expand)."""
+    d, F, E, k, n, fs = (dims[x] for x in ("d", "F", "E", "k", "n", "fs"))
+    flops = 2 * T * E * d + 2 * T * k * 3 * F * d + 2 * T * 3 * fs * d
+    expert = 3 * F * d // 2 + 3 * F * d // 32
+    byt = (routed_experts_touched * expert + 3 * fs * d + 3 * fs * d // 1024 + E * d * 2
+           + T * d * (2 + 1) + T * d // 128 * 4 + 2 * T * n * d * 2 + T * (n + n * n) * 4)
+    return flops, byt
+
+
+def routed_counts(dims: dict, T: int, touched: int) -> tuple[int, int]:
+    d, F, k = dims["d"], dims["F"], dims["k"]
+    flops = 2 * T * k * 3 * F * d
+    byt = touched * (3 * F * d // 2 + 3 * F * d // 32) + T * d + T * d // 128 * 4 + T * d * 2
+    return flops, byt
+
+
+def mhc_counts(dims: dict, T: int) -> tuple[int, int]:
+    d, n = dims["d"], dims["n"]
+    nm = (2 + n) * n
+    flops = 2 * T * nm * n * d
+    byt = T * n * d * 2 + nm * n * d * 4 + T * d * (2 + 1) + T * d // 128 * 4 + T * 6 * n * 4
+    return flops, byt
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU smoke: the torch paths only
+# ---------------------------------------------------------------------------------------------
+
+
+def cpu_rows(smoke: bool) -> list[dict]:
+    from megagraph.kernels.capturable import fused as cf
+    from megagraph.kernels.reference import fused as rf
+
+    dev = torch.device("cpu")
+    dims = TINY
+    w = make_weights(dims, dev)
+    out = []
+    for T in (4,):
+        streams, mhc = layer_inputs(dims, w, T, dev, seed=T)
+        args_mhc = (streams, w["fn"], w["base"], w["scale"], None, w["nw"])
+        cap = cf.mega_mhc(*args_mhc, **MHC_KW)
+        ref = rf.mega_mhc(*args_mhc, **MHC_KW)
+        fl, by = mhc_counts(dims, T)
+        out.append(row("capturable.mega_mhc", f"T={T} tiny", time_ms(
+            lambda: cf.mega_mhc(*args_mhc, **MHC_KW), device=dev), flops=fl, bytes=by,
+            ref_ms=time_once_ms(lambda: rf.mega_mhc(*args_mhc, **MHC_KW), device=dev),
+            rel_err=rel_err(cap[3:], ref[3:])))
+        x, xq, xs, pre, post, comb = ref
+        args = (x, xq, xs, streams, post, comb, w["gate"], w["bias"], *w["routed"], *w["shared"])
+        kw = dict(topk=dims["k"], **MOE_KW)
+        cap = cf.mega_moe(*args, **kw)
+        ref = rf.mega_moe(*args, **kw)
+        fl, by = moe_counts(dims, T, dims["E"])
+        out.append(row("capturable.mega_moe", f"T={T} tiny", time_ms(
+            lambda: cf.mega_moe(*args, **kw), device=dev), flops=fl, bytes=by,
+            ref_ms=time_once_ms(lambda: rf.mega_moe(*args, **kw), device=dev),
+            rel_err=rel_err(cap, ref)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False, fullgraph=False)
+
+
+def mhc_rows(dims, w, T, dev, t_end) -> list[dict]:
+    from megagraph.kernels.capturable import fused as cf
+    from megagraph.kernels.reference import fused as rf
+    from megagraph.kernels.triton import mhc as th
+
+    g = torch.Generator(device=dev)
+    g.manual_seed(T)
+    streams = torch.randn(T, dims["n"], dims["d"], device=dev, generator=g).to(torch.bfloat16)
+    a = (streams, w["fn"], w["base"], w["scale"], None, w["nw"])
+    tri = th.mega_mhc(*a, **MHC_KW)
+    ref = rf.mega_mhc(*a, **MHC_KW)
+    err = max(rel_err(tri[0], ref[0]), rel_err(tri[3:], ref[3:]))
+    ms = time_ms(lambda: th.mega_mhc(*a, **MHC_KW), device=dev)
+    base = time_ms(lambda: cf.mega_mhc(*a, **MHC_KW), device=dev)
+    comp = None
+    if COMPILE and time.perf_counter() < t_end - 60:
+        try:
+            fc = _compiled(lambda s: cf.mega_mhc(s, *a[1:], **MHC_KW))
+            fc(streams)
+            comp = time_ms(lambda: fc(streams), device=dev, graph=False)
+        except Exception as e:  # noqa: BLE001
+            log(f"compile mega_mhc failed: {e}")
+    fl, by = mhc_counts(dims, T)
+    return [row("triton.mega_mhc", f"T={T}", ms, flops=fl, bytes=by, peak="bf16",
+                baseline="capturable", baseline_ms=base, compile_ms=comp,
+                ref_ms=time_once_ms(lambda: rf.mega_mhc(*a, **MHC_KW), device=dev),
+                rel_err=err, notes="x / pre / post / comb vs reference (max)")]
+
+
+def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
+    from megagraph.kernels.capturable import fused as cf
+    from megagraph.kernels.reference import fused as rf
+    from megagraph.kernels.triton import moe as tm
+
+    streams, (x, xq, xs, pre, post, comb) = layer_inputs(dims, w, T, dev, seed=T + 1)
+    args = (x, xq, xs, streams, post, comb, w["gate"], w["bias"], *w["routed"], *w["shared"])
+    kw = dict(topk=dims["k"], **MOE_KW)
+    E, k = dims["E"], dims["k"]
+    ids, wts = tm.route(x, w["gate"], w["bias"], topk=k, route_scale=1.5)
+    cnt = torch.bincount(ids.flatten(), minlength=E)
+    touched = int((cnt > 0).sum())
+    spread = f"{touched} experts touched, rows/expert {int(cnt[cnt > 0].min())}..{int(cnt.max())}"
+    out = []
+    # whole layer
+    tri = tm.mega_moe(*args, **kw)
+    ref = rf.mega_moe(*args, **kw)
+    err = rel_err(tri, ref)
+    ms = time_ms(lambda: tm.mega_moe(*args, **kw), device=dev)
+    cf.mega_moe(*args, **kw)
+    base = time_once_ms(lambda: cf.mega_moe(*args, **kw), device=dev)
+    ref_ms = time_once_ms(lambda: rf.mega_moe(*args, **kw), device=dev)
+    fl, by = moe_counts(dims, T, touched)
+    out.append(row("triton.mega_moe", f"T={T} {'decode' if T <= 256 else 'prefill'}", ms,
+                   flops=fl, bytes=by, peak="fp8", baseline="capturable", baseline_ms=base,
+                   ref_ms=ref_ms, rel_err=err,
+                   notes=f"{spread}; torch.compile n/a (the capturable MoE is a Python loop "
+                         "over weight-tile chunks: minutes to compile)"))
+    log(f"T={T} mega_moe {ms:.3f} ms (capturable {base:.1f} ms), err {err:.2e}")
+    # routed experts alone, tile / upcast sweep
+    a2 = (xq, xs, ids, wts, *w["routed"])
+    kw2 = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt="fp8_1x128", out_dtype="bf16")
+    ref2 = rf.moe_experts_q(*a2, **kw2)
+    rpg = T * k / min(E, T * k)
+    variants = {}
+    best = None
+    for asm in ((False,) if tm.INTERPRET else (False, True)):
+        for name, l1, l2 in _tile_variants(rpg, tm)[:None if sweep else 1]:
+            if time.perf_counter() > t_end - 40:
+                break
+            tag = f"{name}{'+asm' if asm else ''}"
+            try:
+                tm.USE_ASM = asm
+                tm.CONFIG_OVERRIDE.update({"l1": l1, "l2": l2})
+                e2 = rel_err(tm.moe_experts_q(*a2, **kw2), ref2)
+                if not e2 < 1e-2:
+                    variants[tag] = f"wrong: rel err {e2:.2e}"
+                    continue
+                t2 = time_ms(lambda: tm.moe_experts_q(*a2, **kw2), device=dev)
+                variants[tag] = round(t2, 4)
+                if best is None or t2 < best[1]:
+                    best = (tag, t2, e2, asm, l1, l2)
+            except Exception as e:  # noqa: BLE001
+                variants[tag] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+                log(f"variant {tag}: {traceback.format_exc(limit=3)}")
+            finally:
+                tm.USE_ASM = False
+                tm.CONFIG_OVERRIDE.clear()
+    if best is not None:
+        fl, by = routed_counts(dims, T, touched)
+        dg = DEEPGEMM_MS.get(T)
+        out.append(row("triton.moe_experts_q", f"T={T} routed experts", best[1], flops=fl,
+                       bytes=by, peak="fp8", rel_err=best[2], best=best[0], variants=variants,
+                       deepgemm_fp8_ms=dg,
+                       notes=(f"best {best[0]}; DeepGEMM grouped FP8 (experts upcast) {dg} ms"
+                              if dg else f"best {best[0]}") + "; variants (ms): "
+                       + ", ".join(f"{kk} {vv}" for kk, vv in variants.items())))
+        tm.USE_ASM = best[3]
+        tm.CONFIG_OVERRIDE.update({"l1": best[4], "l2": best[5]})
+    else:
+        out.append({"kernel": "triton.moe_experts_q", "case": f"T={T}", "error":
+                    f"no variant ran: {variants}"})
+    try:
+        out += piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched)
+    finally:
+        tm.USE_ASM = False
+        tm.CONFIG_OVERRIDE.clear()
+    return out
+
+
+def _tile_variants(rpg: float, tm):
+    G = tm.GemmConfig
+    if rpg <= 12:
+        return [("default", tm.pick_config("l1", rpg), tm.pick_config("l2", rpg)),
+                ("n128", G(16, 128, 128, 4, 3), G(16, 128, 128, 4, 3)),
+                ("n32s5", G(16, 32, 128, 4, 5), G(16, 64, 128, 4, 5))]
+    return [("default", tm.pick_config("l1", rpg), tm.pick_config("l2", rpg)),
+            ("m64", G(64, 64, 128, 4, 3), G(64, 128, 128, 4, 3)),
+            ("m128n128", G(128, 128, 128, 8, 3), G(128, 128, 128, 8, 4))]
+
+
+def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> list[dict]:
+    """The launches of mega_moe timed one by one (same inputs, current tile choice)."""
+    E, k, d, F, fs = dims["E"], dims["k"], dims["d"], dims["F"], dims["fs"]
+    P = T * k
+    b = [tm.bank(wt, s, "mxfp4") for wt, s in zip(w["routed"][0::2], w["routed"][1::2],
+                                                   strict=True)]
+    sb = [tm.bank(wt, s, "fp8_block") for wt, s in zip(w["shared"][0::2], w["shared"][1::2],
+                                                        strict=True)]
+    counts = torch.zeros(E, dtype=torch.int32, device=dev)
+
+    def route():
+        counts.zero_()
+        return tm.route_ids(x, w["gate"], w["bias"], topk=k, route_scale=1.5, norm_topk=True,
+                            score_func="sqrtsoftplus", counts=counts)
+
+    ids, wts = route()
+    srt = tm.permute(ids.reshape(-1), counts, E)
+    rpg = P / min(E, P)
+    h = torch.empty(P, F, dtype=torch.float16, device=dev)
+    y = torch.empty(T, k + 1, d, dtype=torch.bfloat16, device=dev)
+    c1, c2 = tm.pick_config("l1", rpg), tm.pick_config("l2", rpg)
+
+    def l1():
+        tm.gemm(xq, xs, b[0], h, b2=b[1], role="l1", rows_per_group=rpg, counts=counts, a_idx=srt,
+                topk=k, max_tiles=min(P, P // c1.bm + E), limit=10.0)
+
+    def l2():
+        tm.gemm(h, None, b[2], y.view(T * (k + 1), d), role="l2", rows_per_group=rpg,
+                counts=counts, c_idx=srt, row_w=wts.reshape(-1), topk=k, ks=k + 1,
+                max_tiles=min(P, P // c2.bm + E))
+
+    def shared():
+        tm.shared_expert(xq, xs, *sb, y[:, k], swiglu_limit=10.0)
+
+    out_s = torch.empty_like(streams)
+
+    def comb_():
+        tm.combine(y, out_s, topk=k, shared=True, rdt=torch.bfloat16, streams=streams, post=post,
+                   comb=comb)
+
+    l1()
+    l2()
+    shared()
+    expert = 3 * F * d // 2 + 3 * F * d // 32
+    pieces = [
+        ("router (gate GEMM + top-k + counts)", route, 2 * T * E * d, E * d * 2 + T * d * 2, "bf16"),
+        ("permutation (plan + scatter)", lambda: tm.permute(ids.reshape(-1), counts, E), 0,
+         P * 8, ""),
+        ("L1: W1/W3 + SwiGLU", l1, 2 * P * 2 * F * d, touched * expert * 2 // 3 + T * d + P * F * 2,
+         "fp8"),
+        ("L2: W2 + weights -> (token, slot)", l2, 2 * P * F * d,
+         touched * expert // 3 + P * F * 2 + P * d * 2, "fp8"),
+        ("shared expert (FP8 blocks, L1 + L2)", shared, 2 * T * 3 * fs * d,
+         3 * fs * d + T * d + T * d * 2, "bf16"),
+        ("combine + shared + mHC expand", comb_, 0, T * (k + 1) * d * 2 + 2 * T * 4 * d * 2, ""),
+    ]
+    out = []
+    for name, fn, fl, by, peak in pieces:
+        out.append(row("triton.mega_moe piece", f"T={T} {name}", time_ms(fn, device=dev),
+                       flops=fl, bytes=by, peak=peak))
+    return out
+
+
+LINEAR_SHAPES = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wo_b", 5120, 8192)]
+LINEAR_TINY = [("wq_a", 96, 256)]
+
+
+def linear_rows(dims, w, T, dev, t_end) -> list[dict]:
+    from megagraph.kernels import formats
+    from megagraph.kernels.capturable import fused as cf
+    from megagraph.kernels.reference import fused as rf
+    from megagraph.kernels.triton import moe as tm
+
+    g = torch.Generator(device=dev)
+    g.manual_seed(T + 7)
+    out = []
+    shapes = LINEAR_SHAPES if dims["d"] == V41["d"] else LINEAR_TINY
+    for name, N, K in shapes:
+        if time.perf_counter() > t_end:
+            break
+        x = torch.randn(T, K, device=dev, generator=g)
+        xq, xs = rf.quantize_act(x, act_fmt="fp8_1x128")
+        wq, ws = formats.quantize_fp8_block(torch.randn(N, K, device=dev, generator=g) * 0.02, 32)
+        kw = dict(fmt="fp8_block", act_fmt="fp8_1x128", out_dtype="bf16")
+        tri = tm.linear_q(xq, xs, wq, ws, **kw)
+        ref = rf.linear_q(xq, xs, wq, ws, **kw)
+        ms = time_ms(lambda: tm.linear_q(xq, xs, wq, ws, **kw), device=dev)
+        base = time_ms(lambda: cf.linear_q(xq, xs, wq, ws, **kw), device=dev)
+        comp = None
+        if COMPILE and name == "wq_a" and time.perf_counter() < t_end - 60:
+            try:
+                fc = _compiled(lambda a: cf.linear_q(a, xs, wq, ws, **kw))
+                fc(xq)
+                comp = time_ms(lambda: fc(xq), device=dev, graph=False)
+            except Exception as e:  # noqa: BLE001
+                log(f"compile linear_q failed: {e}")
+        sm = None
+        try:
+            wt = wq.t()
+            one = torch.ones((), device=dev)
+            sm = time_ms(lambda: torch._scaled_mm(xq, wt, scale_a=one, scale_b=one,
+                                                  out_dtype=torch.bfloat16), device=dev)
+        except Exception as e:  # noqa: BLE001
+            log(f"_scaled_mm {name}: {e}")
+        out.append(row("triton.fp8_block_gemm", f"T={T} {name} {N}x{K}", ms,
+                       flops=2 * T * N * K, bytes=N * K + N * K // 1024 + T * K + T * N * 2,
+                       peak="fp8", baseline="capturable", baseline_ms=base, compile_ms=comp,
+                       rel_err=rel_err(tri, ref), scaled_mm_ms=sm,
+                       notes=(f"torch._scaled_mm per-tensor FP8 {1e3 * sm:.1f} us" if sm else "")))
+    if time.perf_counter() < t_end:
+        G, O, In = (8, 1024, 4096) if dims["d"] == V41["d"] else (2, 64, 128)
+        x = torch.randn(T, G * In, device=dev, generator=g)
+        xq, xs = rf.quantize_act(x, act_fmt="fp8_1x128")
+        wq, ws = formats.quantize_fp8_block(torch.randn(G * O, In, device=dev, generator=g) * 0.02,
+                                            32)
+        kw = dict(groups=G, fmt="fp8_block", act_fmt="fp8_1x128", out_dtype="bf16")
+        tri = tm.grouped_linear_q(xq, xs, wq, ws, **kw)
+        ref = rf.grouped_linear_q(xq, xs, wq, ws, **kw)
+        ms = time_ms(lambda: tm.grouped_linear_q(xq, xs, wq, ws, **kw), device=dev)
+        base = time_ms(lambda: cf.grouped_linear_q(xq, xs, wq, ws, **kw), device=dev)
+        out.append(row("triton.grouped_fp8_gemm", f"T={T} wo_a 8x{O}x{In}", ms,
+                       flops=2 * T * G * O * In, bytes=G * O * In + T * G * In + T * G * O * 2,
+                       peak="fp8", baseline="capturable", baseline_ms=base,
+                       rel_err=rel_err(tri, ref)))
+    return out
+
+
+def device_rows(device, dims: dict, Ts, budget_s: float, sweep: bool = True) -> list[dict]:
+    """Every GPU row at dims for each token count in Ts (also runs on the CPU under the Triton
+    interpreter: the dry run of tests/benchmarks)."""
+    t0 = time.perf_counter()
+    t_end = t0 + budget_s
+    out: list[dict] = []
+    w = make_weights(dims, device)
+    log(f"weights ready at {time.perf_counter() - t0:.0f} s")
+    for T in Ts:
+        for name, fn in (("mega_mhc", mhc_rows),
+                         ("mega_moe", lambda *a: moe_rows(*a, sweep=sweep)),
+                         ("fp8 GEMMs", linear_rows)):
+            if time.perf_counter() > t_end:
+                out.append({"kernel": name, "case": f"T={T}", "error": "skipped: time budget"})
+                continue
+            try:
+                out += fn(dims, w, T, device, t_end)
+            except Exception as e:  # noqa: BLE001
+                out.append({"kernel": name, "case": f"T={T}", "error": f"{type(e).__name__}: {e}",
+                            "trace": traceback.format_exc(limit=6)})
+                log(traceback.format_exc(limit=6))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            log(f"T={T} {name} done at {time.perf_counter() - t0:.0f} s")
+    return out
+
+
+def rows(device, smoke: bool = False) -> list[dict]:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return cpu_rows(smoke)
+    if smoke:
+        return device_rows(device, TINY, (8, 64), 60.0)
+    return device_rows(device, V41, (64, 8192), BUDGET_S)
