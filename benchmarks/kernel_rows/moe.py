@@ -233,6 +233,8 @@ def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
     rpg = T * k / min(E, T * k)
     variants = {}
     best = None
+    asm_default = tm.USE_ASM
+    auto = tm.asm_ok(dev) if asm_default is None else asm_default
     for asm in ((False,) if tm.INTERPRET else (False, True)):
         for name, l1, l2 in _tile_variants(rpg, tm)[:None if sweep else 1]:
             if time.perf_counter() > t_end - 40:
@@ -253,7 +255,7 @@ def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
                 variants[tag] = f"failed: {type(e).__name__}: {str(e)[:200]}"
                 log(f"variant {tag}: {traceback.format_exc(limit=3)}")
             finally:
-                tm.USE_ASM = False
+                tm.USE_ASM = asm_default
                 tm.CONFIG_OVERRIDE.clear()
     if best is not None:
         fl, by = routed_counts(dims, T, touched)
@@ -261,8 +263,10 @@ def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
         out.append(row("triton.moe_experts_q", f"T={T} routed experts", best[1], flops=fl,
                        bytes=by, peak="fp8", rel_err=best[2], best=best[0], variants=variants,
                        deepgemm_fp8_ms=dg,
+                       asm_auto=auto,
                        notes=(f"best {best[0]}; DeepGEMM grouped FP8 (experts upcast) {dg} ms"
-                              if dg else f"best {best[0]}") + "; variants (ms): "
+                              if dg else f"best {best[0]}") + f"; PTX upcast check: {auto}"
+                       + "; variants (ms): "
                        + ", ".join(f"{kk} {vv}" for kk, vv in variants.items())))
         tm.USE_ASM = best[3]
         tm.CONFIG_OVERRIDE.update({"l1": best[4], "l2": best[5]})
@@ -272,7 +276,7 @@ def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
     try:
         out += piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched)
     finally:
-        tm.USE_ASM = False
+        tm.USE_ASM = asm_default
         tm.CONFIG_OVERRIDE.clear()
     return out
 

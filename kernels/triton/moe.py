@@ -46,8 +46,11 @@ Numerics (vs the reference: fp32 math on dequantized operands):
   within ~1e-6.
 Result: bf16 outputs within ~3e-3 relative (Frobenius) of the reference; tests bound 1e-2.
 
-MEGAGRAPH_FP4_ASM=1 enables the PTX (prmt) E2M1 -> E4M3 upcast (2.5 integer ops per weight
-instead of ~11); it is off until validated on the device (benchmarks/kernels.py checks both).
+The E2M1 -> E4M3 upcast has two implementations: PTX (prmt lookups on 4 packed bytes, ~2.5
+integer ops per weight) and plain Triton integer arithmetic (~11 ops per weight; the only one the
+interpreter runs). The PTX path is used where a one-time check on the device (asm_ok: both paths
+on every byte value and exponent offset, bit for bit) passes; MEGAGRAPH_FP4_ASM=1 / 0 forces it
+on / off.
 MEGAGRAPH_MOE_EXACT=1 runs every GEMM on fully dequantized bf16 (fp32 in the interpreter)
 operands: slower, bit-faithful products, for debugging.
 """
@@ -61,7 +64,10 @@ import torch
 from torch import Tensor
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-USE_ASM = os.environ.get("MEGAGRAPH_FP4_ASM", "0") == "1" and not INTERPRET
+# PTX upcast: "1" on, "0" off, unset = on where a one-time device check (asm_ok) passes
+_ASM_ENV = os.environ.get("MEGAGRAPH_FP4_ASM", "")
+USE_ASM: bool | None = None if (_ASM_ENV == "" and not INTERPRET) else (_ASM_ENV == "1"
+                                                                         and not INTERPRET)
 EXACT = os.environ.get("MEGAGRAPH_MOE_EXACT", "0") == "1"
 MMA_FP8, MMA_FP16, MMA_BF16, MMA_F32 = 0, 1, 2, 3
 WFMT = {"mxfp4": 0, "fp8_block": 1}
@@ -122,6 +128,34 @@ def _jit():
     from . import moe_jit
 
     return moe_jit
+
+
+_ASM_CHECKED: dict = {}
+
+
+def asm_ok(dev: torch.device) -> bool:
+    """Whether the PTX upcast may run on `dev`: MEGAGRAPH_FP4_ASM when set, else a one-time check
+    that it matches the arithmetic upcast bit for bit on every byte value and exponent offset
+    in [-8, 6] (run outside CUDA-graph capture; during a capture an unchecked device says no)."""
+    if USE_ASM is not None:
+        return USE_ASM
+    key = dev.index or 0
+    if key not in _ASM_CHECKED:
+        if dev.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return False
+        try:
+            jit = _jit()
+            bn, bk = 16, 512  # 16 rows x 256 bytes: every byte value, one offset per row
+            p = torch.arange(256, dtype=torch.int32, device=dev).to(torch.uint8).repeat(bn, 1)
+            rel = (torch.arange(bn, device=dev, dtype=torch.int32) - 9).clamp(max=6)
+            rel = rel[:, None].expand(bn, bk // 2).to(torch.int32).contiguous()
+            a = torch.empty(bn, bk, dtype=torch.uint8, device=dev)
+            b = torch.empty_like(a)
+            jit.fp4_upcast_check[(1,)](p, rel, a, b, BN=bn, BK=bk, num_warps=4)
+            _ASM_CHECKED[key] = bool(torch.equal(a, b))
+        except Exception:  # noqa: BLE001  (a compile failure means no)
+            _ASM_CHECKED[key] = False
+    return _ASM_CHECKED[key]
 
 
 def _next_pow2(n: int) -> int:
@@ -245,7 +279,8 @@ def gemm(a: Tensor, a_scale: Tensor | None, b1: Bank, out: Tensor, *, b2: Bank |
         SCATTER_C=c_idx is not None, WEIGHTED=row_w is not None, SWIGLU=b2 is not b1,
         HAS_LIMIT=limit is not None and limit > 0, A_SCALED=a_scale is not None,
         WFMT=b1.wfmt, MMA=mma, BLK_N_S=b1.bn, BLK_K_S=b1.bk, NSUB=nsub,
-        USE_ASM=USE_ASM and b1.wfmt == 0 and mma in (MMA_FP8, MMA_FP16), MANUAL=INTERPRET,
+        USE_ASM=b1.wfmt == 0 and mma in (MMA_FP8, MMA_FP16) and asm_ok(out.device),
+        MANUAL=INTERPRET,
         BM=bm, BN=bn, BK=bk, G_PAD=_next_pow2(G) if grouped else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
@@ -481,14 +516,22 @@ def grouped_linear_q(x_q, x_scale, weight, scale=None, *, groups, fmt, act_fmt, 
     return y
 
 
+@functools.cache
+def _deep_gemm():
+    try:
+        import deep_gemm
+    except ImportError:
+        return None
+    return deep_gemm
+
+
 def _deepgemm_linear(xq, xs, weight, scale, b: Bank, odt) -> Tensor | None:
     """DeepGEMM's sm90 FP8 GEMM when importable and the weight scales are 128x128 blocks (its
     1d2d recipe; V4.1's 32x32 blocks do not fit it): optional, never required."""
     if b.wfmt != 1 or (b.bn, b.bk) != (128, 128) or odt != torch.bfloat16 or INTERPRET:
         return None
-    try:
-        import deep_gemm
-    except ImportError:
+    deep_gemm = _deep_gemm()
+    if deep_gemm is None:
         return None
     try:
         from megagraph.kernels import formats

@@ -514,3 +514,18 @@ def moe_combine(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, D, stride_yt, stride_
     else:
         tl.store(out_ptr + t * stride_ot + rd, cast_out(y, out_ptr.dtype.element_ty, MANUAL),
                  mask=dm)
+
+
+@triton.jit
+def fp4_upcast_check(p_ptr, rel_ptr, out_asm_ptr, out_ref_ptr, BN: tl.constexpr, BK: tl.constexpr):
+    """Both E2M1 -> E4M3 upcasts of one [BN, BK//2] packed tile, for the one-time device check of
+    the PTX path (moe.py: asm_ok)."""
+    rn = tl.arange(0, BN)
+    rk2 = tl.arange(0, BK // 2)
+    rk = tl.arange(0, BK)
+    p = tl.load(p_ptr + rn[:, None] * (BK // 2) + rk2[None, :])
+    rel = tl.load(rel_ptr + rn[:, None] * (BK // 2) + rk2[None, :])
+    a = fp4_tile_e4m3(p, rel, BN, BK, True)
+    b = fp4_tile_e4m3(p, rel, BN, BK, False)
+    tl.store(out_asm_ptr + rn[:, None] * BK + rk[None, :], a.to(tl.uint8, bitcast=True))
+    tl.store(out_ref_ptr + rn[:, None] * BK + rk[None, :], b.to(tl.uint8, bitcast=True))

@@ -455,6 +455,17 @@ def test_registry_h200_picks_triton():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_ptx_upcast_device_check():
+    """The one-time device check of the PTX upcast (both paths, every byte and offset, bit for
+    bit). False only disables the fast path; the result is what the kernels use by default."""
+    tm._ASM_CHECKED.clear()
+    ok = tm.asm_ok(torch.device(DEV))
+    if not ok:
+        pytest.xfail("PTX upcast disabled on this device (check failed or did not compile)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
 @pytest.mark.parametrize("asm", [False, True])
 @pytest.mark.parametrize("T", [64, 1000])
 def test_mega_moe_cuda_graph(T, asm, monkeypatch):
