@@ -75,7 +75,8 @@ class ParallelLayout:
         """Columns of the expert map: 1 + K (no expert needs more replicas than that)."""
         return 1 + self.redundant
 
-    def check(self) -> None:
+    def check_ranks(self) -> None:
+        """The checks that do not need the model."""
         for flag, v in (("--dp", self.dp), ("--ep", self.ep), ("--ep-max-tokens", self.max_tokens)):
             if not isinstance(v, int) or v < 1:
                 raise LayoutError(f"{flag} must be an integer >= 1, got {v!r}")
@@ -88,6 +89,13 @@ class ParallelLayout:
                 "plain data parallel (--ep 1: every rank holds every expert)")
         if self.ep == 1 and self.redundant:
             raise LayoutError("--redundant-experts needs expert parallelism (--ep > 1)")
+        if self.routing not in ("model", "balanced"):
+            raise LayoutError(f"routing must be 'model' or 'balanced', got {self.routing!r}")
+        if self.ep == 1 and self.routing == "balanced":
+            raise LayoutError("--balanced-routing needs expert parallelism (--ep > 1)")
+
+    def check(self) -> None:
+        self.check_ranks()
         if (self.experts + self.redundant) % self.ep:
             lo = self.redundant - (self.experts + self.redundant) % self.ep
             hi = lo + self.ep
@@ -96,8 +104,6 @@ class ParallelLayout:
                 f"--redundant-experts {self.redundant}: {self.experts} experts + {self.redundant} "
                 f"redundant = {self.experts + self.redundant} slots do not split evenly over "
                 f"--ep {self.ep} ranks; use --redundant-experts {fits}")
-        if self.routing not in ("model", "balanced"):
-            raise LayoutError(f"routing must be 'model' or 'balanced', got {self.routing!r}")
 
     def initial_placement(self) -> list[list[int]]:
         """Logical expert of every slot, per rank: [ep][L]. Experts split into contiguous chunks
@@ -408,15 +414,20 @@ def _idle_graph(g: Graph, idle_nodes) -> Graph:
     return verify_graph(idle)
 
 
-def check_options(dp: int, ep: int, bounded_replay: bool, passes) -> None:
-    """Option combinations `compile` refuses before building anything."""
-    if dp == 1 and ep == 1:
+def check_options(opt) -> None:
+    """Option combinations `compile` refuses before building anything (opt: CompileOptions).
+    What needs the model (experts vs ranks) is checked by the pass."""
+    if opt.dp == 1 and opt.ep == 1 and not opt.redundant_experts and not opt.balanced_routing:
         return
-    if bounded_replay and ep > 1:
+    if opt.ep_max_tokens < 0:
+        raise LayoutError(f"--ep-max-tokens must be >= 0 (0 = auto), got {opt.ep_max_tokens}")
+    ParallelLayout(opt.dp, opt.ep, 0, 0, opt.redundant_experts, opt.ep_max_tokens or 1,
+                   "balanced" if opt.balanced_routing else "model").check_ranks()
+    if opt.bounded_replay and opt.ep > 1:
         raise LayoutError("--bounded-replay with --ep > 1 is not supported yet: a rank would run "
                           "the prefix/suffix graphs while others run the step graph, and every "
                           "MoE layer's collectives must be joined once per step by every rank")
-    if passes is not None and ExpertParallel.name not in passes:
+    if opt.passes is not None and ExpertParallel.name not in opt.passes:
         raise LayoutError(f"--dp/--ep need the {ExpertParallel.name} pass; add it to -p "
                           "(after mega-moe-fusion, before partition-prefill)")
 

@@ -139,7 +139,7 @@ def compile_graph(g: Graph, hw: HwProfile, options: CompileOptions | None = None
                   keep: int = 0) -> tuple[Graph, list[StageRecord]]:
     """Run the pipeline (or `options.passes`) on a built step graph."""
     opt = options or CompileOptions()
-    expert_parallel.check_options(opt.dp, opt.ep, opt.bounded_replay, opt.passes)
+    expert_parallel.check_options(opt)
     names = opt.passes if opt.passes is not None else tuple(
         n for n in PIPELINE if n != "expert-parallel" or opt.parallel)  # single rank: no record
     records: list[StageRecord] = []

@@ -133,9 +133,10 @@ def ep_dispatch(slots: Tensor, *payload: Tensor, ep_size: int, slots_per_rank: i
     tok = torch.div(torch.arange(N, dtype=I64, device=dev), k, rounding_mode="floor")
     received = []
     for p in payload:
-        send = p.new_zeros((P * C, *p.shape[1:]))
-        send.index_copy_(0, row, p.index_select(0, tok))
-        received.append(all_to_all_equal(send, group))
+        raw = p.view(torch.uint8) if p.dtype in _WIRE_AS_BYTES else p  # fp8 / e8m0 move as bytes
+        send = raw.new_zeros((P * C, *raw.shape[1:]))
+        send.index_copy_(0, row, raw.index_select(0, tok))
+        received.append(all_to_all_equal(send, group).view(p.dtype))
     valid = recv_slot >= 0
     return (recv_slot.clamp(min=0)[:, None], valid.to(torch.float32)[:, None], row.view(T, k),
             *received)

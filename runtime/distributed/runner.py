@@ -63,8 +63,15 @@ class RankEngine(Engine):
     """The Engine of one rank of a `--dp P --ep P` (or `--dp P`) job."""
 
     def __init__(self, plan: RunPlan, weights=None, config: EngineConfig | None = None, *,
-                 ctx: DistContext, eplb_interval: int = 0, report=None):
+                 ctx: DistContext, eplb_interval: int = 0, constants: dict | None = None,
+                 report=None):
+        """`weights`: full tensors (a dict with the checkpoint's stacked `*` banks: this rank's
+        slots are gathered), this rank's tensors (a dict with the `.local.` slot banks), a
+        checkpoint dir (only this rank's experts are read), or None (seeded random weights, the
+        same values a single-rank engine gets). `constants`: graph constants (the Engram token
+        map) when the caller has them already."""
         g = plan.graph
+        self._given_constants = constants
         self.ctx = ctx
         self.layout = ParallelLayout.from_graph(g) or ParallelLayout(1, 1, 0, 0)
         lay = self.layout
@@ -128,7 +135,9 @@ class RankEngine(Engine):
 
     # -- start-up pieces ---------------------------------------------------------------------------
     def _constants(self) -> dict[str, torch.Tensor]:
-        return {**super()._constants(), **self.ep_maps}
+        given = self._given_constants
+        base = super()._constants() if given is None else {k: v.to(self.device) for k, v in given.items()}
+        return {**base, **self.ep_maps}
 
     def _idle_program(self):
         from ..kernels import resolve_kernels
