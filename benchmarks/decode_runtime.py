@@ -234,7 +234,8 @@ def markdown(results: dict) -> str:
                   "|---|" + "---|" * (len(bs) + 2)]
         for mode, row in m["modes"].items():
             if "error" in row:
-                lines.append(f"| {mode} | failed: {row['error'][:120]} |")
+                first = row["error"].splitlines()[0][:120]
+                lines.append(f"| {mode} | failed: {first} |")
                 continue
             cells = [f"{row['ms_per_step'][b]:.3f}" if b in row["ms_per_step"] else "skipped"
                      for b in bs]

@@ -81,15 +81,20 @@ def save_megacache(d: Path) -> int:
     return len(data)
 
 
-def wrap(program, backend: str, num_shapes: int, dynamic: bool = False) -> Callable:
+def wrap(program, backend: str, num_shapes: int, dynamic: bool = False,
+         opaque: set[str] = frozenset()) -> Callable:
     """`program` (a segments.Program) compiled with `backend`: one specialization per bucket, or
     with `dynamic` one compile for every bucket (sizes 0 and 1 still specialize).
 
     NOTE: Inductor cannot generate code that takes float8_e8m0fnu buffers, so e8m0 scale weights
-    enter the compiled program as their uint8 bytes (the kernels' e8m0 decoding accepts both)."""
+    enter the compiled program as their uint8 bytes (the kernels' e8m0 decoding accepts both).
+    Library kernels (`opaque` nodes: Triton, DeepGEMM) are not traced: Dynamo calls them as they
+    are (a graph break around each), since Inductor re-compiling user Triton kernels fails on them."""
     e8m0 = {k: v.view(torch.uint8) for k, v in program.weights.items()
             if v.dtype == torch.float8_e8m0fnu}
     fn = program.with_weights(e8m0) if e8m0 else program
+    if opaque & {c.outputs[0] for c in program.calls}:
+        fn = fn.with_wrapped(set(opaque), torch.compiler.disable)
     cfg = torch._dynamo.config
     for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
                  "accumulated_recompile_limit"):

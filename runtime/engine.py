@@ -169,7 +169,9 @@ class Engine:
             targets = {s.index for s in self.plan.segments if s.kind == "graph"}
 
             def wrap_fn(i, fn):
-                return wrap(fn, backend, len(buckets), c.compile_dynamic) if i in targets else fn
+                if i not in targets:
+                    return fn
+                return wrap(fn, backend, len(buckets), c.compile_dynamic, self.kernels.opaque)
 
         with self.report.timed("warm-up+capture"):
             self.runner = GraphRunner(self.program, buckets, capturable=capturable,

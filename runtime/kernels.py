@@ -53,6 +53,7 @@ class KernelSet:
     impls: dict[str, Impl]  # node (first output) -> implementation
     capture_safe: set[str]  # nodes whose implementation may be captured in a CUDA graph
     fallbacks: dict[str, str] = field(default_factory=dict)  # kernel key -> what happened
+    opaque: set[str] = field(default_factory=set)  # nodes run by a library kernel (not torch ops)
 
     def for_node(self, n: Node) -> Impl:
         return self.impls[n.outputs[0]]
@@ -104,6 +105,8 @@ def resolve_kernels(plan: RunPlan, graphs: list[Graph], device: torch.device, *,
                 fn, safe = tables["reference"][n.op], False
                 ks.fallbacks[key] = f"{want} -> reference"
             ks.impls[n.outputs[0]] = fn
+            if want.split(".")[0] not in tables:
+                ks.opaque.add(n.outputs[0])
             if safe:
                 ks.capture_safe.add(n.outputs[0])
     return ks

@@ -11,6 +11,7 @@ the step's outputs need.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -118,6 +119,13 @@ class Program:
         """The same program over other tensors for (some of) its weights."""
         p = copy.copy(self)
         p.weights = {**self.weights, **weights}
+        return p
+
+    def with_wrapped(self, nodes: set[str], wrap: Callable[[Impl], Impl]) -> "Program":
+        """The same program with the kernels of `nodes` (first outputs) passed through `wrap`."""
+        p = copy.copy(self)
+        p.calls = tuple(dataclasses.replace(c, fn=wrap(c.fn)) if c.outputs[0] in nodes else c
+                        for c in self.calls)
         return p
 
     def __call__(self, env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
