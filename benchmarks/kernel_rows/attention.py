@@ -1,0 +1,486 @@
+"""Benchmark rows of the CSA2 attention path's Triton kernels (kernels/triton/): decode and prefill
+sparse attention with sink (+ inverse RoPE + FP8 1x128 epilogue), lightning-indexer scores and the
+top-k that follows, the fused compressor, the batched ring copies, Engram hash + gate.
+
+Interface of benchmarks/kernels.py: `rows(device, smoke) -> list[dict]`; each row names the kernel,
+the case, its time, the bytes it must move and the FLOPs it must do (the floor: every input read
+once, every output written once; formulas in `_count_*`), and the same op through the capturable
+torch kernels (the baseline: what the plan ran before) with the error between the two.
+Standalone: `python benchmarks/kernel_rows/attention.py --out benchmarks/results/kernels-attention-h200`
+also measures the two ceilings (device-to-device copy, bf16 GEMM) and writes .md + .json.
+
+Timing: each call is captured in a CUDA graph and replayed; the median of 7 event-timed batches of
+replays (each batch >= ~2 ms); inputs are fresh random data on the device, large cases exceed L2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROPE = dict(rope_dim=64, theta=160000.0, yarn_factor=16.0, yarn_original=65536, yarn_beta_fast=32.0,
+            yarn_beta_slow=1.0)
+BUDGET_S = 170.0  # stop adding rows after this long (device leases are short)
+
+
+# ---------------------------------------------------------------------------------------------
+# timing and ceilings
+# ---------------------------------------------------------------------------------------------
+
+
+def time_ms(fn, *, graph: bool = True) -> float:
+    """Median ms per call of fn (CUDA graph replays; eager if graph=False)."""
+    fn()
+    torch.cuda.synchronize()
+    run = fn
+    if graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    t0 = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    one = max(time.perf_counter() - t0, 1e-6)
+    inner = max(1, min(200, int(2e-3 / one)))
+    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = []
+    for _ in range(7):
+        st.record()
+        for _ in range(inner):
+            run()
+        en.record()
+        torch.cuda.synchronize()
+        out.append(st.elapsed_time(en) / inner)
+    return statistics.median(out)
+
+
+def ceilings(device) -> dict:
+    """Measured device-to-device copy bandwidth (read + write bytes) and bf16 GEMM rate."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    ms = time_ms(lambda: b.copy_(a), graph=False)
+    bw = 2 * n / ms / 1e9  # TB/s
+    del a, b
+    x = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    y = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    ms = time_ms(lambda: x @ y, graph=False)
+    tf = 2 * 8192 ** 3 / ms / 1e9
+    del x, y
+    torch.cuda.empty_cache()
+    return {"copy_tbps": round(bw, 3), "bf16_tflops": round(tf, 1)}
+
+
+# ---------------------------------------------------------------------------------------------
+# cases
+# ---------------------------------------------------------------------------------------------
+
+
+def _meta(reqs, device):
+    pos, req = [], []
+    for r, (_, c, n) in enumerate(reqs):
+        pos += range(c, c + n)
+        req += [r] * n
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+    return (i64(pos), i64(req), i64([s for s, _, _ in reqs]), i64([c for _, c, _ in reqs]))
+
+
+def _topk(positions, ratio, C, k=512):
+    """Per token: k distinct visible entries (sorted, -1 padded), spread over the whole context."""
+    T = positions.shape[0]
+    vis = ((positions + 1) // ratio).clamp(max=C)
+    r = torch.rand(T, C, device=positions.device)
+    r = torch.where(torch.arange(C, device=positions.device)[None, :] < vis[:, None], r, -1.0)
+    vals, idx = r.topk(min(k, C), dim=-1)
+    return torch.where(vals >= 0, idx, -1).sort(dim=-1).values
+
+
+def attn_case(device, R, ctx, ratio, new=1):
+    """R requests of `new` tokens each after `ctx - new` cached tokens (bf16, V4.1 dims)."""
+    reqs = [(i, ctx - new, new) for i in range(R)]
+    pos, req, slots, cached = _meta(reqs, device)
+    T = pos.shape[0]
+    C = ctx // ratio
+    bf = torch.bfloat16
+    args = (torch.randn(T, 64, 512, device=device, dtype=bf),
+            torch.randn(T, 512, device=device, dtype=bf),
+            torch.randn(R, 128, 512, device=device, dtype=bf),
+            torch.randn(R, C, 512, device=device, dtype=bf),
+            _topk(pos, ratio, C), torch.randn(64, device=device), pos, req, slots, cached)
+    kw = dict(window=128, scale=512 ** -0.5, ratio=ratio, attend_all_compressed=False, **ROPE,
+              act_fmt="fp8_1x128")
+    return args, kw
+
+
+def _count_attn(args) -> tuple[int, int]:
+    """Bytes: q, every key row a token can see (ring rows in its window, step rows, its top-k
+    entries; each read once), o_q + scales, topk ids. FLOPs: 2 products of 64x512 per key."""
+    q, kv, ring, ckv, topk, sink, pos, req, slots, cached = args
+    T = q.shape[0]
+    c = cached[req]
+    ring_keys = (c - (pos - 127)).clamp(0, 128).clamp(max=c)
+    step_keys = (pos - c + 1).clamp(max=128)
+    comp = (topk >= 0).sum(-1)
+    keys = int((ring_keys + step_keys + comp).sum())
+    # distinct rows moved: ring/step rows are shared by a request's tokens, top-k rows are not
+    distinct = int((ring_keys.clamp(max=128)).amax().item()) * slots.shape[0] + T + int(comp.sum())
+    byt = q.numel() * 2 + distinct * 1024 + topk.numel() * 8 + T * (64 * 512 + 64 * 4 * 4)
+    return byt, 4 * 64 * 512 * keys
+
+
+def index_case(device, R, ctx, ratio, new=1):
+    from megagraph.kernels.capturable.dense import fake_quant
+
+    reqs = [(i, ctx - new, new) for i in range(R)]
+    pos, req, slots, _ = _meta(reqs, device)
+    T = pos.shape[0]
+    C = ctx // ratio
+    qi = fake_quant(torch.randn(T, 32, 128, device=device), fmt="mxfp4", block=32).bfloat16()
+    ikey = torch.randn(R, C, 128, device=device)
+    w = torch.randn(T, 32, device=device, dtype=torch.bfloat16)
+    return (qi, w, ikey, pos, req, slots), dict(ratio=ratio, weight_scale=128 ** -0.5 * 32 ** -0.5)
+
+
+def _count_index(args, kw) -> tuple[int, int]:
+    qi, w, ikey, pos, req, slots = args
+    vis = ((pos + 1) // kw["ratio"]).clamp(max=ikey.shape[1])
+    per_req = torch.zeros(slots.shape[0], dtype=torch.int64, device=pos.device).scatter_reduce(
+        0, req, vis, reduce="amax")
+    byt = int(per_req.sum()) * 128 * 4 + qi.numel() * 2 + pos.shape[0] * ikey.shape[1] * 4
+    return byt, 2 * 32 * 128 * int(vis.sum())
+
+
+def compressor_case(device, R, ctx, ratio, new=1):
+    reqs = [(i, ctx - new, new) for i in range(R)]
+    pos, req, slots, _ = _meta(reqs, device)
+    T = pos.shape[0]
+    bf = torch.bfloat16
+    rn = lambda *s, sc=1.0: torch.randn(*s, device=device) * sc  # noqa: E731
+    C = ctx // ratio
+    args = (rn(T, 5120).to(bf), rn(512, 5120, sc=5120 ** -0.5).to(bf),
+            rn(512, 5120, sc=5120 ** -0.5).to(bf) if ratio > 1 else None,
+            rn(R, ratio, 512) if ratio > 1 else None, rn(R, ratio, 512) if ratio > 1 else None,
+            rn(512) + 1, rn(128, 512, sc=512 ** -0.5).to(bf), rn(128) + 1,
+            rn(R, C, 128), rn(R, C, 512).to(bf), pos, req, slots)
+    kw = dict(ratio=ratio, eps=1e-20, offset=1 - ratio, ikey_fmt="mxfp4", ckv_fmt="nvfp4", **ROPE)
+    return args, kw
+
+
+def _count_compressor(args, kw) -> tuple[int, int]:
+    x = args[0]
+    T = x.shape[0]
+    r = kw["ratio"]
+    nproj = 2 if r > 1 else 1
+    rows = T // r if T > 1 else T
+    byt = x.numel() * 2 + nproj * 512 * 5120 * 2 + 128 * 512 * 2 + rows * (512 * 2 + 128 * 4)
+    return byt, 2 * T * 5120 * 512 * nproj + 2 * rows * 512 * 128
+
+
+# ---------------------------------------------------------------------------------------------
+# rows
+# ---------------------------------------------------------------------------------------------
+
+
+def _rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    fin = torch.isfinite(b)
+    a, b = torch.where(fin, a, 0), torch.where(fin, b, 0)
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def _row(kernel, case, ms, byt, flops, base_ms=None, err=None, **extra) -> dict:
+    row = {"kernel": kernel, "case": case, "ms": round(ms, 4), "bytes": int(byt), "flops": int(flops),
+           "gbps": round(byt / ms / 1e6, 1), "tflops": round(flops / ms / 1e9, 2)}
+    if base_ms is not None:
+        row.update(baseline="capturable", baseline_ms=round(base_ms, 4), speedup=round(base_ms / ms, 2))
+    if err is not None:
+        row["rel_err_vs_baseline"] = float(f"{err:.3g}")
+    row.update(extra)
+    return row
+
+
+def _deq(o):
+    from megagraph.kernels.reference.fused import dequant_act
+
+    return dequant_act(o[0], o[1], act_fmt="fp8_1x128")
+
+
+def attention_rows(device, smoke, t_end) -> list[dict]:
+    from megagraph.kernels.capturable.fused import sparse_attn_q as cap
+    from megagraph.kernels.triton import attention as A
+
+    out = []
+    decode = [(32, 8192), (64, 8192), (128, 8192), (256, 8192), (32, 32768), (128, 32768),
+              (256, 32768), (32, 131072), (64, 131072), (128, 131072), (256, 131072)]
+    if smoke:
+        decode = [(4, 1024)]
+    variants = {"default": None,
+                "h16w4s-auto": A.AttnConfig(16, 32, 4, 2, 0), "h32w4": A.AttnConfig(32, 32, 4, 2, 0),
+                "h64w8": A.AttnConfig(64, 32, 8, 2, 0), "h64w8n64": A.AttnConfig(64, 64, 8, 2, 0),
+                "h16w4n64": A.AttnConfig(16, 64, 4, 2, 0)}
+    for ratio in (2, 1):
+        for R, ctx in decode:
+            if time.perf_counter() > t_end:
+                return out
+            if ratio == 1 and ctx == 131072 and R > 64:
+                continue  # 128K x ratio 1 x 256 slots = 34 GB of compressed KV: one size is enough
+            args, kw = attn_case(device, R, ctx, ratio)
+            byt, fl = _count_attn(args)
+            fn = lambda cfg=None: A.launch(  # noqa: E731
+                *args[:10], window=128, scale=kw["scale"], ratio=ratio, attend_all=False,
+                quant=("fp8_1x128", ROPE), config=cfg)
+            times = {}
+            for name, cfg in variants.items():
+                if name != "default" and (smoke or ctx != 8192 or ratio != 2 or R not in (64, 256)):
+                    continue  # sweep launch shapes on two decode sizes
+                try:
+                    times[name] = time_ms(lambda: fn(cfg))
+                except Exception as e:  # a shape Triton rejects on this GPU
+                    times[name] = f"{type(e).__name__}: {str(e)[:80]}"
+            base = err = None
+            if R * ctx <= 64 * 131072:
+                try:
+                    base = time_ms(lambda: cap(*args, **kw))
+                    err = _rel(_deq(A.sparse_attn_q(*args, **kw)), _deq(cap(*args, **kw)))
+                except torch.OutOfMemoryError:
+                    base = None
+            ok = {k: v for k, v in times.items() if isinstance(v, float)}
+            best = min(ok, key=ok.get)
+            out.append(_row("sparse_attn_q decode", f"R={R} ctx={ctx // 1024}K r={ratio} top-512",
+                            ok["default"], byt, fl, base, err,
+                            variants={k: (round(v, 4) if isinstance(v, float) else v) for k, v in times.items()},
+                            best=best))
+            del args
+            torch.cuda.empty_cache()
+    # prefill: 8K new tokens of one request over a 128K context (and 16K)
+    for ratio, ctx, T in ((2, 131072, 8192), (1, 131072, 8192), (2, 16384, 8192)) if not smoke else ((2, 2048, 16),):
+        if time.perf_counter() > t_end:
+            return out
+        args, kw = attn_case(device, 1, ctx, ratio, new=T)
+        byt, fl = _count_attn(args)
+        times = {}
+        for name, cfg in {"prefill-default": None, "h64w8": A.AttnConfig(64, 32, 8, 2, 1),
+                          "h32w4": A.AttnConfig(32, 32, 4, 2, 1),
+                          "h64w8n64": A.AttnConfig(64, 64, 8, 2, 1)}.items():
+            try:
+                times[name] = time_ms(lambda: A.launch(
+                    *args[:10], window=128, scale=kw["scale"], ratio=ratio, attend_all=False,
+                    quant=("fp8_1x128", ROPE), config=cfg))
+            except Exception as e:
+                times[name] = f"{type(e).__name__}: {str(e)[:80]}"
+        base = err = None
+        if ctx <= 16384:
+            base = time_ms(lambda: cap(*args, **kw), graph=False)
+            err = _rel(_deq(A.sparse_attn_q(*args, **kw)), _deq(cap(*args, **kw)))
+        ok = {k: v for k, v in times.items() if isinstance(v, float)}
+        out.append(_row("sparse_attn_q prefill", f"T={T} new over ctx={ctx // 1024}K r={ratio}",
+                        ok["prefill-default"], byt, fl, base, err,
+                        variants={k: (round(v, 4) if isinstance(v, float) else v) for k, v in times.items()},
+                        best=min(ok, key=ok.get)))
+        del args
+        torch.cuda.empty_cache()
+    return out
+
+
+def indexer_rows(device, smoke, t_end) -> list[dict]:
+    from megagraph.kernels.capturable.indexer import index_scores as cap, topk_select
+    from megagraph.kernels.triton.indexer import index_scores
+
+    out = []
+    cases = [(32, 8192, 2), (128, 8192, 2), (256, 8192, 2), (32, 32768, 2), (256, 32768, 2),
+             (32, 131072, 2), (128, 131072, 2), (64, 131072, 1)]
+    if smoke:
+        cases = [(4, 2048, 2)]
+    for R, ctx, ratio in cases:
+        if time.perf_counter() > t_end:
+            return out
+        args, kw = index_case(device, R, ctx, ratio)
+        byt, fl = _count_index(args, kw)
+        times = {p: time_ms(lambda p=p: index_scores(*args, **kw, precision=p))
+                 for p in ("tf32x3", "bf16", "ieee")}
+        sc = index_scores(*args, **kw)
+        tk_ms = time_ms(lambda: topk_select(sc, k=512))
+        base = err = None
+        if R * ctx <= 128 * 32768:
+            base = time_ms(lambda: cap(*args, **kw))
+            err = _rel(sc, cap(*args, **kw))
+        out.append(_row("index_scores decode", f"R={R} ctx={ctx // 1024}K r={ratio}", times["tf32x3"],
+                        byt, fl, base, err, precision_ms={k: round(v, 4) for k, v in times.items()},
+                        topk512_ms=round(tk_ms, 4)))
+        del args, sc
+        torch.cuda.empty_cache()
+    if not smoke and time.perf_counter() < t_end:
+        args, kw = index_case(device, 1, 16384, 2, new=1024)
+        byt, fl = _count_index(args, kw)
+        ms = time_ms(lambda: index_scores(*args, **kw))
+        ms_bf = time_ms(lambda: index_scores(*args, **kw, precision="bf16"))
+        base = time_ms(lambda: cap(*args, **kw), graph=False)
+        out.append(_row("index_scores prefill", "T=1024 new over ctx=16K r=2", ms, byt, fl, base,
+                        _rel(index_scores(*args, **kw), cap(*args, **kw)),
+                        precision_ms={"tf32x3": round(ms, 4), "bf16": round(ms_bf, 4)}))
+    return out
+
+
+def compressor_rows(device, smoke, t_end) -> list[dict]:
+    from megagraph.kernels.capturable.fused import compressor as cap
+    from megagraph.kernels.triton.compressor import compressor
+
+    out = []
+    cases = [(256, 8192, 2, 1), (256, 8192, 1, 1), (1, 16384, 2, 8192), (1, 16384, 1, 8192)]
+    if smoke:
+        cases = [(4, 1024, 2, 1)]
+    for R, ctx, ratio, new in cases:
+        if time.perf_counter() > t_end:
+            return out
+        args, kw = compressor_case(device, R, ctx, ratio, new)
+        byt, fl = _count_compressor(args, kw)
+        ms = time_ms(lambda: compressor(*args, **kw, inplace=True))
+        base = time_ms(lambda: cap(*args, **kw, inplace=True))
+        a = compressor(*args, **kw)
+        b = cap(*args, **kw)
+        err = max(_rel(x, y) for x, y in zip(a, b))
+        out.append(_row("compressor", f"T={R * new} r={ratio} (5120->512, ikey mxfp4, ckv nvfp4)",
+                        ms, byt, fl, base, err))
+        del args
+        torch.cuda.empty_cache()
+    return out
+
+
+def ring_engram_rows(device, smoke) -> list[dict]:
+    from megagraph.kernels.capturable.attention import ring_update_batched as cap_rings
+    from megagraph.kernels.capturable.engram import engram_gate as cap_gate, engram_hash as cap_hash
+    from megagraph.kernels.reference.engram import engram_layout
+    from megagraph.kernels.triton.engram import engram_gate, engram_hash
+    from megagraph.kernels.triton.ring import ring_update_batched
+
+    out = []
+    R = 4 if smoke else 256
+    pos, req, slots, cached = _meta([(i, 1000 + i, 1) for i in range(R)], device)
+    L = 43  # 40 layers + 3 DSpark rings
+    ops = []
+    for _ in range(L):
+        ops += [torch.randn(R, 128, 512, device=device, dtype=torch.bfloat16),
+                torch.randn(R, 512, device=device, dtype=torch.bfloat16)]
+    ms = time_ms(lambda: ring_update_batched(pos, req, slots, *ops, window=128, inplace=True))
+    base = time_ms(lambda: cap_rings(pos, req, slots, *ops, window=128, inplace=True))
+    out.append(_row("ring_update_batched", f"{L} rings x R={R} decode rows", ms, L * R * 512 * 2 * 2,
+                    0, base, 0.0))
+    del ops
+    lay = engram_layout([1], None, max_ngram=4, n_heads=8, vocab_start=16_000_000,
+                        compressed_vocab=99092)[1]
+    kwh = dict(multipliers=lay.multipliers, primes=lay.primes, offsets=lay.offsets, pad_id=2, max_ngram=4)
+    cids = torch.randint(0, 99092, (R,), device=device)
+    hist = torch.randint(-1, 99092, (R, 3), device=device)
+    ms = time_ms(lambda: engram_hash(cids, hist, pos, req, slots, cached, **kwh))
+    base = time_ms(lambda: cap_hash(cids, hist, pos, req, slots, cached, **kwh))
+    same = torch.equal(engram_hash(cids, hist, pos, req, slots, cached, **kwh),
+                       cap_hash(cids, hist, pos, req, slots, cached, **kwh))
+    out.append(_row("engram_hash", f"R={R} tokens, 24 columns", ms, R * 24 * 8 + R * 8 * 5, 0, base,
+                    0.0 if same else 1.0))
+    H = torch.randn(R, 4, 5120, device=device, dtype=torch.bfloat16)
+    kv = torch.randn(R, 5 * 5120, device=device, dtype=torch.bfloat16)
+    qw, kw_ = torch.randn(4, 5120, device=device), torch.randn(4, 5120, device=device)
+    ms = time_ms(lambda: engram_gate(H, kv, qw, kw_, eps=1e-20))
+    base = time_ms(lambda: cap_gate(H, kv, qw, kw_, eps=1e-20))
+    out.append(_row("engram_gate", f"R={R} tokens, 4 streams x 5120", ms,
+                    R * (2 * 4 * 5120 * 2 + 5 * 5120 * 2), R * 4 * 5120 * 8, base,
+                    _rel(engram_gate(H, kv, qw, kw_, eps=1e-20), cap_gate(H, kv, qw, kw_, eps=1e-20))))
+    return out
+
+
+def rows(device, smoke: bool = False) -> list[dict]:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return []
+    t_end = time.perf_counter() + (30 if smoke else BUDGET_S)
+    out: list[dict] = []
+    for name, fn in (("attention", lambda: attention_rows(device, smoke, t_end)),
+                     ("indexer", lambda: indexer_rows(device, smoke, t_end)),
+                     ("compressor", lambda: compressor_rows(device, smoke, t_end)),
+                     ("ring/engram", lambda: ring_engram_rows(device, smoke))):
+        try:
+            out += fn()
+        except Exception as e:
+            out.append({"kernel": name, "case": "FAILED", "error": f"{type(e).__name__}: {e}",
+                        "trace": traceback.format_exc(limit=4)})
+        torch.cuda.empty_cache()
+        print(f"[attention rows] {name} done at {time.perf_counter() - t_end + BUDGET_S:.0f}s",
+              file=sys.stderr, flush=True)
+    return out
+
+
+def markdown(rs: list[dict], ceil: dict) -> str:
+    bw, tf = ceil.get("copy_tbps"), ceil.get("bf16_tflops")
+    lines = [f"Ceilings (measured): copy {bw} TB/s, bf16 GEMM {tf} TFLOP/s.", "",
+             "| kernel | case | time (us) | GB/s (% copy) | TFLOP/s (% bf16) | capturable (us) | speed-up | rel. err | notes |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rs:
+        if "error" in r:
+            lines.append(f"| {r['kernel']} | FAILED | | | | | | | {r['error'][:120]} |")
+            continue
+        pb = f"{r['gbps']:.0f} ({100 * r['gbps'] / 1e3 / bw:.0f}%)" if bw else f"{r['gbps']:.0f}"
+        pf = f"{r['tflops']:.1f} ({100 * r['tflops'] / tf:.0f}%)" if tf and r["flops"] else "-"
+        base = f"{1e3 * r['baseline_ms']:.1f}" if r.get("baseline_ms") else "-"
+        sp = f"{r['speedup']:.1f}x" if r.get("speedup") else "-"
+        err = f"{r['rel_err_vs_baseline']:.1e}" if r.get("rel_err_vs_baseline") is not None else "-"
+        notes = []
+        if "variants" in r:
+            notes.append("best " + r["best"] + ": " + ", ".join(
+                f"{k} {1e3 * v:.1f}" if isinstance(v, float) else f"{k} ({v})" for k, v in r["variants"].items()))
+        if "precision_ms" in r:
+            notes.append(", ".join(f"{k} {1e3 * v:.1f}" for k, v in r["precision_ms"].items()))
+        if "topk512_ms" in r:
+            notes.append(f"top-512 {1e3 * r['topk512_ms']:.1f} us")
+        lines.append(f"| {r['kernel']} | {r['case']} | {1e3 * r['ms']:.1f} | {pb} | {pf} | {base} | "
+                     f"{sp} | {err} | {'; '.join(notes)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=None, help="write OUT.md and OUT.json")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return 0
+    dev = torch.device("cuda")
+    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": torch.cuda.get_device_name(dev),
+           "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+           "command": " ".join(sys.argv)}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    ceil = ceilings(dev)
+    print(json.dumps(ceil), flush=True)
+    rs = rows(dev, args.smoke)
+    md = "# CSA2 attention-path kernels (Triton) on " + env["device"] + "\n\n" + \
+        "\n".join(f"- {k}: {v}" for k, v in env.items()) + "\n\n" + markdown(rs, ceil)
+    print(md)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".md").write_text(md)
+        args.out.with_suffix(".json").write_text(json.dumps({"env": env, "ceilings": ceil, "rows": rs},
+                                                            indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
