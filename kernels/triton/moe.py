@@ -77,13 +77,15 @@ RDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 @dataclass(frozen=True)
 class GemmConfig:
     """Tile of one GEMM launch: rows, columns (per weight matrix), K chunk (divides 128 or is
-    128), warps, software-pipeline stages."""
+    128), warps, software-pipeline stages; par: MXFP4 K split by column parity (A split in
+    registers instead of interleaving the upcast weights)."""
 
     bm: int
     bn: int
     bk: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    par: bool = False
 
 
 # Benchmarks and tests may set these: role ("l1", "l2", "dense", "dense_swiglu") -> GemmConfig.
@@ -91,12 +93,25 @@ CONFIG_OVERRIDE: dict[str, GemmConfig] = {}
 
 
 def pick_config(role: str, rows_per_group: float) -> GemmConfig:
-    """Heuristic tile per role and expected rows per group (expert or dense M)."""
+    """Heuristic tile per role and expected rows per group (expert or dense M). The choices were
+    made by the SASS of each candidate (issue slots per KB of weights in the K loop, spills), not
+    by timings yet: decode L1 on wgmma with 64-row tiles (the fp8 MMA reads B from shared memory,
+    mma.sync would upcast both operands to fp16), decode L2 on mma.sync with 16-row tiles."""
     if role in CONFIG_OVERRIDE:
         return CONFIG_OVERRIDE[role]
     if INTERPRET:
-        return GemmConfig(16, 32, 128, 4, 1)
-    swiglu = role in ("l1", "dense_swiglu")
+        return GemmConfig(16, 32, 128, 4, 1, par=role in ("l1", "l2"))
+    if role == "l1":
+        if rows_per_group <= 48:
+            return GemmConfig(64, 64, 128, 4, 4, par=True)
+        return GemmConfig(128, 64, 128, 8, 3)
+    if role == "l2":
+        if rows_per_group <= 12:
+            return GemmConfig(16, 128, 128, 4, 3, par=True)
+        if rows_per_group <= 48:
+            return GemmConfig(64, 128, 128, 4, 4, par=True)
+        return GemmConfig(128, 128, 128, 8, 3, par=True)
+    swiglu = role == "dense_swiglu"
     if rows_per_group <= 12:
         return GemmConfig(16, 64, 128, 4, 4)
     if rows_per_group <= 48:
@@ -280,7 +295,7 @@ def gemm(a: Tensor, a_scale: Tensor | None, b1: Bank, out: Tensor, *, b2: Bank |
         HAS_LIMIT=limit is not None and limit > 0, A_SCALED=a_scale is not None,
         WFMT=b1.wfmt, MMA=mma, BLK_N_S=b1.bn, BLK_K_S=b1.bk, NSUB=nsub,
         USE_ASM=b1.wfmt == 0 and mma in (MMA_FP8, MMA_FP16) and asm_ok(out.device),
-        MANUAL=INTERPRET,
+        MANUAL=INTERPRET, PAR=cfg.par and b1.wfmt == 0 and mma in (MMA_FP8, MMA_FP16),
         BM=bm, BN=bn, BK=bk, G_PAD=_next_pow2(G) if grouped else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -25,7 +25,7 @@ WFMT_FP8 = 1
 # of the 8 magnitudes, shifted by the group's exponent offset `rel` (byte 0 of $3, signed), are
 # two 32-bit lookup words; `prmt` picks them by code; sign bits are moved into bit 7. rel < -5
 # would leave the E4M3 normal range: those groups become zero (see moe.py, numerics).
-FP4_E4M3_ASM = """
+FP4_E4M3_ASM = tl.constexpr("""
 {
 .reg .b32 t, u, r1, r2, s, la, lb, k, rl;
 .reg .pred pz;
@@ -58,7 +58,7 @@ prmt.b32 t, r1, r2, 0x5410;
 and.b32 s, $2, 0x80808080;
 or.b32 $1, t, s;
 }
-"""
+""")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,24 +146,82 @@ def fp4_tile_e4m3(p, rel_p, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.cons
     return b.to(tl.float8e4nv, bitcast=True)
 
 
+@triton.jit
+def fp4_halves_e4m3(p, rel_p, USE_ASM: tl.constexpr):
+    """Packed codes p uint8 [BN, BK//2] -> (even columns, odd columns) as float8e4nv
+    [BN, BK//2] each: no interleave (the GEMM splits A the same way)."""
+    if USE_ASM:
+        lo, hi = tl.inline_asm_elementwise(FP4_E4M3_ASM, "=r,=r,r,r", [p, rel_p.to(tl.int8)],
+                                           dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+    else:
+        pi = p.to(tl.int32)
+        lo = e2m1_e4m3_bits(pi & 0xF, rel_p).to(tl.uint8)
+        hi = e2m1_e4m3_bits(pi >> 4, rel_p).to(tl.uint8)
+    return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def load_b_fp4_halves(b_ptr, e, rn, nmask, k0, stride_bn, MMA: tl.constexpr,
+                      NSUB: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr):
+    """MXFP4 rows rn, columns k0 .. k0+BK-1 as (even columns, odd columns) [BN, BK//2] in the MMA
+    dtype (fp8 / fp16) and the per-row promotion scale (see load_b_tile)."""
+    rk2 = tl.arange(0, BK // 2)
+    p = tl.load(b_ptr + rn[:, None] * stride_bn + (k0 // 2 + rk2)[None, :],
+                mask=nmask[:, None], other=0).to(tl.uint8, bitcast=True)
+    smax = tl.max(e, axis=1)
+    S = tl.maximum(smax - 6, 1)
+    rel = e - S[:, None]
+    rel_p = tl.reshape(tl.broadcast_to(rel[:, :, None], (BN, NSUB, BK // NSUB // 2)),
+                       (BN, BK // 2))
+    lo, hi = fp4_halves_e4m3(p, rel_p, USE_ASM)
+    if MMA == 1:
+        lo = lo.to(tl.float16)
+        hi = hi.to(tl.float16)
+    return lo, hi, exp2_biased(S)
+
+
+@triton.jit
+def mma_step_halves(acc, a_e, a_o, sa, b_lo, b_hi, sb, A_SCALED: tl.constexpr,
+                    MMA: tl.constexpr):
+    """acc += (A_even @ B_lo^T + A_odd @ B_hi^T) * scales (the K-parity split of mma_step)."""
+    if MMA == 1:
+        a_e = a_e.to(tl.float16)
+        a_o = a_o.to(tl.float16)
+    part = tl.dot(a_e, tl.trans(b_lo))
+    part = tl.dot(a_o, tl.trans(b_hi), part)
+    if A_SCALED:
+        acc += part * (sa[:, None] * sb[None, :])
+    else:
+        acc += part * sb[None, :]
+    return acc
+
+
 # ---------------------------------------------------------------------------------------------
 # one B tile: load + dequantize for the chosen MMA mode
 # ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def load_b_tile(b_ptr, bs_ptr, rn, nmask, k0, stride_bn, stride_bsn,
-                WFMT: tl.constexpr, MMA: tl.constexpr, BLK_N_S: tl.constexpr,
-                BLK_K_S: tl.constexpr, NSUB: tl.constexpr, USE_ASM: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr):
-    """B rows rn [BN] (of one group, pointers already offset), columns k0 .. k0+BK-1 ->
-    (tile [BN, BK] in the MMA dtype, per-row promotion scale f32 [BN] (ones for the exact
-    modes)). NSUB = scale groups along K in the chunk (BK // min(BK, BLK_K_S))."""
+def load_b_scales(bs_ptr, rn, nmask, k0, K, stride_bsn, BLK_N_S: tl.constexpr,
+                  BLK_K_S: tl.constexpr, NSUB: tl.constexpr, BK: tl.constexpr):
+    """Biased E8M0 exponents (int32 [BN, NSUB]) of B rows rn for columns k0 .. k0+BK-1 (127 past
+    K: the loop prefetches one chunk ahead)."""
     rs = tl.arange(0, NSUB)
     srow = rn // BLK_N_S
     scol = (k0 + rs * (BK // NSUB)) // BLK_K_S
-    e = tl.load(bs_ptr + srow[:, None] * stride_bsn + scol[None, :], mask=nmask[:, None],
-                other=127).to(tl.int32)  # [BN, NSUB] biased exponents
+    return tl.load(bs_ptr + srow[:, None] * stride_bsn + scol[None, :],
+                   mask=nmask[:, None] & ((k0 + rs * 0) < K)[None, :], other=127).to(tl.int32)
+
+
+@triton.jit
+def load_b_tile(b_ptr, e, rn, nmask, k0, stride_bn,
+                WFMT: tl.constexpr, MMA: tl.constexpr, NSUB: tl.constexpr, USE_ASM: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr):
+    """B rows rn [BN] (of one group, pointers already offset), columns k0 .. k0+BK-1, with their
+    scale exponents e [BN, NSUB] (load_b_scales) -> (tile [BN, BK] in the MMA dtype, per-row
+    promotion scale f32 [BN] (ones for the exact modes)). NSUB = scale groups along K in the chunk
+    (BK // min(BK, BLK_K_S))."""
     if WFMT == 0:  # MXFP4
         rk2 = tl.arange(0, BK // 2)
         p = tl.load(b_ptr + rn[:, None] * stride_bn + (k0 // 2 + rk2)[None, :],
@@ -249,7 +307,7 @@ def moe_gemm(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
              GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, WEIGHTED: tl.constexpr,
              SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, A_SCALED: tl.constexpr,
              WFMT: tl.constexpr, MMA: tl.constexpr, BLK_N_S: tl.constexpr, BLK_K_S: tl.constexpr,
-             NSUB: tl.constexpr, USE_ASM: tl.constexpr, MANUAL: tl.constexpr,
+             NSUB: tl.constexpr, USE_ASM: tl.constexpr, MANUAL: tl.constexpr, PAR: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G_PAD: tl.constexpr):
     """C = A @ B^T (fp32 accumulate), per group.
 
@@ -304,18 +362,45 @@ def moe_gemm(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
     bs2 = bs2_ptr + g64 * stride_bsg
     acc1 = tl.zeros((BM, BN), dtype=tl.float32)
     acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-    sa = tl.full((BM,), 1.0, tl.float32)
+    # the small scale loads are prefetched one chunk ahead by hand (the software pipeliner only
+    # stages the big tiles): their latency hides behind the current chunk's work
+    sa_next = tl.full((BM,), 1.0, tl.float32)
+    if A_SCALED:
+        sa_next = tl.load(as_ptrs, mask=rmask, other=1.0)
+    e1_next = load_b_scales(bs1, rn, nmask, 0, K, stride_bsn, BLK_N_S, BLK_K_S, NSUB, BK)
+    e2_next = e1_next
+    if SWIGLU:
+        e2_next = load_b_scales(bs2, rn, nmask, 0, K, stride_bsn, BLK_N_S, BLK_K_S, NSUB, BK)
     for k0 in range(0, K, BK):
-        a = tl.load(a_ptrs + k0, mask=rmask[:, None], other=0.0)
+        sa = sa_next
+        e1 = e1_next
+        e2 = e2_next
         if A_SCALED:
-            sa = tl.load(as_ptrs + k0 // 128, mask=rmask, other=1.0)
-        b, sb = load_b_tile(b1, bs1, rn, nmask, k0, stride_bn, stride_bsn, WFMT, MMA, BLK_N_S,
-                            BLK_K_S, NSUB, USE_ASM, BN, BK)
-        acc1 = mma_step(acc1, a, sa, b, sb, A_SCALED, MMA)
+            sa_next = tl.load(as_ptrs + (k0 + BK) // 128, mask=rmask & ((k0 + BK + rm * 0) < K),
+                              other=1.0)
+        e1_next = load_b_scales(bs1, rn, nmask, k0 + BK, K, stride_bsn, BLK_N_S, BLK_K_S, NSUB,
+                                BK)
         if SWIGLU:
-            b, sb = load_b_tile(b2, bs2, rn, nmask, k0, stride_bn, stride_bsn, WFMT, MMA,
-                                BLK_N_S, BLK_K_S, NSUB, USE_ASM, BN, BK)
-            acc2 = mma_step(acc2, a, sa, b, sb, A_SCALED, MMA)
+            e2_next = load_b_scales(bs2, rn, nmask, k0 + BK, K, stride_bsn, BLK_N_S, BLK_K_S,
+                                    NSUB, BK)
+        a = tl.load(a_ptrs + k0, mask=rmask[:, None], other=0.0)
+        if PAR:  # MXFP4, fp8 / fp16 MMA: K split by parity, no interleave of the upcast tile
+            a_e, a_o = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
+            b_lo, b_hi, sb = load_b_fp4_halves(b1, e1, rn, nmask, k0, stride_bn, MMA, NSUB,
+                                               USE_ASM, BN, BK)
+            acc1 = mma_step_halves(acc1, a_e, a_o, sa, b_lo, b_hi, sb, A_SCALED, MMA)
+            if SWIGLU:
+                b_lo, b_hi, sb = load_b_fp4_halves(b2, e2, rn, nmask, k0, stride_bn, MMA, NSUB,
+                                                   USE_ASM, BN, BK)
+                acc2 = mma_step_halves(acc2, a_e, a_o, sa, b_lo, b_hi, sb, A_SCALED, MMA)
+        else:
+            b, sb = load_b_tile(b1, e1, rn, nmask, k0, stride_bn, WFMT, MMA, NSUB, USE_ASM, BN,
+                                BK)
+            acc1 = mma_step(acc1, a, sa, b, sb, A_SCALED, MMA)
+            if SWIGLU:
+                b, sb = load_b_tile(b2, e2, rn, nmask, k0, stride_bn, WFMT, MMA, NSUB, USE_ASM,
+                                    BN, BK)
+                acc2 = mma_step(acc2, a, sa, b, sb, A_SCALED, MMA)
     if SWIGLU:
         gt = acc1
         up = acc2

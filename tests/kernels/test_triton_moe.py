@@ -177,7 +177,7 @@ def test_ptx_upcast_bit_logic():
     """The prmt-based PTX upcast (4 packed bytes -> low-nibble and high-nibble E4M3 bytes)
     equals the arithmetic helper for every byte value and offset (the GPU tests check it runs)."""
     src = open(os.path.join(os.path.dirname(tm.__file__), "moe_jit.py")).read()
-    asm = src.split('FP4_E4M3_ASM = """')[1].split('"""')[0]
+    asm = src.split('FP4_E4M3_ASM = tl.constexpr("""')[1].split('"""')[0]
     g = gen(0)
     for r in range(-8, 7):
         for _ in range(64):
@@ -237,6 +237,28 @@ def test_mxfp4_scale_spread(spread):
     kw = dict(fmt="mxfp4", swiglu_limit=0.0, act_fmt=ACT, out_dtype="f32")
     y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
     ref = rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    assert rel(y, ref) < 2e-3
+
+
+@pytest.mark.parametrize("par", [False, True])
+def test_moe_tiles_interleaved_and_parity(par, monkeypatch):
+    """Both B layouts of the MXFP4 upcast (interleaved tile / K split by column parity) at a
+    second tile shape."""
+    cfg = tm.GemmConfig(16, 16, 64, 4, 1, par=par) if not GPU else tm.GemmConfig(64, 64, 128, 4,
+                                                                                 3, par=par)
+    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1": cfg, "l2": cfg})
+    g = gen(31)
+    E, d, F, k, T = 4, 256, 128, 2, 9
+    x = randn(T, d, g=g)
+    xq, xs = rf.quantize_act(x, act_fmt=ACT)
+    bank = _experts(E, d, F, g)
+    ids = torch.randint(0, E, (T, k), generator=g).to(DEV)
+    wts = torch.rand(T, k, generator=g).to(DEV)
+    kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype="f32")
+    with poisoned():
+        y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    ref = rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    finite(y)
     assert rel(y, ref) < 2e-3
 
 
