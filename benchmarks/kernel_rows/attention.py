@@ -1,88 +1,29 @@
-"""Benchmark rows of the CSA2 attention path's Triton kernels (kernels/triton/): decode and prefill
-sparse attention with sink (+ inverse RoPE + FP8 1x128 epilogue), lightning-indexer scores and the
-top-k that follows, the fused compressor, the batched ring copies, Engram hash + gate.
+"""Row provider (benchmarks/kernels.py) for the CSA2 attention path's Triton kernels
+(kernels/triton/): decode and prefill sparse attention with sink (+ inverse RoPE + FP8 1x128
+epilogue), lightning-indexer scores and the top-512 that follows, the fused compressor, the batched
+ring copies, Engram hash + gate. Each row: time, the bytes / FLOPs the op must move / do (every
+input read once, every output written once; formulas in `_count_*`), and the same op through the
+capturable torch kernels (the baseline the plan ran before) with the relative error between them.
 
-Interface of benchmarks/kernels.py: `rows(device, smoke) -> list[dict]`; each row names the kernel,
-the case, its time, the bytes it must move and the FLOPs it must do (the floor: every input read
-once, every output written once; formulas in `_count_*`), and the same op through the capturable
-torch kernels (the baseline: what the plan ran before) with the error between the two.
-Standalone: `python benchmarks/kernel_rows/attention.py --out benchmarks/results/kernels-attention-h200`
-also measures the two ceilings (device-to-device copy, bf16 GEMM) and writes .md + .json.
+    python benchmarks/kernels.py --only attention --out /tmp/k    # GPU; CPU gets no rows
 
-Timing: each call is captured in a CUDA graph and replayed; the median of 7 event-timed batches of
-replays (each batch >= ~2 ms); inputs are fresh random data on the device, large cases exceed L2.
+Attention rows also time a few launch shapes (heads per program, warps, keys per tile) and name the
+fastest; indexer rows the three product precisions. Inputs are fresh random data on the device;
+the large cases exceed L2. Rows stop being added after BUDGET_S seconds (leases are short).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import platform
-import statistics
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
+
+from kernel_rows import rel_err, row, time_ms, time_once_ms
 
 ROPE = dict(rope_dim=64, theta=160000.0, yarn_factor=16.0, yarn_original=65536, yarn_beta_fast=32.0,
             yarn_beta_slow=1.0)
 BUDGET_S = 170.0  # stop adding rows after this long (device leases are short)
-
-
-# ---------------------------------------------------------------------------------------------
-# timing and ceilings
-# ---------------------------------------------------------------------------------------------
-
-
-def time_ms(fn, *, graph: bool = True) -> float:
-    """Median ms per call of fn (CUDA graph replays; eager if graph=False)."""
-    fn()
-    torch.cuda.synchronize()
-    run = fn
-    if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-    t0 = time.perf_counter()
-    run()
-    torch.cuda.synchronize()
-    one = max(time.perf_counter() - t0, 1e-6)
-    inner = max(1, min(200, int(2e-3 / one)))
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    out = []
-    for _ in range(7):
-        st.record()
-        for _ in range(inner):
-            run()
-        en.record()
-        torch.cuda.synchronize()
-        out.append(st.elapsed_time(en) / inner)
-    return statistics.median(out)
-
-
-def ceilings(device) -> dict:
-    """Measured device-to-device copy bandwidth (read + write bytes) and bf16 GEMM rate."""
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    ms = time_ms(lambda: b.copy_(a), graph=False)
-    bw = 2 * n / ms / 1e9  # TB/s
-    del a, b
-    x = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    y = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    ms = time_ms(lambda: x @ y, graph=False)
-    tf = 2 * 8192 ** 3 / ms / 1e9
-    del x, y
-    torch.cuda.empty_cache()
-    return {"copy_tbps": round(bw, 3), "bf16_tflops": round(tf, 1)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +70,7 @@ def attn_case(device, R, ctx, ratio, new=1):
 def _count_attn(args) -> tuple[int, int]:
     """Bytes: q, every key row a token can see (ring rows in its window, step rows, its top-k
     entries; each read once), o_q + scales, topk ids. FLOPs: 2 products of 64x512 per key."""
-    q, kv, ring, ckv, topk, sink, pos, req, slots, cached = args
+    q, topk, pos, req, slots, cached = args[0], args[4], *args[6:]
     T = q.shape[0]
     c = cached[req]
     ring_keys = (c - (pos - 127)).clamp(0, 128).clamp(max=c)
@@ -156,7 +97,7 @@ def index_case(device, R, ctx, ratio, new=1):
 
 
 def _count_index(args, kw) -> tuple[int, int]:
-    qi, w, ikey, pos, req, slots = args
+    qi, _, ikey, pos, req, slots = args
     vis = ((pos + 1) // kw["ratio"]).clamp(max=ikey.shape[1])
     per_req = torch.zeros(slots.shape[0], dtype=torch.int64, device=pos.device).scatter_reduce(
         0, req, vis, reduce="amax")
@@ -195,22 +136,17 @@ def _count_compressor(args, kw) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _rel(a, b) -> float:
-    a, b = a.float(), b.float()
-    fin = torch.isfinite(b)
-    a, b = torch.where(fin, a, 0), torch.where(fin, b, 0)
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+def _row(kernel, case, ms, byt, flops, base_ms=None, err=None, notes="", **extra) -> dict:
+    return row(kernel, case, ms, flops=flops, bytes=byt, peak="bf16" if flops else "",
+               baseline="capturable" if base_ms is not None else None, baseline_ms=base_ms,
+               rel_err=err, notes=notes or None, **extra)
 
 
-def _row(kernel, case, ms, byt, flops, base_ms=None, err=None, **extra) -> dict:
-    row = {"kernel": kernel, "case": case, "ms": round(ms, 4), "bytes": int(byt), "flops": int(flops),
-           "gbps": round(byt / ms / 1e6, 1), "tflops": round(flops / ms / 1e9, 2)}
-    if base_ms is not None:
-        row.update(baseline="capturable", baseline_ms=round(base_ms, 4), speedup=round(base_ms / ms, 2))
-    if err is not None:
-        row["rel_err_vs_baseline"] = float(f"{err:.3g}")
-    row.update(extra)
-    return row
+def _variants_note(times: dict) -> str:
+    ok = {k: v for k, v in times.items() if isinstance(v, float)}
+    return "launch shapes (us): " + ", ".join(
+        f"{k} {1e3 * v:.1f}" if isinstance(v, float) else f"{k} failed" for k, v in times.items()) + \
+        f"; fastest {min(ok, key=ok.get)}"
 
 
 def _deq(o):
@@ -249,22 +185,19 @@ def attention_rows(device, smoke, t_end) -> list[dict]:
                     continue  # sweep launch shapes on two decode sizes
                 try:
                     times[name] = time_ms(lambda: fn(cfg))
-                except Exception as e:  # a shape Triton rejects on this GPU
+                except Exception as e:  # noqa: BLE001 (a shape Triton rejects on this GPU)
                     times[name] = f"{type(e).__name__}: {str(e)[:80]}"
             base = err = None
             if R * ctx <= 64 * 131072:
                 try:
                     base = time_ms(lambda: cap(*args, **kw))
-                    err = _rel(_deq(A.sparse_attn_q(*args, **kw)), _deq(cap(*args, **kw)))
+                    err = rel_err(_deq(A.sparse_attn_q(*args, **kw)), _deq(cap(*args, **kw)))
                 except torch.OutOfMemoryError:
                     base = None
-            ok = {k: v for k, v in times.items() if isinstance(v, float)}
-            best = min(ok, key=ok.get)
-            out.append(_row("sparse_attn_q decode", f"R={R} ctx={ctx // 1024}K r={ratio} top-512",
-                            ok["default"], byt, fl, base, err,
-                            variants={k: (round(v, 4) if isinstance(v, float) else v) for k, v in times.items()},
-                            best=best))
-            del args
+            out.append(_row("triton.sparse_attn_q", f"decode R={R} ctx={ctx // 1024}K r={ratio}",
+                            times["default"], byt, fl, base, err,
+                            _variants_note(times) if len(times) > 1 else "", variants=times))
+            args = None
             torch.cuda.empty_cache()
     # prefill: 8K new tokens of one request over a 128K context (and 16K)
     for ratio, ctx, T in ((2, 131072, 8192), (1, 131072, 8192), (2, 16384, 8192)) if not smoke else ((2, 2048, 16),):
@@ -280,18 +213,16 @@ def attention_rows(device, smoke, t_end) -> list[dict]:
                 times[name] = time_ms(lambda: A.launch(
                     *args[:10], window=128, scale=kw["scale"], ratio=ratio, attend_all=False,
                     quant=("fp8_1x128", ROPE), config=cfg))
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 (a shape Triton rejects on this GPU)
                 times[name] = f"{type(e).__name__}: {str(e)[:80]}"
         base = err = None
         if ctx <= 16384:
-            base = time_ms(lambda: cap(*args, **kw), graph=False)
-            err = _rel(_deq(A.sparse_attn_q(*args, **kw)), _deq(cap(*args, **kw)))
-        ok = {k: v for k, v in times.items() if isinstance(v, float)}
-        out.append(_row("sparse_attn_q prefill", f"T={T} new over ctx={ctx // 1024}K r={ratio}",
-                        ok["prefill-default"], byt, fl, base, err,
-                        variants={k: (round(v, 4) if isinstance(v, float) else v) for k, v in times.items()},
-                        best=min(ok, key=ok.get)))
-        del args
+            base = time_once_ms(lambda: cap(*args, **kw))
+            err = rel_err(_deq(A.sparse_attn_q(*args, **kw)), _deq(cap(*args, **kw)))
+        out.append(_row("triton.sparse_attn_q", f"prefill T={T} new, ctx={ctx // 1024}K r={ratio}",
+                        times["prefill-default"], byt, fl, base, err, _variants_note(times),
+                        variants=times))
+        args = None
         torch.cuda.empty_cache()
     return out
 
@@ -317,21 +248,23 @@ def indexer_rows(device, smoke, t_end) -> list[dict]:
         base = err = None
         if R * ctx <= 128 * 32768:
             base = time_ms(lambda: cap(*args, **kw))
-            err = _rel(sc, cap(*args, **kw))
-        out.append(_row("index_scores decode", f"R={R} ctx={ctx // 1024}K r={ratio}", times["tf32x3"],
-                        byt, fl, base, err, precision_ms={k: round(v, 4) for k, v in times.items()},
-                        topk512_ms=round(tk_ms, 4)))
-        del args, sc
+            err = rel_err(sc, cap(*args, **kw))
+        out.append(_row("triton.index_scores", f"decode R={R} ctx={ctx // 1024}K r={ratio}",
+                        times["tf32x3"], byt, fl, base, err,
+                        "products (us): " + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in times.items())
+                        + f"; then top-512 (torch.topk) {1e3 * tk_ms:.1f}", precision_ms=times,
+                        topk512_ms=tk_ms))
+        args = sc = None
         torch.cuda.empty_cache()
     if not smoke and time.perf_counter() < t_end:
         args, kw = index_case(device, 1, 16384, 2, new=1024)
         byt, fl = _count_index(args, kw)
         ms = time_ms(lambda: index_scores(*args, **kw))
         ms_bf = time_ms(lambda: index_scores(*args, **kw, precision="bf16"))
-        base = time_ms(lambda: cap(*args, **kw), graph=False)
-        out.append(_row("index_scores prefill", "T=1024 new over ctx=16K r=2", ms, byt, fl, base,
-                        _rel(index_scores(*args, **kw), cap(*args, **kw)),
-                        precision_ms={"tf32x3": round(ms, 4), "bf16": round(ms_bf, 4)}))
+        base = time_once_ms(lambda: cap(*args, **kw))
+        out.append(_row("triton.index_scores", "prefill T=1024 new, ctx=16K r=2", ms, byt, fl, base,
+                        rel_err(index_scores(*args, **kw), cap(*args, **kw)),
+                        f"bf16 products {1e3 * ms_bf:.1f} us", precision_ms={"tf32x3": ms, "bf16": ms_bf}))
     return out
 
 
@@ -352,10 +285,10 @@ def compressor_rows(device, smoke, t_end) -> list[dict]:
         base = time_ms(lambda: cap(*args, **kw, inplace=True))
         a = compressor(*args, **kw)
         b = cap(*args, **kw)
-        err = max(_rel(x, y) for x, y in zip(a, b))
-        out.append(_row("compressor", f"T={R * new} r={ratio} (5120->512, ikey mxfp4, ckv nvfp4)",
-                        ms, byt, fl, base, err))
-        del args
+        err = max(rel_err(x, y) for x, y in zip(a, b))
+        out.append(_row("triton.compressor", f"T={R * new} r={ratio}", ms, byt, fl, base, err,
+                        "5120 -> 512 latent + 128 index dims, ikey mxfp4, ckv nvfp4; in place"))
+        args = None
         torch.cuda.empty_cache()
     return out
 
@@ -377,9 +310,9 @@ def ring_engram_rows(device, smoke) -> list[dict]:
                 torch.randn(R, 512, device=device, dtype=torch.bfloat16)]
     ms = time_ms(lambda: ring_update_batched(pos, req, slots, *ops, window=128, inplace=True))
     base = time_ms(lambda: cap_rings(pos, req, slots, *ops, window=128, inplace=True))
-    out.append(_row("ring_update_batched", f"{L} rings x R={R} decode rows", ms, L * R * 512 * 2 * 2,
-                    0, base, 0.0))
-    del ops
+    out.append(_row("triton.ring_copy_batched", f"{L} rings, R={R} decode rows", ms,
+                    L * R * 512 * 2 * 2, 0, base, 0.0, "in place"))
+    ops = None
     lay = engram_layout([1], None, max_ngram=4, n_heads=8, vocab_start=16_000_000,
                         compressed_vocab=99092)[1]
     kwh = dict(multipliers=lay.multipliers, primes=lay.primes, offsets=lay.offsets, pad_id=2, max_ngram=4)
@@ -389,16 +322,16 @@ def ring_engram_rows(device, smoke) -> list[dict]:
     base = time_ms(lambda: cap_hash(cids, hist, pos, req, slots, cached, **kwh))
     same = torch.equal(engram_hash(cids, hist, pos, req, slots, cached, **kwh),
                        cap_hash(cids, hist, pos, req, slots, cached, **kwh))
-    out.append(_row("engram_hash", f"R={R} tokens, 24 columns", ms, R * 24 * 8 + R * 8 * 5, 0, base,
-                    0.0 if same else 1.0))
+    out.append(_row("triton.engram_hash", f"R={R} tokens, 24 columns", ms, R * 24 * 8 + R * 8 * 5, 0,
+                    base, 0.0 if same else 1.0))
     H = torch.randn(R, 4, 5120, device=device, dtype=torch.bfloat16)
     kv = torch.randn(R, 5 * 5120, device=device, dtype=torch.bfloat16)
     qw, kw_ = torch.randn(4, 5120, device=device), torch.randn(4, 5120, device=device)
     ms = time_ms(lambda: engram_gate(H, kv, qw, kw_, eps=1e-20))
     base = time_ms(lambda: cap_gate(H, kv, qw, kw_, eps=1e-20))
-    out.append(_row("engram_gate", f"R={R} tokens, 4 streams x 5120", ms,
+    out.append(_row("triton.engram_gate", f"R={R} tokens, 4 streams x 5120", ms,
                     R * (2 * 4 * 5120 * 2 + 5 * 5120 * 2), R * 4 * 5120 * 8, base,
-                    _rel(engram_gate(H, kv, qw, kw_, eps=1e-20), cap_gate(H, kv, qw, kw_, eps=1e-20))))
+                    rel_err(engram_gate(H, kv, qw, kw_, eps=1e-20), cap_gate(H, kv, qw, kw_, eps=1e-20))))
     return out
 
 
@@ -414,73 +347,10 @@ def rows(device, smoke: bool = False) -> list[dict]:
                      ("ring/engram", lambda: ring_engram_rows(device, smoke))):
         try:
             out += fn()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (keep the other groups' rows)
             out.append({"kernel": name, "case": "FAILED", "error": f"{type(e).__name__}: {e}",
                         "trace": traceback.format_exc(limit=4)})
         torch.cuda.empty_cache()
         print(f"[attention rows] {name} done at {time.perf_counter() - t_end + BUDGET_S:.0f}s",
               file=sys.stderr, flush=True)
     return out
-
-
-def markdown(rs: list[dict], ceil: dict) -> str:
-    bw, tf = ceil.get("copy_tbps"), ceil.get("bf16_tflops")
-    lines = [f"Ceilings (measured): copy {bw} TB/s, bf16 GEMM {tf} TFLOP/s.", "",
-             "| kernel | case | time (us) | GB/s (% copy) | TFLOP/s (% bf16) | capturable (us) | speed-up | rel. err | notes |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rs:
-        if "error" in r:
-            lines.append(f"| {r['kernel']} | FAILED | | | | | | | {r['error'][:120]} |")
-            continue
-        pb = f"{r['gbps']:.0f} ({100 * r['gbps'] / 1e3 / bw:.0f}%)" if bw else f"{r['gbps']:.0f}"
-        pf = f"{r['tflops']:.1f} ({100 * r['tflops'] / tf:.0f}%)" if tf and r["flops"] else "-"
-        base = f"{1e3 * r['baseline_ms']:.1f}" if r.get("baseline_ms") else "-"
-        sp = f"{r['speedup']:.1f}x" if r.get("speedup") else "-"
-        err = f"{r['rel_err_vs_baseline']:.1e}" if r.get("rel_err_vs_baseline") is not None else "-"
-        notes = []
-        if "variants" in r:
-            notes.append("best " + r["best"] + ": " + ", ".join(
-                f"{k} {1e3 * v:.1f}" if isinstance(v, float) else f"{k} ({v})" for k, v in r["variants"].items()))
-        if "precision_ms" in r:
-            notes.append(", ".join(f"{k} {1e3 * v:.1f}" for k, v in r["precision_ms"].items()))
-        if "topk512_ms" in r:
-            notes.append(f"top-512 {1e3 * r['topk512_ms']:.1f} us")
-        lines.append(f"| {r['kernel']} | {r['case']} | {1e3 * r['ms']:.1f} | {pb} | {pf} | {base} | "
-                     f"{sp} | {err} | {'; '.join(notes)} |")
-    return "\n".join(lines) + "\n"
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=None, help="write OUT.md and OUT.json")
-    ap.add_argument("--smoke", action="store_true")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure")
-        return 0
-    dev = torch.device("cuda")
-    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": torch.cuda.get_device_name(dev),
-           "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-           "command": " ".join(sys.argv)}
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        pass
-    ceil = ceilings(dev)
-    print(json.dumps(ceil), flush=True)
-    rs = rows(dev, args.smoke)
-    md = "# CSA2 attention-path kernels (Triton) on " + env["device"] + "\n\n" + \
-        "\n".join(f"- {k}: {v}" for k, v in env.items()) + "\n\n" + markdown(rs, ceil)
-    print(md)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".md").write_text(md)
-        args.out.with_suffix(".json").write_text(json.dumps({"env": env, "ceilings": ceil, "rows": rs},
-                                                            indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -30,7 +30,7 @@ def _block_c(bt: int) -> int:
 
 
 def supports(qi: Tensor, ikey: Tensor) -> bool:
-    T, hi, di = qi.shape
+    _, hi, di = qi.shape
     pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
     return (available() and _on_device(qi) and pow2(hi) and pow2(di) and hi >= 16 and di >= 16
             and ikey.dtype in (torch.float32, torch.bfloat16, torch.float16))

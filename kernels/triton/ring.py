@@ -8,7 +8,6 @@ runtime's static state); otherwise they are copied first.
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from .attention import _on_device, available
@@ -21,7 +20,7 @@ def _copy_group(rings: list[Tensor], kvs: list[Tensor], positions: Tensor, token
     from .ring_jit import MAX_PAIRS, ring_copy
 
     T = positions.shape[0]
-    S, W, D = rings[0].shape
+    _, W, D = rings[0].shape
     for i in range(0, len(rings), MAX_PAIRS):
         rs, ks = rings[i:i + MAX_PAIRS], kvs[i:i + MAX_PAIRS]
         n = len(rs)
