@@ -33,5 +33,6 @@ def load_run_plan(path: Path) -> RunPlan:
                    prefill_buckets=tuple(buckets.get("prefill_tokens", ())),
                    kernels=kernels, compile_backend=plan.get("compile_backend"),
                    extra_graphs=extra, memory=plan.get("memory", {}),
+                   replay=plan.get("bounded_replay") or {},
                    tokenizer=arts.manifest.get("model", {}).get("tokenizer") or default_tokenizer(cfg),
                    source=Path(path))

@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--buckets", metavar="B,B,...", help="capture these step sizes instead of the plan's")
     g.add_argument("--kernels", choices=("plan", "capturable"), default=E.kernels,
                    help="'capturable': capturable kernels wherever the plan chose reference")
+    g.add_argument("--bounded-replay", action="store_true",
+                   help="approximate prefill: late layers on each prompt's last rows only "
+                        "(artifacts compiled with --bounded-replay)")
     g.add_argument("--allow-fallback", action="store_true",
                    help="run artifacts for another device, with reference kernels where needed")
     g.add_argument("--max-slots", type=int, default=E.max_slots, help="concurrent sequences")
@@ -74,7 +77,8 @@ def main(args: argparse.Namespace) -> int:
             max_slots=args.max_slots, capacity=args.capacity, max_step_tokens=args.max_step_tokens,
             compile=args.compile, compile_dynamic=args.compile_dynamic,
             cuda_graphs=not args.no_cuda_graphs, buckets=buckets,
-            kernels=args.kernels, allow_fallback=args.allow_fallback, progress=not args.quiet)
+            kernels=args.kernels, allow_fallback=args.allow_fallback, progress=not args.quiet,
+            bounded_replay=args.bounded_replay)
         if not args.quiet:
             for line in eng.report.lines():
                 print(f"[megagraph] {line}", file=sys.stderr)

@@ -40,6 +40,7 @@ class EngineConfig:
     buckets: tuple[int, ...] | None = None  # override the plan's buckets (CPU: none unless given)
     allow_fallback: bool = False  # run kernels this device lacks as reference kernels
     kernels: str = "plan"  # "capturable": capturable kernels where the plan says reference
+    bounded_replay: bool = False  # approximate prefill through the plan's prefix/suffix graphs
     seed: int = 0  # random weights (no checkpoint) and unseeded sampling
     random_weights: str = "seeded"  # without a checkpoint: "seeded" (tests' values) or "fast"
     memory_budget: int | None = None  # bytes the fit check may use (default: free memory)
@@ -86,6 +87,8 @@ class Engine:
             self.constants = self._constants()
             self.program = StepProgram(g, plan.segments, self.kernels, self.weights,
                                        self.constants, self.state)
+        self.replay = self._bounded_replay(host) if c.bounded_replay else None
+        self.last_rows = torch.zeros(0, dtype=torch.int64)  # set by step()
         self.runner = None
         if buckets:
             self._start_runner(buckets)
@@ -135,6 +138,23 @@ class Engine:
         else:  # tiny / random models: the deterministic stand-in the tests use
             m = tiny_token_map(self.cfg)
         return {"engram_token_map": m.to(self.device)}
+
+    def _bounded_replay(self, host: set[str]):
+        from .replay import BoundedReplay
+
+        names = self.plan.replay.get("graphs", {})
+        graphs = [self.plan.extra_graphs.get(names.get(k, "")) for k in ("prefix", "suffix")]
+        if None in graphs:
+            raise ArtifactsError(f"{self.plan.source or 'artifacts'}: no bounded-replay graphs; "
+                                 "compile with `megagraph compile ... --bounded-replay`")
+        kernels = []
+        for g in graphs:
+            ks = resolve_kernels(self.plan, [g], self.device, allow_fallback=self.config.allow_fallback,
+                                 override=self.config.kernels)
+            ks.run_on_host(g, host)
+            kernels.append(ks)
+        return BoundedReplay(*graphs, tuple(kernels), self.weights, self.constants, self.state,
+                             int(self.plan.replay["keep"]))
 
     def _start_runner(self, buckets: tuple[int, ...]) -> None:
         c, g = self.config, self.plan.graph
@@ -204,8 +224,9 @@ class Engine:
         return self._tokenizer
 
     def step(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
-        """Run one step over `chunks` (slot, new tokens); returns the logits of the real rows
-        (one per token, or one per request for a plan with logits=last), on the device."""
+        """Run one step over `chunks` (slot, new tokens); returns the logits of the real rows (one
+        per token, one per request for a plan with logits=last, or one per kept row on the
+        bounded-replay path), on the device. `self.last_rows` then holds each request's last row."""
         for ch in chunks:
             if not 0 <= ch.slot < self.slots.scratch_slot:
                 raise ValueError(f"slot {ch.slot} is not a request slot (0..{self.slots.scratch_slot - 1})")
@@ -213,6 +234,13 @@ class Engine:
                 raise ValueError(f"slot {ch.slot}: {self.cached.get(ch.slot, 0)} cached + "
                                  f"{len(ch.tokens)} new tokens exceed the capacity {self.config.capacity}")
         batch = make_batch(chunks, self.cached)
+        per_token = self.plan.graph.types[self.plan.graph.output_value("logits")].shape[0] == "T"
+        self.last_rows = batch.last_token_rows if per_token else torch.arange(batch.num_reqs)
+        if self.replay is not None and max(len(ch.tokens) for ch in chunks) > self.replay.keep:
+            out, rows = self.replay.run({k: v.to(self.device) for k, v in batch.meta.items()})
+            self.last_rows = torch.cumsum(batch.meta["seq_new"].clamp(max=self.replay.keep), 0) - 1
+            self._advance(chunks)
+            return out["logits"][: len(rows)].clone()
         if self.runner is not None and self.runner.can_run(batch):
             b = self.runner.padded_size(batch.num_tokens)
             padded = pad_batch(batch, b, b, scratch_slot=self.slots.scratch_slot,
@@ -220,12 +248,12 @@ class Engine:
             out = self.runner.replay(padded)
         else:
             out = self.program.run({k: v.to(self.device) for k, v in batch.meta.items()})
+        self._advance(chunks)
+        return out["logits"][: batch.num_tokens if per_token else batch.num_reqs].clone()
+
+    def _advance(self, chunks: Sequence[SeqChunk]) -> None:
         for ch in chunks:
             self.cached[ch.slot] = self.cached.get(ch.slot, 0) + len(ch.tokens)
-        logits = out["logits"]
-        rows = batch.num_tokens if self.plan.graph.types[self.plan.graph.output_value("logits")].shape[0] == "T" \
-            else batch.num_reqs
-        return logits[:rows].clone()
 
     def release(self, slot: int) -> None:
         """Forget a finished sequence and free its slot."""

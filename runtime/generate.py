@@ -126,7 +126,8 @@ class Generator:
                 fed.append(s)
                 budget -= len(toks)
             logits = eng.step(chunks)
-            rows, ready = self._rows(chunks, fed), []
+            rows = dict(zip((id(s) for s in fed), eng.last_rows.tolist()))
+            ready = []
             for s, ch in zip(fed, chunks):
                 s.fed += len(ch.tokens)
                 if s.fed >= len(s.prompt_ids):
@@ -140,16 +141,6 @@ class Generator:
                 if s.out.finish_reason is not None:
                     eng.release(s.slot)
                     running.remove(s)
-
-    def _rows(self, chunks: list[SeqChunk], fed: list[_Seq]) -> dict[int, int]:
-        """Row of each fed sequence's last token in the step's logits."""
-        g = self.engine.plan.graph
-        per_token = g.types[g.output_value("logits")].shape[0] == "T"
-        rows, end = {}, 0
-        for r, (s, ch) in enumerate(zip(fed, chunks)):
-            end += len(ch.tokens)
-            rows[id(s)] = end - 1 if per_token else r
-        return rows
 
     def _sequences(self, prompts, params, outputs: dict[int, Output]) -> list[_Seq]:
         eng = self.engine

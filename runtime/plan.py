@@ -43,6 +43,7 @@ class RunPlan:
     compile_backend: str | None = None  # torch.compile backend the plan asks for, if any
     extra_graphs: dict[str, Graph] = field(default_factory=dict)  # bounded replay, by name
     memory: dict = field(default_factory=dict)  # the plan's memory section
+    replay: dict = field(default_factory=dict)  # the plan's bounded_replay section (keep, graphs)
     tokenizer: str | None = None  # tokenizer the model uses (configs/tokenizers name or path)
     source: Path | None = None  # artifacts dir
 

@@ -26,20 +26,22 @@ class StepProgram:
 
     def __init__(self, g: Graph, segments: tuple[SegmentPlan, ...], kernels: KernelSet,
                  weights: Mapping[str, torch.Tensor], constants: Mapping[str, torch.Tensor],
-                 state: dict[str, torch.Tensor]):
+                 state: dict[str, torch.Tensor], runtime_inputs: tuple[str, ...] = METADATA):
         self.graph, self.segments = g, segments
         self.ios = segment_io(g, [s.nodes for s in segments])
         self.programs = [Program(f"{s.index}:{s.kind}", g, s.nodes, io, kernels.for_node, weights)
                          for s, io in zip(segments, self.ios)]
         self.constants = dict(constants)
         self.state = state
-        missing = [i for i in g.inputs if i not in METADATA and i not in state and i not in constants]
+        missing = [i for i in g.inputs if i not in runtime_inputs and i not in state
+                   and i not in constants]
         if missing:
             raise ValueError(f"graph {g.name}: no value for input(s) {missing}")
         self.result_labels = tuple(lab for lab, _ in g.outputs if lab not in state)
 
     def run(self, meta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run every segment on `meta`; commit state; return the non-state outputs."""
+        """Run every segment on `meta` (the step's runtime inputs); commit state; return the
+        non-state outputs."""
         env = {**meta, **self.constants, **self.state}
         for p in self.programs:
             env.update(p(env))

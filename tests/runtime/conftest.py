@@ -37,3 +37,14 @@ def make_engine(path, model: str, *, act: str = "f32", **config) -> Engine:
     config.setdefault("capacity", 128)
     config.setdefault("progress", False)
     return Engine(RunPlan.from_artifacts(path), dict(w), EngineConfig(**config))
+
+
+@pytest.fixture(scope="session")
+def compiled_replay(tmp_path_factory):
+    """The tiny V4.1 (f32) compiled for cpu with the bounded-replay graphs."""
+    from megagraph.passes import CompileOptions
+
+    cfg = load_model_config("v4.1-flash-tiny").replace(act_dtype="f32")
+    out = tmp_path_factory.mktemp("artifacts") / "tiny-replay"
+    write_artifacts(compile_model(cfg, load_hw_profile("cpu"), CompileOptions(bounded_replay=True)), out)
+    return out
