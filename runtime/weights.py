@@ -12,6 +12,7 @@ import json
 import math
 import mmap
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,7 +130,9 @@ def map_tensor(info: TensorInfo, spec: WeightSpec) -> torch.Tensor:
         header = int.from_bytes(f.read(8), "little")
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     start = 8 + header + info.data_offsets[0]
-    flat = torch.frombuffer(memoryview(mm)[start:start + info.nbytes], dtype=torch.uint8)
+    with warnings.catch_warnings():  # read-only by design: kernels only gather rows from it
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        flat = torch.frombuffer(memoryview(mm)[start:start + info.nbytes], dtype=torch.uint8)
     return flat.view(spec.torch_dtype).view(spec.shape)
 
 

@@ -56,6 +56,22 @@ def test_checkpoint_loads_in_storage_format(compiled, tmp_path):
     torch.testing.assert_close(eng.step(chunks), ref.step(chunks), rtol=0, atol=0)
 
 
+def test_host_resident_tables_are_memory_mapped(tmp_path):
+    from megagraph.models.checkpoint import open_checkpoint
+    from megagraph.runtime.weights import host_resident, map_tensor
+
+    cfg, g, _, _ = tiny(MODEL, act_dtype="f32")
+    host = host_resident(g)
+    assert host and all(".engram.embed." in h for h in host)  # read only by engram_lookup
+    ck = open_checkpoint(_checkpoint(tmp_path, MODEL))
+    specs = [s for s in graph_weight_specs([g]) if s.name in host]
+    loaded = ck.load(specs, progress=False, warn_unexpected=False)
+    for s in specs:
+        mapped = map_tensor(ck.info(s.name), s)
+        assert mapped.dtype == loaded[s.name].dtype and torch.equal(mapped.view(torch.uint8),
+                                                                    loaded[s.name].view(torch.uint8))
+
+
 def test_checkpoint_of_another_model_names_a_tensor(compiled, tmp_path):
     ckpt = _checkpoint(tmp_path, "v4-flash-tiny")
     with pytest.raises(CheckpointError, match=r"layers\.\d+\.|embed|head"):
