@@ -198,12 +198,31 @@ def ep_sites(g: Graph) -> list[EpSite]:
         if n.op != "ep_combine":
             continue
         experts = prod[n.inputs[0]]
-        disp = prod[n.inputs[1]]
+        disp = prod[n.inputs[2]]
         place = prod[disp.inputs[0]]
         ws = tuple(w for w in experts.inputs if w is not None and w in g.weights)
         sites.append(EpSite(layer_of(n.outputs[0]), place.inputs[1], ws,
                             out_label.get(place.outputs[0], "")))
     return sites
+
+
+def all_to_all_bytes(g: Graph) -> int:
+    """Bytes one rank receives per step through the EP collectives (= bytes it sends): the static
+    blocks of every dispatch output and combine input, whatever the step's token count. (An
+    implementation that moves only filled rows, DeepEP's, moves at most 1/ep of this.)"""
+    from megagraph.graph.types import DTYPES
+
+    total = 0
+    for n in g.nodes:
+        vals = [o for i, o in enumerate(n.outputs) if i != 2] if n.op == "ep_dispatch" else \
+            [n.inputs[0]] if n.op == "ep_combine" else []
+        for v in vals:
+            t = g.types[v]
+            elems = 1
+            for d in t.shape:
+                elems *= d
+            total += elems * DTYPES[t.dtype][0] // 8
+    return total
 
 
 def collective_signature(g: Graph) -> list[str]:
@@ -236,7 +255,8 @@ class ExpertParallel(Pass):
           ep_dispatch(%L0.ffn.ep_slots, %L0.ffn.xn) {ep_size=4, max_tokens=256, slots_per_rank=2}
       %L0.ffn.ep_y = moe_experts(%L0.ffn.ep_recv_x, %L0.ffn.ep_recv_ids, %L0.ffn.ep_recv_w,
           @experts.local.w1, ...)
-      %L0.ffn.routed = ep_combine(%L0.ffn.ep_y, %L0.ffn.ep_handle, %L0.ffn.weights) {...}
+      %L0.ffn.routed = ep_combine(%L0.ffn.ep_y, %L0.ffn.ep_recv_w, %L0.ffn.ep_handle,
+          %L0.ffn.weights) {...}
       return ..., L0.expert_slots=%L0.ffn.ep_slots
 
     Runs after mega-moe-fusion (it splits mega_moe: DeepGEMM's EP MegaMoE over symmetric memory
@@ -285,13 +305,15 @@ class ExpertParallel(Pass):
         n_sites = len(layers)
         note = (f"DEP x{lay.ep}: {n_sites} MoE sites -> ep_place -> ep_dispatch -> "
                 f"{lay.slots_per_rank} local expert slots -> ep_combine; {lay.rows_per_peer} rows per peer "
-                f"(max_tokens {lay.max_tokens} x min(k={lay.topk}, L)); dispatch: {dispatch}; "
+                f"(max_tokens {lay.max_tokens} x min(k={lay.topk}, L)), "
+                f"{all_to_all_bytes(g2) / 2**30:.3g} GiB all-to-all per rank per step; dispatch: {dispatch}; "
                 f"side graph {IDLE_GRAPH} for ranks without tokens")
         stats = {"dp": lay.dp, "ep": lay.ep, "sites": n_sites, "experts": lay.experts,
                  "redundant_experts": lay.redundant, "slots_per_rank": lay.slots_per_rank,
                  "max_tokens_per_rank": lay.max_tokens, "rows_per_peer": lay.rows_per_peer,
                  "routing": lay.routing, "dispatch": dispatch,
                  "collectives_per_step": sum(1 for _ in collective_signature(g2)),
+                 "all_to_all_bytes_per_step": all_to_all_bytes(g2),
                  "placement": {f"rank{r}": s for r, s in enumerate(placement)}}
         return PassResult(g2, note, stats, {IDLE_GRAPH: idle})
 
@@ -367,7 +389,7 @@ def _rewrite(g: Graph, sites: list[Node], lay: ParallelLayout):
         local_banks = [None if w is None else renamed_w[w] for w in banks]
         ey = rw.fresh(f"{pfx}.ep_y")
         experts = rw.node(expert_op, [*recv_p, *recv, *local_banks], [ey], **expert_attrs)
-        combine = rw.node("ep_combine", [ey, handle, wts], [routed_name], **epm)
+        combine = rw.node("ep_combine", [ey, recv[1], handle, wts], [routed_name], **epm)
         new += [disp, experts, combine]
         if n.op == "mega_moe":
             y = routed_name
@@ -394,7 +416,7 @@ def _idle_graph(g: Graph, idle_nodes) -> Graph:
     """Every site's dispatch -> local experts -> combine, standalone, for a rank with T = 0."""
     inputs, weights, nodes, outputs, types = [], [], [], [], {}
     for disp, experts, combine in idle_nodes:
-        for v in (*disp.inputs, combine.inputs[2]):
+        for v in (*disp.inputs, combine.inputs[3]):
             if v not in inputs:
                 inputs.append(v)
         for w in experts.inputs:

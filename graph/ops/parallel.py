@@ -10,14 +10,16 @@ becomes, on every rank of an EP group of P ranks holding L expert slots each,
     slots = ep_place(ids, expert_map)                  # logical expert -> physical slot (replicas)
     rids, rw, handle, rx = ep_dispatch(slots, x)       # all-to-all: each pair to its slot's rank
     ry = moe_experts(rx, rids, rw, <this rank's L slots>)
-    y = ep_combine(ry, handle, weights)                # all-to-all back, weighted sum over k
+    y = ep_combine(ry, rw, handle, weights)            # all-to-all back, weighted sum over k
 
-Buffers are static: every rank sends every peer a block of C = max_tokens * min(k, L) rows
-(a token's k experts are distinct, so at most min(k, L) of its pairs go to one rank), so shapes
-depend only on attributes, never on data or on the rank's own token count: a rank with no tokens
-sends and receives empty blocks through the same collective, and the collective can be captured
-in a CUDA graph. Received rows carry the local slot of their expert (`rids`, -1 -> 0 with
-`rw` = 0 for empty rows), so the local expert GEMM is the ordinary `moe_experts` with k = 1.
+Buffers are static: every rank has a block of C = max_tokens * min(k, L) rows per peer (a
+token's k experts are distinct, so at most min(k, L) of its pairs go to one rank), filled from
+the front, so shapes depend only on attributes, never on data or on the rank's own token count:
+a rank with no tokens sends and receives empty blocks through the same collective, and the
+collective can be captured in a CUDA graph. (How many bytes actually move is the kernel's
+business: whole blocks, or only the filled rows after exchanging counts; the values are equal.)
+Received rows carry the local slot of their expert (`rids`; 0 with `rw` = 0 for empty rows), so
+the local expert GEMM is the ordinary `moe_experts` with k = 1.
 The routing weights never travel: `ep_combine` applies them where the token lives.
 
 The expert map is a graph *input* (data, not attributes), so a new placement (EPLB) changes no
@@ -85,15 +87,17 @@ def ep_dispatch(slots, payload, *, ep_size, slots_per_rank, max_tokens):
     return tuple(outs)
 
 
-@op("ep_combine", ("y", "handle", "weights"), ("out",), attrs=dict(EP_ATTRS), cost="collective")
-def ep_combine(y, handle, weights, *, ep_size, slots_per_rank, max_tokens):
-    """Return each received row's expert output to the rank its token lives on (all_to_all_single
-    over the same static blocks), then out[t] = sum_j weights[t, j] * y_back[handle[t, j]] in fp32,
-    cast to y's dtype. Returns [T, d]."""
+@op("ep_combine", ("y", "recv_w", "handle", "weights"), ("out",), attrs=dict(EP_ATTRS),
+    cost="collective")
+def ep_combine(y, recv_w, handle, weights, *, ep_size, slots_per_rank, max_tokens):
+    """Return each received row's expert output to the rank its token lives on (the reverse
+    all-to-all over the same blocks; recv_w, ep_dispatch's, marks the filled rows), then
+    out[t] = sum_j weights[t, j] * y_back[handle[t, j]] in fp32, cast to y's dtype. Returns [T, d]."""
     _expect_layout(ep_size, slots_per_rank, max_tokens)
     _expect_slots(handle)
     rows = ep_size * rows_per_peer(max_tokens, handle.shape[1], slots_per_rank)
     expect(y.rank == 2 and y.shape[0] == rows, f"y must be [{rows}, d] (ep_dispatch's rows), got {y}")
+    expect(recv_w.shape == (rows, 1), f"recv_w must be f32[{rows}, 1] (ep_dispatch's), got {recv_w}")
     expect(weights.shape == handle.shape and weights.dtype in ("f32", "bf16", "f16"),
            f"weights must be float{list(handle.shape)}, got {weights}")
     return TensorType(y.dtype, (handle.shape[0], y.shape[1]))

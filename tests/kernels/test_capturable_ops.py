@@ -413,7 +413,7 @@ PLAIN_CASES = {
                                         dict(ep_size=1, slots_per_rank=8))),
     "ep_dispatch": ("ep_dispatch", lambda g: ((torch.randint(0, 6, (5, 2), generator=g), rnd(g, 5, 8)),
                                               dict(ep_size=1, slots_per_rank=6, max_tokens=7))),
-    "ep_combine": ("ep_combine", lambda g: ((rnd(g, 14, 8), torch.randint(0, 14, (5, 2), generator=g),
+    "ep_combine": ("ep_combine", lambda g: ((rnd(g, 14, 8), torch.ones(14, 1), torch.randint(0, 14, (5, 2), generator=g),
                                              rnd(g, 5, 2)), dict(ep_size=1, slots_per_rank=6, max_tokens=7))),
 }
 

@@ -10,6 +10,7 @@ process boundaries.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -83,6 +84,8 @@ def rank_engine(art: Path, ctx, model: str, **kw):
 
     _, _, w, consts = tiny(model, act_dtype="f32")
     plan = RunPlan.from_artifacts(art)
+    if plan.hw_arch != "cpu":  # GPU-profile artifacts: reference kernels, like the baseline (this
+        plan = replace(plan, kernels={})  # is about the EP rewrite, not GPU kernels' CPU fallbacks)
     cfg = EngineConfig(device="cpu", max_slots=6, capacity=128, progress=False,
                        allow_fallback=plan.hw_arch != "cpu")  # GPU-profile artifacts, CPU kernels
     return RankEngine(plan, w, cfg, ctx=ctx, constants=consts, **kw)

@@ -31,7 +31,7 @@ def ep_moe(x, ids, w, banks, placement, *, ep_size, max_tokens, rank=0):
     local = [b[torch.tensor(placement[rank])] for b in banks]
     ry = moe_experts(rx, rid, rw, local[0], None, local[1], None, local[2], None, fmt="dense",
                      swiglu_limit=0.0)
-    return ep_combine(ry, handle, w, ep_size=ep_size, slots_per_rank=L, max_tokens=max_tokens), slots
+    return ep_combine(ry, rw, handle, w, ep_size=ep_size, slots_per_rank=L, max_tokens=max_tokens), slots
 
 
 def routed(T_, seed):
@@ -50,14 +50,15 @@ def test_type_rules():
     rows = 4 * 16 * 3  # P * max_tokens * min(k=6, L=3)
     assert [str(t) for t in outs] == [f"i64[{rows}, 1]", f"f32[{rows}, 1]", "i64[T, 6]",
                                       f"fp8e4m3[{rows}, 64]", f"f32[{rows}, 2]"]
-    c = get_op("ep_combine").infer([T("bf16", rows, 64), T("i64", "T", 6), T("f32", "T", 6)],
+    c = get_op("ep_combine").infer([T("bf16", rows, 64), T("f32", rows, 1), T("i64", "T", 6),
+                                    T("f32", "T", 6)],
                                    {"ep_size": 4, "slots_per_rank": 3, "max_tokens": 16}, "test")
     assert str(c[0]) == "bf16[T, 64]"
     with pytest.raises(IRError, match="one row per token"):
         d.infer([T("i64", "T", 6), T("f32", "R", 64)], {"ep_size": 4, "slots_per_rank": 3,
                                                         "max_tokens": 16}, "test")
     with pytest.raises(IRError, match="ep_dispatch's rows"):
-        get_op("ep_combine").infer([T("f32", 100, 64), T("i64", "T", 6), T("f32", "T", 6)],
+        get_op("ep_combine").infer([T("f32", 100, 64), T("f32", 100, 1), T("i64", "T", 6), T("f32", "T", 6)],
                                    {"ep_size": 4, "slots_per_rank": 3, "max_tokens": 16}, "test")
     with pytest.raises(IRError, match="routing"):
         get_op("ep_place").infer([T("i64", "T", 6), T("i64", 8, 2)],
@@ -90,12 +91,13 @@ def test_place_replicas_and_balanced_routing():
     assert (bal[:, 0] != bal[:, 1]).all()  # k distinct experts per token
 
 
-def dispatch_rank(placement, tokens_per_rank, max_tokens):
+def dispatch_rank(placement, tokens_per_rank, max_tokens, transfer):
     """One rank of test_collectives: its EP result and the local reference for its tokens."""
-    from megagraph.kernels.reference.parallel import ep_group_and_rank
+    from megagraph.kernels.reference.parallel import ep_group_and_rank, set_transfer
     from megagraph.runtime.distributed.group import init_from_env
 
     ctx = init_from_env(device="cpu", timeout_s=60)
+    set_transfer(transfer)
     _, r = ep_group_and_rank(ctx.world)
     x, ids, w = routed(tokens_per_rank[r], 10 + r)
     banks = bank()
@@ -105,10 +107,12 @@ def dispatch_rank(placement, tokens_per_rank, max_tokens):
     return y, ref, slots
 
 
-def test_collectives_three_ranks_one_without_tokens():
+@pytest.mark.parametrize("transfer", ["static", "counts"])
+def test_collectives_three_ranks_one_without_tokens(transfer):
+    """Whole static blocks or only the filled rows after a count exchange: the same values."""
     # 6 experts + 3 redundant over 3 ranks (L = 3); expert 0 has 2 replicas, experts 1 and 3 too
     placement = [[0, 1, 2], [3, 4, 0], [5, 1, 3]]
-    res = launch(dispatch_rank, 3, placement, [5, 0, 8], 8, timeout_s=60)
+    res = launch(dispatch_rank, 3, placement, [5, 0, 8], 8, transfer, timeout_s=60)
     for r, (y, ref, slots) in enumerate(res):
         assert y.shape == ref.shape
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)

@@ -43,7 +43,7 @@ def test_dump_shows_the_collectives():
         ("%L3.ffn.ep_recv_ids, %L3.ffn.ep_recv_w, %L3.ffn.ep_handle, %L3.ffn.ep_recv_x = "
          "ep_dispatch(%L3.ffn.ep_slots, %L3.ffn.xn) {ep_size=2, max_tokens=16, slots_per_rank=4} : "
          "i64[64, 1], f32[64, 1], i64[T, 2], bf16[64, 64]"),
-        ("%L3.ffn.routed = ep_combine(%L3.ffn.ep_y, %L3.ffn.ep_handle, %L3.ffn.weights) "
+        ("%L3.ffn.routed = ep_combine(%L3.ffn.ep_y, %L3.ffn.ep_recv_w, %L3.ffn.ep_handle, %L3.ffn.weights) "
          "{ep_size=2, max_tokens=16, slots_per_rank=4} : bf16[T, 64]"),
     ]
     for w in want:
