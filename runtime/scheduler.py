@@ -1,0 +1,361 @@
+"""Continuous batching: request queue, decode-first steps with chunked prefill, preemption by
+recompute, and step N+1 assembled while step N runs.
+
+The scheduler thread owns every sequence. Each loop it takes new sequences and aborts from its
+inbox, releases finished/preempted slots (only when no step in flight writes them), assembles a
+step and hands it to the `StepWorker`, then processes the oldest in-flight step's samples. With
+`overlap` (default) it keeps two steps in flight: while the worker runs step N, the scheduler
+builds step N+1 (decode inputs are the not-yet-known samples of step N, resolved by the worker),
+commits step N-1's tokens into sampler and grammar states, fills step N+1's grammar bitmask and
+detokenizes/streams step N-1. A sequence that finishes at step N (EOS, stop string) was already
+scheduled in N+1; that extra row is discarded. The worker's idle gap between consecutive steps is
+the scheduling overhead that remains (`SchedulerStats`).
+
+Step policy: every running sequence that can decode gets its token first (inter-token latency),
+then prompt chunks (continuing prefills, then newly admitted requests, FIFO) fill the prefill
+budget (`max_prefill_tokens`, the plan's per-GPU graph token limit when it has one). Admission
+asks the `CacheManager`; when decode growth does not fit its token ledger, the newest running
+sequences are preempted: they leave their slot and are recomputed (prompt + outputs so far)
+when admitted again, with their sampler and grammar states kept.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .cache_manager import CacheManager
+from .sequence import FINISHED, RUNNING, WAITING, SeqEvent, Sequence
+from .step_worker import StepJob, StepResult, StepWorker
+
+
+class Overloaded(RuntimeError):
+    """The queue is full, or the scheduler is shutting down / dead (the server answers 503)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_prefill_tokens: int = 256  # prompt tokens per step (chunked prefill)
+    max_queue: int = 4096  # waiting sequences before submissions are refused
+    overlap: bool = True  # assemble step N+1 while step N runs
+
+
+@dataclass
+class SchedulerStats:
+    """Running totals (read by /metrics; written by the scheduler thread only)."""
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    exposed_s: float = 0.0  # worker idle between consecutive busy steps (+ waiting for `ready`)
+    busy_steps: int = 0  # steps that followed another without the queue running dry
+    cpu_s: float = 0.0  # scheduler thread work (assembly + processing), mostly hidden
+    errors: int = 0
+    recent_exposed: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    @property
+    def overhead_fraction(self) -> float:
+        return self.exposed_s / max(self.exposed_s + self.forward_s + self.sample_s, 1e-9)
+
+
+class Scheduler:
+    """Call `submit`/`abort` from any thread; everything else runs on the scheduler thread."""
+
+    def __init__(self, engine, cache: CacheManager, config: SchedulerConfig = SchedulerConfig(),
+                 grammar_factory=None, *, seed: int = 0,
+                 on_step: Callable[[StepJob, StepResult], None] | None = None):
+        self.engine, self.cache, self.config = engine, cache, config
+        self.grammar = grammar_factory
+        self.worker = StepWorker(engine, grammar_factory, seed=seed)
+        self.stats = SchedulerStats()
+        self.on_step = on_step
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._cv = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._aborts: list[tuple[int, str]] = []
+        self._by_id: dict[int, Sequence] = {}
+        self._stopping = False
+        self.dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="megagraph-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- any thread ------------------------------------------------------------------------------
+    def submit(self, seqs: list[Sequence]) -> None:
+        with self._cv:
+            if self.dead is not None:
+                raise Overloaded(f"the engine loop stopped: {self.dead}")
+            if self._stopping:
+                raise Overloaded("the server is shutting down")
+            if len(self.waiting) + len(self._inbox) + len(seqs) > self.config.max_queue:
+                raise Overloaded(f"too many queued requests ({self.config.max_queue}); retry later")
+            self._inbox.extend(seqs)
+            self._cv.notify()
+
+    def abort(self, seq_ids, reason: str = "abort") -> None:
+        with self._cv:
+            self._aborts.extend((i, reason) for i in seq_ids)
+            self._cv.notify()
+
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self._inbox)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish what is queued and running (abort it first to stop sooner), then stop."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+        self.worker.close()
+
+    # -- scheduler thread ------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - never leave a request hanging
+            self.dead = e
+            for s in list(self._by_id.values()) + self._inbox:
+                if not s.finished:
+                    s.finish_reason = "error"
+                    s.sink(SeqEvent(s.seq_id, [], "", finish_reason="error",
+                                    error=f"engine loop failed: {type(e).__name__}: {e}"))
+
+    def _loop(self) -> None:
+        inflight: deque[StepJob] = deque()
+        while True:
+            self._take_inbox()
+            if self._stopping and not (self.waiting or self.running or inflight):
+                return
+            self._release()
+            job = None
+            if not inflight or (self.config.overlap and len(inflight) < 2):
+                t0 = time.perf_counter()
+                job = self._assemble(continues=bool(inflight or self.running))
+                if job is not None:
+                    if not inflight:
+                        self._arm(job)
+                    self.worker.submit(job)
+                    inflight.append(job)
+                self.stats.cpu_s += time.perf_counter() - t0
+            if inflight and (job is None or len(inflight) >= 2 or not self.config.overlap):
+                done = inflight.popleft()
+                self._process(done, inflight[0] if inflight else None)
+            elif not inflight:
+                with self._cv:
+                    if not (self._inbox or self._aborts or self._stopping):
+                        self._cv.wait(timeout=0.5)
+
+    def _take_inbox(self) -> None:
+        with self._cv:
+            new, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for s in new:
+            self._by_id[s.seq_id] = s
+            self.waiting.append(s)
+        for sid, reason in aborts:
+            s = self._by_id.get(sid)
+            if s is None or s.finished:
+                continue
+            s.finish_reason = reason
+            s.sink(SeqEvent(s.seq_id, [], "", finish_reason=reason,
+                            num_prompt_tokens=len(s.prompt_ids),
+                            num_output_tokens=len(s.output_ids)))
+            if s.status == WAITING:
+                self.waiting.remove(s)
+                self._forget(s)
+
+    def _forget(self, s: Sequence) -> None:
+        s.status = FINISHED
+        self._by_id.pop(s.seq_id, None)
+
+    def _release(self) -> None:
+        """Free slots of finished / preempted sequences that no in-flight step writes."""
+        keep = []
+        for s in self.running:
+            if (s.finished or s.preempt) and s.inflight == 0:
+                self.cache.release(s.seq_id)
+                s.slot = -1
+                if s.finished:
+                    self._forget(s)
+                else:  # preempted: recompute prompt + outputs when admitted again
+                    s.status, s.scheduled, s.preempt = WAITING, 0, False
+                    self.waiting.appendleft(s)
+                continue
+            keep.append(s)
+        self.running = keep
+
+    # -- assembly --------------------------------------------------------------------------------
+    def _assemble(self, continues: bool) -> StepJob | None:
+        seqs: list[Sequence] = []
+        tokens: list[list[int | None]] = []
+        samples: list[int] = []
+
+        def add(s: Sequence, toks: list[int | None], samples_now: bool) -> None:
+            if samples_now:
+                samples.append(len(seqs))
+                s.pending += 1
+            seqs.append(s)
+            tokens.append(toks)
+            s.scheduled += len(toks)
+            s.inflight += 1
+
+        # decode first
+        decodes = []
+        for s in self.running:
+            if s.finished or s.preempt or not s.can_sample_more():
+                continue
+            unfed = s.num_known - s.scheduled
+            if (s.pending and unfed == 0) or (not s.pending and unfed == 1):
+                decodes.append(s)
+        for s in decodes:
+            if s.preempt:
+                continue
+            while not self.cache.grow(s.seq_id, 1):
+                victim = next(v for v in reversed(self.running) if not (v.preempt or v.finished))
+                self._preempt(victim)
+                if victim is s:
+                    break
+            if not s.preempt:
+                add(s, [None] if s.pending else [s.token_at(s.scheduled)], True)
+        # then prompt chunks: continuing prefills, then admissions
+        budget = max(self.config.max_prefill_tokens - len(seqs), 0)
+        for s in self.running:
+            if budget <= 0:
+                break
+            if s.finished or s.preempt or s.pending or s.num_known - s.scheduled <= 1 \
+                    or s in seqs:
+                continue
+            budget -= self._add_chunk(s, budget, add)
+        while budget > 0 and self.waiting:
+            s = self.waiting[0]
+            headroom = sum(1 for r in self.running if not (r.finished or r.preempt))
+            if not self.cache.can_admit(s.num_known, headroom):
+                break
+            self.waiting.popleft()
+            s.slot = self.cache.admit(s.seq_id, s.num_known)
+            s.status, s.scheduled = RUNNING, 0
+            self.running.append(s)
+            budget -= self._add_chunk(s, budget, add)
+        if not seqs:
+            return None
+        return StepJob(seqs, tokens, samples, continues, num_decode=len(decodes))
+
+    def _add_chunk(self, s: Sequence, budget: int, add) -> int:
+        n = min(s.num_known - s.scheduled, budget)
+        toks = [s.token_at(i) for i in range(s.scheduled, s.scheduled + n)]
+        add(s, toks, s.scheduled + n == s.num_known)
+        return n
+
+    def _preempt(self, s: Sequence) -> None:
+        s.preempt = True
+        self.cache.unreserve(s.seq_id)
+        self.cache.preemptions += 1
+
+    def _arm(self, job: StepJob) -> None:
+        """Fill the job's grammar bitmask (sequence states are current) and let it sample."""
+        rows = [r for r, i in enumerate(job.samples)
+                if job.seqs[i].grammar is not None and not job.seqs[i].finished]
+        if rows and self.grammar is not None:
+            job.bitmask = self.grammar.allocate_bitmask(len(job.samples))
+            job.mask_rows = [r for r in rows
+                             if job.seqs[job.samples[r]].grammar.fill_mask(job.bitmask, r)]
+        job.ready.set()
+
+    # -- results ---------------------------------------------------------------------------------
+    def _process(self, job: StepJob, next_job: StepJob | None) -> None:
+        try:
+            res = job.future.result()
+        except BaseException as e:  # noqa: BLE001 - an engine error fails this step's requests
+            if next_job is not None:
+                next_job.ready.set()
+            self._fail(job, e)
+            return
+        t0 = time.perf_counter()
+        for s in job.seqs:
+            s.inflight -= 1
+        committed = []
+        for idx, tok, lp in zip(job.samples, res.tokens, res.logprobs):
+            s = job.seqs[idx]
+            s.pending -= 1
+            if not s.finished:
+                self._commit(s, tok)
+                committed.append((s, tok, lp))
+        if next_job is not None:
+            self._arm(next_job)
+        for s, tok, lp in committed:
+            self._emit(s, tok, lp)
+        self._account(job, res)
+        self.stats.cpu_s += time.perf_counter() - t0
+
+    def _commit(self, s: Sequence, tok: int) -> None:
+        """The cheap part: sampler/grammar state and count/token-based finishes."""
+        p = s.params
+        s.output_ids.append(tok)
+        if s.grammar is not None and not s.grammar.accept(tok):
+            s.finish_reason = "stop"  # masked sampling makes this unreachable; stop cleanly
+        elif tok in p.stop_token_ids or (tok == s.eos_id and not p.ignore_eos):
+            s.finish_reason = "stop"
+        elif s.grammar is not None and s.grammar.is_terminated():
+            s.finish_reason = "stop"
+        elif len(s.output_ids) >= p.max_tokens:
+            s.finish_reason = "length"
+
+    def _emit(self, s: Sequence, tok: int, lp) -> None:
+        """Detokenize, cut stop strings (holding back a possible prefix), send the event."""
+        now = time.monotonic()
+        s.first_token_at = s.first_token_at or now
+        s.last_token_at = now
+        stops = s.params.stop
+        if s.detok is not None:
+            s.text += s.detok.push(tok)
+            if s.finished:
+                s.text += s.detok.flush()
+            if stops:
+                start = max(0, s.emitted - max(len(x) for x in stops))
+                hits = [i for i in (s.text.find(x, start) for x in stops) if i >= 0]
+                if hits:
+                    s.text, s.finish_reason = s.text[:min(hits)], "stop"
+            if s.finished:
+                s.detok = None
+        hold = 0 if s.finished or not stops else max(len(x) for x in stops) - 1
+        upto = max(s.emitted, len(s.text) - hold)
+        delta, s.emitted = s.text[s.emitted:upto], upto
+        s.sink(SeqEvent(s.seq_id, [tok], delta, [lp] if lp is not None else None,
+                        s.finish_reason, num_prompt_tokens=len(s.prompt_ids),
+                        num_output_tokens=len(s.output_ids)))
+
+    def _fail(self, job: StepJob, e: BaseException) -> None:
+        self.stats.errors += 1
+        msg = f"engine error: {type(e).__name__}: {e}"
+        for s in job.seqs:
+            s.inflight -= 1
+        for i in job.samples:
+            job.seqs[i].pending -= 1
+        for s in job.seqs:
+            if s.finished:
+                continue
+            s.finish_reason = "error"
+            s.sink(SeqEvent(s.seq_id, [], "", finish_reason="error", error=msg,
+                            num_prompt_tokens=len(s.prompt_ids),
+                            num_output_tokens=len(s.output_ids)))
+
+    def _account(self, job: StepJob, res: StepResult) -> None:
+        st = self.stats
+        st.steps += 1
+        n_dec = job.num_decode
+        st.decode_tokens += n_dec
+        st.prefill_tokens += res.num_tokens - n_dec
+        st.forward_s += res.forward_s
+        st.sample_s += res.sample_s
+        if job.continues:
+            exposed = res.idle_before_s + res.wait_ready_s
+            st.exposed_s += exposed
+            st.busy_steps += 1
+            st.recent_exposed.append(exposed)
+        if self.on_step is not None:
+            self.on_step(job, res)

@@ -1,0 +1,145 @@
+"""The device side of a step: forward, logit processing (bias, grammar masks), sampling, logprobs.
+
+`StepWorker` runs `StepJob`s one at a time on its own thread (on a GPU this is the stream the
+kernels are launched on; on CPU it is where the forward's compute happens), so the scheduler
+thread can assemble step N+1 and post-process step N-1 while step N runs. A job may name a
+decode input as "the token this sequence sampled in the previous step" (`None` in its chunk):
+the worker resolves it from its own last results, as SGLang's future token map does on device.
+
+Before sampling, a job waits for `ready`: the scheduler sets it once it has committed the
+previous step's tokens into the sampler states (penalties) and filled this step's grammar
+bitmask, which it does while this job's forward runs.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .batch import SeqChunk
+from .sampling import sample
+from .sequence import Sequence, TokenLogprob
+
+
+@dataclass
+class StepJob:
+    """One step: chunks (slot, tokens; a None token = the previous step's sample of `seqs[i]`)."""
+
+    seqs: list[Sequence]  # one per chunk
+    tokens: list[list[int | None]]  # per chunk
+    samples: list[int]  # indices into seqs of the sequences that sample
+    continues: bool  # assembled in a busy period (worker idle before it is our overhead)
+    num_decode: int = 0  # leading chunks that are single decode tokens
+    ready: threading.Event = field(default_factory=threading.Event)
+    bitmask: Any = None  # int32 [len(samples), V/32] (grammar rows), or None
+    mask_rows: list[int] = field(default_factory=list)  # rows of `bitmask` to apply
+    future: Future = field(default_factory=Future)
+    submitted_at: float = 0.0
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]  # per sampling sequence
+    logprobs: list[TokenLogprob | None]
+    num_tokens: int  # tokens fed in the step
+    started_at: float
+    forward_s: float  # forward only
+    sample_s: float  # waiting for `ready` excluded
+    wait_ready_s: float
+    idle_before_s: float  # worker idle between the previous job's end and this one's start
+
+
+class StepWorker:
+    """Runs jobs on a thread; `submit(job)` returns at once, `job.future` gives a StepResult."""
+
+    def __init__(self, engine, grammar_factory=None, *, seed: int = 0):
+        self.engine = engine
+        self.grammar = grammar_factory
+        self.rng = torch.Generator(engine.device).manual_seed(seed)
+        self._q: queue.Queue[StepJob | None] = queue.Queue()
+        self._last: dict[int, int] = {}  # seq id -> token sampled in the previous job
+        self._end = None  # when the previous job ended
+        self._thread = threading.Thread(target=self._run, name="megagraph-step", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: StepJob) -> None:
+        job.submitted_at = time.perf_counter()
+        self._q.put(job)
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            t0 = time.perf_counter()
+            idle = t0 - self._end if (self._end is not None and job.continues) else 0.0
+            try:
+                job.future.set_result(self._step(job, t0, idle))
+            except BaseException as e:  # noqa: BLE001 - every failure goes back to the scheduler
+                self._last = {}
+                job.future.set_exception(e)
+            self._end = time.perf_counter()
+
+    def _step(self, job: StepJob, t0: float, idle: float) -> StepResult:
+        chunks = []
+        for s, toks in zip(job.seqs, job.tokens):
+            if None in toks and s.seq_id not in self._last:
+                raise RuntimeError("the previous step failed, so this step has no input token")
+            ids = [self._last[s.seq_id] if t is None else t for t in toks]
+            chunks.append(SeqChunk(s.slot, tuple(ids)))
+        logits = self.engine.step(chunks)
+        rows = self._sample_rows(chunks, job.samples)
+        picked = logits[rows].float() if rows else logits[:0].float()
+        t1 = time.perf_counter()
+        job.ready.wait()
+        t2 = time.perf_counter()
+        seqs = [job.seqs[i] for i in job.samples]
+        tokens, lps = self._sample(picked, seqs, job)
+        self._last = {s.seq_id: t for s, t in zip(seqs, tokens)}
+        return StepResult(tokens, lps, sum(len(c.tokens) for c in chunks), t0, t1 - t0,
+                          time.perf_counter() - t2, t2 - t1, idle)
+
+    def _sample_rows(self, chunks: list[SeqChunk], samples: list[int]) -> list[int]:
+        g = self.engine.plan.graph
+        per_token = g.types[g.output_value("logits")].shape[0] == "T"
+        ends, end = [], 0
+        for c in chunks:
+            end += len(c.tokens)
+            ends.append(end - 1)
+        return [ends[i] if per_token else i for i in samples]
+
+    def _sample(self, x: torch.Tensor, seqs: list[Sequence], job: StepJob):
+        if not seqs:
+            return [], []
+        raw = x
+        biased = [i for i, s in enumerate(seqs) if s.logit_bias]
+        if biased or job.mask_rows:
+            x = x.clone()
+        for i in biased:
+            ids = torch.tensor(list(seqs[i].logit_bias), dtype=torch.long)
+            x[i, ids] += torch.tensor(list(seqs[i].logit_bias.values()), dtype=x.dtype)
+        if job.mask_rows:
+            self.grammar.apply_bitmask(x, job.bitmask, indices=job.mask_rows)
+        tokens = sample(x, [s.sampler for s in seqs], self.rng)
+        lps: list[TokenLogprob | None] = [None] * len(seqs)
+        want = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+        if want:
+            logp = torch.log_softmax(raw[want], dim=-1)
+            k = max(seqs[i].logprobs for i in want)
+            top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
+            for r, i in enumerate(want):
+                t = tokens[i]
+                n = seqs[i].logprobs
+                top = tuple(zip(top_i[r, :n].tolist(), top_v[r, :n].tolist())) if n else ()
+                lps[i] = TokenLogprob(t, float(logp[r, t]), top)
+        return tokens, lps
