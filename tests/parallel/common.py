@@ -75,7 +75,7 @@ def baseline(model: str, schedule, hw: str = "cpu") -> list[dict[int, torch.Tens
     return out
 
 
-def rank_engine(art: Path, ctx, model: str, **kw):
+def rank_engine(art: Path, ctx, model: str, device: str = "cpu", **kw):
     from megagraph.runtime.distributed.runner import RankEngine
     from megagraph.runtime.engine import EngineConfig
     from megagraph.runtime.plan import RunPlan
@@ -86,8 +86,9 @@ def rank_engine(art: Path, ctx, model: str, **kw):
     plan = RunPlan.from_artifacts(art)
     if plan.hw_arch != "cpu":  # GPU-profile artifacts: reference kernels, like the baseline (this
         plan = replace(plan, kernels={})  # is about the EP rewrite, not GPU kernels' CPU fallbacks)
-    cfg = EngineConfig(device="cpu", max_slots=6, capacity=128, progress=False,
-                       allow_fallback=plan.hw_arch != "cpu")  # GPU-profile artifacts, CPU kernels
+    cfg = EngineConfig(device=device if device == "cpu" else str(ctx.device), max_slots=6,
+                       capacity=128, progress=False,
+                       allow_fallback=plan.hw_arch != "cpu" or device != "cpu")  # reference kernels
     return RankEngine(plan, w, cfg, ctx=ctx, constants=consts, **kw)
 
 
@@ -105,7 +106,7 @@ def run_schedule(eng, schedule, assign, rank: int, *, on_step=None) -> list[dict
         logits = eng.step([SeqChunk(slot[r], tokens_for(r, i, n)) for r, n in mine])
         rows, start = {}, 0
         for r, n in mine:
-            rows[r] = logits[start:start + n].clone()
+            rows[r] = logits[start:start + n].cpu()
             start += n
         out.append(rows)
     eng.finish()
@@ -132,15 +133,15 @@ def save_baseline(model: str, path: Path, hw: str = "cpu") -> str:
     return str(path)
 
 
-def equivalence_rank(jobs: list[tuple[str, str, str]], world: int) -> dict:
+def equivalence_rank(jobs: list[tuple[str, str, str]], world: int, device: str = "cpu") -> dict:
     """For each (model, artifacts dir, baseline file): run SCHEDULE on this rank, compare with the
     1-rank baseline; returns {model: differences + this rank's step stats}."""
     from megagraph.runtime.distributed.group import init_from_env
 
-    ctx = init_from_env(device="cpu", timeout_s=90)
+    ctx = init_from_env(device=device, timeout_s=90)
     out = {}
     for model, art, base in jobs:
-        eng = rank_engine(Path(art), ctx, model)
+        eng = rank_engine(Path(art), ctx, model, device)
         got = run_schedule(eng, SCHEDULE, ASSIGN[world], ctx.rank)
         want = torch.load(base)
         out[model] = {**compare(got, want), "ran": eng.stats.ran, "idle": eng.stats.idle,

@@ -147,3 +147,10 @@ def test_cli_artifacts_record_the_layout(tmp_path):
     assert all("ep_" not in " ".join(s.get("breaks", [])) for s in plan["segments"])
     assert main(["compile", "--model", "v4.1-flash-tiny", "--hw", "cpu", "--out", str(tmp_path / "b"),
                  "--dp", "4", "--ep", "3"]) == 2
+
+
+def test_balanced_routing_is_an_attribute():
+    c = compiled(dp=2, ep=2, balanced_routing=True)
+    places = [n for n in c.graph.nodes if n.op == "ep_place"]
+    assert len(places) == 9 and all(n.attr("routing") == "balanced" for n in places)
+    assert c.graph.meta_value("ep_routing") == "balanced"
