@@ -1,4 +1,5 @@
-"""runtime: run compiled artifacts (`megagraph runtime generate ARTIFACTS --prompt ...`)."""
+"""runtime: run compiled artifacts (`megagraph runtime generate ARTIFACTS --prompt ...`,
+`megagraph runtime serve ARTIFACTS`: runtime/server/cli.py)."""
 
 from __future__ import annotations
 
@@ -53,9 +54,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-step-tokens", type=int, default=E.max_step_tokens)
     g.add_argument("--json", action="store_true", help="print the outputs as JSON at the end")
     g.add_argument("--quiet", action="store_true", help="no start-up report on stderr")
+    from .server.cli import add_serve_arguments
+
+    add_serve_arguments(sub)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.runtime_verb == "serve":
+        from .server.cli import serve_main
+
+        return serve_main(args)
     from megagraph.models.checkpoint import CheckpointError
     from megagraph.models.config import ConfigError
 

@@ -81,6 +81,7 @@ class Scheduler:
         self._aborts: list[tuple[int, str]] = []
         self._by_id: dict[int, Sequence] = {}
         self._stopping = False
+        self._abort_everything: str | None = None
         self.dead: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="megagraph-scheduler", daemon=True)
         self._thread.start()
@@ -100,6 +101,12 @@ class Scheduler:
     def abort(self, seq_ids, reason: str = "abort") -> None:
         with self._cv:
             self._aborts.extend((i, reason) for i in seq_ids)
+            self._cv.notify()
+
+    def abort_all(self, reason: str = "abort") -> None:
+        """Abort every queued and running sequence (shutdown)."""
+        with self._cv:
+            self._abort_everything = reason
             self._cv.notify()
 
     def num_waiting(self) -> int:
@@ -154,9 +161,12 @@ class Scheduler:
         with self._cv:
             new, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+            everything, self._abort_everything = self._abort_everything, None
         for s in new:
             self._by_id[s.seq_id] = s
             self.waiting.append(s)
+        if everything:
+            aborts += [(sid, everything) for sid in self._by_id]
         for sid, reason in aborts:
             s = self._by_id.get(sid)
             if s is None or s.finished:

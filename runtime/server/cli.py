@@ -1,0 +1,114 @@
+"""`megagraph runtime serve ARTIFACTS`: flags (defaults from ServeConfig) and the uvicorn run.
+
+uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish for up to
+`--drain-timeout` seconds, then the app's lifespan aborts what is left and stops the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import ServeConfig
+
+C = ServeConfig
+
+
+def add_serve_arguments(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over compiled artifacts")
+    s.add_argument("artifacts", metavar="ARTIFACTS", help="artifact dir written by `megagraph compile`")
+    s.add_argument("--weights", metavar="DIR", help="checkpoint dir; default: random weights")
+    s.add_argument("--host", default=C.host, help=f"bind address (default {C.host}: this "
+                   "machine only; 0.0.0.0 to listen on every interface)")
+    s.add_argument("--port", type=int, default=C.port)
+    s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+    s.add_argument("--served-model-name", default=None, help="name clients pass as `model` "
+                   "(default: the model config's name)")
+    s.add_argument("--device", default=C.device, help="cpu, cuda or cuda:N")
+    s.add_argument("--capacity", type=int, default=C.capacity,
+                   help=f"context limit per request, prompt + output (default {C.capacity})")
+    s.add_argument("--max-running", type=int, default=C.max_running,
+                   help="concurrent sequences (state slots), before the memory limit")
+    s.add_argument("--mem-fraction", type=float, default=C.mem_fraction,
+                   help="fraction of free device memory after weights for the state pools")
+    s.add_argument("--state-bytes", type=int, default=None,
+                   help="state-pool budget in bytes (instead of --mem-fraction)")
+    s.add_argument("--max-total-tokens", type=int, default=None,
+                   help="token ledger for admission/preemption (default: every slot full)")
+    s.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="prompt tokens per step (default and cap: the plan's per-GPU limit)")
+    s.add_argument("--max-queue", type=int, default=C.max_queue,
+                   help="queued sequences before new requests get 503")
+    s.add_argument("--no-overlap", action="store_true",
+                   help="do not prepare step N+1 while step N runs (for measuring)")
+    s.add_argument("--no-thinking-default", action="store_true",
+                   help="chat requests that do not say get thinking off (default: on)")
+    s.add_argument("--no-grammar", action="store_true", help="disable structured output")
+    s.add_argument("--seed", type=int, default=C.seed)
+    s.add_argument("--drain-timeout", type=float, default=C.drain_timeout,
+                   help="seconds in-flight requests get on shutdown")
+    s.add_argument("--nproc", type=int, default=1, help="ranks (data-parallel attention + EP)")
+    s.add_argument("--log-level", default=C.log_level)
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    return ServeConfig(
+        artifacts=args.artifacts, weights=args.weights, host=args.host, port=args.port,
+        api_key=args.api_key, served_model_name=args.served_model_name, device=args.device,
+        capacity=args.capacity, max_running=args.max_running, mem_fraction=args.mem_fraction,
+        state_bytes=args.state_bytes, max_total_tokens=args.max_total_tokens,
+        max_prefill_tokens=args.max_prefill_tokens, max_queue=args.max_queue,
+        overlap=not args.no_overlap, default_thinking=not args.no_thinking_default,
+        grammar=not args.no_grammar, seed=args.seed, drain_timeout=args.drain_timeout,
+        log_level=args.log_level)
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    from megagraph.models.checkpoint import CheckpointError
+    from megagraph.models.config import ConfigError
+
+    from ..cache_manager import CacheSizingError
+    from ..plan import ArtifactsError
+    from ..weights import FitError
+
+    if args.nproc > 1:
+        print("megagraph runtime serve: error: --nproc > 1 is not served yet: the DEP rank "
+              "engine (runtime/distributed) runs `python -m megagraph.runtime.distributed "
+              "generate ARTIFACTS --nproc N`, but the server's scheduler does not drive ranks "
+              "yet; serve one process per GPU (--nproc 1) for now", file=sys.stderr)
+        return 2
+    try:
+        import uvicorn
+
+        from .app import create_app
+        from .service import ServingEngine
+    except ImportError as e:
+        print(f"megagraph runtime serve: error: {e.name} is not installed "
+              "(pip install 'megagraph[serve]')", file=sys.stderr)
+        return 2
+    cfg = config_from_args(args)
+    try:
+        service = ServingEngine.start(cfg)
+    except (ValueError, FitError, CheckpointError, ConfigError, FileNotFoundError,
+            ArtifactsError, CacheSizingError) as e:
+        print(f"megagraph runtime serve: error: {e}", file=sys.stderr)
+        return 2
+    for line in startup_lines(service):
+        print(f"[megagraph] {line}", file=sys.stderr)
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(service), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+        timeout_graceful_shutdown=max(int(cfg.drain_timeout), 1)))
+    server.run()
+    return 0
+
+
+def startup_lines(service) -> list[str]:
+    s = service
+    return [*s.engine.report.lines(),
+            f"state cache: {s.sizing.describe()}; token ledger {s.cache.max_total_tokens}",
+            f"scheduler: prefill cap {s.scheduler.config.max_prefill_tokens} tokens/step, "
+            f"overlap {'on' if s.scheduler.config.overlap else 'off'}",
+            f"tokenizer: {s.tokenizer_note}",
+            f"grammar: {'xgrammar' if s.grammar else 'off (structured output answers 400)'}",
+            f"serving '{s.model_name}' on http://{s.config.host}:{s.config.port}/v1"
+            + (" (API key required)" if s.config.api_key else "")]

@@ -1,0 +1,172 @@
+"""POST /v1/completions: raw prompts (text, token ids, or a list of either), `n` choices each.
+
+Choice `k` of prompt `p` has index `p * n + k` (OpenAI's order). Text prompts get BOS + the
+tokenizer's ids; token-id prompts are used as given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..scheduler import Overloaded
+from .errors import APIError, bad_request
+from .protocol import (_num, completion_logprobs, context_error, parse_logit_bias, parse_n,
+                       parse_seed, parse_stop, sampling_params)
+from .service import ChoiceSpec
+from .streaming import SSE_DONE, RequestRun, new_id, sse
+
+
+def _prompts(service, body) -> list[list[int]]:
+    p = body.get("prompt")
+    vocab = service.engine.cfg.vocab_size
+    if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p)):
+        p = [p]
+    if not isinstance(p, list) or not p or len(p) > 64:
+        raise bad_request("prompt", "must be a string, a list of token ids, or a list of up to "
+                          "64 of either")
+    out = []
+    for x in p:
+        if isinstance(x, str):
+            if service.tokenizer is None:
+                raise bad_request("prompt", "this model has no tokenizer: pass token ids")
+            out.append([service.tokenizer.special.bos, *service.tokenizer.encode(x)])
+        elif isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool)
+                                               and 0 <= t < vocab for t in x):
+            out.append(list(x))
+        else:
+            raise bad_request("prompt", f"token-id prompts must be non-empty lists of ids in "
+                              f"0..{vocab - 1}")
+    return out
+
+
+def _check_unsupported(body) -> None:
+    if body.get("echo"):
+        raise bad_request("echo", "echo is not supported")
+    if body.get("suffix"):
+        raise bad_request("suffix", "suffix is not supported")
+    bo = body.get("best_of")
+    if bo is not None and bo != body.get("n", 1):
+        raise bad_request("best_of", "best_of is not supported (leave it unset or equal to n)")
+
+
+async def completions(service, request, body: dict[str, Any]):
+    _check_unsupported(body)
+    cap, vocab = service.capacity, service.engine.cfg.vocab_size
+    n = parse_n(body, service.config.max_n)
+    prompts = await asyncio.to_thread(_prompts, service, body)
+    max_tokens = _num(body, "max_tokens", 1, cap, None, integer=True)
+    temperature = _num(body, "temperature", 0, 2, 1.0)
+    top_p = _num(body, "top_p", 0, 1, 1.0, lo_open=True)
+    lp = _num(body, "logprobs", 0, 20, None, integer=True)
+    stream_flag = body.get("stream", False)
+    if not isinstance(stream_flag, bool):
+        raise bad_request("stream", "must be a boolean")
+    so = body.get("stream_options") or {}
+    include_usage = isinstance(so, dict) and bool(so.get("include_usage"))
+    specs = []
+    for p in prompts:
+        want = 16 if max_tokens is None else max_tokens
+        if len(p) + want > cap:
+            if max_tokens is not None or len(p) >= cap:
+                raise context_error("prompt", cap, len(p), want)
+            want = cap - len(p)
+        params = sampling_params(body, max_tokens=want, temperature=temperature, top_p=top_p,
+                                 seed=parse_seed(body), stop=parse_stop(body), vocab=vocab)
+        specs.append(params)
+    bias = parse_logit_bias(body, vocab)
+    runs = []
+    try:
+        for p, params in zip(prompts, specs):
+            stream = service.submit(p, [ChoiceSpec(params, k, None, lp, bias) for k in range(n)])
+            runs.append(RequestRun(service, stream, request, "completions"))
+    except Overloaded as e:
+        for r in runs:
+            r.stream.abort()
+        raise APIError(503, str(e), code="overloaded", headers={"Retry-After": "1"}) from None
+    meta = {"id": new_id("cmpl"), "created": int(time.time()), "model": service.model_name}
+    if stream_flag:
+        return StreamingResponse(_stream(runs, n, lp, meta, include_usage),
+                                 media_type="text/event-stream")
+    return JSONResponse(await _collect(runs, n, lp, meta))
+
+
+def _usage(runs) -> dict[str, int]:
+    u = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    for r in runs:
+        for k, v in r.usage().items():
+            u[k] += v
+    return u
+
+
+async def _collect(runs, n: int, lp, meta: dict) -> dict[str, Any]:
+    async def one(pi: int, run: RequestRun):
+        texts, lps, fin = [""] * n, [[] for _ in range(n)], [None] * n
+        async for i, ev in run.events():
+            texts[i] += ev.text
+            lps[i] += ev.logprobs or []
+            fin[i] = ev.finish_reason or fin[i]
+        run.raise_if_failed()
+        if run.aborted or "abort" in fin:
+            raise APIError(503, "the request was aborted (server shutting down or client gone)",
+                           code="aborted")
+        return [{"index": pi * n + i, "text": texts[i],
+                 "logprobs": completion_logprobs(run.service, lps[i], 0) if lp is not None
+                 else None, "finish_reason": fin[i]} for i in range(n)]
+
+    try:
+        per = await asyncio.gather(*(one(i, r) for i, r in enumerate(runs)))
+    finally:
+        for r in runs:
+            r.stream.abort()
+    return {**meta, "object": "text_completion", "choices": [c for cs in per for c in cs],
+            "usage": _usage(runs)}
+
+
+async def _stream(runs, n: int, lp, meta: dict, include_usage: bool):
+    q: asyncio.Queue = asyncio.Queue()
+    offsets: dict[int, int] = {}
+
+    async def pump(pi: int, run: RequestRun):
+        try:
+            async for i, ev in run.events():
+                await q.put((pi * n + i, run, ev))
+        finally:
+            await q.put(None)
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(runs)]
+    try:
+        open_ = len(tasks)
+        while open_:
+            item = await q.get()
+            if item is None:
+                open_ -= 1
+                continue
+            idx, run, ev = item
+            if ev.finish_reason in ("error", "abort"):
+                if ev.finish_reason == "abort":
+                    run.error = "the request was aborted (server shutting down)"
+                yield run.error_event()
+                yield SSE_DONE
+                return
+            logprobs = None
+            if lp is not None:
+                logprobs = completion_logprobs(run.service, ev.logprobs, offsets.get(idx, 0))
+            offsets[idx] = offsets.get(idx, 0) + len(ev.text)
+            c = {**meta, "object": "text_completion",
+                 "choices": [{"index": idx, "text": ev.text, "logprobs": logprobs,
+                              "finish_reason": ev.finish_reason}]}
+            if ev.finish_reason and not include_usage and all(r.stream.finished for r in runs):
+                c["usage"] = _usage(runs)
+            yield sse(c)
+        if include_usage:
+            yield sse({**meta, "object": "text_completion", "choices": [], "usage": _usage(runs)})
+        yield SSE_DONE
+    finally:
+        for t in tasks:
+            t.cancel()
+        for r in runs:
+            r.stream.abort()

@@ -1,0 +1,58 @@
+"""`ServeConfig`: every start-up choice of `megagraph runtime serve` (CLI defaults come from here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    artifacts: str = "artifacts"  # dir written by `megagraph compile`
+    weights: str | None = None  # checkpoint dir; None = seeded random weights
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000
+    api_key: str | None = None  # required as `Authorization: Bearer KEY` on /v1/* when set
+    served_model_name: str | None = None  # default: the model config's name
+    device: str = "cpu"
+    capacity: int = 1024  # tokens per request (prompt + output): the context limit served
+    max_running: int = 32  # concurrent sequences (state slots), before the memory cap
+    mem_fraction: float = 0.9  # of free device memory after weights, for the state pools
+    state_bytes: int | None = None  # explicit state-pool budget in bytes (overrides the fraction)
+    max_total_tokens: int | None = None  # token ledger (default: every slot full)
+    max_prefill_tokens: int | None = None  # prompt tokens per step (default: the plan's limit)
+    max_queue: int = 4096  # waiting sequences before 503
+    overlap: bool = True  # assemble step N+1 while step N runs
+    default_thinking: bool = True  # thinking mode when a chat request does not say
+    grammar: bool = True  # structured output with xgrammar when it is installed
+    seed: int = 0  # random weights and unseeded sampling
+    random_weights: str = "fast"  # without a checkpoint: "fast" or "seeded" (the tests' values)
+    drain_timeout: float = 30.0  # seconds in-flight requests get on shutdown
+    max_n: int = 16  # choices per request
+    log_level: str = "info"
+
+    def prefill_cap(self, plan) -> int:
+        """Prompt tokens per step: the flag, capped by the plan's per-GPU graph token limit."""
+        from_plan = _plan_token_limit(plan)
+        want = self.max_prefill_tokens or from_plan or 256
+        return max(1, min(want, from_plan) if from_plan else want)
+
+    def engine_config(self, slots: int):
+        from ..engine import EngineConfig
+
+        return EngineConfig(device=self.device, max_slots=slots, capacity=self.capacity,
+                            max_step_tokens=self.max_prefill_tokens or 256, seed=self.seed,
+                            random_weights=self.random_weights, progress=False)
+
+
+def _plan_token_limit(plan) -> int:
+    """The plan's `buckets.graph_token_limit` (0 on profiles without CUDA graphs)."""
+    src = getattr(plan, "source", None)
+    if src is None:
+        return 0
+    import yaml
+
+    try:
+        with open(src / "plan.yaml") as f:
+            return int((yaml.safe_load(f).get("buckets") or {}).get("graph_token_limit") or 0)
+    except (OSError, ValueError, AttributeError):
+        return 0

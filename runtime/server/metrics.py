@@ -1,0 +1,156 @@
+"""Prometheus metrics (text exposition format 0.0.4, no client library needed).
+
+Requests, tokens, TTFT / inter-token latency / end-to-end latency histograms, queue and running
+sequences, state-cache usage (slots, tokens, bytes, preemptions) and scheduler timings: step
+count, forward seconds, and the scheduling overhead left exposed by the overlap.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import defaultdict
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0)
+OVERHEAD_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1)
+
+
+class Histogram:
+    def __init__(self, buckets):
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, v)] += 1
+        self.sum += v
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, acc = [], 0
+        for b, c in zip(self.buckets, self.counts):
+            acc += c
+            out.append(f'{name}_bucket{{le="{b}"}} {acc}')
+        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
+        out += [f"{name}_sum {self.sum:.6f}", f"{name}_count {self.count}"]
+        return out
+
+
+class Metrics:
+    """Counters the routes and the scheduler update; `render()` for GET /metrics."""
+
+    def __init__(self, service):
+        self.service = service
+        self.lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = defaultdict(int)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.aborted = 0
+        self.http_active = 0
+        self.ttft = Histogram(LATENCY_BUCKETS)
+        self.itl = Histogram(LATENCY_BUCKETS)
+        self.e2e = Histogram(LATENCY_BUCKETS)
+        self.overhead = Histogram(OVERHEAD_BUCKETS)
+        self.step_time = Histogram(LATENCY_BUCKETS)
+
+    # -- updates ---------------------------------------------------------------------------------
+    def requests_started(self, prompt_tokens: int) -> None:
+        with self.lock:
+            self.prompt_tokens += prompt_tokens
+
+    def request_done(self, endpoint: str, status: int) -> None:
+        with self.lock:
+            self.requests[(endpoint, status)] += 1
+
+    def tokens(self, n: int) -> None:
+        with self.lock:
+            self.generation_tokens += n
+
+    def latency(self, ttft: float | None, itls: list[float], e2e: float) -> None:
+        with self.lock:
+            if ttft is not None:
+                self.ttft.observe(ttft)
+            for x in itls:
+                self.itl.observe(x)
+            self.e2e.observe(e2e)
+
+    def on_step(self, job, res) -> None:  # scheduler thread
+        with self.lock:
+            self.step_time.observe(res.forward_s + res.sample_s)
+            if job.continues:
+                self.overhead.observe(res.idle_before_s + res.wait_ready_s)
+
+    # -- exposition ------------------------------------------------------------------------------
+    def render(self) -> str:
+        svc = self.service
+        sch, cache = svc.scheduler, svc.cache.usage()
+        st = sch.stats
+        model = svc.model_name
+        out: list[str] = []
+
+        def metric(name, kind, help_, value=None, labels=""):
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} {kind}")
+            if value is not None:
+                out.append(f"{name}{labels} {value}")
+
+        with self.lock:
+            metric("megagraph_requests_total", "counter", "HTTP requests answered, by route "
+                   "and status")
+            for (ep, status), n in sorted(self.requests.items()):
+                out.append(f'megagraph_requests_total{{endpoint="{ep}",status="{status}"}} {n}')
+            metric("megagraph_http_requests_active", "gauge", "HTTP requests being served",
+                   self.http_active)
+            metric("megagraph_requests_aborted_total", "counter", "requests aborted (client "
+                   "disconnect, shutdown)", self.aborted)
+            metric("megagraph_prompt_tokens_total", "counter", "prompt tokens admitted",
+                   self.prompt_tokens)
+            metric("megagraph_generation_tokens_total", "counter", "tokens generated",
+                   self.generation_tokens)
+            for name, h, help_ in (
+                    ("megagraph_time_to_first_token_seconds", self.ttft, "time to first token"),
+                    ("megagraph_inter_token_latency_seconds", self.itl, "time between tokens"),
+                    ("megagraph_e2e_request_latency_seconds", self.e2e, "request latency"),
+                    ("megagraph_step_seconds", self.step_time, "engine step (forward + sample)"),
+                    ("megagraph_scheduler_overhead_seconds", self.overhead,
+                     "worker idle between consecutive busy steps (scheduling overhead left)")):
+                metric(name, "histogram", help_)
+                out += h.lines(name)
+        metric("megagraph_num_requests_running", "gauge", "sequences holding a state slot",
+               len(sch.running))
+        metric("megagraph_num_requests_waiting", "gauge", "sequences queued", sch.num_waiting())
+        metric("megagraph_cache_slots_used", "gauge", "state slots in use", cache.slots_used)
+        metric("megagraph_cache_slots_total", "gauge", "state slots", cache.slots_total)
+        metric("megagraph_cache_tokens_used", "gauge", "tokens reserved in the state ledger",
+               cache.tokens_used)
+        metric("megagraph_cache_tokens_total", "gauge", "token ledger size", cache.tokens_total)
+        metric("megagraph_cache_usage_ratio", "gauge", "max(slot, token) usage in [0, 1]",
+               f"{cache.fraction:.6f}")
+        metric("megagraph_cache_bytes_used", "gauge", "state bytes of the reserved tokens",
+               cache.bytes_used)
+        metric("megagraph_cache_bytes_total", "gauge", "state pool bytes", cache.bytes_total)
+        metric("megagraph_cache_slot_bytes", "gauge", "state bytes of the slots in use, by kind")
+        for k, v in cache.by_kind_bytes.items():
+            out.append(f'megagraph_cache_slot_bytes{{kind="{k}"}} {v}')
+        metric("megagraph_cache_preemptions_total", "counter", "sequences preempted "
+               "(recomputed later)", cache.preemptions)
+        metric("megagraph_scheduler_steps_total", "counter", "engine steps", st.steps)
+        metric("megagraph_scheduler_prefill_tokens_total", "counter", "prompt tokens run",
+               st.prefill_tokens)
+        metric("megagraph_scheduler_decode_tokens_total", "counter", "decode tokens run",
+               st.decode_tokens)
+        metric("megagraph_scheduler_forward_seconds_total", "counter", "time in forward passes",
+               f"{st.forward_s:.6f}")
+        metric("megagraph_scheduler_exposed_overhead_seconds_total", "counter",
+               "worker idle between consecutive busy steps", f"{st.exposed_s:.6f}")
+        metric("megagraph_scheduler_cpu_seconds_total", "counter", "scheduler thread work "
+               "(assembly + processing, overlapped with steps)", f"{st.cpu_s:.6f}")
+        metric("megagraph_scheduler_overhead_ratio", "gauge", "exposed overhead / busy time",
+               f"{st.overhead_fraction:.6f}")
+        metric("megagraph_engine_errors_total", "counter", "failed engine steps", st.errors)
+        metric("megagraph_engine_healthy", "gauge", "1 while the engine loop runs",
+               int(svc.healthy))
+        out.append(f'megagraph_model_info{{model="{model}",capacity="{svc.capacity}"}} 1')
+        return "\n".join(out) + "\n"

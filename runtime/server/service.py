@@ -1,0 +1,150 @@
+"""The serving core behind the HTTP routes: engine + cache + scheduler + tokenizer + chat layer,
+and the bridge from the scheduler thread to asyncio (`RequestStream`).
+
+Every sequence gets exactly one final event (finish, abort, engine error or a dead engine loop),
+so `RequestStream.events()` always ends; `abort()` is safe to call any number of times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from ..cache_manager import CacheManager, size_cache
+from ..chat import (ChatFormatConfig, ChatPromptBuilder, GrammarFactory, make_grammar_state)
+from ..sampling import SamplingParams, new_state
+from ..scheduler import Scheduler, SchedulerConfig
+from ..sequence import SeqEvent, Sequence
+from .config import ServeConfig
+from .metrics import Metrics
+from .tokenizer import load_serving_tokenizer
+
+
+@dataclass
+class ChoiceSpec:
+    """What one choice of a request decodes with."""
+
+    params: SamplingParams
+    index: int  # choice index (seed offset)
+    grammar: object = None
+    logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+
+
+class RequestStream:
+    """Events of one request's sequences, on the event loop."""
+
+    def __init__(self, service: "ServingEngine", seq_ids: list[int]):
+        self.service = service
+        self.seq_ids = seq_ids
+        self.queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.open = set(seq_ids)
+        self.created = time.monotonic()
+
+    def sink(self, ev: SeqEvent) -> None:  # scheduler thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        except RuntimeError:  # the event loop is closed (shutdown): nobody is listening
+            pass
+
+    async def events(self) -> AsyncIterator[tuple[int, SeqEvent]]:
+        """(choice index, event) until every choice has finished."""
+        index = {sid: i for i, sid in enumerate(self.seq_ids)}
+        while self.open:
+            ev = await self.queue.get()
+            if ev.finish_reason is not None:
+                self.open.discard(ev.seq_id)
+            yield index[ev.seq_id], ev
+
+    def abort(self) -> None:
+        if self.open:
+            self.service.scheduler.abort(list(self.open))
+
+    @property
+    def finished(self) -> bool:
+        return not self.open
+
+
+class ServingEngine:
+    """Everything a route needs; built once at start-up (`ServingEngine.start(config)`)."""
+
+    def __init__(self, engine, config: ServeConfig, sizing):
+        self.engine, self.config, self.sizing = engine, config, sizing
+        cfg = engine.cfg
+        self.model_name = config.served_model_name or cfg.name
+        self.capacity = engine.config.capacity
+        self.tokenizer, self.tokenizer_note = load_serving_tokenizer(engine)
+        self.chat = None
+        if self.tokenizer is not None:
+            self.chat = ChatPromptBuilder(self.tokenizer, ChatFormatConfig(
+                served_model_name=self.model_name, family=cfg.family,
+                extra_model_names=(cfg.name,), default_thinking=config.default_thinking,
+                context_limit=self.capacity))
+        self.grammar = (GrammarFactory.maybe_create(self.tokenizer, vocab_size=cfg.vocab_size)
+                        if self.tokenizer is not None and config.grammar else None)
+        self.cache = CacheManager(engine, sizing, config.max_total_tokens)
+        self.metrics = Metrics(self)
+        self.scheduler = Scheduler(
+            engine, self.cache, SchedulerConfig(max_prefill_tokens=config.prefill_cap(engine.plan),
+                                                max_queue=config.max_queue,
+                                                overlap=config.overlap),
+            self.grammar, seed=config.seed, on_step=self.metrics.on_step)
+        self._ids = itertools.count()
+        self.eos_id = cfg.eos_token_id
+        extra = range(self.tokenizer.vocab_size, cfg.vocab_size) if self.tokenizer else ()
+        self._skip = (self.tokenizer.stream_skip_ids | frozenset(extra)) if self.tokenizer else None
+
+    @classmethod
+    def start(cls, config: ServeConfig) -> "ServingEngine":
+        from ..engine import Engine
+        from ..plan import RunPlan
+
+        plan = RunPlan.from_artifacts(config.artifacts)
+        wbytes = int(plan.memory.get("weights", {}).get("device_bytes", 0))
+        sizing = size_cache(plan.graph, capacity=config.capacity, max_running=config.max_running,
+                            weight_bytes=wbytes, mem_fraction=config.mem_fraction,
+                            state_bytes=config.state_bytes, device=config.device)
+        engine = Engine(plan, config.weights, config.engine_config(sizing.slots))
+        return cls(engine, config, sizing)
+
+    # ------------------------------------------------------------------------------ requests
+    def detokenizer(self):
+        return self.tokenizer.detokenizer(skip_ids=self._skip) if self.tokenizer else None
+
+    def make_grammar(self, constraint):
+        return make_grammar_state(self.grammar, constraint)
+
+    def submit(self, prompt_ids: list[int], choices: list[ChoiceSpec]) -> RequestStream:
+        """Queue one sequence per choice; raises scheduler.Overloaded (-> 503)."""
+        ids = [next(self._ids) for _ in choices]
+        stream = RequestStream(self, ids)
+        seqs = [Sequence(sid, list(prompt_ids),
+                         new_state(c.params, prompt_ids, c.index, self.engine.device),
+                         stream.sink, grammar=c.grammar, detok=self.detokenizer(),
+                         logprobs=c.logprobs, logit_bias=c.logit_bias, eos_id=self.eos_id)
+                for sid, c in zip(ids, choices)]
+        self.scheduler.submit(seqs)
+        self.metrics.requests_started(len(prompt_ids) * len(choices))
+        return stream
+
+    def token_text(self, token_id: int) -> tuple[str, list[int]]:
+        """A token's text and bytes (for logprobs)."""
+        tok = self.tokenizer
+        if tok is None or token_id >= tok.vocab_size:
+            return "", []
+        b = tok.token_bytes(token_id)
+        return b.decode("utf-8", errors="replace"), list(b)
+
+    @property
+    def healthy(self) -> bool:
+        return self.scheduler.dead is None
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop: abort what is left (the HTTP server has drained its connections already)."""
+        self.scheduler.abort_all()
+        self.scheduler.close(timeout)
+        self.engine.close()
