@@ -9,6 +9,7 @@ streamed text into `reasoning_content`, `content` and incrementally parsed `tool
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Any
 
@@ -25,7 +26,10 @@ from .streaming import SSE_DONE, RequestRun, new_id, sse
 def chat_error(e: ChatFormatError) -> APIError:
     if "maximum context length" in e.message:
         return APIError(400, e.message, "messages", "context_length_exceeded")
-    if e.field is None and "json schema" in e.message.lower():
+    named = re.match(r"Invalid (\w+) value", e.message)
+    if e.field is None and named:  # deepseek-recipe's range errors name the field this way
+        e.field = named.group(1)
+    elif e.field is None and "json schema" in e.message.lower():
         e.field = "response_format.json_schema"
     return APIError(e.status, f"{e.field}: {e.message}" if e.field else e.message, e.field,
                     e.code)
