@@ -89,7 +89,7 @@ def artifacts(tmp_path_factory):
 @pytest.fixture(scope="session")
 def server_config(artifacts) -> ServeConfig:
     return ServeConfig(artifacts=str(artifacts), port=free_port(), api_key=API_KEY,
-                       capacity=512, max_running=8, max_prefill_tokens=64, seed=0,
+                       capacity=1024, max_running=8, max_prefill_tokens=128, seed=0,
                        drain_timeout=20)
 
 

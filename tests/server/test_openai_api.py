@@ -128,7 +128,7 @@ def test_api_key_is_enforced(server):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}},
      "response_format.json_schema"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"max_tokens": 600}, "messages"),  # over the 512-token context
+    ({"max_tokens": 1100}, "messages"),  # over the 1024-token context
 ])
 def test_invalid_chat_requests_name_the_field(client, kw, param):
     args = {"model": MODEL, "messages": USER, "max_tokens": 4, **kw}
@@ -140,7 +140,7 @@ def test_invalid_chat_requests_name_the_field(client, kw, param):
 
 def test_invalid_completion_requests_name_the_field(client, server):
     for kw, param in [({"prompt": [[]]}, "prompt"), ({"logprobs": 50}, "logprobs"),
-                      ({"prompt": "x " * 600, "max_tokens": 4}, "prompt"),
+                      ({"prompt": "x " * 1100, "max_tokens": 4}, "prompt"),
                       ({"echo": True}, "echo"), ({"seed": "s"}, "seed")]:
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**{"model": MODEL, "prompt": "hi", "max_tokens": 2, **kw})

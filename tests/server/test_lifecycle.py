@@ -1,0 +1,120 @@
+"""Requests never hang or leak: a disconnect mid-stream frees the state, an engine exception fails
+its requests with a 500 and the server stays up, a full queue answers 503, shutdown drains."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from .conftest import API_KEY, MODEL, fresh_config, openai, start_server, wait_idle
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def test_disconnect_mid_stream_frees_the_request_state(server):
+    before = server.metrics()
+    body = {"model": MODEL, "prompt": "A long story:", "max_tokens": 400, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", server.base_url + "/v1/completions", json=body, headers=AUTH) as r:
+            assert r.status_code == 200
+            seen = 0
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    seen += 1
+                if seen >= 3:
+                    break
+            mid = server.metrics()
+            assert mid["megagraph_cache_slots_used"] >= 1  # the request holds a slot
+        # leaving the block closes the connection mid-stream
+    after = wait_idle(server)  # slot and token ledger back to zero, nothing queued
+    assert after["megagraph_requests_aborted_total"] == before["megagraph_requests_aborted_total"] + 1
+    assert after["megagraph_generation_tokens_total"] - before["megagraph_generation_tokens_total"] < 400
+
+
+def test_disconnect_while_waiting_for_a_non_streaming_answer(server):
+    before = server.metrics()["megagraph_requests_aborted_total"]
+    body = {"model": MODEL, "prompt": "Slow", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/v1/completions", json=body, headers=AUTH, timeout=1.0)
+    m = wait_idle(server)
+    assert m["megagraph_requests_aborted_total"] == before + 1
+
+
+def test_engine_error_fails_the_request_with_500_and_the_server_stays_up(server, client):
+    eng = server.service.engine
+    real = eng.step
+    boom = threading.Event()
+
+    def failing_step(chunks):
+        if boom.is_set():
+            boom.clear()
+            raise RuntimeError("injected kernel failure")
+        return real(chunks)
+
+    eng.step = failing_step
+    try:
+        boom.set()
+        with pytest.raises(openai.InternalServerError) as e:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+        assert "injected kernel failure" in e.value.body["message"]
+        boom.set()
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                                "content": "hi"}], max_tokens=3, stream=True)
+        with pytest.raises(openai.APIError) as e:
+            list(stream)
+        assert "injected kernel failure" in str(e.value)
+    finally:
+        eng.step = real
+    out = client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    m = wait_idle(server)
+    assert m["megagraph_engine_errors_total"] >= 2 and m["megagraph_engine_healthy"] == 1
+
+
+def test_full_queue_answers_503(server, client):
+    sch = server.service.scheduler
+    cfg = sch.config
+    sch.config = dataclasses.replace(cfg, max_queue=0)
+    try:
+        with pytest.raises(openai.InternalServerError) as e:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.body["code"] == "overloaded"
+        assert e.value.response.headers["retry-after"] == "1"
+    finally:
+        sch.config = cfg
+    wait_idle(server)
+
+
+def test_shutdown_drains_in_flight_streams(server_config):
+    srv = start_server(fresh_config(server_config, api_key=None, drain_timeout=30))
+    body = {"model": MODEL, "prompt": "Drain me", "max_tokens": 20, "stream": True,
+            "ignore_eos": True}
+    events, done = [], threading.Event()
+
+    def consume():
+        with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+        done.set()
+
+    t = threading.Thread(target=consume)
+    t.start()
+    while not events:
+        time.sleep(0.02)
+    srv.server.should_exit = True  # what SIGTERM does
+    assert done.wait(60)
+    srv.thread.join(60)
+    assert not srv.thread.is_alive()
+    texts = [c for e in events for c in e["choices"]]
+    assert texts[-1]["finish_reason"] == "length"  # the request finished during the drain
+    assert sum(1 for c in texts if c["text"] or c["finish_reason"]) >= 1
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(srv.base_url + "/health", timeout=2)
+    assert srv.service.scheduler.dead is None and not srv.service.scheduler._thread.is_alive()
