@@ -39,6 +39,10 @@ pytestmark = pytest.mark.skipif(not RUNNABLE, reason="runs in the interpreter ch
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GPU = DEV == "cuda"
 ACT = "fp8_1x128"
+# fp32-output GEMMs: the interpreter multiplies in fp32 (summation order only); on Hopper the FP8
+# MMA accumulates each 128-column chunk with ~2^-14 relative precision before the fp32 promotion
+TOL_GEMM = 1e-3 if GPU else 1e-5
+TOL_COEF = 1e-4 if GPU else 1e-5  # mixer coefficients (approximate exp / rsqrt on the GPU)
 
 
 def rel(a, b) -> float:
@@ -314,7 +318,7 @@ def test_linear_q(fmt, block):
         y = tm.linear_q(xq, xs, w, s, fmt=fmt, act_fmt=ACT, out_dtype="f32")
     ref = rf.linear_q(xq, xs, w, s, fmt=fmt, act_fmt=ACT, out_dtype="f32")
     finite(y)
-    assert y.shape == ref.shape and rel(y, ref) < 1e-5
+    assert y.shape == ref.shape and rel(y, ref) < TOL_GEMM
 
 
 def test_grouped_linear_q():
@@ -329,7 +333,7 @@ def test_grouped_linear_q():
     ref = rf.grouped_linear_q(xq, xs, w, s, groups=G, fmt="fp8_block", act_fmt=ACT,
                               out_dtype="f32")
     finite(y)
-    assert rel(y, ref) < 1e-5
+    assert rel(y, ref) < TOL_GEMM
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,7 +354,7 @@ def test_route(score_func, with_bias):
         ids, w = tm.route(x, gw, bias, **kw)
     rids, rw = ref_route(x, gw, bias, **kw)
     assert ids.dtype == torch.int64 and torch.equal(ids.cpu(), rids.cpu())
-    assert rel(w, rw) < 1e-5
+    assert rel(w, rw) < TOL_COEF
 
 
 def _mhc_inputs(T, n, d, g, dtype=torch.bfloat16):
@@ -442,7 +446,7 @@ def test_mega_mhc(T, dtype, act_fmt, with_mix):
     x, xq, xs, pre, post, comb = out
     rx, rxq, rxs, rpre, rpost, rcomb = ref
     for a, b in ((pre, rpre), (post, rpost), (comb, rcomb)):
-        assert rel(a, b) < 1e-5
+        assert rel(a, b) < TOL_COEF
     assert rel(x, rx) < 1e-2
     deq = rf.dequant_act(xq, xs, act_fmt=act_fmt)
     rdeq = rf.dequant_act(rxq, rxs, act_fmt=act_fmt)
@@ -528,3 +532,26 @@ def test_mega_moe_cuda_graph(T, asm, monkeypatch):
                       **MOE_KW)
     assert rel(out, eager) < 1e-3
     assert rel(out, ref) < 1e-2
+
+
+def test_zero_tokens():
+    """Empty steps: every op returns its empty outputs without launching."""
+    g = gen(0)
+    n, d, F, E, k = 4, 256, 128, 8, 3
+    streams, fn, base, scale, nw = _mhc_inputs(0, n, d, g)
+    out = tmhc.mega_mhc(streams, fn, base, scale, None, nw, eps=1e-20, hc_eps=1e-6,
+                        sinkhorn_iters=20, norm_eps=1e-20, act_fmt=ACT)
+    assert [tuple(t.shape) for t in out] == [(0, d), (0, d), (0, d // 128), (0, n), (0, n),
+                                             (0, n, n)]
+    x, xq, xs, pre, post, comb = out
+    gate, bias, routed, shared = _moe_weights(E, d, F, g)
+    y = tm.mega_moe(x, xq, xs, streams, post, comb, gate, bias, *routed, *shared, topk=k,
+                    **MOE_KW)
+    assert y.shape == streams.shape
+    ids = torch.zeros(0, k, dtype=torch.int64, device=DEV)
+    w = torch.zeros(0, k, device=DEV)
+    y = tm.moe_experts_q(xq, xs, ids, w, *routed, fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT,
+                         out_dtype="bf16")
+    assert y.shape == (0, d)
+    y = tm.linear_q(xq, xs, shared[0], shared[1], fmt="fp8_block", act_fmt=ACT, out_dtype="bf16")
+    assert y.shape == (0, F)
