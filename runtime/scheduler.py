@@ -68,12 +68,14 @@ class Scheduler:
 
     def __init__(self, engine, cache: CacheManager, config: SchedulerConfig = SchedulerConfig(),
                  grammar_factory=None, *, seed: int = 0,
-                 on_step: Callable[[StepJob, StepResult], None] | None = None):
+                 on_step: Callable[[StepJob, StepResult], None] | None = None,
+                 on_flush: Callable[[], None] | None = None):
         self.engine, self.cache, self.config = engine, cache, config
         self.grammar = grammar_factory
         self.worker = StepWorker(engine, grammar_factory, seed=seed)
         self.stats = SchedulerStats()
         self.on_step = on_step
+        self.on_flush = on_flush or (lambda: None)  # after each batch of sink() calls
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._cv = threading.Condition()
@@ -131,11 +133,13 @@ class Scheduler:
                     s.finish_reason = "error"
                     s.sink(SeqEvent(s.seq_id, [], "", finish_reason="error",
                                     error=f"engine loop failed: {type(e).__name__}: {e}"))
+            self.on_flush()
 
     def _loop(self) -> None:
         inflight: deque[StepJob] = deque()
         while True:
             self._take_inbox()
+            self.on_flush()
             if self._stopping and not (self.waiting or self.running or inflight):
                 return
             self._release()
@@ -284,6 +288,7 @@ class Scheduler:
             if next_job is not None:
                 next_job.ready.set()
             self._fail(job, e)
+            self.on_flush()
             return
         t0 = time.perf_counter()
         for s in job.seqs:
@@ -300,6 +305,7 @@ class Scheduler:
         for s, tok, lp in committed:
             self._emit(s, tok, lp)
         self._account(job, res)
+        self.on_flush()
         self.stats.cpu_s += time.perf_counter() - t0
 
     def _commit(self, s: Sequence, tok: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -34,6 +35,41 @@ class ChoiceSpec:
     logit_bias: dict[int, float] | None = None
 
 
+class EventBus:
+    """Scheduler thread -> event loop: events are posted as they come and delivered with one
+    wake-up per `flush()` (the scheduler flushes once per processed step).
+
+    A wake-up per token per request would make the event loop and the scheduler thread trade
+    the GIL on every event (milliseconds each under load).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, SeqEvent]] = []
+        self._scheduled = False
+
+    def post(self, queue: asyncio.Queue, ev: SeqEvent) -> None:
+        with self._lock:
+            self._pending.append((queue, ev))
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._scheduled or not self._pending:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the event loop is closed (shutdown): nobody is listening
+            pass
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._pending, self._scheduled = self._pending, [], False
+        for q, ev in items:
+            q.put_nowait(ev)
+
+
 class RequestStream:
     """Events of one request's sequences, on the event loop."""
 
@@ -41,15 +77,12 @@ class RequestStream:
         self.service = service
         self.seq_ids = seq_ids
         self.queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
-        self.loop = asyncio.get_running_loop()
+        self.bus = service.bus(asyncio.get_running_loop())
         self.open = set(seq_ids)
         self.created = time.monotonic()
 
     def sink(self, ev: SeqEvent) -> None:  # scheduler thread
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
-        except RuntimeError:  # the event loop is closed (shutdown): nobody is listening
-            pass
+        self.bus.post(self.queue, ev)
 
     async def events(self) -> AsyncIterator[tuple[int, SeqEvent]]:
         """(choice index, event) until every choice has finished."""
@@ -86,17 +119,21 @@ class ServingEngine:
                 context_limit=self.capacity))
         self.grammar = (GrammarFactory.maybe_create(self.tokenizer, vocab_size=cfg.vocab_size)
                         if self.tokenizer is not None and config.grammar else None)
+        self._buses: dict = {}
         self.cache = CacheManager(engine, sizing, config.max_total_tokens)
         self.metrics = Metrics(self)
         self.scheduler = Scheduler(
             engine, self.cache, SchedulerConfig(max_prefill_tokens=config.prefill_cap(engine.plan),
                                                 max_queue=config.max_queue,
                                                 overlap=config.overlap),
-            self.grammar, seed=config.seed, on_step=self.metrics.on_step)
+            self.grammar, seed=config.seed, on_step=self.metrics.on_step,
+            on_flush=self._flush)
         self._ids = itertools.count()
         self.eos_id = cfg.eos_token_id
         extra = range(self.tokenizer.vocab_size, cfg.vocab_size) if self.tokenizer else ()
         self._skip = (self.tokenizer.stream_skip_ids | frozenset(extra)) if self.tokenizer else None
+        if self.tokenizer is not None:  # build the byte tables now, not in the first request
+            self.detokenizer().push([0])
 
     @classmethod
     def start(cls, config: ServeConfig) -> "ServingEngine":
@@ -112,6 +149,16 @@ class ServingEngine:
         return cls(engine, config, sizing)
 
     # ------------------------------------------------------------------------------ requests
+    def _flush(self) -> None:  # scheduler thread, after each batch of events
+        for b in list(self._buses.values()):
+            b.flush()
+
+    def bus(self, loop) -> EventBus:
+        b = self._buses.get(loop)
+        if b is None:
+            b = self._buses[loop] = EventBus(loop)
+        return b
+
     def detokenizer(self):
         return self.tokenizer.detokenizer(skip_ids=self._skip) if self.tokenizer else None
 
