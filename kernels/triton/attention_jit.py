@@ -180,11 +180,13 @@ def _attend(q, k, valid, m_i, l_i, acc, scale_log2, DOT_F32: tl.constexpr):
 @triton.jit
 def _finish(acc, m_i, l_i, heads, hmask, t, p, sink_ptr, freq_ptr, o_ptr, os_ptr, H,
             D: tl.constexpr, BLOCK_H: tl.constexpr, MODE: tl.constexpr, ROPE_DIM: tl.constexpr,
-            QBLOCK: tl.constexpr, E8M0: tl.constexpr, MANUAL_FP8: tl.constexpr):
+            QBLOCK: tl.constexpr, E8M0: tl.constexpr, MANUAL_FP8: tl.constexpr,
+            OUT_DT: tl.constexpr):
     """Normalize with the sink in the denominator (rows without a key -> 0), then
     MODE 0: store o [T, H, D] in o_ptr's dtype;
-    MODE 1: inverse RoPE at p, quantize per QBLOCK channels to E4M3 with a power-of-two scale
-            (f32, or e8m0 bytes if E8M0), store o_q [T, H*D] and scales [T, H*D/QBLOCK]."""
+    MODE 1: round to OUT_DT (q's dtype), inverse RoPE at p, round to OUT_DT again (the unfused
+            graph's rounding points), quantize per QBLOCK channels to E4M3 with a power-of-two
+            scale (f32, or e8m0 bytes if E8M0), store o_q [T, H*D] and scales [T, H*D/QBLOCK]."""
     sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
     den = l_i + tl.exp2(sink - m_i)
     o = acc / den[:, None]
@@ -195,9 +197,12 @@ def _finish(acc, m_i, l_i, heads, hmask, t, p, sink_ptr, freq_ptr, o_ptr, os_ptr
         ptrs = o_ptr + t64 * H * D + heads[:, None] * D + d[None, :]
         tl.store(ptrs, cast_to(o, o_ptr.dtype.element_ty, MANUAL_FP8), mask=hmask[:, None])
     else:
+        # the reference's rounding points: sparse_attn returns q's dtype, rope returns its input's
+        o = cast_to(o, OUT_DT, MANUAL_FP8).to(tl.float32)
         if ROPE_DIM > 0:
             pos_f = tl.zeros([BLOCK_H], tl.float32) + p.to(tl.float32)
             o = rope_chunk(o, pos_f, freq_ptr, BLOCK_H, D, 0, D, ROPE_DIM, True)
+            o = cast_to(o, OUT_DT, MANUAL_FP8).to(tl.float32)
         NB: tl.constexpr = D // QBLOCK
         ob = tl.reshape(o, (BLOCK_H, NB, QBLOCK))
         amax = tl.maximum(tl.max(tl.abs(ob), axis=2), 1e-4)
@@ -225,6 +230,7 @@ def sparse_attn_fwd(
         HAS_COMP: tl.constexpr, ALL_COMP: tl.constexpr, MODE: tl.constexpr,
         ROPE_DIM: tl.constexpr, QBLOCK: tl.constexpr, E8M0: tl.constexpr,
         MANUAL_FP8: tl.constexpr, DOT_F32: tl.constexpr):
+    OUT_DT: tl.constexpr = q_ptr.dtype.element_ty
     t = tl.program_id(0)
     hb = tl.program_id(1)
     sid = tl.program_id(2)
@@ -297,7 +303,7 @@ def sparse_attn_fwd(
 
     if NS == 1:
         _finish(acc, m_i, l_i, heads, hmask, t, p, sink_ptr, freq_ptr, o_ptr, os_ptr, H, D,
-                BLOCK_H, MODE, ROPE_DIM, QBLOCK, E8M0, MANUAL_FP8)
+                BLOCK_H, MODE, ROPE_DIM, QBLOCK, E8M0, MANUAL_FP8, OUT_DT)
     else:
         base = (t.to(tl.int64) * NS + sid) * H + heads
         tl.store(po_ptr + base[:, None] * D + d[None, :], acc, mask=hmask[:, None])
@@ -310,7 +316,7 @@ def sparse_attn_combine(
         po_ptr, pml_ptr, pos_ptr, sink_ptr, freq_ptr, o_ptr, os_ptr, H,
         D: tl.constexpr, BLOCK_H: tl.constexpr, NS: tl.constexpr, MODE: tl.constexpr,
         ROPE_DIM: tl.constexpr, QBLOCK: tl.constexpr, E8M0: tl.constexpr,
-        MANUAL_FP8: tl.constexpr):
+        MANUAL_FP8: tl.constexpr, OUT_DT: tl.constexpr):
     """Merge the NS partial (acc, m, l) of one token and head block, then the epilogue."""
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -333,4 +339,4 @@ def sparse_attn_combine(
         acc += w[:, None] * tl.load(po_ptr + base[:, None] * D + d[None, :], mask=hmask[:, None],
                                     other=0.0)
     _finish(acc, m, l_i, heads, hmask, t, p, sink_ptr, freq_ptr, o_ptr, os_ptr, H, D, BLOCK_H,
-            MODE, ROPE_DIM, QBLOCK, E8M0, MANUAL_FP8)
+            MODE, ROPE_DIM, QBLOCK, E8M0, MANUAL_FP8, OUT_DT)

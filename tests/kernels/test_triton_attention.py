@@ -13,10 +13,12 @@ Error bounds (outputs vs the reference's fp32 math on the same inputs, upcast):
 * fp32 inputs: exact fp32 products -> |err| <= 1e-5 (1 + max|ref|);
 * bf16 inputs: bf16 tensor-core products with the softmax weights rounded to bf16 (2^-9) and a
   bf16 output -> ||err|| <= 1e-2 ||ref|| and |err| <= 2e-2 max|ref| per token;
-* sparse_attn_q: the kernel quantizes its fp32 result, the reference a bf16-rounded one; per
-  element |dequant - ref| <= 2^-4 |ref| + 2^-9 s + e_attn * amax(block), s the block scale
-  (E4M3 half-ulp, subnormal step) and e_attn the attention bound above; with fp32 inputs at least
-  99% of the E4M3 codes equal the reference's.
+* sparse_attn_q (rounded to q's dtype before and after the inverse RoPE, like the reference, then
+  quantized): per element |dequant - ref| <= (2^-4 + 2^-8) |ref| + 2^-9 s + e_attn * amax(block),
+  ref the fp32 reference, s the block scale (E4M3 half-ulp + a bf16 rounding, subnormal step) and
+  e_attn the attention bound above. Against the reference fused op on the same inputs, at least
+  99% of the E4M3 codes and scales are equal with exact products (fp32 inputs, or the
+  interpreter), 90% with the GPU's bf16 products.
 """
 from __future__ import annotations
 
@@ -129,7 +131,7 @@ def check_quant(o, sc, want_rot, dtype, act_fmt):
                      act_fmt=act_fmt))
     amax = ref.reshape(ref.shape[0], -1, b).abs().amax(-1, keepdim=True).expand(-1, -1, b).reshape(ref.shape)
     e_attn = 1e-5 if dtype == torch.float32 else 2e-2
-    bound = 2.0 ** -4 * ref.abs() + 2.0 ** -9 * s + e_attn * amax + 1e-6
+    bound = (2.0 ** -4 + 2.0 ** -8) * ref.abs() + 2.0 ** -9 * s + e_attn * amax + 1e-6
     assert ((deq - ref).abs() <= bound).all()
 
 
@@ -156,11 +158,14 @@ def test_sparse_attn_q_matches_reference(mode, dtype, act_fmt, splits):
     want = ref_sparse_attn(*cpu, **kw)
     want_rot = ref_rope(want, cpu[6], inverse=True, **ROPE).reshape(want.shape[0], -1)
     check_quant(o, sc, want_rot, dtype, act_fmt)
-    if dtype == torch.float32:
-        rq, rs = ref_sparse_attn_q(*cpu, **kw, **ROPE, act_fmt=act_fmt)
-        assert (o.cpu().float() == rq.float()).float().mean() >= 0.99
-        assert (sc.cpu().view(torch.uint8) == rs.view(torch.uint8)).float().mean() >= 0.99 \
-            if act_fmt == "mxfp8" else (sc.cpu() == rs).float().mean() >= 0.99
+    # vs the reference fused op on the same (not upcast) inputs: same rounding points, so the codes
+    # agree except where the kernel's bf16 products move a value across a rounding midpoint
+    rq, rs = ref_sparse_attn_q(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args], **kw,
+                               **ROPE, act_fmt=act_fmt)
+    exact = dtype == torch.float32 or INTERP
+    assert (o.cpu().float() == rq.float()).float().mean() >= (0.99 if exact else 0.9)
+    same_s = sc.cpu().view(torch.uint8) == rs.view(torch.uint8) if act_fmt == "mxfp8" else sc.cpu() == rs
+    assert same_s.float().mean() >= (0.99 if exact else 0.9)
 
 
 def test_public_entry_points_match_launch():
