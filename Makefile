@@ -1,6 +1,7 @@
 # megagraph: set-up and checks on a fresh machine (CPU is enough).
 #   make test   - create .venv, install (CPU torch wheel first), run the test suite
 #   make demo   - compile the tiny V4.1 model and generate a few tokens with random weights
+#   make serve-demo - compile the tiny V4.1 model, serve it on 127.0.0.1, answer one chat request
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -20,4 +21,14 @@ demo: install
 	$(BIN)/megagraph compile --model v4.1-flash-tiny --hw cpu --out artifacts/tiny --force
 	$(BIN)/megagraph inspect artifacts/tiny
 
-.PHONY: install test demo
+SERVE_PORT ?= 8123
+
+serve-demo: install
+	$(BIN)/megagraph compile --model v4.1-flash-tiny --hw cpu --out artifacts/tiny --force
+	@$(BIN)/megagraph runtime serve artifacts/tiny --port $(SERVE_PORT) & pid=$$!; \
+	trap "kill $$pid; wait $$pid" EXIT; \
+	for i in $$(seq 120); do curl -sf localhost:$(SERVE_PORT)/health >/dev/null && break; sleep 1; done; \
+	curl -s localhost:$(SERVE_PORT)/v1/chat/completions -H 'Content-Type: application/json' \
+	  -d '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}'; echo
+
+.PHONY: install test demo serve-demo

@@ -13,7 +13,9 @@ the scheduling overhead that remains (`SchedulerStats`).
 
 Step policy: every running sequence that can decode gets its token first (inter-token latency),
 then prompt chunks (continuing prefills, then newly admitted requests, FIFO) fill the prefill
-budget (`max_prefill_tokens`, the plan's per-GPU graph token limit when it has one). Admission
+budget (`max_prefill_tokens`, within the plan's per-GPU graph token limit when it has one).
+Chunks are aligned to multiples of that budget, so a request is cut the same way whatever it
+is batched with (greedy output alone == batched). Admission
 asks the `CacheManager`; when decode growth does not fit its token ledger, the newest running
 sequences are preempted: they leave their slot and are recomputed (prompt + outputs so far)
 when admitted again, with their sampler and grammar states kept.
@@ -236,31 +238,39 @@ class Scheduler:
                     break
             if not s.preempt:
                 add(s, [None] if s.pending else [s.token_at(s.scheduled)], True)
-        # then prompt chunks: continuing prefills, then admissions
-        budget = max(self.config.max_prefill_tokens - len(seqs), 0)
+        # then prompt chunks: continuing prefills, then admissions (decodes are not counted)
+        budget = self.config.max_prefill_tokens
         for s in self.running:
-            if budget <= 0:
-                break
             if s.finished or s.preempt or s.pending or s.num_known - s.scheduled <= 1 \
                     or s in seqs:
                 continue
-            budget -= self._add_chunk(s, budget, add)
-        while budget > 0 and self.waiting:
+            n = self._chunk_len(s)
+            if n > budget:
+                break
+            budget -= self._add_chunk(s, n, add)
+        while self.waiting:
             s = self.waiting[0]
             headroom = sum(1 for r in self.running if not (r.finished or r.preempt))
-            if not self.cache.can_admit(s.num_known, headroom):
+            if self._chunk_len(s, 0) > budget or not self.cache.can_admit(s.num_known, headroom):
                 break
             self.waiting.popleft()
             s.slot = self.cache.admit(s.seq_id, s.num_known)
             s.status, s.scheduled = RUNNING, 0
             self.running.append(s)
-            budget -= self._add_chunk(s, budget, add)
+            budget -= self._add_chunk(s, self._chunk_len(s), add)
         if not seqs:
             return None
         return StepJob(seqs, tokens, samples, continues, num_decode=len(decodes))
 
-    def _add_chunk(self, s: Sequence, budget: int, add) -> int:
-        n = min(s.num_known - s.scheduled, budget)
+    def _chunk_len(self, s: Sequence, start: int | None = None) -> int:
+        """Tokens of the next prompt chunk. Chunks end at multiples of the prefill cap (or the
+        prompt's end), whatever else is in the step: a request is cut the same way alone or
+        batched, so its numerics (and greedy output) do not depend on its neighbours."""
+        c = self.config.max_prefill_tokens
+        start = s.scheduled if start is None else start
+        return min(s.num_known - start, c - start % c)
+
+    def _add_chunk(self, s: Sequence, n: int, add) -> int:
         toks = [s.token_at(i) for i in range(s.scheduled, s.scheduled + n)]
         add(s, toks, s.scheduled + n == s.num_known)
         return n

@@ -31,10 +31,13 @@ class ServeConfig:
     log_level: str = "info"
 
     def prefill_cap(self, plan) -> int:
-        """Prompt tokens per step: the flag, capped by the plan's per-GPU graph token limit."""
+        """Prompt tokens per step: the flag, capped so that they and one decode token per
+        running sequence fit the plan's per-GPU graph token limit."""
         from_plan = _plan_token_limit(plan)
-        want = self.max_prefill_tokens or from_plan or 256
-        return max(1, min(want, from_plan) if from_plan else want)
+        want = self.max_prefill_tokens or 256
+        if from_plan:
+            want = min(want, max(from_plan - self.max_running, 1))
+        return max(1, want)
 
     def engine_config(self, slots: int):
         from ..engine import EngineConfig
