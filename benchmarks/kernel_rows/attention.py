@@ -67,19 +67,24 @@ def attn_case(device, R, ctx, ratio, new=1):
     return args, kw
 
 
-def _count_attn(args) -> tuple[int, int]:
-    """Bytes: q, every key row a token can see (ring rows in its window, step rows, its top-k
-    entries; each read once), o_q + scales, topk ids. FLOPs: 2 products of 64x512 per key."""
+def _count_attn(args, ratio: int) -> tuple[int, int]:
+    """Bytes: q, the distinct key rows the step reads (each request's ring rows in any of its
+    tokens' windows, the step rows, the top-k entries - at most the slot's visible compressed rows),
+    topk ids, o_q + scales. FLOPs: two 64 x 512 products per (token, key)."""
     q, topk, pos, req, slots, cached = args[0], args[4], *args[6:]
-    T = q.shape[0]
+    T, R = q.shape[0], slots.shape[0]
     c = cached[req]
     ring_keys = (c - (pos - 127)).clamp(0, 128).clamp(max=c)
     step_keys = (pos - c + 1).clamp(max=128)
     comp = (topk >= 0).sum(-1)
     keys = int((ring_keys + step_keys + comp).sum())
-    # distinct rows moved: ring/step rows are shared by a request's tokens, top-k rows are not
-    distinct = int((ring_keys.clamp(max=128)).amax().item()) * slots.shape[0] + T + int(comp.sum())
-    byt = q.numel() * 2 + distinct * 1024 + topk.numel() * 8 + T * (64 * 512 + 64 * 4 * 4)
+    per_req = lambda v: torch.zeros(R, dtype=torch.int64, device=pos.device).scatter_reduce(  # noqa: E731
+        0, req, v, reduce="amax")
+    ring_rows = int(per_req(ring_keys).sum())
+    vis = ((pos + 1) // ratio).clamp(max=args[3].shape[1])
+    comp_rows = min(int(comp.sum()), int(per_req(vis).sum()))
+    byt = q.numel() * 2 + (ring_rows + T + comp_rows) * 1024 + topk.numel() * 8 \
+        + T * (64 * 512 + 64 * 4 * 4)
     return byt, 4 * 64 * 512 * keys
 
 
@@ -175,7 +180,7 @@ def attention_rows(device, smoke, t_end) -> list[dict]:
             if ratio == 1 and ctx == 131072 and R > 64:
                 continue  # 128K x ratio 1 x 256 slots = 34 GB of compressed KV: one size is enough
             args, kw = attn_case(device, R, ctx, ratio)
-            byt, fl = _count_attn(args)
+            byt, fl = _count_attn(args, ratio)
             fn = lambda cfg=None: A.launch(  # noqa: E731
                 *args[:10], window=128, scale=kw["scale"], ratio=ratio, attend_all=False,
                 quant=("fp8_1x128", ROPE), config=cfg)
@@ -204,7 +209,7 @@ def attention_rows(device, smoke, t_end) -> list[dict]:
         if time.perf_counter() > t_end:
             return out
         args, kw = attn_case(device, 1, ctx, ratio, new=T)
-        byt, fl = _count_attn(args)
+        byt, fl = _count_attn(args, ratio)
         times = {}
         for name, cfg in {"prefill-default": None, "h64w8": A.AttnConfig(64, 32, 8, 2, 1),
                           "h32w4": A.AttnConfig(32, 32, 4, 2, 1),
