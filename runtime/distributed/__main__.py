@@ -60,6 +60,7 @@ def generate(args) -> int:
     from .runner import rank_engine_from_artifacts
 
     ctx = init_from_env(device=args.device, timeout_s=args.timeout)
+    ok = False
     try:
         prompts = [[int(t) for t in p.split(",")] for p in args.prompt_ids]
         mine = [i for i in range(len(prompts)) if i % ctx.world == ctx.rank]
@@ -89,9 +90,11 @@ def generate(args) -> int:
             else:
                 for i, ids in rows:
                     print(f"[{i}] {' '.join(map(str, ids))}")
+        sys.stdout.flush()
+        ok = True
         return 0
     finally:
-        shutdown(ctx)
+        shutdown(ctx, barrier=ok)
 
 
 if __name__ == "__main__":

@@ -92,11 +92,26 @@ def init_from_env(*, device: str | None = None, backend: str | None = None,
     return DistContext(rank, world, local, dev, backend, data, control)
 
 
-def shutdown(ctx: DistContext | None = None) -> None:
-    """Leave the job (idempotent)."""
+def shutdown(ctx: DistContext | None = None, *, barrier: bool = False) -> None:
+    """Leave the job (idempotent). `barrier`: first wait until every rank is leaving too (on the
+    success path: a rank tearing its groups down while a peer still talks to it can abort the
+    peer's process), never after a failure (the others may never come)."""
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        if barrier:
+            group = ctx.control_group if ctx is not None and ctx.control_group is not None else None
+            dist.barrier(group=group)
+        # a ProcessGroup object that outlives destroy_process_group() is destroyed at interpreter
+        # exit, which can abort the process ("terminate called without an active exception")
+        from megagraph.kernels.reference.parallel import set_ep_group
+
+        set_ep_group(None)
+        if ctx is not None:
+            ctx.data_group = ctx.control_group = None
+        gc.collect()
         dist.destroy_process_group()
 
 

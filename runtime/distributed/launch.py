@@ -103,16 +103,18 @@ def _worker(fn: Callable, rank: int, nproc: int, port: int, args: tuple, results
     os.environ.update(env)
     if threads:
         torch.set_num_threads(threads)
+    ok = False
     try:
         out = fn(*args)
         buf = io.BytesIO()
         torch.save(out, buf)
         results.put((rank, True, buf.getvalue()))
+        ok = True
     except BaseException:  # noqa: BLE001 - reported to the parent, which stops every rank
         results.put((rank, False, traceback.format_exc()))
     finally:
         try:
-            shutdown()
+            shutdown(barrier=ok)
         except Exception as e:  # noqa: BLE001 - the result (or error) is already reported
             print(f"rank {rank}: shutdown failed: {e}", file=sys.stderr)
 
