@@ -170,4 +170,5 @@ def launch(fn: Callable, nproc: int, *args: Any, timeout_s: float | None = 600,
     return [got[r] for r in range(nproc)]
 
 
-__all__ = ["LAUNCHER_FLAGS", "is_rank_process", "launch", "relaunch_under_torchrun", "strip_flags", "torchrun_argv"]
+__all__ = ["LAUNCHER_FLAGS", "is_rank_process", "launch", "relaunch_under_torchrun", "strip_flags",
+           "torchrun_argv"]

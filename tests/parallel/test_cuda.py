@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from megagraph.runtime.distributed.launch import launch
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")

@@ -10,8 +10,15 @@ import torch
 from megagraph.runtime.distributed import eplb
 from megagraph.runtime.distributed.launch import launch
 
-from tests.parallel.common import (ASSIGN, SCHEDULE, compare, compile_artifacts, rank_engine,
-                                   run_schedule, save_baseline)
+from tests.parallel.common import (
+    ASSIGN,
+    SCHEDULE,
+    compare,
+    compile_artifacts,
+    rank_engine,
+    run_schedule,
+    save_baseline,
+)
 
 BOUND = 1.01  # max/mean rank load after EPLB: Zipf(s) over 384 experts, 8 ranks, 32 redundant
 
