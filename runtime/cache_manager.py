@@ -9,8 +9,9 @@ per-slot and per-token bytes of the step graph's state types.
 `CacheManager` is what the scheduler asks before running anything. It hands out slots and keeps a
 token ledger against `max_total_tokens` (default: every slot full, so nothing can overcommit;
 set lower, admission gets stricter and running requests are preempted by recompute when decode
-growth does not fit, the way a paged pool behaves). It never frees a slot that an in-flight step
-still writes: the scheduler releases only sequences with no step in flight.
+growth does not fit, the way a paged pool behaves). A slot is reusable as soon as its sequence
+will not be scheduled again: steps run in order, and the engine's count for the slot is reset by
+the step worker right before the first step of the next owner.
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ class CacheManager:
                                    f"(one full request .. every slot full), got {max_total_tokens}")
         self._tokens: dict[int, int] = {}  # owner id -> tokens reserved
         self._slot_of: dict[int, int] = {}
+        self._resets: list[int] = []
         self.tokens_used = 0
         self.preemptions = 0
 
@@ -180,12 +182,22 @@ class CacheManager:
         self._tokens[owner] = 0
 
     def release(self, owner: int) -> None:
-        """Free `owner`'s slot and tokens (no step that writes the slot may be in flight)."""
+        """Free `owner`'s slot and tokens now; the slot may be handed out again at once.
+
+        Steps run in submission order, so a step still in flight that writes the slot for its
+        old owner runs before any step of the new owner; the engine's per-slot token count is
+        reset between the two by the worker (`take_resets()` goes with the next step)."""
         self.unreserve(owner)
         self._tokens.pop(owner, None)
         slot = self._slot_of.pop(owner, None)
         if slot is not None:
-            self.engine.release(slot)
+            self.engine.slots.free(slot)
+            self._resets.append(slot)
+
+    def take_resets(self) -> list[int]:
+        """Slots whose engine token count must be reset before the next step runs."""
+        out, self._resets = self._resets, []
+        return out
 
     def usage(self) -> CacheUsage:
         used_slots = len(self._slot_of)

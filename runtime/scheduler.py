@@ -2,7 +2,8 @@
 recompute, and step N+1 assembled while step N runs.
 
 The scheduler thread owns every sequence. Each loop it takes new sequences and aborts from its
-inbox, releases finished/preempted slots (only when no step in flight writes them), assembles a
+inbox, releases the slots of sequences that will not be scheduled again (steps run in order, so a
+slot can take a new owner while its old owner's last step is still in flight), assembles a
 step and hands it to the `StepWorker`, then processes the oldest in-flight step's samples. With
 `overlap` (default) it keeps two steps in flight: while the worker runs step N, the scheduler
 builds step N+1 (decode inputs are the not-yet-known samples of step N, resolved by the worker),
@@ -145,6 +146,9 @@ class Scheduler:
             if self._stopping and not (self.waiting or self.running or inflight):
                 return
             self._release()
+            if not inflight:  # the worker is idle: reset released slots here
+                for slot in self.cache.take_resets():
+                    self.engine.cached.pop(slot, None)
             job = None
             if not inflight or (self.config.overlap and len(inflight) < 2):
                 t0 = time.perf_counter()
@@ -190,12 +194,14 @@ class Scheduler:
         self._by_id.pop(s.seq_id, None)
 
     def _release(self) -> None:
-        """Free slots of finished / preempted sequences that no in-flight step writes."""
+        """Free the slots of sequences that will not be scheduled again (finished, preempted,
+        or with their last token in flight); forget / requeue them once no sample is pending."""
         keep = []
         for s in self.running:
-            if (s.finished or s.preempt) and s.inflight == 0:
+            if s.slot >= 0 and (s.finished or s.preempt or not s.can_sample_more()):
                 self.cache.release(s.seq_id)
                 s.slot = -1
+            if s.slot < 0 and s.pending == 0 and (s.finished or s.preempt):
                 if s.finished:
                     self._forget(s)
                 else:  # preempted: recompute prompt + outputs when admitted again
@@ -223,7 +229,7 @@ class Scheduler:
         # decode first
         decodes = []
         for s in self.running:
-            if s.finished or s.preempt or not s.can_sample_more():
+            if s.finished or s.preempt or s.slot < 0 or not s.can_sample_more():
                 continue
             unfed = s.num_known - s.scheduled
             if (s.pending and unfed == 0) or (not s.pending and unfed == 1):
@@ -232,7 +238,8 @@ class Scheduler:
             if s.preempt:
                 continue
             while not self.cache.grow(s.seq_id, 1):
-                victim = next(v for v in reversed(self.running) if not (v.preempt or v.finished))
+                victim = next(v for v in reversed(self.running)
+                              if v.slot >= 0 and not (v.preempt or v.finished))
                 self._preempt(victim)
                 if victim is s:
                     break
@@ -241,8 +248,8 @@ class Scheduler:
         # then prompt chunks: continuing prefills, then admissions (decodes are not counted)
         budget = self.config.max_prefill_tokens
         for s in self.running:
-            if s.finished or s.preempt or s.pending or s.num_known - s.scheduled <= 1 \
-                    or s in seqs:
+            if s.finished or s.preempt or s.pending or s.slot < 0 \
+                    or s.num_known - s.scheduled <= 1 or s in seqs:
                 continue
             n = self._chunk_len(s)
             if n > budget:
@@ -250,7 +257,7 @@ class Scheduler:
             budget -= self._add_chunk(s, n, add)
         while self.waiting:
             s = self.waiting[0]
-            headroom = sum(1 for r in self.running if not (r.finished or r.preempt))
+            headroom = sum(1 for r in self.running if r.slot >= 0 and not r.preempt)
             if self._chunk_len(s, 0) > budget or not self.cache.can_admit(s.num_known, headroom):
                 break
             self.waiting.popleft()
@@ -260,7 +267,8 @@ class Scheduler:
             budget -= self._add_chunk(s, self._chunk_len(s), add)
         if not seqs:
             return None
-        return StepJob(seqs, tokens, samples, continues, num_decode=len(decodes))
+        return StepJob(seqs, tokens, samples, continues, num_decode=len(decodes),
+                       reset_slots=self.cache.take_resets())
 
     def _chunk_len(self, s: Sequence, start: int | None = None) -> int:
         """Tokens of the next prompt chunk. Chunks end at multiples of the prefill cap (or the

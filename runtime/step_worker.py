@@ -36,6 +36,7 @@ class StepJob:
     samples: list[int]  # indices into seqs of the sequences that sample
     continues: bool  # assembled in a busy period (worker idle before it is our overhead)
     num_decode: int = 0  # leading chunks that are single decode tokens
+    reset_slots: list[int] = field(default_factory=list)  # released since the last job
     ready: threading.Event = field(default_factory=threading.Event)
     bitmask: Any = None  # int32 [len(samples), V/32] (grammar rows), or None
     mask_rows: list[int] = field(default_factory=list)  # rows of `bitmask` to apply
@@ -91,6 +92,8 @@ class StepWorker:
             self._end = time.perf_counter()
 
     def _step(self, job: StepJob, t0: float, idle: float) -> StepResult:
+        for slot in job.reset_slots:  # previous owners' steps have all run
+            self.engine.cached.pop(slot, None)
         chunks = []
         for s, toks in zip(job.seqs, job.tokens):
             if None in toks and s.seq_id not in self._last:
