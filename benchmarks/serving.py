@@ -11,7 +11,7 @@ consecutive busy steps, with step N+1 assembled while step N runs vs. without: `
 Baseline: none on CPU (the tiny model's forward dominates); the numbers show that the serving
 path (HTTP, SSE, scheduler, detokenization, chat parsing) adds little to the forward passes.
 
-    python benchmarks/serving.py                       # 200 requests, writes results/serving-tiny-cpu.md
+    python benchmarks/serving.py                       # 200 requests -> results/serving-tiny-cpu.md
     python benchmarks/serving.py --smoke --out /tmp/s  # a few requests (the test suite runs this)
 """
 
@@ -22,7 +22,6 @@ import asyncio
 import json
 import platform
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,7 +54,8 @@ def make_requests(n: int, seed: int, max_out: int) -> list[dict]:
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        words = " ".join(rng.choice(WORDS) for _ in range(int(rng.paretovariate(1.2) * 2) % 200 + 2))
+        n_words = int(rng.paretovariate(1.2) * 2) % 200 + 2
+        words = " ".join(rng.choice(WORDS) for _ in range(n_words))
         req = {"max_tokens": rng.randint(4, max_out), "seed": i, "temperature": 1.0,
                "stream": True, "stream_options": {"include_usage": True}}
         if i % 2:
@@ -168,7 +168,8 @@ def wait_idle(base_url: str, timeout: float = 60) -> dict[str, float]:
 def overhead(before: dict, after: dict) -> dict:
     d = {k: after[k] - before.get(k, 0) for k in (
         "megagraph_scheduler_steps_total", "megagraph_scheduler_forward_seconds_total",
-        "megagraph_scheduler_exposed_overhead_seconds_total", "megagraph_scheduler_cpu_seconds_total")}
+        "megagraph_scheduler_exposed_overhead_seconds_total",
+        "megagraph_scheduler_cpu_seconds_total")}
     steps = max(d["megagraph_scheduler_steps_total"], 1)
     fwd = d["megagraph_scheduler_forward_seconds_total"]
     exp = d["megagraph_scheduler_exposed_overhead_seconds_total"]
@@ -226,9 +227,9 @@ def write_md(path: Path, args, main: dict, ov_on: dict, ov_off: dict | None, aft
         f"{after['megagraph_num_requests_waiting']:.0f}, preemptions "
         f"{after['megagraph_cache_preemptions_total']:.0f}.", "",
         "## Scheduling overhead", "",
-        "Exposed = the step worker idle between two consecutive steps of a busy period (waiting for "
-        "the scheduler to hand it the next step, or for the grammar masks / sampler states before "
-        "sampling). With overlap the scheduler builds step N+1 and post-processes step N-1 "
+        "Exposed = the step worker idle between two consecutive steps of a busy period (waiting "
+        "for the scheduler to hand it the next step, or for the grammar masks / sampler states "
+        "before sampling). With overlap the scheduler builds step N+1 and post-processes step N-1 "
         "(detokenize, stop strings, SSE events) while step N runs.", "",
         f"Same workload both ways: the first {args.compare_requests} requests of the run above, "
         "each mode on a fresh server.", "",

@@ -16,7 +16,8 @@ C = ServeConfig
 
 def add_serve_arguments(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over compiled artifacts")
-    s.add_argument("artifacts", metavar="ARTIFACTS", help="artifact dir written by `megagraph compile`")
+    s.add_argument("artifacts", metavar="ARTIFACTS",
+                   help="artifact dir written by `megagraph compile`")
     s.add_argument("--weights", metavar="DIR", help="checkpoint dir; default: random weights")
     s.add_argument("--host", default=C.host, help=f"bind address (default {C.host}: this "
                    "machine only; 0.0.0.0 to listen on every interface)")

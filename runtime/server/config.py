@@ -1,4 +1,4 @@
-"""`ServeConfig`: every start-up choice of `megagraph runtime serve` (CLI defaults come from here)."""
+"""`ServeConfig`: every start-up choice of `megagraph runtime serve` (CLI defaults from here)."""
 
 from __future__ import annotations
 

@@ -56,7 +56,8 @@ def parse_logit_bias(body: Mapping, vocab: int) -> dict[int, float] | None:
         except (TypeError, ValueError):
             raise bad_request("logit_bias", f"key {k!r} is not a token id") from None
         if not 0 <= t < vocab:
-            raise bad_request("logit_bias", f"token id {t} is outside the vocabulary (0..{vocab - 1})")
+            raise bad_request("logit_bias",
+                              f"token id {t} is outside the vocabulary (0..{vocab - 1})")
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
             raise bad_request("logit_bias", f"bias of token {t} must be a number in [-100, 100]")
         out[t] = float(b)

@@ -33,8 +33,9 @@ def test_disconnect_mid_stream_frees_the_request_state(server):
             assert mid["megagraph_cache_slots_used"] >= 1  # the request holds a slot
         # leaving the block closes the connection mid-stream
     after = wait_idle(server)  # slot and token ledger back to zero, nothing queued
-    assert after["megagraph_requests_aborted_total"] == before["megagraph_requests_aborted_total"] + 1
-    assert after["megagraph_generation_tokens_total"] - before["megagraph_generation_tokens_total"] < 400
+    aborted, tokens = "megagraph_requests_aborted_total", "megagraph_generation_tokens_total"
+    assert after[aborted] == before[aborted] + 1
+    assert after[tokens] - before[tokens] < 400
 
 
 def test_disconnect_while_waiting_for_a_non_streaming_answer(server):
