@@ -85,6 +85,7 @@ class Scheduler:
         self._inbox: list[Sequence] = []
         self._aborts: list[tuple[int, str]] = []
         self._by_id: dict[int, Sequence] = {}
+        self._inflight: deque[StepJob] = deque()  # submitted, results not processed yet
         self._stopping = False
         self._abort_everything: str | None = None
         self.dead: BaseException | None = None
@@ -131,6 +132,8 @@ class Scheduler:
             self._loop()
         except BaseException as e:  # noqa: BLE001 - never leave a request hanging
             self.dead = e
+            for job in self._inflight:  # let the worker finish what it holds
+                job.ready.set()
             for s in list(self._by_id.values()) + self._inbox:
                 if not s.finished:
                     s.finish_reason = "error"
@@ -139,7 +142,7 @@ class Scheduler:
             self.on_flush()
 
     def _loop(self) -> None:
-        inflight: deque[StepJob] = deque()
+        inflight = self._inflight
         while True:
             self._take_inbox()
             self.on_flush()

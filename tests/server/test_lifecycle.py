@@ -119,3 +119,24 @@ def test_shutdown_drains_in_flight_streams(server_config):
     with pytest.raises(httpx.ConnectError):
         httpx.get(srv.base_url + "/health", timeout=2)
     assert srv.service.scheduler.dead is None and not srv.service.scheduler._thread.is_alive()
+
+
+def test_a_dead_engine_loop_fails_requests_and_reports_unhealthy(server_config):
+    srv = start_server(fresh_config(server_config, api_key=None, grammar=False))
+    try:
+        sch = srv.service.scheduler
+
+        def broken(s, tok):
+            raise RuntimeError("scheduler bug")
+
+        sch._commit = broken
+        client = srv.client()
+        with pytest.raises(openai.InternalServerError) as e:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+        assert "scheduler bug" in e.value.body["message"]
+        assert httpx.get(srv.base_url + "/health").status_code == 503
+        with pytest.raises(openai.InternalServerError) as e:  # 503: refused, not hung
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+        assert e.value.status_code == 503
+    finally:
+        srv.stop()
