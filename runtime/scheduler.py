@@ -72,10 +72,10 @@ class Scheduler:
     def __init__(self, engine, cache: CacheManager, config: SchedulerConfig = SchedulerConfig(),
                  grammar_factory=None, *, seed: int = 0,
                  on_step: Callable[[StepJob, StepResult], None] | None = None,
-                 on_flush: Callable[[], None] | None = None):
+                 on_flush: Callable[[], None] | None = None, lockstep: bool = False):
         self.engine, self.cache, self.config = engine, cache, config
         self.grammar = grammar_factory
-        self.worker = StepWorker(engine, grammar_factory, seed=seed)
+        self.worker = StepWorker(engine, grammar_factory, seed=seed, lockstep=lockstep)
         self.stats = SchedulerStats()
         self.on_step = on_step
         self.on_flush = on_flush or (lambda: None)  # after each batch of sink() calls

@@ -9,6 +9,11 @@ the worker resolves it from its own last results, as SGLang's future token map d
 Before sampling, a job waits for `ready`: the scheduler sets it once it has committed the
 previous step's tokens into the sampler states (penalties) and filled this step's grammar
 bitmask, which it does while this job's forward runs.
+
+`lockstep` (one rank of a data-parallel job, runtime/distributed): every rank must take part in
+every global step, so with no job queued the worker joins the step with no tokens
+(`RankEngine.step([])`: the expert-parallel layers still serve the other ranks), waiting a few
+milliseconds between steps only while no rank has work; `close()` ends with `finish()`.
 """
 
 from __future__ import annotations
@@ -59,8 +64,11 @@ class StepResult:
 class StepWorker:
     """Runs jobs on a thread; `submit(job)` returns at once, `job.future` gives a StepResult."""
 
-    def __init__(self, engine, grammar_factory=None, *, seed: int = 0):
+    IDLE_WAIT_S = 0.005  # between global steps nobody had tokens for (lockstep)
+
+    def __init__(self, engine, grammar_factory=None, *, seed: int = 0, lockstep: bool = False):
         self.engine = engine
+        self.lockstep = lockstep
         self.grammar = grammar_factory
         self.rng = torch.Generator(engine.device).manual_seed(seed)
         self._q: queue.Queue[StepJob | None] = queue.Queue()
@@ -77,10 +85,30 @@ class StepWorker:
         self._q.put(None)
         self._thread.join(timeout=30)
 
+    def _next(self) -> StepJob | None:
+        """The next job; in lockstep mode, idle global steps until one comes."""
+        if not self.lockstep:
+            return self._q.get()
+        wait = 0.0
+        while True:
+            try:
+                return self._q.get(timeout=wait) if wait else self._q.get_nowait()
+            except queue.Empty:
+                pass
+            skipped = self.engine.stats.skipped
+            try:
+                self.engine.step([])
+            except Exception:  # noqa: BLE001 - another rank's bad step: its requests fail there
+                pass
+            self._end = None
+            wait = self.IDLE_WAIT_S if self.engine.stats.skipped > skipped else 0.0
+
     def _run(self) -> None:
         while True:
-            job = self._q.get()
+            job = self._next()
             if job is None:
+                if self.lockstep:
+                    self.engine.finish()
                 return
             t0 = time.perf_counter()
             idle = t0 - self._end if (self._end is not None and job.continues) else 0.0

@@ -7,6 +7,7 @@ otherwise); /health and /metrics stay open for probes and scrapers.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -24,15 +25,18 @@ from .errors import APIError, error_body
 MAX_BODY_BYTES = 32 * 2**20
 
 
-def create_app(service, *, close_on_shutdown: bool = True) -> FastAPI:
+def create_app(service, *, close_on_shutdown: bool = True, router=None) -> FastAPI:
     """An app over a started `ServingEngine`; its lifespan closes the service on shutdown
-    (uvicorn has drained the in-flight requests by then)."""
+    (uvicorn has drained the in-flight requests by then). `router` (rank 0 of a data-parallel
+    job, dp_router.py) spreads generation requests over the ranks."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        if router is not None:
+            await router.close()
         if close_on_shutdown:
-            service.close(timeout=service.config.drain_timeout)
+            await asyncio.to_thread(service.close, timeout=service.config.drain_timeout)
 
     app = FastAPI(title="megagraph", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.service = service
@@ -77,13 +81,19 @@ def create_app(service, *, close_on_shutdown: bool = True) -> FastAPI:
                            f"{', '.join(names)})", "model", "model_not_found")
         return body
 
+    async def generation(request: Request, path: str, handler):
+        body = await body_of(request)
+        if router is None:
+            return await handler(service, request, body)
+        return await router.route(request, path, lambda: handler(service, request, body))
+
     @app.post("/v1/chat/completions")
     async def _chat(request: Request):
-        return await chat_completions(service, request, await body_of(request))
+        return await generation(request, "/v1/chat/completions", chat_completions)
 
     @app.post("/v1/completions")
     async def _completions(request: Request):
-        return await completions(service, request, await body_of(request))
+        return await generation(request, "/v1/completions", completions)
 
     @app.get("/v1/models")
     async def _models():
@@ -96,6 +106,9 @@ def create_app(service, *, close_on_shutdown: bool = True) -> FastAPI:
     async def _health():
         if not service.healthy:
             return JSONResponse({"status": "dead"}, status_code=503)
+        if router is not None and not await router.healthy():
+            return JSONResponse({"status": "starting (waiting for the other ranks)"},
+                                status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -2,11 +2,13 @@
 
 uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish for up to
 `--drain-timeout` seconds, then the app's lifespan aborts what is left and stops the engine.
+`--nproc N` runs N ranks under torchrun (dp_router.py says how requests reach them).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from .config import ServeConfig
@@ -48,7 +50,9 @@ def add_serve_arguments(sub) -> None:
     s.add_argument("--seed", type=int, default=C.seed)
     s.add_argument("--drain-timeout", type=float, default=C.drain_timeout,
                    help="seconds in-flight requests get on shutdown")
-    s.add_argument("--nproc", type=int, default=1, help="ranks (data-parallel attention + EP)")
+    s.add_argument("--nproc", type=int, default=1,
+                   help="ranks on this node for artifacts compiled with --dp N --ep N (re-runs "
+                   "itself under torchrun; rank r > 0 serves 127.0.0.1:PORT+r for rank 0)")
     s.add_argument("--log-level", default=C.log_level)
 
 
@@ -72,34 +76,54 @@ def serve_main(args: argparse.Namespace) -> int:
     from ..plan import ArtifactsError
     from ..weights import FitError
 
-    if args.nproc > 1:
-        print("megagraph runtime serve: error: --nproc > 1 is not served yet: the DEP rank "
-              "engine (runtime/distributed) runs `python -m megagraph.runtime.distributed "
-              "generate ARTIFACTS --nproc N`, but the server's scheduler does not drive ranks "
-              "yet; serve one process per GPU (--nproc 1) for now", file=sys.stderr)
-        return 2
+    ctx = None
+    from ..distributed.launch import is_rank_process
+
+    if args.nproc > 1 or is_rank_process():  # ranks get the command without --nproc
+        from ..distributed import init_from_env, relaunch_under_torchrun
+
+        # not a rank yet: re-exec this command under torchrun (never returns)
+        relaunch_under_torchrun(args.nproc, sys.argv[1:])
+        ctx = init_from_env(device=args.device)
     try:
         import uvicorn
 
         from .app import create_app
+        from .dp_router import DPRouter
         from .service import ServingEngine
     except ImportError as e:
         print(f"megagraph runtime serve: error: {e.name} is not installed "
               "(pip install 'megagraph[serve]')", file=sys.stderr)
         return 2
     cfg = config_from_args(args)
+    router = None
+    if ctx is not None:
+        if ctx.rank == 0:
+            router = DPRouter(ctx.world, cfg.port)
+        else:  # an internal server rank 0 proxies to
+            cfg = dataclasses.replace(cfg, host="127.0.0.1", port=cfg.port + ctx.rank,
+                                      api_key=None, log_level="warning")
     try:
-        service = ServingEngine.start(cfg)
+        service = ServingEngine.start(cfg, ctx)
     except (ValueError, FitError, CheckpointError, ConfigError, FileNotFoundError,
             ArtifactsError, CacheSizingError) as e:
         print(f"megagraph runtime serve: error: {e}", file=sys.stderr)
         return 2
-    for line in startup_lines(service):
-        print(f"[megagraph] {line}", file=sys.stderr)
+    if ctx is None or ctx.rank == 0:
+        for line in startup_lines(service):
+            print(f"[megagraph] {line}", file=sys.stderr)
+    if ctx is not None:
+        print(f"[megagraph] {ctx}: serving on http://{cfg.host}:{cfg.port}", file=sys.stderr)
     server = uvicorn.Server(uvicorn.Config(
-        create_app(service), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-        timeout_graceful_shutdown=max(int(cfg.drain_timeout), 1)))
-    server.run()
+        create_app(service, router=router), host=cfg.host, port=cfg.port,
+        log_level=cfg.log_level, timeout_graceful_shutdown=max(int(cfg.drain_timeout), 1)))
+    try:
+        server.run()
+    finally:
+        if ctx is not None:
+            from ..distributed import shutdown
+
+            shutdown(ctx)
     return 0
 
 

@@ -125,7 +125,7 @@ def completion_logprobs(service, lps, offset: int) -> dict[str, Any]:
         text, _ = service.token_text(lp.token_id)
         tokens.append(text)
         token_lps.append(lp.logprob)
-        tops.append({service.token_text(t)[0]: v for t, v in lp.top} if lp.top else None)
+        tops.append({service.token_text(t)[0]: v for t, v in lp.top})
         offsets.append(offset)
         if lp.token_id not in (service._skip or ()):  # skipped specials add no text
             offset += len(text)

@@ -8,6 +8,7 @@ so `RequestStream.events()` always ends; `abort()` is safe to call any number of
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
 import time
@@ -105,8 +106,8 @@ class RequestStream:
 class ServingEngine:
     """Everything a route needs; built once at start-up (`ServingEngine.start(config)`)."""
 
-    def __init__(self, engine, config: ServeConfig, sizing):
-        self.engine, self.config, self.sizing = engine, config, sizing
+    def __init__(self, engine, config: ServeConfig, sizing, ctx=None):
+        self.engine, self.config, self.sizing, self.ctx = engine, config, sizing, ctx
         cfg = engine.cfg
         self.model_name = config.served_model_name or cfg.name
         self.capacity = engine.config.capacity
@@ -122,12 +123,14 @@ class ServingEngine:
         self._buses: dict = {}
         self.cache = CacheManager(engine, sizing, config.max_total_tokens)
         self.metrics = Metrics(self)
+        cap = config.prefill_cap(engine.plan)
+        if getattr(engine, "sites", None):  # expert parallel: the dispatch buffers' token limit
+            cap = min(cap, max(engine.layout.max_tokens - sizing.slots, 1))
         self.scheduler = Scheduler(
-            engine, self.cache, SchedulerConfig(max_prefill_tokens=config.prefill_cap(engine.plan),
-                                                max_queue=config.max_queue,
+            engine, self.cache, SchedulerConfig(max_prefill_tokens=cap, max_queue=config.max_queue,
                                                 overlap=config.overlap),
             self.grammar, seed=config.seed, on_step=self.metrics.on_step,
-            on_flush=self._flush)
+            on_flush=self._flush, lockstep=ctx is not None and ctx.world > 1)
         self._ids = itertools.count()
         self.eos_id = cfg.eos_token_id
         extra = range(self.tokenizer.vocab_size, cfg.vocab_size) if self.tokenizer else ()
@@ -136,17 +139,26 @@ class ServingEngine:
             self.detokenizer().push([0])
 
     @classmethod
-    def start(cls, config: ServeConfig) -> "ServingEngine":
+    def start(cls, config: ServeConfig, ctx=None) -> "ServingEngine":
+        """Load the artifacts and start the engine loop; `ctx` (runtime.distributed) makes this
+        process one rank of a data-parallel + expert-parallel job."""
         from ..engine import Engine
         from ..plan import RunPlan
 
         plan = RunPlan.from_artifacts(config.artifacts)
         wbytes = int(plan.memory.get("weights", {}).get("device_bytes", 0))
+        device = str(ctx.device) if ctx is not None else config.device
         sizing = size_cache(plan.graph, capacity=config.capacity, max_running=config.max_running,
                             weight_bytes=wbytes, mem_fraction=config.mem_fraction,
-                            state_bytes=config.state_bytes, device=config.device)
-        engine = Engine(plan, config.weights, config.engine_config(sizing.slots))
-        return cls(engine, config, sizing)
+                            state_bytes=config.state_bytes, device=device)
+        ecfg = dataclasses.replace(config.engine_config(sizing.slots), device=device)
+        if ctx is None:
+            engine = Engine(plan, config.weights, ecfg)
+        else:
+            from ..distributed import RankEngine
+
+            engine = RankEngine(plan, config.weights, ecfg, ctx=ctx)
+        return cls(engine, config, sizing, ctx)
 
     # ------------------------------------------------------------------------------ requests
     def _flush(self) -> None:  # scheduler thread, after each batch of events

@@ -23,12 +23,9 @@ def test_disconnect_mid_stream_frees_the_request_state(server):
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", server.base_url + "/v1/completions", json=body, headers=AUTH) as r:
             assert r.status_code == 200
-            seen = 0
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    seen += 1
-                if seen >= 3:
-                    break
+            lines, seen = r.iter_lines(), 0  # keep the iterator: dropping it closes the stream
+            while seen < 3:
+                seen += next(lines).startswith("data: {")
             mid = server.metrics()
             assert mid["megagraph_cache_slots_used"] >= 1  # the request holds a slot
         # leaving the block closes the connection mid-stream
