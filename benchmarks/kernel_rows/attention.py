@@ -170,9 +170,9 @@ def attention_rows(device, smoke, t_end) -> list[dict]:
     if smoke:
         decode = [(4, 1024)]
     variants = {"default": None,
-                "h16w4s-auto": A.AttnConfig(16, 32, 4, 2, 0), "h32w4": A.AttnConfig(32, 32, 4, 2, 0),
-                "h64w8": A.AttnConfig(64, 32, 8, 2, 0), "h64w8n64": A.AttnConfig(64, 64, 8, 2, 0),
-                "h16w4n64": A.AttnConfig(16, 64, 4, 2, 0)}
+                "h16w4": A.AttnConfig(16, 32, 4, 2, 0), "h32w8": A.AttnConfig(32, 32, 8, 2, 0),
+                "h64w8": A.AttnConfig(64, 32, 8, 2, 0), "h16w8n16": A.AttnConfig(16, 16, 8, 2, 0),
+                "h16w8s1": A.AttnConfig(16, 32, 8, 1, 0)}
     for ratio in (2, 1):
         for R, ctx in decode:
             if time.perf_counter() > t_end:
@@ -212,8 +212,8 @@ def attention_rows(device, smoke, t_end) -> list[dict]:
         byt, fl = _count_attn(args, ratio)
         times = {}
         for name, cfg in {"prefill-default": None, "h64w8": A.AttnConfig(64, 32, 8, 2, 1),
-                          "h32w4": A.AttnConfig(32, 32, 4, 2, 1),
-                          "h64w8n64": A.AttnConfig(64, 64, 8, 2, 1)}.items():
+                          "h32w8": A.AttnConfig(32, 32, 8, 2, 1),
+                          "h16w4": A.AttnConfig(16, 32, 4, 2, 1)}.items():
             try:
                 times[name] = time_ms(lambda: A.launch(
                     *args[:10], window=128, scale=kw["scale"], ratio=ratio, attend_all=False,

@@ -48,13 +48,17 @@ class AttnConfig:
 
     block_h: int = 16
     block_n: int = 32
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 2
     splits: int = 0
 
 
+# 16 heads x 32 keys with 8 warps is the launch shape whose sm_90 build does not spill (cuobjdump
+# resource usage: 4 warps or 32/64 heads or 64 keys per tile spill 0.4-1.8 KB of stack; 64 heads
+# do run on wgmma). Timings on the H200 may move this: benchmarks/kernel_rows/attention.py sweeps.
 DECODE = AttnConfig()
-PREFILL = AttnConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, splits=1)
+PREFILL = AttnConfig(splits=1)
+COMBINE_HEADS = 16  # heads per program of the merge kernel (64 spills its 64 x 512 accumulator)
 PREFILL_TOKENS = 1024  # from this many tokens on, PREFILL (no split, fused epilogue)
 
 
@@ -203,9 +207,9 @@ def launch(q: Tensor, kv: Tensor, ring: Tensor, ckv: Tensor | None, topk: Tensor
         MANUAL_FP8=INTERPRET, DOT_F32=q.dtype == torch.float32 or INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if ns > 1:
-        sparse_attn_combine[(T, nhb)](
+        sparse_attn_combine[(T, triton.cdiv(H, COMBINE_HEADS))](
             po, pml, positions, sinkf, freqs, o, os_, H,
-            D=D, BLOCK_H=bh, NS=ns, MODE=mode, ROPE_DIM=rope_dim, QBLOCK=qb, E8M0=e8,
+            D=D, BLOCK_H=COMBINE_HEADS, NS=ns, MODE=mode, ROPE_DIM=rope_dim, QBLOCK=qb, E8M0=e8,
             MANUAL_FP8=INTERPRET, OUT_DT=_TL_DTYPES[q.dtype], num_warps=4)
     return o if quant is None else _scales(o, os_, e8)
 

@@ -90,7 +90,7 @@ def compress_rows(proj_ptr, pk_ptr, pg_ptr, normw_ptr, wk_ptr, knormw_ptr, freq_
         g = ((p + 1) // RATIO - 1).to(tl.int64)
         pos_f = (p + offset).to(tl.float32)
         ssq = tl.zeros([BT], tl.float32)
-        for c0 in tl.static_range(0, DC, CK):
+        for c0 in range(0, DC, CK):
             ch = c0 + tl.arange(0, CK)
             u = _pooled(proj_ptr, pk_ptr, pg_ptr, rows, tmask, p, first, slot, ch,
                         s_pr, s_ps, s_pp, DC, RATIO, BT, CK)
@@ -98,7 +98,7 @@ def compress_rows(proj_ptr, pk_ptr, pg_ptr, normw_ptr, wk_ptr, knormw_ptr, freq_
         rstd = tl.math.rsqrt(ssq / DC + eps)
         dk = tl.arange(0, DI)
         ik = tl.zeros([BT, DI], tl.float32)
-        for c0 in tl.static_range(0, DC, CK):
+        for c0 in range(0, DC, CK):
             ch = c0 + tl.arange(0, CK)
             u = _pooled(proj_ptr, pk_ptr, pg_ptr, rows, tmask, p, first, slot, ch,
                         s_pr, s_ps, s_pp, DC, RATIO, BT, CK)

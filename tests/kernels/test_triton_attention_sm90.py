@@ -1,0 +1,124 @@
+"""The Triton CSA2 kernels compile for sm_90 (Hopper) ahead of time, without a GPU, in the launch
+shapes the wrappers use, with at most 64 bytes of stack per thread (no register-spill storm: the
+shapes were picked from this build's resource usage) and on the tensor cores where they multiply.
+
+Uses triton.compile with a GPUTarget and the cuobjdump that ships with Triton; skipped where
+triton (or that API) is missing. Compiling takes a few seconds per kernel.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs triton (compiling, not the interpreter)")
+
+ATTN = dict(q_ptr="*bf16", kv_ptr="*bf16", ring_ptr="*bf16", ckv_ptr="*bf16", topk_ptr="*i64",
+            sink_ptr="*fp32", pos_ptr="*i64", req_ptr="*i64", slot_ptr="*i64", cached_ptr="*i64",
+            freq_ptr="*fp32", o_ptr="*fp8e4nv", os_ptr="*fp32", po_ptr="*fp32", pml_ptr="*fp32",
+            T="i32", H="i32", C="i32", ratio="i32", scale_log2="fp32", s_qt="i32", s_qh="i32",
+            s_kvt="i32", s_rs="i32", s_rw="i32", s_cs="i32", s_cc="i32", s_tt="i32")
+ATTN_C = dict(W=128, D=512, K=512, NT_STEP=4, BLOCK_H=16, BLOCK_N=32, NS=1, HAS_COMP=True,
+              ALL_COMP=False, MODE=1, ROPE_DIM=64, QBLOCK=128, E8M0=False, MANUAL_FP8=False,
+              DOT_F32=False)
+
+
+def cases():
+    import triton.language as tl
+
+    from megagraph.kernels.triton import attention as A
+    from megagraph.kernels.triton import compressor as C
+    from megagraph.kernels.triton import indexer as I
+
+    a = A.DECODE
+    idx = dict(qi_ptr="*bf16", w_ptr="*bf16", ikey_ptr="*fp32", out_ptr="*fp32", pos_ptr="*i64",
+               items_ptr="*i64", ivalid_ptr="*i8", tslot_ptr="*i64", C="i32", ratio="i32",
+               weight_scale="fp32", s_qt="i32", s_qh="i32", s_wt="i32", s_ks="i32", s_kc="i32",
+               s_ot="i32")
+    gemm = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp32", M="i32", N="i32", Kd="i32",
+                s_xm="i32", s_wn="i32", s_om="i32")
+    rows = dict(proj_ptr="*fp32", pk_ptr="*fp32", pg_ptr="*fp32", normw_ptr="*fp32", wk_ptr="*bf16",
+                knormw_ptr="*fp32", freq_ptr="*fp32", ikey_ptr="*fp32", ckv_ptr="*bf16",
+                pos_ptr="*i64", req_ptr="*i64", slots_ptr="*i64", first_ptr="*i64", T="i32",
+                eps="fp32", offset="i32", s_pr="i32", s_ps="i32", s_pp="i32", s_wk="i32",
+                s_is="i32", s_ic="i32", s_cs="i32", s_cc="i32")
+    comb = dict(po_ptr="*fp32", pml_ptr="*fp32", pos_ptr="*i64", sink_ptr="*fp32",
+                freq_ptr="*fp32", o_ptr="*fp8e4nv", os_ptr="*fp32", H="i32")
+    out = {
+        "attn decode q-epilogue": ("attention_jit", "sparse_attn_fwd", ATTN,
+                                   dict(ATTN_C, BLOCK_H=a.block_h, BLOCK_N=a.block_n), a.num_warps, "HMMA"),
+        "attn decode split": ("attention_jit", "sparse_attn_fwd", ATTN,
+                              dict(ATTN_C, NS=4, BLOCK_H=a.block_h, BLOCK_N=a.block_n), a.num_warps, "HMMA"),
+        "attn plain": ("attention_jit", "sparse_attn_fwd", dict(ATTN, o_ptr="*bf16"),
+                       dict(ATTN_C, MODE=0, BLOCK_H=a.block_h, BLOCK_N=a.block_n), a.num_warps, "HMMA"),
+        "attn combine": ("attention_jit", "sparse_attn_combine", comb,
+                         dict(D=512, BLOCK_H=A.COMBINE_HEADS, NS=4, MODE=1, ROPE_DIM=64, QBLOCK=128,
+                              E8M0=False, MANUAL_FP8=False, OUT_DT=tl.bfloat16), 4, None),
+        "index decode": ("indexer_jit", "index_scores_fwd", idx,
+                         dict(HI=32, DI=128, BT=1, BC=I.BLOCK_C, PREC=I.PRECISION), 8, "HMMA"),
+        "index prefill": ("indexer_jit", "index_scores_fwd", idx,
+                          dict(HI=32, DI=128, BT=4, BC=I.BLOCK_C, PREC=I.PRECISION), 8, "HGMMA"),
+        "compressor gemm": ("compressor_jit", "proj_gemm", gemm,
+                            dict(BM=64, BN=128, BK=64, DOT_F32=False), 8, "HGMMA"),
+        "compressor gemm small": ("compressor_jit", "proj_gemm", gemm,
+                                  dict(BM=16, BN=64, BK=64, DOT_F32=False), 4, "HMMA"),
+    }
+    for r in (1, 2):
+        out[f"compressor rows r{r}"] = (
+            "compressor_jit", "compress_rows", rows,
+            dict(DC=512, DI=128, RATIO=r, ROPE_DIM=64, BT=C.ROW_TILE, CK=C.CHUNK, IK_FMT=2,
+                 IK_BLOCK=32, CKV_FMT=3, CKV_BLOCK=16, MANUAL_FP8=False, PREC="tf32x3"), 8, "HMMA")
+    ring = dict(pos_ptr="*i64", req_ptr="*i64", slots_ptr="*i64", last_ptr="*i64", s_rs="i32",
+                s_rw="i32", s_kt="i32", **{f"{x}{j}": "*bf16" for j in range(8) for x in "rk"})
+    out["ring copy"] = ("ring_jit", "ring_copy", ring, dict(D=512, W=128, NP=8, BD=512), 4, None)
+    out["engram hash"] = ("engram_jit", "engram_hash_fwd",
+                          dict(cids_ptr="*i64", hist_ptr="*i64", pos_ptr="*i64", req_ptr="*i64",
+                               slots_ptr="*i64", cached_ptr="*i64", tab_ptr="*i64", out_ptr="*i64",
+                               T="i32", pad_id="i32", s_h="i32"), dict(K=4, NH=8, BT=64), 2, None)
+    out["engram gate"] = ("engram_jit", "engram_gate_fwd",
+                          dict(h_ptr="*bf16", kv_ptr="*bf16", qw_ptr="*fp32", kw_ptr="*fp32",
+                               out_ptr="*bf16", eps="fp32", inv_sqrt_d="fp32", s_ht="i32",
+                               s_hn="i32", s_kvt="i32", s_ot="i32", s_on="i32"),
+                          dict(N=4, D=5120, BD=1024, MANUAL=False), 4, None)
+    return out
+
+
+NAMES = ["attn decode q-epilogue", "attn decode split", "attn plain", "attn combine", "index decode",
+         "index prefill", "compressor gemm", "compressor gemm small", "compressor rows r1",
+         "compressor rows r2", "ring copy", "engram hash", "engram gate"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compiles_for_sm90_without_spills(name, tmp_path):
+    import importlib
+
+    import triton
+
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        pytest.skip("this triton has no ahead-of-time compile API")
+    mod, fn_name, types, consts, warps, mma = cases()[name]
+    fn = getattr(importlib.import_module(f"megagraph.kernels.triton.{mod}"), fn_name)
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 128),
+                       options=dict(num_warps=warps, num_stages=2))
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        pytest.skip("no cuobjdump in this triton")
+    usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True,
+                           text=True, check=True).stdout
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    assert stack <= 64, f"{name}: {stack} bytes of stack per thread ({usage.strip()})"
+    if mma:
+        sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+        assert re.search(rf"\b{mma}\b", sass), f"{name}: no {mma} in the SASS"
