@@ -20,9 +20,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-
-
 # ---------------------------------------------------------------------------------------------
 # number formats
 # ---------------------------------------------------------------------------------------------
@@ -187,7 +184,7 @@ def _finish(acc, m_i, l_i, heads, hmask, t, p, sink_ptr, freq_ptr, o_ptr, os_ptr
     MODE 1: round to OUT_DT (q's dtype), inverse RoPE at p, round to OUT_DT again (the unfused
             graph's rounding points), quantize per QBLOCK channels to E4M3 with a power-of-two
             scale (f32, or e8m0 bytes if E8M0), store o_q [T, H*D] and scales [T, H*D/QBLOCK]."""
-    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634  # log2 e
     den = l_i + tl.exp2(sink - m_i)
     o = acc / den[:, None]
     o = tl.where((l_i > 0)[:, None], o, 0.0)
