@@ -19,7 +19,8 @@ class KernelImpl:
 
     name: str  # e.g. "deepgemm.fp8_fp4_mega_moe"
     needs: frozenset[str]  # capabilities the device must have
-    status: str  # "available" or "planned"
+    status: str  # "available" (validated on its device), "unvalidated" (built, passes the CPU /
+    #               interpreter tests, not yet run on its device: opt-in) or "planned"
     note: str = ""  # what it is / what it takes
 
 
@@ -42,46 +43,46 @@ KERNELS: dict[str, list[KernelImpl]] = {
                                    note="recipe (1,1,32)")],
     "linear_q[act_fmt=fp8_1x128]": [_k("deepgemm.fp8_gemm_nt", "sm_90 deepgemm",
                                        note="recipe (1,128,128)"),
-                                    _k("triton.fp8_block_gemm", "sm_90 triton", "available",
+                                    _k("triton.fp8_block_gemm", "sm_90 triton", "unvalidated",
                                        note=TRITON_GEMM)],
     "grouped_linear_q[act_fmt=mxfp8]": [_k("deepgemm.fp8_einsum", f"{BLACKWELL_GEMM} mxfp8")],
     "grouped_linear_q[act_fmt=fp8_1x128]": [_k("triton.grouped_fp8_gemm", "sm_90 triton",
-                                               "available", note=f"{TRITON_GEMM}, batched")],
+                                               "unvalidated", note=f"{TRITON_GEMM}, batched")],
     "moe_experts": [_k("triton.moe_mxfp4", "cuda triton")],
     "moe_experts_q[act_fmt=mxfp8]": [_k("deepgemm.m_grouped_fp8_fp4_gemm_nt_masked",
                                         f"{BLACKWELL_GEMM} mxfp4")],
-    "moe_experts_q[act_fmt=fp8_1x128]": [_k("triton.moe_fp8_mxfp4", "sm_90 triton", "available",
+    "moe_experts_q[act_fmt=fp8_1x128]": [_k("triton.moe_fp8_mxfp4", "sm_90 triton", "unvalidated",
                                             note=TRITON_MOE)],
-    "swiglu_mlp_q[act_fmt=fp8_1x128]": [_k("triton.swiglu_fp8_block", "sm_90 triton", "available",
+    "swiglu_mlp_q[act_fmt=fp8_1x128]": [_k("triton.swiglu_fp8_block", "sm_90 triton", "unvalidated",
                                            note=f"{TRITON_GEMM}, SwiGLU-clamp epilogue")],
     "mega_mhc": [_k("deepgemm.mega_mhc", f"{BLACKWELL_GEMM}"),
-                 _k("triton.mega_mhc", "sm_90 triton", "available",
+                 _k("triton.mega_mhc", "sm_90 triton", "unvalidated",
                     note="kernels/triton/mhc.py: projection (split-K when few tokens) + finish")],
     "mega_moe": [_k("deepgemm.fp8_fp4_mega_moe", f"{BLACKWELL_GEMM} mxfp4"),
-                 _k("triton.mega_moe", "sm_90 triton", "available",
+                 _k("triton.mega_moe", "sm_90 triton", "unvalidated",
                     note=f"{TRITON_MOE}; router, permutation, shared expert, combine + expand")],
     "hc_mixer": [_k("deepgemm.tf32_hc_prenorm_gemm+triton.sinkhorn", "cuda deepgemm triton")],
     "sparse_attn": [_k("flashmla.sparse_fwd", "cuda flashmla"),
-                    _k("triton.sparse_attn", "sm_90 triton", "available", note=TRITON_ATTN)],
+                    _k("triton.sparse_attn", "sm_90 triton", "unvalidated", note=TRITON_ATTN)],
     "sparse_attn_q": [_k("flashmla.mega_attention", "sm_100f flashmla mxfp8"),
-                      _k("triton.sparse_attn_q", "sm_90 triton", "available",
+                      _k("triton.sparse_attn_q", "sm_90 triton", "unvalidated",
                          note=f"{TRITON_ATTN}; inverse RoPE + quantization epilogue")],
     "index_scores": [_k("deepgemm.fp8_fp4_mqa_logits", f"{BLACKWELL_GEMM} mxfp4"),
                      _k("deepgemm.fp8_mqa_logits", "sm_90 deepgemm"),
-                     _k("triton.index_scores", "sm_90 triton", "available",
+                     _k("triton.index_scores", "sm_90 triton", "unvalidated",
                         note="kernels/triton/indexer.py: request tiles, tf32x3 products")],
     "candidate_mask": [_k("capturable", "sm_90", "available", note="device torch, no host sync")],
     "topk_select": [_k("capturable", "sm_90", "available", note="device torch.topk + sort")],
     "quantize_act": [_k("triton.quantize_act", "cuda triton")],
-    "compressor": [_k("triton.compressor", "sm_90 triton", "available",
+    "compressor": [_k("triton.compressor", "sm_90 triton", "unvalidated",
                       note="kernels/triton/compressor.py: GEMM + pool/norm/RoPE/fake-quant rows"),
                    _k("triton.compressor", "cuda triton")],
-    "ring_update_batched": [_k("triton.ring_copy_batched", "sm_90 triton", "available",
+    "ring_update_batched": [_k("triton.ring_copy_batched", "sm_90 triton", "unvalidated",
                                note="kernels/triton/ring.py: 8 rings per launch"),
                             _k("triton.ring_copy_batched", "cuda triton")],
-    "ring_update": [_k("triton.ring_update", "sm_90 triton", "available")],
-    "engram_hash": [_k("triton.engram_hash", "sm_90 triton", "available")],
-    "engram_gate": [_k("triton.engram_gate", "sm_90 triton", "available")],
+    "ring_update": [_k("triton.ring_update", "sm_90 triton", "unvalidated")],
+    "engram_hash": [_k("triton.engram_hash", "sm_90 triton", "unvalidated")],
+    "engram_gate": [_k("triton.engram_gate", "sm_90 triton", "unvalidated")],
     "engram_lookup": [_k("host.engram_gather", "", note="CPU gather from the memory-mapped table")],
     # expert parallelism (kernels/reference/parallel.py; docs/parallelism.md)
     "ep_place": [_k("torch.ep_place", "cuda", "available", note="sync-free torch, capturable")],
@@ -139,17 +140,48 @@ def kernel_key(op: str, attrs: dict) -> str:
     return op
 
 
+UNVALIDATED_ENV = "MEGAGRAPH_UNVALIDATED_KERNELS"  # "1": plans may pick kernels not yet run on a device
+
+
+def use_unvalidated() -> bool:
+    import os
+
+    return os.environ.get(UNVALIDATED_ENV, "") == "1"
+
+
+def _has_capturable(op: str) -> bool:
+    try:
+        from megagraph.kernels.capturable import CAPTURABLE
+    except ImportError:
+        return False
+    return op in CAPTURABLE
+
+
 def choose_kernel(op: str, attrs: dict, caps: frozenset[str], arch: str) -> tuple[str, str]:
-    """(implementation name, reason) for one op variant on a device with `caps`."""
+    """(implementation name, reason) for one op variant on a device with `caps`.
+
+    Preference: a validated fast kernel; an unvalidated one only when MEGAGRAPH_UNVALIDATED_KERNELS=1
+    (so nobody runs a kernel that never ran on its device without asking for it); on a GPU the
+    capturable torch kernel (host-sync free, CUDA-graph capturable, validated on the H200); else
+    the reference kernel."""
     key = kernel_key(op, attrs)
     impls = KERNELS.get(key, [])
+    skipped = []
     for impl in impls:
-        if impl.status == "available" and impl.needs <= caps:
+        if impl.needs <= caps and impl.status == "available":
             return impl.name, f"{impl.name}: available, needs {sorted(impl.needs) or 'nothing'}"
-    fitting = [i.name for i in impls if i.needs <= caps]
+        if impl.needs <= caps and impl.status == "unvalidated":
+            if use_unvalidated():
+                return impl.name, f"{impl.name}: not yet validated on {arch}, enabled by {UNVALIDATED_ENV}=1"
+            skipped.append(impl.name)
+    fitting = [i.name for i in impls if i.needs <= caps and i.status == "planned"]
     if arch == "cpu":
         return "reference", "reference (the CPU target runs every op's reference kernel)"
-    why = f"reference (no {arch} kernel registered"
+    notes = []
+    if skipped:
+        notes.append(f"built, not yet validated on {arch}: {', '.join(skipped)} ({UNVALIDATED_ENV}=1 to use)")
     if fitting:
-        why += f"; planned: {', '.join(fitting)}"
-    return "reference", why + ")"
+        notes.append(f"planned: {', '.join(fitting)}")
+    if _has_capturable(op):
+        return "capturable", "; ".join([f"capturable (device torch, no host sync)"] + notes)
+    return "reference", "; ".join([f"reference (no {arch} kernel registered)"] + notes)

@@ -165,7 +165,8 @@ def test_pad_requests_and_empty_rows_leave_real_requests_unchanged(name):
         out_plain = interpret(g, {**plain, **state, **consts}, w, IMPLS)
         out_pad = interpret(g, {**padm, **state, **consts}, w, IMPLS)
         torch.testing.assert_close(out_plain["logits"], out_ref["logits"], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(out_pad["logits"][rows], out_plain["logits"], rtol=1e-5, atol=1e-5)
+        # pad rows change the GEMMs' row counts, hence fp32 summation order: ~1e-5 over 129K logits
+        torch.testing.assert_close(out_pad["logits"][rows], out_plain["logits"], rtol=1e-4, atol=1e-4)
         for k in state:
             a, b = out_plain[k][:SCRATCH], out_pad[k][:SCRATCH]
             if a.dtype.is_floating_point:

@@ -427,7 +427,7 @@ def test_mtp_weights_match_the_spec_inventory_at_tiny_widths():
                                    "mtp.0.main_norm.weight"} | {
         f"mtp.{st}.attn.{n}" for st in range(3) for n in ("wkv.weight", "wkv.scale", "kv_norm.weight")}
     assert mtp_weights(g, d)["mtp.0.main_proj.weight"] == ("fp8e4m3", (64, 192))  # [d, 3d]
-    assert mtp_weights(d)["mtp.2.markov_head.embed.weight"] == ("bf16", (512, 16))  # [V, rank]
+    assert mtp_weights(d)["mtp.2.markov_head.embed.weight"] == ("bf16", (129408, 16))  # [V, rank]
     assert mtp_weights(d)["mtp.2.confidence_head.proj.weight"] == ("bf16", (1, 80))  # [1, d + rank]
     assert {"embed.weight", "head.weight"} <= set(d.weights)  # shared with the backbone
 
