@@ -14,23 +14,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megagraph.kernels.reference.moe import router_scores
+
 from . import _common
 from ._common import I64, chunk_ranges, dequantize, e2m1_pair_table, scatter_rows, segment_tiles
 
 
-def _scores(logits: Tensor, score_func: str) -> Tensor:
-    if score_func == "sqrtsoftplus":
-        return torch.sqrt(torch.nn.functional.softplus(logits))
-    if score_func == "softmax":
-        return torch.softmax(logits, dim=-1)
-    if score_func == "sigmoid":
-        return torch.sigmoid(logits)
-    raise ValueError(f"unknown score_func {score_func!r}")
 
 
 def route(x: Tensor, gate_w: Tensor, bias: Tensor | None, *, topk: int, route_scale: float,
           norm_topk: bool = True, score_func: str = "sqrtsoftplus") -> tuple[Tensor, Tensor]:
-    sc = _scores(x.float() @ gate_w.float().t(), score_func)
+    sc = router_scores(x.float() @ gate_w.float().t(), score_func)
     sel = sc if bias is None else sc + bias.float()
     ids = sel.topk(topk, dim=-1).indices
     wts = sc.gather(1, ids)
@@ -44,7 +38,7 @@ def hash_route(x: Tensor, gate_w: Tensor, tid2eid: Tensor, token_ids: Tensor, *,
                norm_topk: bool = True) -> tuple[Tensor, Tensor]:
     if tid2eid.shape[1] != topk:
         raise ValueError(f"tid2eid has {tid2eid.shape[1]} columns, topk is {topk}")
-    sc = _scores(x.float() @ gate_w.float().t(), score_func)
+    sc = router_scores(x.float() @ gate_w.float().t(), score_func)
     ids = tid2eid.index_select(0, token_ids).to(I64)
     wts = sc.gather(1, ids)
     if norm_topk:

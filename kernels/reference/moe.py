@@ -7,6 +7,17 @@ from torch import Tensor
 from .linear import dequantize_weight
 
 
+def router_scores(logits: Tensor, score_func: str) -> Tensor:
+    """Router scores from fp32 logits: sqrt(softplus) (V4/V4.1), softmax or sigmoid."""
+    if score_func == "sqrtsoftplus":
+        return torch.sqrt(torch.nn.functional.softplus(logits))
+    if score_func == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if score_func == "sigmoid":
+        return torch.sigmoid(logits)
+    raise ValueError(f"unknown score_func {score_func!r}")
+
+
 def route(x: Tensor, gate_w: Tensor, bias: Tensor | None, *, topk: int, route_scale: float,
           norm_topk: bool = True, score_func: str = "sqrtsoftplus") -> tuple[Tensor, Tensor]:
     """Top-k expert routing.
@@ -17,15 +28,7 @@ def route(x: Tensor, gate_w: Tensor, bias: Tensor | None, *, topk: int, route_sc
     (their sum + 1e-20) when norm_topk, times route_scale.
     Returns (ids i64[T, topk], weights f32[T, topk]).
     """
-    logits = x.float() @ gate_w.float().t()
-    if score_func == "sqrtsoftplus":
-        sc = torch.sqrt(torch.nn.functional.softplus(logits))
-    elif score_func == "softmax":
-        sc = torch.softmax(logits, dim=-1)
-    elif score_func == "sigmoid":
-        sc = torch.sigmoid(logits)
-    else:
-        raise ValueError(f"unknown score_func {score_func!r}")
+    sc = router_scores(x.float() @ gate_w.float().t(), score_func)
     sel = sc if bias is None else sc + bias.float()
     ids = sel.topk(topk, dim=-1).indices
     wts = sc.gather(1, ids)

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ._meta import first_positions, last_positions
+from .moe import router_scores
 
 __all__ = ["v4_compress_pool", "hash_route", "hc_head_mix", "V4_REFERENCE"]
 
@@ -116,14 +117,6 @@ def v4_compress_pool(kv_proj: Tensor, gate_proj: Tensor, ape: Tensor, pend_kv: T
     return latent, nk, ng
 
 
-def _scores(logits: Tensor, score_func: str) -> Tensor:
-    if score_func == "sqrtsoftplus":
-        return torch.sqrt(torch.nn.functional.softplus(logits))
-    if score_func == "softmax":
-        return torch.softmax(logits, dim=-1)
-    if score_func == "sigmoid":
-        return torch.sigmoid(logits)
-    raise ValueError(f"unknown score_func {score_func!r}")
 
 
 def hash_route(x: Tensor, gate_w: Tensor, tid2eid: Tensor, token_ids: Tensor, *, topk: int,
@@ -140,7 +133,7 @@ def hash_route(x: Tensor, gate_w: Tensor, tid2eid: Tensor, token_ids: Tensor, *,
     """
     if tid2eid.shape[1] != topk:
         raise ValueError(f"tid2eid has {tid2eid.shape[1]} columns, topk is {topk}")
-    sc = _scores(x.float() @ gate_w.float().t(), score_func)
+    sc = router_scores(x.float() @ gate_w.float().t(), score_func)
     ids = tid2eid[token_ids].to(torch.int64)
     wts = sc.gather(1, ids)
     if norm_topk:
