@@ -1,6 +1,6 @@
 # megagraph: set-up and checks on a fresh machine (CPU is enough).
 #   make test   - create .venv, install (CPU torch wheel first), run the test suite
-#   make demo   - compile the tiny V4.1 model and generate a few tokens with random weights
+#   make demo   - compile the tiny V4.1 model, inspect the artifacts, generate 8 tokens (random weights)
 #   make serve-demo - compile the tiny V4.1 model, serve it on 127.0.0.1, answer one chat request
 PY ?= python3
 VENV := .venv
@@ -20,6 +20,7 @@ test: install
 demo: install
 	$(BIN)/megagraph compile --model v4.1-flash-tiny --hw cpu --out artifacts/tiny --force
 	$(BIN)/megagraph inspect artifacts/tiny
+	$(BIN)/megagraph runtime generate artifacts/tiny --prompt "Hello" --max-tokens 8
 
 SERVE_PORT ?= 8123
 
