@@ -13,6 +13,8 @@ from torch import Tensor
 
 from megagraph.graph.interp import TORCH_DTYPES
 
+from megagraph.kernels.reference.quant import E2M1_MAX, fake_quant_with
+
 from ._common import dequantize, e2m1_decode
 
 # ---------------------------------------------------------------------------------------------
@@ -105,16 +107,6 @@ def rope(x: Tensor, positions: Tensor, *, rope_dim: int, theta: float, yarn_fact
 # activation fake quantization
 # ---------------------------------------------------------------------------------------------
 
-FP8_E4M3_MAX = 448.0
-E2M1_MAX = 6.0
-
-
-def _pow2_ceil(y: Tensor) -> Tensor:
-    m, e = torch.frexp(y)
-    e = torch.where(m == 0.5, e - 1, e)
-    return torch.ldexp(torch.ones_like(y), e)
-
-
 def round_e2m1(v: Tensor) -> Tensor:
     from megagraph.kernels import formats
 
@@ -123,24 +115,8 @@ def round_e2m1(v: Tensor) -> Tensor:
 
 
 def fake_quant(x: Tensor, *, fmt: str, block: int) -> Tensor:
-    d = x.shape[-1]
-    if d % block:
-        raise ValueError(f"last dim {d} not divisible by block {block}")
-    xb = x.float().reshape(*x.shape[:-1], d // block, block)
-    amax = xb.abs().amax(dim=-1, keepdim=True)
-    if fmt == "fp8_e4m3":
-        scale = _pow2_ceil(amax.clamp(min=1e-4) / FP8_E4M3_MAX)
-        q = (xb / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
-    elif fmt == "mxfp4":
-        scale = _pow2_ceil(amax.clamp(min=1e-4) / E2M1_MAX)
-        q = round_e2m1(xb / scale)
-    elif fmt == "nvfp4":
-        s = (amax.clamp(min=E2M1_MAX * 2.0**-9) / E2M1_MAX).clamp(max=FP8_E4M3_MAX)
-        scale = s.to(torch.float8_e4m3fn).float()
-        q = round_e2m1(xb / scale)
-    else:
-        raise ValueError(f"unknown fake-quant format {fmt!r}")
-    return (q * scale).reshape(x.shape).to(x.dtype)
+    """The reference fake-quantization with the device-table E2M1 rounding (no host tensors)."""
+    return fake_quant_with(x, fmt=fmt, block=block, round_e2m1=round_e2m1)
 
 
 # ---------------------------------------------------------------------------------------------

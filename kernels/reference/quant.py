@@ -25,6 +25,11 @@ def round_e2m1(v: Tensor) -> Tensor:
 
 
 def fake_quant(x: Tensor, *, fmt: str, block: int) -> Tensor:
+    """Quantize-dequantize x (see :func:`fake_quant_with`)."""
+    return fake_quant_with(x, fmt=fmt, block=block, round_e2m1=round_e2m1)
+
+
+def fake_quant_with(x: Tensor, *, fmt: str, block: int, round_e2m1=round_e2m1) -> Tensor:
     """Quantize-dequantize x [..., D] in blocks of ``block`` channels of the last axis (D % block == 0).
 
     * ``fp8_e4m3``: scale = 2^ceil(log2(amax/448)) (UE8M0), amax floored at 1e-4; values rounded to
@@ -33,7 +38,8 @@ def fake_quant(x: Tensor, *, fmt: str, block: int) -> Tensor:
       (nearest, ties-to-even).
     * ``nvfp4``: scale = E4M3(amax/6) (nearest-even), amax floored at 6·2⁻⁹, no global scale; values
       E2M1(x/scale).
-    Result = q · scale, fp32 math, returned in x.dtype.
+    Result = q · scale, fp32 math, returned in x.dtype. `round_e2m1` is the E2M1 rounding used
+    (kernels/capturable passes a device-table version so the op stays host-sync free).
     """
     d = x.shape[-1]
     if d % block:
