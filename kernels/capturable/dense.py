@@ -13,6 +13,7 @@ from torch import Tensor
 
 from megagraph.graph.interp import TORCH_DTYPES
 
+from megagraph.kernels.reference.mhc import hc_coefficients
 from megagraph.kernels.reference.quant import E2M1_MAX, fake_quant_with
 
 from ._common import dequantize, e2m1_decode
@@ -142,18 +143,7 @@ def hc_mixer(H: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, eps: float, 
              sinkhorn_iters: int) -> tuple[Tensor, Tensor, Tensor]:
     t, n, _ = H.shape
     m = _hc_logits(H, fn, eps)
-    sc = scale.float()
-    s = torch.cat([sc[0].expand(n), sc[1].expand(n), sc[2].expand(n * n)])
-    a = m * s + base.float()
-    pre = torch.sigmoid(a[:, :n]) + hc_eps
-    post = 2.0 * torch.sigmoid(a[:, n:2 * n])
-    c = a[:, 2 * n:].reshape(t, n, n)
-    c = torch.softmax(c, dim=-1) + hc_eps
-    c = c / (c.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        c = c / (c.sum(dim=-1, keepdim=True) + hc_eps)
-        c = c / (c.sum(dim=-2, keepdim=True) + hc_eps)
-    return pre, post, c
+    return hc_coefficients(m, base, scale, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
 
 
 def hc_collapse(H: Tensor, w: Tensor) -> Tensor:

@@ -34,6 +34,14 @@ def hc_mixer(H: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, eps: float, 
     t, n, d = H.shape
     h = H.float().reshape(t, n * d)
     m = (h @ fn.float().t()) * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return hc_coefficients(m, base, scale, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
+
+
+def hc_coefficients(m: Tensor, base: Tensor, scale: Tensor, *, hc_eps: float,
+                    sinkhorn_iters: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(pre, post, comb) from the projected, RMS-scaled logits m f32[T, (2+n)·n] (see hc_mixer)."""
+    t = m.shape[0]
+    n = int(round((1 + m.shape[1]) ** 0.5 - 1))  # (2+n)·n = m.shape[1]
     sc = scale.float()
     s = torch.cat([sc[0].expand(n), sc[1].expand(n), sc[2].expand(n * n)])
     a = m * s + base.float()
