@@ -1,11 +1,12 @@
 """Lightning indexer without host syncs: scores over request-aligned query tiles (one gather of the
 slot's index keys per tile, chunked over tiles and over the compressed axis), the two-level
-candidate mask and top-k selection (already sync-free in the reference; same algorithm here)."""
+candidate mask and top-k selection (the reference's: already sync-free)."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from ..reference.indexer import candidate_mask, topk_select
 from . import _common
 from ._common import I64, chunk_ranges, request_tiles, scatter_rows
 
@@ -39,41 +40,4 @@ def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_r
     return out[:T]
 
 
-def candidate_mask(scores: Tensor, *, block: int, topk_blocks: int) -> Tensor:
-    T, C = scores.shape
-    nb = -(-C // block)
-    vis = scores > float("-inf")
-    sp = torch.nn.functional.pad(scores.float(), (0, nb * block - C), value=float("-inf"))
-    bscore = sp.reshape(T, nb, block).amax(dim=-1)
-    n_vis = vis.sum(dim=-1)
-    newest = ((n_vis - 1).clamp(min=0) // block)[:, None]
-    force = torch.zeros(T, nb, dtype=torch.bool, device=scores.device)
-    force = force.scatter(1, newest, (n_vis > 0)[:, None])
-    bscore = torch.where(force, float("inf"), bscore)
-    kb = min(topk_blocks, nb)
-    keep = torch.zeros(T, nb, dtype=torch.bool, device=scores.device)
-    if kb > 0:
-        vals, idx = bscore.topk(kb, dim=-1)
-        keep = keep.scatter(1, idx, vals > float("-inf"))
-    keep = keep[:, :, None].expand(T, nb, block).reshape(T, nb * block)[:, :C]
-    return keep & vis
-
-
-def topk_select(scores: Tensor, mask: Tensor | None = None, *, k: int) -> Tensor:
-    T, C = scores.shape
-    s = scores.float()
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    kk = min(k, C)
-    if kk == 0:
-        return torch.full((T, k), -1, dtype=I64, device=scores.device)
-    vals, idx = s.topk(kk, dim=-1)
-    big = torch.iinfo(I64).max
-    idx = torch.where(vals > float("-inf"), idx, big).sort(dim=-1).values
-    idx = torch.where(idx == big, -1, idx)
-    if kk < k:
-        idx = torch.cat([idx, torch.full((T, k - kk), -1, dtype=I64, device=scores.device)], dim=1)
-    return idx
-
-
-__all__ = ["index_scores", "candidate_mask", "topk_select"]
+__all__ = ["candidate_mask", "index_scores", "topk_select"]

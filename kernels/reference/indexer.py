@@ -31,13 +31,29 @@ def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_r
     return out
 
 
+def take_topk(s: Tensor, k: int) -> Tensor:
+    """bool mask of the top-k finite entries of each row of s [T, C] (k <= C), ties at the k-th
+    value broken toward the lower index.
+
+    torch.topk leaves the order of equal values to the device: CPU and CUDA pick different entries
+    among ties, and ties are common here (a ReLU-weighted index score is exactly 0 wherever every
+    head's dot product is negative; blocks share a max). Deciding them by index makes the selection
+    the same on every device. Sync-free: the k-th value, two comparisons, one cumulative sum."""
+    kth = s.topk(k, dim=-1).values[:, -1:]
+    gt = s > kth
+    eq = (s == kth) & (kth > float("-inf"))
+    need = k - gt.sum(dim=-1, keepdim=True, dtype=torch.int32)
+    return gt | (eq & (eq.cumsum(dim=-1, dtype=torch.int32) <= need))
+
+
 def candidate_mask(scores: Tensor, *, block: int, topk_blocks: int) -> Tensor:
     """Two-level candidate mask bool[T, C] from indexer scores f32[T, C].
 
     Visible entries are the finite scores (a prefix, as produced by :func:`index_scores`). Entries are
     grouped in blocks of ``block``; block score = max of its entries (−inf if none visible); the block
     of the newest visible entry is forced to +inf; the top min(topk_blocks, n_blocks) blocks with
-    score > −inf are kept; the result is the block mask expanded to entries ∧ visibility.
+    score > −inf are kept (ties toward the older block, :func:`take_topk`); the result is the block
+    mask expanded to entries ∧ visibility.
     """
     T, C = scores.shape
     nb = -(-C // block)
@@ -48,22 +64,21 @@ def candidate_mask(scores: Tensor, *, block: int, topk_blocks: int) -> Tensor:
     n_vis = vis.sum(dim=-1)  # [T]
     newest = ((n_vis - 1).clamp(min=0) // block)[:, None]
     force = torch.zeros(T, nb, dtype=torch.bool, device=scores.device)
-    force.scatter_(1, newest, (n_vis > 0)[:, None])
+    force = force.scatter(1, newest, (n_vis > 0)[:, None])
     bscore = torch.where(force, torch.full_like(bscore, float("inf")), bscore)
     kb = min(topk_blocks, nb)
-    keep = torch.zeros(T, nb, dtype=torch.bool, device=scores.device)
-    if kb > 0:
-        vals, idx = bscore.topk(kb, dim=-1)
-        keep.scatter_(1, idx, vals > float("-inf"))
-    return keep.repeat_interleave(block, dim=1)[:, :C] & vis
+    if kb == 0:
+        return torch.zeros(T, C, dtype=torch.bool, device=scores.device)
+    keep = take_topk(bscore, kb)
+    return keep[:, :, None].expand(T, nb, block).reshape(T, nb * block)[:, :C] & vis
 
 
 def topk_select(scores: Tensor, mask: Tensor | None = None, *, k: int) -> Tensor:
     """Top-k compressed entries per token: i64[T, k].
 
-    Scores outside ``mask`` (bool[T, C], optional) become −inf; take the top min(k, C) entries; those
-    with score −inf are dropped (−1). Row layout: the selected indices in ascending order, then −1
-    padding up to exactly k columns.
+    Scores outside ``mask`` (bool[T, C], optional) become −inf; take the top min(k, C) entries (ties
+    toward the lower index, :func:`take_topk`); those with score −inf are dropped (−1). Row layout:
+    the selected indices in ascending order, then −1 padding up to exactly k columns.
     """
     T, C = scores.shape
     s = scores.float()
@@ -73,6 +88,11 @@ def topk_select(scores: Tensor, mask: Tensor | None = None, *, k: int) -> Tensor
     out = torch.full((T, k), -1, dtype=torch.int64, device=scores.device)
     if kk == 0:
         return out
+    # the taken entries' indices, ascending: top-kk of -index over the taken entries (distinct keys)
+    neg = -torch.arange(C, device=scores.device, dtype=torch.float32)
+    v = torch.where(take_topk(s, kk), neg, float("-inf")).topk(kk, dim=-1).values
+    out[:, :kk] = torch.where(v > float("-inf"), -v, -1.0).to(torch.int64)
+    return out
     vals, idx = s.topk(kk, dim=-1)
     big = torch.iinfo(torch.int64).max
     idx = torch.where(vals > float("-inf"), idx, torch.full_like(idx, big))

@@ -53,11 +53,17 @@ class AttnConfig:
     splits: int = 0
 
 
-# 16 heads x 32 keys with 8 warps is the launch shape whose sm_90 build does not spill (cuobjdump
-# resource usage: 4 warps or 32/64 heads or 64 keys per tile spill 0.4-1.8 KB of stack; 64 heads
-# do run on wgmma). Timings on the H200 may move this: benchmarks/kernel_rows/attention.py sweeps.
-DECODE = AttnConfig()
-PREFILL = AttnConfig(splits=1)
+# Launch shapes from the H200 timings (benchmarks/results/kernels-h200.md, Triton 3.6): 16 heads x
+# 32 keys x 4 warps for up to 127 tokens (R=64: 135 us vs 149 us for 8 warps) and for prefill
+# (8K tokens over 16K-128K: 10.0-11.3 ms vs 11.9-12.8 ms), 64 heads (wgmma) x 32 keys x 8 warps for
+# 128 tokens on (R=256: 386 us vs 471 us). The sm_90 build of 16 x 32 x 8 warps is the one that
+# does not spill (tests/kernels/test_triton_attention_sm90.py); the faster shapes spill a little
+# and win anyway.
+NO_SPILL = AttnConfig()
+DECODE = AttnConfig(16, 32, 4, 2)
+DECODE_WIDE = AttnConfig(64, 32, 8, 2)
+WIDE_TOKENS = 128  # from this many decode tokens on, DECODE_WIDE
+PREFILL = AttnConfig(16, 32, 4, 2, splits=1)
 COMBINE_HEADS = 16  # heads per program of the merge kernel (64 spills its 64 x 512 accumulator)
 PREFILL_TOKENS = 1024  # from this many tokens on, PREFILL (no split, fused epilogue)
 
@@ -117,7 +123,9 @@ def supports(q: Tensor, kv: Tensor, ring: Tensor, ckv: Tensor | None) -> bool:
 
 
 def pick_config(T: int) -> AttnConfig:
-    return PREFILL if T >= PREFILL_TOKENS else DECODE
+    if T >= PREFILL_TOKENS:
+        return PREFILL
+    return DECODE_WIDE if T >= WIDE_TOKENS else DECODE
 
 
 def _splits(cfg: AttnConfig, programs: int, tiles: int, dev) -> int:

@@ -93,24 +93,27 @@ CONFIG_OVERRIDE: dict[str, GemmConfig] = {}
 
 
 def pick_config(role: str, rows_per_group: float) -> GemmConfig:
-    """Heuristic tile per role and expected rows per group (expert or dense M). The choices were
-    made by the SASS of each candidate (issue slots per KB of weights in the K loop, spills), not
-    by timings yet: decode L1 on wgmma with 64-row tiles (the fp8 MMA reads B from shared memory,
-    mma.sync would upcast both operands to fp16), decode L2 on mma.sync with 16-row tiles."""
+    """Tile per role and expected rows per group (expert or dense M). The routed-expert tiles come
+    from the H200 sweep (benchmarks/moe_tune.py -> benchmarks/results/moe-tune-h200.md; routed
+    experts at 64 tokens 3.91 -> 2.98 ms with 16-row L1 tiles, at 8192 tokens 18.6 -> ~15.5 ms with
+    64-row, 4-warp tiles for both GEMMs); the dense FP8-block tiles and the middle range (12 < rows
+    <= 48) are still the SASS-based picks (issue slots per KB of weights in the K loop, spills)."""
     if role in CONFIG_OVERRIDE:
         return CONFIG_OVERRIDE[role]
     if INTERPRET:
         return GemmConfig(16, 32, 128, 4, 1, par=role in ("l1", "l2"))
     if role == "l1":
+        if rows_per_group <= 12:
+            return GemmConfig(16, 128, 128, 4, 3, par=True)
         if rows_per_group <= 48:
             return GemmConfig(64, 64, 128, 4, 4, par=True)
-        return GemmConfig(128, 64, 128, 8, 3)
+        return GemmConfig(64, 64, 128, 4, 3, par=True)
     if role == "l2":
         if rows_per_group <= 12:
             return GemmConfig(16, 128, 128, 4, 3, par=True)
         if rows_per_group <= 48:
             return GemmConfig(64, 128, 128, 4, 4, par=True)
-        return GemmConfig(128, 128, 128, 8, 3, par=True)
+        return GemmConfig(64, 128, 128, 4, 3, par=True)
     swiglu = role == "dense_swiglu"
     if rows_per_group <= 12:
         return GemmConfig(16, 64, 128, 4, 4)

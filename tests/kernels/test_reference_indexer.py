@@ -110,3 +110,30 @@ def test_indexer_pipeline_candidates_then_topk():
         chosen = [j for j in sel[t].tolist() if j >= 0]
         assert chosen and all(cand[t, j] for j in chosen) and cand[t, 32]  # newest block forced
         assert sel[t].tolist() == naive_topk(scores_b[t].tolist(), cand[t].tolist(), 10)
+
+
+def test_topk_ties_break_toward_lower_index_on_every_device():
+    """ReLU-weighted index scores tie at exactly 0 and blocks share maxima; torch.topk's tie order
+    differs between CPU and CUDA, so the selection fixes it: the lower index wins."""
+    from megagraph.kernels.reference.indexer import candidate_mask, topk_select
+
+    g = torch.Generator().manual_seed(7)
+    s = torch.relu(torch.randn(40, 96, generator=g)).round(decimals=1)  # many exact ties
+    s[:, 80:] = float("-inf")
+    s[3] = 0.0
+    out = topk_select(s, k=12)
+    assert torch.equal(out[3], torch.arange(12))
+    for t in range(40):  # every selected entry beats or ties every unselected one, ties by index
+        sel = out[t][out[t] >= 0]
+        rest = torch.ones(96, dtype=torch.bool)
+        rest[sel] = False
+        kth = s[t, sel].min()
+        assert (s[t, rest] <= kth).all()
+        tied_rest = rest.nonzero().flatten()[s[t, rest] == kth]
+        tied_sel = sel[s[t, sel] == kth]
+        assert tied_rest.numel() == 0 or tied_sel.max() < tied_rest.min()
+    m = candidate_mask(s, block=4, topk_blocks=5)
+    devices = ["cuda"] if torch.cuda.is_available() else []
+    for dev in devices:
+        assert torch.equal(topk_select(s.to(dev), k=12).cpu(), out)
+        assert torch.equal(candidate_mask(s.to(dev), block=4, topk_blocks=5).cpu(), m)

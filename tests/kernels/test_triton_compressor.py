@@ -50,13 +50,15 @@ def case(g, reqs, ratio, dtype, fmts, *, dm=96, dc=128, di=32, s=S, cap=CAP, rop
     return args, kw
 
 
-def check(got, want, fmts, written_frac=0.02):
+def check(got, want, fmts, written_frac=0.02, none_atol=0.0):
+    """none_atol: extra absolute slack for unquantized rows whose GEMM runs over a long K in
+    another summation order (fp32 accumulation of K bf16 products: ~sqrt(K) 2^-24 sum|x w|)."""
     names = ("ikey", "ckv", "pend_kv", "pend_gate")
     for i, (a, b) in enumerate(zip(want, got)):
         a, b = a.float().cpu(), b.float().cpu()
         assert a.shape == b.shape and not torch.isnan(b).any(), names[i]
         fmt = fmts[i] if i < 2 else "none"
-        close = (a - b).abs() <= 1e-5 * (1 + a.abs())
+        close = (a - b).abs() <= 1e-5 * (1 + a.abs()) + none_atol
         if fmt == "none":
             if i == 1 and want[1].dtype == torch.bfloat16:  # one bf16 ulp of the fp32 value
                 close = (a - b).abs() <= 2.0 ** -7 * a.abs() + 1e-6
@@ -110,7 +112,9 @@ def test_real_dims(ratio):
                     s=10, cap=16384, rope=REAL_ROPE)
     want = cap(*args, **kw)
     got = tk().compressor(*args, **kw)
-    check(want, got, ("mxfp4", "nvfp4"))
+    # K = 5120: the pending rows (unquantized GEMM output, |value| ~1, sum|x w| ~45) differ by
+    # fp32 summation order, cuBLAS fp32 vs the kernel's bf16-product MMA: ~sqrt(K) 2^-24 45 = 2e-4
+    check(want, got, ("mxfp4", "nvfp4"), none_atol=5e-4)
 
 
 @gpu

@@ -1,0 +1,120 @@
+"""Tile sweep of the routed-expert GEMMs (kernels/triton/moe.py: L1 = W1/W3 + SwiGLU, L2 = W2 +
+routing weights) at V4.1-Flash dims on the GPU, one launch timed at a time (CUDA-graph replays),
+each candidate checked against the reference `moe_experts_q` before it counts.
+
+    python benchmarks/moe_tune.py --out /tmp/tune --budget 200          # H200
+    python benchmarks/moe_tune.py --smoke --out /tmp/tune               # CPU: Triton interpreter
+
+Writes OUT/moe_tune.json (every candidate: tile, ms, TB/s or TFLOP/s, error) and OUT/moe_tune.md
+(the best tile per (role, tokens) next to the heuristic's). `kernels/triton/moe.py:pick_config`
+takes its tiles from this table (the committed result is benchmarks/results/moe-tune-h200.md).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from kernel_rows import rel_err, time_ms  # noqa: E402
+from kernel_rows import moe as mr  # noqa: E402
+
+
+def candidates(role: str, decode: bool):
+    """(bm, bn, bk, warps, stages, par) to try: small-row tiles for decode, large for prefill."""
+    if decode:
+        bms, bns, warps, stages = (16, 64), (64, 128), (4,), (3, 4)
+    else:
+        bms, bns, warps, stages = (64, 128), (64, 128), (4, 8), (3, 4)
+    for bm, bn, w, s, par in itertools.product(bms, bns, warps, stages, (True, False)):
+        if bm == 128 and w == 4:
+            continue
+        yield (bm, bn, 128, w, s, par)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--budget", type=float, default=200.0, help="seconds for the whole sweep")
+    ap.add_argument("--tokens", default="64,8192")
+    ap.add_argument("--smoke", action="store_true")
+    a = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    from megagraph.kernels.reference import fused as rf
+    from megagraph.kernels.triton import moe as tm
+
+    dims = mr.TINY if a.smoke else mr.V41
+    t_end = time.perf_counter() + a.budget
+    w = mr.make_weights(dims, dev)
+    auto = tm.asm_ok(dev) if (tm.USE_ASM is None and dev.type == "cuda") else bool(tm.USE_ASM)
+    results = []
+    Ts = [int(x) for x in a.tokens.split(",")] if not a.smoke else [8]
+    for T in Ts:
+        streams, (x, xq, xs, pre, post, comb) = mr.layer_inputs(dims, w, T, dev, seed=T + 1)
+        E, k = dims["E"], dims["k"]
+        ids, wts = tm.route(x, w["gate"], w["bias"], topk=k, route_scale=1.5)
+        a2 = (xq, xs, ids, wts, *w["routed"])
+        kw2 = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt="fp8_1x128", out_dtype="bf16")
+        ref = rf.moe_experts_q(*a2, **kw2)
+        P = T * k
+        rpg = P / min(E, P)
+        touched = int((torch.bincount(ids.flatten(), minlength=E) > 0).sum())
+        fl, by = mr.routed_counts(dims, T, touched)
+        d1, d2 = tm.pick_config("l1", rpg), tm.pick_config("l2", rpg)
+        for role, other in (("l1", "l2"), ("l2", "l1")):
+            fixed = d2 if role == "l1" else d1
+            cands = [tuple(vars(d1 if role == "l1" else d2).values())]
+            cands += [c for c in candidates(role, T <= 256) if c != cands[0]]
+            n_groups_left = (2 if role == "l1" else 1) + 2 * (len(Ts) - 1 - Ts.index(T))
+            g_end = time.perf_counter() + (t_end - time.perf_counter()) / n_groups_left
+            for c in cands:
+                if time.perf_counter() > g_end:
+                    results.append(dict(T=T, role=role, tile=list(c), error="skipped: budget"))
+                    continue
+                cfg = tm.GemmConfig(*c)
+                tm.CONFIG_OVERRIDE.clear()
+                tm.CONFIG_OVERRIDE.update({role: cfg, other: fixed})
+                tm.USE_ASM = auto
+                r = dict(T=T, role=role, tile=list(c), default=c == cands[0])
+                try:
+                    e = rel_err(tm.moe_experts_q(*a2, **kw2), ref)
+                    r["rel_err"] = e
+                    if not e < 1e-2:
+                        r["error"] = f"wrong: rel err {e:.2e}"
+                    else:
+                        r["ms"] = round(time_ms(lambda: tm.moe_experts_q(*a2, **kw2), device=dev), 4)
+                        r["tflops"] = round(fl / r["ms"] / 1e9, 1)
+                        r["tbps"] = round(by / r["ms"] / 1e9, 3)
+                except Exception as ex:  # noqa: BLE001
+                    r["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
+                    print(traceback.format_exc(limit=2), file=sys.stderr)
+                results.append(r)
+                print(json.dumps(r), flush=True)
+        tm.CONFIG_OVERRIDE.clear()
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "moe_tune.json").write_text(json.dumps(results, indent=1))
+    lines = ["| tokens | role | heuristic tile (ms) | best tile (ms) | speed-up |", "|---|---|---|---|---:|"]
+    for T in sorted({r["T"] for r in results}):
+        for role in ("l1", "l2"):
+            rs = [r for r in results if r["T"] == T and r["role"] == role and "ms" in r]
+            if not rs:
+                continue
+            d = next((r for r in rs if r["default"]), None)
+            b = min(rs, key=lambda r: r["ms"])
+            lines.append(f"| {T} | {role} | {d['tile'] if d else '-'} ({d['ms'] if d else '-'}) | "
+                         f"{b['tile']} ({b['ms']}) | {d['ms'] / b['ms']:.2f}x |" if d else "")
+    (a.out / "moe_tune.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
