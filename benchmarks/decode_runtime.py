@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,47 +29,14 @@ from pathlib import Path
 
 import torch
 
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from workloads import environment, load_model, sync  # noqa: E402
+
 MODES = ("eager", "padded", "graphs", "graphs+compile")
 DEFAULT_MODES = ("eager", "graphs", "graphs+compile")
-
-
-def slice_config():
-    """Full-width V4.1-Flash, 4 layers covering every layer role, a 2.4M-row Engram table."""
-    from megagraph.kernels.reference.engram import engram_layout
-    from megagraph.models.config import load_model_config
-
-    cfg = load_model_config("v4.1-flash")
-    start = 100_000
-    rows = engram_layout([0], None, max_ngram=cfg.engram_max_ngram, n_heads=cfg.engram_n_heads,
-                         vocab_start=start, compressed_vocab=cfg.engram_compressed_vocab_size)[0]
-    return cfg.replace(name="v4.1-flash-slice4", num_layers=4, compress_ratios=(0, 2, 2, 1),
-                       kv_source_layers=(1, 3), index_source_layers=(1, 3), candidate_source_layer=3,
-                       engram_layers=(0,), engram_num_embeddings=(rows.num_embeddings,),
-                       engram_vocab_size=start, num_mtp_layers=0, dspark_target_layers=())
-
-
-def model_config(name: str):
-    from megagraph.models.config import load_model_config
-
-    return slice_config() if name == "slice" else load_model_config("v4.1-flash-tiny")
-
-
-def hw_for(device: torch.device) -> str:
-    if device.type == "cpu":
-        return "cpu"
-    from megagraph.runtime.kernels import device_arch
-
-    arch = device_arch(device)
-    return {"sm_90": "h200", "sm_100": "b200", "sm_103": "b300"}.get(arch, "h200")
-
-
-def compile_artifacts(cfg, hw: str, root: Path) -> Path:
-    from megagraph.passes import compile_model, load_hw_profile
-    from megagraph.passes.artifacts import write_artifacts
-
-    out = root / f"{cfg.name}-{hw}"
-    write_artifacts(compile_model(cfg, load_hw_profile(hw)), out, force=True)
-    return out
 
 
 def engine_for(plan, weights, mode: str, args, device, batches: tuple[int, ...]) -> "object":
@@ -90,11 +55,6 @@ def engine_for(plan, weights, mode: str, args, device, batches: tuple[int, ...])
                     compile=args.compile_backend if mode == "graphs+compile" else "none",
                     compile_dynamic=args.compile_dynamic)
     return Engine(plan, dict(weights), EngineConfig(**conf))
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_batch(eng, n: int, args, device) -> tuple[float, list[list[int]], torch.Tensor]:
@@ -134,21 +94,12 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 def setup_model(name: str, args, device, root: Path, log) -> tuple[dict, object, dict]:
     """Compile the model's artifacts for this device's profile and make its weights once."""
-    from megagraph.runtime.plan import RunPlan
-    from megagraph.runtime.weights import fast_random_weights, graph_weight_specs, seeded_weights
-
-    cfg = model_config(name)
-    hw = hw_for(device)
-    t0 = time.perf_counter()
-    plan = RunPlan.from_artifacts(compile_artifacts(cfg, hw, root))
-    make = fast_random_weights if name == "slice" else seeded_weights
-    weights = make(graph_weight_specs([plan.graph]), plan.cfg, seed=0, device=device)
-    res = {"model": cfg.name, "hw_profile": hw, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
-           "experts": cfg.n_routed_experts,
-           "weight_bytes": sum(w.numel() * w.element_size() for w in weights.values()),
-           "setup_s": round(time.perf_counter() - t0, 2), "modes": {}, "tokens": {}}
-    log(f"{cfg.name}: artifacts + weights in {res['setup_s']}s")
-    return res, plan, weights
+    m = load_model(name, device, root, log=log)
+    cfg = m.cfg
+    res = {"model": cfg.name, "hw_profile": m.hw, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
+           "experts": cfg.n_routed_experts, "weight_bytes": m.weight_bytes, "setup_s": m.setup_s,
+           "modes": {}, "tokens": {}}
+    return res, m.plan, m.weights
 
 
 def run_mode(res: dict, plan, weights, mode: str, batches: list[int], args, device, tokens: dict,
@@ -206,19 +157,6 @@ def token_checks(tokens: dict, batches) -> dict:
                                            "logits_max_abs_diff": diff,
                                            "logits_max_abs": scale}
     return out
-
-
-def environment(device) -> dict:
-    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__,
-           "python": platform.python_version(), "command": " ".join(sys.argv),
-           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-           "cuda": torch.version.cuda}
-    try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True, cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        pass
-    return env
 
 
 def markdown(results: dict) -> str:
