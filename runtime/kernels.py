@@ -9,7 +9,10 @@ machine cannot load, are an error unless fallback to the reference kernels is al
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
+from functools import partial
+
 import torch
 
 from megagraph.graph.interp import Impl, default_impls
@@ -96,6 +99,8 @@ def resolve_kernels(plan: RunPlan, graphs: list[Graph], device: torch.device, *,
                 want = "capturable"
             tables["capturable"] = functional if n.outputs[0] in unsafe else inplace
             fn, safe = _lookup(tables, want, n.op)
+            if fn is not None and want.split(".")[0] not in tables:
+                fn = _state_in_place(fn, n, unsafe)
             if fn is None:
                 if not allow_fallback:
                     raise ArtifactsError(
@@ -127,6 +132,27 @@ def on_host(fn: Impl) -> Impl:
         return out.to(dev)
 
     return run
+
+
+def _state_in_place(fn: Impl, n: Node, unsafe: set[str]) -> Impl:
+    """A library kernel of a state op (Triton compressor, ring copies) writing its state pools in
+    place, like the capturable in-place table, unless a later node still reads the old state: the
+    functional form copies every pool it updates (whole [slots, capacity, ...] tensors) per step."""
+    try:
+        from megagraph.kernels.capturable import INPLACE_STATE_OPS
+    except ImportError:
+        return fn
+    if n.op not in INPLACE_STATE_OPS or n.outputs[0] in unsafe:
+        return fn
+    try:
+        takes = "inplace" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not takes:
+        return fn
+    wrapped = partial(fn, inplace=True)
+    wrapped.capturable = getattr(fn, "capturable", False)  # type: ignore[attr-defined]
+    return wrapped
 
 
 def _lookup(tables: dict[str, dict[str, Impl]], want: str, op: str) -> tuple[Impl | None, bool]:

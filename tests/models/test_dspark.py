@@ -341,8 +341,11 @@ def test_draft_graph_equals_a_direct_transcription_of_the_spec(model):
     s, anchors = prefilled(model, {2: random_tokens(17, 19)})
     out = run_draft(model, s.state, [anchors[2]], [2], [17])
     drafts, conf, logits = transcribed_draft(cfg, w, s.state, anchors[2], 2, 17)
-    torch.testing.assert_close(out["logits"], logits, **TOL)
-    torch.testing.assert_close(out["confidence"], conf, **TOL)
+    # QTOL: the draft's KV is FP8 fake-quantized (block 32) and its input is summed in another
+    # order here than in the graph, so an E4M3 rounding can flip (this prompt: 1.4e-3 on logits;
+    # three other prompts agree to 1e-4)
+    torch.testing.assert_close(out["logits"], logits, **QTOL)
+    torch.testing.assert_close(out["confidence"], conf, **QTOL)
     assert torch.equal(out["drafts"], drafts)
 
 

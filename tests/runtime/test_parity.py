@@ -50,3 +50,24 @@ def test_state_pools_keep_their_addresses(compiled):
     eng.step(STEPS[0])  # padded path
     eng.step([SeqChunk(0, tuple(range(3, 40)))])  # 37 tokens: above the largest bucket -> eager
     assert {k: v.data_ptr() for k, v in eng.state.items()} == ptrs
+
+
+def test_h200_plan_on_cpu_writes_state_in_place_and_matches_reference(compiled):
+    """The h200 plan (Triton kernels; on CPU tensors each falls back to its capturable kernel) run
+    with --allow-fallback: the library state kernels (compressor, ring copies) get inplace=True
+    where no later node reads the old state, so a step does not copy whole state pools, and the
+    logits still equal the reference session's (1e-4: the capturable kernels sum in another order)."""
+    from megagraph.kernels.capturable import INPLACE_STATE_OPS
+
+    model = TINY[0]
+    eng = make_engine(compiled(model, hw="h200"), model, allow_fallback=True)
+    lib = {n.outputs[0]: eng.kernels.for_node(n) for n in eng.plan.graph.nodes
+           if n.op in INPLACE_STATE_OPS and n.outputs[0] in eng.kernels.opaque}
+    assert lib and any(getattr(fn, "keywords", {}).get("inplace") for fn in lib.values())
+    ptrs = {k: v.data_ptr() for k, v in eng.state.items()}
+    cfg, _, w, c = tiny(model, act_dtype="f32")
+    ref = session(cfg, eng.plan.graph, w, c, slots=5, capacity=128)  # the same (h200) graph
+    for chunks in STEPS:
+        got, want = eng.step(chunks), ref.step(chunks)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert {k: v.data_ptr() for k, v in eng.state.items()} == ptrs
