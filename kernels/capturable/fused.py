@@ -26,13 +26,32 @@ def _blocks(x: Tensor, block: int) -> tuple[Tensor, int]:
     return xf.reshape(*x.shape[:-1], nb, block), d
 
 
-def quantize_act(x: Tensor, *, act_fmt: str) -> tuple[Tensor, Tensor]:
-    xb, d = _blocks(x, ACT_BLOCKS[act_fmt])
+def _quantize_blocks(xb: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """xb f32[..., nb, block] -> (E4M3 codes, e8m0 scales, f32 scales) with power-of-two scales."""
     amax = xb.abs().amax(dim=-1).clamp(min=1e-4)
     e8 = f32_to_e8m0_ceil(amax / FP8_MAX)
     s = e8m0_to_f32(e8)
-    q = (xb / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    q = q.reshape(*x.shape[:-1], -1)[..., :d].contiguous()
+    return (xb / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), e8, s
+
+
+def quantize_act(x: Tensor, *, act_fmt: str) -> tuple[Tensor, Tensor]:
+    """Full blocks and a trailing partial block are quantized as two pieces rather than through a
+    zero-padded copy: torch.compile (Inductor's CPU code, torch 2.13) miscompiles the fused
+    pad -> scale -> E4M3 cast -> slice chain into NaN codes (tests/kernels/test_capturable_ops.py
+    compiles this op)."""
+    block = ACT_BLOCKS[act_fmt]
+    d = x.shape[-1]
+    full = d // block * block
+    xf = x.float()
+    lead = x.shape[:-1]
+    parts = []
+    if full:
+        parts.append(_quantize_blocks(xf[..., :full].reshape(*lead, full // block, block)))
+    if d > full:
+        parts.append(_quantize_blocks(xf[..., full:].reshape(*lead, 1, d - full)))
+    q = torch.cat([p[0].reshape(*lead, -1) for p in parts], dim=-1)
+    e8 = torch.cat([p[1] for p in parts], dim=-1) if len(parts) > 1 else parts[0][1]
+    s = torch.cat([p[2] for p in parts], dim=-1) if len(parts) > 1 else parts[0][2]
     return q, (e8 if act_fmt == "mxfp8" else s)
 
 

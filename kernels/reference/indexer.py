@@ -77,8 +77,13 @@ def topk_select(scores: Tensor, mask: Tensor | None = None, *, k: int) -> Tensor
     """Top-k compressed entries per token: i64[T, k].
 
     Scores outside ``mask`` (bool[T, C], optional) become −inf; take the top min(k, C) entries (ties
-    toward the lower index, :func:`take_topk`); those with score −inf are dropped (−1). Row layout:
-    the selected indices in ascending order, then −1 padding up to exactly k columns.
+    at the k-th value toward the lower index, as in :func:`take_topk`); those with score −inf are
+    dropped (−1). Row layout: the selected indices in ascending order, then −1 padding up to
+    exactly k columns.
+
+    One torch.topk, as without the tie rule: the entries above the k-th value are its result; the
+    ones equal to it are re-chosen as the lowest indices through one cumulative count and a batched
+    binary search (k lookups per row), not a second pass of top-k over every entry.
     """
     T, C = scores.shape
     s = scores.float()
@@ -86,8 +91,20 @@ def topk_select(scores: Tensor, mask: Tensor | None = None, *, k: int) -> Tensor
         s = s.masked_fill(~mask, float("-inf"))
     kk = min(k, C)
     out = torch.full((T, k), -1, dtype=torch.int64, device=scores.device)
-    if kk == 0:
+    if kk == 0 or T == 0:
         return out
+    vals, idx = s.topk(kk, dim=-1)
+    kth = vals[:, -1:]
+    above = vals > kth
+    eq_count = ((s == kth) & (kth > float("-inf"))).cumsum(dim=-1, dtype=torch.int32)  # [T, C]
+    need = torch.minimum(kk - above.sum(dim=-1, keepdim=True, dtype=torch.int32), eq_count[:, -1:])
+    j = torch.arange(1, kk + 1, dtype=torch.int32, device=scores.device).expand(T, kk).contiguous()
+    eq_idx = torch.searchsorted(eq_count, j)  # index of the j-th entry equal to the k-th value
+    big = torch.iinfo(torch.int64).max
+    both = torch.cat([torch.where(above, idx, big), torch.where(j <= need, eq_idx, big)], dim=-1)
+    both = both.sort(dim=-1).values[:, :kk]
+    out[:, :kk] = torch.where(both == big, -1, both)
+    return out
     # the taken entries' indices, ascending: top-kk of -index over the taken entries (distinct keys)
     neg = -torch.arange(C, device=scores.device, dtype=torch.float32)
     v = torch.where(take_topk(s, kk), neg, float("-inf")).topk(kk, dim=-1).values

@@ -1,0 +1,45 @@
+"""torch.compile (Inductor) of the runtime's segments gives the eager segments' logits (CPU).
+
+Inductor once turned quantize_act's zero-padded partial block into NaN E4M3 codes (the h200 plan
+quantizes activations to FP8 1x128 and the tiny model's widths are not multiples of 128); on the
+H200 the compiled tiny model's tokens then disagreed with eager. Here the whole h200 plan of the
+tiny V4.1 runs on the CPU (Triton kernels fall back to the capturable ones, kept opaque as on the
+GPU), compiled and not: the logits must agree to fp32 summation order (1e-4), and a fast op-level
+check pins quantize_act bitwise. Compiling the tiny step takes about a minute on two cores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megagraph.kernels.capturable.fused import quantize_act
+from tests.runtime.conftest import make_engine
+from tests.tiny import SeqChunk, random_tokens
+
+STEPS = [[SeqChunk(0, random_tokens(11, 1)), SeqChunk(1, random_tokens(7, 2))],
+         [SeqChunk(0, (17,)), SeqChunk(1, (23,))],
+         [SeqChunk(0, (5,)), SeqChunk(1, (6,))]]
+
+
+@pytest.mark.parametrize("width", [192, 256, 40, 300])
+def test_quantize_act_compiles_bitwise(width):
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(18, width, generator=g) * 3
+    torch._dynamo.reset()
+    got = torch.compile(lambda t: quantize_act(t, act_fmt="fp8_1x128"))(x)
+    want = quantize_act(x, act_fmt="fp8_1x128")
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1], want[1])
+
+
+def test_compiled_engine_equals_eager(compiled):
+    model = "v4.1-flash-tiny"
+    path = compiled(model, hw="h200")
+    torch._dynamo.reset()
+    outs = {}
+    for backend in ("none", "inductor"):
+        eng = make_engine(path, model, allow_fallback=True, compile=backend, buckets=(4, 32))
+        outs[backend] = [eng.step(c) for c in STEPS]
+    for a, b in zip(outs["none"], outs["inductor"], strict=True):
+        assert not torch.isnan(b).any()
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
