@@ -1,6 +1,9 @@
 """Captured steps: one CUDA graph per (segment, bucket), static buffers, eager breaks between.
 
-A bucket b holds a step of T <= b tokens in R <= b requests, padded to (b, b) (runtime/batch.py).
+A bucket b holds a step of T <= b tokens in R <= R_b requests, padded to (b, R_b) (runtime/batch.py):
+R_b = b unless the engine caps it (`bucket_reqs`): a prefill bucket of 8192 tokens serves a few
+requests, and every request row costs per-request work (its logits row, request tiles, state
+gathers), so the engine gives it as many rows as it has slots plus the pad rows its pad tokens need.
 Every value that crosses a segment boundary, and the step's metadata, lives in one buffer sized
 for the largest bucket; a bucket's graphs read and write leading slices of them, so addresses
 never change. State updates go straight into the state pools when no later segment still reads
@@ -50,11 +53,16 @@ class GraphRunner:
 
     def __init__(self, step: StepProgram, buckets: tuple[int, ...], *, capturable: set[int],
                  eager_reasons: dict[int, str], device: torch.device, capture: bool = True,
-                 wrap: Callable[[int, Callable], Callable] | None = None):
+                 wrap: Callable[[int, Callable], Callable] | None = None,
+                 bucket_reqs: dict[int, int] | None = None):
         """`capturable`: segment indices to capture (CUDA only, unless `capture` is off);
-        `wrap(seg, program)`: torch.compile."""
+        `wrap(seg, program)`: torch.compile; `bucket_reqs`: request rows per bucket (default b,
+        never more than b, nondecreasing in b)."""
         self.step, self.device = step, device
         self.buckets = tuple(sorted(buckets))
+        self.bucket_reqs = {b: min(b, (bucket_reqs or {}).get(b, b)) for b in self.buckets}
+        if any(self.bucket_reqs[a] > self.bucket_reqs[b] for a, b in zip(self.buckets, self.buckets[1:])):
+            raise ValueError(f"request rows per bucket must not decrease: {self.bucket_reqs}")
         self.use_graphs = device.type == "cuda" and capture
         self.capturable = capturable if self.use_graphs else set()
         self.report = CaptureReport(list(self.buckets), sorted(self.capturable), dict(eager_reasons))
@@ -68,8 +76,12 @@ class GraphRunner:
     def can_run(self, batch: StepBatch) -> bool:
         return bool(self.buckets) and batch.num_tokens <= self.buckets[-1]
 
+    def reqs(self, b: int) -> int:
+        """Request rows of bucket b."""
+        return self.bucket_reqs[b]
+
     def padded_size(self, num_tokens: int) -> int:
-        """Smallest bucket holding `num_tokens` tokens (and as many requests)."""
+        """Smallest bucket holding `num_tokens` tokens."""
         for b in self.buckets:
             if b >= num_tokens:
                 return b
@@ -78,7 +90,7 @@ class GraphRunner:
     def replay(self, batch: StepBatch) -> dict[str, torch.Tensor]:
         """Run a batch already padded to a bucket; returns views of the output buffers."""
         b = batch.padded_tokens
-        if b not in self.buckets or batch.padded_reqs != b:
+        if b not in self.buckets or batch.padded_reqs != self.bucket_reqs[b]:
             raise ValueError(f"batch padded to (T={b}, R={batch.padded_reqs}) is not a bucket")
         env = self._env(b)
         for name in METADATA:
@@ -111,7 +123,8 @@ class GraphRunner:
             free0 = torch.cuda.mem_get_info(self.device)[0]
             self.pool = torch.cuda.graph_pool_handle()
         for b in sorted(self.buckets, reverse=True):
-            batch = pad_batch(empty, b, b, scratch_slot=scratch_slot, capacity=capacity)
+            batch = pad_batch(empty, b, self.bucket_reqs[b], scratch_slot=scratch_slot,
+                              capacity=capacity)
             self.replay(batch)  # warm-up: lazy init, torch.compile, every pad row on the scratch slot
             if not (self.use_graphs and self.capturable):
                 continue
@@ -131,7 +144,7 @@ class GraphRunner:
     def _allocate(self) -> StaticBuffers:
         g, st = self.step.graph, self.step.state
         any_pool = next(iter(st.values()), None)
-        dims = {"T": self.buckets[-1], "R": self.buckets[-1]}
+        dims = {"T": self.buckets[-1], "R": self.bucket_reqs[self.buckets[-1]]}
         if any_pool is not None:
             dims["S"] = any_pool.shape[0]
         dims["N"] = _capacity(g, st)
@@ -163,7 +176,7 @@ class GraphRunner:
         env = self.envs.get(b)
         if env is None:
             g, bufs = self.step.graph, self.buffers
-            dims = {**bufs.env_max, "T": b, "R": b}
+            dims = {**bufs.env_max, "T": b, "R": self.bucket_reqs[b]}
             env = {**self.step.constants, **self.step.state}
             for v in bufs.tensors:
                 env[v] = bufs.view(v, g.types[v].concrete(dims))

@@ -47,6 +47,12 @@ class EngineConfig:
     progress: bool = True  # progress bar while loading a checkpoint
 
 
+def bucket_reqs(buckets: Sequence[int], max_slots: int, capacity: int) -> dict[int, int]:
+    """Request rows of each bucket: every slot's request, plus enough pad rows that the bucket's
+    pad tokens fit (at most `capacity` per pad request); never more than the bucket's tokens."""
+    return {b: min(b, max_slots + -(-b // max(1, capacity))) for b in buckets}
+
+
 class Engine:
     """One model on one device: state pools, segments, captured graphs, a sampler."""
 
@@ -196,7 +202,8 @@ class Engine:
         with self.report.timed("warm-up+capture"):
             self.runner = GraphRunner(self.program, buckets, capturable=capturable,
                                       eager_reasons=reasons, device=self.device,
-                                      capture=c.cuda_graphs, wrap=wrap_fn)
+                                      capture=c.cuda_graphs, wrap=wrap_fn,
+                                      bucket_reqs=bucket_reqs(buckets, c.max_slots, c.capacity))
             rep = self.runner.capture(scratch_slot=self.slots.scratch_slot, capacity=c.capacity)
         self.report.buckets, self.report.captured_segments = rep.buckets, rep.captured_segments
         self.report.eager_segments, self.report.graph_memory_bytes = rep.eager_segments, rep.graph_memory_bytes
@@ -243,7 +250,7 @@ class Engine:
             return out["logits"][: len(rows)].clone()
         if self.runner is not None and self.runner.can_run(batch):
             b = self.runner.padded_size(batch.num_tokens)
-            padded = pad_batch(batch, b, b, scratch_slot=self.slots.scratch_slot,
+            padded = pad_batch(batch, b, self.runner.reqs(b), scratch_slot=self.slots.scratch_slot,
                                capacity=self.config.capacity, pad_token_id=self.cfg.pad_token_id)
             out = self.runner.replay(padded)
         else:

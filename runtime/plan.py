@@ -49,7 +49,7 @@ class RunPlan:
 
     @property
     def buckets(self) -> tuple[int, ...]:
-        """Every captured step size: a bucket b holds T <= b tokens in R <= b requests."""
+        """Every captured step size: a bucket b holds T <= b tokens (and at most b requests; the engine caps the rows at its slots plus pad rows)."""
         return tuple(sorted(set(self.decode_buckets) | set(self.prefill_buckets)))
 
     @classmethod

@@ -33,7 +33,7 @@ def test_logits_equal_reference_interpreter(model, compiled):
 
 @pytest.mark.parametrize("model", TINY)
 def test_padding_to_buckets_keeps_real_outputs(model, compiled):
-    """Steps padded to (b, b) buckets (pad requests on the scratch slot) give the same real rows,
+    """Steps padded to buckets (pad requests on the scratch slot) give the same real rows,
     up to fp32 summation order of batched matmuls."""
     eng = make_engine(compiled(model), model, buckets=(4, 16, 32))
     ref = _reference(model)
@@ -71,3 +71,20 @@ def test_h200_plan_on_cpu_writes_state_in_place_and_matches_reference(compiled):
         got, want = eng.step(chunks), ref.step(chunks)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert {k: v.data_ptr() for k, v in eng.state.items()} == ptrs
+
+
+def test_buckets_pad_requests_to_slots_not_tokens(compiled):
+    """A bucket of b tokens holds max_slots requests plus the pad rows its pad tokens need (at most
+    `capacity` pad tokens per pad row), not b request rows: a 32-token bucket of a 2-slot engine
+    has 2 + 32/16 rows. Real outputs are unchanged."""
+    from megagraph.runtime.engine import bucket_reqs
+
+    assert bucket_reqs((1, 4, 32, 8192), 2, 16) == {1: 1, 4: 3, 32: 4, 8192: 8192 // 16 + 2}
+    assert bucket_reqs((8192,), 256, 131072) == {8192: 257}
+    model = TINY[0]
+    eng = make_engine(compiled(model), model, buckets=(4, 32), max_slots=2, capacity=16)
+    assert [eng.runner.reqs(b) for b in (4, 32)] == [3, 4]
+    ref = _reference(model)
+    for chunks in ([SeqChunk(0, (5,))], [SeqChunk(0, random_tokens(14, 4)), SeqChunk(1, (7, 8))],
+                   [SeqChunk(1, (9,))]):
+        torch.testing.assert_close(eng.step(chunks), ref.step(chunks), rtol=1e-4, atol=1e-4)
