@@ -62,10 +62,13 @@ class KernelSet:
         return self.impls[n.outputs[0]]
 
     def run_on_host(self, g: Graph, host_weights: set[str]) -> list[str]:
-        """Wrap the nodes reading host-resident weights with `on_host`; returns their names."""
+        """Wrap the nodes reading host-resident weights with `on_host` (Engram lookups with
+        `gather_on_host`); returns their names."""
+        ops = {n.outputs[0]: n.op for n in g.nodes}
         moved = [n.outputs[0] for n in g.nodes if host_weights.intersection(n.inputs)]
         for name in moved:
-            self.impls[name] = on_host(self.impls[name])
+            wrap = gather_on_host if ops[name] == "engram_lookup" else on_host
+            self.impls[name] = wrap(self.impls[name])
             self.capture_safe.discard(name)
         return moved
 
@@ -115,6 +118,29 @@ def resolve_kernels(plan: RunPlan, graphs: list[Graph], device: torch.device, *,
             if safe:
                 ks.capture_safe.add(n.outputs[0])
     return ks
+
+
+def gather_on_host(fn: Impl) -> Impl:
+    """An Engram lookup over a host-resident table: only the rows the step needs are gathered on
+    the host, in their storage format (FP8 + e8m0 scales: 1 byte per value instead of the 4 of the
+    host's fp32 dequantization and the 2 of its bf16 copy), moved to the device, and dequantized
+    there by `fn` itself (over local row indices), so the result is the same as `on_host(fn)`."""
+
+    def run(table, scale, ids):
+        if table.device == ids.device:
+            return fn(table, scale, ids)
+        return fn(*host_rows(table, scale, ids, ids.device))
+
+    return run
+
+
+def host_rows(table, scale, ids, dev: torch.device):
+    """(rows, scales, local ids) on `dev`: the rows `ids` names, gathered where the table lives,
+    in storage format, and ids renumbered 0..n-1 over them."""
+    flat = ids.reshape(-1).to(table.device)
+    rows = table.index_select(0, flat).to(dev)
+    sc = None if scale is None else scale.index_select(0, flat).to(dev)
+    return rows, sc, torch.arange(flat.numel(), device=dev).reshape(ids.shape)
 
 
 def on_host(fn: Impl) -> Impl:

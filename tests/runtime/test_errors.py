@@ -114,3 +114,24 @@ def test_full_size_model_says_what_would_fit(compiled):
     msg = str(e.value)
     assert "v4.1-flash does not fit" in msg and "139.0 GiB is available" in msg
     assert "a layer slice of at most" in msg and "GPUs" in msg
+
+
+def test_engram_rows_gathered_in_storage_format():
+    """Host-resident Engram tables: the step gathers its rows (FP8 + e8m0 scales) where the table
+    lives and dequantizes them where the step runs; same values as dequantizing on the host."""
+    from megagraph.kernels import formats
+    from megagraph.kernels.capturable import CAPTURABLE
+    from megagraph.runtime.kernels import gather_on_host, host_rows, on_host
+
+    g = torch.Generator().manual_seed(3)
+    table, scale = formats.quantize_fp8_rows(torch.randn(50, 64, generator=g))  # e8m0 per 32
+    ids = torch.randint(0, 50, (7, 3), generator=g)
+    fn = CAPTURABLE["engram_lookup"]
+    want = fn(table, scale, ids)
+    rows, sc, local = host_rows(table, scale, ids, torch.device("cpu"))
+    assert rows.dtype == table.dtype and rows.shape == (21, 64) and local.max() == 20
+    assert torch.equal(fn(rows, sc, local), want)
+    assert torch.equal(gather_on_host(fn)(table, scale, ids), want)
+    if torch.cuda.is_available():
+        got = gather_on_host(fn)(table, scale, ids.cuda())
+        assert got.device.type == "cuda" and torch.equal(got.cpu(), on_host(fn)(table, scale, ids.cuda()).cpu())
