@@ -46,8 +46,22 @@ def take_topk(s: Tensor, k: int) -> Tensor:
     return gt | (eq & (eq.cumsum(dim=-1, dtype=torch.int32) <= need))
 
 
+ROW_CHUNK_ELEMS = 1 << 28  # rows per pass of the selections: temporaries of at most ~1 GiB each
+
+
+def _by_rows(fn, scores: Tensor, *rest: Tensor | None) -> Tensor:
+    """fn over chunks of rows (static sizes, no host sync): the selections allocate several
+    [rows, C] temporaries, 16 GiB each for 32K tokens x 128K entries if done at once."""
+    T, C = scores.shape
+    rows = max(1, ROW_CHUNK_ELEMS // max(1, C))
+    if T <= rows:
+        return fn(scores, *rest)
+    return torch.cat([fn(scores[r0:r0 + rows], *[None if x is None else x[r0:r0 + rows] for x in rest])
+                      for r0 in range(0, T, rows)])
+
+
 def candidate_mask(scores: Tensor, *, block: int, topk_blocks: int) -> Tensor:
-    """Two-level candidate mask bool[T, C] from indexer scores f32[T, C].
+    """Two-level candidate mask bool[T, C] from indexer scores f32[T, C] (in row chunks).
 
     Visible entries are the finite scores (a prefix, as produced by :func:`index_scores`). Entries are
     grouped in blocks of ``block``; block score = max of its entries (−inf if none visible); the block
@@ -55,6 +69,10 @@ def candidate_mask(scores: Tensor, *, block: int, topk_blocks: int) -> Tensor:
     score > −inf are kept (ties toward the older block, :func:`take_topk`); the result is the block
     mask expanded to entries ∧ visibility.
     """
+    return _by_rows(lambda sc: _candidate_mask(sc, block, topk_blocks), scores)
+
+
+def _candidate_mask(scores: Tensor, block: int, topk_blocks: int) -> Tensor:
     T, C = scores.shape
     nb = -(-C // block)
     vis = scores > float("-inf")
@@ -85,6 +103,10 @@ def topk_select(scores: Tensor, mask: Tensor | None = None, *, k: int) -> Tensor
     ones equal to it are re-chosen as the lowest indices through one cumulative count and a batched
     binary search (k lookups per row), not a second pass of top-k over every entry.
     """
+    return _by_rows(lambda sc, m: _topk_select(sc, m, k), scores, mask)
+
+
+def _topk_select(scores: Tensor, mask: Tensor | None, k: int) -> Tensor:
     T, C = scores.shape
     s = scores.float()
     if mask is not None:
