@@ -127,14 +127,3 @@ def _topk_select(scores: Tensor, mask: Tensor | None, k: int) -> Tensor:
     both = both.sort(dim=-1).values[:, :kk]
     out[:, :kk] = torch.where(both == big, -1, both)
     return out
-    # the taken entries' indices, ascending: top-kk of -index over the taken entries (distinct keys)
-    neg = -torch.arange(C, device=scores.device, dtype=torch.float32)
-    v = torch.where(take_topk(s, kk), neg, float("-inf")).topk(kk, dim=-1).values
-    out[:, :kk] = torch.where(v > float("-inf"), -v, -1.0).to(torch.int64)
-    return out
-    vals, idx = s.topk(kk, dim=-1)
-    big = torch.iinfo(torch.int64).max
-    idx = torch.where(vals > float("-inf"), idx, torch.full_like(idx, big))
-    idx = idx.sort(dim=-1).values
-    out[:, :kk] = torch.where(idx == big, torch.full_like(idx, -1), idx)
-    return out

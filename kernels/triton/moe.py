@@ -95,8 +95,8 @@ CONFIG_OVERRIDE: dict[str, GemmConfig] = {}
 def pick_config(role: str, rows_per_group: float) -> GemmConfig:
     """Tile per role and expected rows per group (expert or dense M). The routed-expert tiles come
     from the H200 sweep (benchmarks/moe_tune.py -> benchmarks/results/moe-tune-h200.md; routed
-    experts at 64 tokens 3.91 -> 2.98 ms with 16-row L1 tiles, at 8192 tokens 18.6 -> ~15.5 ms with
-    64-row, 4-warp tiles for both GEMMs); the dense FP8-block tiles and the middle range (12 < rows
+    experts at 64 tokens 3.91 -> 2.98 ms with 16-row L1 tiles; at 8192 tokens 18.6 -> 16.5 / 17.5 ms
+    with a 64-row, 4-warp L1 / L2 tile, each timed with the other GEMM's old tile); the dense FP8-block tiles and the middle range (12 < rows
     <= 48) are still the SASS-based picks (issue slots per KB of weights in the K loop, spills)."""
     if role in CONFIG_OVERRIDE:
         return CONFIG_OVERRIDE[role]
