@@ -64,13 +64,13 @@ class KernelSet:
     def run_on_host(self, g: Graph, host_weights: set[str]) -> list[str]:
         """Wrap the nodes reading host-resident weights with `on_host` (Engram lookups with
         `gather_on_host`); returns their names."""
-        ops = {n.outputs[0]: n.op for n in g.nodes}
-        moved = [n.outputs[0] for n in g.nodes if host_weights.intersection(n.inputs)]
-        for name in moved:
-            wrap = gather_on_host if ops[name] == "engram_lookup" else on_host
+        moved = [n for n in g.nodes if host_weights.intersection(n.inputs)]
+        for n in moved:
+            name = n.outputs[0]
+            wrap = gather_on_host if n.op == "engram_lookup" else on_host
             self.impls[name] = wrap(self.impls[name])
             self.capture_safe.discard(name)
-        return moved
+        return [n.outputs[0] for n in moved]
 
 
 def resolve_kernels(plan: RunPlan, graphs: list[Graph], device: torch.device, *,

@@ -37,7 +37,7 @@ def _quantize_blocks(xb: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def quantize_act(x: Tensor, *, act_fmt: str) -> tuple[Tensor, Tensor]:
     """Full blocks and a trailing partial block are quantized as two pieces rather than through a
     zero-padded copy: torch.compile (Inductor's CPU code, torch 2.13) miscompiles the fused
-    pad -> scale -> E4M3 cast -> slice chain into NaN codes (tests/kernels/test_capturable_ops.py
+    pad -> scale -> E4M3 cast -> slice chain into NaN codes (tests/runtime/test_compile_parity.py
     compiles this op)."""
     block = ACT_BLOCKS[act_fmt]
     d = x.shape[-1]

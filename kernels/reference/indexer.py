@@ -46,7 +46,7 @@ def take_topk(s: Tensor, k: int) -> Tensor:
     return gt | (eq & (eq.cumsum(dim=-1, dtype=torch.int32) <= need))
 
 
-ROW_CHUNK_ELEMS = 1 << 28  # rows per pass of the selections: temporaries of at most ~1 GiB each
+ROW_CHUNK_ELEMS = 1 << 28  # [rows, C] elements per pass of the selections: ~1 GiB temporaries
 
 
 def _by_rows(fn, scores: Tensor, *rest: Tensor | None) -> Tensor:
