@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-BACKENDS = ("none", "eager", "inductor")
+BACKENDS = ("none", "eager", "aot_eager", "inductor")  # aot_eager: debugging (no Inductor code)
 MEGACACHE = "torch_compile_cache.bin"
 
 
