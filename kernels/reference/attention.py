@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._chunks import row_slices
 from ._meta import last_positions, request_spans
 
 
@@ -32,7 +33,8 @@ def sparse_attn(q: Tensor, kv: Tensor, ring: Tensor, ckv: Tensor | None, topk: T
     ``s_k = scale·q_h·k``, ``m = max(max_k s_k, −1e30)``,
     ``o_h = Σ_k e^(s_k−m)·k / (e^(sink_h−m) + Σ_k e^(s_k−m))``; no valid key → 0.
     The output is NOT de-rotated (apply ``rope(..., inverse=True)`` afterwards). fp32 math;
-    returns [T, H, D] in q.dtype.
+    returns [T, H, D] in q.dtype. Runs over row chunks of each request: the [rows, H, keys] scores
+    are 70 GiB for 4K new tokens x 64 heads x 72K keys at once.
     """
     T, H, D = q.shape
     W = ring.shape[1]
@@ -48,39 +50,48 @@ def sparse_attn(q: Tensor, kv: Tensor, ring: Tensor, ckv: Tensor | None, topk: T
             continue
         sl = slice(start, start + n)
         slot, c = int(seq_slots[r]), int(seq_cached[r])
-        p = positions[sl]
-        lo = p - window + 1  # [n]
-        # window keys from the ring
-        rp = ring_positions(c, W).to(p.device)
-        m_ring = (rp[None, :] >= 0) & (rp[None, :] >= lo[:, None]) & (rp[None, :] < c)
-        # window keys from this step
-        m_new = (p[None, :] <= p[:, None]) & (p[None, :] >= lo[:, None])
-        keys = [ring[slot].float(), kv[sl].float()]
-        masks = [m_ring, m_new]
-        if use_comp:
-            C = ckv.shape[1]
-            vis = torch.arange(C, device=p.device)[None, :] < ((p + 1) // ratio)[:, None]
-            if topk is not None:
-                idx = topk[sl]
-                idx = torch.where(idx >= 0, idx, torch.full_like(idx, C))  # −1 → dummy column C
-                sel = torch.zeros(n, C + 1, dtype=torch.bool, device=p.device)
-                sel.scatter_(1, idx, True)
-                sel = sel[:, :C]
-            else:
-                sel = torch.ones(n, C, dtype=torch.bool, device=p.device)
-            keys.append(ckv[slot].float())
-            masks.append(sel & vis)
+        rp = ring_positions(c, W).to(positions.device)
+        keys = [ring[slot].float(), kv[sl].float()] + ([ckv[slot].float()] if use_comp else [])
         K = torch.cat(keys, dim=0)  # [L, D]
-        M = torch.cat(masks, dim=1)  # [n, L]
-        s = torch.einsum("nhd,ld->nhl", q[sl].float(), K) * scale
-        s = s.masked_fill(~M[:, None, :], float("-inf"))
-        m = s.amax(dim=-1, keepdim=True).clamp(min=-1e30)
-        e = torch.exp(s - m)  # masked → 0
-        den = torch.exp(sinkf[None, :, None] - m) + e.sum(dim=-1, keepdim=True)
-        o = torch.einsum("nhl,ld->nhd", e, K) / den
-        o = torch.where(M.any(dim=-1)[:, None, None], o, torch.zeros_like(o))
-        out[sl] = o
+        for ch in row_slices(start, start + n, H * K.shape[0]):
+            p = positions[ch]
+            masks = [_window_mask(p, positions[sl], rp, c, window)]
+            if use_comp:
+                masks.append(_compressed_mask(p, None if topk is None else topk[ch], ckv.shape[1], ratio))
+            out[ch] = _attend(q[ch], K, torch.cat(masks, dim=1), sinkf, scale)
     return out.to(q.dtype)
+
+
+def _window_mask(p: Tensor, step_pos: Tensor, rp: Tensor, cached: int, window: int) -> Tensor:
+    """Window keys of query positions p [n]: bool[n, W + len(step_pos)] over the ring rows (holding
+    positions rp [W]) then this step's rows of the request (positions step_pos)."""
+    lo = p - window + 1
+    m_ring = (rp[None, :] >= 0) & (rp[None, :] >= lo[:, None]) & (rp[None, :] < cached)
+    m_new = (step_pos[None, :] <= p[:, None]) & (step_pos[None, :] >= lo[:, None])
+    return torch.cat([m_ring, m_new], dim=1)
+
+
+def _compressed_mask(p: Tensor, idx: Tensor | None, C: int, ratio: int) -> Tensor:
+    """Compressed keys of query positions p [n]: bool[n, C], the visible entries g < (p+1)//ratio
+    that are listed in idx i64[n, K] (−1 = empty), or all visible ones when idx is None."""
+    vis = torch.arange(C, device=p.device)[None, :] < ((p + 1) // ratio)[:, None]
+    if idx is None:
+        return vis
+    idx = torch.where(idx >= 0, idx, torch.full_like(idx, C))  # −1 → dummy column C
+    sel = torch.zeros(p.shape[0], C + 1, dtype=torch.bool, device=p.device)
+    return sel.scatter_(1, idx, True)[:, :C] & vis
+
+
+def _attend(q: Tensor, K: Tensor, M: Tensor, sink: Tensor, scale: float) -> Tensor:
+    """Sink attention of rows q [n, H, D] over keys K f32[L, D] where M bool[n, L]: f32[n, H, D].
+    The [n, H, L] scores are the one large temporary; they are updated in place into the weights."""
+    s = torch.einsum("nhd,ld->nhl", q.float(), K).mul_(scale)
+    s.masked_fill_(~M[:, None, :], float("-inf"))
+    m = s.amax(dim=-1, keepdim=True).clamp(min=-1e30)
+    e = s.sub_(m).exp_()  # masked → 0
+    den = torch.exp(sink[None, :, None] - m) + e.sum(dim=-1, keepdim=True)
+    o = torch.einsum("nhl,ld->nhd", e, K) / den
+    return torch.where(M.any(dim=-1)[:, None, None], o, torch.zeros_like(o))
 
 
 def ring_update(ring: Tensor, kv: Tensor, positions: Tensor, token_req: Tensor, seq_slots: Tensor, *,

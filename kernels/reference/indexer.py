@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._chunks import by_rows, row_slices
 from ._meta import request_spans
 
 
@@ -14,21 +15,29 @@ def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_r
 
     qi [T, Hi, Di]; w [T, Hi] (raw weights_proj output); ikey [S, C, Di] (index-key cache).
     ``S[t, j] = Σ_h (w[t,h]·weight_scale) · ReLU(qi[t,h]·ikey[slot, j])`` for visible j
-    (j < (p+1)//ratio), −inf otherwise. fp32 math.
+    (j < (p+1)//ratio), −inf otherwise. fp32 math, in row chunks (the [rows, Hi, C] dot products
+    are 66 GiB for 4K tokens x 64 heads x 66K entries at once).
     """
-    T = qi.shape[0]
+    T, Hi, _ = qi.shape
     C = ikey.shape[1]
     out = torch.full((T, C), float("-inf"), dtype=torch.float32, device=qi.device)
     for r, (start, n) in enumerate(request_spans(token_req, seq_slots.shape[0])):
         if n == 0:
             continue
-        sl = slice(start, start + n)
         keys = ikey[int(seq_slots[r])].float()  # [C, Di]
-        dots = torch.relu(torch.einsum("nhd,cd->nhc", qi[sl].float(), keys))
-        sc = torch.einsum("nh,nhc->nc", w[sl].float() * weight_scale, dots)
-        vis = torch.arange(C, device=qi.device)[None, :] < ((positions[sl] + 1) // ratio)[:, None]
-        out[sl] = torch.where(vis, sc, torch.full_like(sc, float("-inf")))
+        for sl in row_slices(start, start + n, Hi * C):
+            out[sl] = _index_rows(qi[sl], w[sl], keys, positions[sl], ratio, weight_scale)
     return out
+
+
+def _index_rows(qi: Tensor, w: Tensor, keys: Tensor, positions: Tensor, ratio: int,
+                weight_scale: float) -> Tensor:
+    """index_scores of some rows of one request against its slot's keys f32[C, Di]."""
+    C = keys.shape[0]
+    dots = torch.einsum("nhd,cd->nhc", qi.float(), keys).relu_()
+    sc = torch.einsum("nh,nhc->nc", w.float() * weight_scale, dots)
+    vis = torch.arange(C, device=qi.device)[None, :] < ((positions + 1) // ratio)[:, None]
+    return torch.where(vis, sc, torch.full_like(sc, float("-inf")))
 
 
 def take_topk(s: Tensor, k: int) -> Tensor:
@@ -46,20 +55,6 @@ def take_topk(s: Tensor, k: int) -> Tensor:
     return gt | (eq & (eq.cumsum(dim=-1, dtype=torch.int32) <= need))
 
 
-ROW_CHUNK_ELEMS = 1 << 28  # [rows, C] elements per pass of the selections: ~1 GiB temporaries
-
-
-def _by_rows(fn, scores: Tensor, *rest: Tensor | None) -> Tensor:
-    """fn over chunks of rows (static sizes, no host sync): the selections allocate several
-    [rows, C] temporaries, 16 GiB each for 32K tokens x 128K entries if done at once."""
-    T, C = scores.shape
-    rows = max(1, ROW_CHUNK_ELEMS // max(1, C))
-    if T <= rows:
-        return fn(scores, *rest)
-    return torch.cat([fn(scores[r0:r0 + rows], *[None if x is None else x[r0:r0 + rows] for x in rest])
-                      for r0 in range(0, T, rows)])
-
-
 def candidate_mask(scores: Tensor, *, block: int, topk_blocks: int) -> Tensor:
     """Two-level candidate mask bool[T, C] from indexer scores f32[T, C] (in row chunks).
 
@@ -69,7 +64,7 @@ def candidate_mask(scores: Tensor, *, block: int, topk_blocks: int) -> Tensor:
     score > −inf are kept (ties toward the older block, :func:`take_topk`); the result is the block
     mask expanded to entries ∧ visibility.
     """
-    return _by_rows(lambda sc: _candidate_mask(sc, block, topk_blocks), scores)
+    return by_rows(lambda sc: _candidate_mask(sc, block, topk_blocks), scores.shape[1], scores)
 
 
 def _candidate_mask(scores: Tensor, block: int, topk_blocks: int) -> Tensor:
@@ -92,7 +87,7 @@ def _candidate_mask(scores: Tensor, block: int, topk_blocks: int) -> Tensor:
 
 
 def topk_select(scores: Tensor, mask: Tensor | None = None, *, k: int) -> Tensor:
-    """Top-k compressed entries per token: i64[T, k].
+    """Top-k compressed entries per token: i64[T, k] (in row chunks).
 
     Scores outside ``mask`` (bool[T, C], optional) become −inf; take the top min(k, C) entries (ties
     at the k-th value toward the lower index, as in :func:`take_topk`); those with score −inf are
@@ -103,7 +98,7 @@ def topk_select(scores: Tensor, mask: Tensor | None = None, *, k: int) -> Tensor
     ones equal to it are re-chosen as the lowest indices through one cumulative count and a batched
     binary search (k lookups per row), not a second pass of top-k over every entry.
     """
-    return _by_rows(lambda sc, m: _topk_select(sc, m, k), scores, mask)
+    return by_rows(lambda sc, m: _topk_select(sc, m, k), scores.shape[1], scores, mask)
 
 
 def _topk_select(scores: Tensor, mask: Tensor | None, k: int) -> Tensor:

@@ -141,6 +141,7 @@ def test_topk_ties_break_toward_lower_index_on_every_device():
 
 def test_selections_in_row_chunks_equal_whole(monkeypatch):
     """The selections run over chunks of rows to bound their temporaries; chunking changes nothing."""
+    from megagraph.kernels.reference import _chunks
     from megagraph.kernels.reference import indexer as ix
 
     g = torch.Generator().manual_seed(11)
@@ -148,7 +149,7 @@ def test_selections_in_row_chunks_equal_whole(monkeypatch):
     s[:, 90:] = float("-inf")
     m = torch.rand(37, 100, generator=g) > 0.2
     whole = (ix.topk_select(s, m, k=12), ix.topk_select(s, k=12), ix.candidate_mask(s, block=4, topk_blocks=5))
-    monkeypatch.setattr(ix, "ROW_CHUNK_ELEMS", 300)  # 3 rows per chunk, a ragged last chunk
+    monkeypatch.setattr(_chunks, "ROW_CHUNK_ELEMS", 300)  # 3 rows per chunk, a ragged last chunk
     chunked = (ix.topk_select(s, m, k=12), ix.topk_select(s, k=12), ix.candidate_mask(s, block=4, topk_blocks=5))
     for a, b in zip(whole, chunked, strict=True):
         assert torch.equal(a, b)
