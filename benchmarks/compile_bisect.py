@@ -1,0 +1,185 @@
+"""Which node torch.compile computes differently: the segments of one decode step, compiled in
+chunks of nodes (then node by node inside a chunk that differs) on the eager inputs of that chunk.
+
+compile_parity.py shows *that* the compiled engine leaves the uncompiled one (and that aot_eager,
+i.e. tracing and functionalization without Inductor's code, does not); this finds *where*. Each
+chunk starts from the eager values at its start (so errors do not propagate between chunks), runs
+eagerly and compiled (Inductor) on clones, and compares every output and every input it mutated:
+floats by max |diff| / max |eager|, integers and FP8 codes by the fraction of elements that
+differ. Library kernels (the plan's Triton nodes) run opaque, as in runtime/compile.py:wrap.
+
+    python benchmarks/compile_bisect.py --out /tmp/cb            # GPU, the tiny V4.1, B=8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from workloads import environment, load_model  # noqa: E402
+
+
+def clone(v):
+    return v.clone() if isinstance(v, torch.Tensor) else v
+
+
+def compare(a, b) -> dict:
+    """How far `a` (compiled) is from `b` (eager)."""
+    if not isinstance(b, torch.Tensor):
+        return {"kind": "other", "bad": a != b}
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return {"kind": "shape", "bad": True, "got": f"{tuple(a.shape)} {a.dtype}",
+                "want": f"{tuple(b.shape)} {b.dtype}"}
+    if b.numel() == 0:
+        return {"kind": "empty", "bad": False}
+    if b.dtype.is_floating_point and b.element_size() > 1:
+        af, bf = a.float(), b.float()
+        nan = bool((torch.isnan(af) != torch.isnan(bf)).any())
+        fin = ~(torch.isnan(af) | torch.isnan(bf))
+        scale = bf[fin].abs().max().item() if fin.any() else 0.0
+        diff = (af - bf)[fin].abs().max().item() if fin.any() else 0.0
+        rel = diff / scale if scale else diff
+        return {"kind": "float", "rel": rel, "nan_mismatch": nan, "bad": nan or rel > 1e-2}
+    x, y = (a.view(torch.uint8), b.view(torch.uint8)) if b.element_size() == 1 and \
+        b.dtype.is_floating_point else (a, b)
+    frac = (x != y).float().mean().item()
+    return {"kind": str(b.dtype), "mismatch": frac, "bad": frac > 0}
+
+
+def chunk_fn(calls, names, opaque):
+    """A function of the chunk's input values that runs its calls and returns (outputs, inputs)."""
+    fns = [torch.compiler.disable(c.fn) if c.outputs[0] in opaque else c.fn for c in calls]
+
+    def f(*tensors):
+        vals = dict(zip(names, tensors))
+        for c, fn in zip(calls, fns):
+            out = fn(*[None if i is None else vals[i] for i in c.inputs], **c.attrs)
+            vals.update(zip(c.outputs, out if isinstance(out, tuple) else (out,)))
+        return tuple(vals[o] for c in calls for o in c.outputs), tuple(vals[n] for n in names)
+
+    return f
+
+
+def check_chunk(calls, vals, opaque, backend) -> list[dict]:
+    """Run `calls` from `vals` eagerly and compiled; one record per output / mutated input."""
+    names = list(dict.fromkeys(i for c in calls for i in c.inputs if i is not None and i in vals))
+    f = chunk_fn(calls, names, opaque)
+    want = f(*[clone(vals[n]) for n in names])
+    torch._dynamo.reset()
+    got = torch.compile(f, backend=backend)(*[clone(vals[n]) for n in names])
+    outs = [o for c in calls for o in c.outputs]
+    recs = []
+    for name, a, b in zip(outs + [f"{n} (after, input)" for n in names],
+                          list(got[0]) + list(got[1]), list(want[0]) + list(want[1])):
+        r = compare(a, b)
+        r["value"] = name
+        recs.append(r)
+    return recs
+
+
+def bisect(program, env, opaque, chunk: int, backend: str, log, found: list, save) -> None:
+    """Chunks of `chunk` calls; a chunk with a bad record is re-checked call by call (findings
+    appended to `found`, `save()` after each chunk: a run cut short keeps what it found)."""
+    vals = {k: clone(v) for k, v in {**program.weights, **env}.items()}
+    calls = list(program.calls)
+    for s in range(0, len(calls), chunk):
+        part = calls[s:s + chunk]
+        try:
+            recs = check_chunk(part, vals, opaque, backend)
+        except Exception as e:  # a compile failure is a finding too
+            recs = [{"value": "(chunk)", "bad": True, "error": f"{type(e).__name__}: {e}"[:300]}]
+        bad = [r for r in recs if r["bad"]]
+        log(f"  {program.name} calls {s}-{s + len(part) - 1}: {len(bad)} differing values")
+        if bad:
+            for c in part:
+                try:
+                    one = check_chunk([c], vals, opaque, backend)
+                except Exception as e:
+                    one = [{"value": "(call)", "bad": True, "error": f"{type(e).__name__}: {e}"[:300]}]
+                for r in one:
+                    if r["bad"]:
+                        r["call"] = c.label
+                        found.append(r)
+                        log(f"    {c.label}: {json.dumps(r)}")
+                run_eager([c], vals)
+        else:
+            run_eager(part, vals)
+        save()
+
+
+def run_eager(calls, vals) -> None:
+    for c in calls:
+        out = c.fn(*[None if i is None else vals[i] for i in c.inputs], **c.attrs)
+        vals.update(zip(c.outputs, out if isinstance(out, tuple) else (out,)))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context", type=int, default=32)
+    p.add_argument("--chunk", type=int, default=12, help="calls per compiled chunk")
+    p.add_argument("--backend", default="inductor")
+    p.add_argument("--hw", default=None, help="hardware profile (default: this device's)")
+    args = p.parse_args(argv)
+    from megagraph.runtime import segments
+    from megagraph.runtime.batch import SeqChunk
+    from megagraph.runtime.engine import Engine, EngineConfig
+
+    device = torch.device(args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res = {"environment": environment(device), "args": vars(args), "segments": []}
+
+    def save():
+        (out / "compile_bisect.json").write_text(json.dumps(res, indent=1, default=str))
+    with tempfile.TemporaryDirectory(prefix="megagraph-cb-") as tmp:
+        m = load_model(args.model, device, Path(tmp), hw=args.hw, log=print)
+        conf = EngineConfig(device=str(device), max_slots=args.batch, capacity=256,
+                            max_step_tokens=4096, kernels="capturable", progress=False,
+                            allow_fallback=device.type == "cpu", cuda_graphs=False,
+                            buckets=(args.batch,))
+        eng = Engine(m.plan, dict(m.weights), conf)
+        gen = torch.Generator().manual_seed(7)
+        vocab = eng.cfg.vocab_size
+        slots = [eng.slots.allocate() for _ in range(args.batch)]
+        prompts = torch.randint(3, vocab, (args.batch, args.context), generator=gen).tolist()
+        eng.step([SeqChunk(s, tuple(q)) for s, q in zip(slots, prompts)])
+        seen = []
+        orig = segments.Program.__call__
+
+        def record(self, env):
+            seen.append((self, {k: clone(v) for k, v in env.items()}))
+            return orig(self, env)
+
+        segments.Program.__call__ = record
+        try:
+            row = torch.randint(3, vocab, (args.batch,), generator=gen).tolist()
+            eng.step([SeqChunk(s, (t,)) for s, t in zip(slots, row)])
+        finally:
+            segments.Program.__call__ = orig
+        for program, env in seen:
+            if not program.name.endswith(":graph"):
+                continue  # break segments run eagerly under compile too (runtime/engine.py)
+            print(f"segment {program.name}: {len(program.calls)} calls", flush=True)
+            found: list[dict] = []
+            res["segments"].append({"name": program.name, "calls": len(program.calls),
+                                    "differing": found})
+            bisect(program, env, eng.kernels.opaque, args.chunk, args.backend, print, found, save)
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
