@@ -86,9 +86,11 @@ def check_chunk(calls, vals, opaque, backend) -> list[dict]:
     return recs
 
 
-def bisect(program, env, opaque, chunk: int, backend: str, log, found: list, save) -> None:
+def bisect(program, env, opaque, chunk: int, backend: str, log, found: list, save,
+           every: list | None = None, refine: bool = True) -> None:
     """Chunks of `chunk` calls; a chunk with a bad record is re-checked call by call (findings
-    appended to `found`, `save()` after each chunk: a run cut short keeps what it found)."""
+    appended to `found`, `save()` after each chunk: a run cut short keeps what it found). With
+    `every`, each chunk's records are kept there too (in call order: how an error grows)."""
     vals = {k: clone(v) for k, v in {**program.weights, **env}.items()}
     calls = list(program.calls)
     for s in range(0, len(calls), chunk):
@@ -99,7 +101,9 @@ def bisect(program, env, opaque, chunk: int, backend: str, log, found: list, sav
             recs = [{"value": "(chunk)", "bad": True, "error": f"{type(e).__name__}: {e}"[:300]}]
         bad = [r for r in recs if r["bad"]]
         log(f"  {program.name} calls {s}-{s + len(part) - 1}: {len(bad)} differing values")
-        if bad:
+        if every is not None:
+            every.extend(recs)
+        if bad and refine:
             for c in part:
                 try:
                     one = check_chunk([c], vals, opaque, backend)
@@ -132,6 +136,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=12, help="calls per compiled chunk")
     p.add_argument("--backend", default="inductor")
     p.add_argument("--hw", default=None, help="hardware profile (default: this device's)")
+    p.add_argument("--every", action="store_true", help="keep every value's comparison")
+    p.add_argument("--no-refine", action="store_true", help="no node-by-node pass")
     args = p.parse_args(argv)
     from megagraph.runtime import segments
     from megagraph.runtime.batch import SeqChunk
@@ -174,9 +180,11 @@ def main(argv=None) -> int:
                 continue  # break segments run eagerly under compile too (runtime/engine.py)
             print(f"segment {program.name}: {len(program.calls)} calls", flush=True)
             found: list[dict] = []
+            every: list[dict] | None = [] if args.every else None
             res["segments"].append({"name": program.name, "calls": len(program.calls),
-                                    "differing": found})
-            bisect(program, env, eng.kernels.opaque, args.chunk, args.backend, print, found, save)
+                                    "differing": found, "every": every})
+            bisect(program, env, eng.kernels.opaque, args.chunk, args.backend, print, found, save,
+                   every, not args.no_refine)
     save()
     return 0
 
