@@ -45,7 +45,8 @@ def make(plan, weights, variant: str, args, device):
     conf = EngineConfig(device=str(device), max_slots=args.batch, capacity=256,
                         max_step_tokens=4096, kernels="capturable", progress=False,
                         allow_fallback=device.type == "cpu", cuda_graphs=False,
-                        buckets=(args.batch,), compile=backend)
+                        buckets=(args.batch,), compile=backend,
+                        unverified_compile=True)
     return Engine(plan, dict(weights), conf)
 
 
@@ -78,13 +79,14 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=32)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--hw", default=None, help="hardware profile (default: this device's)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"environment": environment(device), "args": vars(args), "variants": {}}
     with tempfile.TemporaryDirectory(prefix="megagraph-cp-") as tmp:
-        m = load_model(args.model, device, Path(tmp), log=print)
+        m = load_model(args.model, device, Path(tmp), hw=args.hw, log=print)
         logits = {}
         for v in ["padded"] + [v for v in args.variants.split(",") if v != "padded"]:
             try:

@@ -30,6 +30,28 @@ def check_backend(name: str) -> str:
     return name
 
 
+# Why Inductor on CUDA is opt-in (docs/compile.md): on the H200 (torch 2.11, Triton 3.6) the
+# compiled tiny V4.1 leaves the uncompiled engine from its first compiled decode step (logits max
+# |diff| 5.3 of 5.5, 50% argmax agreement; the full-width slice 93%), while aot_eager (tracing and
+# functionalization without Inductor's code) is bitwise equal, emulate_precision_casts changes
+# nothing, every 24-node chunk compiled alone from eager inputs matches (<= 3e-7, no FP8 code
+# differs: benchmarks/compile_bisect.py), and CPU Inductor is exact (tests/runtime/
+# test_compile_parity.py). Until the cause is found, the runtime does not hand out those tokens
+# unless asked to.
+UNVERIFIED = {("cuda", "inductor")}
+
+
+def check_verified(backend: str, device: torch.device, allowed: bool) -> None:
+    """Refuse a (device, backend) pair whose tokens are known to differ from eager, unless
+    `allowed` (`--unverified-compile`): benchmarks time it, users should not serve with it."""
+    if (device.type, backend) in UNVERIFIED and not allowed:
+        raise ValueError(
+            f"torch.compile backend {backend!r} on {device.type} gives other tokens than the "
+            "uncompiled engine on the H200 (known defect, cause not yet found: docs/compile.md); "
+            "use CUDA graphs without --compile (the default, exact), --compile eager, or pass "
+            "--unverified-compile to run it anyway (for timing)")
+
+
 def cache_dir(artifacts: Path | None, key: str) -> Path:
     """Where this start's compile caches go (created)."""
     root = os.environ.get("MEGAGRAPH_CACHE")

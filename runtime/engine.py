@@ -15,7 +15,8 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from .batch import SeqChunk, make_batch, pad_batch
-from .compile import StartupReport, cache_dir, cache_key, check_backend, point_caches
+from .compile import (StartupReport, cache_dir, cache_key, check_backend, check_verified,
+                      point_caches)
 from .cuda_graphs import GraphRunner
 from .kernels import resolve_kernels
 from .plan import ArtifactsError, RunPlan
@@ -36,6 +37,7 @@ class EngineConfig:
     max_step_tokens: int = 256  # tokens per step (longer prompts prefill in chunks)
     compile: str = "none"  # torch.compile backend: none, eager or inductor
     compile_dynamic: bool = False  # one torch.compile for all buckets (dynamic shapes)
+    unverified_compile: bool = False  # allow Inductor on CUDA (tokens differ from eager there)
     cuda_graphs: bool = True  # capture the plan's buckets on CUDA
     buckets: tuple[int, ...] | None = None  # override the plan's buckets (CPU: none unless given)
     allow_fallback: bool = False  # run kernels this device lacks as reference kernels
@@ -183,6 +185,7 @@ class Engine:
                        for s in self.plan.segments}
             capturable = set()
         backend = check_backend(c.compile if c.compile != "none" else (self.plan.compile_backend or "none"))
+        check_verified(backend, self.device, c.unverified_compile)
         wrap_fn = None
         if backend != "none":
             from .compile import cache_counters, load_megacache, wrap

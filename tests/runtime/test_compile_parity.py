@@ -43,3 +43,30 @@ def test_compiled_engine_equals_eager(compiled):
     for a, b in zip(outs["none"], outs["inductor"], strict=True):
         assert not torch.isnan(b).any()
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_inductor_on_cuda_is_refused_unless_asked():
+    """The H200 gives other tokens with Inductor (docs/compile.md): an engine refuses it there
+    unless `unverified_compile`; the CPU (exact, the test above) and `eager` stay allowed."""
+    from megagraph.runtime.compile import check_verified
+
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match="--unverified-compile"):
+        check_verified("inductor", cuda, allowed=False)
+    check_verified("inductor", cuda, allowed=True)
+    check_verified("eager", cuda, allowed=False)
+    check_verified("none", cuda, allowed=False)
+    check_verified("inductor", torch.device("cpu"), allowed=False)
+
+
+def test_cli_passes_unverified_compile():
+    import argparse
+
+    from megagraph.runtime.cli import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["generate", "art", "--prompt", "x", "--compile", "inductor",
+                         "--unverified-compile"])
+    assert args.unverified_compile and args.compile == "inductor"
+    assert not p.parse_args(["generate", "art", "--prompt", "x"]).unverified_compile
