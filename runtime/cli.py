@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--unverified-compile", action="store_true",
                    help="allow --compile inductor on CUDA, whose tokens differ from the uncompiled "
                         "engine there (docs/compile.md); for timing, not serving")
+    g.add_argument("--compile-tile-loops", action="store_true",
+                   help="let torch.compile trace the capturable kernels' tile loops too (attention, "
+                        "indexer, MoE: minutes per bucket at V4.1 sizes)")
     g.add_argument("--compile-dynamic", action="store_true",
                    help="one torch.compile for every bucket (dynamic shapes) instead of one each")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly on CUDA")
@@ -87,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
             args.artifacts, args.weights, device=args.device, seed=args.seed,
             max_slots=args.max_slots, capacity=args.capacity, max_step_tokens=args.max_step_tokens,
             compile=args.compile, compile_dynamic=args.compile_dynamic,
-            unverified_compile=args.unverified_compile,
+            unverified_compile=args.unverified_compile, compile_tile_loops=args.compile_tile_loops,
             cuda_graphs=not args.no_cuda_graphs, buckets=buckets,
             kernels=args.kernels, allow_fallback=args.allow_fallback, progress=not args.quiet,
             bounded_replay=args.bounded_replay)

@@ -110,8 +110,10 @@ def wrap(program, backend: str, num_shapes: int, dynamic: bool = False,
 
     NOTE: Inductor cannot generate code that takes float8_e8m0fnu buffers, so e8m0 scale weights
     enter the compiled program as their uint8 bytes (the kernels' e8m0 decoding accepts both).
-    Library kernels (`opaque` nodes: Triton, DeepGEMM) are not traced: Dynamo calls them as they
-    are (a graph break around each), since Inductor re-compiling user Triton kernels fails on them."""
+    `opaque` nodes are not traced: Dynamo calls them as they are (a graph break around each):
+    library kernels (Triton, DeepGEMM), since Inductor re-compiling user Triton kernels fails on
+    them, and the capturable tile-loop kernels (kernels/capturable TILE_LOOP_OPS) unless the engine
+    is told to trace them."""
     e8m0 = {k: v.view(torch.uint8) for k, v in program.weights.items()
             if v.dtype == torch.float8_e8m0fnu}
     fn = program.with_weights(e8m0) if e8m0 else program

@@ -38,6 +38,7 @@ class EngineConfig:
     compile: str = "none"  # torch.compile backend: none, eager or inductor
     compile_dynamic: bool = False  # one torch.compile for all buckets (dynamic shapes)
     unverified_compile: bool = False  # allow Inductor on CUDA (tokens differ from eager there)
+    compile_tile_loops: bool = False  # also trace the capturable tile-loop kernels (minutes)
     cuda_graphs: bool = True  # capture the plan's buckets on CUDA
     buckets: tuple[int, ...] | None = None  # override the plan's buckets (CPU: none unless given)
     allow_fallback: bool = False  # run kernels this device lacks as reference kernels
@@ -47,6 +48,16 @@ class EngineConfig:
     random_weights: str = "seeded"  # without a checkpoint: "seeded" (tests' values) or "fast"
     memory_budget: int | None = None  # bytes the fit check may use (default: free memory)
     progress: bool = True  # progress bar while loading a checkpoint
+
+
+def tile_loop_nodes(g) -> set[str]:
+    """Nodes whose op has a capturable kernel that loops over tile chunks in Python
+    (kernels/capturable TILE_LOOP_OPS): torch.compile calls them untraced."""
+    try:
+        from megagraph.kernels.capturable import TILE_LOOP_OPS
+    except ImportError:
+        return set()
+    return {n.outputs[0] for n in g.nodes if n.op in TILE_LOOP_OPS}
 
 
 def bucket_reqs(buckets: Sequence[int], max_slots: int, capacity: int) -> dict[int, int]:
@@ -196,11 +207,12 @@ class Engine:
             self.report.cache_dir, self.report.compile_backend = str(d), backend
             self.report.megacache_loaded = load_megacache(d)
             targets = {s.index for s in self.plan.segments if s.kind == "graph"}
+            untraced = self.kernels.opaque | (set() if c.compile_tile_loops else tile_loop_nodes(g))
 
             def wrap_fn(i, fn):
                 if i not in targets:
                     return fn
-                return wrap(fn, backend, len(buckets), c.compile_dynamic, self.kernels.opaque)
+                return wrap(fn, backend, len(buckets), c.compile_dynamic, untraced)
 
         with self.report.timed("warm-up+capture"):
             self.runner = GraphRunner(self.program, buckets, capturable=capturable,

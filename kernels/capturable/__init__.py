@@ -71,6 +71,14 @@ CAPTURABLE: dict[str, Callable] = {
     "block_attn": block_attn, "markov_draft": markov_draft,
 }
 
+# ops whose capturable kernel loops in Python over static tile chunks (_common.chunk_ranges, up to
+# hundreds of chunks at V4.1 sizes): Dynamo unrolls every iteration, so torch.compile of them takes
+# minutes per bucket (the slice's MoE alone did not finish in 170 s on the H200) for little gain,
+# their work being batched GEMMs and gathers that Inductor calls as they are. runtime/compile.py
+# leaves them untraced unless asked (EngineConfig.compile_tile_loops).
+TILE_LOOP_OPS = frozenset({"sparse_attn", "sparse_attn_q", "index_scores", "moe_experts",
+                           "moe_experts_q", "mega_moe", "block_attn"})
+
 # ops whose state outputs can alias their state inputs: op -> indices of (input, output) pairs
 INPLACE_STATE_OPS: dict[str, tuple[tuple[int, int], ...] | str] = {
     "ring_update": ((0, 0),),

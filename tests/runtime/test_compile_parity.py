@@ -70,3 +70,28 @@ def test_cli_passes_unverified_compile():
                          "--unverified-compile"])
     assert args.unverified_compile and args.compile == "inductor"
     assert not p.parse_args(["generate", "art", "--prompt", "x"]).unverified_compile
+
+
+@pytest.mark.parametrize("trace_loops", [False, True])
+def test_tile_loop_kernels_stay_untraced(compiled, monkeypatch, trace_loops):
+    """torch.compile calls the capturable tile-loop kernels (attention, indexer, MoE) as they are
+    unless `compile_tile_loops`: Dynamo would unroll hundreds of chunks at V4.1 sizes. (The cpu
+    plan's one segment is marked `graph` so that it is wrapped; `wrap` itself is recorded.)"""
+    import dataclasses
+
+    from megagraph.kernels.capturable import TILE_LOOP_OPS
+    from megagraph.runtime import compile as rc
+    from megagraph.runtime.engine import Engine, EngineConfig
+    from megagraph.runtime.plan import RunPlan, SegmentPlan
+
+    plan = RunPlan.from_artifacts(compiled("v4.1-flash-tiny"))
+    plan = dataclasses.replace(plan, segments=(
+        SegmentPlan(0, "graph", tuple(range(len(plan.graph.nodes)))),))
+    seen = []
+    monkeypatch.setattr(rc, "wrap", lambda fn, *a, **k: seen.append(set(a[-1])) or fn)
+    Engine(plan, None, EngineConfig(max_slots=2, capacity=64, buckets=(4,), compile="eager",
+                                    kernels="capturable", progress=False,
+                                    compile_tile_loops=trace_loops))
+    loops = {n.outputs[0] for n in plan.graph.nodes if n.op in TILE_LOOP_OPS}
+    assert loops and len(seen) == 1
+    assert loops <= seen[0] if not trace_loops else not (loops & seen[0])
