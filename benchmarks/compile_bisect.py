@@ -13,7 +13,6 @@ differ. Library kernels (the plan's Triton nodes) run opaque, as in runtime/comp
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -25,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from compile_parity import make, parser, steps  # noqa: E402
 from workloads import environment, load_model  # noqa: E402
 
 
@@ -127,21 +127,13 @@ def run_eager(calls, vals) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--context", type=int, default=32)
+    p = parser(__doc__)
     p.add_argument("--chunk", type=int, default=12, help="calls per compiled chunk")
     p.add_argument("--backend", default="inductor")
-    p.add_argument("--hw", default=None, help="hardware profile (default: this device's)")
     p.add_argument("--every", action="store_true", help="keep every value's comparison")
     p.add_argument("--no-refine", action="store_true", help="no node-by-node pass")
     args = p.parse_args(argv)
     from megagraph.runtime import segments
-    from megagraph.runtime.batch import SeqChunk
-    from megagraph.runtime.engine import Engine, EngineConfig
 
     device = torch.device(args.device)
     out = Path(args.out)
@@ -152,16 +144,9 @@ def main(argv=None) -> int:
         (out / "compile_bisect.json").write_text(json.dumps(res, indent=1, default=str))
     with tempfile.TemporaryDirectory(prefix="megagraph-cb-") as tmp:
         m = load_model(args.model, device, Path(tmp), hw=args.hw, log=print)
-        conf = EngineConfig(device=str(device), max_slots=args.batch, capacity=256,
-                            max_step_tokens=4096, kernels="capturable", progress=False,
-                            allow_fallback=device.type == "cpu", cuda_graphs=False,
-                            buckets=(args.batch,))
-        eng = Engine(m.plan, dict(m.weights), conf)
-        gen = torch.Generator().manual_seed(7)
-        vocab = eng.cfg.vocab_size
-        slots = [eng.slots.allocate() for _ in range(args.batch)]
-        prompts = torch.randint(3, vocab, (args.batch, args.context), generator=gen).tolist()
-        eng.step([SeqChunk(s, tuple(q)) for s, q in zip(slots, prompts)])
+        eng = make(m.plan, m.weights, "padded", args, device)
+        it = steps(eng, args)
+        next(it)  # the prefill, uncompiled
         seen = []
         orig = segments.Program.__call__
 
@@ -171,8 +156,7 @@ def main(argv=None) -> int:
 
         segments.Program.__call__ = record
         try:
-            row = torch.randint(3, vocab, (args.batch,), generator=gen).tolist()
-            eng.step([SeqChunk(s, (t,)) for s, t in zip(slots, row)])
+            next(it)  # the first decode step: the one the compiled engine already gets wrong
         finally:
             segments.Program.__call__ = orig
         for program, env in seen:

@@ -50,36 +50,45 @@ def make(plan, weights, variant: str, args, device):
     return Engine(plan, dict(weights), conf)
 
 
-def run(eng, args) -> list[torch.Tensor]:
-    """Logits of a prefill step and `--steps` teacher-forced decode steps (same inputs always)."""
+def steps(eng, args):
+    """A prefill of `--context` random tokens per request, then teacher-forced decode steps (the
+    same seeded inputs in every variant): yields each step's logits on the CPU."""
     from megagraph.runtime.batch import SeqChunk
 
     gen = torch.Generator().manual_seed(7)
     vocab = eng.cfg.vocab_size
     prompts = torch.randint(3, vocab, (args.batch, args.context), generator=gen).tolist()
     slots = [eng.slots.allocate() for _ in range(args.batch)]
-    outs = [eng.step([SeqChunk(s, tuple(p)) for s, p in zip(slots, prompts)]).float().cpu()]
-    for _ in range(args.steps):
+    yield eng.step([SeqChunk(s, tuple(p)) for s, p in zip(slots, prompts)]).float().cpu()
+    while True:
         row = torch.randint(3, vocab, (args.batch,), generator=gen).tolist()
-        outs.append(eng.step([SeqChunk(s, (t,)) for s, t in zip(slots, row)]).float().cpu())
-    sync(eng_device(eng))
+        yield eng.step([SeqChunk(s, (t,)) for s, t in zip(slots, row)]).float().cpu()
+
+
+def run(eng, args) -> list[torch.Tensor]:
+    """Logits of the prefill step and `--steps` decode steps."""
+    it = steps(eng, args)
+    outs = [next(it) for _ in range(1 + args.steps)]
+    sync(torch.device(eng.config.device))
     return outs
 
 
-def eng_device(eng) -> torch.device:
-    return torch.device(eng.config.device)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments compile_parity.py and compile_bisect.py share."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", default="tiny")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--context", type=int, default=32)
+    p.add_argument("--hw", default=None, help="hardware profile (default: this device's)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser(__doc__)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--hw", default=None, help="hardware profile (default: this device's)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     out = Path(args.out)
