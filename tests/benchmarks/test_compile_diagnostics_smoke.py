@@ -1,0 +1,46 @@
+"""The torch.compile diagnostics (benchmarks/compile_parity.py, compile_bisect.py) on the CPU:
+they run, compare what they claim to, and flag a difference when there is one."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+TINY = ["--device", "cpu", "--hw", "h200", "--batch", "2", "--context", "8"]
+
+
+def test_parity_and_bisect_run(run_bench, tmp_path):
+    run_bench("compile_parity.py", "--out", str(tmp_path), *TINY, "--steps", "1",
+              "--variants", "aot_eager")
+    rows = json.loads((tmp_path / "compile_parity.json").read_text())["variants"]["aot_eager"]["steps"]
+    assert [r["step"] for r in rows] == ["prefill", "decode 1"]
+    assert all(r["max_abs_diff"] == 0 and r["argmax_agree"] == 1 for r in rows)  # aot_eager is exact
+    run_bench("compile_bisect.py", "--out", str(tmp_path), *TINY, "--chunk", "400",
+              "--backend", "aot_eager", "--every", "--no-refine")
+    segs = json.loads((tmp_path / "compile_bisect.json").read_text())["segments"]
+    assert [s["name"] for s in segs] == ["0:graph", "2:graph"]
+    assert all(s["every"] and not s["differing"] for s in segs)
+
+
+def test_compare_flags_differences():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    from compile_bisect import compare
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 32, generator=g)
+    assert not compare(x.clone(), x)["bad"]
+    assert compare(x + 0.05 * x.abs().max(), x)["bad"]
+    q = (x * 50).to(torch.float8_e4m3fn)
+    flipped = q.view(torch.uint8).clone()
+    flipped[0, 0] ^= 1
+    assert compare(flipped.view(torch.float8_e4m3fn), q)["mismatch"] == 1 / q.numel()
+    i = torch.randint(0, 9, (40,), generator=g)
+    assert not compare(i.clone(), i)["bad"] and compare(i + (i == i[0]), i)["bad"]
+    y = x.clone()
+    y[1, 1] = float("nan")
+    assert compare(y, x)["nan_mismatch"]
