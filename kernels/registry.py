@@ -73,7 +73,8 @@ KERNELS: dict[str, list[KernelImpl]] = {
     "index_scores": [_k("deepgemm.fp8_fp4_mqa_logits", f"{BLACKWELL_GEMM} mxfp4"),
                      _k("deepgemm.fp8_mqa_logits", "sm_90 deepgemm"),
                      _k("triton.index_scores", "sm_90 triton", "available",
-                        note="kernels/triton/indexer.py: request tiles, tf32x3 products")],
+                        note="kernels/triton/indexer.py: request tiles, tf32x3 products "
+                              "(bf16 where the node says products=bf16)")],
     "candidate_mask": [_k("capturable", "sm_90", "available", note="device torch, no host sync")],
     "topk_select": [_k("capturable", "sm_90", "available", note="device torch.topk + sort")],
     "quantize_act": [_k("triton.quantize_act", "cuda triton")],

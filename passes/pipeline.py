@@ -30,6 +30,7 @@ PIPELINE = (
     "mega-moe-fusion",      # needs quantize-epilogues' moe_experts_q / swiglu_mlp_q
     "expert-parallel",      # after mega-moe-fusion (splits mega_moe); only with --dp/--ep > 1
     "batch-window-copies",  # after every attention rewrite: it reads each layer's final kv value
+    "indexer-products",     # after every attention rewrite: reads the final producers of qi / ikey
     "dead-code",            # safety net for anything the rewrites orphaned
     "partition-prefill",    # last pass that reorders nodes: the plan's segments index this order
     "bounded-replay",       # last: derives side graphs from the final step (step unchanged)

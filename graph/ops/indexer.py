@@ -6,10 +6,13 @@ from ._util import expect_meta, expect_rows
 
 
 @op("index_scores", ("qi", "w", "ikey", "positions", "token_req", "seq_slots"),
-    attrs={"ratio": REQUIRED, "weight_scale": REQUIRED}, cost="attention")
-def index_scores(qi, w, ikey, pos, req, slots, *, ratio, weight_scale) -> TensorType:
+    attrs={"ratio": REQUIRED, "weight_scale": REQUIRED, "products": "fp32"}, cost="attention")
+def index_scores(qi, w, ikey, pos, req, slots, *, ratio, weight_scale, products) -> TensorType:
     """S[t, j] = sum_h w[t, h] * weight_scale * relu(qi[t, h] . ikey[j]) for visible entries
-    (j < (p+1)//ratio), -inf otherwise."""
+    (j < (p+1)//ratio), -inf otherwise. `products="bf16"` (set by the indexer-products pass) says
+    qi and ikey hold values exact in bf16, so the products may be taken in bf16 with the same
+    result as fp32 (fp32 sums)."""
+    expect(products in ("fp32", "bf16"), f"products must be fp32 or bf16, got {products!r}")
     expect_meta(pos, req, slots)
     expect(qi.rank == 3, f"qi must be [T, Hi, Di], got {qi}")
     expect_rows(qi, pos, "qi")

@@ -12,7 +12,9 @@ from ._common import I64, chunk_ranges, request_tiles, scatter_rows
 
 
 def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_req: Tensor,
-                 seq_slots: Tensor, *, ratio: int, weight_scale: float) -> Tensor:
+                 seq_slots: Tensor, *, ratio: int, weight_scale: float,
+                 products: str = "fp32") -> Tensor:
+    """The reference's scores; fp32 products whatever `products` says (same result)."""
     T, Hi, Di = qi.shape
     C = ikey.shape[1]
     dev = qi.device

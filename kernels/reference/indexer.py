@@ -10,12 +10,14 @@ from ._meta import request_spans
 
 
 def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_req: Tensor,
-                 seq_slots: Tensor, *, ratio: int, weight_scale: float) -> Tensor:
+                 seq_slots: Tensor, *, ratio: int, weight_scale: float,
+                 products: str = "fp32") -> Tensor:
     """Indexer scores f32[T, C].
 
     qi [T, Hi, Di]; w [T, Hi] (raw weights_proj output); ikey [S, C, Di] (index-key cache).
     ``S[t, j] = Σ_h (w[t,h]·weight_scale) · ReLU(qi[t,h]·ikey[slot, j])`` for visible j
-    (j < (p+1)//ratio), −inf otherwise. fp32 math, in row chunks (the [rows, Hi, C] dot products
+    (j < (p+1)//ratio), −inf otherwise. fp32 math whatever `products` says (bf16 products of the
+    values the indexer-products pass allows are exact, so the result is the same), in row chunks (the [rows, Hi, C] dot products
     are 66 GiB for 4K tokens x 64 heads x 66K entries at once).
     """
     T, Hi, _ = qi.shape

@@ -12,7 +12,9 @@ Precision: the reference multiplies in fp32. PRECISION = "tf32x3" (default) spli
 operands into tf32 pairs on the tensor cores (relative error ~1e-6 of sum |w·relu(q·k)|, below
 fp32 summation-order noise at these lengths); "ieee" is exact fp32 FMA (slower); "bf16" rounds
 both operands to bf16, exact only for inputs representable in bf16 — which MXFP4 fake-quantized
-index queries and keys (V4.1's quantize_kv) are.
+index queries and keys (V4.1's quantize_kv) are: the indexer-products pass marks such nodes
+`products="bf16"` and this kernel then multiplies in bf16 (1.5-2.9x faster on the H200,
+benchmarks/results/kernels-h200.md; exactness: tests/kernels/test_triton_indexer.py).
 """
 from __future__ import annotations
 
@@ -36,10 +38,11 @@ def supports(qi: Tensor, ikey: Tensor) -> bool:
 
 
 def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_req: Tensor,
-                 seq_slots: Tensor, *, ratio: int, weight_scale: float,
+                 seq_slots: Tensor, *, ratio: int, weight_scale: float, products: str = "fp32",
                  precision: str | None = None, token_tile: int | None = None,
                  out: Tensor | None = None) -> Tensor:
-    """kernels.reference.indexer.index_scores; `precision` / `token_tile` override the defaults,
+    """kernels.reference.indexer.index_scores; `products="bf16"` (the node's attr: operands exact
+    in bf16) multiplies in bf16, else PRECISION; `precision` / `token_tile` override the defaults,
     `out` is a preallocated f32[T, C] result (tests poison it)."""
     if not supports(qi, ikey):
         from megagraph.kernels.capturable.indexer import index_scores as fallback
@@ -67,7 +70,7 @@ def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_r
     ikey = ikey if ikey.stride(-1) == 1 else ikey.contiguous()
     w = w.contiguous()
     bc = BLOCK_C
-    prec = "ieee" if INTERPRET else (precision or PRECISION)
+    prec = "ieee" if INTERPRET else (precision or ("bf16" if products == "bf16" else PRECISION))
     index_scores_fwd[(tiles.count, triton.cdiv(C, bc))](
         qi, w, ikey, out, positions, items, ivalid, tslot,
         C, ratio, float(weight_scale), qi.stride(0), qi.stride(1), w.stride(0),

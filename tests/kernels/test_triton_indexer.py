@@ -112,6 +112,16 @@ def test_bf16_precision_exact_on_mxfp4_values():
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 
+@gpu
+def test_node_attr_products_bf16_selects_the_bf16_mode():
+    """`products="bf16"` (the indexer-products pass's attr) runs the bf16 mode: bitwise the
+    explicit precision="bf16" result; "fp32" runs the default tf32x3 mode."""
+    g = torch.Generator().manual_seed(19)
+    args, kw = case(g, PADDED, 2, torch.bfloat16, mxfp4=True)
+    assert torch.equal(run(args, kw, products="bf16"), run(args, kw, precision="bf16"))
+    assert torch.equal(run(args, kw, products="fp32"), run(args, kw, precision="tf32x3"))
+
+
 def long_case(g, ratio, contexts, prefill=0, cap=131072):
     reqs = [(i, c, 1) for i, c in enumerate(contexts)] + ([(len(contexts), 8000, prefill)] if prefill else [])
     m = dev_meta(reqs)

@@ -26,8 +26,9 @@ def test_compile_writes_the_artifact_layout(tmp_path, capsys):
     assert files == ["graph/00-built.mgir", "graph/01-fold-constants.mgir", "graph/02-cse.mgir",
                      "graph/03-fuse-compressor.mgir", "graph/04-quantize-epilogues.mgir",
                      "graph/05-mega-moe-fusion.mgir", "graph/06-batch-window-copies.mgir",
-                     "graph/07-dead-code.mgir", "graph/08-partition-prefill.mgir",
-                     "graph/09-bounded-replay.mgir", "graph/encoder-replay.mgir",
+                     "graph/07-indexer-products.mgir", "graph/08-dead-code.mgir",
+                     "graph/09-partition-prefill.mgir", "graph/10-bounded-replay.mgir",
+                     "graph/encoder-replay.mgir",
                      "graph/prefill-prefix.mgir", "graph/prefill-suffix.mgir", "manifest.yaml",
                      "model.yaml", "plan.yaml"]
     m = yaml.safe_load((out / "manifest.yaml").read_text())
@@ -100,7 +101,7 @@ def test_pass_list_runs_exactly_those(tmp_path):
 def test_schema_version_and_tampering_are_caught(tmp_path, capsys):
     assert _compile(tmp_path, hw="cpu") == 0
     art = tmp_path / "art"
-    g = art / "graph" / "09-bounded-replay.mgir"
+    g = art / "graph" / "10-bounded-replay.mgir"
     g.write_text(g.read_text().replace("rms_norm", "rms_norm", 1) + "\n")
     with pytest.raises(ArtifactError, match="does not match the manifest's hash"):
         load_artifacts(art)

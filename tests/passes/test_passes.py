@@ -4,6 +4,7 @@ import inspect
 from dataclasses import replace
 
 import pytest
+import torch
 
 from megagraph.graph.ir import Node, freeze_attrs
 from megagraph.graph.registry import all_ops
@@ -14,6 +15,7 @@ from megagraph.passes import PASSES, PIPELINE, load_hw_profile
 from megagraph.passes.batch_window_copies import BatchWindowCopies
 from megagraph.passes.cleanup import CommonSubexpressions, DeadCode, FoldConstants
 from megagraph.passes.fuse_compressor import FuseCompressor
+from megagraph.passes.indexer_products import IndexerProducts
 from megagraph.passes.mega_moe import MegaMoeFusion
 from megagraph.passes.partition import PartitionPrefill, segments
 from megagraph.passes.quantize_epilogues import QuantizeEpilogues
@@ -109,6 +111,43 @@ def test_batch_window_copies_holds_back_a_ring_read_in_the_step():
                       outputs=g.outputs + (("probe", "probe"),))
     r = BatchWindowCopies(GB300).run(g2)
     assert "held back: L3" in r.note and r.graph.op_counts()["ring_update"] == 1
+
+
+def test_indexer_products_marks_fake_quantized_operands_only():
+    _, g, _, _ = tiny("v4.1-flash-tiny", "bf16")
+    for graph in (g, FuseCompressor(GB300).run(g).graph):  # cache_write and fused compressor keys
+        r = IndexerProducts(CPU).run(graph)
+        scores = [n for n in r.graph.nodes if n.op == "index_scores"]
+        assert scores and all(n.attr("products") == "bf16" for n in scores)
+        assert r.stats == {"marked": len(scores), "held": 0}
+        verify_graph(r.graph)
+    # a second writer of L2's index-key pool (not fake-quantized): its pool is no longer exact
+    w = next(n for n in g.nodes if n.op == "cache_write" and n.inputs[0] == "L2.ikey")
+    raw = Node("cache_write", ("L2.ikey", "L2.attn.compressor.ik_rot", *w.inputs[2:]),
+               ("L2.ikey.raw",), w.attrs)
+    g2 = g.with_nodes([*g.nodes, raw], types={"L2.ikey.raw": g.types[w.outputs[0]]},
+                      outputs=tuple((lab, "L2.ikey.raw" if lab == "L2.ikey" else v)
+                                    for lab, v in g.outputs))
+    r = IndexerProducts(CPU).run(g2)
+    assert "held back: L2 (index keys not fake-quantized)" in r.note
+    # V4 (no quantize_kv): nothing is marked
+    _, g4, _, _ = tiny("v4-flash-tiny", "bf16")
+    assert IndexerProducts(CPU).run(g4).skipped
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_e4m3"])
+def test_fake_quantized_values_and_their_products_are_exact_in_bf16(fmt):
+    """The premise of indexer-products: fake-quantized values survive bf16, their products fp32."""
+    from megagraph.kernels.reference.quant import fake_quant
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(64, 128, generator=g) * torch.logspace(-6, 6, 128)  # 12 decades per row
+    a = fake_quant(x, fmt=fmt, block=32)
+    b = fake_quant(x.flip(0).roll(7, 1), fmt=fmt, block=32)
+    assert torch.equal(a.bfloat16().float(), a) and torch.equal(b.bfloat16().float(), b)
+    p = a.bfloat16().float()[:, None, :] * b.bfloat16().float()[None, :, :]
+    assert torch.equal(p, a.double()[:, None, :].mul(b.double()[None, :, :]).float())
+    assert not torch.equal(x.bfloat16().float(), x)  # the raw values are not: the test can fail
 
 
 def test_partition_hoists_host_breaks_into_one_island():

@@ -31,8 +31,9 @@ def test_every_stage_preserves_outputs(model, hw):
                 assert torch.equal(v, ref[k]), f"{name} changed {k}: max |diff| {(v - ref[k]).abs().max()}"
         checked.append(name)
         ref, prev = out, g.nodes
-    if hw == "cpu":
-        assert checked in ([], ["fold-constants"], ["fold-constants", "cse"], ["cse"])
+    if hw == "cpu":  # cleanups, and the hardware-independent indexer-products annotation
+        rest = [c for c in checked if c != "indexer-products"]
+        assert rest in ([], ["fold-constants"], ["fold-constants", "cse"], ["cse"])
     else:
         assert {"fuse-compressor", "quantize-epilogues", "mega-moe-fusion",
                 "batch-window-copies"} <= set(checked)
