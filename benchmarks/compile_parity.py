@@ -11,7 +11,12 @@ capture) as the reference:
   intermediate roundings eager does;
 - `inductor+emulate`: the same with `torch._inductor.config.emulate_precision_casts` (Inductor
   rounds every intermediate to its eager dtype): if this agrees, the difference is rounding,
-  which FP8 activation codes and top-k selections then amplify over layers and steps.
+  which FP8 activation codes and top-k selections then amplify over layers and steps;
+- `inductor+noalias`: state pools not aliased to the static output buffers
+  (`GraphRunner._aliasable` empty: every state update is copied into its pool after the segment);
+- `inductor+functional`: the library state kernels (Triton compressor, ring copies) return new
+  tensors instead of writing their pools in place (`runtime/kernels.py:_state_in_place` off).
+  If either agrees where `inductor` does not, that engine feature meets Inductor badly.
 
     python benchmarks/compile_parity.py --out /tmp/cp                # GPU
     python benchmarks/compile_parity.py --out /tmp/cp --device cpu   # CPU (slow: Inductor on 2 cores)
@@ -33,10 +38,17 @@ if str(HERE) not in sys.path:
 
 from workloads import environment, load_model, sync  # noqa: E402
 
-VARIANTS = ("padded", "aot_eager", "inductor", "inductor+emulate")
+VARIANTS = ("padded", "aot_eager", "inductor", "inductor+emulate", "inductor+noalias",
+            "inductor+functional")
 
 
 def make(plan, weights, variant: str, args, device):
+    """The engine of `variant` (the engine features a variant turns off stay off only while it
+    is built: buffers and kernels are chosen at start-up)."""
+    import contextlib
+    from unittest import mock
+
+    from megagraph.runtime import cuda_graphs, kernels
     from megagraph.runtime.engine import Engine, EngineConfig
 
     backend = {"padded": "none", "aot_eager": "aot_eager"}.get(variant, "inductor")
@@ -47,7 +59,10 @@ def make(plan, weights, variant: str, args, device):
                         allow_fallback=device.type == "cpu", cuda_graphs=False,
                         buckets=(args.batch,), compile=backend,
                         unverified_compile=True)
-    return Engine(plan, dict(weights), conf)
+    off = {"inductor+noalias": mock.patch.object(cuda_graphs.GraphRunner, "_aliasable", lambda self: {}),
+           "inductor+functional": mock.patch.object(kernels, "_state_in_place", lambda fn, n, unsafe: fn)}
+    with off.get(variant, contextlib.nullcontext()):
+        return Engine(plan, dict(weights), conf)
 
 
 def steps(eng, args):
