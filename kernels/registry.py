@@ -77,7 +77,9 @@ KERNELS: dict[str, list[KernelImpl]] = {
                               "(bf16 where the node says products=bf16)")],
     "candidate_mask": [_k("capturable", "sm_90", "available", note="device torch, no host sync")],
     "topk_select": [_k("capturable", "sm_90", "available", note="device torch.topk + sort")],
-    "quantize_act": [_k("triton.quantize_act", "cuda triton")],
+    "quantize_act": [_k("triton.quantize_act", "cuda triton", "unvalidated",
+                        note="kernels/triton/quant.py: one pass per row, bitwise the reference "
+                             "under the interpreter; not yet run on an H200")],
     "compressor": [_k("triton.compressor", "sm_90 triton", "available",
                       note="kernels/triton/compressor.py: GEMM + pool/norm/RoPE/fake-quant rows"),
                    _k("triton.compressor", "cuda triton")],
@@ -122,6 +124,7 @@ LOADABLE.update({
     "triton.fp8_block_gemm": "megagraph.kernels.triton.moe",
     "triton.grouped_fp8_gemm": "megagraph.kernels.triton.moe",
     "triton.mega_mhc": "megagraph.kernels.triton.mhc",
+    "triton.quantize_act": "megagraph.kernels.triton.quant",
 })
 
 

@@ -363,6 +363,27 @@ LINEAR_SHAPES = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wo_b", 5120, 819
 LINEAR_TINY = [("wq_a", 96, 256)]
 
 
+def quant_rows(dims, T, dev, g) -> list[dict]:
+    """triton.quantize_act (FP8 1x128 of a bf16 activation) vs the capturable chain, at the widths
+    the slice quantizes (hidden, and the attention output's 64 x 512); bytes: read + codes + scales."""
+    from megagraph.kernels.capturable import fused as cf
+    from megagraph.kernels.reference import fused as rf
+    from megagraph.kernels.triton import quant as tq
+
+    out = []
+    for K in ((dims["d"], 32768) if dims["d"] == V41["d"] else (dims["d"],)):
+        x = torch.randn(T, K, device=dev, generator=g).bfloat16()
+        got, want = tq.quantize_act(x, act_fmt="fp8_1x128"), rf.quantize_act(x, act_fmt="fp8_1x128")
+        same = torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and \
+            torch.equal(got[1], want[1])
+        ms = time_ms(lambda: tq.quantize_act(x, act_fmt="fp8_1x128"), device=dev)
+        base = time_ms(lambda: cf.quantize_act(x, act_fmt="fp8_1x128"), device=dev)
+        out.append(row("triton.quantize_act", f"T={T} width {K}", ms, bytes=T * K * 3 + T * K // 32,
+                       baseline="capturable", baseline_ms=base, rel_err=0.0 if same else 1.0,
+                       notes="bitwise == reference" if same else "NOT bitwise equal to the reference"))
+    return out
+
+
 def linear_rows(dims, w, T, dev, t_end) -> list[dict]:
     from megagraph.kernels import formats
     from megagraph.kernels.capturable import fused as cf
@@ -371,7 +392,7 @@ def linear_rows(dims, w, T, dev, t_end) -> list[dict]:
 
     g = torch.Generator(device=dev)
     g.manual_seed(T + 7)
-    out = []
+    out = quant_rows(dims, T, dev, g)
     shapes = LINEAR_SHAPES if dims["d"] == V41["d"] else LINEAR_TINY
     for name, N, K in shapes:
         if time.perf_counter() > t_end:

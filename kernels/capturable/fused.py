@@ -49,7 +49,7 @@ def quantize_act(x: Tensor, *, act_fmt: str) -> tuple[Tensor, Tensor]:
         parts.append(_quantize_blocks(xf[..., :full].reshape(*lead, full // block, block)))
     if d > full:
         parts.append(_quantize_blocks(xf[..., full:].reshape(*lead, 1, d - full)))
-    q = torch.cat([p[0].reshape(*lead, -1) for p in parts], dim=-1)
+    q = torch.cat([p[0].reshape(*lead, p[0].shape[-2] * p[0].shape[-1]) for p in parts], dim=-1)
     e8 = torch.cat([p[1] for p in parts], dim=-1) if len(parts) > 1 else parts[0][1]
     s = torch.cat([p[2] for p in parts], dim=-1) if len(parts) > 1 else parts[0][2]
     return q, (e8 if act_fmt == "mxfp8" else s)
@@ -58,7 +58,7 @@ def quantize_act(x: Tensor, *, act_fmt: str) -> tuple[Tensor, Tensor]:
 def dequant_act(q: Tensor, s: Tensor, *, act_fmt: str) -> Tensor:
     sf = e8m0_to_f32(s) if s.dtype == torch.float8_e8m0fnu else s.float()
     qb, d = _blocks(q.float(), ACT_BLOCKS[act_fmt])
-    return (qb * sf[..., None]).reshape(*q.shape[:-1], -1)[..., :d]
+    return (qb * sf[..., None]).reshape(*q.shape[:-1], qb.shape[-2] * qb.shape[-1])[..., :d]
 
 
 def linear_q(x_q, x_scale, weight, scale=None, *, fmt, act_fmt, out_dtype):

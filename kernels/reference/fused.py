@@ -49,7 +49,7 @@ def quantize_act(x: Tensor, *, act_fmt: str) -> tuple[Tensor, Tensor]:
     e8 = formats.f32_to_e8m0(amax / FP8_MAX, rounding="ceil")
     s = formats.e8m0_to_f32(e8)
     q = (xb / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    q = q.reshape(*x.shape[:-1], -1)[..., :d].contiguous()
+    q = q.reshape(*x.shape[:-1], xb.shape[-2] * xb.shape[-1])[..., :d].contiguous()
     return q, (e8 if act_fmt == "mxfp8" else s)
 
 
@@ -59,7 +59,7 @@ def dequant_act(q: Tensor, s: Tensor, *, act_fmt: str) -> Tensor:
 
     sf = formats.e8m0_to_f32(s) if s.dtype == torch.float8_e8m0fnu else s.float()
     qb, d = _blocks(q.float(), ACT_BLOCKS[act_fmt])
-    return (qb * sf[..., None]).reshape(*q.shape[:-1], -1)[..., :d]
+    return (qb * sf[..., None]).reshape(*q.shape[:-1], qb.shape[-2] * qb.shape[-1])[..., :d]
 
 
 def linear_q(x_q, x_scale, weight, scale=None, *, fmt, act_fmt, out_dtype):

@@ -2,7 +2,7 @@
 reference ops.
 
 Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1: this module is run
-by test_triton_moe_interp.py in a child pytest), on small shapes: that covers the kernels' logic - tile scan, permutation, MMA
+by test_triton_interp.py in a child pytest), on small shapes: that covers the kernels' logic - tile scan, permutation, MMA
 modes, scale folding, epilogues, combine, Sinkhorn - in every mode except the inline-PTX upcast,
 whose bit logic is checked here by emulating the PTX. With CUDA the same tests run the compiled
 kernels, plus the GPU-only checks (CUDA-graph capture, the PTX upcast).
@@ -31,7 +31,7 @@ from megagraph.kernels.triton import moe as tm  # noqa: E402
 
 # The interpreter must be chosen before triton is first imported (its own library functions are
 # built then), which a shared pytest process cannot promise: without CUDA this module runs in a
-# child pytest with TRITON_INTERPRET=1 (test_triton_moe_interp.py) and is skipped here.
+# child pytest with TRITON_INTERPRET=1 (test_triton_interp.py) and is skipped here.
 RUNNABLE = torch.cuda.is_available() or tm.INTERPRET
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason="runs in the interpreter child process")
 

@@ -1,5 +1,5 @@
-"""Runs tests/kernels/test_triton_moe.py under the Triton interpreter in a child pytest when there
-is no CUDA device: TRITON_INTERPRET must be set before triton is first imported (its library
+"""Runs the Triton kernel tests that cover their logic on the CPU (test_triton_moe.py,
+test_triton_quant.py) under the Triton interpreter in a child pytest when there is no CUDA device: TRITON_INTERPRET must be set before triton is first imported (its library
 functions are built at import), which a shared pytest process cannot promise."""
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="test_triton_moe.py runs in this process")
-def test_triton_moe_under_interpreter():
+                    reason="the file runs in this process")
+@pytest.mark.parametrize("name", ["test_triton_moe.py", "test_triton_quant.py"])
+def test_under_interpreter(name):
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        str(HERE / "test_triton_moe.py")], capture_output=True, text=True,
+                        str(HERE / name)], capture_output=True, text=True,
                        timeout=1800, env=env, cwd=HERE.parent.parent)
     assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
     assert " passed" in p.stdout and " failed" not in p.stdout
