@@ -13,11 +13,10 @@ def e4m3_grid(q):
     the next binade included. The E4M3 cast after it is then exact on any converter (the Triton
     interpreter's rounds ties away and loses carries)."""
     bits = q.to(tl.int32, bitcast=True)
-    sign = bits & -2147483648
-    mag = tl.abs(q)
     be = tl.maximum((bits >> 23) & 0xFF, 121)  # biased exponent, the subnormal binade's below 2^-6
     m = (((be + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    return (((mag + m) - m).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    r = (tl.abs(q) + m) - m
+    return tl.where(bits < 0, -r, r)  # -0.0 for tiny negatives, as the reference
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""The Triton CSA2 kernels compile for sm_90 (Hopper) ahead of time, without a GPU, in the launch
+"""The Triton CSA2 kernels (and the activation quantization) compile for sm_90 (Hopper) ahead of time, without a GPU, in the launch
 shapes the wrappers use, with at most 64 bytes of stack per thread (no register-spill storm: the
 shapes were picked from this build's resource usage) and on the tensor cores where they multiply.
 
@@ -85,12 +85,19 @@ def cases():
                                out_ptr="*bf16", eps="fp32", inv_sqrt_d="fp32", s_ht="i32",
                                s_hn="i32", s_kvt="i32", s_ot="i32", s_on="i32"),
                           dict(N=4, D=5120, BD=1024, MANUAL=False), 4, None)
+    quant = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", D="i32", NBLK="i32", s_x="i32",
+                 s_q="i32", s_s="i32")
+    out["quantize act 1x128"] = ("quant_jit", "quantize_act_fwd", quant,
+                                 dict(BLOCK=128, NB=8, E8M0=False), 4, None)
+    out["quantize act mxfp8"] = ("quant_jit", "quantize_act_fwd", dict(quant, s_ptr="*u8"),
+                                 dict(BLOCK=32, NB=8, E8M0=True), 4, None)
     return out
 
 
 NAMES = ["attn decode q-epilogue", "attn decode split", "attn plain", "attn combine", "index decode",
          "index prefill", "compressor gemm", "compressor gemm small", "compressor rows r1",
-         "compressor rows r2", "ring copy", "engram hash", "engram gate"]
+         "compressor rows r2", "ring copy", "engram hash", "engram gate", "quantize act 1x128",
+         "quantize act mxfp8"]
 
 
 @pytest.mark.parametrize("name", NAMES)
