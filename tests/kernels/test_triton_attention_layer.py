@@ -113,6 +113,7 @@ def triton_table(g, hw):
 
 
 def step_inputs(g, chunks, cached, seed):
+    from megagraph.kernels.reference.quant import fake_quant
     from megagraph.models.session import initial_state, step_metadata
 
     gen = torch.Generator(DEV).manual_seed(seed)
@@ -120,6 +121,8 @@ def step_inputs(g, chunks, cached, seed):
     for k, v in state.items():
         if v.dtype.is_floating_point:
             state[k] = torch.randn(v.shape, generator=gen, device=DEV).to(v.dtype)
+            if k.endswith(".ikey"):  # as the compressor writes them (MXFP4): the indexer-products
+                state[k] = fake_quant(state[k], fmt="mxfp4", block=32)  # pass relies on it
         else:
             state[k] = v.to(DEV)
     meta = {k: v.to(DEV) for k, v in step_metadata(chunks, cached).items()}
