@@ -6,7 +6,8 @@ decode step at 256 requests and 0.42 s of a 7 s prefill step at 64K tokens
 (benchmarks/results/h200-decode.md, h200-prefill.md). Here each program reads NB blocks of one row
 once and writes their E4M3 codes and scales: one pass over the activation, bitwise the reference
 (power-of-two scales from the f32 bits, multiplication by the exact inverse, round-to-nearest-even
-E4M3 after the +-448 clamp).
+E4M3 after the +-448 clamp). For finite inputs: a block holding inf or NaN gets other scale bytes
+than the reference's (whose frexp maps inf to exponent 0); its codes are garbage either way.
 """
 from __future__ import annotations
 
