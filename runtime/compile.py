@@ -30,14 +30,8 @@ def check_backend(name: str) -> str:
     return name
 
 
-# Why Inductor on CUDA is opt-in (docs/compile.md): on the H200 (torch 2.11, Triton 3.6) the
-# compiled tiny V4.1 leaves the uncompiled engine from its first compiled decode step (logits max
-# |diff| 5.3 of 5.5, 50% argmax agreement; the full-width slice 93%), while aot_eager (tracing and
-# functionalization without Inductor's code) is bitwise equal, emulate_precision_casts changes
-# nothing, every 24-node chunk compiled alone from eager inputs matches (<= 3e-7, no FP8 code
-# differs: benchmarks/compile_bisect.py), and CPU Inductor is exact (tests/runtime/
-# test_compile_parity.py). Until the cause is found, the runtime does not hand out those tokens
-# unless asked to.
+# (device, backend) pairs whose tokens differ from the uncompiled engine: opt-in only. Inductor on
+# CUDA (H200, torch 2.11): diagnosis so far and the next experiments in docs/compile.md.
 UNVERIFIED = {("cuda", "inductor")}
 
 

@@ -35,7 +35,7 @@ class EngineConfig:
     max_slots: int = 8  # concurrent sequences (one more slot is the padding scratch slot)
     capacity: int = 1024  # tokens per sequence (prompt + output)
     max_step_tokens: int = 256  # tokens per step (longer prompts prefill in chunks)
-    compile: str = "none"  # torch.compile backend: none, eager or inductor
+    compile: str = "none"  # torch.compile backend: none, eager, inductor (aot_eager: debugging)
     compile_dynamic: bool = False  # one torch.compile for all buckets (dynamic shapes)
     unverified_compile: bool = False  # allow Inductor on CUDA (tokens differ from eager there)
     compile_tile_loops: bool = False  # also trace the capturable tile-loop kernels (minutes)
