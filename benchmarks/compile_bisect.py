@@ -55,18 +55,31 @@ def compare(a, b) -> dict:
     return {"kind": str(b.dtype), "mismatch": frac, "bad": frac > 0}
 
 
+def run_calls(calls, vals: dict, fns=None) -> None:
+    """Run `calls` (with `fns` in place of their kernels, if given) on `vals`, adding outputs."""
+    for c, fn in zip(calls, fns or [c.fn for c in calls]):
+        out = fn(*[None if i is None else vals[i] for i in c.inputs], **c.attrs)
+        vals.update(zip(c.outputs, out if isinstance(out, tuple) else (out,)))
+
+
 def chunk_fn(calls, names, opaque):
     """A function of the chunk's input values that runs its calls and returns (outputs, inputs)."""
     fns = [torch.compiler.disable(c.fn) if c.outputs[0] in opaque else c.fn for c in calls]
 
     def f(*tensors):
         vals = dict(zip(names, tensors))
-        for c, fn in zip(calls, fns):
-            out = fn(*[None if i is None else vals[i] for i in c.inputs], **c.attrs)
-            vals.update(zip(c.outputs, out if isinstance(out, tuple) else (out,)))
+        run_calls(calls, vals, fns)
         return tuple(vals[o] for c in calls for o in c.outputs), tuple(vals[n] for n in names)
 
     return f
+
+
+def checked(calls, vals, opaque, backend, where: str) -> list[dict]:
+    """check_chunk, with a compile failure recorded as a finding."""
+    try:
+        return check_chunk(calls, vals, opaque, backend)
+    except Exception as e:  # noqa: BLE001
+        return [{"value": where, "bad": True, "error": f"{type(e).__name__}: {e}"[:300]}]
 
 
 def check_chunk(calls, vals, opaque, backend) -> list[dict]:
@@ -95,35 +108,22 @@ def bisect(program, env, opaque, chunk: int, backend: str, log, found: list, sav
     calls = list(program.calls)
     for s in range(0, len(calls), chunk):
         part = calls[s:s + chunk]
-        try:
-            recs = check_chunk(part, vals, opaque, backend)
-        except Exception as e:  # a compile failure is a finding too
-            recs = [{"value": "(chunk)", "bad": True, "error": f"{type(e).__name__}: {e}"[:300]}]
+        recs = checked(part, vals, opaque, backend, "(chunk)")
         bad = [r for r in recs if r["bad"]]
         log(f"  {program.name} calls {s}-{s + len(part) - 1}: {len(bad)} differing values")
         if every is not None:
             every.extend(recs)
         if bad and refine:
             for c in part:
-                try:
-                    one = check_chunk([c], vals, opaque, backend)
-                except Exception as e:
-                    one = [{"value": "(call)", "bad": True, "error": f"{type(e).__name__}: {e}"[:300]}]
-                for r in one:
+                for r in checked([c], vals, opaque, backend, "(call)"):
                     if r["bad"]:
                         r["call"] = c.label
                         found.append(r)
                         log(f"    {c.label}: {json.dumps(r)}")
-                run_eager([c], vals)
+                run_calls([c], vals)
         else:
-            run_eager(part, vals)
+            run_calls(part, vals)
         save()
-
-
-def run_eager(calls, vals) -> None:
-    for c in calls:
-        out = c.fn(*[None if i is None else vals[i] for i in c.inputs], **c.attrs)
-        vals.update(zip(c.outputs, out if isinstance(out, tuple) else (out,)))
 
 
 def main(argv=None) -> int:

@@ -1,9 +1,9 @@
 """Activation quantization on the GPU (Triton): kernels.reference.fused.quantize_act in one launch.
 
 The capturable version is a chain of ~10 torch kernels per call (abs, amax, frexp, scale, divide,
-clamp, cast, concatenations); on the H200's 5-layer slice quantize_act took 7.8 ms of a 69 ms
-decode step at 256 requests and 0.42 s of a 7 s prefill step at 64K tokens
-(benchmarks/results/h200-decode.md, h200-prefill.md). Here each program reads NB blocks of one row
+clamp, cast, concatenations); on the H200's 5-layer slice the per-node split (an eager step,
+launch gaps included) gave quantize_act 7.8 ms of a 69 ms decode step at 256 requests and 0.42 s
+of a 7 s prefill step at 64K tokens (benchmarks/results/h200-decode.md, h200-prefill.md). Here each program reads NB blocks of one row
 once and writes their E4M3 codes and scales: one pass over the activation, bitwise the reference
 (power-of-two scales from the f32 bits, multiplication by the exact inverse, round-to-nearest-even
 E4M3 after the +-448 clamp). For finite inputs: a block holding inf or NaN gets other scale bytes
