@@ -89,6 +89,18 @@ def tile_size(items: int, segments: int, cap: int) -> int:
     return max(1, min(cap, items // max(1, segments)))
 
 
+def count_at_most(ends: Tensor, n: int) -> Tensor:
+    """i64[n]: for b = 0..n-1, how many of `ends` are <= b; torch.searchsorted(ends, arange(n),
+    right=True) for nondecreasing `ends`, as a scatter-add and a cumsum.
+
+    NOTE: not torch.searchsorted: Inductor's CUDA lowering of searchsorted reads a boundaries
+    tensor that is a view at the wrong offset (pytorch/pytorch#182343: off by one, silently) and
+    failed to compile inside a whole decode segment on the H200 (torch 2.11; docs/compile.md)."""
+    hits = torch.zeros(n + 1, dtype=I64, device=ends.device)
+    hits.scatter_add_(0, ends.clamp(0, n), torch.ones_like(ends))
+    return torch.cumsum(hits[:n], 0)
+
+
 def segment_tiles(seg: Tensor, num_segments: int, tile: int) -> Tiles:
     """Tiles of at most `tile` items over the items sorted by segment id seg [N] (values in
     0..num_segments-1, nondecreasing)."""
@@ -101,7 +113,7 @@ def segment_tiles(seg: Tensor, num_segments: int, tile: int) -> Tiles:
     tend = torch.cumsum(ntiles, 0)
     toff = tend - ntiles
     b = torch.arange(nt, dtype=I64, device=dev)
-    tseg = torch.searchsorted(tend, b, right=True)
+    tseg = count_at_most(tend, nt)
     valid = tseg < num_segments
     tseg = tseg.clamp(max=num_segments - 1)
     j = b - toff[tseg]

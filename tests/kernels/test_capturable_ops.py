@@ -754,3 +754,15 @@ def test_every_op_has_a_capturable_kernel_and_a_case():
     cased = {op for op, _ in itertools.chain(ALL_PLAIN.values(), ALL_META.values())}
     uncased = sorted(n for n in CAPTURABLE if n in REF and n not in cased)
     assert not uncased, f"capturable kernels without a test case: {uncased}"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_count_at_most_is_searchsorted_right(seed):
+    """_common.count_at_most replaces torch.searchsorted (miscompiled by Inductor on CUDA): same
+    counts for nondecreasing ends with repeats, zeros and values past n."""
+    g = torch.Generator().manual_seed(seed)
+    ends = torch.cumsum(torch.randint(0, 4, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g), 0)
+    n = int(ends[-1]) + int(torch.randint(-5, 6, (1,), generator=g)) if seed else 0
+    n = max(n, 0)
+    want = torch.searchsorted(ends, torch.arange(n), right=True)
+    assert torch.equal(_common.count_at_most(ends, n), want)
