@@ -6,7 +6,8 @@ i.e. tracing and functionalization without Inductor's code, does not); this find
 chunk starts from the eager values at its start (so errors do not propagate between chunks), runs
 eagerly and compiled (Inductor) on clones, and compares every output and every input it mutated:
 floats by max |diff| / max |eager|, integers and FP8 codes by the fraction of elements that
-differ. Library kernels (the plan's Triton nodes) run opaque, as in runtime/compile.py:wrap.
+differ. Library kernels (the plan's Triton nodes) and the engine's untraced nodes
+(runtime/engine.py:untraced_nodes) run opaque, as in runtime/compile.py:wrap.
 
     python benchmarks/compile_bisect.py --out /tmp/cb            # GPU, the tiny V4.1, B=8
 """
@@ -134,6 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-refine", action="store_true", help="no node-by-node pass")
     args = p.parse_args(argv)
     from megagraph.runtime import segments
+    from megagraph.runtime.engine import untraced_nodes
 
     device = torch.device(args.device)
     out = Path(args.out)
@@ -167,7 +169,7 @@ def main(argv=None) -> int:
             every: list[dict] | None = [] if args.every else None
             res["segments"].append({"name": program.name, "calls": len(program.calls),
                                     "differing": found, "every": every})
-            bisect(program, env, eng.kernels.opaque, args.chunk, args.backend, print, found, save,
+            bisect(program, env, eng.kernels.opaque | untraced_nodes(eng.plan.graph), args.chunk, args.backend, print, found, save,
                    every, not args.no_refine)
     save()
     return 0

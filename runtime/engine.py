@@ -50,14 +50,16 @@ class EngineConfig:
     progress: bool = True  # progress bar while loading a checkpoint
 
 
-def tile_loop_nodes(g) -> set[str]:
-    """Nodes whose op has a capturable kernel that loops over tile chunks in Python
-    (kernels/capturable TILE_LOOP_OPS): torch.compile calls them untraced."""
+def untraced_nodes(g, tile_loops: bool = True) -> set[str]:
+    """Nodes torch.compile calls untraced: those whose op Inductor miscompiles (kernels/capturable
+    INDUCTOR_UNSAFE_OPS), and with `tile_loops` those whose capturable kernel loops over tile chunks
+    in Python (TILE_LOOP_OPS: minutes of tracing for little gain)."""
     try:
-        from megagraph.kernels.capturable import TILE_LOOP_OPS
+        from megagraph.kernels.capturable import INDUCTOR_UNSAFE_OPS, TILE_LOOP_OPS
     except ImportError:
         return set()
-    return {n.outputs[0] for n in g.nodes if n.op in TILE_LOOP_OPS}
+    ops = set(INDUCTOR_UNSAFE_OPS) | (set(TILE_LOOP_OPS) if tile_loops else set())
+    return {n.outputs[0] for n in g.nodes if n.op in ops}
 
 
 def bucket_reqs(buckets: Sequence[int], max_slots: int, capacity: int) -> dict[int, int]:
@@ -207,7 +209,7 @@ class Engine:
             self.report.cache_dir, self.report.compile_backend = str(d), backend
             self.report.megacache_loaded = load_megacache(d)
             targets = {s.index for s in self.plan.segments if s.kind == "graph"}
-            untraced = self.kernels.opaque | (set() if c.compile_tile_loops else tile_loop_nodes(g))
+            untraced = self.kernels.opaque | untraced_nodes(g, tile_loops=not c.compile_tile_loops)
 
             def wrap_fn(i, fn):
                 if i not in targets:

@@ -79,6 +79,17 @@ CAPTURABLE: dict[str, Callable] = {
 TILE_LOOP_OPS = frozenset({"sparse_attn", "sparse_attn_q", "index_scores", "moe_experts",
                            "moe_experts_q", "mega_moe", "block_attn"})
 
+# ops torch.compile always leaves untraced: Inductor's CUDA code for their torch ops is wrong, op ->
+# why. topk_select's tie rule (kernels/reference/indexer.py) runs a batched torch.searchsorted
+# over a cumulative count next to a slice of it: Inductor's searchsorted lowering gave the H200's
+# compiled decode other top-k rows (tokens 42% in agreement; pytorch/pytorch#182343 is the same
+# lowering reading a sliced boundary at the wrong offset), failed to compile once fused with its
+# neighbours, and its split int32 cumsum over 16K entries crashed Inductor's scan codegen
+# (torch 2.11). docs/compile.md has the diagnosis.
+INDUCTOR_UNSAFE_OPS = {
+    "topk_select": "Inductor's CUDA searchsorted / split-scan lowerings miscompile its tie rule",
+}
+
 # ops whose state outputs can alias their state inputs: op -> indices of (input, output) pairs
 INPLACE_STATE_OPS: dict[str, tuple[tuple[int, int], ...] | str] = {
     "ring_update": ((0, 0),),

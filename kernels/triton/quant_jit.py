@@ -16,7 +16,9 @@ def e4m3_grid(q):
     be = tl.maximum((bits >> 23) & 0xFF, 121)  # biased exponent, the subnormal binade's below 2^-6
     m = (((be + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
     r = (tl.abs(q) + m) - m
-    return tl.where(bits < 0, -r, r)  # -0.0 for tiny negatives, as the reference
+    # the sign bit put back as a bit: -0.0 for tiny negatives, as the reference (Triton's float
+    # negation is 0 - r, which gives +0.0 on the GPU)
+    return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
