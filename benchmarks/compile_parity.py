@@ -16,7 +16,10 @@ capture) as the reference:
   (`GraphRunner._aliasable` empty: every state update is copied into its pool after the segment);
 - `inductor+functional`: the library state kernels (Triton compressor, ring copies) return new
   tensors instead of writing their pools in place (`runtime/kernels.py:_state_in_place` off).
-  If either agrees where `inductor` does not, that engine feature meets Inductor badly.
+  If either agrees where `inductor` does not, that engine feature meets Inductor badly;
+- `inductor+clone`: every input of a compiled segment cloned at the call (no input aliases another
+  or a pool: the state a step writes is lost, so only `decode 1` counts);
+- `inductor+nofusion`: Inductor fuses nothing (`max_fusion_size = 1`, no pattern matcher).
 
     python benchmarks/compile_parity.py --out /tmp/cp                # GPU
     python benchmarks/compile_parity.py --out /tmp/cp --device cpu   # CPU (slow: Inductor on 2 cores)
@@ -39,7 +42,7 @@ if str(HERE) not in sys.path:
 from workloads import environment, load_model, sync  # noqa: E402
 
 VARIANTS = ("padded", "aot_eager", "inductor", "inductor+emulate", "inductor+noalias",
-            "inductor+functional")
+            "inductor+functional", "inductor+clone", "inductor+nofusion")
 
 
 def make(plan, weights, variant: str, args, device):
@@ -59,7 +62,16 @@ def make(plan, weights, variant: str, args, device):
                         allow_fallback=device.type == "cpu", cuda_graphs=False,
                         buckets=(args.batch,), compile=backend,
                         unverified_compile=True)
-    off = {"inductor+noalias": mock.patch.object(cuda_graphs.GraphRunner, "_aliasable", lambda self: {}),
+    torch._inductor.config.max_fusion_size = 1 if variant == "inductor+nofusion" else 64
+    torch._inductor.config.pattern_matcher = variant != "inductor+nofusion"
+    from megagraph.runtime import compile as rc
+
+    def wrap_cloned(program, *a, **k):
+        f = rc_wrap(program, *a, **k)
+        return lambda env: f({n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in env.items()})
+    rc_wrap = rc.wrap
+    off = {"inductor+clone": mock.patch.object(rc, "wrap", wrap_cloned),
+           "inductor+noalias": mock.patch.object(cuda_graphs.GraphRunner, "_aliasable", lambda self: {}),
            "inductor+functional": mock.patch.object(kernels, "_state_in_place", lambda fn, n, unsafe: fn)}
     with off.get(variant, contextlib.nullcontext()):
         return Engine(plan, dict(weights), conf)
