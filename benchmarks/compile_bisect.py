@@ -127,12 +127,36 @@ def bisect(program, env, opaque, chunk: int, backend: str, log, found: list, sav
         save()
 
 
+def engine_fn_check(plan, weights, args, device, seen, log) -> list[dict]:
+    """The compiled engine's own segment functions (runtime/compile.py:wrap, compiled at its
+    start-up warm-up) on the recorded eager inputs, against eager: where this differs and the
+    chunks compiled here do not, the difference is in how the engine compiles, not in Inductor's
+    code for the nodes."""
+    eng = make(plan, weights, "inductor", args, device)
+    recs = []
+    for program, env in seen:
+        if not program.name.endswith(":graph"):
+            continue
+        k = int(program.name.split(":")[0])
+        want = program({n: clone(v) for n, v in env.items()})
+        got = eng.runner.fns[k]({n: clone(v) for n, v in env.items()})
+        for name, b in want.items():
+            r = compare(got[name], b)
+            r["value"], r["segment"] = name, program.name
+            recs.append(r)
+        log(f"  engine fn {program.name}: {sum(r['bad'] for r in recs if r['segment'] == program.name)}"
+            f" of {len(want)} outputs differ")
+    return recs
+
+
 def main(argv=None) -> int:
     p = parser(__doc__)
     p.add_argument("--chunk", type=int, default=12, help="calls per compiled chunk")
     p.add_argument("--backend", default="inductor")
     p.add_argument("--every", action="store_true", help="keep every value's comparison")
     p.add_argument("--no-refine", action="store_true", help="no node-by-node pass")
+    p.add_argument("--engine-fn", action="store_true",
+                   help="also run the compiled engine's own segment functions on the same inputs")
     args = p.parse_args(argv)
     from megagraph.runtime import segments
     from megagraph.runtime.engine import untraced_nodes
@@ -161,6 +185,9 @@ def main(argv=None) -> int:
             next(it)  # the first decode step: the one the compiled engine already gets wrong
         finally:
             segments.Program.__call__ = orig
+        if args.engine_fn:
+            res["engine_fn"] = engine_fn_check(m.plan, m.weights, args, device, seen, print)
+            save()
         for program, env in seen:
             if not program.name.endswith(":graph"):
                 continue  # break segments run eagerly under compile too (runtime/engine.py)

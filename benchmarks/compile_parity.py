@@ -19,7 +19,17 @@ capture) as the reference:
   If either agrees where `inductor` does not, that engine feature meets Inductor badly;
 - `inductor+clone`: every input of a compiled segment cloned at the call (no input aliases another
   or a pool: the state a step writes is lost, so only `decode 1` counts);
-- `inductor+nofusion`: Inductor fuses nothing (`max_fusion_size = 1`, no pattern matcher).
+- `inductor+nofusion`: Inductor fuses nothing (`max_fusion_size = 1`, no pattern matcher);
+- `inductor+static`: Dynamo never turns a recompile dynamic (`automatic_dynamic_shapes` off; the
+  engine asks for static shapes, but frames between graph breaks recompiled up to the limit on
+  the H200);
+- `inductor+e8m0`: E8M0 scale weights enter the compiled segments as float8_e8m0fnu, not as their
+  uint8 bytes (runtime/compile.py:wrap; compile_bisect.py, which passes them as they are, found
+  the whole decode segment compiled from eager inputs equal on the H200). Compiling may fail.
+Each variant also records Dynamo's graph and recompile counts.
+
+Every state pool is compared too, after start-up and after each step: the first step whose pools
+differ is where the compiled engine leaves the uncompiled one, even where its logits do not show it.
 
     python benchmarks/compile_parity.py --out /tmp/cp                # GPU
     python benchmarks/compile_parity.py --out /tmp/cp --device cpu   # CPU (slow: Inductor on 2 cores)
@@ -42,13 +52,15 @@ if str(HERE) not in sys.path:
 from workloads import environment, load_model, sync  # noqa: E402
 
 VARIANTS = ("padded", "aot_eager", "inductor", "inductor+emulate", "inductor+noalias",
-            "inductor+functional", "inductor+clone", "inductor+nofusion")
+            "inductor+functional", "inductor+clone", "inductor+nofusion", "inductor+static",
+            "inductor+e8m0")
 
 
 def make(plan, weights, variant: str, args, device):
     """The engine of `variant` (the engine features a variant turns off stay off only while it
     is built: buffers and kernels are chosen at start-up)."""
     import contextlib
+    import functools
     from unittest import mock
 
     from megagraph.runtime import cuda_graphs, kernels
@@ -56,6 +68,7 @@ def make(plan, weights, variant: str, args, device):
 
     backend = {"padded": "none", "aot_eager": "aot_eager"}.get(variant, "inductor")
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     torch._inductor.config.emulate_precision_casts = variant == "inductor+emulate"
     conf = EngineConfig(device=str(device), max_slots=args.batch, capacity=256,
                         max_step_tokens=4096, kernels="capturable", progress=False,
@@ -64,6 +77,7 @@ def make(plan, weights, variant: str, args, device):
                         unverified_compile=True)
     torch._inductor.config.max_fusion_size = 1 if variant == "inductor+nofusion" else 64
     torch._inductor.config.pattern_matcher = variant != "inductor+nofusion"
+    torch._dynamo.config.automatic_dynamic_shapes = variant != "inductor+static"
     from megagraph.runtime import compile as rc
 
     def wrap_cloned(program, *a, **k):
@@ -71,6 +85,7 @@ def make(plan, weights, variant: str, args, device):
         return lambda env: f({n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in env.items()})
     rc_wrap = rc.wrap
     off = {"inductor+clone": mock.patch.object(rc, "wrap", wrap_cloned),
+           "inductor+e8m0": mock.patch.object(rc, "wrap", functools.partial(rc_wrap, e8m0_as_bytes=False)),
            "inductor+noalias": mock.patch.object(cuda_graphs.GraphRunner, "_aliasable", lambda self: {}),
            "inductor+functional": mock.patch.object(kernels, "_state_in_place", lambda fn, n, unsafe: fn)}
     with off.get(variant, contextlib.nullcontext()):
@@ -92,12 +107,43 @@ def steps(eng, args):
         yield eng.step([SeqChunk(s, (t,)) for s, t in zip(slots, row)]).float().cpu()
 
 
-def run(eng, args) -> list[torch.Tensor]:
-    """Logits of the prefill step and `--steps` decode steps."""
+def run(eng, args, states: list | None = None) -> list[torch.Tensor]:
+    """Logits of the prefill step and `--steps` decode steps; with `states`, a CPU copy of every
+    state pool after start-up and after each step is appended there."""
+    def snap():
+        if states is not None:
+            states.append({k: v.cpu().clone() for k, v in eng.state.items()})
+    snap()
     it = steps(eng, args)
-    outs = [next(it) for _ in range(1 + args.steps)]
+    outs = []
+    for _ in range(1 + args.steps):
+        outs.append(next(it))
+        snap()
     sync(torch.device(eng.config.device))
     return outs
+
+
+def dynamo_counts() -> dict:
+    """Dynamo's counters since the last reset (unique graphs, frames, recompile reasons)."""
+    from torch._dynamo.utils import counters
+
+    return {k: dict(counters[k]) for k in ("stats", "recompiles", "graph_break") if counters.get(k)}
+
+
+def state_diffs(got: list[dict], want: list[dict]) -> list[dict]:
+    """Per snapshot (start-up, prefill, decode 1, ...): the state pools that differ, and how."""
+    from compile_bisect import compare
+
+    rows = []
+    for k, (a, b) in enumerate(zip(got, want)):
+        bad = {}
+        for name in b:
+            r = compare(a[name], b[name])
+            if r["bad"] or r.get("rel", 0) > 0:
+                bad[name] = r
+        rows.append({"after": ["start-up", "prefill"][k] if k < 2 else f"decode {k - 1}",
+                     "differing_pools": bad})
+    return rows
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -123,10 +169,11 @@ def main(argv=None) -> int:
     res = {"environment": environment(device), "args": vars(args), "variants": {}}
     with tempfile.TemporaryDirectory(prefix="megagraph-cp-") as tmp:
         m = load_model(args.model, device, Path(tmp), hw=args.hw, log=print)
-        logits = {}
+        logits, states = {}, {}
         for v in ["padded"] + [v for v in args.variants.split(",") if v != "padded"]:
             try:
-                logits[v] = run(make(m.plan, m.weights, v, args, device), args)
+                states[v] = []
+                logits[v] = run(make(m.plan, m.weights, v, args, device), args, states[v])
             except Exception as e:  # keep the other variants
                 res["variants"][v] = {"error": f"{type(e).__name__}: {e}"}
                 print(v, "FAILED", e, flush=True)
@@ -140,8 +187,12 @@ def main(argv=None) -> int:
                              "max_abs_ref": b.abs().max().item(),
                              "nan": bool(torch.isnan(a).any()),
                              "argmax_agree": (a.argmax(-1) == b.argmax(-1)).float().mean().item()})
-            res["variants"][v] = {"steps": rows}
+            res["variants"][v] = {"steps": rows, "state": state_diffs(states[v], states["padded"]),
+                                  "dynamo": dynamo_counts()}
             print(v, json.dumps(rows), flush=True)
+            for r in res["variants"][v]["state"]:
+                print(f"  state after {r['after']}: {len(r['differing_pools'])} pools differ "
+                      f"{sorted(r['differing_pools'])[:6]}", flush=True)
     (out / "compile_parity.json").write_text(json.dumps(res, indent=1))
     return 0
 

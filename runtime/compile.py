@@ -98,7 +98,7 @@ def save_megacache(d: Path) -> int:
 
 
 def wrap(program, backend: str, num_shapes: int, dynamic: bool = False,
-         opaque: set[str] = frozenset()) -> Callable:
+         opaque: set[str] = frozenset(), e8m0_as_bytes: bool = True) -> Callable:
     """`program` (a segments.Program) compiled with `backend`: one specialization per bucket, or
     with `dynamic` one compile for every bucket (sizes 0 and 1 still specialize).
 
@@ -109,7 +109,7 @@ def wrap(program, backend: str, num_shapes: int, dynamic: bool = False,
     them, and the capturable tile-loop kernels (kernels/capturable TILE_LOOP_OPS) unless the engine
     is told to trace them."""
     e8m0 = {k: v.view(torch.uint8) for k, v in program.weights.items()
-            if v.dtype == torch.float8_e8m0fnu}
+            if e8m0_as_bytes and v.dtype == torch.float8_e8m0fnu}
     fn = program.with_weights(e8m0) if e8m0 else program
     if opaque & {c.outputs[0] for c in program.calls}:
         fn = fn.with_wrapped(set(opaque), torch.compiler.disable)
