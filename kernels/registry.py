@@ -80,7 +80,7 @@ KERNELS: dict[str, list[KernelImpl]] = {
     "quantize_act": [_k("triton.quantize_act", "sm_90 triton", "available",
                         note="kernels/triton/quant.py: one pass per row, bitwise the reference "
                              "(22 cases on the H200, tests/kernels/test_triton_quant.py)"),
-                     _k("triton.quantize_act", "cuda triton")],
+                     _k("triton.quantize_act", "cuda triton", "unvalidated")],
     "compressor": [_k("triton.compressor", "sm_90 triton", "available",
                       note="kernels/triton/compressor.py: GEMM + pool/norm/RoPE/fake-quant rows"),
                    _k("triton.compressor", "cuda triton")],

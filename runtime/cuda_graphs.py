@@ -67,6 +67,7 @@ class GraphRunner:
         self.capturable = capturable if self.use_graphs else set()
         self.report = CaptureReport(list(self.buckets), sorted(self.capturable), dict(eager_reasons))
         self.fns = [wrap(i, p) if wrap else p for i, p in enumerate(step.programs)]
+        self.compiled = any(f is not p for f, p in zip(self.fns, step.programs))
         self.buffers = self._allocate() if self.buckets else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.envs: dict[int, dict[str, torch.Tensor]] = {}  # bucket -> value views
@@ -128,11 +129,19 @@ class GraphRunner:
             self.replay(batch)  # warm-up: lazy init, torch.compile, every pad row on the scratch slot
             if not (self.use_graphs and self.capturable):
                 continue
+            if self.compiled:
+                self.replay(batch)  # a frame that recompiles on its second call does so here
             env = self._env(b)
             for k in sorted(self.capturable):
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    self._run_segment(k, env)
+                try:
+                    with torch.cuda.graph(g, pool=self.pool), _no_recompiles(self.compiled):
+                        self._run_segment(k, env)
+                except RecompileError as e:
+                    raise RuntimeError(
+                        f"segment {k}, bucket {b}: torch.compile recompiled during CUDA-graph "
+                        f"capture (compiling there breaks the capture); its guards changed between "
+                        f"warm-up and capture: {e}") from e
                 self.graphs[(b, k)] = g
         if self.use_graphs and self.capturable:
             torch.cuda.synchronize(self.device)
@@ -204,3 +213,20 @@ def _capacity(g, state) -> int:
             if isinstance(d, str) and d.startswith("N"):
                 return n * int(d.split("/")[1]) if "/" in d else n
     return 0
+
+
+try:
+    from torch._dynamo.exc import RecompileError
+except ImportError:  # pragma: no cover - torch without dynamo
+    class RecompileError(Exception):
+        pass
+
+
+def _no_recompiles(compiled: bool):
+    """Inside a CUDA-graph capture a torch.compile recompile (code generation, module loads) breaks
+    the capture with an opaque CUDA error; this turns it into a RecompileError naming the guard."""
+    import contextlib
+
+    if not compiled:
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(error_on_recompile=True)

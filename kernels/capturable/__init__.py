@@ -79,15 +79,16 @@ CAPTURABLE: dict[str, Callable] = {
 TILE_LOOP_OPS = frozenset({"sparse_attn", "sparse_attn_q", "index_scores", "moe_experts",
                            "moe_experts_q", "mega_moe", "block_attn"})
 
-# ops torch.compile always leaves untraced: Inductor's CUDA code for their torch ops is wrong, op ->
-# why. topk_select's tie rule (kernels/reference/indexer.py) runs a batched torch.searchsorted
-# over a cumulative count next to a slice of it: Inductor's searchsorted lowering gave the H200's
-# compiled decode other top-k rows (tokens 42% in agreement; pytorch/pytorch#182343 is the same
-# lowering reading a sliced boundary at the wrong offset), failed to compile once fused with its
-# neighbours, and its split int32 cumsum over 16K entries crashed Inductor's scan codegen
-# (torch 2.11). docs/compile.md has the diagnosis.
+# ops torch.compile always leaves untraced: Inductor (torch 2.11, CUDA) fails on their torch code,
+# op -> why. Both decide top-k ties by index through an int32 cumulative count over a whole row
+# (kernels/reference/indexer.py): on the H200 Inductor's split scan of that count crashed its
+# codegen ("list indices must be integers or slices, not NoneType") in the slice's decode
+# (topk_select, 16K entries) and prefill (candidate_mask), and topk_select's batched
+# torch.searchsorted fused with its neighbours failed to compile (its lowering is also known to
+# read a sliced boundary at the wrong offset: pytorch/pytorch#182343). docs/compile.md.
 INDUCTOR_UNSAFE_OPS = {
-    "topk_select": "Inductor's CUDA searchsorted / split-scan lowerings miscompile its tie rule",
+    "topk_select": "Inductor's CUDA split-scan / searchsorted code for its tie rule fails",
+    "candidate_mask": "Inductor's CUDA split-scan code for its tie rule fails",
 }
 
 # ops whose state outputs can alias their state inputs: op -> indices of (input, output) pairs
