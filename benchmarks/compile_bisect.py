@@ -128,11 +128,12 @@ def bisect(program, env, opaque, chunk: int, backend: str, log, found: list, sav
 
 
 def engine_fn_check(plan, weights, args, device, seen, log) -> list[dict]:
-    """The compiled engine's own segment functions (runtime/compile.py:wrap, compiled at its
+    """The compiled engine's own segment functions (runtime/compile.py:wrap with `--backend`
+    inductor, or aot_eager for any other backend; compiled at its
     start-up warm-up) on the recorded eager inputs, against eager: where this differs and the
     chunks compiled here do not, the difference is in how the engine compiles, not in Inductor's
     code for the nodes."""
-    eng = make(plan, weights, "inductor", args, device)
+    eng = make(plan, weights, {"inductor": "inductor"}.get(args.backend, "aot_eager"), args, device)
     recs = []
     for program, env in seen:
         if not program.name.endswith(":graph"):

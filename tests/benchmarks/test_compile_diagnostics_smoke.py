@@ -19,11 +19,30 @@ def test_parity_and_bisect_run(run_bench, tmp_path):
     rows = json.loads((tmp_path / "compile_parity.json").read_text())["variants"]["aot_eager"]["steps"]
     assert [r["step"] for r in rows] == ["prefill", "decode 1"]
     assert all(r["max_abs_diff"] == 0 and r["argmax_agree"] == 1 for r in rows)  # aot_eager is exact
+    states = json.loads((tmp_path / "compile_parity.json").read_text())["variants"]["aot_eager"]["state"]
+    assert [r["after"] for r in states] == ["start-up", "prefill", "decode 1"]
+    assert not any(r["differing_pools"] for r in states)
     run_bench("compile_bisect.py", "--out", str(tmp_path), *TINY, "--chunk", "400",
-              "--backend", "aot_eager", "--every", "--no-refine")
-    segs = json.loads((tmp_path / "compile_bisect.json").read_text())["segments"]
+              "--backend", "aot_eager", "--every", "--no-refine", "--engine-fn")
+    res = json.loads((tmp_path / "compile_bisect.json").read_text())
+    segs = res["segments"]
     assert [s["name"] for s in segs] == ["0:graph", "2:graph"]
     assert all(s["every"] and not s["differing"] for s in segs)
+    assert {r["segment"] for r in res["engine_fn"]} == {"0:graph", "2:graph"}
+    assert not any(r["bad"] for r in res["engine_fn"])
+
+
+def test_state_diffs_name_the_pool():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    from compile_parity import state_diffs
+
+    g = torch.Generator().manual_seed(4)
+    a = {"kv": torch.randn(3, 8, generator=g), "ids": torch.randint(0, 9, (5,), generator=g)}
+    b = {k: v.clone() for k, v in a.items()}
+    b["ids"][2] += 1
+    rows = state_diffs([a, a, b], [a, a, a])
+    assert [sorted(r["differing_pools"]) for r in rows] == [[], [], ["ids"]]
 
 
 def test_compare_flags_differences():
