@@ -130,23 +130,37 @@ def bisect(program, env, opaque, chunk: int, backend: str, log, found: list, sav
 def engine_fn_check(plan, weights, args, device, seen, log) -> list[dict]:
     """The compiled engine's own segment functions (runtime/compile.py:wrap with `--backend`
     inductor, or aot_eager for any other backend; compiled at its
-    start-up warm-up) on the recorded eager inputs, against eager: where this differs and the
-    chunks compiled here do not, the difference is in how the engine compiles, not in Inductor's
-    code for the nodes."""
-    eng = make(plan, weights, {"inductor": "inductor"}.get(args.backend, "aot_eager"), args, device)
+    start-up warm-up) on the recorded eager inputs, against eager; then the same `wrap` of each
+    program compiled afresh on those inputs ("fresh wrap", no warm-up). Where the engine's
+    functions differ and the chunks compiled here do not, the difference is in how the engine
+    compiles: at the warm-up (if the fresh wrap agrees) or in `wrap` itself (if it does not)."""
+    from megagraph.runtime import compile as rc
+    from megagraph.runtime.engine import untraced_nodes
+
+    backend = {"inductor": "inductor"}.get(args.backend, "aot_eager")
+    eng = make(plan, weights, backend, args, device)
+    fresh = {}  # segment -> wrap() of its program, compiled on the recorded inputs (no warm-up)
     recs = []
-    for program, env in seen:
-        if not program.name.endswith(":graph"):
-            continue
-        k = int(program.name.split(":")[0])
-        want = program({n: clone(v) for n, v in env.items()})
-        got = eng.runner.fns[k]({n: clone(v) for n, v in env.items()})
-        for name, b in want.items():
-            r = compare(got[name], b)
-            r["value"], r["segment"] = name, program.name
-            recs.append(r)
-        log(f"  engine fn {program.name}: {sum(r['bad'] for r in recs if r['segment'] == program.name)}"
-            f" of {len(want)} outputs differ")
+    for which in ("engine fn", "fresh wrap"):
+        for program, env in seen:
+            if not program.name.endswith(":graph"):
+                continue
+            k = int(program.name.split(":")[0])
+            if which == "engine fn":
+                fn = eng.runner.fns[k]
+            else:
+                torch._dynamo.reset()
+                fn = fresh.setdefault(k, rc.wrap(program, backend, 1, False,
+                                                 eng.kernels.opaque | untraced_nodes(plan.graph)))
+            want = program({n: clone(v) for n, v in env.items()})
+            got = fn({n: clone(v) for n, v in env.items()})
+            mine = []
+            for name, b in want.items():
+                r = compare(got[name], b)
+                r["value"], r["segment"], r["check"] = name, program.name, which
+                mine.append(r)
+            recs += mine
+            log(f"  {which} {program.name}: {sum(r['bad'] for r in mine)} of {len(want)} outputs differ")
     return recs
 
 

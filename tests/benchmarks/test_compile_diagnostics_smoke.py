@@ -28,7 +28,8 @@ def test_parity_and_bisect_run(run_bench, tmp_path):
     segs = res["segments"]
     assert [s["name"] for s in segs] == ["0:graph", "2:graph"]
     assert all(s["every"] and not s["differing"] for s in segs)
-    assert {r["segment"] for r in res["engine_fn"]} == {"0:graph", "2:graph"}
+    assert {(r["check"], r["segment"]) for r in res["engine_fn"]} == {
+        (c, s) for c in ("engine fn", "fresh wrap") for s in ("0:graph", "2:graph")}
     assert not any(r["bad"] for r in res["engine_fn"])
 
 
