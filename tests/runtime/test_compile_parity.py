@@ -98,3 +98,18 @@ def test_tile_loop_kernels_stay_untraced(compiled, monkeypatch, trace_loops):
     assert loops and unsafe and len(seen) == 1
     assert loops <= seen[0] if not trace_loops else not (loops & seen[0])
     assert unsafe <= seen[0]  # never traced, whatever the flag
+
+
+def test_recompile_inside_capture_is_named():
+    """GraphRunner.capture runs compiled segments under _no_recompiles: a recompile there (which
+    would break the CUDA-graph capture with an opaque CUDA error) raises a RecompileError that
+    names the failing guard; uncompiled runners are not affected."""
+    from megagraph.runtime.cuda_graphs import RecompileError, _no_recompiles
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    f(torch.ones(3))
+    with _no_recompiles(False):
+        f(torch.ones(5))
+    with pytest.raises(RecompileError, match="size mismatch"), _no_recompiles(True):
+        f(torch.ones(4))
