@@ -25,8 +25,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from compile_parity import make, parser, steps  # noqa: E402
-from workloads import environment, load_model  # noqa: E402
+from compile_parity import make, parser, results, steps  # noqa: E402
+from workloads import load_model  # noqa: E402
 
 
 def clone(v):
@@ -176,13 +176,7 @@ def main(argv=None) -> int:
     from megagraph.runtime import segments
     from megagraph.runtime.engine import untraced_nodes
 
-    device = torch.device(args.device)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    res = {"environment": environment(device), "args": vars(args), "segments": []}
-
-    def save():
-        (out / "compile_bisect.json").write_text(json.dumps(res, indent=1, default=str))
+    device, res, save = results(args, "compile_bisect", segments=[])
     with tempfile.TemporaryDirectory(prefix="megagraph-cb-") as tmp:
         m = load_model(args.model, device, Path(tmp), hw=args.hw, log=print)
         eng = make(m.plan, m.weights, "padded", args, device)

@@ -147,7 +147,7 @@ def state_diffs(got: list[dict], want: list[dict]) -> list[dict]:
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
-    """The arguments compile_parity.py and compile_bisect.py share."""
+    """The arguments compile_parity.py, compile_bisect.py and compile_subsystem.py share."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -158,15 +158,26 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
+def results(args, name: str, **fields):
+    """(device, result dict, save()) of a diagnostic writing `<out>/<name>.json`: the environment
+    and the arguments first, `fields` after; save() rewrites the file (a run cut short keeps what
+    it found)."""
+    device = torch.device(args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res = {"environment": environment(device), "args": vars(args), **fields}
+
+    def save():
+        (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+    return device, res, save
+
+
 def main(argv=None) -> int:
     p = parser(__doc__)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--variants", default=",".join(VARIANTS))
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    res = {"environment": environment(device), "args": vars(args), "variants": {}}
+    device, res, save = results(args, "compile_parity", variants={})
     with tempfile.TemporaryDirectory(prefix="megagraph-cp-") as tmp:
         m = load_model(args.model, device, Path(tmp), hw=args.hw, log=print)
         logits, states = {}, {}
@@ -193,7 +204,7 @@ def main(argv=None) -> int:
             for r in res["variants"][v]["state"]:
                 print(f"  state after {r['after']}: {len(r['differing_pools'])} pools differ "
                       f"{sorted(r['differing_pools'])[:6]}", flush=True)
-    (out / "compile_parity.json").write_text(json.dumps(res, indent=1))
+    save()
     return 0
 
 

@@ -24,8 +24,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from compile_parity import make, parser, run  # noqa: E402
-from workloads import environment, load_model  # noqa: E402
+from compile_parity import make, parser, results, run  # noqa: E402
+from workloads import load_model  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -37,14 +37,7 @@ def main(argv=None) -> int:
     from torch._inductor.compiler_bisector import CompilerBisector
 
     torch._inductor.config.force_disable_caches = True  # every try compiles under its own switches
-    device = torch.device(args.device)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    res = {"environment": environment(device), "args": vars(args), "tries": []}
-
-    def save():
-        (out / "compile_subsystem.json").write_text(json.dumps(res, indent=1, default=str))
-
+    device, res, save = results(args, "compile_subsystem", tries=[])
     with tempfile.TemporaryDirectory(prefix="megagraph-cs-") as tmp:
         m = load_model(args.model, device, Path(tmp), hw=args.hw, log=print)
         want = run(make(m.plan, m.weights, "padded", args, device), args)
