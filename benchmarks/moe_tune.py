@@ -5,6 +5,9 @@ each candidate checked against the reference `moe_experts_q` before it counts.
     python benchmarks/moe_tune.py --out /tmp/tune --budget 200          # H200
     python benchmarks/moe_tune.py --smoke --out /tmp/tune               # CPU: Triton interpreter
 
+Tiles are GemmConfig fields in order (bm, bn, bk, warps, stages, par, persistent); at decode
+sizes the heuristic tile is also tried persistent (moe_gemm_persistent, 1-4 programs per SM)
+right after the default, so a short budget still times them.
 Writes OUT/moe_tune.json (every candidate: tile, ms, TB/s or TFLOP/s, error) and OUT/moe_tune.md
 (the best tile per (role, tokens) next to the heuristic's). `kernels/triton/moe.py:pick_config`
 takes its tiles from this table (the committed result is benchmarks/results/moe-tune-h200.md).
@@ -30,7 +33,8 @@ from kernel_rows import moe as mr  # noqa: E402
 
 
 def candidates(role: str, decode: bool):
-    """(bm, bn, bk, warps, stages, par) to try: small-row tiles for decode, large for prefill."""
+    """(bm, bn, bk, warps, stages, par) to try: small-row tiles for decode, large for prefill
+    (static grid; the persistent variants are added by main)."""
     if decode:
         bms, bns, warps, stages = (16, 64), (64, 128), (4,), (3, 4)
     else:
@@ -73,7 +77,9 @@ def main() -> None:
         for role, other in (("l1", "l2"), ("l2", "l1")):
             fixed = d2 if role == "l1" else d1
             cands = [tuple(vars(d1 if role == "l1" else d2).values())]
-            cands += [c for c in candidates(role, T <= 256) if c != cands[0]]
+            if T <= 256:  # the heuristic tile on the static grid (0) and persistent, 1-4 per SM
+                cands += [cands[0][:6] + (p,) for p in (0, 1, 2, 3, 4) if p != cands[0][6]]
+            cands += [c for c in candidates(role, T <= 256) if c != cands[0][:6]]
             n_groups_left = (2 if role == "l1" else 1) + 2 * (len(Ts) - 1 - Ts.index(T))
             g_end = time.perf_counter() + (t_end - time.perf_counter()) / n_groups_left
             for c in cands:

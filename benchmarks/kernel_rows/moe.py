@@ -11,6 +11,9 @@ Rows per token count (64 = decode, 8192 = prefill; --smoke / CPU: tiny dims, tor
                     to read next to DeepGEMM's grouped FP8 GEMMs on this H200 (4.23 ms at 8192
                     tokens, 2.23 ms at 64 decode tokens; experts upcast to FP8), with a sweep of
                     tiles and of the PTX upcast (MEGAGRAPH_FP4_ASM) in its notes;
+  routed persistent (decode only) the same op with the persistent grouped GEMMs
+                    (MEGAGRAPH_MOE_PERSISTENT; GemmConfig.persistent programs per SM, 1..4 in
+                    its notes), baseline = the best static-grid variant above;
   pieces            router (gate GEMM + top-k + counts), permutation, L1, L2, shared expert,
                     combine + expand, timed alone;
   FP8-block GEMMs   attention projections (linear_q, grouped wo_a) vs capturable, torch.compile
@@ -27,6 +30,7 @@ from __future__ import annotations
 import sys
 import time
 import traceback
+from dataclasses import replace
 
 import torch
 
@@ -273,6 +277,10 @@ def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
         out.append({"kernel": "triton.moe_experts_q", "case": f"T={T}", "error":
                     f"no variant ran: {variants}"})
     try:
+        if rpg <= 12:
+            out += persistent_rows(dims, T, dev, tm, a2, kw2, ref2, touched,
+                                   best[3] if best else auto, best[1] if best else None, t_end,
+                                   sweep)
         out += piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched)
     finally:
         tm.USE_ASM = asm_default
@@ -294,6 +302,53 @@ def _variants(rpg: float, tm, auto: bool):
         out.append(("alt", G(128, 64, 128, 8, 4, par=True), G(128, 128, 64, 8, 4, par=True),
                     auto))
     return out
+
+
+def persistent_rows(dims, T, dev, tm, a2, kw2, ref2, touched, asm, static_ms, t_end,
+                    sweep: bool) -> list[dict]:
+    """moe_experts_q with the persistent grouped GEMMs (moe_gemm_persistent) at the current
+    tiles (the best static variant's, set by moe_rows), per programs-per-SM count (only the
+    default one when not sweeping); the row carries the best count, the static-grid time as
+    baseline, and every count in its notes. Leaves USE_ASM / CONFIG_OVERRIDE as it found them."""
+    rpg = T * dims["k"] / min(dims["E"], T * dims["k"])
+    d1, d2 = tm.pick_config("l1", rpg), tm.pick_config("l2", rpg)
+    asm_default, saved = tm.USE_ASM, dict(tm.CONFIG_OVERRIDE)
+    times, best = {}, None
+    for per_sm in ((1, 2, 3, 4) if sweep else (tm.PERSISTENT_PER_SM,)):
+        if time.perf_counter() > t_end - 20:
+            times[per_sm] = "skipped: budget"
+            continue
+        try:
+            tm.USE_ASM = asm
+            tm.CONFIG_OVERRIDE.update({"l1": replace(d1, persistent=per_sm),
+                                       "l2": replace(d2, persistent=per_sm)})
+            e = rel_err(tm.moe_experts_q(*a2, **kw2), ref2)
+            if not e < 1e-2:
+                times[per_sm] = f"wrong: rel err {e:.2e}"
+                continue
+            ms = time_ms(lambda: tm.moe_experts_q(*a2, **kw2), device=dev)
+            times[per_sm] = round(ms, 4)
+            if best is None or ms < best[1]:
+                best = (per_sm, ms, e)
+        except Exception as ex:  # noqa: BLE001
+            times[per_sm] = f"failed: {type(ex).__name__}: {str(ex)[:200]}"
+            log(f"persistent x{per_sm}: {traceback.format_exc(limit=3)}")
+        finally:
+            tm.USE_ASM = asm_default
+            tm.CONFIG_OVERRIDE.clear()
+            tm.CONFIG_OVERRIDE.update(saved)
+    notes = "programs per SM (ms): " + ", ".join(f"{k} {v}" for k, v in times.items())
+    if best is None:
+        return [{"kernel": "triton.moe_experts_q persistent", "case": f"T={T}",
+                 "error": f"no count ran: {notes}"}]
+    fl, by = routed_counts(dims, T, touched)
+    log(f"T={T} routed persistent x{best[0]} {best[1]:.3f} ms (static {static_ms})")
+    return [row("triton.moe_experts_q persistent", f"T={T} routed experts", best[1], flops=fl,
+                bytes=by, peak="fp8", rel_err=best[2], baseline="static grid",
+                baseline_ms=static_ms, per_sm=best[0], persistent_ms=times,
+                deepgemm_fp8_ms=DEEPGEMM_MS.get(T),
+                notes=f"best {best[0]} programs/SM, tiles {tuple(vars(d1).values())[:6]} / "
+                      f"{tuple(vars(d2).values())[:6]}; {notes}")]
 
 
 def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> list[dict]:

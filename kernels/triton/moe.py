@@ -24,6 +24,12 @@ mega_moe launches (T tokens, k = topk, E experts, P = T*k pairs):
 (+ one memset of the counts). The grouped GEMMs launch a static worst-case grid
 (min(P, P // BM + E) row tiles x N tiles); each program finds its expert by a scan of the
 counts, and programs past the last tile return at once. Empty experts own no tile.
+Persistent variant (MEGAGRAPH_MOE_PERSISTENT=1, decode sizes; GemmConfig.persistent): one
+moe_tile_list launch writes the compact list of non-empty row tiles from the counts on the
+device, then each grouped GEMM is a fixed grid of persistent x SMs programs looping over
+(tile, N tile) items (moe_gemm_persistent): no program for an empty expert, still static for
+CUDA graphs, the same tile code (moe_jit.moe_tile) and so the same numbers. Off by default until
+timed on the H200.
 
 Numerics (vs the reference: fp32 math on dequantized operands):
 * L1 (FP8 MMA): per 128-column chunk, the four E8M0 scales of a weight row are split into
@@ -69,6 +75,13 @@ _ASM_ENV = os.environ.get("MEGAGRAPH_FP4_ASM", "")
 USE_ASM: bool | None = None if (_ASM_ENV == "" and not INTERPRET) else (_ASM_ENV == "1"
                                                                          and not INTERPRET)
 EXACT = os.environ.get("MEGAGRAPH_MOE_EXACT", "0") == "1"
+# Persistent routed-expert GEMMs at decode sizes (moe_gemm_persistent): OFF by default until
+# timed on the H200 (kernels/triton/NOTES-moe.md, "Left to do" 4); "1" turns them on for the
+# l1 / l2 roles at <= 12 rows per expert with PERSISTENT_PER_SM programs per SM.
+PERSISTENT = os.environ.get("MEGAGRAPH_MOE_PERSISTENT", "0") == "1"
+# 2: the decode tiles' sm_90 build (Triton 3.9) holds 255 (L1) / 178 (L2) registers x 128
+# threads, so two programs are resident per SM; not yet swept (benchmarks/moe_tune.py does)
+PERSISTENT_PER_SM = 2
 MMA_FP8, MMA_FP16, MMA_BF16, MMA_F32 = 0, 1, 2, 3
 WFMT = {"mxfp4": 0, "fp8_block": 1}
 RDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -78,7 +91,9 @@ RDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 class GemmConfig:
     """Tile of one GEMM launch: rows, columns (per weight matrix), K chunk (divides 128 or is
     128), warps, software-pipeline stages; par: MXFP4 K split by column parity (A split in
-    registers instead of interleaving the upcast weights)."""
+    registers instead of interleaving the upcast weights); persistent: grouped GEMMs only, > 0
+    launches that many programs per SM looping over a device-built list of the non-empty tiles
+    (moe_gemm_persistent), 0 the static worst-case grid (moe_gemm)."""
 
     bm: int
     bn: int
@@ -86,6 +101,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     par: bool = False
+    persistent: int = 0
 
 
 # Benchmarks and tests may set these: role ("l1", "l2", "dense", "dense_swiglu") -> GemmConfig.
@@ -100,17 +116,20 @@ def pick_config(role: str, rows_per_group: float) -> GemmConfig:
     <= 48) are still the SASS-based picks (issue slots per KB of weights in the K loop, spills)."""
     if role in CONFIG_OVERRIDE:
         return CONFIG_OVERRIDE[role]
+    # decode: most experts hold 1-2 rows, the static grid is mostly programs that exit at once
+    pers = PERSISTENT_PER_SM if (PERSISTENT and role in ("l1", "l2")
+                                 and rows_per_group <= 12) else 0
     if INTERPRET:
-        return GemmConfig(16, 32, 128, 4, 1, par=role in ("l1", "l2"))
+        return GemmConfig(16, 32, 128, 4, 1, par=role in ("l1", "l2"), persistent=pers)
     if role == "l1":
         if rows_per_group <= 12:
-            return GemmConfig(16, 128, 128, 4, 3, par=True)
+            return GemmConfig(16, 128, 128, 4, 3, par=True, persistent=pers)
         if rows_per_group <= 48:
             return GemmConfig(64, 64, 128, 4, 4, par=True)
         return GemmConfig(64, 64, 128, 4, 3, par=True)
     if role == "l2":
         if rows_per_group <= 12:
-            return GemmConfig(16, 128, 128, 4, 3, par=True)
+            return GemmConfig(16, 128, 128, 4, 3, par=True, persistent=pers)
         if rows_per_group <= 48:
             return GemmConfig(64, 128, 128, 4, 4, par=True)
         return GemmConfig(64, 128, 128, 4, 3, par=True)
@@ -133,6 +152,15 @@ def available() -> bool:
 @functools.cache
 def _cuda_ok(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)  # FP8 tensor cores
+
+
+@functools.cache
+def num_sms(index: int) -> int:
+    """Streaming multiprocessors of CUDA device `index` (1 under the interpreter: the persistent
+    grid is then GemmConfig.persistent programs)."""
+    if INTERPRET:
+        return 1
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def on_device(t: Tensor) -> bool:
@@ -253,18 +281,38 @@ def _mma_for(a_dtype: torch.dtype, b: Bank, bk: int) -> int:
     return MMA_FP16  # fp16 A (H)
 
 
+def tile_list(counts: Tensor, bm: int, max_tiles: int) -> Tensor:
+    """The non-empty row tiles of a grouped GEMM, built on the device from the per-group counts
+    (moe_tile_list: int32 [1 + 3 * max_tiles], the total first; no host sync)."""
+    jit = _jit()
+    G = counts.numel()
+    if max_tiles == 0:
+        return torch.zeros(1, dtype=torch.int32, device=counts.device)
+    work = torch.empty(1 + 3 * max_tiles, dtype=torch.int32, device=counts.device)
+    bt = 32
+    jit.moe_tile_list[(-(-max_tiles // bt),)](counts, work, G, max_tiles, BM=bm,
+                                              G_PAD=_next_pow2(G), BT=bt, num_warps=4)
+    return work
+
+
 def gemm(a: Tensor, a_scale: Tensor | None, b1: Bank, out: Tensor, *, b2: Bank | None = None,
          role: str, rows_per_group: float, counts: Tensor | None = None,
          a_idx: Tensor | None = None, c_idx: Tensor | None = None, row_w: Tensor | None = None,
          topk: int = 1, ks: int = 1, m: int | None = None, max_tiles: int | None = None,
          limit: float | None = None, batched: bool = False,
-         a_group_stride: int = 0, as_group_stride: int = 0, c_group_stride: int = 0) -> Tensor:
+         a_group_stride: int = 0, as_group_stride: int = 0, c_group_stride: int = 0,
+         tiles: Tensor | None = None) -> Tensor:
     """One moe_gemm launch. a [R, K] (fp8 with a_scale [R, K/128] f32, fp16, or fp32);
     out [rows, N] rows (stride(0) = row stride; a view is fine). Grouped when `counts` is given
     (rows sorted by group, `max_tiles` row tiles), else dense over m rows (x G groups with
-    per-group offsets when `batched`)."""
+    per-group offsets when `batched`). Grouped with a persistent config: moe_gemm_persistent
+    over `tiles` (tile_list of counts at this config's bm; built here when not given)."""
     jit = _jit()
     cfg = pick_config(role, rows_per_group)
+    if counts is not None and cfg.persistent > 0:
+        return _gemm_persistent(a, a_scale, b1, out, cfg, b2=b2, counts=counts, a_idx=a_idx,
+                                c_idx=c_idx, row_w=row_w, topk=topk, ks=ks, max_tiles=max_tiles,
+                                limit=limit, tiles=tiles)
     bk = cfg.bk
     K = b1.k
     if K % bk or (a_scale is not None and 128 % bk):
@@ -301,6 +349,41 @@ def gemm(a: Tensor, a_scale: Tensor | None, b1: Bank, out: Tensor, *, b2: Bank |
         MANUAL=INTERPRET, PAR=cfg.par and b1.wfmt == 0 and mma in (MMA_FP8, MMA_FP16),
         BM=bm, BN=bn, BK=bk, G_PAD=_next_pow2(G) if grouped else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def _gemm_persistent(a, a_scale, b1: Bank, out, cfg: GemmConfig, *, b2, counts, a_idx, c_idx,
+                     row_w, topk, ks, max_tiles, limit, tiles) -> Tensor:
+    """The grouped moe_gemm as moe_gemm_persistent: min(persistent x SMs, worst-case items)
+    programs (static: CUDA-graph capturable), same tile, flags and numerics."""
+    jit = _jit()
+    bk, bm = cfg.bk, cfg.bm
+    K, N = b1.k, b1.n
+    if K % bk or (a_scale is not None and 128 % bk):
+        raise ValueError(f"K {K} and the chunk {bk} do not fit")
+    mma = _mma_for(a.dtype, b1, bk)
+    bn = max(16, min(cfg.bn, _next_pow2(N)))
+    items = max_tiles * -(-N // bn)
+    if items == 0:
+        return out
+    if tiles is None:
+        tiles = tile_list(counts, bm, max_tiles)
+    grid = (min(items, cfg.persistent * num_sms(out.device.index or 0)),)
+    dummy = out
+    b2 = b2 or b1
+    jit.moe_gemm_persistent[grid](
+        a, a_scale if a_scale is not None else dummy, a_idx if a_idx is not None else dummy,
+        b1.w, b1.s, b2.w, b2.s, out, c_idx if c_idx is not None else dummy,
+        row_w if row_w is not None else dummy, tiles, max_tiles, N, K, float(limit or 0.0),
+        a.stride(0), a_scale.stride(0) if a_scale is not None else 0, b1.w.stride(0),
+        b1.w.stride(1), b1.s.stride(0), b1.s.stride(1), out.stride(0),
+        TOPK=topk, KS=ks, GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None,
+        WEIGHTED=row_w is not None, SWIGLU=b2 is not b1,
+        HAS_LIMIT=limit is not None and limit > 0, A_SCALED=a_scale is not None,
+        WFMT=b1.wfmt, MMA=mma, BLK_N_S=b1.bn, BLK_K_S=b1.bk, NSUB=bk // min(bk, b1.bk),
+        USE_ASM=b1.wfmt == 0 and mma in (MMA_FP8, MMA_FP16) and asm_ok(out.device),
+        MANUAL=INTERPRET, PAR=cfg.par and b1.wfmt == 0 and mma in (MMA_FP8, MMA_FP16),
+        BM=bm, BN=bn, BK=bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
@@ -375,12 +458,16 @@ def routed_experts(x_q: Tensor, x_scale: Tensor, ids: Tensor, wts: Tensor, count
     h_dtype = torch.float32 if (EXACT or x_q.dtype == torch.float32) else torch.float16
     h = torch.empty(P, F, dtype=h_dtype, device=x_q.device)
     cfg1 = pick_config("l1", rpg)
+    mt1 = min(P, P // cfg1.bm + E)
+    tiles1 = tile_list(counts, cfg1.bm, mt1) if cfg1.persistent else None
     gemm(x_q, x_scale, w1, h, b2=w3, role="l1", rows_per_group=rpg, counts=counts, a_idx=srt,
-         topk=topk, max_tiles=min(P, P // cfg1.bm + E), limit=swiglu_limit)
+         topk=topk, max_tiles=mt1, limit=swiglu_limit, tiles=tiles1)
     cfg2 = pick_config("l2", rpg)
     ks = y.shape[1]
+    mt2 = min(P, P // cfg2.bm + E)
+    tiles2 = tiles1 if (tiles1 is not None and cfg2.bm == cfg1.bm) else None  # one list for both
     gemm(h, None, w2, y.view(T * ks, -1), role="l2", rows_per_group=rpg, counts=counts,
-         c_idx=srt, row_w=wts.reshape(-1), topk=topk, ks=ks, max_tiles=min(P, P // cfg2.bm + E))
+         c_idx=srt, row_w=wts.reshape(-1), topk=topk, ks=ks, max_tiles=mt2, tiles=tiles2)
     return y
 
 
@@ -633,5 +720,6 @@ for _f in (moe_experts_q, swiglu_mlp_q, linear_q, grouped_linear_q, route, mega_
     _f.capturable = True
 
 __all__ = ["CONFIG_OVERRIDE", "GemmConfig", "available", "bank", "combine", "gemm",
-           "grouped_linear_q", "linear_q", "mega_moe", "moe_experts_q", "on_device", "permute",
-           "pick_config", "route", "route_ids", "routed_experts", "shared_expert", "swiglu_mlp_q"]
+           "grouped_linear_q", "linear_q", "mega_moe", "moe_experts_q", "num_sms", "on_device",
+           "permute", "pick_config", "route", "route_ids", "routed_experts", "shared_expert",
+           "swiglu_mlp_q", "tile_list"]

@@ -299,49 +299,20 @@ def mma_step(acc, a, sa, b, sb, A_SCALED: tl.constexpr, MMA: tl.constexpr):
 
 
 @triton.jit
-def moe_gemm(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, cidx_ptr, w_ptr,
-             cnt_ptr, M, N, K, G, limit,
+def moe_tile(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, cidx_ptr, w_ptr,
+             g, row0, nrows, pid_n, N, K, limit,
              stride_am, stride_as, stride_ag, stride_asg,
              stride_bg, stride_bn, stride_bsg, stride_bsn, stride_cm, stride_cg,
-             TOPK: tl.constexpr, KS: tl.constexpr, GROUPED: tl.constexpr,
+             TOPK: tl.constexpr, KS: tl.constexpr,
              GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, WEIGHTED: tl.constexpr,
              SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, A_SCALED: tl.constexpr,
              WFMT: tl.constexpr, MMA: tl.constexpr, BLK_N_S: tl.constexpr, BLK_K_S: tl.constexpr,
              NSUB: tl.constexpr, USE_ASM: tl.constexpr, MANUAL: tl.constexpr, PAR: tl.constexpr,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G_PAD: tl.constexpr):
-    """C = A @ B^T (fp32 accumulate), per group.
-
-    GROUPED: program_id(0) = m_tile * num_n + n_tile over a static worst-case tile count; the
-    rows of group g are the cnt[g] consecutive rows after sum(cnt[:g]) (expert-sorted order);
-    tiles never span two groups; programs past the last tile return at once. Else (dense /
-    batched): program_id(0) = m_tile * num_n + n_tile over M rows, program_id(1) = group
-    (block-diagonal projections: pointer offsets stride_*g).
-    GATHER_A: A row = aidx[row] // TOPK (the token of a sorted (token, slot) pair).
-    SWIGLU: B1 = W1, B2 = W3 of the same rows; C = silu(min(g, lim)) * clamp(u, -lim, lim).
-    SCATTER_C: C row of sorted row r = pair p = cidx[r] -> (p // TOPK) * KS + p % TOPK,
-    times w[p] if WEIGHTED.
-    """
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BN)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    if GROUPED:
-        ge = tl.arange(0, G_PAD)
-        cnt = tl.load(cnt_ptr + ge, mask=ge < G, other=0)
-        tiles = (cnt + (BM - 1)) // BM
-        tend = tl.cumsum(tiles, 0)
-        total = tl.sum(tiles, 0)
-        if pid_m >= total:
-            return
-        g = tl.sum((tend <= pid_m).to(tl.int32), 0)
-        before = ge < g
-        local0 = (pid_m - tl.sum(tl.where(before, tiles, 0), 0)) * BM
-        row0 = tl.sum(tl.where(before, cnt, 0), 0) + local0
-        nrows = tl.sum(tl.where(ge == g, cnt, 0), 0) - local0
-    else:
-        g = tl.program_id(1)
-        row0 = pid_m * BM
-        nrows = M - row0
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One output tile: rows row0 .. row0 + min(nrows, BM) - 1 of group g, columns pid_n * BN ..
+    (+BN) - the whole K loop and the epilogue (moe_gemm's flags). Shared by moe_gemm and
+    moe_gemm_persistent, so both compute every output element with the same operations in the
+    same order."""
     g64 = g.to(tl.int64)
     rm = tl.arange(0, BM)
     rmask = rm < nrows
@@ -420,6 +391,124 @@ def moe_gemm(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
     c_ptrs = c_ptr + g64 * stride_cg + crow[:, None] * stride_cm + rn[None, :]
     tl.store(c_ptrs, cast_out(out, c_ptr.dtype.element_ty, MANUAL),
              mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def moe_gemm(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, cidx_ptr, w_ptr,
+             cnt_ptr, M, N, K, G, limit,
+             stride_am, stride_as, stride_ag, stride_asg,
+             stride_bg, stride_bn, stride_bsg, stride_bsn, stride_cm, stride_cg,
+             TOPK: tl.constexpr, KS: tl.constexpr, GROUPED: tl.constexpr,
+             GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, WEIGHTED: tl.constexpr,
+             SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, A_SCALED: tl.constexpr,
+             WFMT: tl.constexpr, MMA: tl.constexpr, BLK_N_S: tl.constexpr, BLK_K_S: tl.constexpr,
+             NSUB: tl.constexpr, USE_ASM: tl.constexpr, MANUAL: tl.constexpr, PAR: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G_PAD: tl.constexpr):
+    """C = A @ B^T (fp32 accumulate), per group.
+
+    GROUPED: program_id(0) = m_tile * num_n + n_tile over a static worst-case tile count; the
+    rows of group g are the cnt[g] consecutive rows after sum(cnt[:g]) (expert-sorted order);
+    tiles never span two groups; programs past the last tile return at once. Else (dense /
+    batched): program_id(0) = m_tile * num_n + n_tile over M rows, program_id(1) = group
+    (block-diagonal projections: pointer offsets stride_*g).
+    GATHER_A: A row = aidx[row] // TOPK (the token of a sorted (token, slot) pair).
+    SWIGLU: B1 = W1, B2 = W3 of the same rows; C = silu(min(g, lim)) * clamp(u, -lim, lim).
+    SCATTER_C: C row of sorted row r = pair p = cidx[r] -> (p // TOPK) * KS + p % TOPK,
+    times w[p] if WEIGHTED.
+    """
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BN)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    if GROUPED:
+        ge = tl.arange(0, G_PAD)
+        cnt = tl.load(cnt_ptr + ge, mask=ge < G, other=0)
+        tiles = (cnt + (BM - 1)) // BM
+        tend = tl.cumsum(tiles, 0)
+        total = tl.sum(tiles, 0)
+        if pid_m >= total:
+            return
+        g = tl.sum((tend <= pid_m).to(tl.int32), 0)
+        before = ge < g
+        local0 = (pid_m - tl.sum(tl.where(before, tiles, 0), 0)) * BM
+        row0 = tl.sum(tl.where(before, cnt, 0), 0) + local0
+        nrows = tl.sum(tl.where(ge == g, cnt, 0), 0) - local0
+    else:
+        g = tl.program_id(1)
+        row0 = pid_m * BM
+        nrows = M - row0
+    moe_tile(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, cidx_ptr, w_ptr,
+             g, row0, nrows, pid_n, N, K, limit,
+             stride_am, stride_as, stride_ag, stride_asg,
+             stride_bg, stride_bn, stride_bsg, stride_bsn, stride_cm, stride_cg,
+             TOPK, KS, GATHER_A, SCATTER_C, WEIGHTED, SWIGLU, HAS_LIMIT, A_SCALED, WFMT, MMA,
+             BLK_N_S, BLK_K_S, NSUB, USE_ASM, MANUAL, PAR, BM, BN, BK)
+
+
+# ---------------------------------------------------------------------------------------------
+# the persistent grouped GEMM (decode): a compact device-side tile list, a fixed grid
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def moe_tile_list(cnt_ptr, work_ptr, G, MT, BM: tl.constexpr, G_PAD: tl.constexpr,
+                  BT: tl.constexpr):
+    """Row tiles of the groups with rows, in group order, from the counts (no host sync):
+    work = [total, grp[MT], row0[MT], rend[MT]] int32, total = sum(ceil(cnt / BM)) (<= MT, the
+    static worst case); tile j < total covers rows row0[j] .. min(row0[j] + BM, rend[j]) - 1 of
+    group grp[j] (expert-sorted order, as moe_gemm's scan); entries j >= total are not read.
+    Program p fills tiles p * BT .. p * BT + BT - 1 (the same scan as moe_gemm, BT tiles at
+    once)."""
+    ge = tl.arange(0, G_PAD)
+    cnt = tl.load(cnt_ptr + ge, mask=ge < G, other=0)
+    tiles = (cnt + (BM - 1)) // BM
+    tend = tl.cumsum(tiles, 0)
+    rend = tl.cumsum(cnt, 0)
+    j = tl.program_id(0) * BT + tl.arange(0, BT)
+    g = tl.sum((tend[None, :] <= j[:, None]).to(tl.int32), 1)
+    own = ge[None, :] == g[:, None]
+    t0 = tl.sum(tl.where(own, tend - tiles, 0), 1)
+    r_end = tl.sum(tl.where(own, rend, 0), 1)
+    r0 = tl.sum(tl.where(own, rend - cnt, 0), 1) + (j - t0) * BM
+    jm = j < MT
+    tl.store(work_ptr + 1 + j, g, mask=jm)
+    tl.store(work_ptr + 1 + MT + j, r0, mask=jm)
+    tl.store(work_ptr + 1 + 2 * MT + j, r_end, mask=jm)
+    if tl.program_id(0) == 0:
+        tl.store(work_ptr, tl.sum(tiles, 0))
+
+
+@triton.jit
+def moe_gemm_persistent(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr,
+                        cidx_ptr, w_ptr, work_ptr, MT, N, K, limit,
+                        stride_am, stride_as, stride_bg, stride_bn, stride_bsg, stride_bsn,
+                        stride_cm,
+                        TOPK: tl.constexpr, KS: tl.constexpr,
+                        GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, WEIGHTED: tl.constexpr,
+                        SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, A_SCALED: tl.constexpr,
+                        WFMT: tl.constexpr, MMA: tl.constexpr, BLK_N_S: tl.constexpr,
+                        BLK_K_S: tl.constexpr, NSUB: tl.constexpr, USE_ASM: tl.constexpr,
+                        MANUAL: tl.constexpr, PAR: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """moe_gemm GROUPED on a fixed grid: the work items are (row tile of moe_tile_list) x (N tile),
+    item w = tile * num_n + n_tile (moe_gemm's program order); program p runs items p, p + grid,
+    p + 2 grid, ... up to the device-side total, so no program is launched for an empty expert
+    and the grid (a multiple of the SM count) stays static for CUDA graphs. Each item is
+    moe_gemm's tile (moe_tile): the same numbers, bit for bit in the same compiled code."""
+    num_n = tl.cdiv(N, BN)
+    total = tl.load(work_ptr) * num_n
+    for w in range(tl.program_id(0), total, tl.num_programs(0)):
+        t = w // num_n
+        pid_n = w % num_n
+        g = tl.load(work_ptr + 1 + t)
+        row0 = tl.load(work_ptr + 1 + MT + t)
+        nrows = tl.load(work_ptr + 1 + 2 * MT + t) - row0
+        moe_tile(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, cidx_ptr,
+                 w_ptr, g, row0, nrows, pid_n, N, K, limit,
+                 stride_am, stride_as, 0, 0, stride_bg, stride_bn, stride_bsg, stride_bsn,
+                 stride_cm, 0,
+                 TOPK, KS, GATHER_A, SCATTER_C, WEIGHTED, SWIGLU, HAS_LIMIT, A_SCALED, WFMT, MMA,
+                 BLK_N_S, BLK_K_S, NSUB, USE_ASM, MANUAL, PAR, BM, BN, BK)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -59,7 +59,8 @@ def test_moe_rows_dry_run_interpreter():
     assert rows and not [r for r in rows if "error" in r], rows
     kernels = {r["kernel"] for r in rows}
     assert {"triton.mega_mhc", "triton.mega_moe", "triton.moe_experts_q",
-            "triton.fp8_block_gemm", "triton.grouped_fp8_gemm", "triton.quantize_act"} <= kernels
+            "triton.fp8_block_gemm", "triton.grouped_fp8_gemm", "triton.quantize_act",
+            "triton.moe_experts_q persistent"} <= kernels
     for r in rows:
         if "rel_err" in r:
             assert r["rel_err"] < 1e-2, r

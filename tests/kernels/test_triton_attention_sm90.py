@@ -1,4 +1,4 @@
-"""The Triton CSA2 kernels (and the activation quantization) compile for sm_90 (Hopper) ahead of time, without a GPU, in the launch
+"""The Triton CSA2 kernels (and the activation quantization, the persistent MoE GEMMs) compile for sm_90 (Hopper) ahead of time, without a GPU, in the launch
 shapes the wrappers use, with at most 64 bytes of stack per thread (no register-spill storm: the
 shapes were picked from this build's resource usage) and on the tensor cores where they multiply.
 
@@ -91,13 +91,49 @@ def cases():
                                  dict(BLOCK=128, NB=8, E8M0=False), 4, None)
     out["quantize act mxfp8"] = ("quant_jit", "quantize_act_fwd", dict(quant, s_ptr="*u8"),
                                  dict(BLOCK=32, NB=8, E8M0=True), 4, None)
+    out.update(moe_cases())
     return out
+
+
+def moe_cases():
+    """The persistent routed-expert GEMMs at the decode tile pick_config gives them (16 x 128,
+    4 warps, 3 stages, PTX upcast, parity split) and the tile-list kernel. A 7th element: the
+    arguments the launcher marks 16-divisible at V4.1-Flash dims (every pointer; L1 strides
+    5120 / 2560 / 160, L2 2304 / 1152, N and K) and the stages: without the hints the loads do
+    not vectorize and the L1 tile spills ~1 KB."""
+    from megagraph.kernels.triton import moe as M
+
+    gemm = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", aidx_ptr="*i32", b1_ptr="*i8", bs1_ptr="*u8",
+                b2_ptr="*i8", bs2_ptr="*u8", c_ptr="*fp16", cidx_ptr="*i32", w_ptr="*fp32",
+                work_ptr="*i32", MT="i32", N="i32", K="i32", limit="fp32", stride_am="i32",
+                stride_as="i32", stride_bg="i32", stride_bn="i32", stride_bsg="i32",
+                stride_bsn="i32", stride_cm="i32")
+    cfg = M.pick_config("l1", 1.5)
+    l1 = dict(TOPK=6, KS=6, GATHER_A=True, SCATTER_C=False, WEIGHTED=False, SWIGLU=True,
+              HAS_LIMIT=True, A_SCALED=True, WFMT=0, MMA=M.MMA_FP8, BLK_N_S=1, BLK_K_S=32,
+              NSUB=4, USE_ASM=True, MANUAL=False, PAR=True, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk)
+    l2 = dict(l1, KS=7, GATHER_A=False, SCATTER_C=True, WEIGHTED=True, SWIGLU=False,
+              HAS_LIMIT=False, A_SCALED=False, MMA=M.MMA_FP16)
+    ptrs = {n for n, t in gemm.items() if t.startswith("*")}
+    div1 = ptrs | {"N", "K", "stride_am", "stride_bg", "stride_bn", "stride_bsg", "stride_bsn",
+                   "stride_cm"}
+    opts = dict(stages=cfg.num_stages)
+    return {
+        "moe persistent l1": ("moe_jit", "moe_gemm_persistent", gemm, l1, cfg.num_warps, "HMMA",
+                              dict(opts, div=div1)),
+        "moe persistent l2": ("moe_jit", "moe_gemm_persistent",
+                              dict(gemm, a_ptr="*fp16", c_ptr="*bf16"), l2, cfg.num_warps, "HMMA",
+                              dict(opts, div=div1 - {"stride_bsn"})),
+        "moe tile list": ("moe_jit", "moe_tile_list",
+                          dict(cnt_ptr="*i32", work_ptr="*i32", G="i32", MT="i32"),
+                          dict(BM=cfg.bm, G_PAD=512, BT=32), 4, None, {}),
+    }
 
 
 NAMES = ["attn decode q-epilogue", "attn decode split", "attn plain", "attn combine", "index decode",
          "index prefill", "compressor gemm", "compressor gemm small", "compressor rows r1",
          "compressor rows r2", "ring copy", "engram hash", "engram gate", "quantize act 1x128",
-         "quantize act mxfp8"]
+         "quantize act mxfp8", "moe persistent l1", "moe persistent l2", "moe tile list"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -111,11 +147,14 @@ def test_compiles_for_sm90_without_spills(name, tmp_path):
         from triton.compiler import ASTSource
     except ImportError:
         pytest.skip("this triton has no ahead-of-time compile API")
-    mod, fn_name, types, consts, warps, mma = cases()[name]
+    mod, fn_name, types, consts, warps, mma, *more = cases()[name]
+    opts = more[0] if more else {}
     fn = getattr(importlib.import_module(f"megagraph.kernels.triton.{mod}"), fn_name)
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
-    k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 128),
-                       options=dict(num_warps=warps, num_stages=2))
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in opts.get("div", ())}
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 128),
+                       options=dict(num_warps=warps, num_stages=opts.get("stages", 2)))
     cubin = tmp_path / "k.cubin"
     cubin.write_bytes(k.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
