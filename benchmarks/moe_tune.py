@@ -4,6 +4,13 @@ each candidate checked against the reference `moe_experts_q` before it counts.
 
     python benchmarks/moe_tune.py --out /tmp/tune --budget 200          # H200
     python benchmarks/moe_tune.py --smoke --out /tmp/tune               # CPU: Triton interpreter
+    python benchmarks/moe_tune.py --fp8-h --tokens 8192 --out /tmp/tune8  # the FP8-H roles
+
+--fp8-h tunes the FP8-H path's roles (l1_fp8h: L1 with H quantized to E4M3 per 128 in the
+epilogue, bn a multiple of 128; l2_fp8h: L2 on E4M3 H) with MEGAGRAPH_MOE_FP8_H's numerics on;
+each candidate is checked against the reference that quantizes H the same way
+(reference moe_experts_q(h_fmt="fp8_1x128"), rel err < 1.5e-2 at bf16 output) and its error vs
+the fp32-H reference is recorded too (rel_err_fp32h, ~2-3%).
 
 Tiles are GemmConfig fields in order (bm, bn, bk, warps, stages, par, persistent); at decode
 sizes the heuristic tile is also tried persistent (moe_gemm_persistent, 1-4 programs per SM)
@@ -34,11 +41,14 @@ from kernel_rows import moe as mr  # noqa: E402
 
 def candidates(role: str, decode: bool):
     """(bm, bn, bk, warps, stages, par) to try: small-row tiles for decode, large for prefill
-    (static grid; the persistent variants are added by main)."""
+    (static grid; the persistent variants are added by main). l1_fp8h: bn multiple of 128 (its
+    epilogue owns whole 128-column scale blocks)."""
     if decode:
         bms, bns, warps, stages = (16, 64), (64, 128), (4,), (3, 4)
     else:
         bms, bns, warps, stages = (64, 128), (64, 128), (4, 8), (3, 4)
+    if role == "l1_fp8h":
+        bns = (128, 256) if not decode else (128,)
     for bm, bn, w, s, par in itertools.product(bms, bns, warps, stages, (True, False)):
         if bm == 128 and w == 4:
             continue
@@ -51,6 +61,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=200.0, help="seconds for the whole sweep")
     ap.add_argument("--tokens", default="64,8192")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--fp8-h", action="store_true",
+                    help="tune the FP8-H roles (l1_fp8h / l2_fp8h, MEGAGRAPH_MOE_FP8_H numerics)")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     from megagraph.kernels.reference import fused as rf
@@ -69,18 +81,24 @@ def main() -> None:
         a2 = (xq, xs, ids, wts, *w["routed"])
         kw2 = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt="fp8_1x128", out_dtype="bf16")
         ref = rf.moe_experts_q(*a2, **kw2)
+        ref_f = ref
+        if a.fp8_h:  # candidates must match the quantized-H numerics; fp32-H error recorded
+            ref = rf.moe_experts_q(*a2, **kw2, h_fmt="fp8_1x128")
+        tol = 1.5e-2 if a.fp8_h else 1e-2
+        r1, r2 = ("l1_fp8h", "l2_fp8h") if a.fp8_h else ("l1", "l2")
+        tm.FP8_H = a.fp8_h
         P = T * k
         rpg = P / min(E, P)
         touched = int((torch.bincount(ids.flatten(), minlength=E) > 0).sum())
         fl, by = mr.routed_counts(dims, T, touched)
-        d1, d2 = tm.pick_config("l1", rpg), tm.pick_config("l2", rpg)
-        for role, other in (("l1", "l2"), ("l2", "l1")):
-            fixed = d2 if role == "l1" else d1
-            cands = [tuple(vars(d1 if role == "l1" else d2).values())]
+        d1, d2 = tm.pick_config(r1, rpg), tm.pick_config(r2, rpg)
+        for role, other in ((r1, r2), (r2, r1)):
+            fixed = d2 if role == r1 else d1
+            cands = [tuple(vars(d1 if role == r1 else d2).values())]
             if T <= 256:  # the heuristic tile on the static grid (0) and persistent, 1-4 per SM
                 cands += [cands[0][:6] + (p,) for p in (0, 1, 2, 3, 4) if p != cands[0][6]]
             cands += [c for c in candidates(role, T <= 256) if c != cands[0][:6]]
-            n_groups_left = (2 if role == "l1" else 1) + 2 * (len(Ts) - 1 - Ts.index(T))
+            n_groups_left = (2 if role == r1 else 1) + 2 * (len(Ts) - 1 - Ts.index(T))
             g_end = time.perf_counter() + (t_end - time.perf_counter()) / n_groups_left
             for c in cands:
                 if time.perf_counter() > g_end:
@@ -92,9 +110,12 @@ def main() -> None:
                 tm.USE_ASM = auto
                 r = dict(T=T, role=role, tile=list(c), default=c == cands[0])
                 try:
-                    e = rel_err(tm.moe_experts_q(*a2, **kw2), ref)
+                    y = tm.moe_experts_q(*a2, **kw2)
+                    e = rel_err(y, ref)
                     r["rel_err"] = e
-                    if not e < 1e-2:
+                    if a.fp8_h:
+                        r["rel_err_fp32h"] = rel_err(y, ref_f)
+                    if not e < tol:
                         r["error"] = f"wrong: rel err {e:.2e}"
                     else:
                         r["ms"] = round(time_ms(lambda: tm.moe_experts_q(*a2, **kw2), device=dev), 4)
@@ -106,11 +127,12 @@ def main() -> None:
                 results.append(r)
                 print(json.dumps(r), flush=True)
         tm.CONFIG_OVERRIDE.clear()
+    tm.FP8_H = False
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "moe_tune.json").write_text(json.dumps(results, indent=1))
     lines = ["| tokens | role | heuristic tile (ms) | best tile (ms) | speed-up |", "|---|---|---|---|---:|"]
     for T in sorted({r["T"] for r in results}):
-        for role in ("l1", "l2"):
+        for role in (("l1_fp8h", "l2_fp8h") if a.fp8_h else ("l1", "l2")):
             rs = [r for r in results if r["T"] == T and r["role"] == role and "ms" in r]
             if not rs:
                 continue

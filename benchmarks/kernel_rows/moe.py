@@ -14,6 +14,12 @@ Rows per token count (64 = decode, 8192 = prefill; --smoke / CPU: tiny dims, tor
   routed persistent (decode only) the same op with the persistent grouped GEMMs
                     (MEGAGRAPH_MOE_PERSISTENT; GemmConfig.persistent programs per SM, 1..4 in
                     its notes), baseline = the best static-grid variant above;
+  routed FP8-H      the same op with H quantized to E4M3 per 128 in L1's epilogue and the FP8
+                    L2 (MEGAGRAPH_MOE_FP8_H, default off; roles l1_fp8h / l2_fp8h, a few tiles
+                    in its notes), baseline = the best default (fp16-H) variant above; rel_err
+                    vs the fp32-H reference (expected ~2-3%: H's E4M3 rounding) and
+                    rel_err_q vs the reference that quantizes H the same way (the kernel's
+                    own numerics: ~1e-2 at most, bf16 output);
   pieces            router (gate GEMM + top-k + counts), permutation, L1, L2, shared expert,
                     combine + expand, timed alone;
   FP8-block GEMMs   attention projections (linear_q, grouped wo_a) vs capturable, torch.compile
@@ -281,6 +287,8 @@ def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
             out += persistent_rows(dims, T, dev, tm, a2, kw2, ref2, touched,
                                    best[3] if best else auto, best[1] if best else None, t_end,
                                    sweep)
+        out += fp8h_rows(dims, T, dev, tm, a2, kw2, ref2, touched,
+                         best[3] if best else auto, best[1] if best else None, t_end, sweep)
         out += piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched)
     finally:
         tm.USE_ASM = asm_default
@@ -351,6 +359,68 @@ def persistent_rows(dims, T, dev, tm, a2, kw2, ref2, touched, asm, static_ms, t_
                       f"{tuple(vars(d2).values())[:6]}; {notes}")]
 
 
+def fp8h_rows(dims, T, dev, tm, a2, kw2, ref2, touched, asm, base_ms, t_end,
+              sweep: bool) -> list[dict]:
+    """moe_experts_q with the FP8-H path (routed_experts fp8_h: E4M3 H + per-128 scales from L1's
+    epilogue, FP8 L2) at the pick_config l1_fp8h / l2_fp8h tiles, then (sweeping) a few other
+    tiles; the row carries the fastest, the default (fp16-H) best as baseline, and both errors.
+    Leaves FP8_H / USE_ASM / CONFIG_OVERRIDE as it found them."""
+    from megagraph.kernels.reference import fused as rf
+
+    rpg = T * dims["k"] / min(dims["E"], T * dims["k"])
+    G = tm.GemmConfig
+    d1, d2 = tm.pick_config("l1_fp8h", rpg), tm.pick_config("l2_fp8h", rpg)
+    tiles = [("default", d1, d2)]
+    if sweep and rpg > 12:
+        tiles += [("l1 128x128", G(128, 128, 128, 8, 3, par=True), d2),
+                  ("l1 64x128 4w", G(64, 128, 128, 4, 3, par=True), d2),
+                  ("l1 64x256", G(64, 256, 128, 8, 3, par=True), d2),
+                  ("l2 128x128", d1, G(128, 128, 128, 8, 3, par=True)),
+                  ("l2 64x128 4w", d1, G(64, 128, 128, 4, 3, par=True)),
+                  ("l2 64x256", d1, G(64, 256, 128, 8, 3, par=True))]
+    saved = (tm.FP8_H, tm.USE_ASM, dict(tm.CONFIG_OVERRIDE))
+    ref_q = rf.moe_experts_q(*a2, **kw2, h_fmt="fp8_1x128")
+    times, best = {}, None
+    for name, c1, c2 in tiles:
+        if time.perf_counter() > t_end - 20:
+            times[name] = "skipped: budget"
+            continue
+        try:
+            tm.FP8_H, tm.USE_ASM = True, asm
+            tm.CONFIG_OVERRIDE.update({"l1_fp8h": c1, "l2_fp8h": c2})
+            y = tm.moe_experts_q(*a2, **kw2)
+            e, eq = rel_err(y, ref2), rel_err(y, ref_q)
+            if not (e < 2.0 ** -4 and eq < 1.5e-2):
+                times[name] = f"wrong: rel err {e:.2e} (quantized-H ref {eq:.2e})"
+                continue
+            ms = time_ms(lambda: tm.moe_experts_q(*a2, **kw2), device=dev)
+            times[name] = round(ms, 4)
+            if best is None or ms < best[1]:
+                best = (name, ms, e, eq, c1, c2)
+        except Exception as ex:  # noqa: BLE001
+            times[name] = f"failed: {type(ex).__name__}: {str(ex)[:200]}"
+            log(f"fp8-H {name}: {traceback.format_exc(limit=3)}")
+        finally:
+            tm.FP8_H, tm.USE_ASM = saved[0], saved[1]
+            tm.CONFIG_OVERRIDE.clear()
+            tm.CONFIG_OVERRIDE.update(saved[2])
+    notes = "tiles (ms): " + ", ".join(f"{k} {v}" for k, v in times.items())
+    if best is None:
+        return [{"kernel": "triton.moe_experts_q fp8-H", "case": f"T={T}",
+                 "error": f"no tile ran: {notes}"}]
+    fl, by = routed_counts(dims, T, touched)
+    log(f"T={T} routed FP8-H {best[0]} {best[1]:.3f} ms (fp16-H {base_ms}), err {best[2]:.2e} "
+        f"(quantized-H ref {best[3]:.2e})")
+    return [row("triton.moe_experts_q fp8-H", f"T={T} routed experts", best[1], flops=fl,
+                bytes=by, peak="fp8", rel_err=best[2], rel_err_q=best[3],
+                baseline="fp16 H (default)", baseline_ms=base_ms, fp8h_ms=times,
+                deepgemm_fp8_ms=DEEPGEMM_MS.get(T),
+                notes=f"MEGAGRAPH_MOE_FP8_H=1 (default off); best {best[0]}: l1 "
+                      f"{tuple(vars(best[4]).values())[:6]}, l2 {tuple(vars(best[5]).values())[:6]}; "
+                      f"rel_err vs fp32-H reference {best[2]:.2e}, vs quantized-H reference "
+                      f"{best[3]:.2e}; {notes}")]
+
+
 def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> list[dict]:
     """The launches of mega_moe timed one by one (same inputs, current tile choice)."""
     E, k, d, F, fs = dims["E"], dims["k"], dims["d"], dims["F"], dims["fs"]
@@ -382,6 +452,19 @@ def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> 
                 counts=counts, c_idx=srt, row_w=wts.reshape(-1), topk=k, ks=k + 1,
                 max_tiles=min(P, P // c2.bm + E))
 
+    hq = torch.empty(P, F, dtype=torch.float8_e4m3fn, device=dev)
+    hs = torch.empty(P, F // 128, dtype=torch.float32, device=dev)
+    q1, q2 = tm.pick_config("l1_fp8h", rpg), tm.pick_config("l2_fp8h", rpg)
+
+    def l1q():
+        tm.gemm(xq, xs, b[0], hq, b2=b[1], role="l1_fp8h", rows_per_group=rpg, counts=counts,
+                a_idx=srt, topk=k, max_tiles=min(P, P // q1.bm + E), limit=10.0, out_scale=hs)
+
+    def l2q():
+        tm.gemm(hq, hs, b[2], y.view(T * (k + 1), d), role="l2_fp8h", rows_per_group=rpg,
+                counts=counts, c_idx=srt, row_w=wts.reshape(-1), topk=k, ks=k + 1,
+                max_tiles=min(P, P // q2.bm + E))
+
     def shared():
         tm.shared_expert(xq, xs, *sb, y[:, k], swiglu_limit=10.0)
 
@@ -393,6 +476,8 @@ def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> 
 
     l1()
     l2()
+    l1q()
+    l2q()
     shared()
     expert = 3 * F * d // 2 + 3 * F * d // 32
     pieces = [
@@ -403,6 +488,10 @@ def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> 
          "fp8"),
         ("L2: W2 + weights -> (token, slot)", l2, 2 * P * F * d,
          touched * expert // 3 + P * F * 2 + P * d * 2, "fp8"),
+        ("L1 FP8-H: W1/W3 + SwiGLU + H to E4M3 (MEGAGRAPH_MOE_FP8_H)", l1q, 2 * P * 2 * F * d,
+         touched * expert * 2 // 3 + T * d + P * F + P * F // 32, "fp8"),
+        ("L2 FP8-H: W2 on E4M3 H + weights (MEGAGRAPH_MOE_FP8_H)", l2q, 2 * P * F * d,
+         touched * expert // 3 + P * F + P * F // 32 + P * d * 2, "fp8"),
         ("shared expert (FP8 blocks, L1 + L2)", shared, 2 * T * 3 * fs * d,
          3 * fs * d + T * d + T * d * 2, "bf16"),
         ("combine + shared + mHC expand", comb_, 0, T * (k + 1) * d * 2 + 2 * T * 4 * d * 2, ""),

@@ -5,6 +5,13 @@ import torch
 from torch import Tensor
 
 from .linear import dequantize_weight
+from .quant import fake_quant
+
+# formats of the expert's hidden activation H = silu(g) * u before the down-projection W2:
+# None keeps fp32; "fp8_1x128" rounds H per row and 128 channels to E4M3 with a power-of-two scale
+# 2^ceil(log2(max(amax, 1e-4) / 448)) (= fused.quantize_act / dequant_act fp8_1x128, DeepSeek's
+# inference numerics for the w2 input; the Triton FP8-H path, kernels/triton/moe.py FP8_H)
+H_FMTS = {None: None, "fp8_1x128": ("fp8_e4m3", 128)}
 
 
 def router_scores(logits: Tensor, score_func: str) -> Tensor:
@@ -37,14 +44,20 @@ def route(x: Tensor, gate_w: Tensor, bias: Tensor | None, *, topk: int, route_sc
     return ids, wts * route_scale
 
 
-def _swiglu(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, swiglu_limit: float | None) -> Tensor:
-    """fp32 SwiGLU with dequantized fp32 weights: W2(silu(min(W1x, lim)) ⊙ clamp(W3x, ±lim))."""
+def _swiglu(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, swiglu_limit: float | None,
+            h_fmt: str | None = None) -> Tensor:
+    """fp32 SwiGLU with dequantized fp32 weights: W2(silu(min(W1x, lim)) ⊙ clamp(W3x, ±lim)); the
+    hidden activation fake-quantized to h_fmt (H_FMTS) before W2 when given."""
     g = x @ w1.t()
     u = x @ w3.t()
     if swiglu_limit is not None and swiglu_limit > 0:
         u = u.clamp(-swiglu_limit, swiglu_limit)
         g = g.clamp(max=swiglu_limit)
-    return (torch.nn.functional.silu(g) * u) @ w2.t()
+    h = torch.nn.functional.silu(g) * u
+    if H_FMTS[h_fmt] is not None:
+        fmt, block = H_FMTS[h_fmt]
+        h = fake_quant(h, fmt=fmt, block=block)
+    return h @ w2.t()
 
 
 def swiglu_mlp(x: Tensor, w1: Tensor, w1_scale: Tensor | None, w3: Tensor, w3_scale: Tensor | None,
@@ -60,12 +73,15 @@ def swiglu_mlp(x: Tensor, w1: Tensor, w1_scale: Tensor | None, w3: Tensor, w3_sc
 
 def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, w1: Tensor, w1_scale: Tensor | None,
                 w3: Tensor, w3_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, *, fmt: str,
-                swiglu_limit: float | None) -> Tensor:
+                swiglu_limit: float | None, h_fmt: str | None = None) -> Tensor:
     """Routed experts: ``y[t] = Σ_k weights[t,k] · E_{ids[t,k]}(x[t])``.
 
     x [T, d]; ids i64[T, k]; weights f32[T, k]; stacked expert weights w1, w3 [E, F, d] (mxfp4:
     int8 [E, F, d/2]), w2 [E, d, F] (mxfp4: [E, d, F/2]); scales stacked the same way ([E, …]) or
     None for ``dense``. Each expert as in :func:`swiglu_mlp`. fp32 accumulate, x.dtype out.
+    h_fmt ``"fp8_1x128"``: each expert's hidden activation rounded to E4M3 per row and 128
+    channels (power-of-two scales) before W2, as DeepSeek's inference (and the Triton FP8-H path)
+    does; None (default) keeps it fp32.
     """
     T, d = x.shape
     xf = x.float()
@@ -78,6 +94,6 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, w1: Tensor, w1_scale: T
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         ye = _swiglu(xf[tok], dequantize_weight(w1[e], sc(w1_scale, e), fmt),
                      dequantize_weight(w3[e], sc(w3_scale, e), fmt),
-                     dequantize_weight(w2[e], sc(w2_scale, e), fmt), swiglu_limit)
+                     dequantize_weight(w2[e], sc(w2_scale, e), fmt), swiglu_limit, h_fmt)
         y.index_add_(0, tok, ye * weights[tok, slot].float()[:, None])
     return y.to(x.dtype)

@@ -30,6 +30,12 @@ device, then each grouped GEMM is a fixed grid of persistent x SMs programs loop
 (tile, N tile) items (moe_gemm_persistent): no program for an empty expert, still static for
 CUDA graphs, the same tile code (moe_jit.moe_tile) and so the same numbers. Off by default until
 timed on the H200.
+FP8-H variant (MEGAGRAPH_MOE_FP8_H=1, or routed_experts(..., fp8_h=True); all token counts; aimed
+at prefill, where the fp16 L2 runs at half the FP8 MMA rate): L1's SwiGLU epilogue quantizes H per
+row and 128 columns to E4M3 with a power-of-two f32 scale (moe_jit.quantize_out: quantize_act
+fp8_1x128's numerics, DeepSeek's activation quantization before w2), H [P, F] e4m3 + scales
+[P, F/128]; L2 then runs the FP8 MMA with A_SCALED, as L1 does. OFF by default: not yet timed on
+the H200 and it changes the numerics (see below); kernels/triton/NOTES-moe.md.
 
 Numerics (vs the reference: fp32 math on dequantized operands):
 * L1 (FP8 MMA): per 128-column chunk, the four E8M0 scales of a weight row are split into
@@ -41,6 +47,12 @@ Numerics (vs the reference: fp32 math on dequantized operands):
   fp32 promotion. g, u, SwiGLU in fp32; H stored in fp16 (2^-11 relative).
 * L2 (FP16 MMA): W2 dequantized the same way to E4M3 and upcast to fp16 (exact), H in fp16;
   fp32 accumulation and promotion per 128 columns.
+* L2 with FP8_H (off by default): H rounded to E4M3 per 128 columns (at most 2^-4 relative per
+  element, the errors averaging down in the dot product): a few % relative (Frobenius) vs the
+  fp32-H reference; vs the reference that quantizes H the same way
+  (kernels.reference.moe.moe_experts(h_fmt="fp8_1x128")) only the accumulation order and the
+  rare E4M3 rounding flip of an H element whose fp32 value lies within that noise of a rounding
+  boundary remain.
 * Shared expert / dense FP8-block weights (32x32 or 128x128 blocks): fp16 MMA, the weight
   exponents within a 128-chunk folded in fp16 (exact for spreads <= 15 binades); FP8 MMA when
   one scale covers the chunk (128x128 blocks).
@@ -82,6 +94,13 @@ PERSISTENT = os.environ.get("MEGAGRAPH_MOE_PERSISTENT", "0") == "1"
 # 2: the decode tiles' sm_90 build (Triton 3.9) holds 255 (L1) / 178 (L2) registers x 128
 # threads, so two programs are resident per SM; not yet swept (benchmarks/moe_tune.py does)
 PERSISTENT_PER_SM = 2
+# FP8 second GEMM (H quantized to E4M3 per row and 128 columns in L1's epilogue, L2 on the FP8 MMA
+# with the per-128 scales: DeepSeek's official inference numerics for the expert down-projection
+# input). OFF by default until timed on the H200 and its accuracy judged (a few % relative vs the
+# fp32-H reference; kernels/triton/NOTES-moe.md, "Left to do" 2). "1" turns it on for
+# routed_experts (moe_experts_q, mega_moe) at every token count; routed_experts(fp8_h=...)
+# overrides per call. Tiles: the "l1_fp8h" / "l2_fp8h" roles of pick_config / CONFIG_OVERRIDE.
+FP8_H = os.environ.get("MEGAGRAPH_MOE_FP8_H", "0") == "1"
 MMA_FP8, MMA_FP16, MMA_BF16, MMA_F32 = 0, 1, 2, 3
 WFMT = {"mxfp4": 0, "fp8_block": 1}
 RDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -93,7 +112,8 @@ class GemmConfig:
     128), warps, software-pipeline stages; par: MXFP4 K split by column parity (A split in
     registers instead of interleaving the upcast weights); persistent: grouped GEMMs only, > 0
     launches that many programs per SM looping over a device-built list of the non-empty tiles
-    (moe_gemm_persistent), 0 the static worst-case grid (moe_gemm)."""
+    (moe_gemm_persistent), 0 the static worst-case grid (moe_gemm). A GEMM that quantizes its
+    output (the FP8-H L1, role "l1_fp8h") needs bn a multiple of 128."""
 
     bm: int
     bn: int
@@ -104,7 +124,8 @@ class GemmConfig:
     persistent: int = 0
 
 
-# Benchmarks and tests may set these: role ("l1", "l2", "dense", "dense_swiglu") -> GemmConfig.
+# Benchmarks and tests may set these: role ("l1", "l2", "l1_fp8h", "l2_fp8h", "dense",
+# "dense_swiglu") -> GemmConfig.
 CONFIG_OVERRIDE: dict[str, GemmConfig] = {}
 
 
@@ -117,8 +138,24 @@ def pick_config(role: str, rows_per_group: float) -> GemmConfig:
     if role in CONFIG_OVERRIDE:
         return CONFIG_OVERRIDE[role]
     # decode: most experts hold 1-2 rows, the static grid is mostly programs that exit at once
-    pers = PERSISTENT_PER_SM if (PERSISTENT and role in ("l1", "l2")
+    pers = PERSISTENT_PER_SM if (PERSISTENT and role in ("l1", "l2", "l1_fp8h", "l2_fp8h")
                                  and rows_per_group <= 12) else 0
+    # FP8-H tiles: not timed yet (benchmarks/moe_tune.py --fp8-h sweeps them); picked from the
+    # sm_90 build (Triton 3.9): the L1 quantizes H per 128 columns in its epilogue, so bn = 128
+    # (two [bm, 128] accumulators; 64 x 128 x 8 warps: 432 B of stack, like the default prefill
+    # L1's 488 B; 4 warps 1248 B); L2 on FP8 A: 64 x 128 x 8 warps 64 B of stack (4 warps 408 B),
+    # both on wgmma (QGMMA); decode: the fp16 path's 16 x 128 tiles (32 / 0 B)
+    if role == "l1_fp8h":
+        if INTERPRET:
+            return GemmConfig(16, 128, 128, 4, 1, par=True, persistent=pers)
+        if rows_per_group <= 12:
+            return GemmConfig(16, 128, 128, 4, 3, par=True, persistent=pers)
+        return GemmConfig(64, 128, 128, 8, 3, par=True)
+    if role == "l2_fp8h":
+        if INTERPRET or rows_per_group <= 12:
+            role = "l2"
+        else:
+            return GemmConfig(64, 128, 128, 8, 3, par=True)
     if INTERPRET:
         return GemmConfig(16, 32, 128, 4, 1, par=role in ("l1", "l2"), persistent=pers)
     if role == "l1":
@@ -301,18 +338,22 @@ def gemm(a: Tensor, a_scale: Tensor | None, b1: Bank, out: Tensor, *, b2: Bank |
          topk: int = 1, ks: int = 1, m: int | None = None, max_tiles: int | None = None,
          limit: float | None = None, batched: bool = False,
          a_group_stride: int = 0, as_group_stride: int = 0, c_group_stride: int = 0,
-         tiles: Tensor | None = None) -> Tensor:
+         tiles: Tensor | None = None, out_scale: Tensor | None = None) -> Tensor:
     """One moe_gemm launch. a [R, K] (fp8 with a_scale [R, K/128] f32, fp16, or fp32);
     out [rows, N] rows (stride(0) = row stride; a view is fine). Grouped when `counts` is given
     (rows sorted by group, `max_tiles` row tiles), else dense over m rows (x G groups with
     per-group offsets when `batched`). Grouped with a persistent config: moe_gemm_persistent
-    over `tiles` (tile_list of counts at this config's bm; built here when not given)."""
+    over `tiles` (tile_list of counts at this config's bm; built here when not given).
+    out_scale (the FP8-H L1): out is e4m3 and gets the codes, out_scale [rows, N/128] f32 the
+    power-of-two scale of each row's 128 columns (moe_jit.quantize_out)."""
     jit = _jit()
     cfg = pick_config(role, rows_per_group)
+    if out_scale is not None:
+        _check_quant_out(cfg, b1, out, out_scale, batched)
     if counts is not None and cfg.persistent > 0:
         return _gemm_persistent(a, a_scale, b1, out, cfg, b2=b2, counts=counts, a_idx=a_idx,
                                 c_idx=c_idx, row_w=row_w, topk=topk, ks=ks, max_tiles=max_tiles,
-                                limit=limit, tiles=tiles)
+                                limit=limit, tiles=tiles, out_scale=out_scale)
     bk = cfg.bk
     K = b1.k
     if K % bk or (a_scale is not None and 128 % bk):
@@ -320,7 +361,7 @@ def gemm(a: Tensor, a_scale: Tensor | None, b1: Bank, out: Tensor, *, b2: Bank |
     mma = _mma_for(a.dtype, b1, bk)
     nsub = bk // min(bk, b1.bk)
     N = b1.n
-    bn = max(16, min(cfg.bn, _next_pow2(N)))
+    bn = cfg.bn if out_scale is not None else max(16, min(cfg.bn, _next_pow2(N)))
     bm = cfg.bm
     num_n = -(-N // bn)
     G = b1.groups
@@ -341,6 +382,8 @@ def gemm(a: Tensor, a_scale: Tensor | None, b1: Bank, out: Tensor, *, b2: Bank |
         a.stride(0), a_scale.stride(0) if a_scale is not None else 0, a_group_stride,
         as_group_stride, b1.w.stride(0), b1.w.stride(1), b1.s.stride(0), b1.s.stride(1),
         out.stride(0), c_group_stride,
+        out_scale if out_scale is not None else dummy,
+        out_scale.stride(0) if out_scale is not None else 0,
         TOPK=topk, KS=ks, GROUPED=grouped, GATHER_A=a_idx is not None,
         SCATTER_C=c_idx is not None, WEIGHTED=row_w is not None, SWIGLU=b2 is not b1,
         HAS_LIMIT=limit is not None and limit > 0, A_SCALED=a_scale is not None,
@@ -348,12 +391,25 @@ def gemm(a: Tensor, a_scale: Tensor | None, b1: Bank, out: Tensor, *, b2: Bank |
         USE_ASM=b1.wfmt == 0 and mma in (MMA_FP8, MMA_FP16) and asm_ok(out.device),
         MANUAL=INTERPRET, PAR=cfg.par and b1.wfmt == 0 and mma in (MMA_FP8, MMA_FP16),
         BM=bm, BN=bn, BK=bk, G_PAD=_next_pow2(G) if grouped else 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        QUANT_OUT=out_scale is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
+def _check_quant_out(cfg: GemmConfig, b1: Bank, out: Tensor, out_scale: Tensor,
+                     batched: bool) -> None:
+    """The FP8-H epilogue's preconditions: whole 128-column blocks per tile, e4m3 codes, f32
+    scales of one row per output row."""
+    if cfg.bn % 128 or b1.n % 128 or batched:
+        raise ValueError(f"quantized output needs bn ({cfg.bn}) and N ({b1.n}) multiples of 128 "
+                         "and no batched groups")
+    if (out.dtype != torch.float8_e4m3fn or out_scale.dtype != torch.float32
+            or out_scale.shape[-1] != b1.n // 128 or out_scale.stride(-1) != 1
+            or out.stride(-1) != 1):
+        raise ValueError("quantized output: out e4m3 [rows, N], out_scale f32 [rows, N / 128]")
+
+
 def _gemm_persistent(a, a_scale, b1: Bank, out, cfg: GemmConfig, *, b2, counts, a_idx, c_idx,
-                     row_w, topk, ks, max_tiles, limit, tiles) -> Tensor:
+                     row_w, topk, ks, max_tiles, limit, tiles, out_scale=None) -> Tensor:
     """The grouped moe_gemm as moe_gemm_persistent: min(persistent x SMs, worst-case items)
     programs (static: CUDA-graph capturable), same tile, flags and numerics."""
     jit = _jit()
@@ -362,7 +418,7 @@ def _gemm_persistent(a, a_scale, b1: Bank, out, cfg: GemmConfig, *, b2, counts, 
     if K % bk or (a_scale is not None and 128 % bk):
         raise ValueError(f"K {K} and the chunk {bk} do not fit")
     mma = _mma_for(a.dtype, b1, bk)
-    bn = max(16, min(cfg.bn, _next_pow2(N)))
+    bn = cfg.bn if out_scale is not None else max(16, min(cfg.bn, _next_pow2(N)))
     items = max_tiles * -(-N // bn)
     if items == 0:
         return out
@@ -377,13 +433,16 @@ def _gemm_persistent(a, a_scale, b1: Bank, out, cfg: GemmConfig, *, b2, counts, 
         row_w if row_w is not None else dummy, tiles, max_tiles, N, K, float(limit or 0.0),
         a.stride(0), a_scale.stride(0) if a_scale is not None else 0, b1.w.stride(0),
         b1.w.stride(1), b1.s.stride(0), b1.s.stride(1), out.stride(0),
+        out_scale if out_scale is not None else dummy,
+        out_scale.stride(0) if out_scale is not None else 0,
         TOPK=topk, KS=ks, GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None,
         WEIGHTED=row_w is not None, SWIGLU=b2 is not b1,
         HAS_LIMIT=limit is not None and limit > 0, A_SCALED=a_scale is not None,
         WFMT=b1.wfmt, MMA=mma, BLK_N_S=b1.bn, BLK_K_S=b1.bk, NSUB=bk // min(bk, b1.bk),
         USE_ASM=b1.wfmt == 0 and mma in (MMA_FP8, MMA_FP16) and asm_ok(out.device),
         MANUAL=INTERPRET, PAR=cfg.par and b1.wfmt == 0 and mma in (MMA_FP8, MMA_FP16),
-        BM=bm, BN=bn, BK=bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BM=bm, BN=bn, BK=bk, QUANT_OUT=out_scale is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out
 
 
@@ -448,25 +507,34 @@ def permute(ids: Tensor, counts: Tensor, E: int) -> Tensor:
 
 def routed_experts(x_q: Tensor, x_scale: Tensor, ids: Tensor, wts: Tensor, counts: Tensor,
                    w1: Bank, w3: Bank, w2: Bank, y: Tensor, *, topk: int,
-                   swiglu_limit: float | None) -> Tensor:
-    """Y[t, j] = wts[t, j] * E_{ids[t, j]}(x[t]) for every pair, into y [T, KS, d] (KS >= topk)."""
+                   swiglu_limit: float | None, fp8_h: bool | None = None) -> Tensor:
+    """Y[t, j] = wts[t, j] * E_{ids[t, j]}(x[t]) for every pair, into y [T, KS, d] (KS >= topk).
+    fp8_h (None: the module's FP8_H, off by default): H as E4M3 + per-(row, 128 columns) scales
+    written by L1's epilogue, L2 on the FP8 MMA (roles "l1_fp8h" / "l2_fp8h"); else H in fp16."""
     T = x_q.shape[0]
     P = T * topk
     E, F = w1.groups, w1.n
+    fp8_h = FP8_H if fp8_h is None else bool(fp8_h)
     srt = permute(ids.reshape(-1), counts, E)
     rpg = P / max(1, min(E, P))
-    h_dtype = torch.float32 if (EXACT or x_q.dtype == torch.float32) else torch.float16
-    h = torch.empty(P, F, dtype=h_dtype, device=x_q.device)
-    cfg1 = pick_config("l1", rpg)
+    r1, r2 = ("l1_fp8h", "l2_fp8h") if fp8_h else ("l1", "l2")
+    h_scale = None
+    if fp8_h:
+        h = torch.empty(P, F, dtype=torch.float8_e4m3fn, device=x_q.device)
+        h_scale = torch.empty(P, F // 128, dtype=torch.float32, device=x_q.device)
+    else:
+        h_dtype = torch.float32 if (EXACT or x_q.dtype == torch.float32) else torch.float16
+        h = torch.empty(P, F, dtype=h_dtype, device=x_q.device)
+    cfg1 = pick_config(r1, rpg)
     mt1 = min(P, P // cfg1.bm + E)
     tiles1 = tile_list(counts, cfg1.bm, mt1) if cfg1.persistent else None
-    gemm(x_q, x_scale, w1, h, b2=w3, role="l1", rows_per_group=rpg, counts=counts, a_idx=srt,
-         topk=topk, max_tiles=mt1, limit=swiglu_limit, tiles=tiles1)
-    cfg2 = pick_config("l2", rpg)
+    gemm(x_q, x_scale, w1, h, b2=w3, role=r1, rows_per_group=rpg, counts=counts, a_idx=srt,
+         topk=topk, max_tiles=mt1, limit=swiglu_limit, tiles=tiles1, out_scale=h_scale)
+    cfg2 = pick_config(r2, rpg)
     ks = y.shape[1]
     mt2 = min(P, P // cfg2.bm + E)
     tiles2 = tiles1 if (tiles1 is not None and cfg2.bm == cfg1.bm) else None  # one list for both
-    gemm(h, None, w2, y.view(T * ks, -1), role="l2", rows_per_group=rpg, counts=counts,
+    gemm(h, h_scale, w2, y.view(T * ks, -1), role=r2, rows_per_group=rpg, counts=counts,
          c_idx=srt, row_w=wts.reshape(-1), topk=topk, ks=ks, max_tiles=mt2, tiles=tiles2)
     return y
 
@@ -719,7 +787,7 @@ def _mega_moe_fallback(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, 
 for _f in (moe_experts_q, swiglu_mlp_q, linear_q, grouped_linear_q, route, mega_moe):
     _f.capturable = True
 
-__all__ = ["CONFIG_OVERRIDE", "GemmConfig", "available", "bank", "combine", "gemm",
+__all__ = ["CONFIG_OVERRIDE", "FP8_H", "GemmConfig", "available", "bank", "combine", "gemm",
            "grouped_linear_q", "linear_q", "mega_moe", "moe_experts_q", "num_sms", "on_device",
            "permute", "pick_config", "route", "route_ids", "routed_experts", "shared_expert",
            "swiglu_mlp_q", "tile_list"]

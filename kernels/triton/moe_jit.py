@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .quant_jit import e4m3_grid
+
 # MMA modes (constexpr MMA)
 MMA_FP8 = 0  # e4m3 x e4m3 tensor cores, fp32 partial per K-chunk promoted with the two scales
 MMA_FP16 = 1  # fp16 x fp16, same promotion (B upcast from e4m3 / fp8 block values)
@@ -293,6 +295,25 @@ def mma_step(acc, a, sa, b, sb, A_SCALED: tl.constexpr, MMA: tl.constexpr):
     return acc
 
 
+@triton.jit
+def quantize_out(x, BM: tl.constexpr, BN: tl.constexpr):
+    """fp32 tile x [BM, BN] (BN a multiple of 128) -> (E4M3 codes [BM, BN], f32 scales
+    [BM, BN // 128]) per row and 128 columns, with the numerics of quantize_act fp8_1x128
+    (kernels.reference.fused.quantize_act, quant_jit.quantize_act_fwd; DeepSeek's activation
+    quantization before the expert down-projection): scale = 2^ceil(log2(max(amax, 1e-4) / 448))
+    from the f32 bits (exact), codes = x / scale clamped to +-448, rounded to E4M3 nearest-even
+    (e4m3_grid: exact on every converter, the interpreter's included)."""
+    xb = tl.reshape(x, (BM, BN // 128, 128))
+    amax = tl.maximum(tl.max(tl.abs(xb), axis=2), 1e-4)
+    bits = (amax / 448.0).to(tl.int32, bitcast=True)  # normal: amax / 448 >= 2.2e-7
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2)
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
+    q = tl.minimum(tl.maximum(xb * inv[:, :, None], -448.0), 448.0)
+    q = tl.reshape(e4m3_grid(q), (BM, BN))
+    return q.to(tl.float8e4nv), ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # the GEMM
 # ---------------------------------------------------------------------------------------------
@@ -300,19 +321,21 @@ def mma_step(acc, a, sa, b, sb, A_SCALED: tl.constexpr, MMA: tl.constexpr):
 
 @triton.jit
 def moe_tile(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, cidx_ptr, w_ptr,
-             g, row0, nrows, pid_n, N, K, limit,
+             hs_ptr, g, row0, nrows, pid_n, N, K, limit,
              stride_am, stride_as, stride_ag, stride_asg,
-             stride_bg, stride_bn, stride_bsg, stride_bsn, stride_cm, stride_cg,
+             stride_bg, stride_bn, stride_bsg, stride_bsn, stride_cm, stride_cg, stride_hs,
              TOPK: tl.constexpr, KS: tl.constexpr,
              GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, WEIGHTED: tl.constexpr,
              SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, A_SCALED: tl.constexpr,
              WFMT: tl.constexpr, MMA: tl.constexpr, BLK_N_S: tl.constexpr, BLK_K_S: tl.constexpr,
              NSUB: tl.constexpr, USE_ASM: tl.constexpr, MANUAL: tl.constexpr, PAR: tl.constexpr,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, QUANT_OUT: tl.constexpr):
     """One output tile: rows row0 .. row0 + min(nrows, BM) - 1 of group g, columns pid_n * BN ..
     (+BN) - the whole K loop and the epilogue (moe_gemm's flags). Shared by moe_gemm and
     moe_gemm_persistent, so both compute every output element with the same operations in the
-    same order."""
+    same order. QUANT_OUT (the FP8-H path, off by default): the epilogue writes C as E4M3 codes
+    (c_ptr fp8) with one power-of-two f32 scale per row and 128 columns at hs_ptr + row *
+    stride_hs + column // 128 (quantize_out); BN a multiple of 128, no group stride."""
     g64 = g.to(tl.int64)
     rm = tl.arange(0, BM)
     rmask = rm < nrows
@@ -389,8 +412,15 @@ def moe_tile(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
     else:
         crow = rows.to(tl.int64)
     c_ptrs = c_ptr + g64 * stride_cg + crow[:, None] * stride_cm + rn[None, :]
-    tl.store(c_ptrs, cast_out(out, c_ptr.dtype.element_ty, MANUAL),
-             mask=rmask[:, None] & nmask[None, :])
+    if QUANT_OUT:
+        q, sc = quantize_out(out, BM, BN)
+        tl.store(c_ptrs, q, mask=rmask[:, None] & nmask[None, :])
+        rb = pid_n * (BN // 128) + tl.arange(0, BN // 128)
+        tl.store(hs_ptr + crow[:, None] * stride_hs + rb[None, :], sc,
+                 mask=rmask[:, None] & (rb * 128 < N)[None, :])
+    else:
+        tl.store(c_ptrs, cast_out(out, c_ptr.dtype.element_ty, MANUAL),
+                 mask=rmask[:, None] & nmask[None, :])
 
 
 @triton.jit
@@ -398,12 +428,14 @@ def moe_gemm(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
              cnt_ptr, M, N, K, G, limit,
              stride_am, stride_as, stride_ag, stride_asg,
              stride_bg, stride_bn, stride_bsg, stride_bsn, stride_cm, stride_cg,
+             hs_ptr, stride_hs,
              TOPK: tl.constexpr, KS: tl.constexpr, GROUPED: tl.constexpr,
              GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, WEIGHTED: tl.constexpr,
              SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, A_SCALED: tl.constexpr,
              WFMT: tl.constexpr, MMA: tl.constexpr, BLK_N_S: tl.constexpr, BLK_K_S: tl.constexpr,
              NSUB: tl.constexpr, USE_ASM: tl.constexpr, MANUAL: tl.constexpr, PAR: tl.constexpr,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G_PAD: tl.constexpr):
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G_PAD: tl.constexpr,
+             QUANT_OUT: tl.constexpr = False):
     """C = A @ B^T (fp32 accumulate), per group.
 
     GROUPED: program_id(0) = m_tile * num_n + n_tile over a static worst-case tile count; the
@@ -415,6 +447,9 @@ def moe_gemm(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
     SWIGLU: B1 = W1, B2 = W3 of the same rows; C = silu(min(g, lim)) * clamp(u, -lim, lim).
     SCATTER_C: C row of sorted row r = pair p = cidx[r] -> (p // TOPK) * KS + p % TOPK,
     times w[p] if WEIGHTED.
+    QUANT_OUT (grouped / dense, not batched): C as E4M3 codes + per-(row, 128 columns) f32 scales
+    at hs_ptr (row stride stride_hs): the FP8-H path's L1 (moe_tile). hs_ptr / stride_hs are
+    the last runtime arguments, so the default kernels' other parameters keep their offsets.
     """
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BN)
@@ -438,11 +473,11 @@ def moe_gemm(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
         row0 = pid_m * BM
         nrows = M - row0
     moe_tile(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, cidx_ptr, w_ptr,
-             g, row0, nrows, pid_n, N, K, limit,
+             hs_ptr, g, row0, nrows, pid_n, N, K, limit,
              stride_am, stride_as, stride_ag, stride_asg,
-             stride_bg, stride_bn, stride_bsg, stride_bsn, stride_cm, stride_cg,
+             stride_bg, stride_bn, stride_bsg, stride_bsn, stride_cm, stride_cg, stride_hs,
              TOPK, KS, GATHER_A, SCATTER_C, WEIGHTED, SWIGLU, HAS_LIMIT, A_SCALED, WFMT, MMA,
-             BLK_N_S, BLK_K_S, NSUB, USE_ASM, MANUAL, PAR, BM, BN, BK)
+             BLK_N_S, BLK_K_S, NSUB, USE_ASM, MANUAL, PAR, BM, BN, BK, QUANT_OUT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,14 +517,15 @@ def moe_tile_list(cnt_ptr, work_ptr, G, MT, BM: tl.constexpr, G_PAD: tl.constexp
 def moe_gemm_persistent(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr,
                         cidx_ptr, w_ptr, work_ptr, MT, N, K, limit,
                         stride_am, stride_as, stride_bg, stride_bn, stride_bsg, stride_bsn,
-                        stride_cm,
+                        stride_cm, hs_ptr, stride_hs,
                         TOPK: tl.constexpr, KS: tl.constexpr,
                         GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, WEIGHTED: tl.constexpr,
                         SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, A_SCALED: tl.constexpr,
                         WFMT: tl.constexpr, MMA: tl.constexpr, BLK_N_S: tl.constexpr,
                         BLK_K_S: tl.constexpr, NSUB: tl.constexpr, USE_ASM: tl.constexpr,
                         MANUAL: tl.constexpr, PAR: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        QUANT_OUT: tl.constexpr = False):
     """moe_gemm GROUPED on a fixed grid: the work items are (row tile of moe_tile_list) x (N tile),
     item w = tile * num_n + n_tile (moe_gemm's program order); program p runs items p, p + grid,
     p + 2 grid, ... up to the device-side total, so no program is launched for an empty expert
@@ -504,11 +540,11 @@ def moe_gemm_persistent(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_pt
         row0 = tl.load(work_ptr + 1 + MT + t)
         nrows = tl.load(work_ptr + 1 + 2 * MT + t) - row0
         moe_tile(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, cidx_ptr,
-                 w_ptr, g, row0, nrows, pid_n, N, K, limit,
+                 w_ptr, hs_ptr, g, row0, nrows, pid_n, N, K, limit,
                  stride_am, stride_as, 0, 0, stride_bg, stride_bn, stride_bsg, stride_bsn,
-                 stride_cm, 0,
+                 stride_cm, 0, stride_hs,
                  TOPK, KS, GATHER_A, SCATTER_C, WEIGHTED, SWIGLU, HAS_LIMIT, A_SCALED, WFMT, MMA,
-                 BLK_N_S, BLK_K_S, NSUB, USE_ASM, MANUAL, PAR, BM, BN, BK)
+                 BLK_N_S, BLK_K_S, NSUB, USE_ASM, MANUAL, PAR, BM, BN, BK, QUANT_OUT)
 
 
 # ---------------------------------------------------------------------------------------------

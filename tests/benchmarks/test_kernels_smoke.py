@@ -60,7 +60,9 @@ def test_moe_rows_dry_run_interpreter():
     kernels = {r["kernel"] for r in rows}
     assert {"triton.mega_mhc", "triton.mega_moe", "triton.moe_experts_q",
             "triton.fp8_block_gemm", "triton.grouped_fp8_gemm", "triton.quantize_act",
-            "triton.moe_experts_q persistent"} <= kernels
+            "triton.moe_experts_q persistent", "triton.moe_experts_q fp8-H"} <= kernels
     for r in rows:
-        if "rel_err" in r:
+        if r["kernel"] == "triton.moe_experts_q fp8-H":  # H rounded to E4M3: ~2-3% (moe.py)
+            assert 0.005 < r["rel_err"] < 2.0 ** -4 and r["rel_err_q"] < 1e-2, r
+        elif "rel_err" in r:
             assert r["rel_err"] < 1e-2, r

@@ -1,0 +1,351 @@
+"""The FP8-H routed-expert path (kernels/triton/moe.py FP8_H / routed_experts(fp8_h=True);
+MEGAGRAPH_MOE_FP8_H=1, default OFF): L1's SwiGLU epilogue writes H as E4M3 codes with one
+power-of-two f32 scale per row and 128 columns (moe_jit.quantize_out), and L2 runs the FP8 MMA on
+them (A_SCALED, L1's machinery).
+
+Without CUDA this module runs under the Triton interpreter (test_triton_interp.py starts it in a
+child pytest), on small dims. Inputs are fresh random values under poisoned allocations
+(test_triton_moe.poisoned: every torch.empty is NaN), so an H code, an H scale or an output
+element nobody wrote shows up as NaN.
+
+Tolerances and where they come from (relative Frobenius error unless said otherwise):
+* L1 epilogue vs quantize_act: the same L1 tile run once with an fp32 output and once with the
+  quantized one computes the same fp32 H, so the codes and scales must equal
+  kernels.reference.fused.quantize_act(H_fp32) bit for bit (interpreter); on the GPU the two
+  compiled variants may contract the SwiGLU epilogue differently: <= 0.1% of the codes one E4M3
+  step apart, scales equal.
+* L2 on given FP8 H vs torch fp32 on the dequantized H: fp32 accumulation order only, TOL_GEMM
+  (1e-5 interpreter; 1e-3 GPU: the FP8 MMA's ~2^-14 accumulation per 128-chunk).
+* Whole routed experts vs the reference that quantizes H the same way
+  (reference.moe.moe_experts(h_fmt="fp8_1x128")): the kernel's fp32 H differs from the
+  reference's by the summation order (interpreter ~1e-7 relative; GPU ~2^-14 from L1's FP8 MMA),
+  so an H element within that distance of an E4M3 rounding boundary may round to the neighbour:
+  probability ~16 * eps per element, each flip 2^-3 / m relative (m the mantissa), i.e.
+  ~sqrt(16 eps) * 0.08 relative overall: ~1.3e-4 interpreter, ~3e-3 GPU. Bounds TOL_Q = 1e-3
+  (interpreter; measured 1e-8 .. 6e-8) / 8e-3 (GPU) for fp32 outputs, + 3 * 2^-9 for bf16 outputs
+  (Y rounded to bf16 per slot, and both results rounded to bf16: <= 2^-9 relative each).
+* Whole routed experts vs the unquantized (fp32-H) reference: the E4M3 rounding of H itself,
+  |delta| <= 2^-4 per element (round to nearest, 3 mantissa bits), RMS ~ 2^-3 / sqrt(12) *
+  sqrt(E[1/m^2]) ~ 2.4% for random mantissas m in [1, 2). With random W2 rows the errors add in
+  quadrature as the values do, so the output's relative error is the h^2 w^2-weighted RMS of the
+  per-element errors: ~2.5%, noisier with few dominant terms (measured 2.6-3.8% at these dims), and
+  never above the per-element worst case 2^-4 in expectation: LOOSE = (0.005, 2^-4); the lower
+  end proves that H really was quantized (the fp16-H path is at ~2e-4).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from megagraph.kernels.reference import fused as rf  # noqa: E402
+from megagraph.kernels.reference import moe as rmoe  # noqa: E402
+from megagraph.kernels.triton import moe as tm  # noqa: E402
+from test_triton_moe import (  # noqa: E402
+    ACT,
+    DEV,
+    GPU,
+    MOE_KW,
+    RUNNABLE,
+    TOL_GEMM,
+    _mhc_inputs,
+    _moe_weights,
+    finite,
+    gen,
+    mxfp4,
+    poisoned,
+    randn,
+    rel,
+)
+
+pytestmark = pytest.mark.skipif(not RUNNABLE, reason="runs in the interpreter child process")
+
+TOL_Q = 8e-3 if GPU else 1e-3
+TOL_Q_BF16 = TOL_Q + 3 * 2.0 ** -9
+LOOSE = (0.005, 2.0 ** -4)
+HFMT = "fp8_1x128"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bank(E, d, F, g):
+    return (*mxfp4(E, F, d, g), *mxfp4(E, F, d, g), *mxfp4(E, d, F, g))
+
+
+def _cfg(bm, bn, persistent=0):
+    """A tile for both FP8-H roles: the H200 prefill tile shape on the GPU, small ones here."""
+    if GPU:
+        return tm.GemmConfig(max(bm, 16), bn, 128, 8 if bm >= 64 else 4, 3, par=True,
+                             persistent=persistent)
+    return tm.GemmConfig(bm, bn, 128, 4, 1, par=True, persistent=persistent)
+
+
+def _routing(T, E, k, g, subset=None):
+    pool = torch.tensor(subset) if subset else torch.arange(E)
+    ids = pool[torch.randint(0, len(pool), (T, k), generator=g)]
+    wts = torch.rand(T, k, generator=g) + 0.1
+    return ids.to(DEV), wts.to(DEV)
+
+
+def _l1_setup(T, E, k, d, F, g, subset):
+    x = randn(T, d, g=g)
+    xq, xs = rf.quantize_act(x, act_fmt=ACT)
+    bank = _bank(E, d, F, g)
+    ids, wts = _routing(T, E, k, g, subset)
+    ids32 = ids.to(torch.int32).contiguous()
+    counts = torch.bincount(ids32.flatten().long(), minlength=E).to(torch.int32)
+    srt = tm.permute(ids32.reshape(-1), counts, E)
+    banks = [tm.bank(w, s, "mxfp4") for w, s in zip(bank[0::2], bank[1::2], strict=True)]
+    return xq, xs, ids, wts, counts, srt, banks, bank
+
+
+# ---------------------------------------------------------------------------------------------
+# the L1 epilogue: bit for bit quantize_act of the same tile's fp32 H
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T,E,k,F,bm,bn,subset", [
+    (13, 6, 3, 128, 16, 128, (0, 2, 5)),   # odd token count, 3 of 6 experts empty
+    (9, 4, 2, 384, 16, 256, None),         # two 128-blocks per tile, last N tile half past F
+])
+def test_l1_epilogue_equals_quantize_act(T, E, k, F, bm, bn, subset, monkeypatch):
+    g = gen(T * 7 + F)
+    d = 128
+    xq, xs, _ids, _wts, counts, srt, banks, _ = _l1_setup(T, E, k, d, F, g, subset)
+    P = T * k
+    cfg = _cfg(bm, bn)
+    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": cfg})
+    kw = dict(b2=banks[1], role="l1_fp8h", rows_per_group=P / E, counts=counts, a_idx=srt,
+              topk=k, max_tiles=min(P, P // cfg.bm + E), limit=10.0)
+    h32 = torch.empty(P, F, dtype=torch.float32, device=DEV)
+    tm.gemm(xq, xs, banks[0], h32, **kw)
+    with poisoned():
+        hq = torch.empty(P, F, dtype=torch.float8_e4m3fn, device=DEV)
+        hs = torch.empty(P, F // 128, dtype=torch.float32, device=DEV)
+        tm.gemm(xq, xs, banks[0], hq, out_scale=hs, **kw)
+    finite(h32, hq, hs)  # every row of H (each belongs to one expert's tile) written
+    want_q, want_s = rf.quantize_act(h32, act_fmt=HFMT)
+    assert torch.equal(hs, want_s)
+    same = hq.view(torch.uint8) == want_q.view(torch.uint8)
+    if GPU:
+        assert same.float().mean() >= 0.999
+        step = (hq.float() - want_q.float()).abs() / want_q.float().abs().clamp_min(2.0 ** -9)
+        assert step.max() <= 0.125 + 1e-6
+    else:
+        assert same.all(), f"{int((~same).sum())} codes differ"
+    # the H the reference quantizes: the dequantized codes are within 2^-4 relative (+ the
+    # subnormal half-step) of the fp32 H - i.e. the codes are H, not garbage that matches
+    deq = rf.dequant_act(hq, hs, act_fmt=HFMT)
+    bound = 2.0 ** -4 * h32.abs() + 2.0 ** -10 * hs.repeat_interleave(128, dim=1)
+    assert ((deq - h32).abs() <= bound + 1e-30).all()
+
+
+def test_quant_out_needs_whole_blocks(monkeypatch):
+    """A tile narrower than 128 columns cannot own a scale block: refused, not miscomputed."""
+    g = gen(3)
+    xq, xs, _ids, _wts, counts, srt, banks, _ = _l1_setup(4, 4, 2, 128, 128, g, None)
+    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": tm.GemmConfig(16, 64, 128, 4, 1,
+                                                                          par=True)})
+    hq = torch.empty(8, 128, dtype=torch.float8_e4m3fn, device=DEV)
+    hs = torch.empty(8, 1, dtype=torch.float32, device=DEV)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        tm.gemm(xq, xs, banks[0], hq, b2=banks[1], role="l1_fp8h", rows_per_group=2,
+                counts=counts, a_idx=srt, topk=2, max_tiles=8, limit=10.0, out_scale=hs)
+
+
+# ---------------------------------------------------------------------------------------------
+# L2 on FP8 A with per-128 scales
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T,E,k,F,subset", [(11, 5, 2, 256, (1, 3)), (6, 3, 3, 128, None)])
+def test_l2_fp8_h_vs_torch(T, E, k, F, subset, monkeypatch):
+    """L2 alone on given H codes + scales (per-row scales spread over 2^-8 .. 2^4, so a wrong
+    scale column shows) against fp32 torch on the dequantized H: summation order only."""
+    g = gen(50 + T)
+    d = 128
+    _, _, ids, wts, counts, srt, banks, bank = _l1_setup(T, E, k, d, F, g, subset)
+    P = T * k
+    h = torch.randn(P, F, generator=g) * torch.exp2(torch.randint(-8, 5, (P, F // 128),
+                                                                  generator=g).float()
+                                                    ).repeat_interleave(128, dim=1)
+    hq, hs = rf.quantize_act(h.to(DEV), act_fmt=HFMT)
+    cfg = _cfg(16, 32 if not GPU else 128)
+    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l2_fp8h": cfg})
+    with poisoned():
+        y = torch.empty(T, k, d, dtype=torch.float32, device=DEV)
+        tm.gemm(hq, hs, banks[2], y.view(T * k, d), role="l2_fp8h", rows_per_group=P / E,
+                counts=counts, c_idx=srt, row_w=wts.reshape(-1).float().contiguous(), topk=k,
+                ks=k, max_tiles=min(P, P // cfg.bm + E))
+    finite(y)
+    hd = rf.dequant_act(hq, hs, act_fmt=HFMT).cpu()
+    w2 = [rmoe.dequantize_weight(bank[4][e].cpu(), bank[5][e].cpu(), "mxfp4") for e in range(E)]
+    want = torch.zeros(T, k, d)
+    pairs = srt.cpu().long()
+    flat_ids, flat_w = ids.cpu().reshape(-1), wts.cpu().reshape(-1)
+    for r in range(P):
+        p = int(pairs[r])
+        want[p // k, p % k] = flat_w[p] * (hd[r] @ w2[int(flat_ids[p])].t())
+    assert rel(y, want) < TOL_GEMM
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole routed experts with the switch on
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T,E,k,d,F,subset,tile,out_dtype", [
+    (1, 8, 3, 128, 128, None, None, "f32"),            # one token
+    (13, 8, 3, 128, 256, (0, 2, 5), None, "f32"),      # odd count, 5 of 8 experts empty
+    (96, 4, 2, 128, 128, None, (64, 128), "f32"),      # prefill-like: 48 rows / expert, 64-row tile
+    (31, 6, 2, 256, 128, (1, 4), (32, 128), "bf16"),   # odd, empty experts, bf16 out
+])
+def test_routed_experts_fp8_h(T, E, k, d, F, subset, tile, out_dtype, monkeypatch):
+    g = gen(T * 31 + F)
+    x = randn(T, d, g=g)
+    xq, xs = rf.quantize_act(x, act_fmt=ACT)
+    bank = _bank(E, d, F, g)
+    ids, wts = _routing(T, E, k, g, subset)
+    kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype=out_dtype)
+    monkeypatch.setattr(tm, "FP8_H", True)
+    if tile:
+        monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": _cfg(*tile),
+                                                    "l2_fp8h": _cfg(tile[0], 128)})
+    with poisoned():
+        y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    finite(y)
+    ref_q = rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw, h_fmt=HFMT)
+    ref = rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    assert y.dtype == ref.dtype and y.shape == ref.shape
+    e_q, e_f = rel(y, ref_q), rel(y, ref)
+    print(f"T={T} F={F} {out_dtype}: vs quantized-H reference {e_q:.2e}, vs fp32-H {e_f:.2e}")
+    assert e_q < (TOL_Q if out_dtype == "f32" else TOL_Q_BF16)
+    assert LOOSE[0] < e_f < LOOSE[1]
+
+
+def test_routed_experts_fp8_h_persistent(monkeypatch):
+    """Decode sizes with the persistent grouped GEMMs (MEGAGRAPH_MOE_PERSISTENT) and FP8-H: the
+    persistent kernel's epilogue quantizes the same way; one tile list for L1 and L2."""
+    g = gen(404)
+    T, E, k, d, F = 7, 8, 3, 128, 256
+    x = randn(T, d, g=g)
+    xq, xs = rf.quantize_act(x, act_fmt=ACT)
+    bank = _bank(E, d, F, g)
+    ids, wts = _routing(T, E, k, g, (0, 3, 6, 7))
+    kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype="f32")
+    monkeypatch.setattr(tm, "FP8_H", True)
+    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": _cfg(16, 128, persistent=3),
+                                                "l2_fp8h": _cfg(16, 128, persistent=3)})
+    with poisoned():
+        y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    finite(y)
+    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": _cfg(16, 128),
+                                                "l2_fp8h": _cfg(16, 128)})
+    static = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    if GPU:
+        assert rel(y, static) <= 1e-4
+    else:
+        assert torch.equal(y, static)
+    assert rel(y, rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw, h_fmt=HFMT)) < TOL_Q
+
+
+def test_mega_moe_with_switch(monkeypatch):
+    """The whole layer with the switch on (routed experts FP8-H; shared expert unchanged), through
+    the router's counts: both FP8-H roles launched, every output written, and vs the unquantized
+    reference within test_triton_moe's bf16 layer bound (1e-2) plus H's rounding (LOOSE[1]; the
+    residual streams and the shared expert dilute it little at these dims)."""
+    g = gen(91)
+    T, n, d, F, E, k = 5, 4, 256, 128, 8, 3
+    streams, fn, base, scale, nw = _mhc_inputs(T, n, d, g)
+    x, xq, xs, _pre, post, comb = rf.mega_mhc(streams, fn, base, scale, None, nw, eps=1e-20,
+                                             hc_eps=1e-6, sinkhorn_iters=20, norm_eps=1e-20,
+                                             act_fmt=ACT)
+    gate, bias, routed, shared = _moe_weights(E, d, F, g)
+    args = (x, xq, xs, streams, post, comb, gate, bias, *routed, *shared)
+    monkeypatch.setattr(tm, "FP8_H", True)
+    seen = []
+    real = tm.gemm
+
+    def spy(a, *r, **kw):
+        seen.append((kw["role"], a.dtype, kw.get("out_scale") is not None))
+        return real(a, *r, **kw)
+
+    monkeypatch.setattr(tm, "gemm", spy)
+    with poisoned():
+        out = tm.mega_moe(*args, topk=k, **MOE_KW)
+    ref = rf.mega_moe(*args, topk=k, **MOE_KW)
+    finite(out)
+    assert ("l1_fp8h", torch.float8_e4m3fn, True) in seen
+    assert ("l2_fp8h", torch.float8_e4m3fn, False) in seen
+    assert rel(out, ref) < 1e-2 + LOOSE[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# the switch: off by default, the default path unchanged
+# ---------------------------------------------------------------------------------------------
+
+
+def test_switch_defaults_off_and_default_path_unchanged(monkeypatch):
+    if os.environ.get("MEGAGRAPH_MOE_FP8_H", "0") == "1":
+        pytest.skip("MEGAGRAPH_MOE_FP8_H=1 in this environment")
+    assert tm.FP8_H is False
+    env = {kk: v for kk, v in os.environ.items() if kk != "MEGAGRAPH_MOE_FP8_H"}
+    code = "from megagraph.kernels.triton import moe; print(moe.FP8_H)"
+    for val, want in ((None, "False"), ("0", "False"), ("1", "True")):
+        e = dict(env, **({"MEGAGRAPH_MOE_FP8_H": val} if val else {}))
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e,
+                           cwd=ROOT, timeout=120, check=False)
+        assert p.stdout.strip().splitlines()[-1] == want, (val, p.stdout, p.stderr[-2000:])
+    # default: fp16 H, the l1 / l2 roles, no quantized output; the tiles the H200 sweep chose
+    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {})
+    if not tm.INTERPRET:
+        assert tm.pick_config("l1", 100) == tm.GemmConfig(64, 64, 128, 4, 3, par=True)
+        assert tm.pick_config("l2", 100) == tm.GemmConfig(64, 128, 128, 4, 3, par=True)
+    assert tm.pick_config("l1_fp8h", 100).bn % 128 == 0
+    assert tm.pick_config("l1_fp8h", 1.5).bn % 128 == 0
+    g = gen(8)
+    T, E, k, d, F = 9, 4, 2, 128, 128
+    x = randn(T, d, g=g)
+    xq, xs = rf.quantize_act(x, act_fmt=ACT)
+    bank = _bank(E, d, F, g)
+    ids, wts = _routing(T, E, k, g)
+    kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype="f32")
+    seen = []
+    real = tm.gemm
+
+    def spy(a, a_scale, b1, out, **kw2):
+        seen.append((kw2["role"], a.dtype, out.dtype, kw2.get("out_scale") is not None))
+        return real(a, a_scale, b1, out, **kw2)
+
+    monkeypatch.setattr(tm, "gemm", spy)
+    y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    assert seen == [("l1", torch.float8_e4m3fn, torch.float16, False),
+                    ("l2", torch.float16, torch.float32, False)]
+    ref = rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    assert rel(y, ref) < 2e-3  # test_triton_moe's bound for the fp16-H path
+    # the per-call knob overrides the module default both ways
+    seen.clear()
+    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
+    yb = torch.empty(T, k, d, dtype=torch.float32, device=DEV)
+    banks = [tm.bank(w, s, "mxfp4") for w, s in zip(bank[0::2], bank[1::2], strict=True)]
+    tm.routed_experts(xq, xs, ids.to(torch.int32), wts, counts, *banks, yb, topk=k,
+                      swiglu_limit=10.0, fp8_h=True)
+    assert [s[0] for s in seen] == ["l1_fp8h", "l2_fp8h"]
+    assert rel(yb.sum(1), rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw, h_fmt=HFMT)) < TOL_Q
+
+
+def test_reference_h_fmt_is_quantize_act():
+    """The reference's H quantization (fake_quant fp8_e4m3 / 128) is quantize_act fp8_1x128's
+    round trip, bit for bit, on values spanning many binades (and tiny blocks: the 1e-4 floor)."""
+    g = gen(12)
+    h = torch.randn(7, 384, generator=g) * torch.exp2(torch.randint(-20, 10, (7, 384),
+                                                                     generator=g).float())
+    h[3, 128:256] *= 1e-9
+    q, s = rf.quantize_act(h, act_fmt=HFMT)
+    fmt, block = rmoe.H_FMTS[HFMT]
+    assert torch.equal(rmoe.fake_quant(h, fmt=fmt, block=block), rf.dequant_act(q, s, act_fmt=HFMT))
