@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .quant_jit import e4m3_grid
+from .quant_jit import e4m3_grid, pow2_scale
 
 # MMA modes (constexpr MMA)
 MMA_FP8 = 0  # e4m3 x e4m3 tensor cores, fp32 partial per K-chunk promoted with the two scales
@@ -304,11 +304,7 @@ def quantize_out(x, BM: tl.constexpr, BN: tl.constexpr):
     from the f32 bits (exact), codes = x / scale clamped to +-448, rounded to E4M3 nearest-even
     (e4m3_grid: exact on every converter, the interpreter's included)."""
     xb = tl.reshape(x, (BM, BN // 128, 128))
-    amax = tl.maximum(tl.max(tl.abs(xb), axis=2), 1e-4)
-    bits = (amax / 448.0).to(tl.int32, bitcast=True)  # normal: amax / 448 >= 2.2e-7
-    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2)
-    e = tl.minimum(tl.maximum(e, -127), 127)
-    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
+    e, inv = pow2_scale(tl.max(tl.abs(xb), axis=2))
     q = tl.minimum(tl.maximum(xb * inv[:, :, None], -448.0), 448.0)
     q = tl.reshape(e4m3_grid(q), (BM, BN))
     return q.to(tl.float8e4nv), ((e + 127) << 23).to(tl.float32, bitcast=True)

@@ -22,6 +22,17 @@ def e4m3_grid(q):
 
 
 @triton.jit
+def pow2_scale(amax):
+    """Block amax (f32) -> (e, 2^-e): the scale 2^e = 2^ceil(log2(max(amax, 1e-4) / 448)) from the
+    f32 bits (exact, as kernels.reference.fused.quantize_act), e clamped to +-127 and its exact
+    inverse (the codes are x * 2^-e)."""
+    bits = (tl.maximum(amax, 1e-4) / 448.0).to(tl.int32, bitcast=True)  # normal: >= 2.2e-7
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2)
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    return e, ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact (|e| <= 126 here)
+
+
+@triton.jit
 def quantize_act_fwd(x_ptr, q_ptr, s_ptr, D, NBLK, s_x, s_q, s_s,
                      BLOCK: tl.constexpr, NB: tl.constexpr, E8M0: tl.constexpr):
     """NB blocks of BLOCK channels of one row: amax -> power-of-two scale 2^ceil(log2(amax/448))
@@ -32,11 +43,7 @@ def quantize_act_fwd(x_ptr, q_ptr, s_ptr, D, NBLK, s_x, s_q, s_s,
     col = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     m = (col < D) & (blk[:, None] < NBLK)
     x = tl.load(x_ptr + row * s_x + col, mask=m, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
-    bits = (amax / 448.0).to(tl.int32, bitcast=True)  # normal: amax / 448 >= 2.2e-7
-    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2)
-    e = tl.minimum(tl.maximum(e, -127), 127)
-    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact (|e| <= 126 here)
+    e, inv = pow2_scale(tl.max(tl.abs(x), axis=1))
     q = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
     q = e4m3_grid(q)
     tl.store(q_ptr + row * s_q + col, q.to(tl.float8e4nv), mask=m)
