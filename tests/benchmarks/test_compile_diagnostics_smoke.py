@@ -64,3 +64,21 @@ def test_compare_flags_differences():
     y = x.clone()
     y[1, 1] = float("nan")
     assert compare(y, x)["nan_mismatch"]
+
+
+def test_subsystem_bisect_can_be_restricted():
+    """compile_subsystem.py --only: torch's bisector sees Inductor with just those subsystems,
+    and its table is restored afterwards; an unknown name is refused."""
+    import pytest
+    from torch._inductor import compiler_bisector as cb
+
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    from compile_subsystem import only_subsystems
+
+    before = {k: [s.name for s in v] for k, v in cb.BACKENDS.items()}
+    with only_subsystems("lowerings"):
+        assert {k: [s.name for s in v] for k, v in cb.BACKENDS.items()} == {"inductor": ["lowerings"]}
+    assert {k: [s.name for s in v] for k, v in cb.BACKENDS.items()} == before
+    with pytest.raises(ValueError, match="unknown Inductor subsystem"), only_subsystems("nope"):
+        pass
