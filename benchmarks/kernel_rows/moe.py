@@ -249,23 +249,12 @@ def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
         if time.perf_counter() > t_end - 40:
             break
         tag = f"{name}{'+ptx' if asm else ''}"
-        try:
-            tm.USE_ASM = asm
-            tm.CONFIG_OVERRIDE.update({"l1": l1, "l2": l2})
-            e2 = rel_err(tm.moe_experts_q(*a2, **kw2), ref2)
-            if not e2 < 1e-2:
-                variants[tag] = f"wrong: rel err {e2:.2e}"
-                continue
-            t2 = time_ms(lambda: tm.moe_experts_q(*a2, **kw2), device=dev)
-            variants[tag] = round(t2, 4)
-            if best is None or t2 < best[1]:
-                best = (tag, t2, e2, asm, l1, l2)
-        except Exception as e:  # noqa: BLE001
-            variants[tag] = f"failed: {type(e).__name__}: {str(e)[:200]}"
-            log(f"variant {tag}: {traceback.format_exc(limit=3)}")
-        finally:
-            tm.USE_ASM = asm_default
-            tm.CONFIG_OVERRIDE.clear()
+        r = timed_variant(tm, {"USE_ASM": asm}, {"l1": l1, "l2": l2},
+                          lambda: tm.moe_experts_q(*a2, **kw2),
+                          lambda y: within(rel_err(y, ref2), 1e-2), dev, variants, tag,
+                          lambda: log(f"variant {tag}: {traceback.format_exc(limit=3)}"))
+        if r and (best is None or r[0] < best[1]):
+            best = (tag, r[0], r[1][0], asm, l1, l2)
     if best is not None:
         fl, by = routed_counts(dims, T, touched)
         dg = DEEPGEMM_MS.get(T)
@@ -296,6 +285,39 @@ def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
     return out
 
 
+def within(err: float, bound: float):
+    """(errors, why wrong or None) for timed_variant: one relative error under `bound`."""
+    return (err,), (None if err < bound else f"rel err {err:.2e}")
+
+
+def timed_variant(tm, knobs: dict, overrides: dict, run, check, dev, times: dict, key, on_fail):
+    """One candidate of a sweep: `run()` with the module knobs of `tm` (USE_ASM, FP8_H, ...) and
+    CONFIG_OVERRIDE entries set, both restored afterwards. check(y) -> (errors, why wrong or
+    None). Records times[key] = ms, or why there is none ("wrong: ...", "failed: ..."; on_fail()
+    logs the traceback); returns (ms, errors), or None."""
+    saved = {k: getattr(tm, k) for k in knobs}, dict(tm.CONFIG_OVERRIDE)
+    try:
+        for k, v in knobs.items():
+            setattr(tm, k, v)
+        tm.CONFIG_OVERRIDE.update(overrides)
+        errors, wrong = check(run())
+        if wrong:
+            times[key] = f"wrong: {wrong}"
+            return None
+        ms = time_ms(run, device=dev)
+        times[key] = round(ms, 4)
+        return ms, errors
+    except Exception as ex:  # noqa: BLE001
+        times[key] = f"failed: {type(ex).__name__}: {str(ex)[:200]}"
+        on_fail()
+        return None
+    finally:
+        for k, v in saved[0].items():
+            setattr(tm, k, v)
+        tm.CONFIG_OVERRIDE.clear()
+        tm.CONFIG_OVERRIDE.update(saved[1])
+
+
 def _variants(rpg: float, tm, auto: bool):
     """(name, L1 tile, L2 tile, PTX upcast) to time: the default tiles with the default upcast,
     the default tiles with the other upcast, one alternative tile each for L1 and L2."""
@@ -320,31 +342,18 @@ def persistent_rows(dims, T, dev, tm, a2, kw2, ref2, touched, asm, static_ms, t_
     baseline, and every count in its notes. Leaves USE_ASM / CONFIG_OVERRIDE as it found them."""
     rpg = T * dims["k"] / min(dims["E"], T * dims["k"])
     d1, d2 = tm.pick_config("l1", rpg), tm.pick_config("l2", rpg)
-    asm_default, saved = tm.USE_ASM, dict(tm.CONFIG_OVERRIDE)
     times, best = {}, None
     for per_sm in ((1, 2, 3, 4) if sweep else (tm.PERSISTENT_PER_SM,)):
         if time.perf_counter() > t_end - 20:
             times[per_sm] = "skipped: budget"
             continue
-        try:
-            tm.USE_ASM = asm
-            tm.CONFIG_OVERRIDE.update({"l1": replace(d1, persistent=per_sm),
-                                       "l2": replace(d2, persistent=per_sm)})
-            e = rel_err(tm.moe_experts_q(*a2, **kw2), ref2)
-            if not e < 1e-2:
-                times[per_sm] = f"wrong: rel err {e:.2e}"
-                continue
-            ms = time_ms(lambda: tm.moe_experts_q(*a2, **kw2), device=dev)
-            times[per_sm] = round(ms, 4)
-            if best is None or ms < best[1]:
-                best = (per_sm, ms, e)
-        except Exception as ex:  # noqa: BLE001
-            times[per_sm] = f"failed: {type(ex).__name__}: {str(ex)[:200]}"
-            log(f"persistent x{per_sm}: {traceback.format_exc(limit=3)}")
-        finally:
-            tm.USE_ASM = asm_default
-            tm.CONFIG_OVERRIDE.clear()
-            tm.CONFIG_OVERRIDE.update(saved)
+        r = timed_variant(tm, {"USE_ASM": asm}, {"l1": replace(d1, persistent=per_sm),
+                                                 "l2": replace(d2, persistent=per_sm)},
+                          lambda: tm.moe_experts_q(*a2, **kw2),
+                          lambda y: within(rel_err(y, ref2), 1e-2), dev, times, per_sm,
+                          lambda: log(f"persistent x{per_sm}: {traceback.format_exc(limit=3)}"))
+        if r and (best is None or r[0] < best[1]):
+            best = (per_sm, r[0], r[1][0])
     notes = "programs per SM (ms): " + ", ".join(f"{k} {v}" for k, v in times.items())
     if best is None:
         return [{"kernel": "triton.moe_experts_q persistent", "case": f"T={T}",
@@ -378,32 +387,22 @@ def fp8h_rows(dims, T, dev, tm, a2, kw2, ref2, touched, asm, base_ms, t_end,
                   ("l2 128x128", d1, G(128, 128, 128, 8, 3, par=True)),
                   ("l2 64x128 4w", d1, G(64, 128, 128, 4, 3, par=True)),
                   ("l2 64x256", d1, G(64, 256, 128, 8, 3, par=True))]
-    saved = (tm.FP8_H, tm.USE_ASM, dict(tm.CONFIG_OVERRIDE))
     ref_q = rf.moe_experts_q(*a2, **kw2, h_fmt="fp8_1x128")
+
+    def fp8h_errors(y):
+        e, eq = rel_err(y, ref2), rel_err(y, ref_q)
+        return (e, eq), (None if e < 2.0 ** -4 and eq < 1.5e-2
+                         else f"rel err {e:.2e} (quantized-H ref {eq:.2e})")
     times, best = {}, None
     for name, c1, c2 in tiles:
         if time.perf_counter() > t_end - 20:
             times[name] = "skipped: budget"
             continue
-        try:
-            tm.FP8_H, tm.USE_ASM = True, asm
-            tm.CONFIG_OVERRIDE.update({"l1_fp8h": c1, "l2_fp8h": c2})
-            y = tm.moe_experts_q(*a2, **kw2)
-            e, eq = rel_err(y, ref2), rel_err(y, ref_q)
-            if not (e < 2.0 ** -4 and eq < 1.5e-2):
-                times[name] = f"wrong: rel err {e:.2e} (quantized-H ref {eq:.2e})"
-                continue
-            ms = time_ms(lambda: tm.moe_experts_q(*a2, **kw2), device=dev)
-            times[name] = round(ms, 4)
-            if best is None or ms < best[1]:
-                best = (name, ms, e, eq, c1, c2)
-        except Exception as ex:  # noqa: BLE001
-            times[name] = f"failed: {type(ex).__name__}: {str(ex)[:200]}"
-            log(f"fp8-H {name}: {traceback.format_exc(limit=3)}")
-        finally:
-            tm.FP8_H, tm.USE_ASM = saved[0], saved[1]
-            tm.CONFIG_OVERRIDE.clear()
-            tm.CONFIG_OVERRIDE.update(saved[2])
+        r = timed_variant(tm, {"FP8_H": True, "USE_ASM": asm}, {"l1_fp8h": c1, "l2_fp8h": c2},
+                          lambda: tm.moe_experts_q(*a2, **kw2), fp8h_errors, dev, times, name,
+                          lambda: log(f"fp8-H {name}: {traceback.format_exc(limit=3)}"))
+        if r and (best is None or r[0] < best[1]):
+            best = (name, r[0], *r[1], c1, c2)
     notes = "tiles (ms): " + ", ".join(f"{k} {v}" for k, v in times.items())
     if best is None:
         return [{"kernel": "triton.moe_experts_q fp8-H", "case": f"T={T}",
