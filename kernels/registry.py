@@ -81,6 +81,13 @@ KERNELS: dict[str, list[KernelImpl]] = {
                         note="kernels/triton/quant.py: one pass per row, bitwise the reference "
                              "(22 cases on the H200, tests/kernels/test_triton_quant.py)"),
                      _k("triton.quantize_act", "cuda triton", "unvalidated")],
+    "rope": [_k("triton.rope", "sm_90 triton", "unvalidated",
+                note="kernels/triton/rope.py: one pass over x with the capturable version's "
+                     "cos/sin table, no FMA contraction: bitwise the capturable rope "
+                     "(tests/kernels/test_triton_dense.py)")],
+    "fake_quant": [_k("triton.fake_quant", "sm_90 triton", "unvalidated",
+                      note="kernels/triton/quant.py: one pass per row, fp8_e4m3 / mxfp4 / nvfp4, "
+                           "bitwise the reference (tests/kernels/test_triton_dense.py)")],
     "compressor": [_k("triton.compressor", "sm_90 triton", "available",
                       note="kernels/triton/compressor.py: GEMM + pool/norm/RoPE/fake-quant rows"),
                    _k("triton.compressor", "cuda triton")],
@@ -126,6 +133,8 @@ LOADABLE.update({
     "triton.grouped_fp8_gemm": "megagraph.kernels.triton.moe",
     "triton.mega_mhc": "megagraph.kernels.triton.mhc",
     "triton.quantize_act": "megagraph.kernels.triton.quant",
+    "triton.fake_quant": "megagraph.kernels.triton.quant",
+    "triton.rope": "megagraph.kernels.triton.rope",
 })
 
 

@@ -1,8 +1,10 @@
-"""Triton code of the activation quantization (imported by kernels/triton/quant.py)."""
+"""Triton code of the activation quantization and fake quantization (imported by kernels/triton/quant.py)."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .attention_jit import cast_to
 
 
 @triton.jit
@@ -52,3 +54,71 @@ def quantize_act_fwd(x_ptr, q_ptr, s_ptr, D, NBLK, s_x, s_q, s_s,
         tl.store(s_ptr + row * s_s + blk, (e + 127).to(tl.uint8), mask=bm)
     else:
         tl.store(s_ptr + row * s_s + blk, ((e + 127) << 23).to(tl.float32, bitcast=True), mask=bm)
+
+
+@triton.jit
+def with_sign(r, bits):
+    """r (>= 0) with the sign bit of the f32 bits `bits`, set as a bit (Triton's float negation is
+    0 - r, which gives +0.0 for r = 0 on the GPU; the reference keeps -0.0)."""
+    return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_grid(y):
+    """y rounded to the E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} (signed), nearest with ties to the
+    even code, saturating at 6, the sign following y's sign bit (-0.0 for tiny negatives):
+    kernels.formats.f32_to_e2m1_codes(ties='even') decoded."""
+    a = tl.abs(y)
+    n = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) \
+        + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) \
+        + (a > 5.0).to(tl.int32)
+    nf = n.to(tl.float32)
+    mag = tl.where(n < 4, nf * 0.5, tl.where(n < 6, nf - 2.0, tl.where(n == 6, 4.0, 6.0)))
+    return with_sign(mag, y.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def pow2_ceil_div(amax, DIV: tl.constexpr):
+    """(2^e, 2^-e) for 2^e = 2^ceil(log2(max(amax, 1e-4) / DIV)): the quotient rounded
+    correctly (div_rn, as torch; Triton's fp32 `/` is div.approx on the GPU), e from its
+    f32 bits (kernels.reference.quant._pow2_ceil's frexp, exactly). Here |e| <= 126."""
+    bits = tl.math.div_rn(tl.maximum(amax, 1e-4), DIV).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, -126), 126)
+    return ((e + 127) << 23).to(tl.float32, bitcast=True), ((127 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fake_quant_fwd(x_ptr, o_ptr, N, s_x, D: tl.constexpr, FMT: tl.constexpr,
+                   BLOCK: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, MANUAL: tl.constexpr):
+    """kernels.reference.quant.fake_quant of BR rows x NB blocks of BLOCK channels (D % BLOCK == 0)
+    in one pass, bitwise: FMT 1 fp8_e4m3 (scale 2^ceil(log2(amax/448)), codes x * 2^-e clamped to
+    +-448 on the E4M3 grid), 2 mxfp4 (scale 2^ceil(log2(amax/6)), codes x * 2^-e on the E2M1 grid;
+    x * 2^-e is the reference's x / 2^e exactly), both with amax floored at 1e-4; 3 nvfp4 (scale =
+    E4M3(min(max(amax, 6 * 2^-9) / 6, 448)), codes E2M1(x / scale), correctly rounded division).
+    out = code * scale (exact in f32) in o's dtype; o contiguous [N, D]."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    blk = tl.program_id(1) * NB + tl.arange(0, NB)
+    col = blk[None, :, None] * BLOCK + tl.arange(0, BLOCK)[None, None, :]  # [1, NB, BLOCK]
+    m = (r < N)[:, None, None] & (col < D)
+    r64 = r.to(tl.int64)[:, None, None]
+    x = tl.load(x_ptr + r64 * s_x + col, mask=m, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=2)
+    if FMT == 3:
+        s = tl.minimum(tl.math.div_rn(tl.maximum(amax, 6.0 * 0.001953125), 6.0), 448.0)
+        scale = e4m3_grid(s)[:, :, None]
+        q = e2m1_grid(tl.math.div_rn(x, scale))
+    else:
+        if FMT == 1:
+            scale, inv = pow2_ceil_div(amax, 448.0)
+        else:
+            scale, inv = pow2_ceil_div(amax, 6.0)
+        scale = scale[:, :, None]
+        y = x * inv[:, :, None]
+        if FMT == 1:
+            # clamp |y| to 448 and put y's sign back as a bit (e4m3_grid keeps its input's sign
+            # bit: -0.0 for tiny negatives and for -0.0, as the reference's E4M3 cast)
+            q = e4m3_grid(with_sign(tl.minimum(tl.abs(y), 448.0), y.to(tl.int32, bitcast=True)))
+        else:
+            q = e2m1_grid(y)
+    tl.store(o_ptr + r64 * D + col, cast_to(q * scale, o_ptr.dtype.element_ty, MANUAL), mask=m)

@@ -1,4 +1,4 @@
-"""The Triton CSA2 kernels (and the activation quantization, the persistent and FP8-H MoE GEMMs) compile for sm_90 (Hopper) ahead of time, without a GPU, in the launch
+"""The Triton CSA2 kernels (and the activation quantization, RoPE and fake quantization, the persistent and FP8-H MoE GEMMs) compile for sm_90 (Hopper) ahead of time, without a GPU, in the launch
 shapes the wrappers use, with at most 64 bytes of stack per thread (no register-spill storm: the
 shapes were picked from this build's resource usage) and on the tensor cores where they multiply.
 
@@ -92,6 +92,35 @@ def cases():
     out["quantize act mxfp8"] = ("quant_jit", "quantize_act_fwd", dict(quant, s_ptr="*u8"),
                                  dict(BLOCK=32, NB=8, E8M0=True), 4, None)
     out.update(moe_cases())
+    out.update(dense_cases())
+    return out
+
+
+def dense_cases():
+    """RoPE and fake quantization at the V4.1 slice's widths (q heads 64 x 512 and kv 512, index
+    keys 128, rope_dim 64; fake_quant fp8_e4m3 / mxfp4 per 32 and nvfp4 per 16) in the wrappers'
+    tiles, compiled as launched (enable_fp_fusion=False). Bitwise torch needs every product and
+    sum rounded on its own, so the PTX must hold no fma (nor RoPE's SASS an FFMA), and correctly
+    rounded divisions (div.rn, not Triton's approximate `/`: div.full) where the scales divide."""
+    rope = dict(x_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", o_ptr="*bf16", N="i32", H="i32",
+                s_xt="i32", s_xh="i32", s_c="i32")
+    fq = dict(x_ptr="*bf16", o_ptr="*bf16", N="i32", s_x="i32")
+    exact = dict(fusion=False, no_ptx=r"\b(fma|div\.full|div\.approx)\.")
+    rope_exact = dict(exact, no_sass=r"\bFFMA\b")  # (div.rn itself is FFMA steps in SASS)
+    out = {}
+    for name, d, br, bp, inv in (("q", 512, 8, 256, False), ("q inverse", 512, 8, 256, True),
+                                 ("ik", 128, 32, 64, False)):
+        out[f"rope {name}"] = ("rope_jit", "rope_fwd", rope,
+                               dict(D=d, ROPE_DIM=64, BR=br, BP=bp, INVERSE=inv, MANUAL=False), 4,
+                               None, rope_exact)
+    out["rope f32"] = ("rope_jit", "rope_fwd", dict(rope, x_ptr="*fp32", o_ptr="*fp32"),
+                       dict(D=512, ROPE_DIM=64, BR=8, BP=256, INVERSE=False, MANUAL=False), 4, None,
+                       rope_exact)
+    for name, fmt, block, d, br, nb in (("fp8_e4m3", 1, 32, 512, 8, 16), ("mxfp4", 2, 32, 128, 32, 4),
+                                        ("nvfp4", 3, 16, 512, 8, 32)):
+        out[f"fake quant {name}"] = ("quant_jit", "fake_quant_fwd", fq,
+                                     dict(D=d, FMT=fmt, BLOCK=block, BR=br, NB=nb, MANUAL=False),
+                                     4, None, exact)
     return out
 
 
@@ -169,7 +198,8 @@ NAMES = ["attn decode q-epilogue", "attn decode split", "attn plain", "attn comb
          "compressor rows r2", "ring copy", "engram hash", "engram gate", "quantize act 1x128",
          "quantize act mxfp8", "moe persistent l1", "moe persistent l2", "moe tile list",
          "moe fp8h l1 prefill", "moe fp8h l2 prefill", "moe fp8h l1 decode persistent",
-         "moe fp8h l2 decode persistent"]
+         "moe fp8h l2 decode persistent", "rope q", "rope q inverse", "rope ik", "rope f32",
+         "fake quant fp8_e4m3", "fake quant mxfp4", "fake quant nvfp4"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -190,7 +220,11 @@ def test_compiles_for_sm90_without_spills(name, tmp_path):
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in opts.get("div", ())}
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 128),
-                       options=dict(num_warps=warps, num_stages=opts.get("stages", 2)))
+                       options=dict(num_warps=warps, num_stages=opts.get("stages", 2),
+                                    **({} if opts.get("fusion", True) else {"enable_fp_fusion": False})))
+    if opts.get("no_ptx"):
+        hit = re.search(opts["no_ptx"], k.asm["ptx"])
+        assert hit is None, f"{name}: {hit.group(0)} in the PTX"
     cubin = tmp_path / "k.cubin"
     cubin.write_bytes(k.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -208,3 +242,8 @@ def test_compiles_for_sm90_without_spills(name, tmp_path):
         sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
                               check=True).stdout
         assert re.search(rf"\b{mma}\b", sass), f"{name}: no {mma} in the SASS"
+    if opts.get("no_sass"):
+        sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+        hit = re.search(opts["no_sass"], sass)
+        assert hit is None, f"{name}: {hit.group(0)} in the SASS"

@@ -38,6 +38,27 @@ def test_quantize_act_bitwise(act_fmt, width, dtype):
     assert torch.equal(s.cpu().view(torch.uint8), rs.view(torch.uint8))
 
 
+@pytest.mark.parametrize("act_fmt", ["fp8_1x128", "mxfp8"])
+def test_quantize_act_exact_power_scales(act_fmt):
+    """Blocks whose amax / 448 is exactly a power of two (amax = 448 * 2^k, e.g. 3.5 or 7: one bf16
+    mantissa in 128): the scale is 2^k only if that quotient is rounded correctly (an approximate
+    division a hair above 2^k doubles the scale). The interpreter divides exactly; this is for the
+    GPU, where Triton's `/` is div.approx."""
+    from megagraph.kernels.triton.quant import quantize_act
+
+    g = torch.Generator().manual_seed(9)
+    block = 128 if act_fmt == "fp8_1x128" else 32
+    k = torch.arange(-12, 12, dtype=torch.float32)
+    amax = 448.0 * torch.exp2(k)  # 24 rows, one exact power per row, 8 blocks per row
+    x = (torch.rand(24, 8, block, generator=g) * 2 - 1) * amax[:, None, None]
+    x[:, :, 5] = amax[:, None] * torch.where(torch.arange(8) % 2 == 0, 1.0, -1.0)
+    x = x.reshape(24, 8 * block).bfloat16()
+    q, s = quantize_act(x.to(DEV), act_fmt=act_fmt)
+    rq, rs = ref_quantize_act(x, act_fmt=act_fmt)
+    assert torch.equal(s.cpu().view(torch.uint8), rs.view(torch.uint8))
+    assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
+
+
 def test_quantize_act_strided_rows_and_empty():
     from megagraph.kernels.triton.quant import quantize_act
 
