@@ -24,13 +24,21 @@ def e4m3_grid(q):
 
 
 @triton.jit
+def ceil_log2_div(amax, DIV: tl.constexpr, LIM: tl.constexpr):
+    """e = ceil(log2(max(amax, 1e-4) / DIV)) clamped to +-LIM, from the f32 bits of the quotient
+    rounded correctly (div_rn, as torch; Triton's fp32 `/` is div.approx on the GPU, which can
+    land one ulp above an exact power of two and double the scale), exactly the reference's
+    frexp (kernels.reference.fused.quantize_act, kernels.reference.quant._pow2_ceil)."""
+    bits = tl.math.div_rn(tl.maximum(amax, 1e-4), DIV).to(tl.int32, bitcast=True)  # normal
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return tl.minimum(tl.maximum(e, -LIM), LIM)
+
+
+@triton.jit
 def pow2_scale(amax):
-    """Block amax (f32) -> (e, 2^-e): the scale 2^e = 2^ceil(log2(max(amax, 1e-4) / 448)) from the
-    f32 bits (exact, as kernels.reference.fused.quantize_act), e clamped to +-127 and its exact
-    inverse (the codes are x * 2^-e)."""
-    bits = (tl.maximum(amax, 1e-4) / 448.0).to(tl.int32, bitcast=True)  # normal: >= 2.2e-7
-    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2)
-    e = tl.minimum(tl.maximum(e, -127), 127)
+    """Block amax (f32) -> (e, 2^-e): quantize_act's scale 2^e = 2^ceil(log2(max(amax, 1e-4) /
+    448)), e clamped to +-127, and its exact inverse (the codes are x * 2^-e)."""
+    e = ceil_log2_div(amax, 448.0, 127)
     return e, ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact (|e| <= 126 here)
 
 
@@ -79,12 +87,8 @@ def e2m1_grid(y):
 
 @triton.jit
 def pow2_ceil_div(amax, DIV: tl.constexpr):
-    """(2^e, 2^-e) for 2^e = 2^ceil(log2(max(amax, 1e-4) / DIV)): the quotient rounded
-    correctly (div_rn, as torch; Triton's fp32 `/` is div.approx on the GPU), e from its
-    f32 bits (kernels.reference.quant._pow2_ceil's frexp, exactly). Here |e| <= 126."""
-    bits = tl.math.div_rn(tl.maximum(amax, 1e-4), DIV).to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    e = tl.minimum(tl.maximum(e, -126), 126)
+    """(2^e, 2^-e) for 2^e = 2^ceil(log2(max(amax, 1e-4) / DIV)), |e| <= 126 (ceil_log2_div)."""
+    e = ceil_log2_div(amax, DIV, 126)
     return ((e + 127) << 23).to(tl.float32, bitcast=True), ((127 - e) << 23).to(tl.float32, bitcast=True)
 
 
