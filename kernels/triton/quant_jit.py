@@ -4,7 +4,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_jit import cast_to
+from .attention_jit import cast_to, round_e2m1
 
 
 @triton.jit
@@ -75,14 +75,10 @@ def with_sign(r, bits):
 def e2m1_grid(y):
     """y rounded to the E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} (signed), nearest with ties to the
     even code, saturating at 6, the sign following y's sign bit (-0.0 for tiny negatives):
-    kernels.formats.f32_to_e2m1_codes(ties='even') decoded."""
-    a = tl.abs(y)
-    n = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) \
-        + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) \
-        + (a > 5.0).to(tl.int32)
-    nf = n.to(tl.float32)
-    mag = tl.where(n < 4, nf * 0.5, tl.where(n < 6, nf - 2.0, tl.where(n == 6, 4.0, 6.0)))
-    return with_sign(mag, y.to(tl.int32, bitcast=True))
+    kernels.formats.f32_to_e2m1_codes(ties='even') decoded. The grid is attention_jit's
+    round_e2m1 (the compressor's); only the sign is set as a bit here (its `-mag` is 0 - mag,
+    +0.0 for a tiny negative, where the reference keeps -0.0)."""
+    return with_sign(tl.abs(round_e2m1(y)), y.to(tl.int32, bitcast=True))
 
 
 @triton.jit
