@@ -83,6 +83,13 @@ def rope_frequencies(device, *, rope_dim: int, theta: float, yarn_factor: float 
     return freqs
 
 
+def rope_table(positions: Tensor, freqs: Tensor, offset: int) -> tuple[Tensor, Tensor]:
+    """(cos, sin) [T, rope_dim/2] of the angles float(p + offset) * f_k (kernels/triton/rope.py
+    uses this table too, so that its result is bitwise this module's rope)."""
+    ang = (positions + offset).to(torch.float32)[:, None] * freqs[None, :]
+    return torch.cos(ang), torch.sin(ang)
+
+
 def rope(x: Tensor, positions: Tensor, *, rope_dim: int, theta: float, yarn_factor: float = 1.0,
          yarn_original: int = 0, yarn_beta_fast: float = 32.0, yarn_beta_slow: float = 1.0,
          offset: int = 0, inverse: bool = False) -> Tensor:
@@ -92,8 +99,7 @@ def rope(x: Tensor, positions: Tensor, *, rope_dim: int, theta: float, yarn_fact
     freqs = rope_frequencies(x.device, rope_dim=rope_dim, theta=theta, yarn_factor=yarn_factor,
                              yarn_original=yarn_original, yarn_beta_fast=yarn_beta_fast,
                              yarn_beta_slow=yarn_beta_slow)
-    ang = (positions + offset).to(torch.float32)[:, None] * freqs[None, :]
-    cos, sin = torch.cos(ang), torch.sin(ang)
+    cos, sin = rope_table(positions, freqs, offset)
     if inverse:
         sin = -sin
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim // 2,)

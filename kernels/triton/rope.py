@@ -62,9 +62,10 @@ def rope(x: Tensor, positions: Tensor, *, rope_dim: int, theta: float, yarn_fact
     freqs = frequencies(x.device, rope_dim=rope_dim, theta=theta, yarn_factor=yarn_factor,
                         yarn_original=yarn_original, yarn_beta_fast=yarn_beta_fast,
                         yarn_beta_slow=yarn_beta_slow)
-    # the capturable version's angle and table, op for op (its `sin = -sin` is the kernel's INVERSE)
-    ang = (positions + offset).to(torch.float32)[:, None] * freqs[None, :]
-    cos, sin = torch.cos(ang), torch.sin(ang)
+    # the capturable version's table (its `sin = -sin` is the kernel's INVERSE)
+    from megagraph.kernels.capturable.dense import rope_table
+
+    cos, sin = rope_table(positions, freqs, offset)
     t = x.shape[0]
     h = x.shape[1] if x.dim() == 3 else 1
     s_xh = x.stride(1) if x.dim() == 3 else 0
