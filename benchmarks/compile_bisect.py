@@ -111,7 +111,11 @@ def bisect(program, env, opaque, chunk: int, backend: str, log, found: list, sav
         part = calls[s:s + chunk]
         recs = checked(part, vals, opaque, backend, "(chunk)")
         bad = [r for r in recs if r["bad"]]
-        log(f"  {program.name} calls {s}-{s + len(part) - 1}: {len(bad)} differing values")
+        worst = max([r for r in recs if "rel" in r or "mismatch" in r],
+                    key=lambda r: r.get("rel", r.get("mismatch", 0)), default={})
+        log(f"  {program.name} calls {s}-{s + len(part) - 1}: {len(bad)} differing values; "
+            f"largest difference {worst.get('value')}: "
+            f"{worst.get('rel', worst.get('mismatch'))}")
         if every is not None:
             every.extend(recs)
         if bad and refine:
@@ -172,6 +176,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-refine", action="store_true", help="no node-by-node pass")
     p.add_argument("--engine-fn", action="store_true",
                    help="also run the compiled engine's own segment functions on the same inputs")
+    p.add_argument("--decode-step", type=int, default=1,
+                   help="which decode step's inputs to record (1: the first after the prefill)")
     args = p.parse_args(argv)
     from megagraph.runtime import segments
     from megagraph.runtime.engine import untraced_nodes
@@ -182,6 +188,8 @@ def main(argv=None) -> int:
         eng = make(m.plan, m.weights, "padded", args, device)
         it = steps(eng, args)
         next(it)  # the prefill, uncompiled
+        for _ in range(args.decode_step - 1):
+            next(it)  # earlier decode steps, uncompiled
         seen = []
         orig = segments.Program.__call__
 
@@ -191,7 +199,7 @@ def main(argv=None) -> int:
 
         segments.Program.__call__ = record
         try:
-            next(it)  # the first decode step: the one the compiled engine already gets wrong
+            next(it)  # decode step `--decode-step`: the one to bisect
         finally:
             segments.Program.__call__ = orig
         if args.engine_fn:

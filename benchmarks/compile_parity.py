@@ -25,7 +25,12 @@ capture) as the reference:
   the H200);
 - `inductor+e8m0`: E8M0 scale weights enter the compiled segments as float8_e8m0fnu, not as their
   uint8 bytes (runtime/compile.py:wrap; compile_bisect.py, which passes them as they are, found
-  the whole decode segment compiled from eager inputs equal on the H200). Compiling may fail.
+  the whole decode segment compiled from eager inputs equal on the H200). Compiling may fail;
+- `padded+again`: the uncompiled engine a second time: any difference here is eager's own
+  run-to-run nondeterminism (atomic adds), which no compiled variant can be expected to beat;
+- `inductor+deterministic`: `torch.use_deterministic_algorithms(True)` while building and
+  running (Inductor then emits no atomic scatter-adds); if it agrees where `inductor` does not,
+  the difference is summation order, not a miscompile.
 Each variant also records Dynamo's graph and recompile counts.
 
 Every state pool is compared too, after start-up and after each step: the first step whose pools
@@ -53,7 +58,7 @@ from workloads import environment, load_model, sync  # noqa: E402
 
 VARIANTS = ("padded", "aot_eager", "inductor", "inductor+emulate", "inductor+noalias",
             "inductor+functional", "inductor+clone", "inductor+nofusion", "inductor+static",
-            "inductor+e8m0")
+            "inductor+e8m0", "padded+again", "inductor+deterministic")
 
 
 def make(plan, weights, variant: str, args, device):
@@ -66,7 +71,7 @@ def make(plan, weights, variant: str, args, device):
     from megagraph.runtime import cuda_graphs, kernels
     from megagraph.runtime.engine import Engine, EngineConfig
 
-    backend = {"padded": "none", "aot_eager": "aot_eager"}.get(variant, "inductor")
+    backend = {"padded": "none", "padded+again": "none", "aot_eager": "aot_eager"}.get(variant, "inductor")
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     torch._inductor.config.emulate_precision_casts = variant == "inductor+emulate"
@@ -184,11 +189,14 @@ def main(argv=None) -> int:
         for v in ["padded"] + [v for v in args.variants.split(",") if v != "padded"]:
             try:
                 states[v] = []
+                torch.use_deterministic_algorithms(v.endswith("+deterministic"), warn_only=True)
                 logits[v] = run(make(m.plan, m.weights, v, args, device), args, states[v])
             except Exception as e:  # keep the other variants
                 res["variants"][v] = {"error": f"{type(e).__name__}: {e}"}
                 print(v, "FAILED", e, flush=True)
                 continue
+            finally:
+                torch.use_deterministic_algorithms(False)
             if v == "padded":
                 continue
             rows = []
