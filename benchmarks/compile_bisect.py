@@ -75,21 +75,37 @@ def chunk_fn(calls, names, opaque):
     return f
 
 
-def checked(calls, vals, opaque, backend, where: str) -> list[dict]:
+def split_backend(backend: str) -> tuple[str, str]:
+    """"inductor" -> (inductor, eager numerics), "inductor+fast" -> (inductor, fast)."""
+    name, _, fast = backend.partition("+")
+    return name, "fast" if fast == "fast" else "eager"
+
+
+def compiled(f, backend: str):
+    """torch.compile of `f` with the engine's numerics options for `backend`."""
+    from megagraph.runtime.compile import numerics_options
+
+    name, numerics = split_backend(backend)
+    return torch.compile(f, backend=name, options=numerics_options(name, numerics) or None)
+
+
+def checked(calls, vals, opaque, backend, where: str, weights=frozenset()) -> list[dict]:
     """check_chunk, with a compile failure recorded as a finding."""
     try:
-        return check_chunk(calls, vals, opaque, backend)
+        return check_chunk(calls, vals, opaque, backend, weights)
     except Exception as e:  # noqa: BLE001
         return [{"value": where, "bad": True, "error": f"{type(e).__name__}: {e}"[:300]}]
 
 
-def check_chunk(calls, vals, opaque, backend) -> list[dict]:
+def check_chunk(calls, vals, opaque, backend, weights=frozenset()) -> list[dict]:
     """Run `calls` from `vals` eagerly and compiled; one record per output / mutated input."""
     names = list(dict.fromkeys(i for c in calls for i in c.inputs if i is not None and i in vals))
     f = chunk_fn(calls, names, opaque)
-    want = f(*[clone(vals[n]) for n in names])
+    # weights are read only: shared, not cloned (a full-width slice's 30 GiB would not fit thrice)
+    fresh = lambda: [vals[n] if n in weights else clone(vals[n]) for n in names]  # noqa: E731
+    want = f(*fresh())
     torch._dynamo.reset()
-    got = torch.compile(f, backend=backend)(*[clone(vals[n]) for n in names])
+    got = compiled(f, backend)(*fresh())
     outs = [o for c in calls for o in c.outputs]
     recs = []
     for name, a, b in zip(outs + [f"{n} (after, input)" for n in names],
@@ -105,11 +121,12 @@ def bisect(program, env, opaque, chunk: int, backend: str, log, found: list, sav
     """Chunks of `chunk` calls; a chunk with a bad record is re-checked call by call (findings
     appended to `found`, `save()` after each chunk: a run cut short keeps what it found). With
     `every`, each chunk's records are kept there too (in call order: how an error grows)."""
-    vals = {k: clone(v) for k, v in {**program.weights, **env}.items()}
+    vals = {**program.weights, **{k: clone(v) for k, v in env.items()}}
+    weights = frozenset(program.weights)
     calls = list(program.calls)
     for s in range(0, len(calls), chunk):
         part = calls[s:s + chunk]
-        recs = checked(part, vals, opaque, backend, "(chunk)")
+        recs = checked(part, vals, opaque, backend, "(chunk)", weights)
         bad = [r for r in recs if r["bad"]]
         worst = max([r for r in recs if "rel" in r or "mismatch" in r],
                     key=lambda r: r.get("rel", r.get("mismatch", 0)), default={})
@@ -120,7 +137,7 @@ def bisect(program, env, opaque, chunk: int, backend: str, log, found: list, sav
             every.extend(recs)
         if bad and refine:
             for c in part:
-                for r in checked([c], vals, opaque, backend, "(call)"):
+                for r in checked([c], vals, opaque, backend, "(call)", weights):
                     if r["bad"]:
                         r["call"] = c.label
                         found.append(r)
@@ -141,7 +158,7 @@ def engine_fn_check(plan, weights, args, device, seen, log) -> list[dict]:
     from megagraph.runtime import compile as rc
     from megagraph.runtime.engine import untraced_nodes
 
-    backend = {"inductor": "inductor"}.get(args.backend, "aot_eager")
+    backend = args.backend if split_backend(args.backend)[0] == "inductor" else "aot_eager"
     eng = make(plan, weights, backend, args, device)
     fresh = {}  # segment -> wrap() of its program, compiled on the recorded inputs (no warm-up)
     recs = []
@@ -154,8 +171,10 @@ def engine_fn_check(plan, weights, args, device, seen, log) -> list[dict]:
                 fn = eng.runner.fns[k]
             else:
                 torch._dynamo.reset()
-                fn = fresh.setdefault(k, rc.wrap(program, backend, 1, False,
-                                                 eng.kernels.opaque | untraced_nodes(plan.graph)))
+                name, numerics = split_backend(backend)
+                fn = fresh.setdefault(k, rc.wrap(program, name, 1, False,
+                                                 eng.kernels.opaque | untraced_nodes(plan.graph),
+                                                 numerics=numerics))
             want = program({n: clone(v) for n, v in env.items()})
             got = fn({n: clone(v) for n, v in env.items()})
             mine = []
@@ -171,7 +190,8 @@ def engine_fn_check(plan, weights, args, device, seen, log) -> list[dict]:
 def main(argv=None) -> int:
     p = parser(__doc__)
     p.add_argument("--chunk", type=int, default=12, help="calls per compiled chunk")
-    p.add_argument("--backend", default="inductor")
+    p.add_argument("--backend", default="inductor",
+                   help="inductor (the engine's eager numerics), inductor+fast, aot_eager, eager")
     p.add_argument("--every", action="store_true", help="keep every value's comparison")
     p.add_argument("--no-refine", action="store_true", help="no node-by-node pass")
     p.add_argument("--engine-fn", action="store_true",

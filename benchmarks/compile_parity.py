@@ -28,12 +28,17 @@ capture) as the reference:
   the whole decode segment compiled from eager inputs equal on the H200). Compiling may fail;
 - `padded+again`: the uncompiled engine a second time: any difference here is eager's own
   run-to-run nondeterminism (atomic adds), which no compiled variant can be expected to beat;
+- `inductor+fast`: Inductor's own numerics (`--compile-numerics fast`); every other Inductor
+  variant compiles with the engine's default eager numerics (fp32 division and bf16 casts rounded
+  as eager rounds them, runtime/compile.py:numerics_options). The H200 runs before that default
+  (2026-11-29) were all `fast`;
 - `inductor+deterministic`: `torch.use_deterministic_algorithms(True)` while building and
   running (Inductor then emits no atomic scatter-adds); if it agrees where `inductor` does not,
   the difference is summation order, not a miscompile.
 Each variant also records Dynamo's graph and recompile counts.
 
-Every state pool is compared too, after start-up and after each step: the first step whose pools
+Every state pool (but its scratch slot, where pad rows write) is compared too, after start-up
+and after each step: the first step whose pools
 differ is where the compiled engine leaves the uncompiled one, even where its logits do not show it.
 
     python benchmarks/compile_parity.py --out /tmp/cp                # GPU
@@ -58,7 +63,7 @@ from workloads import environment, load_model, sync  # noqa: E402
 
 VARIANTS = ("padded", "aot_eager", "inductor", "inductor+emulate", "inductor+noalias",
             "inductor+functional", "inductor+clone", "inductor+nofusion", "inductor+static",
-            "inductor+e8m0", "padded+again", "inductor+deterministic")
+            "inductor+e8m0", "padded+again", "inductor+deterministic", "inductor+fast")
 
 
 def make(plan, weights, variant: str, args, device):
@@ -79,7 +84,7 @@ def make(plan, weights, variant: str, args, device):
                         max_step_tokens=4096, kernels="capturable", progress=False,
                         allow_fallback=device.type == "cpu", cuda_graphs=False,
                         buckets=(args.batch,), compile=backend,
-                        unverified_compile=True)
+                        compile_numerics="fast" if variant.endswith("+fast") else "eager")
     torch._inductor.config.max_fusion_size = 1 if variant == "inductor+nofusion" else 64
     torch._inductor.config.pattern_matcher = variant != "inductor+nofusion"
     torch._dynamo.config.automatic_dynamic_shapes = variant != "inductor+static"
@@ -115,9 +120,14 @@ def steps(eng, args):
 def run(eng, args, states: list | None = None) -> list[torch.Tensor]:
     """Logits of the prefill step and `--steps` decode steps; with `states`, a CPU copy of every
     state pool after start-up and after each step is appended there."""
+    scratch = eng.slots.scratch_slot
+
     def snap():
+        # the scratch slot (where every pad row writes) is left out: pad rows' values are never
+        # read by a request, and compiled code may compute them differently (empty contexts)
         if states is not None:
-            states.append({k: v.cpu().clone() for k, v in eng.state.items()})
+            states.append({k: (v[:scratch] if v.dim() and v.shape[0] == scratch + 1 else v).cpu().clone()
+                           for k, v in eng.state.items()})
     snap()
     it = steps(eng, args)
     outs = []

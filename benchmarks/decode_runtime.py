@@ -53,7 +53,7 @@ def engine_for(plan, weights, mode: str, args, device, batches: tuple[int, ...])
     else:
         conf.update(cuda_graphs=True, buckets=batches,
                     compile=args.compile_backend if mode == "graphs+compile" else "none",
-                    unverified_compile=True,  # the token check below reports what it gives
+                    compile_numerics=args.compile_numerics,
                     compile_dynamic=args.compile_dynamic)
     return Engine(plan, dict(weights), EngineConfig(**conf))
 
@@ -203,6 +203,8 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--prefill-tokens", type=int, default=4096, help="tokens per prefill step")
     p.add_argument("--compile-backend", default="inductor", choices=("inductor", "eager"))
+    p.add_argument("--compile-numerics", default="eager", choices=("eager", "fast"),
+                   help="Inductor rounding (runtime/compile.py:numerics_options)")
     p.add_argument("--compile-dynamic", action=argparse.BooleanOptionalAction, default=False,
                    help="one torch.compile for every bucket (dynamic shapes) instead of one each")
     p.add_argument("--time-budget", type=float, default=300.0,

@@ -226,7 +226,7 @@ def make_engine(model: Model, device: torch.device, *, kernels: str = "plan", sl
     conf = EngineConfig(device=str(device), max_slots=slots, capacity=round_capacity(capacity),
                         kernels="plan", progress=False, allow_fallback=True, memory_budget=budget,
                         cuda_graphs=graphs and bool(buckets), buckets=tuple(sorted(buckets)),
-                        compile=compile, unverified_compile=True)  # timed, tokens not served
+                        compile=compile)
     return Engine(with_kernels(model.plan, kernels), dict(model.weights), conf)
 
 

@@ -38,9 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="random weights and sampling seed (per-request seeds derive from it)")
     g.add_argument("--compile", choices=("none", "eager", "inductor"), default=E.compile,
                    help="wrap segments with torch.compile (default: the plan's choice, else none)")
-    g.add_argument("--unverified-compile", action="store_true",
-                   help="allow --compile inductor on CUDA, whose tokens differ from the uncompiled "
-                        "engine there (docs/compile.md); for timing, not serving")
+    g.add_argument("--compile-numerics", choices=("eager", "fast"), default=E.compile_numerics,
+                   help="Inductor rounding: eager (fp32 division and bf16 casts rounded as eager "
+                        "rounds them, the default) or fast (Inductor's own defaults); neither is "
+                        "bitwise the uncompiled engine (docs/compile.md)")
     g.add_argument("--compile-tile-loops", action="store_true",
                    help="let torch.compile trace the capturable kernels' tile loops too (attention, "
                         "indexer, MoE: minutes per bucket at V4.1 sizes)")
@@ -90,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
             args.artifacts, args.weights, device=args.device, seed=args.seed,
             max_slots=args.max_slots, capacity=args.capacity, max_step_tokens=args.max_step_tokens,
             compile=args.compile, compile_dynamic=args.compile_dynamic,
-            unverified_compile=args.unverified_compile, compile_tile_loops=args.compile_tile_loops,
+            compile_numerics=args.compile_numerics, compile_tile_loops=args.compile_tile_loops,
             cuda_graphs=not args.no_cuda_graphs, buckets=buckets,
             kernels=args.kernels, allow_fallback=args.allow_fallback, progress=not args.quiet,
             bounded_replay=args.bounded_replay)

@@ -30,20 +30,34 @@ def check_backend(name: str) -> str:
     return name
 
 
-# (device, backend) pairs whose tokens differ from the uncompiled engine: opt-in only. Inductor on
-# CUDA (H200, torch 2.11): diagnosis so far and the next experiments in docs/compile.md.
-UNVERIFIED = {("cuda", "inductor")}
+NUMERICS = ("eager", "fast")
 
 
-def check_verified(backend: str, device: torch.device, allowed: bool) -> None:
-    """Refuse a (device, backend) pair whose tokens are known to differ from eager, unless
-    `allowed` (`--unverified-compile`): benchmarks time it, users should not serve with it."""
-    if (device.type, backend) in UNVERIFIED and not allowed:
-        raise ValueError(
-            f"torch.compile backend {backend!r} on {device.type} gives other tokens than the "
-            "uncompiled engine on the H200 (known defect, cause not yet found: docs/compile.md); "
-            "use CUDA graphs without --compile (the default, exact), --compile eager, or pass "
-            "--unverified-compile to run it anyway (for timing)")
+def check_numerics(name: str) -> str:
+    if name not in NUMERICS:
+        raise ValueError(f"unknown compile numerics {name!r}; choose one of {', '.join(NUMERICS)}")
+    return name
+
+
+def numerics_options(backend: str, numerics: str) -> dict[str, bool]:
+    """Inductor options for `numerics`: "eager" asks for eager's rounding where this torch has the
+    knobs: fp32 division correctly rounded (Inductor's Triton `/` is div.full, approximate, on
+    CUDA: the source of the 1e-7 differences in the mHC normalizations that FP8 activation
+    rounding then amplifies, docs/compile.md) and bf16 intermediates rounded as eager rounds them;
+    "fast" is Inductor's own defaults. The division knob is spelled
+    `eager_numerics.division_rounding` in newer torch, `emulate_divison_rounding` in older."""
+    check_numerics(numerics)
+    if backend != "inductor" or numerics == "fast":
+        return {}
+    cfg = torch._inductor.config
+    out = {}
+    if hasattr(getattr(cfg, "eager_numerics", None), "division_rounding"):
+        out["eager_numerics.division_rounding"] = True
+    elif hasattr(cfg, "emulate_divison_rounding"):
+        out["emulate_divison_rounding"] = True
+    if hasattr(cfg, "emulate_precision_casts"):
+        out["emulate_precision_casts"] = True
+    return out
 
 
 def cache_dir(artifacts: Path | None, key: str) -> Path:
@@ -60,9 +74,9 @@ def cache_dir(artifacts: Path | None, key: str) -> Path:
     return d
 
 
-def cache_key(plan_id: str, device: torch.device, backend: str) -> str:
+def cache_key(plan_id: str, device: torch.device, backend: str, numerics: str = "eager") -> str:
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    text = f"{plan_id}|torch {torch.__version__}|{dev}|{backend}"
+    text = f"{plan_id}|torch {torch.__version__}|{dev}|{backend}|{numerics}"
     return f"{backend}-" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -98,7 +112,8 @@ def save_megacache(d: Path) -> int:
 
 
 def wrap(program, backend: str, num_shapes: int, dynamic: bool = False,
-         opaque: set[str] = frozenset(), e8m0_as_bytes: bool = True) -> Callable:
+         opaque: set[str] = frozenset(), e8m0_as_bytes: bool = True,
+         numerics: str = "eager") -> Callable:
     """`program` (a segments.Program) compiled with `backend`: one specialization per bucket, or
     with `dynamic` one compile for every bucket (sizes 0 and 1 still specialize).
 
@@ -107,7 +122,7 @@ def wrap(program, backend: str, num_shapes: int, dynamic: bool = False,
     `opaque` nodes are not traced: Dynamo calls them as they are (a graph break around each):
     library kernels (Triton, DeepGEMM), since Inductor re-compiling user Triton kernels fails on
     them, and the capturable tile-loop kernels (kernels/capturable TILE_LOOP_OPS) unless the engine
-    is told to trace them."""
+    is told to trace them. `numerics`: numerics_options."""
     e8m0 = {k: v.view(torch.uint8) for k, v in program.weights.items()
             if e8m0_as_bytes and v.dtype == torch.float8_e8m0fnu}
     fn = program.with_weights(e8m0) if e8m0 else program
@@ -118,7 +133,8 @@ def wrap(program, backend: str, num_shapes: int, dynamic: bool = False,
                  "accumulated_recompile_limit"):
         if hasattr(cfg, knob):
             setattr(cfg, knob, max(getattr(cfg, knob), 4 * num_shapes + 8))
-    return torch.compile(fn, backend=backend, dynamic=dynamic)
+    options = numerics_options(backend, numerics)
+    return torch.compile(fn, backend=backend, dynamic=dynamic, options=options or None)
 
 
 def cache_counters() -> dict[str, int]:
@@ -136,6 +152,7 @@ class StartupReport:
 
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds
     compile_backend: str = "none"
+    compile_options: dict[str, bool] = field(default_factory=dict)  # Inductor numerics options
     cache_dir: str | None = None
     megacache_loaded: bool = False
     cache: dict[str, int] = field(default_factory=dict)  # fxgraph hits/misses
@@ -187,7 +204,9 @@ class StartupReport:
         for k, why in sorted(self.eager_segments.items()):
             out.append(f"segment {k} runs eagerly: {why}")
         if self.compile_backend != "none":
-            out.append(f"torch.compile backend {self.compile_backend}; caches in {self.cache_dir} "
+            opts = ", ".join(self.compile_options) or "Inductor's defaults"
+            out.append(f"torch.compile backend {self.compile_backend} (numerics: {opts}; not "
+                       f"bitwise the uncompiled engine: docs/compile.md); caches in {self.cache_dir} "
                        f"(inductor/, triton/, {MEGACACHE}); mega-cache "
                        f"{'loaded' if self.megacache_loaded else 'not found'}; FX graph cache "
                        f"{self.cache.get('fxgraph_cache_hit', 0)} hit(s), "

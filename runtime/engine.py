@@ -15,7 +15,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from .batch import SeqChunk, make_batch, pad_batch
-from .compile import (StartupReport, cache_dir, cache_key, check_backend, check_verified,
+from .compile import (StartupReport, cache_dir, cache_key, check_backend, check_numerics,
                       point_caches)
 from .cuda_graphs import GraphRunner
 from .kernels import resolve_kernels
@@ -37,7 +37,7 @@ class EngineConfig:
     max_step_tokens: int = 256  # tokens per step (longer prompts prefill in chunks)
     compile: str = "none"  # torch.compile backend: none, eager, inductor (aot_eager: debugging)
     compile_dynamic: bool = False  # one torch.compile for all buckets (dynamic shapes)
-    unverified_compile: bool = False  # allow Inductor on CUDA (tokens differ from eager there)
+    compile_numerics: str = "eager"  # "eager": Inductor rounds divisions/casts as eager; "fast"
     compile_tile_loops: bool = False  # also trace the capturable tile-loop kernels (minutes)
     cuda_graphs: bool = True  # capture the plan's buckets on CUDA
     buckets: tuple[int, ...] | None = None  # override the plan's buckets (CPU: none unless given)
@@ -198,15 +198,17 @@ class Engine:
                        for s in self.plan.segments}
             capturable = set()
         backend = check_backend(c.compile if c.compile != "none" else (self.plan.compile_backend or "none"))
-        check_verified(backend, self.device, c.unverified_compile)
+        check_numerics(c.compile_numerics)
         wrap_fn = None
         if backend != "none":
-            from .compile import cache_counters, load_megacache, wrap
+            from .compile import cache_counters, load_megacache, numerics_options, wrap
 
             before = cache_counters()
-            d = cache_dir(self.plan.source, cache_key(self._plan_id(), self.device, backend))
+            d = cache_dir(self.plan.source, cache_key(self._plan_id(), self.device, backend,
+                                                         c.compile_numerics))
             point_caches(d)
             self.report.cache_dir, self.report.compile_backend = str(d), backend
+            self.report.compile_options = numerics_options(backend, c.compile_numerics)
             self.report.megacache_loaded = load_megacache(d)
             targets = {s.index for s in self.plan.segments if s.kind == "graph"}
             untraced = self.kernels.opaque | untraced_nodes(g, tile_loops=not c.compile_tile_loops)
@@ -214,7 +216,8 @@ class Engine:
             def wrap_fn(i, fn):
                 if i not in targets:
                     return fn
-                return wrap(fn, backend, len(buckets), c.compile_dynamic, untraced)
+                return wrap(fn, backend, len(buckets), c.compile_dynamic, untraced,
+                            numerics=c.compile_numerics)
 
         with self.report.timed("warm-up+capture"):
             self.runner = GraphRunner(self.program, buckets, capturable=capturable,

@@ -207,12 +207,12 @@ def e8m0_to_f32(s: Tensor) -> Tensor:
     return formats.e8m0_to_f32(s)
 
 
-def f32_to_e8m0_ceil(x: Tensor) -> Tensor:
-    """Positive finite f32 -> e8m0 rounding up to a power of two (formats.f32_to_e8m0 without its
-    host-side validity check)."""
-    m, e = torch.frexp(x.float())
-    exp = e.to(torch.int32) - 1 + (m != 0.5).to(torch.int32)
-    return (exp + 127).clamp(0, 254).to(torch.uint8).view(torch.float8_e8m0fnu)
+def e8m0_ceil_div(x: Tensor, c: float) -> Tensor:
+    """Positive finite f32 x -> e8m0 of 2^ceil(log2(x / c)), without dividing (the reference's
+    ceil_log2_div: the same bytes under torch.compile's approximate CUDA division)."""
+    from megagraph.kernels.reference.quant import ceil_log2_div
+
+    return (ceil_log2_div(x.float(), c) + 127).clamp(0, 254).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
 def e2m1_pair_table(device) -> Tensor:

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from megagraph.graph.interp import TORCH_DTYPES
 
-from ._common import I64, e8m0_to_f32, f32_to_e8m0_ceil, seg_counts
+from ._common import I64, e8m0_ceil_div, e8m0_to_f32, seg_counts
 from .attention import ring_update, sparse_attn
 from .compressor import cache_write, compress_pool, v4_compress_pool
 from .dense import add, fake_quant, grouped_linear, hc_collapse, hc_expand, hc_mixer, linear, rms_norm, rope
@@ -29,7 +29,7 @@ def _blocks(x: Tensor, block: int) -> tuple[Tensor, int]:
 def _quantize_blocks(xb: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """xb f32[..., nb, block] -> (E4M3 codes, e8m0 scales, f32 scales) with power-of-two scales."""
     amax = xb.abs().amax(dim=-1).clamp(min=1e-4)
-    e8 = f32_to_e8m0_ceil(amax / FP8_MAX)
+    e8 = e8m0_ceil_div(amax, FP8_MAX)
     s = e8m0_to_f32(e8)
     return (xb / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), e8, s
 

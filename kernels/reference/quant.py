@@ -1,6 +1,8 @@
 """Activation fake-quantization (quantize → dequantize) along the last axis (spec §3.4.1, §3.4.3)."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -8,11 +10,24 @@ FP8_E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 
 
-def _pow2_ceil(y: Tensor) -> Tensor:
-    """Exact ``2^ceil(log2(y))`` for positive finite fp32 y (via frexp, no log rounding)."""
-    m, e = torch.frexp(y)  # y = m · 2^e, m ∈ [0.5, 1)
-    e = torch.where(m == 0.5, e - 1, e)
-    return torch.ldexp(torch.ones_like(y), e)
+def ceil_log2_div(y: Tensor, c: float) -> Tensor:
+    """``ceil(log2(y / c))`` (int32) for positive finite fp32 y and a constant c > 0, from y's
+    frexp alone: no division, so every compiler gets the same exponent. (torch.compile's Triton
+    code divides with div.full, approximate, on CUDA: a quotient one ulp above an exact power of
+    two doubles the scale; quant_jit.ceil_log2_div uses div_rn for the same reason.)
+
+    With c = mc·2^ec and y = m·2^e (mc, m in [0.5, 1)): y/c = (m/mc)·2^(e-ec), where m/mc lies in
+    (1/2, 1] for m <= mc and in (1, 2) for m > mc. For normal quotients this equals the frexp of
+    the correctly rounded y / c (m > mc by one ulp puts the quotient more than half an ulp above 1
+    whenever mc < 1): tests/kernels/test_reference_quant.py checks it against the division."""
+    mc, ec = math.frexp(c)
+    m, e = torch.frexp(y)
+    return e - ec + (m > mc).to(e.dtype)
+
+
+def _pow2_ceil_div(y: Tensor, c: float) -> Tensor:
+    """Exact ``2^ceil(log2(y / c))`` for positive finite fp32 y (no log, no division)."""
+    return torch.ldexp(torch.ones_like(y), ceil_log2_div(y, c))
 
 
 def round_e2m1(v: Tensor) -> Tensor:
@@ -47,10 +62,10 @@ def fake_quant_with(x: Tensor, *, fmt: str, block: int, round_e2m1=round_e2m1) -
     xb = x.float().reshape(*x.shape[:-1], d // block, block)
     amax = xb.abs().amax(dim=-1, keepdim=True)
     if fmt == "fp8_e4m3":
-        scale = _pow2_ceil(amax.clamp(min=1e-4) / FP8_E4M3_MAX)
+        scale = _pow2_ceil_div(amax.clamp(min=1e-4), FP8_E4M3_MAX)
         q = (xb / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
     elif fmt == "mxfp4":
-        scale = _pow2_ceil(amax.clamp(min=1e-4) / E2M1_MAX)
+        scale = _pow2_ceil_div(amax.clamp(min=1e-4), E2M1_MAX)
         q = round_e2m1(xb / scale)
     elif fmt == "nvfp4":
         s = (amax.clamp(min=E2M1_MAX * 2.0**-9) / E2M1_MAX).clamp(max=FP8_E4M3_MAX)

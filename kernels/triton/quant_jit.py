@@ -28,7 +28,8 @@ def ceil_log2_div(amax, DIV: tl.constexpr, LIM: tl.constexpr):
     """e = ceil(log2(max(amax, 1e-4) / DIV)) clamped to +-LIM, from the f32 bits of the quotient
     rounded correctly (div_rn, as torch; Triton's fp32 `/` is div.approx on the GPU, which can
     land one ulp above an exact power of two and double the scale), exactly the reference's
-    frexp (kernels.reference.fused.quantize_act, kernels.reference.quant._pow2_ceil)."""
+    frexp (kernels.reference.fused.quantize_act; kernels.reference.quant.ceil_log2_div gets the
+    same exponent with no division at all)."""
     bits = tl.math.div_rn(tl.maximum(amax, 1e-4), DIV).to(tl.int32, bitcast=True)  # normal
     e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     return tl.minimum(tl.maximum(e, -LIM), LIM)

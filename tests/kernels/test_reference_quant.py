@@ -81,3 +81,25 @@ def test_fake_quant_bf16_dtype():
         y = fake_quant(x, fmt=fmt, block=b)
         assert y.dtype == torch.bfloat16
         assert (y.float() - x.float()).abs().max() <= x.float().abs().max() / 4 + 1e-6
+
+
+@pytest.mark.parametrize("c", [448.0, 6.0, 1.0, 0.75, 3.0, 2.0**-9 * 6.0])
+def test_ceil_log2_div_equals_the_correctly_rounded_quotient(c):
+    """The division-free exponent (what capturable quantizers use, so that torch.compile's
+    approximate CUDA division cannot change a scale) equals frexp of torch's correctly rounded
+    y / c: random magnitudes, and the f32 neighbours of every c·2^k (where an approximate quotient
+    one ulp off would move the exponent)."""
+    from megagraph.kernels.reference.quant import ceil_log2_div
+
+    g = torch.Generator().manual_seed(11)
+    rand = torch.exp2(torch.empty(20000).uniform_(-20, 20, generator=g)) * (
+        1 + torch.rand(20000, generator=g))
+    edges = torch.tensor([c * 2.0**k for k in range(-20, 21)], dtype=torch.float32)
+    up = torch.nextafter(edges, torch.full_like(edges, math.inf))
+    down = torch.nextafter(edges, torch.zeros_like(edges))
+    y = torch.cat([rand.float(), edges, up, down, up.nextafter(up * 2)])
+    m, e = torch.frexp(y / c)
+    want = e - (m == 0.5).to(e.dtype)
+    got = ceil_log2_div(y, c)
+    assert got.dtype == torch.int32
+    assert torch.equal(got, want), y[got != want][:5]

@@ -45,21 +45,30 @@ def test_compiled_engine_equals_eager(compiled):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
-def test_inductor_on_cuda_is_refused_unless_asked():
-    """The H200 gives other tokens with Inductor (docs/compile.md): an engine refuses it there
-    unless `unverified_compile`; the CPU (exact, the test above) and `eager` stay allowed."""
-    from megagraph.runtime.compile import check_verified
+def test_numerics_options_ask_inductor_for_eager_rounding():
+    """`eager` numerics (the default) ask Inductor for correctly rounded fp32 division and eager's
+    bf16 casts wherever this torch has the knobs (Triton's `/` is approximate on CUDA: docs/
+    compile.md); `fast` and non-Inductor backends ask for nothing; the options are ones
+    torch.compile accepts."""
+    from megagraph.runtime.compile import check_numerics, numerics_options
 
-    cuda = torch.device("cuda")
-    with pytest.raises(ValueError, match="--unverified-compile"):
-        check_verified("inductor", cuda, allowed=False)
-    check_verified("inductor", cuda, allowed=True)
-    check_verified("eager", cuda, allowed=False)
-    check_verified("none", cuda, allowed=False)
-    check_verified("inductor", torch.device("cpu"), allowed=False)
+    eager = numerics_options("inductor", "eager")
+    cfg = torch._inductor.config
+    has_div = hasattr(getattr(cfg, "eager_numerics", None), "division_rounding") or \
+        hasattr(cfg, "emulate_divison_rounding")
+    assert has_div == any("divi" in k for k in eager)
+    assert eager.get("emulate_precision_casts", False) == hasattr(cfg, "emulate_precision_casts")
+    assert numerics_options("inductor", "fast") == {}
+    assert numerics_options("eager", "eager") == {}
+    with pytest.raises(ValueError, match="unknown compile numerics 'exact'"):
+        check_numerics("exact")
+    torch._dynamo.reset()
+    f = torch.compile(lambda a, b: a / b, backend="inductor", options=eager or None)
+    a, b = torch.randn(64), torch.randn(64) + 5
+    assert torch.equal(f(a, b), a / b)
 
 
-def test_cli_passes_unverified_compile():
+def test_cli_passes_compile_numerics():
     import argparse
 
     from megagraph.runtime.cli import add_arguments
@@ -67,9 +76,11 @@ def test_cli_passes_unverified_compile():
     p = argparse.ArgumentParser()
     add_arguments(p)
     args = p.parse_args(["generate", "art", "--prompt", "x", "--compile", "inductor",
-                         "--unverified-compile"])
-    assert args.unverified_compile and args.compile == "inductor"
-    assert not p.parse_args(["generate", "art", "--prompt", "x"]).unverified_compile
+                         "--compile-numerics", "fast"])
+    assert args.compile_numerics == "fast" and args.compile == "inductor"
+    assert p.parse_args(["generate", "art", "--prompt", "x"]).compile_numerics == "eager"
+    with pytest.raises(SystemExit):
+        p.parse_args(["generate", "art", "--prompt", "x", "--unverified-compile"])
 
 
 @pytest.mark.parametrize("trace_loops", [False, True])
