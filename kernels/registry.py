@@ -81,13 +81,16 @@ KERNELS: dict[str, list[KernelImpl]] = {
                         note="kernels/triton/quant.py: one pass per row, bitwise the reference "
                              "(22 cases on the H200, tests/kernels/test_triton_quant.py)"),
                      _k("triton.quantize_act", "cuda triton", "unvalidated")],
-    "rope": [_k("triton.rope", "sm_90 triton", "unvalidated",
+    "rope": [_k("triton.rope", "sm_90 triton", "available",
                 note="kernels/triton/rope.py: one pass over x with the capturable version's "
                      "cos/sin table, no FMA contraction: bitwise the capturable rope "
-                     "(tests/kernels/test_triton_dense.py)")],
-    "fake_quant": [_k("triton.fake_quant", "sm_90 triton", "unvalidated",
+                     "(48 cases on the H200, tests/kernels/test_triton_dense.py)"),
+             _k("triton.rope", "cuda triton", "unvalidated")],
+    "fake_quant": [_k("triton.fake_quant", "sm_90 triton", "available",
                       note="kernels/triton/quant.py: one pass per row, fp8_e4m3 / mxfp4 / nvfp4, "
-                           "bitwise the reference (tests/kernels/test_triton_dense.py)")],
+                           "bitwise the reference (16 cases on the H200, "
+                           "tests/kernels/test_triton_dense.py)"),
+                   _k("triton.fake_quant", "cuda triton", "unvalidated")],
     "compressor": [_k("triton.compressor", "sm_90 triton", "available",
                       note="kernels/triton/compressor.py: GEMM + pool/norm/RoPE/fake-quant rows"),
                    _k("triton.compressor", "cuda triton")],

@@ -128,11 +128,15 @@ def wrap(program, backend: str, num_shapes: int, dynamic: bool = False,
     fn = program.with_weights(e8m0) if e8m0 else program
     if opaque & {c.outputs[0] for c in program.calls}:
         fn = fn.with_wrapped(set(opaque), torch.compiler.disable)
+    # Dynamo's recompile limits count per code object over the whole process: every engine
+    # started in it compiles shared frames (rms_norm, Program.__call__) again for its own shapes,
+    # and a frame past the limit silently runs uncompiled (the H200 benchmark of several engines
+    # per process hit it). Each wrap therefore adds its own allowance.
     cfg = torch._dynamo.config
     for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
                  "accumulated_recompile_limit"):
         if hasattr(cfg, knob):
-            setattr(cfg, knob, max(getattr(cfg, knob), 4 * num_shapes + 8))
+            setattr(cfg, knob, getattr(cfg, knob) + 4 * num_shapes + 8)
     options = numerics_options(backend, numerics)
     return torch.compile(fn, backend=backend, dynamic=dynamic, options=options or None)
 

@@ -124,3 +124,16 @@ def test_recompile_inside_capture_is_named():
         f(torch.ones(5))
     with pytest.raises(RecompileError, match="size mismatch"), _no_recompiles(True):
         f(torch.ones(4))
+
+
+def test_each_engine_adds_its_own_recompile_allowance(compiled):
+    """Dynamo's recompile limit counts per frame over the whole process: a second engine in the
+    same process must not push shared frames past it (they would run uncompiled, silently)."""
+    path = compiled("v4.1-flash-tiny", hw="h200")  # the cpu plan has no graph segments
+    cfg = torch._dynamo.config
+    conf = dict(allow_fallback=True, compile="eager", buckets=(4,))
+    with cfg.patch(recompile_limit=8):
+        make_engine(path, "v4.1-flash-tiny", **conf)
+        first = cfg.recompile_limit
+        make_engine(path, "v4.1-flash-tiny", **conf)
+        assert first > 8 and cfg.recompile_limit - first == first - 8

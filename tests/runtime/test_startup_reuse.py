@@ -31,4 +31,5 @@ def test_second_start_hits_the_compile_cache(compiled, tmp_path, monkeypatch):
     assert second.cache["fxgraph_cache_hit"] >= 1 and second.previous_total == first.total
     assert second.megacache_loaded and second.cache_dir == first.cache_dir
     text = "\n".join(second.lines())
-    assert "torch.compile backend inductor; caches in" in text and "previous start" in text
+    assert "torch.compile backend inductor (numerics: " in text and "caches in" in text
+    assert "previous start" in text
