@@ -13,11 +13,11 @@ from .moe_jit import cast_out, round_e4m3, round_like
 @triton.jit
 def mhc_proj(h_ptr, fn_ptr, m_ptr, sq_ptr, T, KD, k_per, stride_h, stride_fn,
              NM: tl.constexpr, NPAD: tl.constexpr, SPLIT_BF16: tl.constexpr,
-             ATOMIC: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """m[t, :NM] (+)= h[t] @ fn^T and sq[t] (+)= sum(h[t]^2) over the K range of program axis 1
-    (k_per columns each; ATOMIC: partial sums added atomically into zeroed buffers).
-    SPLIT_BF16: bf16 h times fn split into bf16 hi + lo (two exact-product MMAs, ~2^-16
-    relative); else fp32 "ieee"."""
+             BM: tl.constexpr, BK: tl.constexpr):
+    """m[s, t, :NM] = h[t] @ fn^T and sq[s, t] = sum(h[t]^2) over the K range s of program axis 1
+    (k_per columns each): partial sums, one [T, NPAD] / [T] slab per split, reduced in a fixed
+    order by mhc_reduce (no atomics: the same bits on every run). SPLIT_BF16: bf16 h times fn
+    split into bf16 hi + lo (two exact-product MMAs, ~2^-16 relative); else fp32 "ieee"."""
     pm = tl.program_id(0)
     ps = tl.program_id(1)
     rm = pm * BM + tl.arange(0, BM)
@@ -45,13 +45,27 @@ def mhc_proj(h_ptr, fn_ptr, m_ptr, sq_ptr, T, KD, k_per, stride_h, stride_fn,
             acc = tl.dot(hb, tl.trans(lo), acc)
         else:
             acc = tl.dot(hf, tl.trans(f), acc, input_precision="ieee")
-    m_ptrs = m_ptr + rm[:, None] * NPAD + rn[None, :]
-    if ATOMIC:
-        tl.atomic_add(m_ptrs, acc, mask=rmask[:, None])
-        tl.atomic_add(sq_ptr + rm, sq, mask=rmask)
-    else:
-        tl.store(m_ptrs, acc, mask=rmask[:, None])
-        tl.store(sq_ptr + rm, sq, mask=rmask)
+    slab = ps.to(tl.int64) * T
+    tl.store(m_ptr + (slab + rm[:, None]) * NPAD + rn[None, :], acc, mask=rmask[:, None])
+    tl.store(sq_ptr + slab + rm, sq, mask=rmask)
+
+
+@triton.jit
+def mhc_reduce(part_ptr, sqp_ptr, m_ptr, sq_ptr, T, SPLIT, NPAD: tl.constexpr, BM: tl.constexpr):
+    """m[t] = sum over s of part[s, t] and sq[t] = sum of sqp[s, t], added in the order
+    s = 0, 1, ... (what makes the split projection deterministic)."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rmask = rm < T
+    rn = tl.arange(0, NPAD)
+    acc = tl.zeros((BM, NPAD), dtype=tl.float32)
+    sq = tl.zeros((BM,), dtype=tl.float32)
+    for s in range(0, SPLIT):
+        slab = s * T
+        acc += tl.load(part_ptr + (slab + rm[:, None]) * NPAD + rn[None, :], mask=rmask[:, None],
+                       other=0.0)
+        sq += tl.load(sqp_ptr + slab + rm, mask=rmask, other=0.0)
+    tl.store(m_ptr + rm[:, None] * NPAD + rn[None, :], acc, mask=rmask[:, None])
+    tl.store(sq_ptr + rm, sq, mask=rmask)
 
 
 @triton.jit
