@@ -12,7 +12,7 @@ each candidate is checked against the reference that quantizes H the same way
 (reference moe_experts_q(h_fmt="fp8_1x128"), rel err < 1.5e-2 at bf16 output) and its error vs
 the fp32-H reference is recorded too (rel_err_fp32h, ~2-3%).
 
-Tiles are GemmConfig fields in order (bm, bn, bk, warps, stages, par, persistent); at decode
+Tiles are GemmConfig fields in order (bm, bn, bk, warps, stages, par, persistent[, qsplit]); at decode
 sizes the heuristic tile is also tried persistent (moe_gemm_persistent, 1-4 programs per SM)
 right after the default, so a short budget still times them.
 Writes OUT/moe_tune.json (every candidate: tile, ms, TB/s or TFLOP/s, error) and OUT/moe_tune.md
@@ -49,6 +49,9 @@ def candidates(role: str, decode: bool):
         bms, bns, warps, stages = (64, 128), (64, 128), (4, 8), (3, 4)
     if role == "l1_fp8h":
         bns = (128, 256) if not decode else (128,)
+        if not decode:  # 128 columns as two 64-column K loops (qsplit 2), then the one-loop tiles
+            for bm, s, par in itertools.product((64, 128), stages, (True, False)):
+                yield (bm, 128, 128, 4 if bm == 64 else 8, s, par, 0, 2)
     for bm, bn, w, s, par in itertools.product(bms, bns, warps, stages, (True, False)):
         if bm == 128 and w == 4:
             continue
@@ -97,7 +100,8 @@ def main() -> None:
             cands = [tuple(vars(d1 if role == r1 else d2).values())]
             if T <= 256:  # the heuristic tile on the static grid (0) and persistent, 1-4 per SM
                 cands += [cands[0][:6] + (p,) for p in (0, 1, 2, 3, 4) if p != cands[0][6]]
-            cands += [c for c in candidates(role, T <= 256) if c != cands[0][:6]]
+            cands += [c for c in candidates(role, T <= 256)
+                      if tuple(vars(tm.GemmConfig(*c)).values()) != cands[0]]
             n_groups_left = (2 if role == r1 else 1) + 2 * (len(Ts) - 1 - Ts.index(T))
             g_end = time.perf_counter() + (t_end - time.perf_counter()) / n_groups_left
             for c in cands:

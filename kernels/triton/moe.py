@@ -113,7 +113,9 @@ class GemmConfig:
     registers instead of interleaving the upcast weights); persistent: grouped GEMMs only, > 0
     launches that many programs per SM looping over a device-built list of the non-empty tiles
     (moe_gemm_persistent), 0 the static worst-case grid (moe_gemm). A GEMM that quantizes its
-    output (the FP8-H L1, role "l1_fp8h") needs bn a multiple of 128."""
+    output (the FP8-H L1, role "l1_fp8h") needs bn a multiple of 128; qsplit = 2 (bn = 128
+    only, ignored without a quantized output) computes those 128 columns as two 64-column K loops
+    in one program (moe_jit.moe_tile QSPLIT): the 64-column tile's registers, same numbers."""
 
     bm: int
     bn: int
@@ -122,6 +124,7 @@ class GemmConfig:
     num_stages: int = 3
     par: bool = False
     persistent: int = 0
+    qsplit: int = 1
 
 
 # Benchmarks and tests may set these: role ("l1", "l2", "l1_fp8h", "l2_fp8h", "dense",
@@ -140,22 +143,26 @@ def pick_config(role: str, rows_per_group: float) -> GemmConfig:
     # decode: most experts hold 1-2 rows, the static grid is mostly programs that exit at once
     pers = PERSISTENT_PER_SM if (PERSISTENT and role in ("l1", "l2", "l1_fp8h", "l2_fp8h")
                                  and rows_per_group <= 12) else 0
-    # FP8-H tiles: not timed yet (benchmarks/moe_tune.py --fp8-h sweeps them); picked from the
-    # sm_90 build (Triton 3.9): the L1 quantizes H per 128 columns in its epilogue, so bn = 128
-    # (two [bm, 128] accumulators; 64 x 128 x 8 warps: 432 B of stack, like the default prefill
-    # L1's 488 B; 4 warps 1248 B); L2 on FP8 A: 64 x 128 x 8 warps 64 B of stack (4 warps 408 B),
-    # both on wgmma (QGMMA); decode: the fp16 path's 16 x 128 tiles (32 / 0 B)
+    # FP8-H tiles (kernels/triton/NOTES-moe.md, fifth session): the L1 quantizes H per 128
+    # columns in its epilogue, so a program owns 128 columns; one [64, 128] x 2 K loop needs 8
+    # warps (1 program per SM, 5x the barriers of the 4-warp loop: 21.7 ms on the H200 against
+    # 9.7 ms for the default L1) or spills at 4 warps (~500 B). qsplit = 2 runs the default
+    # prefill L1's 64 x 64 x 4-warp loop twice per program instead (sm_90 build with the
+    # launcher's divisibility: 255 registers, no stack, 670 instructions per K chunk against the
+    # default's 675, two programs per SM): to be timed (moe_tune --fp8-h). L2 on FP8 A: the H200
+    # sweep's best 64 x 128 x 4 warps x 4 stages (~4.8 ms; 8 warps 9.8 ms: 1 program per SM).
+    # Decode: the fp16 path's 16 x 128 tiles.
     if role == "l1_fp8h":
         if INTERPRET:
             return GemmConfig(16, 128, 128, 4, 1, par=True, persistent=pers)
         if rows_per_group <= 12:
             return GemmConfig(16, 128, 128, 4, 3, par=True, persistent=pers)
-        return GemmConfig(64, 128, 128, 8, 3, par=True)
+        return GemmConfig(64, 128, 128, 4, 3, par=True, qsplit=2)
     if role == "l2_fp8h":
         if INTERPRET or rows_per_group <= 12:
             role = "l2"
         else:
-            return GemmConfig(64, 128, 128, 8, 3, par=True)
+            return GemmConfig(64, 128, 128, 4, 4, par=True)
     if INTERPRET:
         return GemmConfig(16, 32, 128, 4, 1, par=role in ("l1", "l2"), persistent=pers)
     if role == "l1":
@@ -391,7 +398,8 @@ def gemm(a: Tensor, a_scale: Tensor | None, b1: Bank, out: Tensor, *, b2: Bank |
         USE_ASM=b1.wfmt == 0 and mma in (MMA_FP8, MMA_FP16) and asm_ok(out.device),
         MANUAL=INTERPRET, PAR=cfg.par and b1.wfmt == 0 and mma in (MMA_FP8, MMA_FP16),
         BM=bm, BN=bn, BK=bk, G_PAD=_next_pow2(G) if grouped else 1,
-        QUANT_OUT=out_scale is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        QUANT_OUT=out_scale is not None, QSPLIT=cfg.qsplit if out_scale is not None else 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
@@ -402,6 +410,8 @@ def _check_quant_out(cfg: GemmConfig, b1: Bank, out: Tensor, out_scale: Tensor,
     if cfg.bn % 128 or b1.n % 128 or batched:
         raise ValueError(f"quantized output needs bn ({cfg.bn}) and N ({b1.n}) multiples of 128 "
                          "and no batched groups")
+    if cfg.qsplit not in (1, 2) or (cfg.qsplit == 2 and cfg.bn != 128):
+        raise ValueError(f"qsplit {cfg.qsplit}: 1, or 2 with bn 128 (two 64-column halves)")
     if (out.dtype != torch.float8_e4m3fn or out_scale.dtype != torch.float32
             or out_scale.shape[-1] != b1.n // 128 or out_scale.stride(-1) != 1
             or out.stride(-1) != 1):
@@ -441,7 +451,8 @@ def _gemm_persistent(a, a_scale, b1: Bank, out, cfg: GemmConfig, *, b2, counts, 
         WFMT=b1.wfmt, MMA=mma, BLK_N_S=b1.bn, BLK_K_S=b1.bk, NSUB=bk // min(bk, b1.bk),
         USE_ASM=b1.wfmt == 0 and mma in (MMA_FP8, MMA_FP16) and asm_ok(out.device),
         MANUAL=INTERPRET, PAR=cfg.par and b1.wfmt == 0 and mma in (MMA_FP8, MMA_FP16),
-        BM=bm, BN=bn, BK=bk, QUANT_OUT=out_scale is not None, num_warps=cfg.num_warps,
+        BM=bm, BN=bn, BK=bk, QUANT_OUT=out_scale is not None,
+        QSPLIT=cfg.qsplit if out_scale is not None else 1, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out
 

@@ -316,40 +316,13 @@ def quantize_out(x, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def moe_tile(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, cidx_ptr, w_ptr,
-             hs_ptr, g, row0, nrows, pid_n, N, K, limit,
-             stride_am, stride_as, stride_ag, stride_asg,
-             stride_bg, stride_bn, stride_bsg, stride_bsn, stride_cm, stride_cg, stride_hs,
-             TOPK: tl.constexpr, KS: tl.constexpr,
-             GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, WEIGHTED: tl.constexpr,
-             SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, A_SCALED: tl.constexpr,
-             WFMT: tl.constexpr, MMA: tl.constexpr, BLK_N_S: tl.constexpr, BLK_K_S: tl.constexpr,
-             NSUB: tl.constexpr, USE_ASM: tl.constexpr, MANUAL: tl.constexpr, PAR: tl.constexpr,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, QUANT_OUT: tl.constexpr):
-    """One output tile: rows row0 .. row0 + min(nrows, BM) - 1 of group g, columns pid_n * BN ..
-    (+BN) - the whole K loop and the epilogue (moe_gemm's flags). Shared by moe_gemm and
-    moe_gemm_persistent, so both compute every output element with the same operations in the
-    same order. QUANT_OUT (the FP8-H path, off by default): the epilogue writes C as E4M3 codes
-    (c_ptr fp8) with one power-of-two f32 scale per row and 128 columns at hs_ptr + row *
-    stride_hs + column // 128 (quantize_out); BN a multiple of 128, no group stride."""
-    g64 = g.to(tl.int64)
-    rm = tl.arange(0, BM)
-    rmask = rm < nrows
-    rows = row0 + rm
-    if GATHER_A:
-        src = tl.load(aidx_ptr + rows, mask=rmask, other=0)
-        a_rows = (src // TOPK).to(tl.int64)
-    else:
-        a_rows = rows.to(tl.int64)
-    rn = pid_n * BN + tl.arange(0, BN)
-    nmask = rn < N
-    rk = tl.arange(0, BK)
-    a_ptrs = a_ptr + g64 * stride_ag + a_rows[:, None] * stride_am + rk[None, :]
-    as_ptrs = as_ptr + g64 * stride_asg + a_rows * stride_as
-    b1 = b1_ptr + g64 * stride_bg
-    bs1 = bs1_ptr + g64 * stride_bsg
-    b2 = b2_ptr + g64 * stride_bg
-    bs2 = bs2_ptr + g64 * stride_bsg
+def moe_acc(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask, K, stride_bn, stride_bsn,
+            SWIGLU: tl.constexpr, A_SCALED: tl.constexpr, WFMT: tl.constexpr, MMA: tl.constexpr,
+            BLK_N_S: tl.constexpr, BLK_K_S: tl.constexpr, NSUB: tl.constexpr,
+            USE_ASM: tl.constexpr, PAR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+            BK: tl.constexpr):
+    """The K loop of one [BM, BN] tile (B rows rn): fp32 accumulators (acc1 of B1, acc2 of B2
+    when SWIGLU, else acc1 twice)."""
     acc1 = tl.zeros((BM, BN), dtype=tl.float32)
     acc2 = tl.zeros((BM, BN), dtype=tl.float32)
     # the small scale loads are prefetched one chunk ahead by hand (the software pipeliner only
@@ -391,6 +364,13 @@ def moe_tile(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
                 b, sb = load_b_tile(b2, e2, rn, nmask, k0, stride_bn, WFMT, MMA, NSUB, USE_ASM,
                                     BN, BK)
                 acc2 = mma_step(acc2, a, sa, b, sb, A_SCALED, MMA)
+    return acc1, acc2
+
+
+@triton.jit
+def swiglu_act(acc1, acc2, limit, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """The epilogue's activation: silu(min(g, lim)) * clamp(u, -lim, lim) of (acc1, acc2) with
+    SWIGLU, else acc1."""
     if SWIGLU:
         gt = acc1
         up = acc2
@@ -400,23 +380,104 @@ def moe_tile(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
         out = gt * tl.sigmoid(gt) * up
     else:
         out = acc1
-    if SCATTER_C:
-        pair = tl.load(cidx_ptr + rows, mask=rmask, other=0)
-        crow = ((pair // TOPK) * KS + pair % TOPK).to(tl.int64)
-        if WEIGHTED:
-            out = out * tl.load(w_ptr + pair, mask=rmask, other=0.0)[:, None]
+    return out
+
+
+@triton.jit
+def quantize_pair(x0, x1):
+    """quantize_out of the [BM, 128] block whose columns are x0 [BM, 64] then x1 [BM, 64] (the
+    QSPLIT = 2 tile): the same amax (max is exact in any order), scale and codes, with each half
+    kept in the accumulator's own layout (the row amax is an in-warp reduction)."""
+    amax = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
+    e, inv = pow2_scale(amax)
+    q0 = e4m3_grid(tl.minimum(tl.maximum(x0 * inv[:, None], -448.0), 448.0))
+    q1 = e4m3_grid(tl.minimum(tl.maximum(x1 * inv[:, None], -448.0), 448.0))
+    return q0.to(tl.float8e4nv), q1.to(tl.float8e4nv), ((e + 127) << 23).to(tl.float32,
+                                                                              bitcast=True)
+
+
+@triton.jit
+def moe_tile(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, cidx_ptr, w_ptr,
+             hs_ptr, g, row0, nrows, pid_n, N, K, limit,
+             stride_am, stride_as, stride_ag, stride_asg,
+             stride_bg, stride_bn, stride_bsg, stride_bsn, stride_cm, stride_cg, stride_hs,
+             TOPK: tl.constexpr, KS: tl.constexpr,
+             GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, WEIGHTED: tl.constexpr,
+             SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, A_SCALED: tl.constexpr,
+             WFMT: tl.constexpr, MMA: tl.constexpr, BLK_N_S: tl.constexpr, BLK_K_S: tl.constexpr,
+             NSUB: tl.constexpr, USE_ASM: tl.constexpr, MANUAL: tl.constexpr, PAR: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, QUANT_OUT: tl.constexpr,
+             QSPLIT: tl.constexpr = 1):
+    """One output tile: rows row0 .. row0 + min(nrows, BM) - 1 of group g, columns pid_n * BN ..
+    (+BN) - the whole K loop and the epilogue (moe_gemm's flags). Shared by moe_gemm and
+    moe_gemm_persistent, so both compute every output element with the same operations in the
+    same order. QUANT_OUT (the FP8-H path, off by default): the epilogue writes C as E4M3 codes
+    (c_ptr fp8) with one power-of-two f32 scale per row and 128 columns at hs_ptr + row *
+    stride_hs + column // 128 (quantize_out); BN a multiple of 128, no group stride.
+    QSPLIT = 2 (QUANT_OUT, BN = 128, no SCATTER_C): the 128 columns are computed as two
+    [BM, 64] halves one after the other (two K loops over the same A rows, the first half's fp32
+    result kept until the second's is done), so the K loop is the 64-column tile's (the default
+    prefill L1's register budget: no spills, two programs per SM) and the block amax spans both
+    halves (quantize_pair); every element is computed by the same operations as at QSPLIT = 1."""
+    g64 = g.to(tl.int64)
+    rm = tl.arange(0, BM)
+    rmask = rm < nrows
+    rows = row0 + rm
+    if GATHER_A:
+        src = tl.load(aidx_ptr + rows, mask=rmask, other=0)
+        a_rows = (src // TOPK).to(tl.int64)
     else:
+        a_rows = rows.to(tl.int64)
+    rn = pid_n * BN + tl.arange(0, BN // QSPLIT)  # QSPLIT = 2: the first half's columns
+    nmask = rn < N
+    rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + g64 * stride_ag + a_rows[:, None] * stride_am + rk[None, :]
+    as_ptrs = as_ptr + g64 * stride_asg + a_rows * stride_as
+    b1 = b1_ptr + g64 * stride_bg
+    bs1 = bs1_ptr + g64 * stride_bsg
+    b2 = b2_ptr + g64 * stride_bg
+    bs2 = bs2_ptr + g64 * stride_bsg
+    if QSPLIT == 2:
+        BNH: tl.constexpr = BN // 2
+        rn0 = rn
+        rn1 = rn0 + BNH
+        acc1, acc2 = moe_acc(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn0, nmask, K,
+                             stride_bn, stride_bsn, SWIGLU, A_SCALED, WFMT, MMA, BLK_N_S,
+                             BLK_K_S, NSUB, USE_ASM, PAR, BM, BNH, BK)
+        out0 = swiglu_act(acc1, acc2, limit, SWIGLU, HAS_LIMIT)
+        acc1, acc2 = moe_acc(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn1, rn1 < N, K,
+                             stride_bn, stride_bsn, SWIGLU, A_SCALED, WFMT, MMA, BLK_N_S,
+                             BLK_K_S, NSUB, USE_ASM, PAR, BM, BNH, BK)
+        out1 = swiglu_act(acc1, acc2, limit, SWIGLU, HAS_LIMIT)
         crow = rows.to(tl.int64)
-    c_ptrs = c_ptr + g64 * stride_cg + crow[:, None] * stride_cm + rn[None, :]
-    if QUANT_OUT:
-        q, sc = quantize_out(out, BM, BN)
-        tl.store(c_ptrs, q, mask=rmask[:, None] & nmask[None, :])
-        rb = pid_n * (BN // 128) + tl.arange(0, BN // 128)
-        tl.store(hs_ptr + crow[:, None] * stride_hs + rb[None, :], sc,
-                 mask=rmask[:, None] & (rb * 128 < N)[None, :])
+        q0, q1, sc = quantize_pair(out0, out1)
+        c_ptrs = c_ptr + g64 * stride_cg + crow[:, None] * stride_cm + rn0[None, :]
+        tl.store(c_ptrs, q0, mask=rmask[:, None] & nmask[None, :])
+        tl.store(c_ptrs + BNH, q1, mask=rmask[:, None] & (rn1 < N)[None, :])
+        tl.store(hs_ptr + crow * stride_hs + pid_n, sc,
+                 mask=rmask & ((pid_n * BN + rm * 0) < N))
     else:
-        tl.store(c_ptrs, cast_out(out, c_ptr.dtype.element_ty, MANUAL),
-                 mask=rmask[:, None] & nmask[None, :])
+        acc1, acc2 = moe_acc(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask, K,
+                             stride_bn, stride_bsn, SWIGLU, A_SCALED, WFMT, MMA, BLK_N_S,
+                             BLK_K_S, NSUB, USE_ASM, PAR, BM, BN, BK)
+        out = swiglu_act(acc1, acc2, limit, SWIGLU, HAS_LIMIT)
+        if SCATTER_C:
+            pair = tl.load(cidx_ptr + rows, mask=rmask, other=0)
+            crow = ((pair // TOPK) * KS + pair % TOPK).to(tl.int64)
+            if WEIGHTED:
+                out = out * tl.load(w_ptr + pair, mask=rmask, other=0.0)[:, None]
+        else:
+            crow = rows.to(tl.int64)
+        c_ptrs = c_ptr + g64 * stride_cg + crow[:, None] * stride_cm + rn[None, :]
+        if QUANT_OUT:
+            q, sc = quantize_out(out, BM, BN)
+            tl.store(c_ptrs, q, mask=rmask[:, None] & nmask[None, :])
+            rb = pid_n * (BN // 128) + tl.arange(0, BN // 128)
+            tl.store(hs_ptr + crow[:, None] * stride_hs + rb[None, :], sc,
+                     mask=rmask[:, None] & (rb * 128 < N)[None, :])
+        else:
+            tl.store(c_ptrs, cast_out(out, c_ptr.dtype.element_ty, MANUAL),
+                     mask=rmask[:, None] & nmask[None, :])
 
 
 @triton.jit
@@ -431,7 +492,7 @@ def moe_gemm(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
              WFMT: tl.constexpr, MMA: tl.constexpr, BLK_N_S: tl.constexpr, BLK_K_S: tl.constexpr,
              NSUB: tl.constexpr, USE_ASM: tl.constexpr, MANUAL: tl.constexpr, PAR: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G_PAD: tl.constexpr,
-             QUANT_OUT: tl.constexpr = False):
+             QUANT_OUT: tl.constexpr = False, QSPLIT: tl.constexpr = 1):
     """C = A @ B^T (fp32 accumulate), per group.
 
     GROUPED: program_id(0) = m_tile * num_n + n_tile over a static worst-case tile count; the
@@ -446,6 +507,8 @@ def moe_gemm(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
     QUANT_OUT (grouped / dense, not batched): C as E4M3 codes + per-(row, 128 columns) f32 scales
     at hs_ptr (row stride stride_hs): the FP8-H path's L1 (moe_tile). hs_ptr / stride_hs are
     the last runtime arguments, so the default kernels' other parameters keep their offsets.
+    QSPLIT = 2 (with QUANT_OUT, BN = 128): each 128-column tile as two 64-column K loops
+    (moe_tile), with the 64-column tile's registers.
     """
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BN)
@@ -473,7 +536,7 @@ def moe_gemm(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
              stride_am, stride_as, stride_ag, stride_asg,
              stride_bg, stride_bn, stride_bsg, stride_bsn, stride_cm, stride_cg, stride_hs,
              TOPK, KS, GATHER_A, SCATTER_C, WEIGHTED, SWIGLU, HAS_LIMIT, A_SCALED, WFMT, MMA,
-             BLK_N_S, BLK_K_S, NSUB, USE_ASM, MANUAL, PAR, BM, BN, BK, QUANT_OUT)
+             BLK_N_S, BLK_K_S, NSUB, USE_ASM, MANUAL, PAR, BM, BN, BK, QUANT_OUT, QSPLIT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -521,7 +584,7 @@ def moe_gemm_persistent(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_pt
                         BLK_K_S: tl.constexpr, NSUB: tl.constexpr, USE_ASM: tl.constexpr,
                         MANUAL: tl.constexpr, PAR: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        QUANT_OUT: tl.constexpr = False):
+                        QUANT_OUT: tl.constexpr = False, QSPLIT: tl.constexpr = 1):
     """moe_gemm GROUPED on a fixed grid: the work items are (row tile of moe_tile_list) x (N tile),
     item w = tile * num_n + n_tile (moe_gemm's program order); program p runs items p, p + grid,
     p + 2 grid, ... up to the device-side total, so no program is launched for an empty expert
@@ -540,7 +603,7 @@ def moe_gemm_persistent(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_pt
                  stride_am, stride_as, 0, 0, stride_bg, stride_bn, stride_bsg, stride_bsn,
                  stride_cm, 0, stride_hs,
                  TOPK, KS, GATHER_A, SCATTER_C, WEIGHTED, SWIGLU, HAS_LIMIT, A_SCALED, WFMT, MMA,
-                 BLK_N_S, BLK_K_S, NSUB, USE_ASM, MANUAL, PAR, BM, BN, BK, QUANT_OUT)
+                 BLK_N_S, BLK_K_S, NSUB, USE_ASM, MANUAL, PAR, BM, BN, BK, QUANT_OUT, QSPLIT)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -141,7 +141,7 @@ def moe_cases():
     l1 = dict(TOPK=6, KS=6, GATHER_A=True, SCATTER_C=False, WEIGHTED=False, SWIGLU=True,
               HAS_LIMIT=True, A_SCALED=True, WFMT=0, MMA=M.MMA_FP8, BLK_N_S=1, BLK_K_S=32,
               NSUB=4, USE_ASM=True, MANUAL=False, PAR=True, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
-              QUANT_OUT=False)
+              QUANT_OUT=False, QSPLIT=1)
     l2 = dict(l1, KS=7, GATHER_A=False, SCATTER_C=True, WEIGHTED=True, SWIGLU=False,
               HAS_LIMIT=False, A_SCALED=False, MMA=M.MMA_FP16)
     ptrs = {n for n, t in gemm.items() if t.startswith("*")}
@@ -155,20 +155,30 @@ def moe_cases():
                  stride_cg="i32", hs_ptr="*fp32", stride_hs="i32")
     q1, q2 = M.pick_config("l1_fp8h", 48.0), M.pick_config("l2_fp8h", 48.0)
     d1, d2 = M.pick_config("l1_fp8h", 1.5), M.pick_config("l2_fp8h", 1.5)
-    l1q = dict(l1, QUANT_OUT=True, BM=q1.bm, BN=q1.bn, BK=q1.bk, GROUPED=True, G_PAD=512)
+    l1q = dict(l1, QUANT_OUT=True, BM=q1.bm, BN=q1.bn, BK=q1.bk, GROUPED=True, G_PAD=512,
+               QSPLIT=q1.qsplit)
     l2q = dict(l2, A_SCALED=True, MMA=M.MMA_FP8, BM=q2.bm, BN=q2.bn, BK=q2.bk, GROUPED=True,
                G_PAD=512, QUANT_OUT=False)
     divq = div1 | {"hs_ptr"}  # the scale strides (F / 128 = 18, d / 128 = 40) are not
+    # the static grid's launch also passes M = 0, G = 384 and the group strides 0, which Triton
+    # specializes as 16-divisible too: without them the A pointers are not known aligned, A is
+    # loaded byte by byte outside the cp.async pipeline and every prefill tile spills (the
+    # fourth session's 432 B / 64 B were this artifact, not the kernels)
+    divs = divq | {"M", "G", "stride_ag", "stride_asg", "stride_cg"}
     out = {
-        # 432 B of stack on Triton 3.9 at 8 warps: the two [64, 128] fp32 accumulators; the
-        # default prefill L1 (64 x 64, 4 warps) spills 488 B on the same build
+        # FP8-H L1 at its prefill tile: 128 columns as two 64-column K loops (qsplit 2, 4 warps):
+        # no local memory at all (the one-loop 128-column tile needs 8 warps = 1 program per SM
+        # with 5x the barriers, or spills ~500 B at 4 warps: 2.2x the default L1 on the H200)
         "moe fp8h l1 prefill": ("moe_jit", "moe_gemm", dict(sgemm, c_ptr="*fp8e4nv"), l1q,
                                 q1.num_warps, "QGMMA",
-                                dict(stages=q1.num_stages, div=divq - {"work_ptr"}, stack=512)),
+                                dict(stages=q1.num_stages, div=divs - {"work_ptr"},
+                                     no_sass=r"\b(LDL|STL)\b")),
+        # FP8-H L2: wgmma on E4M3 A and B (QGMMA, not HGMMA / mma.sync), no local memory
         "moe fp8h l2 prefill": ("moe_jit", "moe_gemm", dict(sgemm, c_ptr="*bf16"), l2q,
-                                q2.num_warps, "QGMMA",
+                                q2.num_warps, r"QGMMA\.\S*E4M3\.E4M3",
                                 dict(stages=q2.num_stages,
-                                     div=divq - {"stride_bsn", "work_ptr"})),
+                                     div=divs - {"stride_bsn", "work_ptr"},
+                                     no_sass=r"\b(LDL|STL|HGMMA|HMMA)\b")),
         "moe fp8h l1 decode persistent": (
             "moe_jit", "moe_gemm_persistent", dict(gemm, c_ptr="*fp8e4nv", hs_ptr="*fp32",
                                                    stride_hs="i32"),

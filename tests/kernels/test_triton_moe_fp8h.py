@@ -77,12 +77,13 @@ def _bank(E, d, F, g):
     return (*mxfp4(E, F, d, g), *mxfp4(E, F, d, g), *mxfp4(E, d, F, g))
 
 
-def _cfg(bm, bn, persistent=0):
-    """A tile for both FP8-H roles: the H200 prefill tile shape on the GPU, small ones here."""
+def _cfg(bm, bn, persistent=0, qsplit=1):
+    """A tile for both FP8-H roles: the H200 prefill tile shape on the GPU, small ones here.
+    qsplit = 2: L1's 128 columns as two 64-column K loops (moe_jit.moe_tile QSPLIT)."""
     if GPU:
-        return tm.GemmConfig(max(bm, 16), bn, 128, 8 if bm >= 64 else 4, 3, par=True,
-                             persistent=persistent)
-    return tm.GemmConfig(bm, bn, 128, 4, 1, par=True, persistent=persistent)
+        return tm.GemmConfig(max(bm, 16), bn, 128, 8 if bm >= 64 and qsplit == 1 else 4, 3,
+                             par=True, persistent=persistent, qsplit=qsplit)
+    return tm.GemmConfig(bm, bn, 128, 4, 1, par=True, persistent=persistent, qsplit=qsplit)
 
 
 def _routing(T, E, k, g, subset=None):
@@ -109,16 +110,21 @@ def _l1_setup(T, E, k, d, F, g, subset):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("T,E,k,F,bm,bn,subset", [
-    (13, 6, 3, 128, 16, 128, (0, 2, 5)),   # odd token count, 3 of 6 experts empty
-    (9, 4, 2, 384, 16, 256, None),         # two 128-blocks per tile, last N tile half past F
+@pytest.mark.parametrize("T,E,k,F,bm,bn,subset,qsplit", [
+    (13, 6, 3, 128, 16, 128, (0, 2, 5), 1),   # odd token count, 3 of 6 experts empty
+    (9, 4, 2, 384, 16, 256, None, 1),         # two 128-blocks per tile, last N tile half past F
+    (13, 6, 3, 256, 16, 128, (0, 2, 5), 2),   # the 128 columns as two 64-column K loops
+    (40, 3, 2, 384, 32, 128, None, 2),        # split, 27 rows per expert: full and partial tiles
 ])
-def test_l1_epilogue_equals_quantize_act(T, E, k, F, bm, bn, subset, monkeypatch):
+def test_l1_epilogue_equals_quantize_act(T, E, k, F, bm, bn, subset, qsplit, monkeypatch):
+    """The quantized run's tile may split its 128 columns (qsplit 2); the fp32 run is the
+    unsplit 128-column tile (qsplit applies to quantized outputs only), so the bitwise equality
+    also proves that the split computes the same fp32 H."""
     g = gen(T * 7 + F)
     d = 128
     xq, xs, _ids, _wts, counts, srt, banks, _ = _l1_setup(T, E, k, d, F, g, subset)
     P = T * k
-    cfg = _cfg(bm, bn)
+    cfg = _cfg(bm, bn, qsplit=qsplit)
     monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": cfg})
     kw = dict(b2=banks[1], role="l1_fp8h", rows_per_group=P / E, counts=counts, a_idx=srt,
               topk=k, max_tiles=min(P, P // cfg.bm + E), limit=10.0)
@@ -156,6 +162,16 @@ def test_quant_out_needs_whole_blocks(monkeypatch):
     with pytest.raises(ValueError, match="multiples of 128"):
         tm.gemm(xq, xs, banks[0], hq, b2=banks[1], role="l1_fp8h", rows_per_group=2,
                 counts=counts, a_idx=srt, topk=2, max_tiles=8, limit=10.0, out_scale=hs)
+    # the 128-column split exists for bn = 128 only (two 64-column halves)
+    hq2 = torch.empty(8, 256, dtype=torch.float8_e4m3fn, device=DEV)
+    hs2 = torch.empty(8, 2, dtype=torch.float32, device=DEV)
+    _, _, _, _, counts2, srt2, banks2, _ = _l1_setup(4, 4, 2, 128, 256, g, None)
+    for bad in (tm.GemmConfig(16, 256, 128, 4, 1, par=True, qsplit=2),
+                tm.GemmConfig(16, 128, 128, 4, 1, par=True, qsplit=4)):
+        monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": bad})
+        with pytest.raises(ValueError, match="qsplit"):
+            tm.gemm(xq, xs, banks2[0], hq2, b2=banks2[1], role="l1_fp8h", rows_per_group=2,
+                    counts=counts2, a_idx=srt2, topk=2, max_tiles=8, limit=10.0, out_scale=hs2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,6 +220,7 @@ def test_l2_fp8_h_vs_torch(T, E, k, F, subset, monkeypatch):
     (13, 8, 3, 128, 256, (0, 2, 5), None, "f32"),      # odd count, 5 of 8 experts empty
     (96, 4, 2, 128, 128, None, (64, 128), "f32"),      # prefill-like: 48 rows / expert, 64-row tile
     (31, 6, 2, 256, 128, (1, 4), (32, 128), "bf16"),   # odd, empty experts, bf16 out
+    (96, 4, 2, 128, 256, None, (64, 128, 0, 2), "f32"),  # prefill-like, L1 split in 64-col halves
 ])
 def test_routed_experts_fp8_h(T, E, k, d, F, subset, tile, out_dtype, monkeypatch):
     g = gen(T * 31 + F)
