@@ -48,6 +48,14 @@ def add_serve_arguments(sub) -> None:
                    help="chat requests that do not say get thinking off (default: on)")
     s.add_argument("--no-grammar", action="store_true", help="disable structured output")
     s.add_argument("--seed", type=int, default=C.seed)
+    s.add_argument("--compile", choices=("none", "eager", "inductor"), default=C.compile,
+                   help="wrap the captured segments with torch.compile (as `runtime generate`)")
+    s.add_argument("--compile-numerics", choices=("eager", "fast"), default=C.compile_numerics,
+                   help="Inductor rounding: eager (the default) or fast; docs/compile.md")
+    s.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly on CUDA")
+    s.add_argument("--allow-fallback", action="store_true",
+                   help="serve artifacts compiled for another device: kernels this one lacks run "
+                        "as their reference kernels (the start-up report lists them)")
     s.add_argument("--drain-timeout", type=float, default=C.drain_timeout,
                    help="seconds in-flight requests get on shutdown")
     s.add_argument("--nproc", type=int, default=1,
@@ -65,7 +73,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_prefill_tokens=args.max_prefill_tokens, max_queue=args.max_queue,
         overlap=not args.no_overlap, default_thinking=not args.no_thinking_default,
         grammar=not args.no_grammar, seed=args.seed, drain_timeout=args.drain_timeout,
-        log_level=args.log_level)
+        log_level=args.log_level, compile=args.compile, compile_numerics=args.compile_numerics,
+        cuda_graphs=not args.no_cuda_graphs, allow_fallback=args.allow_fallback)
 
 
 def serve_main(args: argparse.Namespace) -> int:

@@ -28,6 +28,11 @@ class ServeConfig:
     random_weights: str = "fast"  # without a checkpoint: "fast" or "seeded" (the tests' values)
     drain_timeout: float = 30.0  # seconds in-flight requests get on shutdown
     max_n: int = 16  # choices per request
+    # engine choices shared with `megagraph runtime generate` (runtime/engine.py:EngineConfig)
+    compile: str = "none"  # torch.compile backend around the captured segments
+    compile_numerics: str = "eager"  # Inductor rounding: eager or fast (docs/compile.md)
+    cuda_graphs: bool = True  # capture the plan's buckets on CUDA
+    allow_fallback: bool = False  # run kernels this device lacks as their reference kernels
     log_level: str = "info"
 
     def prefill_cap(self, plan) -> int:
@@ -44,7 +49,9 @@ class ServeConfig:
 
         return EngineConfig(device=self.device, max_slots=slots, capacity=self.capacity,
                             max_step_tokens=self.max_prefill_tokens or 256, seed=self.seed,
-                            random_weights=self.random_weights, progress=False)
+                            random_weights=self.random_weights, progress=False,
+                            compile=self.compile, compile_numerics=self.compile_numerics,
+                            cuda_graphs=self.cuda_graphs, allow_fallback=self.allow_fallback)
 
 
 def _plan_token_limit(plan) -> int:
