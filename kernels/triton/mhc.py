@@ -10,10 +10,10 @@ summed in a fixed order by mhc_reduce (+1 launch), so the 7.9 MB projection weig
 through the whole GPU instead of a few SMs and every run gives the same bits. (Until the fifth
 session the partial sums were added atomically, the only float atomics of the decode path: the
 likely source of the uncompiled engine's run-to-run differences on the H200 slice, 3e-5 in
-decode logits.) mhc_finish: per token the coefficients (2 x 4 sigmoids, 4 x 4 softmax, 20 column and 19
-row normalizations in registers), then two passes over d: the collapse (bf16, as the reference
-rounds it) with its sum of squares, then the norm and the quantizer (per 128 columns, f32
-power-of-two scales; per 32 with e8m0 scales for mxfp8).
+decode logits.) mhc_finish: per token the coefficients (2 x 4 sigmoids, 4 x 4 softmax, 20
+column and 19 row normalizations in registers), then two passes over d: the collapse (bf16, as
+the reference rounds it) with its sum of squares, then the norm and the quantizer (per 128
+columns, f32 power-of-two scales; per 32 with e8m0 scales for mxfp8).
 
 Numerics: the projection multiplies bf16 streams with the fp32 weight split into bf16 hi + lo
 (products exact, weight error ~2^-17), so m differs from the fp32 reference by summation order
@@ -119,5 +119,6 @@ def reduce_partials(part: Tensor, sqp: Tensor) -> tuple[Tensor, Tensor]:
     bm = 16
     mhc_jit.mhc_reduce[(-(-T // bm),)](part, sqp, m, sq, T, S, NPAD=npad, BM=bm, num_warps=4)
     return m, sq
+
 
 __all__ = ["mega_mhc", "supports"]
