@@ -5,6 +5,7 @@ each candidate checked against the reference `moe_experts_q` before it counts.
     python benchmarks/moe_tune.py --out /tmp/tune --budget 200          # H200
     python benchmarks/moe_tune.py --smoke --out /tmp/tune               # CPU: Triton interpreter
     python benchmarks/moe_tune.py --fp8-h --tokens 8192 --out /tmp/tune8  # the FP8-H roles
+    python benchmarks/moe_tune.py --fuse --tokens 8192 --out /tmp/tunef   # L1 one-MMA-per-chunk
 
 --fp8-h tunes the FP8-H path's roles (l1_fp8h: L1 with H quantized to E4M3 per 128 in the
 epilogue, bn a multiple of 128; l2_fp8h: L2 on E4M3 H) with MEGAGRAPH_MOE_FP8_H's numerics on;
@@ -12,7 +13,11 @@ each candidate is checked against the reference that quantizes H the same way
 (reference moe_experts_q(h_fmt="fp8_1x128"), rel err < 1.5e-2 at bf16 output) and its error vs
 the fp32-H reference is recorded too (rel_err_fp32h, ~2-3%).
 
-Tiles are GemmConfig fields in order (bm, bn, bk, warps, stages, par, persistent[, qsplit]); at decode
+--fuse times only the L1 role at prefill sizes: the heuristic tile, then the GemmConfig.fuse
+tiles (moe_jit.moe_acc_fused: W1 / W3 in one wgmma per K chunk, one wait instead of four; 64 x 64
+x 4 warps and 128 x 64 x 8 warps, 3 / 4 stages: the sm_90 builds without spills), then the rest.
+
+Tiles are GemmConfig fields in order (bm, bn, bk, warps, stages, par, persistent[, qsplit[, fuse]]); at decode
 sizes the heuristic tile is also tried persistent (moe_gemm_persistent, 1-4 programs per SM)
 right after the default, so a short budget still times them.
 Writes OUT/moe_tune.json (every candidate: tile, ms, TB/s or TFLOP/s, error) and OUT/moe_tune.md
@@ -39,7 +44,7 @@ from kernel_rows import rel_err, time_ms  # noqa: E402
 from kernel_rows import moe as mr  # noqa: E402
 
 
-def candidates(role: str, decode: bool):
+def candidates(role: str, decode: bool, fuse: bool = False):
     """(bm, bn, bk, warps, stages, par) to try: small-row tiles for decode, large for prefill
     (static grid; the persistent variants are added by main). l1_fp8h: bn multiple of 128 (its
     epilogue owns whole 128-column scale blocks)."""
@@ -47,6 +52,10 @@ def candidates(role: str, decode: bool):
         bms, bns, warps, stages = (16, 64), (64, 128), (4,), (3, 4)
     else:
         bms, bns, warps, stages = (64, 128), (64, 128), (4, 8), (3, 4)
+    if fuse and role == "l1" and not decode:  # one MMA per K chunk (GemmConfig.fuse) first
+        for bm, w in ((64, 4), (128, 8)):
+            for st in (3, 4):
+                yield (bm, 64, 128, w, st, False, 0, 1, True)
     if role == "l1_fp8h":
         bns = (128, 256) if not decode else (128,)
         if not decode:  # 128 columns as two 64-column K loops (qsplit 2), then the one-loop tiles
@@ -66,7 +75,11 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--fp8-h", action="store_true",
                     help="tune the FP8-H roles (l1_fp8h / l2_fp8h, MEGAGRAPH_MOE_FP8_H numerics)")
+    ap.add_argument("--fuse", action="store_true",
+                    help="time only L1 (the default tile, then the GemmConfig.fuse tiles first)")
     a = ap.parse_args()
+    if a.fuse and a.fp8_h:
+        ap.error("--fuse tunes the fp16-H L1 (the FP8-H L1 quantizes its output: no fuse)")
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     from megagraph.kernels.reference import fused as rf
     from megagraph.kernels.triton import moe as tm
@@ -95,14 +108,15 @@ def main() -> None:
         touched = int((torch.bincount(ids.flatten(), minlength=E) > 0).sum())
         fl, by = mr.routed_counts(dims, T, touched)
         d1, d2 = tm.pick_config(r1, rpg), tm.pick_config(r2, rpg)
-        for role, other in ((r1, r2), (r2, r1)):
+        for role, other in ((r1, r2),) if a.fuse else ((r1, r2), (r2, r1)):
             fixed = d2 if role == r1 else d1
             cands = [tuple(vars(d1 if role == r1 else d2).values())]
             if T <= 256:  # the heuristic tile on the static grid (0) and persistent, 1-4 per SM
                 cands += [cands[0][:6] + (p,) for p in (0, 1, 2, 3, 4) if p != cands[0][6]]
-            cands += [c for c in candidates(role, T <= 256)
+            cands += [c for c in candidates(role, T <= 256, a.fuse)
                       if tuple(vars(tm.GemmConfig(*c)).values()) != cands[0]]
-            n_groups_left = (2 if role == r1 else 1) + 2 * (len(Ts) - 1 - Ts.index(T))
+            per_t = 1 if a.fuse else 2
+            n_groups_left = (per_t if role == r1 else 1) + per_t * (len(Ts) - 1 - Ts.index(T))
             g_end = time.perf_counter() + (t_end - time.perf_counter()) / n_groups_left
             for c in cands:
                 if time.perf_counter() > g_end:

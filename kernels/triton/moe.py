@@ -115,7 +115,11 @@ class GemmConfig:
     (moe_gemm_persistent), 0 the static worst-case grid (moe_gemm). A GEMM that quantizes its
     output (the FP8-H L1, role "l1_fp8h") needs bn a multiple of 128; qsplit = 2 (bn = 128
     only, ignored without a quantized output) computes those 128 columns as two 64-column K loops
-    in one program (moe_jit.moe_tile QSPLIT): the 64-column tile's registers, same numbers."""
+    in one program (moe_jit.moe_tile QSPLIT): the 64-column tile's registers, same numbers.
+    fuse (the SwiGLU GEMM on MXFP4 weights, static grid; off by default until timed on the
+    H200): one MMA per K chunk (moe_jit.moe_acc_fused: W1 / W3 rows interleaved into one
+    [2 bn, bk] B tile, A read by the wgmma from shared memory, one wait per chunk where the
+    default loop has four); par is ignored. Other GEMMs ignore it."""
 
     bm: int
     bn: int
@@ -125,6 +129,7 @@ class GemmConfig:
     par: bool = False
     persistent: int = 0
     qsplit: int = 1
+    fuse: bool = False
 
 
 # Benchmarks and tests may set these: role ("l1", "l2", "l1_fp8h", "l2_fp8h", "dense",
@@ -399,8 +404,18 @@ def gemm(a: Tensor, a_scale: Tensor | None, b1: Bank, out: Tensor, *, b2: Bank |
         MANUAL=INTERPRET, PAR=cfg.par and b1.wfmt == 0 and mma in (MMA_FP8, MMA_FP16),
         BM=bm, BN=bn, BK=bk, G_PAD=_next_pow2(G) if grouped else 1,
         QUANT_OUT=out_scale is not None, QSPLIT=cfg.qsplit if out_scale is not None else 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"FUSE": 1} if _fuse_ok(cfg, b1, b2, mma, out_scale) else {}))
     return out
+
+
+def _fuse_ok(cfg: GemmConfig, b1: Bank, b2: Bank, mma: int, out_scale: Tensor | None) -> bool:
+    """GemmConfig.fuse applies: the SwiGLU GEMM (two weight banks) on MXFP4 (E8M0 per 32 columns
+    of one row) with the fp8 / fp16 MMA, a 128-column K chunk, no quantized output (moe_tile's
+    QSPLIT path) and a power-of-two tile. FUSE is passed only when on, so the default launch
+    compiles the same kernel as before the option existed."""
+    return (cfg.fuse and b2 is not b1 and b1.wfmt == 0 and b1.bn == 1 and b1.bk == 32
+            and mma in (MMA_FP8, MMA_FP16) and cfg.bk == 128 and out_scale is None)
 
 
 def _check_quant_out(cfg: GemmConfig, b1: Bank, out: Tensor, out_scale: Tensor,

@@ -8,6 +8,7 @@ triton (or that API) is missing. Compiling takes a few seconds per kernel.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import re
 import subprocess
@@ -190,6 +191,27 @@ def moe_cases():
             dict(l2, A_SCALED=True, MMA=M.MMA_FP8, BM=d2.bm, BN=d2.bn, QUANT_OUT=False),
             d2.num_warps, "HMMA", dict(stages=d2.num_stages, div=divq - {"stride_bsn"})),
     }
+    # GemmConfig.fuse (moe_jit.moe_acc_fused, off by default): the prefill L1 with one MMA per K
+    # chunk. Pinned on the K loop's SASS (the backward branch's body): ONE wgmma group and one
+    # wait (the default prefill L1 issues 4 groups of 2 QGMMA 64x64x32, each followed by
+    # WARPGROUP.DEPBAR 0 and preceded by MEMBAR + fence: the MMAs of a chunk serialize with
+    # each other and with the upcast), QGMMA 64x128x32 with A from shared memory, 4 barriers,
+    # no local memory; the sm_90 tiles moe_tune --fuse sweeps (64 x 64 x 4 warps, 128 x 64 x 8)
+    l1f = dict(l1, BM=64, BN=64, PAR=False, GROUPED=True, G_PAD=512, FUSE=1)
+    fused = dict(stages=3, div=divs - {"work_ptr"}, no_sass=r"\b(LDL|STL)\b",
+                 loop={r"WARPGROUP\.DEPBAR": 1, r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3": 4,
+                       r"MEMBAR": 1, r"BAR\.SYNC": 4})
+    out["moe l1 fused prefill"] = ("moe_jit", "moe_gemm", sgemm, l1f, 4, "QGMMA", fused)
+    out["moe l1 fused prefill 8w"] = ("moe_jit", "moe_gemm", sgemm, dict(l1f, BM=128), 8,
+                                      "QGMMA", fused)
+    # the default prefill L1 (pick_config at ~128 rows per expert), its K loop as the fifth
+    # session's SASS read it: 4 wgmma groups per chunk, each waited on (what fuse removes)
+    p1 = M.pick_config("l1", 128.0)
+    out["moe l1 prefill default"] = (
+        "moe_jit", "moe_gemm", sgemm,
+        dict(l1, BM=p1.bm, BN=p1.bn, BK=p1.bk, PAR=p1.par, GROUPED=True, G_PAD=512), p1.num_warps,
+        "QGMMA", dict(stages=p1.num_stages, div=divs - {"work_ptr"}, no_sass=r"\b(LDL|STL)\b",
+                      loop={r"WARPGROUP\.DEPBAR": 4, r"QGMMA\.64x64x32": 8}))
     gemm = dict(gemm, hs_ptr="*fp32", stride_hs="i32")
     return out | {
         "moe persistent l1": ("moe_jit", "moe_gemm_persistent", gemm, l1, cfg.num_warps, "HMMA",
@@ -208,7 +230,8 @@ NAMES = ["attn decode q-epilogue", "attn decode split", "attn plain", "attn comb
          "compressor rows r2", "ring copy", "engram hash", "engram gate", "quantize act 1x128",
          "quantize act mxfp8", "moe persistent l1", "moe persistent l2", "moe tile list",
          "moe fp8h l1 prefill", "moe fp8h l2 prefill", "moe fp8h l1 decode persistent",
-         "moe fp8h l2 decode persistent", "rope q", "rope q inverse", "rope ik", "rope f32",
+         "moe fp8h l2 decode persistent", "moe l1 fused prefill", "moe l1 fused prefill 8w",
+         "moe l1 prefill default", "rope q", "rope q inverse", "rope ik", "rope f32",
          "fake quant fp8_e4m3", "fake quant mxfp4", "fake quant nvfp4"]
 
 
@@ -226,6 +249,10 @@ def test_compiles_for_sm90_without_spills(name, tmp_path):
     mod, fn_name, types, consts, warps, mma, *more = cases()[name]
     opts = more[0] if more else {}
     fn = getattr(importlib.import_module(f"megagraph.kernels.triton.{mod}"), fn_name)
+    # constexprs a case leaves out take the kernel's default, as a launch that omits them does
+    consts = {**{n: p.default for n, p in inspect.signature(fn.fn).parameters.items()
+                 if n not in consts and n not in types and p.default is not inspect.Parameter.empty},
+              **consts}
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in opts.get("div", ())}
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
@@ -257,3 +284,23 @@ def test_compiles_for_sm90_without_spills(name, tmp_path):
                               check=True).stdout
         hit = re.search(opts["no_sass"], sass)
         assert hit is None, f"{name}: {hit.group(0)} in the SASS"
+    if opts.get("loop"):
+        sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+        body = _last_loop(sass)
+        for pat, want in opts["loop"].items():
+            got = len(re.findall(pat, body))
+            assert got == want, f"{name}: {got} x {pat} in the K loop, expected {want}"
+
+
+def _last_loop(sass: str) -> str:
+    """The SASS of the last backward branch's body (the kernel's last loop: the GEMMs' K loop)."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    span = None
+    for addr, text in ins:
+        m = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            span = (int(m.group(1), 16), addr)
+    assert span is not None, "no loop in the SASS"
+    return "\n".join(t for a, t in ins if span[0] <= a <= span[1])

@@ -1,5 +1,5 @@
 """Runs the Triton kernel tests that cover their logic on the CPU (test_triton_moe.py,
-test_triton_moe_persistent.py, test_triton_moe_fp8h.py, test_triton_mhc.py, test_triton_quant.py,
+test_triton_moe_persistent.py, test_triton_moe_fp8h.py, test_triton_moe_fused.py, test_triton_mhc.py, test_triton_quant.py,
 test_triton_dense.py) under the Triton interpreter in a child pytest when there is no CUDA device: TRITON_INTERPRET must be set before triton is first imported (its library
 functions are built at import), which a shared pytest process cannot promise."""
 from __future__ import annotations
@@ -19,7 +19,8 @@ HERE = Path(__file__).resolve().parent
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="the file runs in this process")
 @pytest.mark.parametrize("name", ["test_triton_moe.py", "test_triton_moe_persistent.py", "test_triton_mhc.py",
-                                  "test_triton_moe_fp8h.py", "test_triton_quant.py",
+                                  "test_triton_moe_fp8h.py", "test_triton_moe_fused.py",
+                                  "test_triton_quant.py",
                                   "test_triton_dense.py"])
 def test_under_interpreter(name):
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}

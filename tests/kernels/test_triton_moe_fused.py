@@ -1,0 +1,140 @@
+"""GemmConfig.fuse (kernels/triton/moe_jit.py: moe_acc_fused, off by default): the SwiGLU GEMM on
+MXFP4 weights as one MMA per K chunk (W1 / W3 rows interleaved into one B tile, one wgmma group
+and one wait per chunk instead of four) against the reference ops, with the option forced on.
+
+Without CUDA this module runs under the Triton interpreter in a child pytest
+(test_triton_interp.py); with CUDA the same tests run the compiled kernels. The sm_90 build
+(one wgmma group / one WARPGROUP.DEPBAR per K chunk, no local memory) is pinned by the case
+"moe l1 fused prefill" of tests/kernels/test_triton_attention_sm90.py.
+
+Tolerances (relative Frobenius error, test_triton_moe.py's): fp32 outputs 2e-3 (fp16 H feeding
+the second GEMM), bf16 outputs 1e-2. The fused loop keeps the default's per-chunk promotion
+(sa x sb per row and weight row), so its error budget is the default's; only each chunk's
+partial-product summation order differs (K in column order instead of evens then odds).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from megagraph.kernels.reference import fused as rf
+from megagraph.kernels.triton import moe as tm
+
+from test_triton_moe import ACT, DEV, GPU, _experts, finite, gen, poisoned, randn, rel
+
+RUNNABLE = torch.cuda.is_available() or tm.INTERPRET
+pytestmark = pytest.mark.skipif(not RUNNABLE, reason="runs in the interpreter child process")
+
+
+def _fused(bm: int, bn: int, warps: int = 4) -> tm.GemmConfig:
+    """A fused L1 tile (stages 1 in the interpreter; the sm_90 tiles of moe_tune on the GPU)."""
+    return tm.GemmConfig(bm, bn, 128, warps, 1 if not GPU else 3, fuse=True)
+
+
+class _Spy:
+    """Stands in for moe_jit.moe_gemm: records the constexpr FUSE of every launch."""
+
+    def __init__(self, real):
+        self.real, self.fuse = real, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.fuse.append(kw.get("FUSE", 0))
+            return self.real[grid](*args, **kw)
+        return launch
+
+
+def _case(T, E, d, F, k, seed, subset=None, **kw):
+    g = gen(seed)
+    x = randn(T, d, g=g)
+    xq, xs = rf.quantize_act(x, act_fmt=ACT)
+    bank = _experts(E, d, F, g, **kw)
+    pool = torch.tensor(subset) if subset else torch.arange(E)
+    ids = pool[torch.randint(0, len(pool), (T, k), generator=g)].to(DEV)
+    wts = torch.rand(T, k, generator=g).to(DEV)
+    return xq, xs, ids, wts, bank
+
+
+@pytest.mark.parametrize("T,subset,bm,bn,out", [
+    (1, None, 16, 16, "f32"), (9, None, 16, 32, "f32"), (17, (0, 2, 5), 16, 16, "f32"),
+    (33, None, 32, 16, "bf16")])
+def test_fused_l1_matches_reference(T, subset, bm, bn, out, monkeypatch):
+    """Odd token counts, empty experts (`subset`), column tiles (bn 16 / 32 of F = 128:
+    rows of the interleaved B tile past one tile), two K chunks (d = 256: the exponent
+    prefetch past K), under poisoned allocations; the launches really pass FUSE = 1 for L1
+    and not for L2."""
+    from megagraph.kernels.triton import moe_jit
+
+    cfg = _fused(bm, bn) if not GPU else _fused(64, 64)
+    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1": cfg})
+    spy = _Spy(moe_jit.moe_gemm)
+    monkeypatch.setattr(moe_jit, "moe_gemm", spy)
+    E, d, F, k = 8, 256, 128, 3
+    xq, xs, ids, wts, bank = _case(T, E, d, F, k, seed=T, subset=subset)
+    kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype=out)
+    with poisoned():
+        y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    ref = rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    finite(y)
+    assert y.dtype == ref.dtype and y.shape == ref.shape
+    assert rel(y, ref) < (2e-3 if out == "f32" else 1e-2)
+    assert spy.fuse == [1, 0], spy.fuse  # L1 fused, L2 (one weight bank) not
+
+
+@pytest.mark.parametrize("spread", [0, 11, 14])
+def test_fused_scale_spread(spread, monkeypatch):
+    """Block scales of one row spanning `spread` binades within 128 columns, per matrix (the
+    interleaved tile folds each row's own exponents: W1 and W3 rows get different ones)."""
+    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1": _fused(16, 16) if not GPU
+                                                 else _fused(64, 64)})
+    g = gen(200 + spread)
+    E, d, F, k, T = 4, 256, 128, 2, 6
+    x = randn(T, d, g=g)
+    xq, xs = rf.quantize_act(x, act_fmt=ACT)
+    bank = list(_experts(E, d, F, g))
+    for i, base in ((1, 120), (3, 117)):  # W1 / W3 scales base - spread .. base per 128 columns
+        s = torch.full(bank[i].shape, base, dtype=torch.uint8)
+        s[..., 0::4] = base - spread
+        bank[i] = s.view(torch.float8_e8m0fnu).to(DEV)
+    ids = torch.randint(0, E, (T, k), generator=g).to(DEV)
+    wts = torch.rand(T, k, generator=g).to(DEV)
+    kw = dict(fmt="mxfp4", swiglu_limit=0.0, act_fmt=ACT, out_dtype="f32")
+    y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    ref = rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    assert rel(y, ref) < 2e-3
+
+
+def test_fused_dense_swiglu(monkeypatch):
+    """The dense SwiGLU MLP on MXFP4 weights (role dense_swiglu, moe_gemm not grouped) with the
+    option on: same tile code, M rows instead of expert tiles."""
+    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"dense_swiglu": _fused(16, 32) if not GPU
+                                                 else _fused(64, 64)})
+    g = gen(77)
+    T, d, F = 21, 256, 128
+    x = randn(T, d, g=g)
+    xq, xs = rf.quantize_act(x, act_fmt=ACT)
+    w1, s1, w3, s3, w2, s2 = (t[0] for t in _experts(1, d, F, g))
+    kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype="f32")
+    with poisoned():
+        y = tm.swiglu_mlp_q(xq, xs, w1, s1, w3, s3, w2, s2, **kw)
+    ref = rf.swiglu_mlp_q(xq, xs, w1, s1, w3, s3, w2, s2, **kw)
+    finite(y)
+    assert rel(y, ref) < 2e-3
+
+
+def test_fuse_applies_only_where_it_can():
+    """_fuse_ok: SwiGLU on MXFP4 with a 128-column chunk and no quantized output; the option is
+    ignored elsewhere (FP8-block weights, one bank, bk 64, the FP8-H epilogue)."""
+    g = gen(5)
+    w1, s1, w3, s3, _, _ = _experts(2, 256, 128, g)
+    b1, b3 = tm.bank(w1, s1, "mxfp4"), tm.bank(w3, s3, "mxfp4")
+    on = tm.GemmConfig(64, 64, 128, 4, 3, fuse=True)
+    assert tm._fuse_ok(on, b1, b3, tm.MMA_FP8, None)
+    assert tm._fuse_ok(on, b1, b3, tm.MMA_FP16, None)
+    assert not tm._fuse_ok(tm.GemmConfig(64, 64, 128, 4, 3), b1, b3, tm.MMA_FP8, None)
+    assert not tm._fuse_ok(on, b1, b1, tm.MMA_FP8, None)
+    assert not tm._fuse_ok(on, b1, b3, tm.MMA_F32, None)
+    assert not tm._fuse_ok(tm.GemmConfig(64, 64, 64, 4, 3, fuse=True), b1, b3, tm.MMA_FP8, None)
+    assert not tm._fuse_ok(on, b1, b3, tm.MMA_FP8, torch.empty(1))
