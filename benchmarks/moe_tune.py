@@ -6,6 +6,7 @@ each candidate checked against the reference `moe_experts_q` before it counts.
     python benchmarks/moe_tune.py --smoke --out /tmp/tune               # CPU: Triton interpreter
     python benchmarks/moe_tune.py --fp8-h --tokens 8192 --out /tmp/tune8  # the FP8-H roles
     python benchmarks/moe_tune.py --fuse --tokens 8192 --out /tmp/tunef   # L1 one-MMA-per-chunk
+    python benchmarks/moe_tune.py --swap --tokens 64 --out /tmp/tunes     # decode, swapped MMA
 
 --fp8-h tunes the FP8-H path's roles (l1_fp8h: L1 with H quantized to E4M3 per 128 in the
 epilogue, bn a multiple of 128; l2_fp8h: L2 on E4M3 H) with MEGAGRAPH_MOE_FP8_H's numerics on;
@@ -17,7 +18,14 @@ the fp32-H reference is recorded too (rel_err_fp32h, ~2-3%).
 tiles (moe_jit.moe_acc_fused: W1 / W3 in one wgmma per K chunk, one wait instead of four; 64 x 64
 x 4 warps and 128 x 64 x 8 warps, 3 / 4 stages: the sm_90 builds without spills), then the rest.
 
-Tiles are GemmConfig fields in order (bm, bn, bk, warps, stages, par, persistent[, qsplit[, fuse]]); at decode
+--swap times L1 and L2 at decode sizes with the GemmConfig.swap tiles first (moe_jit.moe_acc_swap:
+C^T = W A^T per K chunk, so the 16-row tile runs on wgmma m64n16 with the E4M3 weight tile instead
+of mma.sync on an fp16 copy staged through shared memory; 16 x 128 x 4 warps with / without the
+parity split, 16 x 64 x 4 warps (128 registers: 4 programs per SM), 16 x 128 / 16 x 256 x 8
+warps), then the heuristic's neighbours (8 warps included).
+
+Tiles are GemmConfig fields in order (bm, bn, bk, warps, stages, par, persistent[, qsplit[, fuse[,
+swap]]]); at decode
 sizes the heuristic tile is also tried persistent (moe_gemm_persistent, 1-4 programs per SM)
 right after the default, so a short budget still times them.
 Writes OUT/moe_tune.json (every candidate: tile, ms, TB/s or TFLOP/s, error) and OUT/moe_tune.md
@@ -44,7 +52,7 @@ from kernel_rows import rel_err, time_ms  # noqa: E402
 from kernel_rows import moe as mr  # noqa: E402
 
 
-def candidates(role: str, decode: bool, fuse: bool = False):
+def candidates(role: str, decode: bool, fuse: bool = False, swap: bool = False):
     """(bm, bn, bk, warps, stages, par) to try: small-row tiles for decode, large for prefill
     (static grid; the persistent variants are added by main). l1_fp8h: bn multiple of 128 (its
     epilogue owns whole 128-column scale blocks)."""
@@ -52,6 +60,11 @@ def candidates(role: str, decode: bool, fuse: bool = False):
         bms, bns, warps, stages = (16, 64), (64, 128), (4,), (3, 4)
     else:
         bms, bns, warps, stages = (64, 128), (64, 128), (4, 8), (3, 4)
+    if swap and decode and role in ("l1", "l2"):  # swapped MMA operands (GemmConfig.swap) first
+        for bn, w, st, par in ((128, 4, 3, True), (128, 4, 4, True), (128, 4, 3, False),
+                               (64, 4, 3, True), (128, 8, 3, True), (256, 8, 3, True)):
+            yield (16, bn, 128, w, st, par, 0, 1, False, True)
+        warps = (4, 8)
     if fuse and role == "l1" and not decode:  # one MMA per K chunk (GemmConfig.fuse) first
         for bm, w in ((64, 4), (128, 8)):
             for st in (3, 4):
@@ -77,9 +90,13 @@ def main() -> None:
                     help="tune the FP8-H roles (l1_fp8h / l2_fp8h, MEGAGRAPH_MOE_FP8_H numerics)")
     ap.add_argument("--fuse", action="store_true",
                     help="time only L1 (the default tile, then the GemmConfig.fuse tiles first)")
+    ap.add_argument("--swap", action="store_true",
+                    help="decode: the GemmConfig.swap tiles first for L1 and L2 (swapped MMA)")
     a = ap.parse_args()
     if a.fuse and a.fp8_h:
         ap.error("--fuse tunes the fp16-H L1 (the FP8-H L1 quantizes its output: no fuse)")
+    if a.swap and a.fp8_h:
+        ap.error("--swap tunes the default (fp16-H) roles")
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     from megagraph.kernels.reference import fused as rf
     from megagraph.kernels.triton import moe as tm
@@ -111,9 +128,9 @@ def main() -> None:
         for role, other in ((r1, r2),) if a.fuse else ((r1, r2), (r2, r1)):
             fixed = d2 if role == r1 else d1
             cands = [tuple(vars(d1 if role == r1 else d2).values())]
-            if T <= 256:  # the heuristic tile on the static grid (0) and persistent, 1-4 per SM
+            if T <= 256 and not a.swap:  # the heuristic tile on the static grid (0) and persistent, 1-4 per SM
                 cands += [cands[0][:6] + (p,) for p in (0, 1, 2, 3, 4) if p != cands[0][6]]
-            cands += [c for c in candidates(role, T <= 256, a.fuse)
+            cands += [c for c in candidates(role, T <= 256, a.fuse, a.swap)
                       if tuple(vars(tm.GemmConfig(*c)).values()) != cands[0]]
             per_t = 1 if a.fuse else 2
             n_groups_left = (per_t if role == r1 else 1) + per_t * (len(Ts) - 1 - Ts.index(T))

@@ -119,7 +119,13 @@ class GemmConfig:
     fuse (the SwiGLU GEMM on MXFP4 weights, static grid; off by default until timed on the
     H200): one MMA per K chunk (moe_jit.moe_acc_fused: W1 / W3 rows interleaved into one
     [2 bn, bk] B tile, A read by the wgmma from shared memory, one wait per chunk where the
-    default loop has four); par is ignored. Other GEMMs ignore it."""
+    default loop has four); par is ignored. Other GEMMs ignore it.
+    swap (grouped / dense GEMMs on MXFP4 weights with the fp8 / fp16 MMA, static grid, not with
+    fuse or a quantized output; off by default until timed on the H200): the K loop with the
+    operands swapped (moe_jit.moe_acc_swap: C^T = W A^T per chunk, the bn weight rows as the
+    MMA's M and the bm activation rows as its N), so a 16-row decode tile runs on wgmma
+    (m64n16) with the E4M3 weight tile instead of mma.sync on an fp16 copy of it routed
+    through shared memory (kernels/triton/NOTES-moe.md, fifth session, decode at 36%)."""
 
     bm: int
     bn: int
@@ -130,6 +136,7 @@ class GemmConfig:
     persistent: int = 0
     qsplit: int = 1
     fuse: bool = False
+    swap: bool = False
 
 
 # Benchmarks and tests may set these: role ("l1", "l2", "l1_fp8h", "l2_fp8h", "dense",
@@ -405,8 +412,17 @@ def gemm(a: Tensor, a_scale: Tensor | None, b1: Bank, out: Tensor, *, b2: Bank |
         BM=bm, BN=bn, BK=bk, G_PAD=_next_pow2(G) if grouped else 1,
         QUANT_OUT=out_scale is not None, QSPLIT=cfg.qsplit if out_scale is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"FUSE": 1} if _fuse_ok(cfg, b1, b2, mma, out_scale) else {}))
+        **({"FUSE": 1} if _fuse_ok(cfg, b1, b2, mma, out_scale) else {}),
+        **({"SWAP": 1} if _swap_ok(cfg, b1, mma, out_scale) else {}))
     return out
+
+
+def _swap_ok(cfg: GemmConfig, b1: Bank, mma: int, out_scale: Tensor | None) -> bool:
+    """GemmConfig.swap applies: MXFP4 weights (E8M0 per 32 columns of one row) with the fp8 /
+    fp16 MMA, a 128-column K chunk, no quantized output, not fused (fuse wins). SWAP is passed
+    only when on, so the default launch compiles the same kernel as before the option existed."""
+    return (cfg.swap and not cfg.fuse and b1.wfmt == 0 and b1.bn == 1 and b1.bk == 32
+            and mma in (MMA_FP8, MMA_FP16) and cfg.bk == 128 and out_scale is None)
 
 
 def _fuse_ok(cfg: GemmConfig, b1: Bank, b2: Bank, mma: int, out_scale: Tensor | None) -> bool:

@@ -451,6 +451,91 @@ def moe_acc_fused(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask, K, st
 
 
 @triton.jit
+def mma_step_t(acc_t, a, sa, b, sb, A_SCALED: tl.constexpr, MMA: tl.constexpr):
+    """acc_t [BN, BM] += (B [BN, BK] @ A [BM, BK]^T) * scales: mma_step transposed (the SWAP loop:
+    the weight rows are the MMA's M, the few activation rows its N)."""
+    if MMA == 1:
+        a = a.to(tl.float16)
+    part = tl.dot(b, tl.trans(a))
+    if A_SCALED:
+        acc_t += part * (sb[:, None] * sa[None, :])
+    else:
+        acc_t += part * sb[:, None]
+    return acc_t
+
+
+@triton.jit
+def moe_acc_swap(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask, K, stride_bn,
+                 stride_bsn, SWIGLU: tl.constexpr, A_SCALED: tl.constexpr, MMA: tl.constexpr,
+                 NSUB: tl.constexpr, USE_ASM: tl.constexpr, PAR: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr):
+    """The K loop of one [BM, BN] tile on MXFP4 weights with the operands swapped (GemmConfig.swap,
+    off by default; kernels/triton/NOTES-moe.md, fifth session, "decode MoE at 36%"): each chunk
+    is C^T [BN, BM] += W [BN, BK] @ A [BM, BK]^T, so the BN weight rows are the MMA's M (64 per
+    warpgroup instruction) and the BM (16) activation rows its N. At BM = 16 the default loop is
+    on mma.sync (Triton's wgmma needs M >= 64), which upcasts the E4M3 weight tile to fp16 in
+    registers and converts it to the mma.sync operand layout through shared memory (64 KB STS +
+    64 KB LDS per L1 chunk); swapped, the tile stays E4M3 (fp8 MMA) and goes to wgmma.
+    PAR: the K-parity split (load_b_fp4_halves; A split by column parity in registers). Returns
+    (acc1, acc2) as moe_acc ([BM, BN] each: the accumulators transposed once, after the loop).
+    Numerics: moe_acc's per-chunk promotion (the same fp32 sb x sa products); the tensor core's
+    sum order within a chunk differs, so results are not bit-equal to the default's."""
+    acc1 = tl.zeros((BN, BM), dtype=tl.float32)
+    acc2 = tl.zeros((BN, BM), dtype=tl.float32)
+    sa_next = tl.full((BM,), 1.0, tl.float32)
+    if A_SCALED:
+        sa_next = tl.load(as_ptrs, mask=rmask, other=1.0)
+    e1_next = load_b_scales(bs1, rn, nmask, 0, K, stride_bsn, 1, 32, NSUB, BK)
+    e2_next = e1_next
+    if SWIGLU:
+        e2_next = load_b_scales(bs2, rn, nmask, 0, K, stride_bsn, 1, 32, NSUB, BK)
+    for k0 in range(0, K, BK):
+        sa = sa_next
+        e1 = e1_next
+        e2 = e2_next
+        if A_SCALED:
+            sa_next = tl.load(as_ptrs + (k0 + BK) // 128, mask=rmask & ((k0 + BK + rm * 0) < K),
+                              other=1.0)
+        e1_next = load_b_scales(bs1, rn, nmask, k0 + BK, K, stride_bsn, 1, 32, NSUB, BK)
+        if SWIGLU:
+            e2_next = load_b_scales(bs2, rn, nmask, k0 + BK, K, stride_bsn, 1, 32, NSUB, BK)
+        a = tl.load(a_ptrs + k0, mask=rmask[:, None], other=0.0)
+        if PAR:
+            a_e, a_o = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
+            b_lo, b_hi, sb = load_b_fp4_halves(b1, e1, rn, nmask, k0, stride_bn, MMA, NSUB,
+                                               USE_ASM, BN, BK)
+            acc1 = mma_step_halves_t(acc1, a_e, a_o, sa, b_lo, b_hi, sb, A_SCALED, MMA)
+            if SWIGLU:
+                b_lo, b_hi, sb = load_b_fp4_halves(b2, e2, rn, nmask, k0, stride_bn, MMA, NSUB,
+                                                   USE_ASM, BN, BK)
+                acc2 = mma_step_halves_t(acc2, a_e, a_o, sa, b_lo, b_hi, sb, A_SCALED, MMA)
+        else:
+            b, sb = load_b_tile(b1, e1, rn, nmask, k0, stride_bn, 0, MMA, NSUB, USE_ASM, BN, BK)
+            acc1 = mma_step_t(acc1, a, sa, b, sb, A_SCALED, MMA)
+            if SWIGLU:
+                b, sb = load_b_tile(b2, e2, rn, nmask, k0, stride_bn, 0, MMA, NSUB, USE_ASM, BN,
+                                    BK)
+                acc2 = mma_step_t(acc2, a, sa, b, sb, A_SCALED, MMA)
+    return tl.trans(acc1), tl.trans(acc2)
+
+
+@triton.jit
+def mma_step_halves_t(acc_t, a_e, a_o, sa, b_lo, b_hi, sb, A_SCALED: tl.constexpr,
+                      MMA: tl.constexpr):
+    """mma_step_halves transposed (acc_t [BN, BM])."""
+    if MMA == 1:
+        a_e = a_e.to(tl.float16)
+        a_o = a_o.to(tl.float16)
+    part = tl.dot(b_lo, tl.trans(a_e))
+    part = tl.dot(b_hi, tl.trans(a_o), part)
+    if A_SCALED:
+        acc_t += part * (sb[:, None] * sa[None, :])
+    else:
+        acc_t += part * sb[:, None]
+    return acc_t
+
+
+@triton.jit
 def swiglu_act(acc1, acc2, limit, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr):
     """The epilogue's activation: silu(min(g, lim)) * clamp(u, -lim, lim) of (acc1, acc2) with
     SWIGLU, else acc1."""
@@ -490,7 +575,7 @@ def moe_tile(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
              WFMT: tl.constexpr, MMA: tl.constexpr, BLK_N_S: tl.constexpr, BLK_K_S: tl.constexpr,
              NSUB: tl.constexpr, USE_ASM: tl.constexpr, MANUAL: tl.constexpr, PAR: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, QUANT_OUT: tl.constexpr,
-             QSPLIT: tl.constexpr = 1, FUSE: tl.constexpr = 0):
+             QSPLIT: tl.constexpr = 1, FUSE: tl.constexpr = 0, SWAP: tl.constexpr = 0):
     """One output tile: rows row0 .. row0 + min(nrows, BM) - 1 of group g, columns pid_n * BN ..
     (+BN) - the whole K loop and the epilogue (moe_gemm's flags). Shared by moe_gemm and
     moe_gemm_persistent, so both compute every output element with the same operations in the
@@ -544,6 +629,10 @@ def moe_tile(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
             acc1, acc2 = moe_acc_fused(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask,
                                        K, stride_bn, stride_bsn, A_SCALED, MMA, NSUB, USE_ASM,
                                        BM, BN, BK)
+        elif SWAP > 0:  # MXFP4, fp8 / fp16 MMA: weight rows as the MMA's M (moe_acc_swap)
+            acc1, acc2 = moe_acc_swap(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask, K,
+                                      stride_bn, stride_bsn, SWIGLU, A_SCALED, MMA, NSUB,
+                                      USE_ASM, PAR, BM, BN, BK)
         else:
             acc1, acc2 = moe_acc(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask, K,
                                  stride_bn, stride_bsn, SWIGLU, A_SCALED, WFMT, MMA, BLK_N_S,
@@ -580,7 +669,8 @@ def moe_gemm(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
              WFMT: tl.constexpr, MMA: tl.constexpr, BLK_N_S: tl.constexpr, BLK_K_S: tl.constexpr,
              NSUB: tl.constexpr, USE_ASM: tl.constexpr, MANUAL: tl.constexpr, PAR: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G_PAD: tl.constexpr,
-             QUANT_OUT: tl.constexpr = False, QSPLIT: tl.constexpr = 1, FUSE: tl.constexpr = 0):
+             QUANT_OUT: tl.constexpr = False, QSPLIT: tl.constexpr = 1, FUSE: tl.constexpr = 0,
+             SWAP: tl.constexpr = 0):
     """C = A @ B^T (fp32 accumulate), per group.
 
     GROUPED: program_id(0) = m_tile * num_n + n_tile over a static worst-case tile count; the
@@ -624,7 +714,8 @@ def moe_gemm(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
              stride_am, stride_as, stride_ag, stride_asg,
              stride_bg, stride_bn, stride_bsg, stride_bsn, stride_cm, stride_cg, stride_hs,
              TOPK, KS, GATHER_A, SCATTER_C, WEIGHTED, SWIGLU, HAS_LIMIT, A_SCALED, WFMT, MMA,
-             BLK_N_S, BLK_K_S, NSUB, USE_ASM, MANUAL, PAR, BM, BN, BK, QUANT_OUT, QSPLIT, FUSE)
+             BLK_N_S, BLK_K_S, NSUB, USE_ASM, MANUAL, PAR, BM, BN, BK, QUANT_OUT, QSPLIT, FUSE,
+             SWAP)
 
 
 # ---------------------------------------------------------------------------------------------

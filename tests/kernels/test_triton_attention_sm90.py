@@ -212,6 +212,31 @@ def moe_cases():
         dict(l1, BM=p1.bm, BN=p1.bn, BK=p1.bk, PAR=p1.par, GROUPED=True, G_PAD=512), p1.num_warps,
         "QGMMA", dict(stages=p1.num_stages, div=divs - {"work_ptr"}, no_sass=r"\b(LDL|STL)\b",
                       loop={r"WARPGROUP\.DEPBAR": 4, r"QGMMA\.64x64x32": 8}))
+    # GemmConfig.swap (moe_jit.moe_acc_swap, off by default) at the decode tiles pick_config gives
+    # ("l1" / "l2" at ~1.6 rows per expert: 16 x 128, 4 warps, 3 stages, par): C^T = W A^T per
+    # chunk, so the 16-row tile runs on wgmma m64n16 (QGMMA for L1's fp8, HGMMA for L2's fp16 H)
+    # with the weight tile in E4M3 (L1: no F2FP upcast at all), where the default K loop is
+    # mma.sync (HMMA) on an fp16 copy of the weights staged through shared memory (L1: 255
+    # registers + 56 B stack, 1487 instructions, 160 F2FP per chunk). Pinned: no HMMA, no local
+    # memory, and L1's loop at <= 1000 instructions (982 on Triton 3.9: the fifth session's read)
+    d1s, d2s = M.pick_config("l1", 1.6), M.pick_config("l2", 1.6)
+    dl1 = dict(l1, BM=d1s.bm, BN=d1s.bn, BK=d1s.bk, PAR=d1s.par, GROUPED=True, G_PAD=512)
+    dl2 = dict(l2, BM=d2s.bm, BN=d2s.bn, BK=d2s.bk, PAR=d2s.par, GROUPED=True, G_PAD=512)
+    swap = dict(no_sass=r"\b(LDL|STL|HMMA)\b", loop={r"\bF2FP": 0, r"QGMMA\.64x16x32": 16},
+                max_loop=1000)
+    out["moe l1 swap decode"] = ("moe_jit", "moe_gemm", sgemm, dict(dl1, SWAP=1), d1s.num_warps,
+                                 "QGMMA", dict(swap, stages=d1s.num_stages, div=divs - {"work_ptr"}))
+    out["moe l2 swap decode"] = (
+        "moe_jit", "moe_gemm", dict(sgemm, a_ptr="*fp16", c_ptr="*bf16"), dict(dl2, SWAP=1),
+        d2s.num_warps, r"HGMMA\.64x16x16", dict(stages=d2s.num_stages,
+                                                 div=divs - {"work_ptr", "stride_bsn"},
+                                                 no_sass=r"\b(LDL|STL|HMMA)\b", max_loop=640))
+    # the default decode tiles on the static grid, as the SASS read them (what swap removes):
+    # mma.sync with the E4M3 -> fp16 upcast (F2FP) of the weight tile in the K loop
+    out["moe l1 decode default"] = (
+        "moe_jit", "moe_gemm", sgemm, dl1, d1s.num_warps, "HMMA",
+        dict(stages=d1s.num_stages, div=divs - {"work_ptr"}, stack=64,
+             loop={r"HMMA\.16816": 64, r"F2FP\.F16\.E4M3": 160}))
     gemm = dict(gemm, hs_ptr="*fp32", stride_hs="i32")
     return out | {
         "moe persistent l1": ("moe_jit", "moe_gemm_persistent", gemm, l1, cfg.num_warps, "HMMA",
@@ -231,7 +256,8 @@ NAMES = ["attn decode q-epilogue", "attn decode split", "attn plain", "attn comb
          "quantize act mxfp8", "moe persistent l1", "moe persistent l2", "moe tile list",
          "moe fp8h l1 prefill", "moe fp8h l2 prefill", "moe fp8h l1 decode persistent",
          "moe fp8h l2 decode persistent", "moe l1 fused prefill", "moe l1 fused prefill 8w",
-         "moe l1 prefill default", "rope q", "rope q inverse", "rope ik", "rope f32",
+         "moe l1 prefill default", "moe l1 swap decode", "moe l2 swap decode",
+         "moe l1 decode default", "rope q", "rope q inverse", "rope ik", "rope f32",
          "fake quant fp8_e4m3", "fake quant mxfp4", "fake quant nvfp4"]
 
 
@@ -291,6 +317,11 @@ def test_compiles_for_sm90_without_spills(name, tmp_path):
         for pat, want in opts["loop"].items():
             got = len(re.findall(pat, body))
             assert got == want, f"{name}: {got} x {pat} in the K loop, expected {want}"
+    if opts.get("max_loop"):
+        sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+        n = len(_last_loop(sass).splitlines())
+        assert n <= opts["max_loop"], f"{name}: {n} instructions in the K loop (> {opts['max_loop']})"
 
 
 def _last_loop(sass: str) -> str:
