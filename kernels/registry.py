@@ -203,5 +203,5 @@ def choose_kernel(op: str, attrs: dict, caps: frozenset[str], arch: str) -> tupl
     if fitting:
         notes.append(f"planned: {', '.join(fitting)}")
     if _has_capturable(op):
-        return "capturable", "; ".join([f"capturable (device torch, no host sync)"] + notes)
+        return "capturable", "; ".join(["capturable (device torch, no host sync)"] + notes)
     return "reference", "; ".join([f"reference (no {arch} kernel registered)"] + notes)

@@ -206,6 +206,33 @@ def _experts(E, d, F, g, **kw):
     return (*mxfp4(E, F, d, g, **kw), *mxfp4(E, F, d, g, **kw), *mxfp4(E, d, F, g, **kw))
 
 
+def routed_case(T, E, d, F, k, seed, subset=None, **kw):
+    """(x_q, x_scale, ids, weights, W1/W3/W2 banks) of a routed-expert call: T random tokens
+    quantized as the plan does, each routed to k experts drawn from `subset` (default: all E)."""
+    g = gen(seed)
+    x = randn(T, d, g=g)
+    xq, xs = rf.quantize_act(x, act_fmt=ACT)
+    bank = _experts(E, d, F, g, **kw)
+    pool = torch.tensor(subset) if subset else torch.arange(E)
+    ids = pool[torch.randint(0, len(pool), (T, k), generator=g)].to(DEV)
+    wts = torch.rand(T, k, generator=g).to(DEV)
+    return xq, xs, ids, wts, bank
+
+
+class LaunchSpy:
+    """Stands in for a Triton kernel (e.g. moe_jit.moe_gemm): records the constexpr `key` of
+    every launch (0 where the launch does not pass it) in `values`, then launches the kernel."""
+
+    def __init__(self, real, key: str):
+        self.real, self.key, self.values = real, key, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.values.append(kw.get(self.key, 0))
+            return self.real[grid](*args, **kw)
+        return launch
+
+
 @pytest.mark.parametrize("T,subset", [(1, None), (5, None), (17, (0, 2, 5))])
 def test_moe_experts_q(T, subset):
     """Odd token counts; `subset`: only those experts picked, every other one empty."""
@@ -231,14 +258,21 @@ def test_mxfp4_scale_spread(spread):
     """Block scales of one row spanning `spread` binades within 128 columns: the E4M3 fold is
     exact up to 11; beyond, the lowest blocks flush (error < 2^-11 of the chunk's largest
     weight, far below the bound)."""
-    g = gen(100 + spread)
-    E, d, F, k, T = 4, 256, 128, 2, 6
+    check_scale_spread(100 + spread, 6, ((1, 120), (3, 120), (5, 120)), spread)
+
+
+def check_scale_spread(seed: int, T: int, bases, spread: int) -> None:
+    """Routed experts (4 experts, d 256, F 128, top-2) whose scale banks `bases` ((bank index,
+    base exponent) pairs: 1 = W1, 3 = W3, 5 = W2) hold exponents base - spread .. base inside
+    every 128 columns, against the reference: relative error < 2e-3 (fp32 output)."""
+    g = gen(seed)
+    E, d, F, k = 4, 256, 128, 2
     x = randn(T, d, g=g)
     xq, xs = rf.quantize_act(x, act_fmt=ACT)
     bank = list(_experts(E, d, F, g))
-    for i in (1, 3, 5):  # scales 120 - spread .. 120 inside every 128 columns
-        s = torch.full(bank[i].shape, 120, dtype=torch.uint8)
-        s[..., 0::4] = 120 - spread
+    for i, base in bases:
+        s = torch.full(bank[i].shape, base, dtype=torch.uint8)
+        s[..., 0::4] = base - spread
         bank[i] = s.view(torch.float8_e8m0fnu).to(DEV)
     ids = torch.randint(0, E, (T, k), generator=g).to(DEV)
     wts = torch.rand(T, k, generator=g).to(DEV)

@@ -24,7 +24,8 @@ pytest.importorskip("triton")
 from megagraph.kernels.reference import fused as rf
 from megagraph.kernels.triton import moe as tm
 
-from test_triton_moe import ACT, DEV, GPU, _experts, finite, gen, poisoned, randn, rel
+from test_triton_moe import (ACT, GPU, LaunchSpy, _experts, check_scale_spread, finite, gen,
+                             poisoned, randn, rel, routed_case)
 
 RUNNABLE = torch.cuda.is_available() or tm.INTERPRET
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason="runs in the interpreter child process")
@@ -33,30 +34,6 @@ pytestmark = pytest.mark.skipif(not RUNNABLE, reason="runs in the interpreter ch
 def _swap(bm: int, bn: int, par: bool = True, warps: int = 4) -> tm.GemmConfig:
     """A swapped tile (stages 1 in the interpreter; the sm_90 decode tile on the GPU)."""
     return tm.GemmConfig(bm, bn, 128, warps, 1 if not GPU else 3, par=par, swap=True)
-
-
-class _Spy:
-    """Stands in for moe_jit.moe_gemm: records the constexpr SWAP of every launch."""
-
-    def __init__(self, real):
-        self.real, self.swap = real, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            self.swap.append(kw.get("SWAP", 0))
-            return self.real[grid](*args, **kw)
-        return launch
-
-
-def _case(T, E, d, F, k, seed, subset=None, **kw):
-    g = gen(seed)
-    x = randn(T, d, g=g)
-    xq, xs = rf.quantize_act(x, act_fmt=ACT)
-    bank = _experts(E, d, F, g, **kw)
-    pool = torch.tensor(subset) if subset else torch.arange(E)
-    ids = pool[torch.randint(0, len(pool), (T, k), generator=g)].to(DEV)
-    wts = torch.rand(T, k, generator=g).to(DEV)
-    return xq, xs, ids, wts, bank
 
 
 @pytest.mark.parametrize("T,subset,bm,bn,par,out", [
@@ -71,10 +48,10 @@ def test_swap_matches_reference(T, subset, bm, bn, par, out, monkeypatch):
 
     cfg = _swap(bm, bn, par) if not GPU else _swap(16, 128, par)
     monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1": cfg, "l2": cfg})
-    spy = _Spy(moe_jit.moe_gemm)
+    spy = LaunchSpy(moe_jit.moe_gemm, "SWAP")
     monkeypatch.setattr(moe_jit, "moe_gemm", spy)
     E, d, F, k = 8, 256, 256, 3
-    xq, xs, ids, wts, bank = _case(T, E, d, F, k, seed=40 + T, subset=subset)
+    xq, xs, ids, wts, bank = routed_case(T, E, d, F, k, seed=40 + T, subset=subset)
     kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype=out)
     with poisoned():
         y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
@@ -82,7 +59,7 @@ def test_swap_matches_reference(T, subset, bm, bn, par, out, monkeypatch):
     finite(y)
     assert y.dtype == ref.dtype and y.shape == ref.shape
     assert rel(y, ref) < (2e-3 if out == "f32" else 1e-2)
-    assert spy.swap == [1, 1], spy.swap  # L1 and L2 both swapped
+    assert spy.values == [1, 1], spy.values  # L1 and L2 both swapped
 
 
 @pytest.mark.parametrize("spread", [0, 11, 14])
@@ -91,21 +68,7 @@ def test_swap_scale_spread(spread, monkeypatch):
     fold their own per-row exponents; the promotion scale is per weight row = per MMA row)."""
     cfg = _swap(16, 32) if not GPU else _swap(16, 128)
     monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1": cfg, "l2": cfg})
-    g = gen(300 + spread)
-    E, d, F, k, T = 4, 256, 128, 2, 3
-    x = randn(T, d, g=g)
-    xq, xs = rf.quantize_act(x, act_fmt=ACT)
-    bank = list(_experts(E, d, F, g))
-    for i, base in ((1, 120), (3, 117), (5, 121)):
-        s = torch.full(bank[i].shape, base, dtype=torch.uint8)
-        s[..., 0::4] = base - spread
-        bank[i] = s.view(torch.float8_e8m0fnu).to(DEV)
-    ids = torch.randint(0, E, (T, k), generator=g).to(DEV)
-    wts = torch.rand(T, k, generator=g).to(DEV)
-    kw = dict(fmt="mxfp4", swiglu_limit=0.0, act_fmt=ACT, out_dtype="f32")
-    y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
-    ref = rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
-    assert rel(y, ref) < 2e-3
+    check_scale_spread(300 + spread, 3, ((1, 120), (3, 117), (5, 121)), spread)
 
 
 def test_swap_dense(monkeypatch):

@@ -22,7 +22,8 @@ pytest.importorskip("triton")
 from megagraph.kernels.reference import fused as rf
 from megagraph.kernels.triton import moe as tm
 
-from test_triton_moe import ACT, DEV, GPU, _experts, finite, gen, poisoned, randn, rel
+from test_triton_moe import (ACT, GPU, LaunchSpy, _experts, check_scale_spread, finite, gen,
+                             poisoned, randn, rel, routed_case)
 
 RUNNABLE = torch.cuda.is_available() or tm.INTERPRET
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason="runs in the interpreter child process")
@@ -31,30 +32,6 @@ pytestmark = pytest.mark.skipif(not RUNNABLE, reason="runs in the interpreter ch
 def _fused(bm: int, bn: int, warps: int = 4) -> tm.GemmConfig:
     """A fused L1 tile (stages 1 in the interpreter; the sm_90 tiles of moe_tune on the GPU)."""
     return tm.GemmConfig(bm, bn, 128, warps, 1 if not GPU else 3, fuse=True)
-
-
-class _Spy:
-    """Stands in for moe_jit.moe_gemm: records the constexpr FUSE of every launch."""
-
-    def __init__(self, real):
-        self.real, self.fuse = real, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            self.fuse.append(kw.get("FUSE", 0))
-            return self.real[grid](*args, **kw)
-        return launch
-
-
-def _case(T, E, d, F, k, seed, subset=None, **kw):
-    g = gen(seed)
-    x = randn(T, d, g=g)
-    xq, xs = rf.quantize_act(x, act_fmt=ACT)
-    bank = _experts(E, d, F, g, **kw)
-    pool = torch.tensor(subset) if subset else torch.arange(E)
-    ids = pool[torch.randint(0, len(pool), (T, k), generator=g)].to(DEV)
-    wts = torch.rand(T, k, generator=g).to(DEV)
-    return xq, xs, ids, wts, bank
 
 
 @pytest.mark.parametrize("T,subset,bm,bn,out", [
@@ -69,10 +46,10 @@ def test_fused_l1_matches_reference(T, subset, bm, bn, out, monkeypatch):
 
     cfg = _fused(bm, bn) if not GPU else _fused(64, 64)
     monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1": cfg})
-    spy = _Spy(moe_jit.moe_gemm)
+    spy = LaunchSpy(moe_jit.moe_gemm, "FUSE")
     monkeypatch.setattr(moe_jit, "moe_gemm", spy)
     E, d, F, k = 8, 256, 128, 3
-    xq, xs, ids, wts, bank = _case(T, E, d, F, k, seed=T, subset=subset)
+    xq, xs, ids, wts, bank = routed_case(T, E, d, F, k, seed=T, subset=subset)
     kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype=out)
     with poisoned():
         y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
@@ -80,7 +57,7 @@ def test_fused_l1_matches_reference(T, subset, bm, bn, out, monkeypatch):
     finite(y)
     assert y.dtype == ref.dtype and y.shape == ref.shape
     assert rel(y, ref) < (2e-3 if out == "f32" else 1e-2)
-    assert spy.fuse == [1, 0], spy.fuse  # L1 fused, L2 (one weight bank) not
+    assert spy.values == [1, 0], spy.values  # L1 fused, L2 (one weight bank) not
 
 
 @pytest.mark.parametrize("spread", [0, 11, 14])
@@ -89,21 +66,7 @@ def test_fused_scale_spread(spread, monkeypatch):
     interleaved tile folds each row's own exponents: W1 and W3 rows get different ones)."""
     monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1": _fused(16, 16) if not GPU
                                                  else _fused(64, 64)})
-    g = gen(200 + spread)
-    E, d, F, k, T = 4, 256, 128, 2, 6
-    x = randn(T, d, g=g)
-    xq, xs = rf.quantize_act(x, act_fmt=ACT)
-    bank = list(_experts(E, d, F, g))
-    for i, base in ((1, 120), (3, 117)):  # W1 / W3 scales base - spread .. base per 128 columns
-        s = torch.full(bank[i].shape, base, dtype=torch.uint8)
-        s[..., 0::4] = base - spread
-        bank[i] = s.view(torch.float8_e8m0fnu).to(DEV)
-    ids = torch.randint(0, E, (T, k), generator=g).to(DEV)
-    wts = torch.rand(T, k, generator=g).to(DEV)
-    kw = dict(fmt="mxfp4", swiglu_limit=0.0, act_fmt=ACT, out_dtype="f32")
-    y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
-    ref = rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
-    assert rel(y, ref) < 2e-3
+    check_scale_spread(200 + spread, 6, ((1, 120), (3, 117)), spread)  # W1 / W3 only
 
 
 def test_fused_dense_swiglu(monkeypatch):
