@@ -219,6 +219,22 @@ def routed_case(T, E, d, F, k, seed, subset=None, **kw):
     return xq, xs, ids, wts, bank
 
 
+def check_dense_swiglu(seed: int, T: int) -> None:
+    """The dense SwiGLU MLP on MXFP4 weights (d 256, F 128, one expert's banks) for T tokens under
+    poisoned allocations, against the reference: finite, relative error < 2e-3 (fp32 output)."""
+    g = gen(seed)
+    d, F = 256, 128
+    x = randn(T, d, g=g)
+    xq, xs = rf.quantize_act(x, act_fmt=ACT)
+    w1, s1, w3, s3, w2, s2 = (t[0] for t in _experts(1, d, F, g))
+    kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype="f32")
+    with poisoned():
+        y = tm.swiglu_mlp_q(xq, xs, w1, s1, w3, s3, w2, s2, **kw)
+    ref = rf.swiglu_mlp_q(xq, xs, w1, s1, w3, s3, w2, s2, **kw)
+    finite(y)
+    assert rel(y, ref) < 2e-3
+
+
 class LaunchSpy:
     """Stands in for a Triton kernel (e.g. moe_jit.moe_gemm): records the constexpr `key` of
     every launch (0 where the launch does not pass it) in `values`, then launches the kernel."""

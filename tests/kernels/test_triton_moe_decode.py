@@ -24,8 +24,8 @@ pytest.importorskip("triton")
 from megagraph.kernels.reference import fused as rf
 from megagraph.kernels.triton import moe as tm
 
-from test_triton_moe import (ACT, GPU, LaunchSpy, _experts, check_scale_spread, finite, gen,
-                             poisoned, randn, rel, routed_case)
+from test_triton_moe import (ACT, GPU, LaunchSpy, _experts, check_dense_swiglu, check_scale_spread,
+                             finite, gen, poisoned, rel, routed_case)
 
 RUNNABLE = torch.cuda.is_available() or tm.INTERPRET
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason="runs in the interpreter child process")
@@ -76,17 +76,7 @@ def test_swap_dense(monkeypatch):
     with the option on: same K loop, M rows instead of expert tiles (M = 5: a decode batch)."""
     cfg = _swap(16, 32) if not GPU else _swap(16, 128)
     monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"dense_swiglu": cfg, "dense": cfg})
-    g = gen(78)
-    T, d, F = 5, 256, 128
-    x = randn(T, d, g=g)
-    xq, xs = rf.quantize_act(x, act_fmt=ACT)
-    w1, s1, w3, s3, w2, s2 = (t[0] for t in _experts(1, d, F, g))
-    kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype="f32")
-    with poisoned():
-        y = tm.swiglu_mlp_q(xq, xs, w1, s1, w3, s3, w2, s2, **kw)
-    ref = rf.swiglu_mlp_q(xq, xs, w1, s1, w3, s3, w2, s2, **kw)
-    finite(y)
-    assert rel(y, ref) < 2e-3
+    check_dense_swiglu(78, 5)
 
 
 def test_swap_applies_only_where_it_can():

@@ -22,8 +22,8 @@ pytest.importorskip("triton")
 from megagraph.kernels.reference import fused as rf
 from megagraph.kernels.triton import moe as tm
 
-from test_triton_moe import (ACT, GPU, LaunchSpy, _experts, check_scale_spread, finite, gen,
-                             poisoned, randn, rel, routed_case)
+from test_triton_moe import (ACT, GPU, LaunchSpy, _experts, check_dense_swiglu, check_scale_spread,
+                             finite, gen, poisoned, rel, routed_case)
 
 RUNNABLE = torch.cuda.is_available() or tm.INTERPRET
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason="runs in the interpreter child process")
@@ -74,17 +74,7 @@ def test_fused_dense_swiglu(monkeypatch):
     option on: same tile code, M rows instead of expert tiles."""
     monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"dense_swiglu": _fused(16, 32) if not GPU
                                                  else _fused(64, 64)})
-    g = gen(77)
-    T, d, F = 21, 256, 128
-    x = randn(T, d, g=g)
-    xq, xs = rf.quantize_act(x, act_fmt=ACT)
-    w1, s1, w3, s3, w2, s2 = (t[0] for t in _experts(1, d, F, g))
-    kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype="f32")
-    with poisoned():
-        y = tm.swiglu_mlp_q(xq, xs, w1, s1, w3, s3, w2, s2, **kw)
-    ref = rf.swiglu_mlp_q(xq, xs, w1, s1, w3, s3, w2, s2, **kw)
-    finite(y)
-    assert rel(y, ref) < 2e-3
+    check_dense_swiglu(77, 21)
 
 
 def test_fuse_applies_only_where_it_can():
