@@ -7,6 +7,7 @@ each candidate checked against the reference `moe_experts_q` before it counts.
     python benchmarks/moe_tune.py --fp8-h --tokens 8192 --out /tmp/tune8  # the FP8-H roles
     python benchmarks/moe_tune.py --fuse --tokens 8192 --out /tmp/tunef   # L1 one-MMA-per-chunk
     python benchmarks/moe_tune.py --swap --tokens 64 --out /tmp/tunes     # decode, swapped MMA
+    python benchmarks/moe_tune.py --swap --fp8-h --tokens 64 --out /tmp/tunesq  # same, FP8-H
 
 --fp8-h tunes the FP8-H path's roles (l1_fp8h: L1 with H quantized to E4M3 per 128 in the
 epilogue, bn a multiple of 128; l2_fp8h: L2 on E4M3 H) with MEGAGRAPH_MOE_FP8_H's numerics on;
@@ -22,7 +23,9 @@ x 4 warps and 128 x 64 x 8 warps, 3 / 4 stages: the sm_90 builds without spills)
 C^T = W A^T per K chunk, so the 16-row tile runs on wgmma m64n16 with the E4M3 weight tile instead
 of mma.sync on an fp16 copy staged through shared memory; 16 x 128 x 4 warps with / without the
 parity split, 16 x 64 x 4 warps (128 registers: 4 programs per SM), 16 x 128 / 16 x 256 x 8
-warps), then the heuristic's neighbours (8 warps included).
+warps), then the heuristic's neighbours (8 warps included). With --fp8-h: the same swap tiles for
+l2_fp8h (L2 on E4M3 H: QGMMA m64n16 on the E4M3 W2 tile, no fp16 copy) and, bn 128 only (whole
+scale blocks), for l1_fp8h (the swapped L1 with the quantizing epilogue).
 
 Tiles are GemmConfig fields in order (bm, bn, bk, warps, stages, par, persistent[, qsplit[, fuse[,
 swap]]]); at decode
@@ -60,10 +63,11 @@ def candidates(role: str, decode: bool, fuse: bool = False, swap: bool = False):
         bms, bns, warps, stages = (16, 64), (64, 128), (4,), (3, 4)
     else:
         bms, bns, warps, stages = (64, 128), (64, 128), (4, 8), (3, 4)
-    if swap and decode and role in ("l1", "l2"):  # swapped MMA operands (GemmConfig.swap) first
+    if swap and decode:  # swapped MMA operands (GemmConfig.swap) first
         for bn, w, st, par in ((128, 4, 3, True), (128, 4, 4, True), (128, 4, 3, False),
                                (64, 4, 3, True), (128, 8, 3, True), (256, 8, 3, True)):
-            yield (16, bn, 128, w, st, par, 0, 1, False, True)
+            if role != "l1_fp8h" or bn == 128:  # the FP8-H L1 owns whole 128-column blocks
+                yield (16, bn, 128, w, st, par, 0, 1, False, True)
         warps = (4, 8)
     if fuse and role == "l1" and not decode:  # one MMA per K chunk (GemmConfig.fuse) first
         for bm, w in ((64, 4), (128, 8)):
@@ -91,12 +95,11 @@ def main() -> None:
     ap.add_argument("--fuse", action="store_true",
                     help="time only L1 (the default tile, then the GemmConfig.fuse tiles first)")
     ap.add_argument("--swap", action="store_true",
-                    help="decode: the GemmConfig.swap tiles first for L1 and L2 (swapped MMA)")
+                    help="decode: the GemmConfig.swap tiles first for L1 and L2 (swapped MMA); "
+                         "with --fp8-h for l1_fp8h / l2_fp8h")
     a = ap.parse_args()
     if a.fuse and a.fp8_h:
         ap.error("--fuse tunes the fp16-H L1 (the FP8-H L1 quantizes its output: no fuse)")
-    if a.swap and a.fp8_h:
-        ap.error("--swap tunes the default (fp16-H) roles")
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     from megagraph.kernels.reference import fused as rf
     from megagraph.kernels.triton import moe as tm

@@ -121,11 +121,13 @@ class GemmConfig:
     [2 bn, bk] B tile, A read by the wgmma from shared memory, one wait per chunk where the
     default loop has four); par is ignored. Other GEMMs ignore it.
     swap (grouped / dense GEMMs on MXFP4 weights with the fp8 / fp16 MMA, static grid, not with
-    fuse or a quantized output; off by default until timed on the H200): the K loop with the
+    fuse or qsplit 2; off by default until timed on the H200): the K loop with the
     operands swapped (moe_jit.moe_acc_swap: C^T = W A^T per chunk, the bn weight rows as the
     MMA's M and the bm activation rows as its N), so a 16-row decode tile runs on wgmma
     (m64n16) with the E4M3 weight tile instead of mma.sync on an fp16 copy of it routed
-    through shared memory (kernels/triton/NOTES-moe.md, fifth session, decode at 36%)."""
+    through shared memory (kernels/triton/NOTES-moe.md, fifth session, decode at 36%). With
+    FP8-H it applies to both roles: "l2_fp8h" runs the fp8 MMA on E4M3 H x E4M3 W2 (no fp16
+    copy at all), "l1_fp8h" (qsplit 1) quantizes the swapped tile's H in its epilogue."""
 
     bm: int
     bn: int
@@ -419,10 +421,14 @@ def gemm(a: Tensor, a_scale: Tensor | None, b1: Bank, out: Tensor, *, b2: Bank |
 
 def _swap_ok(cfg: GemmConfig, b1: Bank, mma: int, out_scale: Tensor | None) -> bool:
     """GemmConfig.swap applies: MXFP4 weights (E8M0 per 32 columns of one row) with the fp8 /
-    fp16 MMA, a 128-column K chunk, no quantized output, not fused (fuse wins). SWAP is passed
-    only when on, so the default launch compiles the same kernel as before the option existed."""
+    fp16 MMA, a 128-column K chunk, not fused (fuse wins); a quantized output (the FP8-H L1)
+    only unsplit (qsplit 1: moe_tile's QSPLIT = 2 path has its own K loops). The FP8-H L2 (E4M3
+    H with per-128 scales, A_SCALED) is the fp8 MMA: QGMMA m64n16 on the E4M3 W2 tile. SWAP is
+    passed only when on, so the default launch compiles the same kernel as before the option
+    existed."""
     return (cfg.swap and not cfg.fuse and b1.wfmt == 0 and b1.bn == 1 and b1.bk == 32
-            and mma in (MMA_FP8, MMA_FP16) and cfg.bk == 128 and out_scale is None)
+            and mma in (MMA_FP8, MMA_FP16) and cfg.bk == 128
+            and (out_scale is None or cfg.qsplit == 1))
 
 
 def _fuse_ok(cfg: GemmConfig, b1: Bank, b2: Bank, mma: int, out_scale: Tensor | None) -> bool:

@@ -185,17 +185,27 @@ def load_b_fp4_halves(b_ptr, e, rn, nmask, k0, stride_bn, MMA: tl.constexpr,
 
 @triton.jit
 def mma_step_halves(acc, a_e, a_o, sa, b_lo, b_hi, sb, A_SCALED: tl.constexpr,
-                    MMA: tl.constexpr):
-    """acc += (A_even @ B_lo^T + A_odd @ B_hi^T) * scales (the K-parity split of mma_step)."""
+                    MMA: tl.constexpr, SWAP: tl.constexpr = False):
+    """acc += (A_even @ B_lo^T + A_odd @ B_hi^T) * scales (the K-parity split of mma_step).
+    SWAP: transposed, acc [BN, BM] += (B_lo @ A_even^T + B_hi @ A_odd^T) * scales (mma_step's
+    SWAP: the same fp32 scale products sb x sa)."""
     if MMA == 1:
         a_e = a_e.to(tl.float16)
         a_o = a_o.to(tl.float16)
-    part = tl.dot(a_e, tl.trans(b_lo))
-    part = tl.dot(a_o, tl.trans(b_hi), part)
-    if A_SCALED:
-        acc += part * (sa[:, None] * sb[None, :])
+    if SWAP:
+        part = tl.dot(b_lo, tl.trans(a_e))
+        part = tl.dot(b_hi, tl.trans(a_o), part)
+        if A_SCALED:
+            acc += part * (sb[:, None] * sa[None, :])
+        else:
+            acc += part * sb[:, None]
     else:
-        acc += part * sb[None, :]
+        part = tl.dot(a_e, tl.trans(b_lo))
+        part = tl.dot(a_o, tl.trans(b_hi), part)
+        if A_SCALED:
+            acc += part * (sa[:, None] * sb[None, :])
+        else:
+            acc += part * sb[None, :]
     return acc
 
 
@@ -275,8 +285,22 @@ def load_b_tile(b_ptr, e, rn, nmask, k0, stride_bn,
 
 
 @triton.jit
-def mma_step(acc, a, sa, b, sb, A_SCALED: tl.constexpr, MMA: tl.constexpr):
-    if MMA == 0 or MMA == 1:
+def mma_step(acc, a, sa, b, sb, A_SCALED: tl.constexpr, MMA: tl.constexpr,
+             SWAP: tl.constexpr = False):
+    """acc [BM, BN] += A [BM, BK] @ B [BN, BK]^T (fp8 / fp16 MMA: the chunk's fp32 partial product
+    promoted with the scales; bf16 / fp32: dequantized operands, accumulated in the MMA).
+    SWAP (fp8 / fp16 MMA only; the moe_acc_swap loop): transposed, acc [BN, BM] += (B @ A^T) *
+    scales, so the weight rows are the MMA's M and the few activation rows its N; the same fp32
+    scale products (sb x sa)."""
+    if SWAP:
+        if MMA == 1:
+            a = a.to(tl.float16)
+        part = tl.dot(b, tl.trans(a))
+        if A_SCALED:
+            acc += part * (sb[:, None] * sa[None, :])
+        else:
+            acc += part * sb[:, None]
+    elif MMA == 0 or MMA == 1:
         if MMA == 1:
             a = a.to(tl.float16)
         part = tl.dot(a, tl.trans(b))
@@ -451,20 +475,6 @@ def moe_acc_fused(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask, K, st
 
 
 @triton.jit
-def mma_step_t(acc_t, a, sa, b, sb, A_SCALED: tl.constexpr, MMA: tl.constexpr):
-    """acc_t [BN, BM] += (B [BN, BK] @ A [BM, BK]^T) * scales: mma_step transposed (the SWAP loop:
-    the weight rows are the MMA's M, the few activation rows its N)."""
-    if MMA == 1:
-        a = a.to(tl.float16)
-    part = tl.dot(b, tl.trans(a))
-    if A_SCALED:
-        acc_t += part * (sb[:, None] * sa[None, :])
-    else:
-        acc_t += part * sb[:, None]
-    return acc_t
-
-
-@triton.jit
 def moe_acc_swap(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask, K, stride_bn,
                  stride_bsn, SWIGLU: tl.constexpr, A_SCALED: tl.constexpr, MMA: tl.constexpr,
                  NSUB: tl.constexpr, USE_ASM: tl.constexpr, PAR: tl.constexpr, BM: tl.constexpr,
@@ -476,8 +486,11 @@ def moe_acc_swap(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask, K, str
     on mma.sync (Triton's wgmma needs M >= 64), which upcasts the E4M3 weight tile to fp16 in
     registers and converts it to the mma.sync operand layout through shared memory (64 KB STS +
     64 KB LDS per L1 chunk); swapped, the tile stays E4M3 (fp8 MMA) and goes to wgmma.
-    PAR: the K-parity split (load_b_fp4_halves; A split by column parity in registers). Returns
-    (acc1, acc2) as moe_acc ([BM, BN] each: the accumulators transposed once, after the loop).
+    PAR: the K-parity split (load_b_fp4_halves; A split by column parity in registers).
+    A_SCALED (fp8 A with per-128 scales: x_q in L1, the FP8-H path's E4M3 H in L2, which then
+    runs QGMMA on E4M3 H x E4M3 W2): sa per activation row, i.e. per column of the transposed
+    accumulator (mma_step / mma_step_halves with SWAP). Returns (acc1, acc2) as moe_acc
+    ([BM, BN] each: the accumulators transposed once, after the loop).
     Numerics: moe_acc's per-chunk promotion (the same fp32 sb x sa products); the tensor core's
     sum order within a chunk differs, so results are not bit-equal to the default's."""
     acc1 = tl.zeros((BN, BM), dtype=tl.float32)
@@ -504,35 +517,19 @@ def moe_acc_swap(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask, K, str
             a_e, a_o = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
             b_lo, b_hi, sb = load_b_fp4_halves(b1, e1, rn, nmask, k0, stride_bn, MMA, NSUB,
                                                USE_ASM, BN, BK)
-            acc1 = mma_step_halves_t(acc1, a_e, a_o, sa, b_lo, b_hi, sb, A_SCALED, MMA)
+            acc1 = mma_step_halves(acc1, a_e, a_o, sa, b_lo, b_hi, sb, A_SCALED, MMA, True)
             if SWIGLU:
                 b_lo, b_hi, sb = load_b_fp4_halves(b2, e2, rn, nmask, k0, stride_bn, MMA, NSUB,
                                                    USE_ASM, BN, BK)
-                acc2 = mma_step_halves_t(acc2, a_e, a_o, sa, b_lo, b_hi, sb, A_SCALED, MMA)
+                acc2 = mma_step_halves(acc2, a_e, a_o, sa, b_lo, b_hi, sb, A_SCALED, MMA, True)
         else:
             b, sb = load_b_tile(b1, e1, rn, nmask, k0, stride_bn, 0, MMA, NSUB, USE_ASM, BN, BK)
-            acc1 = mma_step_t(acc1, a, sa, b, sb, A_SCALED, MMA)
+            acc1 = mma_step(acc1, a, sa, b, sb, A_SCALED, MMA, True)
             if SWIGLU:
                 b, sb = load_b_tile(b2, e2, rn, nmask, k0, stride_bn, 0, MMA, NSUB, USE_ASM, BN,
                                     BK)
-                acc2 = mma_step_t(acc2, a, sa, b, sb, A_SCALED, MMA)
+                acc2 = mma_step(acc2, a, sa, b, sb, A_SCALED, MMA, True)
     return tl.trans(acc1), tl.trans(acc2)
-
-
-@triton.jit
-def mma_step_halves_t(acc_t, a_e, a_o, sa, b_lo, b_hi, sb, A_SCALED: tl.constexpr,
-                      MMA: tl.constexpr):
-    """mma_step_halves transposed (acc_t [BN, BM])."""
-    if MMA == 1:
-        a_e = a_e.to(tl.float16)
-        a_o = a_o.to(tl.float16)
-    part = tl.dot(b_lo, tl.trans(a_e))
-    part = tl.dot(b_hi, tl.trans(a_o), part)
-    if A_SCALED:
-        acc_t += part * (sb[:, None] * sa[None, :])
-    else:
-        acc_t += part * sb[:, None]
-    return acc_t
 
 
 @triton.jit

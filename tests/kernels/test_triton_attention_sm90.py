@@ -231,6 +231,22 @@ def moe_cases():
         d2s.num_warps, r"HGMMA\.64x16x16", dict(stages=d2s.num_stages,
                                                  div=divs - {"work_ptr", "stride_bsn"},
                                                  no_sass=r"\b(LDL|STL|HMMA)\b", max_loop=640))
+    # swap with the FP8-H path (MEGAGRAPH_MOE_FP8_H, off by default) at the same decode tiles
+    # (pick_config "l1_fp8h" / "l2_fp8h" at ~1.6 rows per expert: 16 x 128, 4 warps, 3 stages,
+    # par): L2 on E4M3 H with per-128 scales (A_SCALED) runs QGMMA m64n16 on the E4M3 W2 tile,
+    # no fp16 copy (no F2FP in the loop, no HGMMA / HMMA: 554 instructions per chunk on Triton
+    # 3.9, 140 registers, where the fp16-H swap loop is 604 with 64 F2FP and HGMMA); L1 with the
+    # quantizing epilogue has the fp16-H swap L1's K loop (981 instructions, 206 registers)
+    out["moe l2 fp8h swap decode"] = (
+        "moe_jit", "moe_gemm", dict(sgemm, c_ptr="*bf16"),
+        dict(dl2, SWAP=1, A_SCALED=True, MMA=M.MMA_FP8), d2s.num_warps,
+        r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3",
+        dict(stages=d2s.num_stages, div=divs - {"work_ptr", "stride_bsn"},
+             no_sass=r"\b(LDL|STL|HMMA|HGMMA)\b", max_loop=580,
+             loop={r"\bF2FP": 0, r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3": 8}))
+    out["moe l1 fp8h swap decode"] = (
+        "moe_jit", "moe_gemm", dict(sgemm, c_ptr="*fp8e4nv"), dict(dl1, SWAP=1, QUANT_OUT=True),
+        d1s.num_warps, "QGMMA", dict(swap, stages=d1s.num_stages, div=divs - {"work_ptr"}))
     # the default decode tiles on the static grid, as the SASS read them (what swap removes):
     # mma.sync with the E4M3 -> fp16 upcast (F2FP) of the weight tile in the K loop
     out["moe l1 decode default"] = (
@@ -257,7 +273,8 @@ NAMES = ["attn decode q-epilogue", "attn decode split", "attn plain", "attn comb
          "moe fp8h l1 prefill", "moe fp8h l2 prefill", "moe fp8h l1 decode persistent",
          "moe fp8h l2 decode persistent", "moe l1 fused prefill", "moe l1 fused prefill 8w",
          "moe l1 prefill default", "moe l1 swap decode", "moe l2 swap decode",
-         "moe l1 decode default", "rope q", "rope q inverse", "rope ik", "rope f32",
+         "moe l1 decode default", "moe l2 fp8h swap decode", "moe l1 fp8h swap decode",
+         "rope q", "rope q inverse", "rope ik", "rope f32",
          "fake quant fp8_e4m3", "fake quant mxfp4", "fake quant nvfp4"]
 
 

@@ -120,12 +120,20 @@ def test_l1_epilogue_equals_quantize_act(T, E, k, F, bm, bn, subset, qsplit, mon
     """The quantized run's tile may split its 128 columns (qsplit 2); the fp32 run is the
     unsplit 128-column tile (qsplit applies to quantized outputs only), so the bitwise equality
     also proves that the split computes the same fp32 H."""
+    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": _cfg(bm, bn, qsplit=qsplit)})
+    check_l1_epilogue(T, E, k, F, subset)
+
+
+def check_l1_epilogue(T, E, k, F, subset):
+    """The "l1_fp8h" tile of tm.CONFIG_OVERRIDE run with an fp32 output and with the quantized
+    one (codes + scales, under poisoned allocations): the codes and scales are quantize_act of
+    the fp32 H bit for bit (interpreter; GPU: <= 0.1% of the codes one E4M3 step apart), and the
+    dequantized codes are within E4M3 rounding of that H."""
     g = gen(T * 7 + F)
     d = 128
     xq, xs, _ids, _wts, counts, srt, banks, _ = _l1_setup(T, E, k, d, F, g, subset)
     P = T * k
-    cfg = _cfg(bm, bn, qsplit=qsplit)
-    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": cfg})
+    cfg = tm.pick_config("l1_fp8h", P / E)
     kw = dict(b2=banks[1], role="l1_fp8h", rows_per_group=P / E, counts=counts, a_idx=srt,
               topk=k, max_tiles=min(P, P // cfg.bm + E), limit=10.0)
     h32 = torch.empty(P, F, dtype=torch.float32, device=DEV)
@@ -183,6 +191,14 @@ def test_quant_out_needs_whole_blocks(monkeypatch):
 def test_l2_fp8_h_vs_torch(T, E, k, F, subset, monkeypatch):
     """L2 alone on given H codes + scales (per-row scales spread over 2^-8 .. 2^4, so a wrong
     scale column shows) against fp32 torch on the dequantized H: summation order only."""
+    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l2_fp8h": _cfg(16, 32 if not GPU else 128)})
+    check_l2_fp8_h(T, E, k, F, subset)
+
+
+def check_l2_fp8_h(T, E, k, F, subset):
+    """The "l2_fp8h" tile of tm.CONFIG_OVERRIDE on random E4M3 H codes whose per-(row, 128)
+    scales span 2^-8 .. 2^4 (a scale applied to the wrong row or block shows), under poisoned
+    allocations, against fp32 torch on the dequantized H: < TOL_GEMM (summation order only)."""
     g = gen(50 + T)
     d = 128
     _, _, ids, wts, counts, srt, banks, bank = _l1_setup(T, E, k, d, F, g, subset)
@@ -191,8 +207,7 @@ def test_l2_fp8_h_vs_torch(T, E, k, F, subset, monkeypatch):
                                                                   generator=g).float()
                                                     ).repeat_interleave(128, dim=1)
     hq, hs = rf.quantize_act(h.to(DEV), act_fmt=HFMT)
-    cfg = _cfg(16, 32 if not GPU else 128)
-    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l2_fp8h": cfg})
+    cfg = tm.pick_config("l2_fp8h", P / E)
     with poisoned():
         y = torch.empty(T, k, d, dtype=torch.float32, device=DEV)
         tm.gemm(hq, hs, banks[2], y.view(T * k, d), role="l2_fp8h", rows_per_group=P / E,
@@ -223,16 +238,23 @@ def test_l2_fp8_h_vs_torch(T, E, k, F, subset, monkeypatch):
     (96, 4, 2, 128, 256, None, (64, 128, 0, 2), "f32"),  # prefill-like, L1 split in 64-col halves
 ])
 def test_routed_experts_fp8_h(T, E, k, d, F, subset, tile, out_dtype, monkeypatch):
+    monkeypatch.setattr(tm, "FP8_H", True)
+    if tile:
+        monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": _cfg(*tile),
+                                                    "l2_fp8h": _cfg(tile[0], 128)})
+    check_routed_fp8_h(T, E, k, d, F, subset, out_dtype)
+
+
+def check_routed_fp8_h(T, E, k, d, F, subset, out_dtype):
+    """moe_experts_q with the FP8-H path on (the caller sets tm.FP8_H and the tiles) under
+    poisoned allocations: finite, < TOL_Q (TOL_Q_BF16) vs the reference that quantizes H the
+    same way (h_fmt fp8_1x128), and within LOOSE of the fp32-H reference (H really quantized)."""
     g = gen(T * 31 + F)
     x = randn(T, d, g=g)
     xq, xs = rf.quantize_act(x, act_fmt=ACT)
     bank = _bank(E, d, F, g)
     ids, wts = _routing(T, E, k, g, subset)
     kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype=out_dtype)
-    monkeypatch.setattr(tm, "FP8_H", True)
-    if tile:
-        monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": _cfg(*tile),
-                                                    "l2_fp8h": _cfg(tile[0], 128)})
     with poisoned():
         y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
     finite(y)
