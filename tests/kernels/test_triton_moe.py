@@ -306,15 +306,9 @@ def test_moe_tiles_interleaved_and_parity(par, monkeypatch):
     cfg = tm.GemmConfig(16, 16, 64, 4, 1, par=par) if not GPU else tm.GemmConfig(64, 64, 128, 4,
                                                                                  3, par=par)
     monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1": cfg, "l2": cfg})
-    g = gen(31)
-    E, d, F, k, T = 4, 256, 128, 2, 9
-    x = randn(T, d, g=g)
-    xq, xs = rf.quantize_act(x, act_fmt=ACT)
-    bank = _experts(E, d, F, g)
-    ids = torch.randint(0, E, (T, k), generator=g).to(DEV)
-    wts = torch.rand(T, k, generator=g).to(DEV)
-    kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype="f32")
-    check_routed(xq, xs, ids, wts, bank, kw)
+    xq, xs, ids, wts, bank = routed_case(9, 4, 256, 128, 2, seed=31)
+    check_routed(xq, xs, ids, wts, bank, dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT,
+                                             out_dtype="f32"))
 
 
 def test_moe_exact_mode(monkeypatch):
