@@ -1,0 +1,219 @@
+"""Times the experimental Gluon L1 (kernels/triton/moe_gluon.py: hand-pipelined async wgmma, the
+MXFP4 upcast of chunk i + 1 under the MMA of chunk i) against the Triton L1 launch that
+routed_experts makes (moe.gemm role "l1"), at V4.1-Flash dims: hidden d = 5120, 384 experts
+x F = 2304 (MXFP4, E8M0 per 32), top-6, balanced routing (token t -> experts 6t .. 6t + 5 mod
+384: every expert gets 8192 * 6 / 384 = 128 rows at 8192 tokens). Random weights made on the
+device. Each launch is timed as CUDA-graph replays (events, median of batches); the outputs of
+the two are compared (relative Frobenius error, and both against the fp32 math of the same
+quantized operands on the first experts' rows).
+
+    python benchmarks/moe_gluon_probe.py --out /tmp/gl               # H200, 8192 tokens
+    python benchmarks/moe_gluon_probe.py --tokens 4096 --out /tmp/gl
+    python benchmarks/moe_gluon_probe.py --smoke                     # small dims, seconds
+
+L1 FLOPs = 2 * rows * 2F * d (rows = tokens * top-k); % of peak against 1430 TFLOP/s (H200
+dense FP8). Needs CUDA sm_90 and Triton 3.6 (moe_gluon.available()); elsewhere it says so and
+exits 0 (with --out, a JSON that records the skip). Well under 120 s on the H200.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+PEAK_TFLOPS = 1430.0
+REAL = dict(d=5120, F=2304, E=384, k=6)
+SMOKE = dict(d=1024, F=256, E=16, k=6)
+
+
+def time_ms(fn, reps: int = 5, min_ms: float = 20.0) -> float:
+    """Median ms per call: warm-up, one CUDA graph of n calls (n sized to >= min_ms per replay),
+    replays timed with events; eager batches if the capture fails."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    n = max(1, min(200, int(min_ms / max(1e-3, 1e3 * (time.perf_counter() - t0)))))
+    run = None
+    try:
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                fn()
+        run = g.replay
+    except Exception as exc:  # noqa: BLE001  (eager fallback, reported)
+        print(f"[probe] graph capture failed ({exc!r}): eager timing", file=sys.stderr)
+
+        def run():
+            for _ in range(n):
+                fn()
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / n)
+    return statistics.median(times)
+
+
+def build(T: int, d: int, F: int, E: int, k: int, seed: int = 0):
+    """x_q / x_scale (E4M3 per 128), W1 / W3 banks, balanced ids, counts, sorted pair list."""
+    from megagraph.kernels.triton import moe
+
+    torch.manual_seed(seed)
+    dev = "cuda"
+    x = torch.randn(T, d, device=dev)
+    xb = x.view(T, d // 128, 128)
+    sc = torch.exp2(torch.ceil(torch.log2(xb.abs().amax(-1).clamp_min(1e-4) / 448)))
+    xq = (xb / sc[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(T, d)
+    xs = sc.float().contiguous()
+
+    def bank():
+        w = torch.randint(-128, 128, (E, F, d // 2), dtype=torch.int8, device=dev)
+        s = torch.randint(119, 125, (E, F, d // 32), dtype=torch.uint8, device=dev)
+        return moe.bank(w, s.view(torch.float8_e8m0fnu), "mxfp4")
+
+    w1, w3 = bank(), bank()
+    t = torch.arange(T, device=dev)[:, None]
+    ids = (t * k + torch.arange(k, device=dev)[None, :]) % E
+    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
+    srt = moe.permute(ids.flatten(), counts, E)
+    return xq, xs, w1, w3, counts, srt
+
+
+def reference_rows(xq, xs, w1, w3, counts, srt, k, limit, experts: int):
+    """fp32 H of the first `experts` experts' sorted rows (exactly dequantized operands)."""
+    lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=xq.device)
+    lut = torch.cat([lut, -lut])
+
+    def deq(b, e):
+        v = b.w[e].view(torch.uint8).long()
+        v = torch.stack([lut[v & 0xF], lut[v >> 4]], -1).flatten(-2)
+        return v * torch.exp2(b.s[e].float() - 127).repeat_interleave(32, -1)
+
+    a = (xq.float().view(xq.shape[0], -1, 128) * xs[..., None]).view(xq.shape[0], -1)
+    outs, r0 = [], 0
+    for e, c in enumerate(counts.tolist()[:experts]):
+        rows = a[srt[r0:r0 + c].long() // k]
+        gt = (rows @ deq(w1, e).T).clamp(max=limit)
+        up = (rows @ deq(w3, e).T).clamp(-limit, limit)
+        outs.append(gt * torch.sigmoid(gt) * up)
+        r0 += c
+    return torch.cat(outs), r0
+
+
+def rel(x, y) -> float:
+    return float((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens (rows = tokens * 6)")
+    ap.add_argument("--smoke", action="store_true", help="small dims (d 1024, F 256, 16 experts)")
+    ap.add_argument("--limit", type=float, default=10.0, help="SwiGLU clamp")
+    ap.add_argument("--out", default=None, help="directory for moe_gluon_probe.json / .md")
+    args = ap.parse_args()
+
+    from megagraph.kernels.triton import moe
+    from megagraph.kernels.triton import moe_gluon as mg
+
+    dims = SMOKE if args.smoke else REAL
+    T = min(args.tokens, 512) if args.smoke else args.tokens
+    res = dict(tokens=T, dims=dims, peak_tflops=PEAK_TFLOPS)
+    if not mg.available():
+        res["skipped"] = "needs CUDA sm_90 and Triton 3.6 Gluon (moe_gluon.available())"
+        print(res["skipped"])
+        return _write(args.out, res)
+    t_start = time.perf_counter()
+    d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
+    xq, xs, w1, w3, counts, srt = build(T, d, F, E, k)
+    P = T * k
+    rpg = P / max(1, min(E, P))
+    cfg = moe.pick_config("l1", rpg)
+    mt1 = min(P, P // cfg.bm + E)
+    mtg = min(P, P // mg.BM + E)
+    h_tr = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
+    h_gl = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
+    tiles = moe.tile_list(counts, mg.BM, mtg)
+
+    def triton_l1():
+        moe.gemm(xq, xs, w1, h_tr, b2=w3, role="l1", rows_per_group=rpg, counts=counts,
+                 a_idx=srt, topk=k, max_tiles=mt1, limit=args.limit)
+
+    def gluon_l1():
+        mg.l1_gluon(xq, xs, srt, w1, w3, counts, h_gl, topk=k, max_tiles=mtg,
+                    limit=args.limit, tiles=tiles)
+
+    def gluon_l1_list():  # the same, with the device tile list built in the call
+        mg.l1_gluon(xq, xs, srt, w1, w3, counts, h_gl, topk=k, max_tiles=mtg,
+                    limit=args.limit)
+
+    flops = 2.0 * P * 2 * F * d
+    rows = []
+    for name, fn, tile in (("triton l1 (moe.gemm)", triton_l1, cfg.__dict__),
+                           ("gluon l1", gluon_l1, dict(bm=mg.BM, bn=mg.BN, bk=mg.BK,
+                                                       nsa=mg.NSA, warps=mg.NUM_WARPS)),
+                           ("gluon l1 + tile_list", gluon_l1_list, None)):
+        try:
+            ms = time_ms(fn)
+            tf = flops / ms / 1e9
+            rows.append(dict(name=name, ms=ms, tflops=tf, pct_peak=100 * tf / PEAK_TFLOPS,
+                             tile=tile))
+        except Exception as exc:  # noqa: BLE001  (reported, the other rows still run)
+            rows.append(dict(name=name, error=repr(exc)[:500]))
+        print(rows[-1], flush=True)
+    torch.cuda.synchronize()
+    res["rows"] = rows
+    res["all_written"] = bool(torch.isfinite(h_gl).all())
+    res["rel_err_gluon_vs_triton"] = rel(h_gl, h_tr)
+    ref, n = reference_rows(xq, xs, w1, w3, counts, srt, k, args.limit, experts=4)
+    res["rel_err_gluon_vs_fp32"] = rel(h_gl[:n], ref)
+    res["rel_err_triton_vs_fp32"] = rel(h_tr[:n], ref)
+    res["wall_s"] = time.perf_counter() - t_start
+    print(json.dumps({x: res[x] for x in res if x != "rows"}, indent=1))
+    _write(args.out, res)
+
+
+def _write(out, res) -> None:
+    if not out:
+        return
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "moe_gluon_probe.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    lines = [f"# Gluon L1 probe, {res['tokens']} tokens, dims {res['dims']}", ""]
+    if "skipped" in res:
+        lines.append(f"skipped: {res['skipped']}")
+    else:
+        lines += ["| launch | ms | TFLOP/s | % of 1430 |", "| --- | --- | --- | --- |"]
+        for r in res["rows"]:
+            if "error" in r:
+                lines.append(f"| {r['name']} | error: {r['error'][:120]} | | |")
+            else:
+                lines.append(f"| {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+                             f"{r['pct_peak']:.1f} |")
+        lines += ["", (f"rel err gluon vs triton: {res['rel_err_gluon_vs_triton']:.2e}; vs "
+                       f"fp32 math (first 4 experts): gluon {res['rel_err_gluon_vs_fp32']:.2e}, "
+                       f"triton {res['rel_err_triton_vs_fp32']:.2e}; every gluon row written: "
+                       f"{res['all_written']}")]
+    with open(os.path.join(out, "moe_gluon_probe.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

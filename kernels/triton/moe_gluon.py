@@ -1,0 +1,359 @@
+"""Experimental Gluon (Triton 3.6, sm_90) kernel for the prefill routed-expert L1 GEMM: the
+SwiGLU of W1 / W3 on MXFP4 weights with E4M3 activations - the launch `routed_experts` makes
+through `moe.gemm` (GROUPED, GATHER_A, SWIGLU, A_SCALED, MXFP4 + E8M0 per 32 columns, MMA_FP8).
+
+Why: the Triton L1 (moe_jit.moe_acc) dequantizes each MXFP4 B chunk in registers, stores it to
+shared memory, fences, barriers and then waits on each chunk's wgmma before starting the next
+chunk's work (kernels/triton/NOTES-moe.md): Triton's pipeliner cannot keep a wgmma async when
+an operand is computed in registers, so the upcast and the tensor cores never overlap. Here the
+pipeline is written by hand:
+
+  per 128-column K chunk i (A stage i % NSA, B stage i % 2; the loop is unrolled by NSA so every
+  stage is its own allocation with a static index and Gluon's barrier analysis adds none):
+    wait A[i]'s cp.async group, CTA barrier, fence.proxy.async   (A[i], B[i] visible to wgmma)
+    issue cp.async of A[i + NSA - 1] into the stage chunk i - 1 read (all its wgmmas waited)
+    issue wgmma(A[i], W1[i]^T) and wgmma(A[i], W3[i]^T), async (fresh fp32 partials)
+    upcast W1 / W3 chunk i + 1 (bytes loaded one chunk ago) -> E4M3 into the other B stage, its
+    per-row promotion scale sb into a small f32 ring beside it; fence.proxy.async (writers)
+    load the MXFP4 bytes + E8M0 exponents of chunk i + 2 into registers (a whole chunk to land),
+    the A scales of chunk i + 1
+    wait for the two wgmmas, promote: acc += part * (sa x sb)  (moe_acc's formula)
+
+so the tensor cores run chunk i while the CUDA cores upcast chunk i + 1. A is gathered
+(A row = aidx[row] // TOPK): TMA on Hopper has no row gather, but cp.async takes one address per
+16 bytes, so each thread copies its rows' 16-byte pieces straight into the 128B-swizzled
+NVMMA ring, no registers. The B tile is [BN rows of W1] and [BN rows of W3], E4M3, K-major.
+
+Numerics (== moe_acc with MMA_FP8, PAR or not): per chunk and B row, S = max(max(e) - 6, 1)
+over the row's 4 E8M0 exponents, the same PTX upcast (moe_jit.FP4_E4M3_ASM, or its arithmetic
+twin) to E4M3 codes at offset e - S, sb = 2^(S - 127); the fp32 wgmma partial of the chunk
+(use_acc=False) is promoted as acc += part * (sa[:, None] * sb[None, :]); epilogue
+silu(min(g, lim)) * clamp(u, -lim, lim) (moe_jit.swiglu_act), stored as out's dtype (fp16 in
+routed_experts) at the expert-sorted row. Only the sum order inside a chunk (tensor core) may
+differ from the Triton kernel.
+
+Tile: BM = 128 rows x BN = 64 columns of W1 and of W3, 8 warps (2 warpgroups of 64 rows, the
+wgmma m64n64k32), NSA = 2 A stages, 2 B stages: two fp32 accumulators and two in-flight
+partials = 4 x 32 registers per thread. Triton 3.6 sm_90 build: 255 registers, no stack,
+65 KB of shared memory (one program per SM: 8 warps x 255 registers), 617 SASS instructions per
+chunk with 8 QGMMA, 2 WARPGROUP.ARRIVE, 1 WARPGROUP.DEPBAR, 1 BAR.SYNC, 4 LDGSTS, 8 STS, no F2FP.
+NSA = 4 (A three chunks ahead, 97 KB) spills 136 bytes at 255 registers, so A is prefetched
+one chunk (~1500 cycles of MMA at this tile) ahead. BM = 128 halves the upcast work per MMA flop
+against the Triton L1's 64-row tile (one B chunk feeds 128 rows). Not wired into
+routed_experts / pick_config: an experiment to time first (benchmarks/moe_gluon_probe.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # Triton 3.6 names; other versions may lack or rename them (available() says no)
+    import triton
+
+    # written against Triton 3.6's Gluon (the H200 image): 3.9 removed
+    # async_copy_global_to_shared (async_load), so other versions are not assumed to work
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) != (3, 6):
+        raise ImportError(f"Gluon API of Triton {triton.__version__} not checked")
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as ttgl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    _IMPORT_OK = True
+except Exception:  # noqa: BLE001  (any import failure: the module still imports)
+    _IMPORT_OK = False
+
+BM, BN, BK, NSA, NUM_WARPS = 128, 64, 128, 2, 8
+
+
+def _asm_text() -> str:
+    from .moe_jit import FP4_E4M3_ASM
+
+    return getattr(FP4_E4M3_ASM, "value", FP4_E4M3_ASM)
+
+
+if _IMPORT_OK:
+    FP4_ASM = ttgl.constexpr(_asm_text())
+
+    @gluon.jit
+    def _e2m1_e4m3_bits(c, rel):
+        """moe_jit.e2m1_e4m3_bits (the arithmetic twin of the PTX upcast)."""
+        m = c & 7
+        base = ttgl.where(m >= 2, m * 4 + 0x30, m * 0x30) + rel * 8
+        base = ttgl.where((m == 0) | (rel < -5), 0, base)
+        return base | ((c & 8) << 4)
+
+    @gluon.jit
+    def _dequant_store(p, e, b_dst, sb_dst, USE_ASM: ttgl.constexpr, BN: ttgl.constexpr,
+                       BK: ttgl.constexpr):
+        """Packed codes p uint8 [BN, 4, 16] (row, 32-column group, byte) and the biased E8M0
+        exponents e int32 [BN, 4] -> E4M3 [BN, BK] in column order into b_dst, and the row's
+        promotion scale 2^(S - 127) into sb_dst (load_b_tile's MMA_FP8 MXFP4 branch)."""
+        S = ttgl.maximum(ttgl.max(e, axis=1) - 6, 1)
+        rel = e - ttgl.expand_dims(S, 1)
+        rel3 = ttgl.broadcast(ttgl.expand_dims(rel, 2), p)[0]
+        if USE_ASM:
+            lo, hi = ttgl.inline_asm_elementwise(FP4_ASM, "=r,=r,r,r", [p, rel3.to(ttgl.int8)],
+                                                 dtype=(ttgl.uint8, ttgl.uint8), is_pure=True,
+                                                 pack=4)
+        else:
+            pi = p.to(ttgl.int32)
+            lo = _e2m1_e4m3_bits(pi & 0xF, rel3).to(ttgl.uint8)
+            hi = _e2m1_e4m3_bits(pi >> 4, rel3).to(ttgl.uint8)
+        b = ttgl.reshape(ttgl.join(lo, hi), [BN, BK])  # byte j -> columns 2j (lo), 2j + 1 (hi)
+        b_dst.store(b.to(ttgl.float8e4nv, bitcast=True))
+        bits = ttgl.where(S <= 0, 0x00400000, S << 23)  # moe_jit.exp2_biased
+        sb_dst.store(bits.to(ttgl.float32, bitcast=True))
+
+    @gluon.jit
+    def _load_b(b_ptr, bs_ptr, pofs, eofs, k0):
+        """MXFP4 bytes (uint8 [BN, 4, 16]) and E8M0 exponents (int32 [BN, 4]) of chunk k0 of one
+        weight matrix (offsets pofs / eofs already hold the rows)."""
+        p = ttgl.load(b_ptr + pofs + k0 // 2).to(ttgl.uint8, bitcast=True)
+        e = ttgl.load(bs_ptr + eofs + k0 // 32).to(ttgl.int32)
+        return p, e
+
+    @gluon.jit
+    def _chunk(i, n_k, a_cur, a_nxt, w1_cur, w3_cur, w1_nxt, w3_nxt, sb1_cur, sb3_cur, sb1_nxt,
+               sb3_nxt, acc1, acc2, p1, e1, p3, e3, sa, a_ptrs, a_mask, as_ptrs, rmask, b1, b2,
+               bs1, bs2, pofs, eofs, USE_ASM: ttgl.constexpr, BM: ttgl.constexpr,
+               BN: ttgl.constexpr, BK: ttgl.constexpr, NSA: ttgl.constexpr,
+               mma: ttgl.constexpr):
+        """K chunk i: A[i] in a_cur (cp.async, NSA - 1 chunks ahead), W1 / W3 chunk i upcast
+        in w1_cur / w3_cur with their row scales in sb1_cur / sb3_cur (one chunk ahead); the
+        MXFP4 bytes p1 / p3, exponents e1 / e3 of chunk i + 1 in registers; sa: A scales of
+        chunk i. Returns the accumulators and chunk i + 2's bytes / chunk i + 1's A scales."""
+        async_copy.wait_group(NSA - 2)  # this thread's copies of A[i] landed
+        # right after the wait (so the membar pass adds no second one): every thread's A[i]
+        # copies and B[i] stores (fenced by their writers) are in
+        ttgl.thread_barrier()
+        fence_async_shared()  # the cp.async bytes (generic proxy) -> the wgmma's async proxy
+        # A[i + NSA - 1] into the stage chunk i - 1 read: every warpgroup waited on that wgmma
+        # before the barrier above
+        kn = ttgl.minimum(i + NSA - 1, n_k - 1) * BK
+        async_copy.async_copy_global_to_shared(a_nxt, a_ptrs + kn, mask=a_mask)
+        async_copy.commit_group()
+        zero = ttgl.zeros([BM, BN], ttgl.float32, mma)
+        t1 = warpgroup_mma(a_cur, w1_cur.permute((1, 0)), zero, use_acc=False, is_async=True)
+        t3 = warpgroup_mma(a_cur, w3_cur.permute((1, 0)), zero, use_acc=False, is_async=True)
+        # while the tensor cores run chunk i: upcast chunk i + 1 into the other B stage (its
+        # last reader, chunk i - 1, finished before the barrier)
+        _dequant_store(p1, e1, w1_nxt, sb1_nxt, USE_ASM, BN, BK)
+        _dequant_store(p3, e3, w3_nxt, sb3_nxt, USE_ASM, BN, BK)
+        fence_async_shared()  # each writer fences its own stores before the next barrier
+        # chunk i + 2's bytes, chunk i + 1's A scales: a whole chunk of latency to hide
+        k2 = ttgl.minimum(i + 2, n_k - 1) * BK
+        p1, e1 = _load_b(b1, bs1, pofs, eofs, k2)
+        p3, e3 = _load_b(b2, bs2, pofs, eofs, k2)
+        sa_n = ttgl.load(as_ptrs + ttgl.minimum(i + 1, n_k - 1), mask=rmask, other=1.0)
+        t1, t3 = warpgroup_mma_wait(0, deps=[t1, t3])
+        col_l: ttgl.constexpr = ttgl.SliceLayout(0, mma)
+        sb1 = sb1_cur.load(col_l)
+        sb3 = sb3_cur.load(col_l)
+        acc1 += t1 * (sa[:, None] * sb1[None, :])  # moe_acc's promotion
+        acc2 += t3 * (sa[:, None] * sb3[None, :])
+        return acc1, acc2, p1, e1, p3, e3, sa_n
+
+    @gluon.jit
+    def l1_kernel(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, work_ptr,
+                  MT, N, K, limit, stride_am, stride_as, stride_bg, stride_bn, stride_bsg,
+                  stride_bsn, stride_cm,
+                  TOPK: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr, USE_ASM: ttgl.constexpr,
+                  BM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
+                  NSA: ttgl.constexpr, NW: ttgl.constexpr):
+        """One [BM, BN] tile of H = swiglu(A W1^T, A W3^T): program pid -> row tile pid // num_n
+        of the device tile list (moe.tile_list: [total, grp[MT], row0[MT], rend[MT]]), column
+        tile pid % num_n. N % BN == 0, K % BK == 0 (the launcher checks)."""
+        # ---- layouts -------------------------------------------------------------------
+        mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                          instr_shape=[16, BN, 32])
+        row_l: ttgl.constexpr = ttgl.SliceLayout(1, mma)
+        col_l: ttgl.constexpr = ttgl.SliceLayout(0, mma)
+        # A copy: 16 bytes per cp.async, 8 threads per 128-byte row
+        la: ttgl.constexpr = ttgl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
+        # B bytes [BN, 4 groups of 32 columns, 16 bytes]: 8 bytes (16 columns) per thread
+        lb: ttgl.constexpr = ttgl.BlockedLayout([1, 1, 8], [4, 4, 2], [NW, 1, 1], [2, 1, 0])
+        lb_e: ttgl.constexpr = ttgl.SliceLayout(2, lb)
+        a_sl: ttgl.constexpr = ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
+                                                      rank=2)
+        b_sl: ttgl.constexpr = ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
+                                                      rank=2)
+        s_sl: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [0])
+
+        # ---- the tile ------------------------------------------------------------------
+        pid = ttgl.program_id(0)
+        num_n = N // BN
+        j = pid // num_n
+        pid_n = pid % num_n
+        total = ttgl.load(work_ptr)
+        if j >= total:
+            return
+        g = ttgl.load(work_ptr + 1 + j).to(ttgl.int64)
+        row0 = ttgl.load(work_ptr + 1 + MT + j)
+        nrows = ttgl.load(work_ptr + 1 + 2 * MT + j) - row0
+
+        # gathered A rows, in the copy layout and in the accumulator's row layout (for sa)
+        rm_a = ttgl.arange(0, BM, layout=ttgl.SliceLayout(1, la))
+        src_a = ttgl.load(aidx_ptr + row0 + rm_a, mask=rm_a < nrows, other=0)
+        a_ofs = (src_a // TOPK).to(ttgl.int64) * stride_am
+        rk = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, la))
+        a_ptrs = a_ptr + a_ofs[:, None] + rk[None, :]
+        a_mask = (rm_a < nrows)[:, None] & (rk < BK)[None, :]
+        rm = ttgl.arange(0, BM, layout=row_l)
+        rmask = rm < nrows
+        src = ttgl.load(aidx_ptr + row0 + rm, mask=rmask, other=0)
+        as_ptrs = as_ptr + (src // TOPK).to(ttgl.int64) * stride_as
+
+        # B rows of this column tile: byte / exponent offsets in the upcast layout
+        rn_b = pid_n * BN + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, lb_e))
+        grp = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, lb_e))
+        byt = ttgl.arange(0, 16, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(1, lb)))
+        pofs2 = rn_b[:, None] * stride_bn + grp[None, :] * 16
+        pofs = ttgl.expand_dims(pofs2, 2) + ttgl.expand_dims(ttgl.expand_dims(byt, 0), 1)
+        eofs = rn_b[:, None] * stride_bsn + grp[None, :]
+        b1 = b1_ptr + g * stride_bg
+        b2 = b2_ptr + g * stride_bg
+        bs1 = bs1_ptr + g * stride_bsg
+        bs2 = bs2_ptr + g * stride_bsg
+
+        # ---- shared rings --------------------------------------------------------------
+        a0 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BM, BK], a_sl)
+        a1 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BM, BK], a_sl)
+        a2 = a0  # NSA = 2: two A stages
+        a3 = a1
+        if NSA == 4:
+            a2 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BM, BK], a_sl)
+            a3 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BM, BK], a_sl)
+        w1_0 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BN, BK], b_sl)
+        w1_1 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BN, BK], b_sl)
+        w3_0 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BN, BK], b_sl)
+        w3_1 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BN, BK], b_sl)
+        sb1_0 = ttgl.allocate_shared_memory(ttgl.float32, [BN], s_sl)
+        sb1_1 = ttgl.allocate_shared_memory(ttgl.float32, [BN], s_sl)
+        sb3_0 = ttgl.allocate_shared_memory(ttgl.float32, [BN], s_sl)
+        sb3_1 = ttgl.allocate_shared_memory(ttgl.float32, [BN], s_sl)
+
+        n_k = K // BK
+        # prologue: A chunks 0 .. NSA - 2 in flight, B chunk 0 upcast, B chunk 1 in registers
+        async_copy.async_copy_global_to_shared(a0, a_ptrs, mask=a_mask)
+        async_copy.commit_group()
+        if NSA == 4:
+            async_copy.async_copy_global_to_shared(a1, a_ptrs + BK, mask=a_mask)
+            async_copy.commit_group()
+            async_copy.async_copy_global_to_shared(a2, a_ptrs + 2 * BK, mask=a_mask)
+            async_copy.commit_group()
+        p1, e1 = _load_b(b1, bs1, pofs, eofs, 0)
+        p3, e3 = _load_b(b2, bs2, pofs, eofs, 0)
+        _dequant_store(p1, e1, w1_0, sb1_0, USE_ASM, BN, BK)
+        _dequant_store(p3, e3, w3_0, sb3_0, USE_ASM, BN, BK)
+        fence_async_shared()
+        p1, e1 = _load_b(b1, bs1, pofs, eofs, BK)
+        p3, e3 = _load_b(b2, bs2, pofs, eofs, BK)
+        sa = ttgl.load(as_ptrs, mask=rmask, other=1.0)
+
+        acc1 = ttgl.zeros([BM, BN], ttgl.float32, mma)
+        acc2 = ttgl.zeros([BM, BN], ttgl.float32, mma)
+        # unrolled by NSA so every ring stage is its own allocation with a static index: Gluon's
+        # barrier analysis then sees no false hazard between the stage being read and the one
+        # being written, and a chunk keeps a single CTA barrier
+        for i in range(0, n_k, NSA):
+            if NSA == 4:
+                acc1, acc2, p1, e1, p3, e3, sa = _chunk(
+                    i, n_k, a0, a3, w1_0, w3_0, w1_1, w3_1, sb1_0, sb3_0, sb1_1, sb3_1, acc1,
+                    acc2, p1, e1, p3, e3, sa, a_ptrs, a_mask, as_ptrs, rmask, b1, b2, bs1, bs2,
+                    pofs, eofs, USE_ASM, BM, BN, BK, NSA, mma)
+                acc1, acc2, p1, e1, p3, e3, sa = _chunk(
+                    i + 1, n_k, a1, a0, w1_1, w3_1, w1_0, w3_0, sb1_1, sb3_1, sb1_0, sb3_0, acc1,
+                    acc2, p1, e1, p3, e3, sa, a_ptrs, a_mask, as_ptrs, rmask, b1, b2, bs1, bs2,
+                    pofs, eofs, USE_ASM, BM, BN, BK, NSA, mma)
+                acc1, acc2, p1, e1, p3, e3, sa = _chunk(
+                    i + 2, n_k, a2, a1, w1_0, w3_0, w1_1, w3_1, sb1_0, sb3_0, sb1_1, sb3_1, acc1,
+                    acc2, p1, e1, p3, e3, sa, a_ptrs, a_mask, as_ptrs, rmask, b1, b2, bs1, bs2,
+                    pofs, eofs, USE_ASM, BM, BN, BK, NSA, mma)
+                acc1, acc2, p1, e1, p3, e3, sa = _chunk(
+                    i + 3, n_k, a3, a2, w1_1, w3_1, w1_0, w3_0, sb1_1, sb3_1, sb1_0, sb3_0, acc1,
+                    acc2, p1, e1, p3, e3, sa, a_ptrs, a_mask, as_ptrs, rmask, b1, b2, bs1, bs2,
+                    pofs, eofs, USE_ASM, BM, BN, BK, NSA, mma)
+            else:
+                acc1, acc2, p1, e1, p3, e3, sa = _chunk(
+                    i, n_k, a0, a1, w1_0, w3_0, w1_1, w3_1, sb1_0, sb3_0, sb1_1, sb3_1, acc1,
+                    acc2, p1, e1, p3, e3, sa, a_ptrs, a_mask, as_ptrs, rmask, b1, b2, bs1, bs2,
+                    pofs, eofs, USE_ASM, BM, BN, BK, NSA, mma)
+                acc1, acc2, p1, e1, p3, e3, sa = _chunk(
+                    i + 1, n_k, a1, a0, w1_1, w3_1, w1_0, w3_0, sb1_1, sb3_1, sb1_0, sb3_0, acc1,
+                    acc2, p1, e1, p3, e3, sa, a_ptrs, a_mask, as_ptrs, rmask, b1, b2, bs1, bs2,
+                    pofs, eofs, USE_ASM, BM, BN, BK, NSA, mma)
+        async_copy.wait_group(0)
+
+        # ---- epilogue: moe_jit.swiglu_act, expert-sorted rows ------------------------------
+        gt = acc1
+        up = acc2
+        if HAS_LIMIT:
+            up = ttgl.minimum(ttgl.maximum(up, -limit), limit)
+            gt = ttgl.minimum(gt, limit)
+        out = gt * (1 / (1 + ttgl.exp(-gt))) * up
+        rn = pid_n * BN + ttgl.arange(0, BN, layout=col_l)
+        c_ptrs = c_ptr + (row0 + rm).to(ttgl.int64)[:, None] * stride_cm + rn[None, :]
+        ttgl.store(c_ptrs, out.to(c_ptr.dtype.element_ty),
+                   mask=rmask[:, None] & (rn < N)[None, :])
+
+
+@functools.cache
+def _cap_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def available(device: torch.device | None = None) -> bool:
+    """Gluon with the Hopper APIs used here imported, and a CUDA sm_90 device (the kernel is
+    wgmma + cp.async only: no sm_100 / sm_89 build)."""
+    if not _IMPORT_OK or not torch.cuda.is_available():
+        return False
+    dev = torch.device("cuda") if device is None else device
+    if dev.type != "cuda":
+        return False
+    return _cap_ok(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def l1_gluon(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tiles: int,
+             limit: float | None = None, tiles: torch.Tensor | None = None,
+             use_asm: bool | None = None) -> torch.Tensor:
+    """out [P, F] (expert-sorted rows, fp16 / bf16 / fp32; a row-strided view is fine) =
+    swiglu(A W1^T, A W3^T) per expert, A row of sorted row r = a_q[a_idx[r] // topk] (E4M3
+    [T, d], scales a_scale [T, d / 128] f32). w1 / w3: moe.Bank of MXFP4 [E, F, d/2] with E8M0
+    [E, F, d/32]; counts [E] int32 rows per expert (sorted order). The same arguments as the
+    L1 moe.gemm launch in routed_experts; max_tiles bounds the row tiles of BM = 128 rows
+    (e.g. min(P, P // 128 + E)); tiles: moe.tile_list(counts, 128, max_tiles) if already built
+    (else built here: one tiny launch, no host sync). use_asm: the PTX upcast (default:
+    moe.asm_ok's bit-exact check on this device)."""
+    from . import moe
+
+    if not (w1.wfmt == 0 and w3.wfmt == 0 and w1.bk == 32 and w1.bn == 1):
+        raise ValueError("l1_gluon takes MXFP4 banks (E8M0 per 32 columns)")
+    if a_q.dtype != torch.float8_e4m3fn or a_scale is None:
+        raise ValueError("l1_gluon takes E4M3 activations with fp8_1x128 scales")
+    N, K = w1.n, w1.k
+    if N % BN or K % (NSA * BK) or w3.n != N or w3.k != K:  # the K loop is unrolled by NSA
+        raise ValueError(f"N {N} / K {K} do not fit the {BN}-column tile / {NSA * BK}-column "
+                         "K step")
+    if w1.w.stride() != w3.w.stride() or w1.s.stride() != w3.s.stride():
+        raise ValueError("W1 and W3 banks need the same strides")
+    if a_q.stride(1) != 1 or a_q.stride(0) % 16 or out.stride(1) != 1:
+        raise ValueError("a_q rows must be contiguous and 16-byte aligned, out rows contiguous")
+    if max_tiles == 0:
+        return out
+    if tiles is None:
+        tiles = moe.tile_list(counts, BM, max_tiles)
+    if use_asm is None:
+        use_asm = moe.asm_ok(out.device)
+    grid = (max_tiles * (N // BN),)
+    l1_kernel[grid](
+        a_q, a_scale, a_idx, w1.w, w1.s, w3.w, w3.s, out, tiles, max_tiles, N, K,
+        float(limit or 0.0), a_q.stride(0), a_scale.stride(0), w1.w.stride(0), w1.w.stride(1),
+        w1.s.stride(0), w1.s.stride(1), out.stride(0),
+        TOPK=topk, HAS_LIMIT=limit is not None and limit > 0, USE_ASM=bool(use_asm),
+        BM=BM, BN=BN, BK=BK, NSA=NSA, NW=NUM_WARPS, num_warps=NUM_WARPS)
+    return out
