@@ -166,21 +166,30 @@ def pick_config(role: str, rows_per_group: float) -> GemmConfig:
     # default's 675, two programs per SM): to be timed (moe_tune --fp8-h). L2 on FP8 A: the H200
     # sweep's best 64 x 128 x 4 warps x 4 stages (~4.8 ms; 8 warps 9.8 ms: 1 program per SM).
     # Decode: the fp16 path's 16 x 128 tiles.
+    # Decode on the static grid: the swapped MMA (GemmConfig.swap) where the sixth session's H200
+    # sweep timed it faster (moe_tune --swap, routed experts at 64 tokens, benchmarks/results/
+    # moe-tune-swap-h200.md): L1 16 x 64 3.20 -> 2.74 ms (1.17x), FP8-H L1 / L2 16 x 128 1.11x /
+    # 1.13x; the fp16-H L2 swapped was no faster (1.00x) and stays on mma.sync.
+    swap = pers == 0
     if role == "l1_fp8h":
         if INTERPRET:
             return GemmConfig(16, 128, 128, 4, 1, par=True, persistent=pers)
         if rows_per_group <= 12:
-            return GemmConfig(16, 128, 128, 4, 3, par=True, persistent=pers)
+            return GemmConfig(16, 128, 128, 4, 3, par=True, persistent=pers, swap=swap)
         return GemmConfig(64, 128, 128, 4, 3, par=True, qsplit=2)
     if role == "l2_fp8h":
-        if INTERPRET or rows_per_group <= 12:
+        if INTERPRET:
             role = "l2"
+        elif rows_per_group <= 12:
+            return GemmConfig(16, 128, 128, 4, 3, par=True, persistent=pers, swap=swap)
         else:
             return GemmConfig(64, 128, 128, 4, 4, par=True)
     if INTERPRET:
         return GemmConfig(16, 32, 128, 4, 1, par=role in ("l1", "l2"), persistent=pers)
     if role == "l1":
         if rows_per_group <= 12:
+            if swap:
+                return GemmConfig(16, 64, 128, 4, 3, par=True, swap=True)
             return GemmConfig(16, 128, 128, 4, 3, par=True, persistent=pers)
         if rows_per_group <= 48:
             return GemmConfig(64, 64, 128, 4, 4, par=True)
@@ -240,7 +249,9 @@ _ASM_CHECKED: dict = {}
 def asm_ok(dev: torch.device) -> bool:
     """Whether the PTX upcast may run on `dev`: MEGAGRAPH_FP4_ASM when set, else a one-time check
     that it matches the arithmetic upcast bit for bit on every byte value and exponent offset
-    in [-8, 6] (run outside CUDA-graph capture; during a capture an unchecked device says no)."""
+    in [-6, 6], with a different offset in neighbouring elements (each byte lane has its own:
+    moe_jit.FP4_E4M3_ASM) (run outside CUDA-graph capture; during a capture an unchecked device
+    says no)."""
     if USE_ASM is not None:
         return USE_ASM
     key = dev.index or 0
@@ -249,10 +260,10 @@ def asm_ok(dev: torch.device) -> bool:
             return False
         try:
             jit = _jit()
-            bn, bk = 16, 512  # 16 rows x 256 bytes: every byte value, one offset per row
+            bn, bk = 16, 512  # 16 rows x 256 bytes: every byte value with all 13 offsets
             p = torch.arange(256, dtype=torch.int32, device=dev).to(torch.uint8).repeat(bn, 1)
-            rel = (torch.arange(bn, device=dev, dtype=torch.int32) - 9).clamp(max=6)
-            rel = rel[:, None].expand(bn, bk // 2).to(torch.int32).contiguous()
+            r = torch.arange(bn, device=dev, dtype=torch.int32)[:, None]
+            rel = ((r + torch.arange(bk // 2, device=dev, dtype=torch.int32)) % 13).contiguous()
             a = torch.empty(bn, bk, dtype=torch.uint8, device=dev)
             b = torch.empty_like(a)
             jit.fp4_upcast_check[(1,)](p, rel, a, b, BN=bn, BK=bk, num_warps=4)

@@ -23,32 +23,43 @@ MMA_F32 = 3  # fp32 "ieee" on fully dequantized operands (fp32 activations, the 
 WFMT_MXFP4 = 0
 WFMT_FP8 = 1
 
-# E2M1 -> E4M3 in SIMD-within-a-register PTX (4 packed bytes = 8 codes per call): the E4M3 bytes
-# of the 8 magnitudes, shifted by the group's exponent offset `rel` (byte 0 of $3, signed), are
-# two 32-bit lookup words; `prmt` picks them by code; sign bits are moved into bit 7. rel < -5
-# would leave the E4M3 normal range: those groups become zero (see moe.py, numerics).
+# E2M1 -> E4M3 in SIMD-within-a-register PTX (4 packed bytes = 8 codes per call). Every byte
+# lane carries its OWN exponent offset: $3 holds rel + 6 (in [0, 12], see fp4_rel6) for each of
+# the 4 elements of the pack. (The sixth session found the first version, which read one offset
+# from byte 0 for all four, wrong on the H200 whenever Triton laid a pack across two rows -
+# the dot-operand register layouts of the swapped decode tiles do; the element-wise contract
+# of inline_asm_elementwise promises nothing about which elements share a pack.)
+#   codes at 2^0: prmt of the magnitudes (c & 7) into the two lookup words of E4M3(e2m1(m)),
+#   with m = 0 looking up 0x30 (as m = 1) so that no lane can go below zero;
+#   + 8 * rel in every lane as ONE 32-bit add of (rel6 << 3) - 0x30303030: each lane's true sum
+#   lies in [0x30 - 48, 0x4C + 48] = [0, 0x7C], so the packed total has no carries or borrows
+#   between lanes and the 32-bit arithmetic gives every lane exactly;
+#   lanes whose magnitude is zero or whose rel is -6 (rel6 = 0: below E4M3's normal range, see
+#   fp4_rel6) are masked to zero (prmt with selector nibbles 0x8-0xB replicates each byte's bit 7:
+#   bit 7 of x + 0x7F is set iff the lane x is non-zero); sign bits into bit 7.
 FP4_E4M3_ASM = tl.constexpr("""
 {
-.reg .b32 t, u, r1, r2, s, la, lb, k, rl;
-.reg .pred pz;
-bfe.s32 rl, $3, 0, 8;
-setp.lt.s32 pz, rl, -5;
-mul.lo.s32 k, rl, 0x08080800;
-add.s32 la, k, 0x3C383000;
-mul.lo.s32 k, rl, 0x08080808;
-add.s32 lb, k, 0x4C484440;
-selp.b32 la, 0, la, pz;
-selp.b32 lb, 0, lb, pz;
+.reg .b32 t, u, r1, r2, o, f, m, s, la, lb;
+mov.b32 la, 0x3C383030;
+mov.b32 lb, 0x4C484440;
+shl.b32 o, $3, 3;
+sub.u32 o, o, 0x30303030;
+add.u32 f, $3, 0x7F7F7F7F;
 and.b32 t, $2, 0x07070707;
 shr.u32 u, t, 4;
 or.b32 u, u, t;
 prmt.b32 r1, la, lb, u;
 shr.u32 u, u, 16;
 prmt.b32 r2, la, lb, u;
-prmt.b32 t, r1, r2, 0x5410;
+prmt.b32 r1, r1, r2, 0x5410;
+add.u32 r1, r1, o;
+add.u32 m, t, 0x7F7F7F7F;
+and.b32 m, m, f;
+prmt.b32 m, m, m, 0xBA98;
+and.b32 r1, r1, m;
 shl.b32 s, $2, 4;
 and.b32 s, s, 0x80808080;
-or.b32 $0, t, s;
+or.b32 $0, r1, s;
 shr.u32 t, $2, 4;
 and.b32 t, t, 0x07070707;
 shr.u32 u, t, 4;
@@ -56,9 +67,14 @@ or.b32 u, u, t;
 prmt.b32 r1, la, lb, u;
 shr.u32 u, u, 16;
 prmt.b32 r2, la, lb, u;
-prmt.b32 t, r1, r2, 0x5410;
+prmt.b32 r1, r1, r2, 0x5410;
+add.u32 r1, r1, o;
+add.u32 m, t, 0x7F7F7F7F;
+and.b32 m, m, f;
+prmt.b32 m, m, m, 0xBA98;
+and.b32 r1, r1, m;
 and.b32 s, $2, 0x80808080;
-or.b32 $1, t, s;
+or.b32 $1, r1, s;
 }
 """)
 
@@ -134,29 +150,35 @@ def e2m1_f32(c):
 
 
 @triton.jit
-def fp4_tile_e4m3(p, rel_p, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
-    """Packed codes p uint8 [BN, BK//2] with exponent offsets rel_p int32 [BN, BK//2] ->
-    float8e4nv [BN, BK] in column order."""
-    if USE_ASM:
-        lo, hi = tl.inline_asm_elementwise(FP4_E4M3_ASM, "=r,=r,r,r", [p, rel_p.to(tl.int8)],
-                                           dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
-    else:
-        pi = p.to(tl.int32)
-        lo = e2m1_e4m3_bits(pi & 0xF, rel_p).to(tl.uint8)
-        hi = e2m1_e4m3_bits(pi >> 4, rel_p).to(tl.uint8)
-    b = tl.reshape(tl.join(lo, hi), (BN, BK))
+def fp4_rel6(e, S):
+    """Exponent offsets of the E8M0 group exponents e [BN, NSUB] against the row's promotion
+    exponent S [BN], as the upcasts take them: rel + 6 in [0, 12] (rel = e - S <= 6 by the choice
+    of S; rel below -6 is clamped to -6, which the upcasts turn into zero as any rel < -5 -
+    without the clamp, offsets below -128 would wrap in the PTX path's bytes)."""
+    return tl.maximum(e - S[:, None], -6) + 6
+
+
+@triton.jit
+def fp4_tile_e4m3(p, rel6_p, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
+    """Packed codes p uint8 [BN, BK//2] with exponent offsets rel6_p int32 [BN, BK//2] (rel + 6,
+    fp4_rel6) -> float8e4nv [BN, BK] in column order."""
+    lo, hi = fp4_halves_e4m3(p, rel6_p, USE_ASM)
+    b = tl.reshape(tl.join(lo.to(tl.uint8, bitcast=True), hi.to(tl.uint8, bitcast=True)),
+                   (BN, BK))
     return b.to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
-def fp4_halves_e4m3(p, rel_p, USE_ASM: tl.constexpr):
-    """Packed codes p uint8 [BN, BK//2] -> (even columns, odd columns) as float8e4nv
-    [BN, BK//2] each: no interleave (the GEMM splits A the same way)."""
+def fp4_halves_e4m3(p, rel6_p, USE_ASM: tl.constexpr):
+    """Packed codes p uint8 [BN, BK//2] with exponent offsets rel6_p (rel + 6 in [0, 12],
+    fp4_rel6) -> (even columns, odd columns) as float8e4nv [BN, BK//2] each: no interleave (the
+    GEMM splits A the same way)."""
     if USE_ASM:
-        lo, hi = tl.inline_asm_elementwise(FP4_E4M3_ASM, "=r,=r,r,r", [p, rel_p.to(tl.int8)],
+        lo, hi = tl.inline_asm_elementwise(FP4_E4M3_ASM, "=r,=r,r,r", [p, rel6_p.to(tl.uint8)],
                                            dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
     else:
         pi = p.to(tl.int32)
+        rel_p = rel6_p - 6
         lo = e2m1_e4m3_bits(pi & 0xF, rel_p).to(tl.uint8)
         hi = e2m1_e4m3_bits(pi >> 4, rel_p).to(tl.uint8)
     return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
@@ -173,10 +195,10 @@ def load_b_fp4_halves(b_ptr, e, rn, nmask, k0, stride_bn, MMA: tl.constexpr,
                 mask=nmask[:, None], other=0).to(tl.uint8, bitcast=True)
     smax = tl.max(e, axis=1)
     S = tl.maximum(smax - 6, 1)
-    rel = e - S[:, None]
-    rel_p = tl.reshape(tl.broadcast_to(rel[:, :, None], (BN, NSUB, BK // NSUB // 2)),
-                       (BN, BK // 2))
-    lo, hi = fp4_halves_e4m3(p, rel_p, USE_ASM)
+    rel6 = fp4_rel6(e, S)
+    rel6_p = tl.reshape(tl.broadcast_to(rel6[:, :, None], (BN, NSUB, BK // NSUB // 2)),
+                        (BN, BK // 2))
+    lo, hi = fp4_halves_e4m3(p, rel6_p, USE_ASM)
     if MMA == 1:
         lo = lo.to(tl.float16)
         hi = hi.to(tl.float16)
@@ -241,10 +263,10 @@ def load_b_tile(b_ptr, e, rn, nmask, k0, stride_bn,
         if MMA == 0 or MMA == 1:
             smax = tl.max(e, axis=1)
             S = tl.maximum(smax - 6, 1)
-            rel = e - S[:, None]
-            rel_p = tl.reshape(tl.broadcast_to(rel[:, :, None], (BN, NSUB, BK // NSUB // 2)),
-                               (BN, BK // 2))
-            b = fp4_tile_e4m3(p, rel_p, BN, BK, USE_ASM)
+            rel6 = fp4_rel6(e, S)
+            rel6_p = tl.reshape(tl.broadcast_to(rel6[:, :, None], (BN, NSUB, BK // NSUB // 2)),
+                                (BN, BK // 2))
+            b = fp4_tile_e4m3(p, rel6_p, BN, BK, USE_ASM)
             if MMA == 1:
                 b = b.to(tl.float16)
             sb = exp2_biased(S)
@@ -424,10 +446,10 @@ def load_b_pair_fp4(b1, b2, e, rn, nmask, k0, stride_bn, MMA: tl.constexpr, NSUB
                 other=0).to(tl.uint8, bitcast=True)
     smax = tl.max(e, axis=1)
     S = tl.maximum(smax - 6, 1)
-    rel = e - S[:, None]
-    rel_p = tl.reshape(tl.broadcast_to(rel[:, :, None], (2 * BN, NSUB, BK // NSUB // 2)),
-                       (2 * BN, BK // 2))
-    b = fp4_tile_e4m3(p, rel_p, 2 * BN, BK, USE_ASM)
+    rel6 = fp4_rel6(e, S)
+    rel6_p = tl.reshape(tl.broadcast_to(rel6[:, :, None], (2 * BN, NSUB, BK // NSUB // 2)),
+                        (2 * BN, BK // 2))
+    b = fp4_tile_e4m3(p, rel6_p, 2 * BN, BK, USE_ASM)
     if MMA == 1:
         b = b.to(tl.float16)
     return b, exp2_biased(S)
@@ -963,8 +985,8 @@ def moe_combine(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, D, stride_yt, stride_
 
 @triton.jit
 def fp4_upcast_check(p_ptr, rel_ptr, out_asm_ptr, out_ref_ptr, BN: tl.constexpr, BK: tl.constexpr):
-    """Both E2M1 -> E4M3 upcasts of one [BN, BK//2] packed tile, for the one-time device check of
-    the PTX path (moe.py: asm_ok)."""
+    """Both E2M1 -> E4M3 upcasts of one [BN, BK//2] packed tile with per-element offsets rel_ptr
+    (rel + 6, int32), for the one-time device check of the PTX path (moe.py: asm_ok)."""
     rn = tl.arange(0, BN)
     rk2 = tl.arange(0, BK // 2)
     rk = tl.arange(0, BK)
