@@ -11,6 +11,11 @@ quantized operands on the first experts' rows).
     python benchmarks/moe_gluon_probe.py --tokens 4096 --out /tmp/gl
     python benchmarks/moe_gluon_probe.py --smoke                     # small dims, seconds
 
+Order: the Triton L1 is timed first and the JSON written after every row; then the Gluon L1 is
+checked in child processes (CUDA_LAUNCH_BLOCKING=1; small dims, then these dims), so an illegal
+memory access cannot lose the Triton row; the Gluon L1 is timed only if both checks pass
+(else its row records the check results).
+
 L1 FLOPs = 2 * rows * 2F * d (rows = tokens * top-k); % of peak against 1430 TFLOP/s (H200
 dense FP8). Needs CUDA sm_90 and Triton 3.6 (moe_gluon.available()); elsewhere it says so and
 exits 0 (with --out, a JSON that records the skip). Well under 120 s on the H200.
@@ -121,6 +126,45 @@ def rel(x, y) -> float:
     return float((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30))
 
 
+def check(T: int, dims: dict, limit: float) -> dict:
+    """One Gluon L1 call (into a NaN-poisoned output) against the fp32 math of the first experts'
+    rows: every row written, relative error. Meant for a child process (--check): an illegal
+    memory access there kills only that process's CUDA context."""
+    from megagraph.kernels.triton import moe_gluon as mg
+
+    d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
+    xq, xs, w1, w3, counts, srt = build(T, d, F, E, k, seed=1)
+    P = T * k
+    mtg = min(P, P // mg.BM + E)
+    h = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
+    mg.l1_gluon(xq, xs, srt, w1, w3, counts, h, topk=k, max_tiles=mtg, limit=limit)
+    torch.cuda.synchronize()
+    ref, n = reference_rows(xq, xs, w1, w3, counts, srt, k, limit, experts=min(E, 4))
+    err = rel(h[:n].nan_to_num(0.0, 0.0, 0.0), ref)
+    written = bool(torch.isfinite(h).all())
+    return dict(tokens=T, dims=dims, all_written=written, rel_err_vs_fp32=err,
+                ok=written and err < 2e-3)
+
+
+def check_in_child(T: int, dims: dict, limit: float, timeout: float = 300.0) -> dict:
+    """check() in a child process with CUDA_LAUNCH_BLOCKING=1 (the error names the launch)."""
+    import subprocess
+
+    cmd = [sys.executable, os.path.abspath(__file__), "--check-json", json.dumps(
+        dict(tokens=T, dims=dims, limit=limit))]
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                           check=False)
+    except subprocess.TimeoutExpired:
+        return dict(tokens=T, dims=dims, ok=False, error=f"check timed out ({timeout} s)")
+    for line in reversed(r.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return dict(tokens=T, dims=dims, ok=False,
+                error=f"rc {r.returncode}: {(r.stderr or r.stdout)[-800:]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,14 +172,24 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="small dims (d 1024, F 256, 16 experts)")
     ap.add_argument("--limit", type=float, default=10.0, help="SwiGLU clamp")
     ap.add_argument("--out", default=None, help="directory for moe_gluon_probe.json / .md")
+    ap.add_argument("--check-json", default=None, help=argparse.SUPPRESS)  # child: check()
     args = ap.parse_args()
+
+    if args.check_json:  # child process of check_in_child
+        c = json.loads(args.check_json)
+        try:
+            res = check(c["tokens"], c["dims"], c["limit"])
+        except Exception as exc:  # noqa: BLE001  (reported to the parent)
+            res = dict(tokens=c["tokens"], dims=c["dims"], ok=False, error=repr(exc)[:800])
+        print(json.dumps(res), flush=True)
+        return
 
     from megagraph.kernels.triton import moe
     from megagraph.kernels.triton import moe_gluon as mg
 
     dims = SMOKE if args.smoke else REAL
     T = min(args.tokens, 512) if args.smoke else args.tokens
-    res = dict(tokens=T, dims=dims, peak_tflops=PEAK_TFLOPS)
+    res = dict(tokens=T, dims=dims, peak_tflops=PEAK_TFLOPS, rows=[])
     if not mg.available():
         res["skipped"] = "needs CUDA sm_90 and Triton 3.6 Gluon (moe_gluon.available())"
         print(res["skipped"])
@@ -149,44 +203,66 @@ def main() -> None:
     mt1 = min(P, P // cfg.bm + E)
     mtg = min(P, P // mg.BM + E)
     h_tr = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
-    h_gl = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
-    tiles = moe.tile_list(counts, mg.BM, mtg)
+    flops = 2.0 * P * 2 * F * d
 
     def triton_l1():
         moe.gemm(xq, xs, w1, h_tr, b2=w3, role="l1", rows_per_group=rpg, counts=counts,
                  a_idx=srt, topk=k, max_tiles=mt1, limit=args.limit)
 
-    def gluon_l1():
-        mg.l1_gluon(xq, xs, srt, w1, w3, counts, h_gl, topk=k, max_tiles=mtg,
-                    limit=args.limit, tiles=tiles)
-
-    def gluon_l1_list():  # the same, with the device tile list built in the call
-        mg.l1_gluon(xq, xs, srt, w1, w3, counts, h_gl, topk=k, max_tiles=mtg,
-                    limit=args.limit)
-
-    flops = 2.0 * P * 2 * F * d
-    rows = []
-    for name, fn, tile in (("triton l1 (moe.gemm)", triton_l1, cfg.__dict__),
-                           ("gluon l1", gluon_l1, dict(bm=mg.BM, bn=mg.BN, bk=mg.BK,
-                                                       nsa=mg.NSA, warps=mg.NUM_WARPS)),
-                           ("gluon l1 + tile_list", gluon_l1_list, None)):
+    def timed(name, fn, tile):
         try:
             ms = time_ms(fn)
             tf = flops / ms / 1e9
-            rows.append(dict(name=name, ms=ms, tflops=tf, pct_peak=100 * tf / PEAK_TFLOPS,
-                             tile=tile))
-        except Exception as exc:  # noqa: BLE001  (reported, the other rows still run)
-            rows.append(dict(name=name, error=repr(exc)[:500]))
-        print(rows[-1], flush=True)
-    torch.cuda.synchronize()
-    res["rows"] = rows
-    res["all_written"] = bool(torch.isfinite(h_gl).all())
-    res["rel_err_gluon_vs_triton"] = rel(h_gl, h_tr)
+            row = dict(name=name, ms=ms, tflops=tf, pct_peak=100 * tf / PEAK_TFLOPS, tile=tile)
+        except Exception as exc:  # noqa: BLE001  (reported, the JSON keeps the other rows)
+            row = dict(name=name, error=repr(exc)[:500])
+        res["rows"].append(row)
+        print(row, flush=True)
+        _write(args.out, res)  # after every row: a later crash loses nothing measured
+        return "error" not in row
+
+    # 1) the Triton L1 first (the baseline survives whatever the Gluon kernel does)
+    timed("triton l1 (moe.gemm)", triton_l1, cfg.__dict__)
     ref, n = reference_rows(xq, xs, w1, w3, counts, srt, k, args.limit, experts=4)
-    res["rel_err_gluon_vs_fp32"] = rel(h_gl[:n], ref)
     res["rel_err_triton_vs_fp32"] = rel(h_tr[:n], ref)
+    _write(args.out, res)
+    # 2) the Gluon L1's correctness, each in a child process (an illegal access there cannot
+    # poison this process's context): small dims, then these dims at this token count
+    checks = [check_in_child(min(T, 256), SMOKE, args.limit)]
+    if checks[0].get("ok"):
+        checks.append(check_in_child(T, dims, args.limit))
+    res["gluon_checks"] = checks
+    print(json.dumps(checks), flush=True)
+    _write(args.out, res)
+    if not all(c.get("ok") for c in checks):
+        res["gluon_skipped"] = "the Gluon L1 is wrong or crashed (gluon_checks): not timed"
+        res["rows"].append(dict(name="gluon l1", error=res["gluon_skipped"]))
+        print(res["gluon_skipped"], flush=True)
+    else:
+        # 3) time the Gluon L1 (correct in the child at these dims)
+        h_gl = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
+        tiles = moe.tile_list(counts, mg.BM, mtg)
+
+        def gluon_l1():
+            mg.l1_gluon(xq, xs, srt, w1, w3, counts, h_gl, topk=k, max_tiles=mtg,
+                        limit=args.limit, tiles=tiles)
+
+        def gluon_l1_list():  # the same, with the device tile list built in the call
+            mg.l1_gluon(xq, xs, srt, w1, w3, counts, h_gl, topk=k, max_tiles=mtg,
+                        limit=args.limit)
+
+        if timed("gluon l1", gluon_l1, dict(bm=mg.BM, bn=mg.BN, bk=mg.BK, nsa=mg.NSA,
+                                             warps=mg.NUM_WARPS)):
+            timed("gluon l1 + tile_list", gluon_l1_list, None)
+        try:
+            torch.cuda.synchronize()
+            res["all_written"] = bool(torch.isfinite(h_gl).all())
+            res["rel_err_gluon_vs_triton"] = rel(h_gl, h_tr)
+            res["rel_err_gluon_vs_fp32"] = rel(h_gl[:n], ref)
+        except Exception as exc:  # noqa: BLE001
+            res["gluon_error"] = repr(exc)[:500]
     res["wall_s"] = time.perf_counter() - t_start
-    print(json.dumps({x: res[x] for x in res if x != "rows"}, indent=1))
+    print(json.dumps({x: res[x] for x in res if x != "rows"}, indent=1), flush=True)
     _write(args.out, res)
 
 
@@ -207,10 +283,18 @@ def _write(out, res) -> None:
             else:
                 lines.append(f"| {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
                              f"{r['pct_peak']:.1f} |")
-        lines += ["", (f"rel err gluon vs triton: {res['rel_err_gluon_vs_triton']:.2e}; vs "
-                       f"fp32 math (first 4 experts): gluon {res['rel_err_gluon_vs_fp32']:.2e}, "
-                       f"triton {res['rel_err_triton_vs_fp32']:.2e}; every gluon row written: "
-                       f"{res['all_written']}")]
+        def f(key):
+            v = res.get(key)
+            return f"{v:.2e}" if isinstance(v, float) else "n/a"
+
+        lines += ["", (f"rel err gluon vs triton: {f('rel_err_gluon_vs_triton')}; vs fp32 math "
+                       f"(first 4 experts): gluon {f('rel_err_gluon_vs_fp32')}, triton "
+                       f"{f('rel_err_triton_vs_fp32')}; every gluon row written: "
+                       f"{res.get('all_written', 'n/a')}")]
+        for c in res.get("gluon_checks", []):
+            lines.append(f"gluon check {c.get('tokens')} tokens {c.get('dims')}: ok "
+                         f"{c.get('ok')}, rel {c.get('rel_err_vs_fp32')}, written "
+                         f"{c.get('all_written')}, error {str(c.get('error', ''))[:200]}")
     with open(os.path.join(out, "moe_gluon_probe.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

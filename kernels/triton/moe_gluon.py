@@ -8,10 +8,10 @@ chunk's work (kernels/triton/NOTES-moe.md): Triton's pipeliner cannot keep a wgm
 an operand is computed in registers, so the upcast and the tensor cores never overlap. Here the
 pipeline is written by hand:
 
-  per 128-column K chunk i (A stage i % NSA, B stage i % 2; the loop is unrolled by NSA so every
+  per 128-column K chunk i (A stage i % 2, B stage i % 2; the loop is unrolled by 2 so every
   stage is its own allocation with a static index and Gluon's barrier analysis adds none):
     wait A[i]'s cp.async group, CTA barrier, fence.proxy.async   (A[i], B[i] visible to wgmma)
-    issue cp.async of A[i + NSA - 1] into the stage chunk i - 1 read (all its wgmmas waited)
+    issue cp.async of A[i + 1] into the stage chunk i - 1 read (all its wgmmas waited)
     issue wgmma(A[i], W1[i]^T) and wgmma(A[i], W3[i]^T), async (fresh fp32 partials)
     upcast W1 / W3 chunk i + 1 (bytes loaded one chunk ago) -> E4M3 into the other B stage, its
     per-row promotion scale sb into a small f32 ring beside it; fence.proxy.async (writers)
@@ -33,14 +33,20 @@ routed_experts) at the expert-sorted row. Only the sum order inside a chunk (ten
 differ from the Triton kernel.
 
 Tile: BM = 128 rows x BN = 64 columns of W1 and of W3, 8 warps (2 warpgroups of 64 rows, the
-wgmma m64n64k32), NSA = 2 A stages, 2 B stages: two fp32 accumulators and two in-flight
-partials = 4 x 32 registers per thread. Triton 3.6 sm_90 build: 255 registers, no stack,
-65 KB of shared memory (one program per SM: 8 warps x 255 registers), 617 SASS instructions per
-chunk with 8 QGMMA, 2 WARPGROUP.ARRIVE, 1 WARPGROUP.DEPBAR, 1 BAR.SYNC, 4 LDGSTS, 8 STS, no F2FP.
-NSA = 4 (A three chunks ahead, 97 KB) spills 136 bytes at 255 registers, so A is prefetched
-one chunk (~1500 cycles of MMA at this tile) ahead. BM = 128 halves the upcast work per MMA flop
-against the Triton L1's 64-row tile (one B chunk feeds 128 rows). Not wired into
+wgmma m64n64k32), 2 A stages, 2 B stages: two fp32 accumulators and two in-flight partials =
+4 x 32 registers per thread. K % 256 == 0 (the loop runs chunk pairs: a tail chunk for an odd
+count spilled). Triton 3.6 sm_90 build: 255 registers, no stack, 66 KB of shared memory (the
+rings + 768 bytes holding the epilogue's output rows / columns, which spilled when kept in
+registers across the K loop), per chunk pair 16 QGMMA, 4 WARPGROUP.ARRIVE, 2 WARPGROUP.DEPBAR,
+2 BAR.SYNC, 8 LDGSTS, 16 STS, no F2FP (tests/kernels/test_moe_gluon.py::test_l1_gluon_sm90_build).
+BM = 128 halves the upcast work per MMA flop against the Triton L1's 64-row tile. Not wired into
 routed_experts / pick_config: an experiment to time first (benchmarks/moe_gluon_probe.py).
+
+Fixes after the first H200 run (every output wrong): the upcast now passes every element's own
+offset rel + 6 (moe_jit.fp4_rel6) as moe_jit.FP4_E4M3_ASM reads it (it passed the signed rel:
+weights decoded 2^-6 too small); tile-list entries are checked (group < G, rows inside P,
+non-empty) before any pointer is formed; the prologue's chunk-1 prefetch is clamped (K = 256
+reads no byte past a row).
 """
 from __future__ import annotations
 
@@ -81,7 +87,8 @@ if _IMPORT_OK:
 
     @gluon.jit
     def _e2m1_e4m3_bits(c, rel):
-        """moe_jit.e2m1_e4m3_bits (the arithmetic twin of the PTX upcast)."""
+        """moe_jit.e2m1_e4m3_bits (the arithmetic twin of the PTX upcast): the E4M3 byte of E2M1
+        code c times 2^rel; rel in [-5, 6] is exact, rel < -5 gives (signed) zero."""
         m = c & 7
         base = ttgl.where(m >= 2, m * 4 + 0x30, m * 0x30) + rel * 8
         base = ttgl.where((m == 0) | (rel < -5), 0, base)
@@ -92,18 +99,24 @@ if _IMPORT_OK:
                        BK: ttgl.constexpr):
         """Packed codes p uint8 [BN, 4, 16] (row, 32-column group, byte) and the biased E8M0
         exponents e int32 [BN, 4] -> E4M3 [BN, BK] in column order into b_dst, and the row's
-        promotion scale 2^(S - 127) into sb_dst (load_b_tile's MMA_FP8 MXFP4 branch)."""
+        promotion scale 2^(S - 127) into sb_dst (load_b_tile's MMA_FP8 MXFP4 branch).
+        The upcast takes, for EVERY element, its own exponent offset rel + 6 in [0, 12]
+        (moe_jit.fp4_rel6: rel = e - S clamped at -6), as moe_jit.FP4_E4M3_ASM now reads one
+        offset per byte lane (the first version of this kernel passed the signed rel: with
+        these exponents (rel in [1, 6]) the PTX path then decoded every weight 2^-6 too small)."""
         S = ttgl.maximum(ttgl.max(e, axis=1) - 6, 1)
-        rel = e - ttgl.expand_dims(S, 1)
-        rel3 = ttgl.broadcast(ttgl.expand_dims(rel, 2), p)[0]
+        rel6 = ttgl.maximum(e - ttgl.expand_dims(S - 6, 1), 0)  # fp4_rel6: max(rel, -6) + 6
+        rel6_p = ttgl.broadcast(ttgl.expand_dims(rel6, 2), p)[0]
         if USE_ASM:
-            lo, hi = ttgl.inline_asm_elementwise(FP4_ASM, "=r,=r,r,r", [p, rel3.to(ttgl.int8)],
+            lo, hi = ttgl.inline_asm_elementwise(FP4_ASM, "=r,=r,r,r",
+                                                 [p, rel6_p.to(ttgl.uint8)],
                                                  dtype=(ttgl.uint8, ttgl.uint8), is_pure=True,
                                                  pack=4)
-        else:
+        else:  # moe_jit.fp4_halves_e4m3's arithmetic branch
             pi = p.to(ttgl.int32)
-            lo = _e2m1_e4m3_bits(pi & 0xF, rel3).to(ttgl.uint8)
-            hi = _e2m1_e4m3_bits(pi >> 4, rel3).to(ttgl.uint8)
+            rel_p = rel6_p - 6
+            lo = _e2m1_e4m3_bits(pi & 0xF, rel_p).to(ttgl.uint8)
+            hi = _e2m1_e4m3_bits(pi >> 4, rel_p).to(ttgl.uint8)
         b = ttgl.reshape(ttgl.join(lo, hi), [BN, BK])  # byte j -> columns 2j (lo), 2j + 1 (hi)
         b_dst.store(b.to(ttgl.float8e4nv, bitcast=True))
         bits = ttgl.where(S <= 0, 0x00400000, S << 23)  # moe_jit.exp2_biased
@@ -112,7 +125,7 @@ if _IMPORT_OK:
     @gluon.jit
     def _load_b(b_ptr, bs_ptr, pofs, eofs, k0):
         """MXFP4 bytes (uint8 [BN, 4, 16]) and E8M0 exponents (int32 [BN, 4]) of chunk k0 of one
-        weight matrix (offsets pofs / eofs already hold the rows)."""
+        weight matrix (offsets pofs / eofs already hold the rows; k0 < K: callers clamp)."""
         p = ttgl.load(b_ptr + pofs + k0 // 2).to(ttgl.uint8, bitcast=True)
         e = ttgl.load(bs_ptr + eofs + k0 // 32).to(ttgl.int32)
         return p, e
@@ -121,27 +134,30 @@ if _IMPORT_OK:
     def _chunk(i, n_k, a_cur, a_nxt, w1_cur, w3_cur, w1_nxt, w3_nxt, sb1_cur, sb3_cur, sb1_nxt,
                sb3_nxt, acc1, acc2, p1, e1, p3, e3, sa, a_ptrs, a_mask, as_ptrs, rmask, b1, b2,
                bs1, bs2, pofs, eofs, USE_ASM: ttgl.constexpr, BM: ttgl.constexpr,
-               BN: ttgl.constexpr, BK: ttgl.constexpr, NSA: ttgl.constexpr,
-               mma: ttgl.constexpr):
-        """K chunk i: A[i] in a_cur (cp.async, NSA - 1 chunks ahead), W1 / W3 chunk i upcast
+               BN: ttgl.constexpr, BK: ttgl.constexpr, mma: ttgl.constexpr):
+        """K chunk i: A[i] in a_cur (cp.async, issued one chunk ago), W1 / W3 chunk i upcast
         in w1_cur / w3_cur with their row scales in sb1_cur / sb3_cur (one chunk ahead); the
         MXFP4 bytes p1 / p3, exponents e1 / e3 of chunk i + 1 in registers; sa: A scales of
-        chunk i. Returns the accumulators and chunk i + 2's bytes / chunk i + 1's A scales."""
-        async_copy.wait_group(NSA - 2)  # this thread's copies of A[i] landed
-        # right after the wait (so the membar pass adds no second one): every thread's A[i]
-        # copies and B[i] stores (fenced by their writers) are in
+        chunk i. Returns the accumulators and chunk i + 2's bytes / chunk i + 1's A scales.
+        Every prefetch index is clamped to the last chunk (n_k - 1): past K it reloads that
+        chunk into the free stage, never reads past a row."""
+        async_copy.wait_group(0)  # this thread's copies of A[i] landed
+        # right after the wait (Triton's own order for cp.async operands of a wgmma: its membar
+        # pass puts a CTA barrier after every async_wait, so a fence before this barrier would
+        # cost a second one): every thread's A[i] copies and B[i] stores (fenced by their
+        # writers) are in, and every warpgroup waited on chunk i - 1's wgmmas (the readers of
+        # the stages written below)
         ttgl.thread_barrier()
         fence_async_shared()  # the cp.async bytes (generic proxy) -> the wgmma's async proxy
-        # A[i + NSA - 1] into the stage chunk i - 1 read: every warpgroup waited on that wgmma
-        # before the barrier above
-        kn = ttgl.minimum(i + NSA - 1, n_k - 1) * BK
+        kn = ttgl.minimum(i + 1, n_k - 1) * BK
         async_copy.async_copy_global_to_shared(a_nxt, a_ptrs + kn, mask=a_mask)
         async_copy.commit_group()
         zero = ttgl.zeros([BM, BN], ttgl.float32, mma)
+        # wgmma: A [BM, BK] (K-major smem) @ B [BK, BN]: the [BN, BK] K-major stage, permuted
         t1 = warpgroup_mma(a_cur, w1_cur.permute((1, 0)), zero, use_acc=False, is_async=True)
         t3 = warpgroup_mma(a_cur, w3_cur.permute((1, 0)), zero, use_acc=False, is_async=True)
         # while the tensor cores run chunk i: upcast chunk i + 1 into the other B stage (its
-        # last reader, chunk i - 1, finished before the barrier)
+        # last reader, chunk i - 1's wgmma, finished before the barrier)
         _dequant_store(p1, e1, w1_nxt, sb1_nxt, USE_ASM, BN, BK)
         _dequant_store(p3, e3, w3_nxt, sb3_nxt, USE_ASM, BN, BK)
         fence_async_shared()  # each writer fences its own stores before the next barrier
@@ -154,20 +170,23 @@ if _IMPORT_OK:
         col_l: ttgl.constexpr = ttgl.SliceLayout(0, mma)
         sb1 = sb1_cur.load(col_l)
         sb3 = sb3_cur.load(col_l)
-        acc1 += t1 * (sa[:, None] * sb1[None, :])  # moe_acc's promotion
+        acc1 += t1 * (sa[:, None] * sb1[None, :])  # moe_acc's promotion (after the wait)
         acc2 += t3 * (sa[:, None] * sb3[None, :])
         return acc1, acc2, p1, e1, p3, e3, sa_n
 
     @gluon.jit
     def l1_kernel(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, work_ptr,
-                  MT, N, K, limit, stride_am, stride_as, stride_bg, stride_bn, stride_bsg,
+                  MT, N, K, G, P, limit, stride_am, stride_as, stride_bg, stride_bn, stride_bsg,
                   stride_bsn, stride_cm,
                   TOPK: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr, USE_ASM: ttgl.constexpr,
                   BM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
                   NSA: ttgl.constexpr, NW: ttgl.constexpr):
         """One [BM, BN] tile of H = swiglu(A W1^T, A W3^T): program pid -> row tile pid // num_n
         of the device tile list (moe.tile_list: [total, grp[MT], row0[MT], rend[MT]]), column
-        tile pid % num_n. N % BN == 0, K % BK == 0 (the launcher checks)."""
+        tile pid % num_n. N % BN == 0, K % BK == 0 (the launcher checks); G experts, P sorted
+        rows (a tile list entry out of these ranges is skipped, never dereferenced). NSA = 2
+        (two A stages; the only value built)."""
+        ttgl.static_assert(NSA == 2, "two A stages")
         # ---- layouts -------------------------------------------------------------------
         mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                           instr_shape=[16, BN, 32])
@@ -178,23 +197,25 @@ if _IMPORT_OK:
         # B bytes [BN, 4 groups of 32 columns, 16 bytes]: 8 bytes (16 columns) per thread
         lb: ttgl.constexpr = ttgl.BlockedLayout([1, 1, 8], [4, 4, 2], [NW, 1, 1], [2, 1, 0])
         lb_e: ttgl.constexpr = ttgl.SliceLayout(2, lb)
-        a_sl: ttgl.constexpr = ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
-                                                      rank=2)
-        b_sl: ttgl.constexpr = ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
-                                                      rank=2)
+        # one NVMMA layout object for every fp8 stage: the cp.async / st.shared writers and the
+        # wgmma descriptors use the same 128-byte swizzle (rows of exactly 128 bytes)
+        f8_sl: ttgl.constexpr = ttgl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                       element_bitwidth=8, rank=2)
         s_sl: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [0])
 
-        # ---- the tile ------------------------------------------------------------------
+        # ---- the tile (moe_tile_list's entries, as moe_gemm_persistent reads them) ------
         pid = ttgl.program_id(0)
         num_n = N // BN
         j = pid // num_n
         pid_n = pid % num_n
         total = ttgl.load(work_ptr)
-        if j >= total:
-            return
-        g = ttgl.load(work_ptr + 1 + j).to(ttgl.int64)
+        g32 = ttgl.load(work_ptr + 1 + j)  # j < MT (the grid): inside the list either way
         row0 = ttgl.load(work_ptr + 1 + MT + j)
-        nrows = ttgl.load(work_ptr + 1 + 2 * MT + j) - row0
+        rend = ttgl.minimum(ttgl.load(work_ptr + 1 + 2 * MT + j), P)
+        nrows = rend - row0
+        if (j >= total) | (g32 < 0) | (g32 >= G) | (row0 < 0) | (nrows <= 0):
+            return
+        g = g32.to(ttgl.int64)
 
         # gathered A rows, in the copy layout and in the accumulator's row layout (for sa)
         rm_a = ttgl.arange(0, BM, layout=ttgl.SliceLayout(1, la))
@@ -220,74 +241,57 @@ if _IMPORT_OK:
         bs1 = bs1_ptr + g * stride_bsg
         bs2 = bs2_ptr + g * stride_bsg
 
-        # ---- shared rings --------------------------------------------------------------
-        a0 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BM, BK], a_sl)
-        a1 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BM, BK], a_sl)
-        a2 = a0  # NSA = 2: two A stages
-        a3 = a1
-        if NSA == 4:
-            a2 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BM, BK], a_sl)
-            a3 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BM, BK], a_sl)
-        w1_0 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BN, BK], b_sl)
-        w1_1 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BN, BK], b_sl)
-        w3_0 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BN, BK], b_sl)
-        w3_1 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BN, BK], b_sl)
+        # ---- shared rings: 2 A stages, 2 B stages (+ their row scales) -------------------
+        a0 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BM, BK], f8_sl)
+        a1 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BM, BK], f8_sl)
+        w1_0 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BN, BK], f8_sl)
+        w1_1 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BN, BK], f8_sl)
+        w3_0 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BN, BK], f8_sl)
+        w3_1 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BN, BK], f8_sl)
         sb1_0 = ttgl.allocate_shared_memory(ttgl.float32, [BN], s_sl)
         sb1_1 = ttgl.allocate_shared_memory(ttgl.float32, [BN], s_sl)
         sb3_0 = ttgl.allocate_shared_memory(ttgl.float32, [BN], s_sl)
         sb3_1 = ttgl.allocate_shared_memory(ttgl.float32, [BN], s_sl)
 
+        # expert-sorted output row of each tile row (-1: past the group) and the output
+        # columns, for the epilogue: read back from shared memory after the K loop, which runs
+        # at the 255-register limit (kept in registers across it, they spilled)
+        crow_s = ttgl.allocate_shared_memory(ttgl.int32, [BM], s_sl,
+                                             ttgl.where(rmask, row0 + rm, -1))
+        ccol_s = ttgl.allocate_shared_memory(ttgl.int32, [BN], s_sl,
+                                             pid_n * BN + ttgl.arange(0, BN, layout=col_l))
+
         n_k = K // BK
-        # prologue: A chunks 0 .. NSA - 2 in flight, B chunk 0 upcast, B chunk 1 in registers
+        # prologue: A chunk 0 in flight, B chunk 0 upcast (fenced), B chunk 1 in registers
+        # (clamped: K = BK has no chunk 1), A scales of chunk 0
         async_copy.async_copy_global_to_shared(a0, a_ptrs, mask=a_mask)
         async_copy.commit_group()
-        if NSA == 4:
-            async_copy.async_copy_global_to_shared(a1, a_ptrs + BK, mask=a_mask)
-            async_copy.commit_group()
-            async_copy.async_copy_global_to_shared(a2, a_ptrs + 2 * BK, mask=a_mask)
-            async_copy.commit_group()
         p1, e1 = _load_b(b1, bs1, pofs, eofs, 0)
         p3, e3 = _load_b(b2, bs2, pofs, eofs, 0)
         _dequant_store(p1, e1, w1_0, sb1_0, USE_ASM, BN, BK)
         _dequant_store(p3, e3, w3_0, sb3_0, USE_ASM, BN, BK)
         fence_async_shared()
-        p1, e1 = _load_b(b1, bs1, pofs, eofs, BK)
-        p3, e3 = _load_b(b2, bs2, pofs, eofs, BK)
+        k1 = ttgl.minimum(1, n_k - 1) * BK
+        p1, e1 = _load_b(b1, bs1, pofs, eofs, k1)
+        p3, e3 = _load_b(b2, bs2, pofs, eofs, k1)
         sa = ttgl.load(as_ptrs, mask=rmask, other=1.0)
 
         acc1 = ttgl.zeros([BM, BN], ttgl.float32, mma)
         acc2 = ttgl.zeros([BM, BN], ttgl.float32, mma)
-        # unrolled by NSA so every ring stage is its own allocation with a static index: Gluon's
-        # barrier analysis then sees no false hazard between the stage being read and the one
-        # being written, and a chunk keeps a single CTA barrier
-        for i in range(0, n_k, NSA):
-            if NSA == 4:
-                acc1, acc2, p1, e1, p3, e3, sa = _chunk(
-                    i, n_k, a0, a3, w1_0, w3_0, w1_1, w3_1, sb1_0, sb3_0, sb1_1, sb3_1, acc1,
-                    acc2, p1, e1, p3, e3, sa, a_ptrs, a_mask, as_ptrs, rmask, b1, b2, bs1, bs2,
-                    pofs, eofs, USE_ASM, BM, BN, BK, NSA, mma)
-                acc1, acc2, p1, e1, p3, e3, sa = _chunk(
-                    i + 1, n_k, a1, a0, w1_1, w3_1, w1_0, w3_0, sb1_1, sb3_1, sb1_0, sb3_0, acc1,
-                    acc2, p1, e1, p3, e3, sa, a_ptrs, a_mask, as_ptrs, rmask, b1, b2, bs1, bs2,
-                    pofs, eofs, USE_ASM, BM, BN, BK, NSA, mma)
-                acc1, acc2, p1, e1, p3, e3, sa = _chunk(
-                    i + 2, n_k, a2, a1, w1_0, w3_0, w1_1, w3_1, sb1_0, sb3_0, sb1_1, sb3_1, acc1,
-                    acc2, p1, e1, p3, e3, sa, a_ptrs, a_mask, as_ptrs, rmask, b1, b2, bs1, bs2,
-                    pofs, eofs, USE_ASM, BM, BN, BK, NSA, mma)
-                acc1, acc2, p1, e1, p3, e3, sa = _chunk(
-                    i + 3, n_k, a3, a2, w1_1, w3_1, w1_0, w3_0, sb1_1, sb3_1, sb1_0, sb3_0, acc1,
-                    acc2, p1, e1, p3, e3, sa, a_ptrs, a_mask, as_ptrs, rmask, b1, b2, bs1, bs2,
-                    pofs, eofs, USE_ASM, BM, BN, BK, NSA, mma)
-            else:
-                acc1, acc2, p1, e1, p3, e3, sa = _chunk(
-                    i, n_k, a0, a1, w1_0, w3_0, w1_1, w3_1, sb1_0, sb3_0, sb1_1, sb3_1, acc1,
-                    acc2, p1, e1, p3, e3, sa, a_ptrs, a_mask, as_ptrs, rmask, b1, b2, bs1, bs2,
-                    pofs, eofs, USE_ASM, BM, BN, BK, NSA, mma)
-                acc1, acc2, p1, e1, p3, e3, sa = _chunk(
-                    i + 1, n_k, a1, a0, w1_1, w3_1, w1_0, w3_0, sb1_1, sb3_1, sb1_0, sb3_0, acc1,
-                    acc2, p1, e1, p3, e3, sa, a_ptrs, a_mask, as_ptrs, rmask, b1, b2, bs1, bs2,
-                    pofs, eofs, USE_ASM, BM, BN, BK, NSA, mma)
-        async_copy.wait_group(0)
+        # unrolled by 2 so every ring stage is its own allocation with a static index (Gluon's
+        # barrier analysis then sees no false hazard between the stage read and the one
+        # written, and a chunk keeps a single CTA barrier); chunk i uses stage i % 2; n_k is
+        # even (the launcher checks)
+        for i in range(0, n_k, 2):
+            acc1, acc2, p1, e1, p3, e3, sa = _chunk(
+                i, n_k, a0, a1, w1_0, w3_0, w1_1, w3_1, sb1_0, sb3_0, sb1_1, sb3_1, acc1,
+                acc2, p1, e1, p3, e3, sa, a_ptrs, a_mask, as_ptrs, rmask, b1, b2, bs1, bs2,
+                pofs, eofs, USE_ASM, BM, BN, BK, mma)
+            acc1, acc2, p1, e1, p3, e3, sa = _chunk(
+                i + 1, n_k, a1, a0, w1_1, w3_1, w1_0, w3_0, sb1_1, sb3_1, sb1_0, sb3_0, acc1,
+                acc2, p1, e1, p3, e3, sa, a_ptrs, a_mask, as_ptrs, rmask, b1, b2, bs1, bs2,
+                pofs, eofs, USE_ASM, BM, BN, BK, mma)
+        async_copy.wait_group(0)  # the clamped re-copy of the last A chunk (never read)
 
         # ---- epilogue: moe_jit.swiglu_act, expert-sorted rows ------------------------------
         gt = acc1
@@ -296,10 +300,11 @@ if _IMPORT_OK:
             up = ttgl.minimum(ttgl.maximum(up, -limit), limit)
             gt = ttgl.minimum(gt, limit)
         out = gt * (1 / (1 + ttgl.exp(-gt))) * up
-        rn = pid_n * BN + ttgl.arange(0, BN, layout=col_l)
-        c_ptrs = c_ptr + (row0 + rm).to(ttgl.int64)[:, None] * stride_cm + rn[None, :]
+        crow = crow_s.load(row_l)
+        rn = ccol_s.load(col_l)
+        c_ptrs = c_ptr + crow.to(ttgl.int64)[:, None] * stride_cm + rn[None, :]
         ttgl.store(c_ptrs, out.to(c_ptr.dtype.element_ty),
-                   mask=rmask[:, None] & (rn < N)[None, :])
+                   mask=(crow >= 0)[:, None] & (rn < N)[None, :])
 
 
 @functools.cache
@@ -336,24 +341,37 @@ def l1_gluon(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tiles: 
     if a_q.dtype != torch.float8_e4m3fn or a_scale is None:
         raise ValueError("l1_gluon takes E4M3 activations with fp8_1x128 scales")
     N, K = w1.n, w1.k
-    if N % BN or K % (NSA * BK) or w3.n != N or w3.k != K:  # the K loop is unrolled by NSA
-        raise ValueError(f"N {N} / K {K} do not fit the {BN}-column tile / {NSA * BK}-column "
-                         "K step")
+    # the K loop runs chunk pairs (stage 0, stage 1): an even chunk count (a tail chunk for an
+    # odd one spilled at 255 registers)
+    if N % BN or K % (2 * BK) or w3.n != N or w3.k != K:
+        raise ValueError(f"N {N} / K {K} do not fit the {BN}-column tile / {2 * BK}-column K "
+                         "step")
     if w1.w.stride() != w3.w.stride() or w1.s.stride() != w3.s.stride():
         raise ValueError("W1 and W3 banks need the same strides")
+    if w1.groups != w3.groups or counts.numel() > w1.groups:
+        raise ValueError("counts has more experts than the banks")
     if a_q.stride(1) != 1 or a_q.stride(0) % 16 or out.stride(1) != 1:
         raise ValueError("a_q rows must be contiguous and 16-byte aligned, out rows contiguous")
-    if max_tiles == 0:
+    if a_q.data_ptr() % 16:
+        raise ValueError("a_q must be 16-byte aligned (cp.async of 16 bytes)")
+    if a_scale.stride(1) != 1 or a_scale.shape[1] < K // 128:
+        raise ValueError("a_scale [T, K / 128] with contiguous rows")
+    P = a_idx.numel()
+    if out.shape[0] < P or out.shape[1] != N:
+        raise ValueError(f"out {tuple(out.shape)} for {P} sorted rows x {N}")
+    if max_tiles == 0 or P == 0:
         return out
     if tiles is None:
         tiles = moe.tile_list(counts, BM, max_tiles)
+    elif tiles.numel() != 1 + 3 * max_tiles:
+        raise ValueError("tiles was built for another max_tiles")
     if use_asm is None:
         use_asm = moe.asm_ok(out.device)
     grid = (max_tiles * (N // BN),)
     l1_kernel[grid](
         a_q, a_scale, a_idx, w1.w, w1.s, w3.w, w3.s, out, tiles, max_tiles, N, K,
-        float(limit or 0.0), a_q.stride(0), a_scale.stride(0), w1.w.stride(0), w1.w.stride(1),
-        w1.s.stride(0), w1.s.stride(1), out.stride(0),
+        counts.numel(), P, float(limit or 0.0), a_q.stride(0), a_scale.stride(0),
+        w1.w.stride(0), w1.w.stride(1), w1.s.stride(0), w1.s.stride(1), out.stride(0),
         TOPK=topk, HAS_LIMIT=limit is not None and limit > 0, USE_ASM=bool(use_asm),
         BM=BM, BN=BN, BK=BK, NSA=NSA, NW=NUM_WARPS, num_warps=NUM_WARPS)
     return out
