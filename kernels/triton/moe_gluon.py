@@ -1,4 +1,4 @@
-"""Experimental Gluon (Triton 3.6, sm_90) kernel for the prefill routed-expert L1 GEMM: the
+"""Gluon (Triton 3.6, sm_90) kernel for the prefill routed-expert L1 GEMM: the
 SwiGLU of W1 / W3 on MXFP4 weights with E4M3 activations - the launch `routed_experts` makes
 through `moe.gemm` (GROUPED, GATHER_A, SWIGLU, A_SCALED, MXFP4 + E8M0 per 32 columns, MMA_FP8).
 
@@ -39,8 +39,10 @@ count spilled). Triton 3.6 sm_90 build: 255 registers, no stack, 66 KB of shared
 rings + 768 bytes holding the epilogue's output rows / columns, which spilled when kept in
 registers across the K loop), per chunk pair 16 QGMMA, 4 WARPGROUP.ARRIVE, 2 WARPGROUP.DEPBAR,
 2 BAR.SYNC, 8 LDGSTS, 16 STS, no F2FP (tests/kernels/test_moe_gluon.py::test_l1_gluon_sm90_build).
-BM = 128 halves the upcast work per MMA flop against the Triton L1's 64-row tile. Not wired into
-routed_experts / pick_config: an experiment to time first (benchmarks/moe_gluon_probe.py).
+BM = 128 halves the upcast work per MMA flop against the Triton L1's 64-row tile. routed_experts
+runs its prefill L1 here where moe._gluon_l1_ok says so (> 48 rows per expert, shapes that fit,
+MEGAGRAPH_MOE_GLUON not "0", available()); the H200 probe (benchmarks/moe_gluon_probe.py,
+sixth session) timed it at 7.31 ms against 8.54 ms for the Triton L1 at 8192 tokens.
 
 Fixes after the first H200 run (every output wrong): the upcast now passes every element's own
 offset rel + 6 (moe_jit.fp4_rel6) as moe_jit.FP4_E4M3_ASM reads it (it passed the signed rel:

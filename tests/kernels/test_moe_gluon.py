@@ -301,3 +301,77 @@ def test_l1_gluon_sm90_build(tmp_path):
     # the wait comes after the next chunk's upcast stores: the MMA overlaps the upcast
     first = body.split("WARPGROUP.DEPBAR")[0]
     assert "QGMMA" in first and re.search(r"\bSTS\.128\b", first.split("QGMMA")[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# routed_experts' choice of the Gluon L1 (moe._gluon_l1_ok) and the wired-in path
+# ---------------------------------------------------------------------------------------------
+
+
+def _cpu_banks(d=256, F=128, E=4, fmt="mxfp4"):
+    from megagraph.kernels.triton import moe
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randint(-128, 128, (E, F, d // 2), dtype=torch.int8, generator=g)
+    s = torch.randint(119, 125, (E, F, d // 32), dtype=torch.uint8, generator=g)
+    b = moe.bank(w, s.view(torch.float8_e8m0fnu), fmt)
+    return b, moe.bank(w.clone(), s.clone().view(torch.float8_e8m0fnu), fmt)
+
+
+def test_gluon_l1_choice(monkeypatch):
+    """The Gluon L1 runs only where it was timed and checked: the fp16-H "l1" role at prefill
+    sizes (> 48 rows per expert), E4M3 activations with scales, MXFP4 banks whose shapes fit
+    the tile (N % 64, K % 256), no CONFIG_OVERRIDE for the role, MEGAGRAPH_MOE_GLUON on, and
+    moe_gluon.available() (forced here: the predicate's own logic, on any machine)."""
+    from megagraph.kernels.triton import moe
+
+    monkeypatch.setattr(mg, "available", lambda device=None: True)
+    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
+    monkeypatch.setattr(moe, "GLUON", True)
+    w1, w3 = _cpu_banks()
+    xq = torch.zeros(4, 256, dtype=torch.float8_e4m3fn)
+    xs = torch.ones(4, 2)
+    h = torch.empty(8, 128, dtype=torch.float16)
+    ok = moe._gluon_l1_ok
+    assert ok(xq, xs, w1, w3, h, "l1", 128.0)
+    assert not ok(xq, xs, w1, w3, h, "l1", 48.0)  # decode / middle sizes keep moe_gemm
+    assert not ok(xq, xs, w1, w3, h, "l1_fp8h", 128.0)  # FP8-H L1 quantizes H: not built here
+    assert not ok(xq, None, w1, w3, h, "l1", 128.0)
+    assert not ok(xq.float(), xs, w1, w3, h, "l1", 128.0)
+    assert not ok(xq, xs, w1, w3, h.float(), "l1", 128.0)  # exact mode / fp32 H
+    a1, a3 = _cpu_banks(d=128)  # K = 128: not a whole chunk pair
+    assert not ok(xq[:, :128], xs[:, :1], a1, a3, h, "l1", 128.0)
+    b1, b3 = _cpu_banks(F=96)  # N = 96: not a multiple of the 64-column tile
+    assert not ok(xq, xs, b1, b3, h[:, :96], "l1", 128.0)
+    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {"l1": moe.GemmConfig(64, 64)})
+    assert not ok(xq, xs, w1, w3, h, "l1", 128.0)
+    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
+    monkeypatch.setattr(moe, "GLUON", False)
+    assert not ok(xq, xs, w1, w3, h, "l1", 128.0)
+    monkeypatch.setattr(moe, "GLUON", True)
+    monkeypatch.setattr(mg, "available", lambda device=None: False)
+    assert not ok(xq, xs, w1, w3, h, "l1", 128.0)
+
+
+@gpu
+@pytest.mark.parametrize("gluon", [True, False])
+def test_routed_experts_prefill_uses_gluon(gluon, monkeypatch):
+    """routed_experts at a prefill size (300 tokens, top-2 of 8 experts: 75 rows per expert)
+    runs its L1 on l1_gluon when on (once) and on moe_gemm when MEGAGRAPH_MOE_GLUON is off;
+    both against the reference op within test_triton_moe's bound (2e-3, fp32 output)."""
+    import sys
+
+    from megagraph.kernels.triton import moe
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_triton_moe import ACT, check_routed, routed_case
+
+    monkeypatch.setattr(moe, "GLUON", gluon)
+    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
+    calls = []
+    real = mg.l1_gluon
+    monkeypatch.setattr(mg, "l1_gluon", lambda *a, **k: calls.append(1) or real(*a, **k))
+    xq, xs, ids, wts, bank = routed_case(300, 8, 256, 128, 2, seed=77)
+    check_routed(xq, xs, ids, wts, bank, dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT,
+                                              out_dtype="f32"))
+    assert len(calls) == (1 if gluon else 0)
