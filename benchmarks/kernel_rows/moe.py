@@ -245,16 +245,16 @@ def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
     best = None
     asm_default = tm.USE_ASM
     auto = tm.asm_ok(dev) if asm_default is None else asm_default
-    for name, l1, l2, asm in _variants(rpg, tm, auto)[:None if sweep else 1]:
+    for name, l1, l2, asm, knobs in _variants(rpg, tm, auto)[:None if sweep else 1]:
         if time.perf_counter() > t_end - 40:
             break
         tag = f"{name}{'+ptx' if asm else ''}"
-        r = timed_variant(tm, {"USE_ASM": asm}, {"l1": l1, "l2": l2},
+        r = timed_variant(tm, {"USE_ASM": asm, **knobs}, _tiles(l1, l2),
                           lambda: tm.moe_experts_q(*a2, **kw2),
                           lambda y: within(rel_err(y, ref2), 1e-2), dev, variants, tag,
                           lambda: log(f"variant {tag}: {traceback.format_exc(limit=3)}"))
         if r and (best is None or r[0] < best[1]):
-            best = (tag, r[0], r[1][0], asm, l1, l2)
+            best = (tag, r[0], r[1][0], asm, l1, l2, knobs)
     if best is not None:
         fl, by = routed_counts(dims, T, touched)
         dg = DEEPGEMM_MS.get(T)
@@ -267,7 +267,7 @@ def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
                        + "; variants (ms): "
                        + ", ".join(f"{kk} {vv}" for kk, vv in variants.items())))
         tm.USE_ASM = best[3]
-        tm.CONFIG_OVERRIDE.update({"l1": best[4], "l2": best[5]})
+        tm.CONFIG_OVERRIDE.update(_tiles(best[4], best[5]))
     else:
         out.append({"kernel": "triton.moe_experts_q", "case": f"T={T}", "error":
                     f"no variant ran: {variants}"})
@@ -319,19 +319,28 @@ def timed_variant(tm, knobs: dict, overrides: dict, run, check, dev, times: dict
 
 
 def _variants(rpg: float, tm, auto: bool):
-    """(name, L1 tile, L2 tile, PTX upcast) to time: the default tiles with the default upcast,
-    the default tiles with the other upcast, one alternative tile each for L1 and L2."""
+    """(name, L1 tile, L2 tile, PTX upcast, module knobs) to time: the defaults (tiles None = no
+    CONFIG_OVERRIDE, so routed_experts picks as in serving, the Gluon prefill L1 included where
+    available) with the default upcast, the same with the other upcast, at prefill sizes the
+    Triton L1 at its default tile ("triton-l1": MEGAGRAPH_MOE_GLUON off), one alternative tile
+    each for L1 and L2."""
     G = tm.GemmConfig
-    d1, d2 = tm.pick_config("l1", rpg), tm.pick_config("l2", rpg)
-    out = [("default", d1, d2, auto)]
+    out = [("default", None, None, auto, {})]
     if not tm.INTERPRET:
-        out.append(("default", d1, d2, not auto))
+        out.append(("default", None, None, not auto, {}))
     if rpg <= 12:
-        out.append(("alt", G(16, 64, 128, 4, 4, par=True), G(64, 64, 128, 4, 4, par=True), auto))
+        out.append(("alt", G(16, 64, 128, 4, 4, par=True), G(64, 64, 128, 4, 4, par=True), auto,
+                    {}))
     else:
+        out.insert(1, ("triton-l1", None, None, auto, {"GLUON": False}))
         out.append(("alt", G(128, 64, 128, 8, 4, par=True), G(128, 128, 64, 8, 4, par=True),
-                    auto))
+                    auto, {}))
     return out
+
+
+def _tiles(l1, l2) -> dict:
+    """CONFIG_OVERRIDE entries of a variant (None: the role's default pick, no override)."""
+    return {role: cfg for role, cfg in (("l1", l1), ("l2", l2)) if cfg is not None}
 
 
 def persistent_rows(dims, T, dev, tm, a2, kw2, ref2, touched, asm, static_ms, t_end,
