@@ -37,6 +37,18 @@ WFMT_FP8 = 1
 #   lanes whose magnitude is zero or whose rel is -6 (rel6 = 0: below E4M3's normal range, see
 #   fp4_rel6) are masked to zero (prmt with selector nibbles 0x8-0xB replicates each byte's bit 7:
 #   bit 7 of x + 0x7F is set iff the lane x is non-zero); sign bits into bit 7.
+# the steps for one nibble of each lane (t = its magnitudes; sign bits already in s), written
+# to `dst`: once for the low nibbles ($0), once for the high ones ($1)
+_FP4_NIBBLE = """prmt.b32 r1, la, lb, u;
+shr.u32 u, u, 16;
+prmt.b32 r2, la, lb, u;
+prmt.b32 r1, r1, r2, 0x5410;
+add.u32 r1, r1, o;
+add.u32 m, t, 0x7F7F7F7F;
+and.b32 m, m, f;
+prmt.b32 m, m, m, 0xBA98;
+and.b32 r1, r1, m;
+"""
 FP4_E4M3_ASM = tl.constexpr("""
 {
 .reg .b32 t, u, r1, r2, o, f, m, s, la, lb;
@@ -48,32 +60,14 @@ add.u32 f, $3, 0x7F7F7F7F;
 and.b32 t, $2, 0x07070707;
 shr.u32 u, t, 4;
 or.b32 u, u, t;
-prmt.b32 r1, la, lb, u;
-shr.u32 u, u, 16;
-prmt.b32 r2, la, lb, u;
-prmt.b32 r1, r1, r2, 0x5410;
-add.u32 r1, r1, o;
-add.u32 m, t, 0x7F7F7F7F;
-and.b32 m, m, f;
-prmt.b32 m, m, m, 0xBA98;
-and.b32 r1, r1, m;
-shl.b32 s, $2, 4;
+""" + _FP4_NIBBLE + """shl.b32 s, $2, 4;
 and.b32 s, s, 0x80808080;
 or.b32 $0, r1, s;
 shr.u32 t, $2, 4;
 and.b32 t, t, 0x07070707;
 shr.u32 u, t, 4;
 or.b32 u, u, t;
-prmt.b32 r1, la, lb, u;
-shr.u32 u, u, 16;
-prmt.b32 r2, la, lb, u;
-prmt.b32 r1, r1, r2, 0x5410;
-add.u32 r1, r1, o;
-add.u32 m, t, 0x7F7F7F7F;
-and.b32 m, m, f;
-prmt.b32 m, m, m, 0xBA98;
-and.b32 r1, r1, m;
-and.b32 s, $2, 0x80808080;
+""" + _FP4_NIBBLE + """and.b32 s, $2, 0x80808080;
 or.b32 $1, r1, s;
 }
 """)

@@ -16,7 +16,6 @@ outputs 2e-3 (fp16 SwiGLU output feeding the second GEMM), bf16 outputs 1e-2.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import pytest
 import torch
@@ -193,8 +192,9 @@ def test_ptx_upcast_bit_logic():
     each of the 4 byte lanes ($3 = rel + 6 per lane: a pack may span rows / scale groups - the
     sixth session's H200 failure of the swapped tiles, when one offset served the whole pack).
     The GPU tests check that it compiles and runs (moe.asm_ok's device check)."""
-    src = open(os.path.join(os.path.dirname(tm.__file__), "moe_jit.py")).read()
-    asm = src.split('FP4_E4M3_ASM = tl.constexpr("""')[1].split('"""')[0]
+    from megagraph.kernels.triton import moe_jit
+
+    asm = moe_jit.FP4_E4M3_ASM.value
     g = gen(0)
     for b0 in range(256):  # every byte value in lane 0, random bytes and offsets in the others
         for r0 in range(13):
