@@ -2,6 +2,8 @@
 #   make test   - create .venv, install (CPU torch wheel first), run the test suite
 #   make demo   - compile the tiny V4.1 model, inspect the artifacts, generate 8 tokens (random weights)
 #   make serve-demo - compile the tiny V4.1 model, serve it on 127.0.0.1, answer one chat request
+#   make sm90-h200 - the sm_90 SASS pins and Gluon builds under the H200 image's Triton (3.6),
+#                    from a copy beside the venv (.cache/triton36; the CPU suite checks 3.9's)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -32,4 +34,14 @@ serve-demo: install
 	curl -s localhost:$(SERVE_PORT)/v1/chat/completions -H 'Content-Type: application/json' \
 	  -d '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}'; echo
 
-.PHONY: install test demo serve-demo
+TRITON_H200 ?= 3.6.0
+T36 := .cache/triton36
+
+$(T36)/triton/__init__.py: install
+	$(BIN)/pip install -q --no-deps --target $(T36) triton==$(TRITON_H200)
+
+sm90-h200: $(T36)/triton/__init__.py
+	PYTHONPATH=$(T36) $(BIN)/python -m pytest -q -p no:cacheprovider \
+	  tests/kernels/test_triton_attention_sm90.py $(wildcard tests/kernels/test_moe_gluon*.py)
+
+.PHONY: install test demo serve-demo sm90-h200
