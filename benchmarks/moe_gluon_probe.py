@@ -10,6 +10,14 @@ quantized operands on the first experts' rows).
     python benchmarks/moe_gluon_probe.py --out /tmp/gl               # H200, 8192 tokens
     python benchmarks/moe_gluon_probe.py --tokens 4096 --out /tmp/gl
     python benchmarks/moe_gluon_probe.py --smoke                     # small dims, seconds
+    python benchmarks/moe_gluon_probe.py --routing poisson --out /tmp/gl   # realistic routing
+
+--routing poisson: top-6 of random router logits over the 384 experts (rows per expert
+~Binomial(T * 6, 1 / 64): 89 .. 183 at 8192 tokens, as benchmarks/kernel_rows/moe.py's real
+routing), where 128-row tiles pad (an expert with 129 rows takes 2 tiles). Every Gluon variant
+- row tile bm = 128 / 64 x PTX upcast "lane" (moe_jit.FP4_E4M3_ASM, per-byte-lane offsets) /
+"pack" (moe_gluon.FP4_PACK_ASM_TEXT, one offset per int32 word) - is checked in its own child
+process (small dims, then these dims and routing) and timed only if correct.
 
 Order: the Triton L1 is timed first and the JSON written after every row; then the Gluon L1 is
 checked in child processes (CUDA_LAUNCH_BLOCKING=1; small dims, then these dims), so an illegal
@@ -18,7 +26,8 @@ memory access cannot lose the Triton row; the Gluon L1 is timed only if both che
 
 L1 FLOPs = 2 * rows * 2F * d (rows = tokens * top-k); % of peak against 1430 TFLOP/s (H200
 dense FP8). Needs CUDA sm_90 and Triton 3.6 (moe_gluon.available()); elsewhere it says so and
-exits 0 (with --out, a JSON that records the skip). Well under 120 s on the H200.
+exits 0 (with --out, a JSON that records the skip). Meant to finish in < 150 s on the H200
+(one child process per Gluon variant; not yet timed there).
 """
 from __future__ import annotations
 
@@ -76,8 +85,9 @@ def time_ms(fn, reps: int = 5, min_ms: float = 20.0) -> float:
     return statistics.median(times)
 
 
-def build(T: int, d: int, F: int, E: int, k: int, seed: int = 0):
-    """x_q / x_scale (E4M3 per 128), W1 / W3 banks, balanced ids, counts, sorted pair list."""
+def build(T: int, d: int, F: int, E: int, k: int, seed: int = 0, routing: str = "balanced"):
+    """x_q / x_scale (E4M3 per 128), W1 / W3 banks, ids (balanced: token t -> experts 6t ..
+    6t + 5 mod E; poisson: top-k of random router logits), counts, sorted pair list."""
     from megagraph.kernels.triton import moe
 
     torch.manual_seed(seed)
@@ -94,8 +104,11 @@ def build(T: int, d: int, F: int, E: int, k: int, seed: int = 0):
         return moe.bank(w, s.view(torch.float8_e8m0fnu), "mxfp4")
 
     w1, w3 = bank(), bank()
-    t = torch.arange(T, device=dev)[:, None]
-    ids = (t * k + torch.arange(k, device=dev)[None, :]) % E
+    if routing == "poisson":
+        ids = torch.randn(T, E, device=dev).topk(k, dim=1).indices
+    else:
+        t = torch.arange(T, device=dev)[:, None]
+        ids = (t * k + torch.arange(k, device=dev)[None, :]) % E
     counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
     srt = moe.permute(ids.flatten(), counts, E)
     return xq, xs, w1, w3, counts, srt
@@ -126,43 +139,49 @@ def rel(x, y) -> float:
     return float((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30))
 
 
-def check(T: int, dims: dict, limit: float) -> dict:
+def check(T: int, dims: dict, limit: float, bm: int = 128, asm: str = "lane",
+          routing: str = "balanced", maxnreg: int | None = None) -> dict:
     """One Gluon L1 call (into a NaN-poisoned output) against the fp32 math of the first experts'
     rows: every row written, relative error. Meant for a child process (--check): an illegal
     memory access there kills only that process's CUDA context."""
     from megagraph.kernels.triton import moe_gluon as mg
 
     d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
-    xq, xs, w1, w3, counts, srt = build(T, d, F, E, k, seed=1)
+    xq, xs, w1, w3, counts, srt = build(T, d, F, E, k, seed=1, routing=routing)
     P = T * k
-    mtg = min(P, P // mg.BM + E)
+    mtg = min(P, P // bm + E)
     h = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
-    mg.l1_gluon(xq, xs, srt, w1, w3, counts, h, topk=k, max_tiles=mtg, limit=limit)
+    mg.l1_gluon(xq, xs, srt, w1, w3, counts, h, topk=k, max_tiles=mtg, limit=limit, bm=bm,
+                asm=asm, use_asm=True, maxnreg=maxnreg)
     torch.cuda.synchronize()
     ref, n = reference_rows(xq, xs, w1, w3, counts, srt, k, limit, experts=min(E, 4))
     err = rel(h[:n].nan_to_num(0.0, 0.0, 0.0), ref)
     written = bool(torch.isfinite(h).all())
-    return dict(tokens=T, dims=dims, all_written=written, rel_err_vs_fp32=err,
-                ok=written and err < 2e-3)
+    return dict(tokens=T, dims=dims, bm=bm, asm=asm, routing=routing, all_written=written,
+                rel_err_vs_fp32=err, ok=written and err < 2e-3)
 
 
-def check_in_child(T: int, dims: dict, limit: float, timeout: float = 300.0) -> dict:
-    """check() in a child process with CUDA_LAUNCH_BLOCKING=1 (the error names the launch)."""
+def check_in_child(cases: list, timeout: float = 120.0) -> list:
+    """check(**case) for each case, in order, in ONE child process with CUDA_LAUNCH_BLOCKING=1
+    (the error names the launch; one process start per variant); stops at the first failure.
+    Returns the results (a failed or crashed case last)."""
     import subprocess
 
-    cmd = [sys.executable, os.path.abspath(__file__), "--check-json", json.dumps(
-        dict(tokens=T, dims=dims, limit=limit))]
+    cmd = [sys.executable, os.path.abspath(__file__), "--check-json", json.dumps(cases)]
     env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
                            check=False)
-    except subprocess.TimeoutExpired:
-        return dict(tokens=T, dims=dims, ok=False, error=f"check timed out ({timeout} s)")
-    for line in reversed(r.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    return dict(tokens=T, dims=dims, ok=False,
-                error=f"rc {r.returncode}: {(r.stderr or r.stdout)[-800:]}")
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        got = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+        return got + [dict(cases[len(got)] if len(got) < len(cases) else {}, ok=False,
+                           error=f"check timed out ({timeout} s)")]
+    got = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    if len(got) < len(cases) and not (got and not got[-1].get("ok")):
+        got.append(dict(cases[len(got)], ok=False,
+                        error=f"rc {r.returncode}: {(r.stderr or r.stdout)[-800:]}"))
+    return got
 
 
 def main() -> None:
@@ -171,17 +190,26 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192, help="tokens (rows = tokens * 6)")
     ap.add_argument("--smoke", action="store_true", help="small dims (d 1024, F 256, 16 experts)")
     ap.add_argument("--limit", type=float, default=10.0, help="SwiGLU clamp")
+    ap.add_argument("--routing", choices=("balanced", "poisson"), default="balanced",
+                    help="balanced: 128 rows per expert at 8192 tokens; poisson: top-6 of "
+                         "random logits (89 .. 183 rows per expert)")
+    ap.add_argument("--variants", default="128:lane,128:pack,64:lane,64:pack",
+                    help="gluon variants bm:asm[:maxnreg], comma-separated (e.g. 64:lane:128: "
+                         "2 programs of 8 warps per SM)")
     ap.add_argument("--out", default=None, help="directory for moe_gluon_probe.json / .md")
     ap.add_argument("--check-json", default=None, help=argparse.SUPPRESS)  # child: check()
     args = ap.parse_args()
 
-    if args.check_json:  # child process of check_in_child
-        c = json.loads(args.check_json)
-        try:
-            res = check(c["tokens"], c["dims"], c["limit"])
-        except Exception as exc:  # noqa: BLE001  (reported to the parent)
-            res = dict(tokens=c["tokens"], dims=c["dims"], ok=False, error=repr(exc)[:800])
-        print(json.dumps(res), flush=True)
+    if args.check_json:  # child process of check_in_child: one JSON line per case
+        for c in json.loads(args.check_json):
+            try:
+                res = check(c["tokens"], c["dims"], c["limit"], c["bm"], c["asm"], c["routing"],
+                            c.get("maxnreg"))
+            except Exception as exc:  # noqa: BLE001  (reported to the parent)
+                res = dict(c, ok=False, error=repr(exc)[:800])
+            print(json.dumps(res), flush=True)
+            if not res.get("ok"):
+                return
         return
 
     from megagraph.kernels.triton import moe
@@ -189,19 +217,22 @@ def main() -> None:
 
     dims = SMOKE if args.smoke else REAL
     T = min(args.tokens, 512) if args.smoke else args.tokens
-    res = dict(tokens=T, dims=dims, peak_tflops=PEAK_TFLOPS, rows=[])
+    res = dict(tokens=T, dims=dims, routing=args.routing, peak_tflops=PEAK_TFLOPS, rows=[])
     if not mg.available():
         res["skipped"] = "needs CUDA sm_90 and Triton 3.6 Gluon (moe_gluon.available())"
         print(res["skipped"])
         return _write(args.out, res)
     t_start = time.perf_counter()
     d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
-    xq, xs, w1, w3, counts, srt = build(T, d, F, E, k)
+    xq, xs, w1, w3, counts, srt = build(T, d, F, E, k, routing=args.routing)
     P = T * k
+    cl = counts.tolist()
+    res["rows_per_expert"] = dict(min=min(cl), max=max(cl), mean=P / E,
+                                  tiles_bm128=sum(-(-c // 128) for c in cl),
+                                  tiles_bm64=sum(-(-c // 64) for c in cl))
     rpg = P / max(1, min(E, P))
     cfg = moe.pick_config("l1", rpg)
     mt1 = min(P, P // cfg.bm + E)
-    mtg = min(P, P // mg.BM + E)
     h_tr = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
     flops = 2.0 * P * 2 * F * d
 
@@ -226,41 +257,51 @@ def main() -> None:
     ref, n = reference_rows(xq, xs, w1, w3, counts, srt, k, args.limit, experts=4)
     res["rel_err_triton_vs_fp32"] = rel(h_tr[:n], ref)
     _write(args.out, res)
-    # 2) the Gluon L1's correctness, each in a child process (an illegal access there cannot
-    # poison this process's context): small dims, then these dims at this token count
-    checks = [check_in_child(min(T, 256), SMOKE, args.limit)]
-    if checks[0].get("ok"):
-        checks.append(check_in_child(T, dims, args.limit))
-    res["gluon_checks"] = checks
-    print(json.dumps(checks), flush=True)
-    _write(args.out, res)
-    if not all(c.get("ok") for c in checks):
-        res["gluon_skipped"] = "the Gluon L1 is wrong or crashed (gluon_checks): not timed"
-        res["rows"].append(dict(name="gluon l1", error=res["gluon_skipped"]))
-        print(res["gluon_skipped"], flush=True)
-    else:
-        # 3) time the Gluon L1 (correct in the child at these dims)
-        h_gl = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
-        tiles = moe.tile_list(counts, mg.BM, mtg)
+    # 2) each Gluon variant: checked in a child process (an illegal access there cannot poison
+    # this process's context; small dims, then these dims and routing), then timed
+    res["gluon_checks"] = {}
+    h_gl = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
+    for var in args.variants.split(","):
+        bm_s, asm, *mr = var.split(":")
+        bm, maxnreg = int(bm_s), (int(mr[0]) if mr else None)
+        name = f"gluon l1 bm{bm} {asm}" + (f" maxnreg {maxnreg}" if maxnreg else "")
+        cases = [dict(tokens=min(T, 256), dims=SMOKE, limit=args.limit, bm=bm, asm=asm,
+                      routing=args.routing, maxnreg=maxnreg)]
+        if dims != SMOKE:
+            cases.append(dict(cases[0], tokens=T, dims=dims))
+        checks = check_in_child(cases)
+        res["gluon_checks"][name] = checks
+        print(json.dumps(checks), flush=True)
+        _write(args.out, res)
+        if len(checks) < len(cases) or not all(c.get("ok") for c in checks):
+            res["rows"].append(dict(name=name, error="wrong or crashed in the child check: "
+                                    "not timed (gluon_checks)"))
+            print(res["rows"][-1], flush=True)
+            _write(args.out, res)
+            continue
+        mtg = min(P, P // bm + E)
+        tiles = moe.tile_list(counts, bm, mtg)
+        h_gl.fill_(float("nan"))
 
-        def gluon_l1():
+        def gluon_l1(bm=bm, asm=asm, mtg=mtg, tiles=tiles, maxnreg=maxnreg):
             mg.l1_gluon(xq, xs, srt, w1, w3, counts, h_gl, topk=k, max_tiles=mtg,
-                        limit=args.limit, tiles=tiles)
+                        limit=args.limit, tiles=tiles, bm=bm, asm=asm, use_asm=True,
+                        maxnreg=maxnreg)
 
-        def gluon_l1_list():  # the same, with the device tile list built in the call
-            mg.l1_gluon(xq, xs, srt, w1, w3, counts, h_gl, topk=k, max_tiles=mtg,
-                        limit=args.limit)
-
-        if timed("gluon l1", gluon_l1, dict(bm=mg.BM, bn=mg.BN, bk=mg.BK, nsa=mg.NSA,
-                                             warps=mg.NUM_WARPS)):
-            timed("gluon l1 + tile_list", gluon_l1_list, None)
-        try:
-            torch.cuda.synchronize()
-            res["all_written"] = bool(torch.isfinite(h_gl).all())
-            res["rel_err_gluon_vs_triton"] = rel(h_gl, h_tr)
-            res["rel_err_gluon_vs_fp32"] = rel(h_gl[:n], ref)
-        except Exception as exc:  # noqa: BLE001
-            res["gluon_error"] = repr(exc)[:500]
+        ok = timed(name, gluon_l1, dict(bm=bm, bn=mg.BN, bk=mg.BK, nsa=mg.NSA, asm=asm,
+                                        maxnreg=maxnreg, **mg.TILES[bm]))
+        if ok:
+            try:
+                torch.cuda.synchronize()
+                row = res["rows"][-1]
+                row["all_written"] = bool(torch.isfinite(h_gl).all())
+                row["rel_err_vs_triton"] = rel(h_gl, h_tr)
+                row["rel_err_vs_fp32"] = rel(h_gl[:n], ref)
+                print({x: row[x] for x in ("all_written", "rel_err_vs_triton",
+                                           "rel_err_vs_fp32")}, flush=True)
+            except Exception as exc:  # noqa: BLE001
+                res["rows"][-1]["check_error"] = repr(exc)[:500]
+            _write(args.out, res)
     res["wall_s"] = time.perf_counter() - t_start
     print(json.dumps({x: res[x] for x in res if x != "rows"}, indent=1), flush=True)
     _write(args.out, res)
@@ -272,29 +313,28 @@ def _write(out, res) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "moe_gluon_probe.json"), "w") as f:
         json.dump(res, f, indent=1)
-    lines = [f"# Gluon L1 probe, {res['tokens']} tokens, dims {res['dims']}", ""]
+    lines = [(f"# Gluon L1 probe, {res['tokens']} tokens, dims {res['dims']}, routing "
+              f"{res.get('routing', 'balanced')}"), ""]
+    if "rows_per_expert" in res:
+        lines += [f"rows per expert: {res['rows_per_expert']}", ""]
     if "skipped" in res:
         lines.append(f"skipped: {res['skipped']}")
     else:
-        lines += ["| launch | ms | TFLOP/s | % of 1430 |", "| --- | --- | --- | --- |"]
+        lines += ["| launch | ms | TFLOP/s | % of 1430 | rel vs triton | rel vs fp32 |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for r in res["rows"]:
             if "error" in r:
-                lines.append(f"| {r['name']} | error: {r['error'][:120]} | | |")
+                lines.append(f"| {r['name']} | error: {r['error'][:120]} | | | | |")
             else:
                 lines.append(f"| {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
-                             f"{r['pct_peak']:.1f} |")
-        def f(key):
-            v = res.get(key)
-            return f"{v:.2e}" if isinstance(v, float) else "n/a"
-
-        lines += ["", (f"rel err gluon vs triton: {f('rel_err_gluon_vs_triton')}; vs fp32 math "
-                       f"(first 4 experts): gluon {f('rel_err_gluon_vs_fp32')}, triton "
-                       f"{f('rel_err_triton_vs_fp32')}; every gluon row written: "
-                       f"{res.get('all_written', 'n/a')}")]
-        for c in res.get("gluon_checks", []):
-            lines.append(f"gluon check {c.get('tokens')} tokens {c.get('dims')}: ok "
-                         f"{c.get('ok')}, rel {c.get('rel_err_vs_fp32')}, written "
-                         f"{c.get('all_written')}, error {str(c.get('error', ''))[:200]}")
+                             f"{r['pct_peak']:.1f} | {r.get('rel_err_vs_triton', 'n/a')} | "
+                             f"{r.get('rel_err_vs_fp32', 'n/a')} |")
+        lines += ["", f"triton vs fp32 math (first 4 experts): {res.get('rel_err_triton_vs_fp32')}"]
+        for name, checks in res.get("gluon_checks", {}).items():
+            for c in checks:
+                lines.append(f"{name} check {c.get('tokens')} tokens {c.get('dims')}: ok "
+                             f"{c.get('ok')}, rel {c.get('rel_err_vs_fp32')}, written "
+                             f"{c.get('all_written')}, error {str(c.get('error', ''))[:200]}")
     with open(os.path.join(out, "moe_gluon_probe.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

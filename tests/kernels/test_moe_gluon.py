@@ -82,18 +82,24 @@ def _rel(x, y):
     return ((x.float() - y.float()).norm() / y.float().norm()).item()
 
 
+# (row tile, PTX upcast) variants of l1_gluon: the default (128, "lane") first
+VARIANTS = [(128, "lane"), (128, "pack"), (64, "lane"), (64, "pack")]
+
+
 @gpu
+@pytest.mark.parametrize("bm,asm", VARIANTS)
 @pytest.mark.parametrize("T,E,subset", [(1, 8, None), (37, 8, None), (203, 8, [0, 3, 5]),
                                         (515, 16, None), (1024, 8, [1, 2])])
-def test_l1_gluon_matches(T, E, subset):
+def test_l1_gluon_matches(T, E, subset, bm, asm):
     from megagraph.kernels.triton import moe
 
     d, F, k, limit = 1024, 256, 2, 10.0
     xq, xs, w1, w3, counts, srt = _case(T, E, d, F, k, seed=T, subset=subset)
     P = T * k
-    max_tiles = min(P, P // mg.BM + E)
+    max_tiles = min(P, P // bm + E)
     out = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
-    mg.l1_gluon(xq, xs, srt, w1, w3, counts, out, topk=k, max_tiles=max_tiles, limit=limit)
+    mg.l1_gluon(xq, xs, srt, w1, w3, counts, out, topk=k, max_tiles=max_tiles, limit=limit,
+                bm=bm, asm=asm)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "an output element was not written (or is not finite)"
     ref = _reference(xq, xs, w1, w3, counts, srt, k, limit)
@@ -108,32 +114,37 @@ def test_l1_gluon_matches(T, E, subset):
 
 
 @gpu
-def test_l1_gluon_no_limit_and_asm_off():
+@pytest.mark.parametrize("bm,asm", VARIANTS)
+def test_l1_gluon_no_limit_and_asm_off(bm, asm):
     """No clamp; the arithmetic upcast instead of the PTX one gives the same output bits. The
     E8M0 exponents span 108 .. 127 (not the 6-wide range of _case), so within a row the offsets
     rel = e - S of the 4 groups of a chunk differ by up to 19: every rel in [-6, 6] occurs and
     some clamp at -6 (zero weights), exercising the per-lane offsets rel + 6 that
     moe_jit.FP4_E4M3_ASM reads from every byte (a kernel passing the old signed rel would decode
-    rel - 6: off by 2^-6, or garbage for rel <= 0)."""
+    rel - 6: off by 2^-6, or garbage for rel <= 0), and every lookup-table pair of the uniform
+    upcast (asm="pack": one offset per int32 word, all 13 offsets, the rel < -5 flush)."""
     from megagraph.kernels.triton import moe
 
     d, F, k, E, T = 512, 128, 3, 4, 77
     xq, xs, w1, w3, counts, srt = _case(T, E, d, F, k, seed=5, exps=(108, 128))
     P = T * k
-    mt = min(P, P // mg.BM + E)
+    mt = min(P, P // bm + E)
     o1 = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
     o2 = torch.full_like(o1, float("nan"))
-    mg.l1_gluon(xq, xs, srt, w1, w3, counts, o1, topk=k, max_tiles=mt, use_asm=True)
-    mg.l1_gluon(xq, xs, srt, w1, w3, counts, o2, topk=k, max_tiles=mt, use_asm=False)
+    mg.l1_gluon(xq, xs, srt, w1, w3, counts, o1, topk=k, max_tiles=mt, use_asm=True, bm=bm,
+                asm=asm)
+    mg.l1_gluon(xq, xs, srt, w1, w3, counts, o2, topk=k, max_tiles=mt, use_asm=False, bm=bm)
     torch.cuda.synchronize()
     assert torch.isfinite(o2).all(), "arithmetic upcast: an element not written / not finite"
     ref = _reference(xq, xs, w1, w3, counts, srt, k, float("inf"))
     # the fp32 reference keeps the weights whose rel < -5 (the kernels flush them): relative to
     # the row's largest group they are below 2^-11
     assert _rel(o2, ref) < 2e-3, f"arithmetic upcast vs fp32 math: {_rel(o2, ref):.3e}"
-    if moe.asm_ok(o1.device):
+    # the uniform upcast has no device check of its own (moe.asm_ok checks the per-lane PTX):
+    # this bit-exact comparison is its check
+    if asm == "pack" or moe.asm_ok(o1.device):
         assert torch.isfinite(o1).all(), "PTX upcast: an element not written / not finite"
-        assert torch.equal(o1, o2), f"PTX vs arithmetic upcast: rel {_rel(o1, o2):.3e}"
+        assert torch.equal(o1, o2), f"PTX ({asm}) vs arithmetic upcast: rel {_rel(o1, o2):.3e}"
 
 
 def _dbg_bank(codes: torch.Tensor, exps: torch.Tensor):
@@ -166,9 +177,10 @@ def _diagnose(name, out, ref):
 
 
 @gpu
-def test_l1_gluon_debug_pieces():
+@pytest.mark.parametrize("bm", [128, 64])
+def test_l1_gluon_debug_pieces(bm):
     """GPU debug: one expert, K = 256 (2 chunks: one loop trip), N = 64 (one column tile), fp32
-    output, no clamp, each piece isolated, each with the PTX and the arithmetic upcast; the
+    output, no clamp, each piece isolated, each with the arithmetic and both PTX upcasts; the
     failure message lists every case that is off and where (rows / columns / scale), so one
     GPU run says which piece is wrong:
       ones       A = 1, W1 = 1, W3 = 0.5, all scales 1: g = 256, u = 128 (the data path, the
@@ -197,12 +209,13 @@ def test_l1_gluon_debug_pieces():
         srt = a_idx.to(torch.int32).cuda()
         ref = _reference(xq, xs, w1, w3, counts, srt, topk,
                          float("inf") if limit is None else limit)
-        for use_asm in (False, True):
+        for mode in ("arith", "lane", "pack"):
             out = torch.full((P, F), float("nan"), dtype=torch.float32, device="cuda")
             mg.l1_gluon(xq, xs, srt, w1, w3, counts, out, topk=topk,
-                        max_tiles=-(-P // mg.BM), limit=limit, use_asm=use_asm)
+                        max_tiles=-(-P // bm), limit=limit, use_asm=mode != "arith",
+                        asm="lane" if mode == "arith" else mode, bm=bm)
             torch.cuda.synchronize()
-            m = _diagnose(f"{name} ({'asm' if use_asm else 'arith'})", out, ref)
+            m = _diagnose(f"{name} (bm {bm}, {mode})", out, ref)
             if m:
                 msgs.append(m)
 
@@ -261,8 +274,66 @@ def _sass_loop(sass: str) -> str:
     return "\n".join(t for a, t in ins if span[0] <= a <= span[1])
 
 
-@pytest.mark.skipif(not mg._IMPORT_OK, reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
-def test_l1_gluon_sm90_build(tmp_path):
+def _pack_ptx_case(w: int, rel6: int) -> tuple[int, int]:
+    """(cols 0..3, cols 4..7) E4M3 bytes of int32 word w at offset rel6 by the uniform upcast."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_triton_moe import _run_ptx
+
+    la, lb = mg.pack_luts(rel6)
+    return _run_ptx(mg.FP4_PACK_ASM_TEXT, [0, 0, w, la, lb])
+
+
+def test_pack_ptx_bit_logic():
+    """The uniform-offset upcast (moe_gluon.FP4_PACK_ASM_TEXT with pack_luts' tables), run by
+    test_triton_moe's PTX emulator: for every byte value in every byte of the word and every
+    offset rel6 in [0, 12] (one offset for the whole word: its 4 bytes are one row's and one
+    scale group's), output byte 2j of a half = the low nibble of its byte j, 2j + 1 = the high
+    nibble, each equal to the arithmetic E4M3 byte (test_triton_moe._e4m3_ref_byte, rel < -5
+    flushed to signed zero)."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_triton_moe import _e4m3_ref_byte
+
+    g = torch.Generator().manual_seed(11)
+    for lane in range(4):
+        for b in range(256):
+            for rel6 in range(13):
+                bs = torch.randint(0, 256, (4,), generator=g).tolist()
+                bs[lane] = b
+                w = sum(x << (8 * i) for i, x in enumerate(bs))
+                lo, hi = _pack_ptx_case(w, rel6)
+                got = [(lo >> (8 * i)) & 0xFF for i in range(4)] + [
+                    (hi >> (8 * i)) & 0xFF for i in range(4)]
+                want = [_e4m3_ref_byte(c, rel6 - 6) for x in bs for c in (x & 0xF, x >> 4)]
+                assert got == want, (lane, b, rel6, bs, got, want)
+
+
+def test_pack_luts_and_word_layout():
+    """pack_luts: the tables are the E4M3 codes of the E2M1 magnitudes at each offset (0 for
+    magnitude 0 and for rel < -5), every byte in [0, 0x7C] (no carry between bytes); the word
+    layout check accepts the kernel's layouts and rejects a byte axis that is not the fastest."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_triton_moe import _e4m3_ref_byte
+
+    for rel6 in range(13):
+        la, lb = mg.pack_luts(rel6)
+        t = [(la >> (8 * i)) & 0xFF for i in range(4)] + [(lb >> (8 * i)) & 0xFF for i in range(4)]
+        assert t == [_e4m3_ref_byte(m, rel6 - 6) for m in range(8)], rel6
+        assert max(t) <= 0x7C
+    assert mg.word_layout_ok([1, 1, 2], [2, 1, 0], [64, 4, 4])
+    assert mg.word_layout_ok([1, 1, 4], [2, 1, 0], [64, 4, 4])
+    assert not mg.word_layout_ok([1, 1, 2], [1, 2, 0], [64, 4, 4])
+    assert not mg.word_layout_ok([1, 1, 2], [2, 1, 0], [64, 4, 16])
+
+
+def _sm90_build(bm: int, asm: str, maxnreg: int | None = None):
+    """l1_kernel compiled ahead of time for sm_90 (the launcher's constexprs for bm / asm and
+    the 16-divisible arguments of the real shapes): (compiled kernel, resource usage, SASS)."""
     import triton
 
     try:
@@ -271,28 +342,59 @@ def test_l1_gluon_sm90_build(tmp_path):
     except ImportError:
         pytest.skip("this triton has no ahead-of-time Gluon compile API")
     fn = mg.l1_kernel
-    consts = dict(TOPK=6, HAS_LIMIT=True, USE_ASM=True, BM=mg.BM, BN=mg.BN, BK=mg.BK, NSA=mg.NSA,
-                  NW=mg.NUM_WARPS)
+    consts = dict(TOPK=6, HAS_LIMIT=True, **mg.kernel_consts(bm, asm))
     sig = {n: ("constexpr" if n in consts else TYPES[n]) for n in fn.arg_names}
     # what the launcher's arguments specialize to at the real shapes (16-divisible)
     div = [n for n in TYPES if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K")]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
+    opts = dict(num_warps=consts["NW"], **({} if maxnreg is None else dict(maxnreg=maxnreg)))
     k = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 128), options=dict(num_warps=mg.NUM_WARPS))
-    assert k.metadata.shared <= 227 * 1024
-    cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(k.asm["cubin"])
+                       target=GPUTarget("cuda", 90, 128), options=opts)
+    import tempfile
+
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
         pytest.skip("no cuobjdump in this triton")
-    usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True,
-                           text=True, check=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(k.asm["cubin"])
+        usage = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True,
+                               text=True, check=True).stdout
+        sass = subprocess.run([tool, "--dump-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    return k, usage, sass
+
+
+def sass_stats(bm: int = 128, asm: str = "lane", maxnreg: int | None = None) -> dict:
+    """Registers, stack, shared memory and the K loop's instruction counts (per chunk pair) of
+    one variant's sm_90 build (for reports: python -c 'import test_moe_gluon as t;
+    print(t.sass_stats(64, "pack"))' with Triton 3.6 on the path)."""
+    k, usage, sass = _sm90_build(bm, asm, maxnreg)
+    body = _sass_loop(sass)
+
+    def n(p):
+        return len(re.findall(p, body))
+
+    return dict(bm=bm, asm=asm, maxnreg=maxnreg, regs=int(re.search(r"REG:(\d+)", usage).group(1)),
+                stack=int(re.search(r"STACK:(\d+)", usage).group(1)), shared=k.metadata.shared,
+                loop_instructions=len(body.splitlines()), QGMMA=n(r"\bQGMMA\b"),
+                ARRIVE=n(r"WARPGROUP\.ARRIVE"), DEPBAR=n(r"WARPGROUP\.DEPBAR"),
+                BAR_SYNC=n(r"BAR\.SYNC"), PRMT=n(r"\bPRMT\b"), LOP3=n(r"\bLOP3"),
+                LDGSTS=n(r"\bLDGSTS\b"), STS128=n(r"\bSTS\.128\b"), FFMA=n(r"\bFFMA\b"),
+                local=len(re.findall(r"\b(LDL|STL)\b", sass)))
+
+
+@pytest.mark.skipif(not mg._IMPORT_OK, reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+@pytest.mark.parametrize("bm,asm", VARIANTS)
+def test_l1_gluon_sm90_build(bm, asm):
+    k, usage, sass = _sm90_build(bm, asm)
+    assert k.metadata.shared <= 227 * 1024
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
-    sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
-                          check=True).stdout
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
     body = _sass_loop(sass)
-    # per NSA chunks: two async wgmmas (W1, W3: 4 k32 steps each) per chunk, one wait, one barrier
+    # per NSA chunks: two async wgmmas (W1, W3: 4 k32 steps each) per chunk and warpgroup, one
+    # wait, one barrier
     assert len(re.findall(r"\bQGMMA\b", body)) == 8 * mg.NSA
     assert len(re.findall(r"WARPGROUP\.ARRIVE", body)) == 2 * mg.NSA
     assert len(re.findall(r"WARPGROUP\.DEPBAR", body)) == mg.NSA
@@ -301,6 +403,10 @@ def test_l1_gluon_sm90_build(tmp_path):
     # the wait comes after the next chunk's upcast stores: the MMA overlaps the upcast
     first = body.split("WARPGROUP.DEPBAR")[0]
     assert "QGMMA" in first and re.search(r"\bSTS\.128\b", first.split("QGMMA")[-1])
+    if asm == "pack":  # the uniform upcast: 4 prmt per int32 word (2 lookups, 2 sign spreads)
+        # and nothing else: no byte repacking (words carried across the loop, not bytes)
+        words = mg.NSA * 2 * mg.BN * (mg.BK // 8) // (32 * mg.TILES[bm]["NW"])  # W1 + W3
+        assert len(re.findall(r"\bPRMT\b", body)) == 4 * words
 
 
 # ---------------------------------------------------------------------------------------------
