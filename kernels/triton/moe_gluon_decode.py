@@ -1,0 +1,412 @@
+"""Experimental Gluon (Triton 3.6, sm_90) kernel for the DECODE routed-expert L1 GEMM: the SwiGLU
+of W1 / W3 on MXFP4 weights with E4M3 activations gathered per expert-sorted row - the launch
+`routed_experts` makes through `moe.gemm` at <= 12 rows per expert (GemmConfig.swap,
+moe_jit.moe_acc_swap). Not wired into routed_experts: the lead decides after timing it
+(benchmarks/moe_gluon_decode_probe.py).
+
+Swap AB: per program one row tile of <= 16 expert-sorted rows of one expert (moe.tile_list at 16
+rows) and a block of BW = 64 weight rows of W1 and the same 64 rows of W3; per 128-column K chunk
+
+    C^T [64 weight rows, 16 tokens] = W [64, 128] @ X^T [128, 16]       (wgmma m64n16k32 x 4)
+
+with W the wgmma's A operand IN REGISTERS (E4M3, DotOperandLayout(0, mma, k_width 4)): the MXFP4
+bytes are read from shared memory, upcast in registers and handed to the wgmma - no store of the
+upcast tile, no fence for it. X^T (the gathered activations of the chunk, E4M3) is the B operand
+in shared memory.
+
+Pipeline (NS = 4 stages, one warpgroup = 4 warps, every stage its own allocation and the loop
+unrolled by NS, as moe_gluon.py, so Gluon's barrier analysis sees static stages): per chunk i
+    cp.async.wait_group(NS - 2); bar.sync; fence.proxy.async        (stage i % NS landed)
+    cp.async chunk i + NS - 1 into the stage chunk i - 1 used (its LDS and wgmmas are done)
+    W1: LDS the packed bytes + exponents, tables, upcast -> wgmma (async)
+    W3: the same -> wgmma (async)   (runs while the W1 wgmma runs)
+    wait(1): acc1 += part1 * (sb1 x sa);  wait(0): acc3 += part3 * (sb3 x sa)
+A stage: the packed W1 and W3 rows [128, 64] bytes (4 x 16-byte cp.async per thread), their E8M0
+exponents [128, 4] (one 4-byte cp.async per thread), X [16, 128] E4M3 (NVMMA 128-byte swizzle;
+four 4-byte cp.async per thread, zero-filled past the tile's rows). The A scales of every chunk
+([NKP chunks, 16 tokens] f32) are copied once in the prologue.
+
+The upcast (FP4_TABLE_ASM, one call per 4 packed bytes = 8 columns): a PRMT table lookup. With
+the wgmma A fragment (each 32-bit register = 4 consecutive k of one row) the kernel gives thread
+(lane t of a quad) of row r the 16 packed bytes 16 t .. 16 t + 15 of the row's chunk, i.e.
+exactly the 32-column scale group t; each of its 4 packs (kk = 0..3, 4 bytes = 8 columns
+32 t + 8 kk + 0..7) becomes two A registers: columns 32 t + 8 kk + 0..3 at k positions
+32 kk + 4 t + 0..3 and 32 t + 8 kk + 4..7 at 32 kk + 16 + 4 t + 0..3. The wgmma's k order is
+thus a permutation pi of the chunk's columns (kpos = 32 kk + 16 h + 4 t + i <- column
+32 t + 8 kk + 4 h + i), and the X tile is copied with the same pi (4-byte pieces), so the sum is
+unchanged. Proof that one table per (row, group) is exact: an asm call's p is the 4 register
+elements b = 0..3 of the tensor [64 rows, 4 t, 4 kk, 4 b] (the layout's first two register
+bases are b, so pack = 4 takes exactly them), i.e. bytes 16 t + 4 kk + b of ONE row inside the
+16-byte group t; its tables are indexed by (row, t) only (broadcast over kk, b).
+The table of (row, group): T[m] = E4M3(e2m1(m) * 2^rel) for the 8 magnitudes (T[0] = 0), rel =
+e - S, S = max(max(e) - 6, 1) over the row's 4 exponents of the chunk (moe_acc's choice), all
+zero for rel < -5: exactly moe_jit.e2m1_e4m3_bits (bases 0x30, 0x38, 0x3C, 0x40 .. 0x4C plus
+8 rel, no lane carries for rel in [-5, 6]); signs OR-ed into bit 7 (-0 for code 8 and flushed
+negatives, as e2m1_e4m3_bits). USE_ASM = False runs the same codes through integer arithmetic
+(_e2m1_e4m3_bits) for the bit-exact check.
+
+Numerics == moe_acc_swap with MMA fp8 (per chunk and weight row S, codes at offset e - S, fp32
+partial per chunk promoted acc += part * (sb x sa), sb = 2^(S - 127)), epilogue
+moe_jit.swiglu_act with the clamp, fp16 (or the out dtype) H at the expert-sorted rows. Only the
+tensor core's sum order inside a chunk differs (as for every wgmma kernel here).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # Triton 3.6 names (the H200 image); other versions: available() says no
+    import triton
+
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) != (3, 6):
+        raise ImportError(f"Gluon API of Triton {triton.__version__} not checked")
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as ttgl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    _IMPORT_OK = True
+except Exception:  # noqa: BLE001  (any import failure: the module still imports)
+    _IMPORT_OK = False
+
+BW, BT, BK, NS, NUM_WARPS = 64, 16, 128, 4, 4
+
+# One pack: $2 = 4 packed bytes (8 E2M1 codes, byte j: low nibble = column 2j, high = 2j + 1),
+# $3 (= $4 .. $6) table bytes T[0..3], $7 (= $8 .. $10) T[4..7] of the pack's (row, group).
+# $0 = E4M3 of columns 0..3 (nibbles 0..3 of the low half), $1 = columns 4..7.
+# prmt with the magnitudes (bit 3 of each selector nibble cleared) looks up 4 bytes at once; the
+# sign of column 2j (bit 3 of byte j) / 2j + 1 (bit 7) goes to bit 7 of its output byte through
+# a byte spread (b0 b0 b1 b1): bits 3 -> 7 (<< 4) and 7 -> 15 (in place), per half.
+FP4_TABLE_ASM_TEXT = """
+{
+.reg .b32 pm, sh, q, x, m;
+and.b32 pm, $2, 0x77777777;
+prmt.b32 m, $3, $7, pm;
+prmt.b32 q, $2, $2, 0x1100;
+shl.b32 x, q, 4;
+and.b32 x, x, 0x00800080;
+and.b32 q, q, 0x80008000;
+or.b32 m, m, x;
+or.b32 $0, m, q;
+shr.u32 sh, pm, 16;
+prmt.b32 m, $3, $7, sh;
+prmt.b32 q, $2, $2, 0x3322;
+shl.b32 x, q, 4;
+and.b32 x, x, 0x00800080;
+and.b32 q, q, 0x80008000;
+or.b32 m, m, x;
+or.b32 $1, m, q;
+}
+"""
+
+
+if _IMPORT_OK:
+    FP4_TABLE_ASM = ttgl.constexpr(FP4_TABLE_ASM_TEXT)
+
+    @gluon.jit
+    def _e2m1_e4m3_bits(c, rel):
+        """moe_jit.e2m1_e4m3_bits: the E4M3 byte of E2M1 code c times 2^rel; rel in [-5, 6]
+        exact, rel < -5 gives (signed) zero."""
+        m = c & 7
+        base = ttgl.where(m >= 2, m * 4 + 0x30, m * 0x30) + rel * 8
+        base = ttgl.where((m == 0) | (rel < -5), 0, base)
+        return base | ((c & 8) << 4)
+
+    @gluon.jit
+    def _upcast(w_st, e_st, ROW0: ttgl.constexpr, USE_ASM: ttgl.constexpr,
+                p2_l: ttgl.constexpr, p_l: ttgl.constexpr, a_dot: ttgl.constexpr,
+                row_l: ttgl.constexpr, BW: ttgl.constexpr):
+        """Weight rows ROW0 .. ROW0 + BW - 1 of the stage (packed bytes w_st [2 BW, 64], exponents
+        e_st [2 BW, 4]) -> the wgmma A operand (E4M3 [BW, 128] in a_dot, k permuted as the module
+        docstring says) and the rows' promotion scales 2^(S - 127) (row_l)."""
+        e_l: ttgl.constexpr = ttgl.SliceLayout(2, ttgl.SliceLayout(3, p_l))
+        p = w_st.slice(ROW0, BW).load(p2_l)  # [BW, 64] uint8: LDS.128 of group t per row
+        p = ttgl.convert_layout(ttgl.reshape(p, [BW, 4, 4, 4]), p_l, assert_trivial=True)
+        e = e_st.slice(ROW0, BW).load(e_l).to(ttgl.int32)  # [BW, 4]: thread t: group t
+        S = ttgl.maximum(ttgl.max(e, axis=1) - 6, 1)
+        rel = e - ttgl.expand_dims(S, 1)
+        if USE_ASM:
+            flush = rel < -5
+            ta = ttgl.where(flush, 0, 0x3C383000 + rel * 0x08080800)
+            tb = ttgl.where(flush, 0, 0x4C484440 + rel * 0x08080808)
+            ta = ttgl.broadcast(ttgl.expand_dims(ttgl.expand_dims(ta, 2), 3), p)[0]
+            tb = ttgl.broadcast(ttgl.expand_dims(ttgl.expand_dims(tb, 2), 3), p)[0]
+            r0, r1 = ttgl.inline_asm_elementwise(FP4_TABLE_ASM, "=r,=r,r,r,r,r,r,r,r,r,r",
+                                                 [p, ta, tb], dtype=(ttgl.uint8, ttgl.uint8),
+                                                 is_pure=True, pack=4)
+        else:
+            rel_b = ttgl.broadcast(ttgl.expand_dims(ttgl.expand_dims(rel, 2), 3), p)[0]
+            pi = p.to(ttgl.int32)
+            lo = _e2m1_e4m3_bits(pi & 0xF, rel_b).to(ttgl.uint8)
+            hi = _e2m1_e4m3_bits(pi >> 4, rel_b).to(ttgl.uint8)
+            # nibble order: byte b -> columns 2b (lo), 2b + 1 (hi); r0 = columns 0..3 of the
+            # pack (bytes 0, 1), r1 = columns 4..7 (bytes 2, 3)
+            j = ttgl.reshape(ttgl.join(lo, hi), [BW, 4, 4, 2, 4])  # [.., half, 2 (b & 1) + lohi]
+            r0, r1 = ttgl.split(ttgl.permute(j, (0, 1, 2, 4, 3)))
+            r0 = ttgl.convert_layout(r0, p_l)
+            r1 = ttgl.convert_layout(r1, p_l)
+        # [row, t, kk, i] x h -> [row, kk, h, t, i] = k position 32 kk + 16 h + 4 t + i
+        a = ttgl.permute(ttgl.join(r0, r1), (0, 2, 4, 1, 3))
+        a = ttgl.reshape(a, [BW, 128]).to(ttgl.float8e4nv, bitcast=True)
+        a = ttgl.convert_layout(a, a_dot)
+        sb = (S << 23).to(ttgl.float32, bitcast=True)  # S >= 1: 2^(S - 127), normal
+        return a, ttgl.convert_layout(sb, row_l)
+
+    @gluon.jit
+    def _issue(w_dst, e_dst, x_dst, w_ptrs, e_ptrs, x_ptrs, x_mask, c, n_k, BK: ttgl.constexpr):
+        """cp.async of chunk min(c, n_k - 1) (clamped: past K it re-reads the last chunk into a
+        stage nobody reads) and commit."""
+        k0 = ttgl.minimum(c, n_k - 1) * BK
+        async_copy.async_copy_global_to_shared(w_dst, w_ptrs + k0 // 2)
+        async_copy.async_copy_global_to_shared(e_dst, e_ptrs + k0 // 32)
+        async_copy.async_copy_global_to_shared(x_dst, x_ptrs + k0, mask=x_mask)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _chunk(i, n_k, w_cur, e_cur, x_cur, w_nxt, e_nxt, x_nxt, sa_s, acc1, acc3, w_ptrs,
+               e_ptrs, x_ptrs, x_mask, USE_ASM: ttgl.constexpr, NS: ttgl.constexpr,
+               BW: ttgl.constexpr, BT: ttgl.constexpr, BK: ttgl.constexpr,
+               mma: ttgl.constexpr, p2_l: ttgl.constexpr, p_l: ttgl.constexpr,
+               a_dot: ttgl.constexpr):
+        async_copy.wait_group(NS - 2)  # this thread's copies of chunk i landed
+        # every thread's copies of chunk i in; every thread done with chunk i - 1 (its LDS, its
+        # waited wgmmas): the stage written below is free
+        ttgl.thread_barrier()
+        fence_async_shared()  # X (cp.async, generic proxy) -> the wgmma (async proxy)
+        _issue(w_nxt, e_nxt, x_nxt, w_ptrs, e_ptrs, x_ptrs, x_mask, i + NS - 1, n_k, BK)
+        row_l: ttgl.constexpr = ttgl.SliceLayout(1, mma)
+        col_l: ttgl.constexpr = ttgl.SliceLayout(0, mma)
+        zero = ttgl.zeros([BW, BT], ttgl.float32, mma)
+        xT = x_cur.permute((1, 0))  # [BK, BT]: the K-major [BT, BK] stage
+        a1, sb1 = _upcast(w_cur, e_cur, 0, USE_ASM, p2_l, p_l, a_dot, row_l, BW)
+        t1 = warpgroup_mma(a1, xT, zero, use_acc=False, is_async=True)
+        a3, sb3 = _upcast(w_cur, e_cur, BW, USE_ASM, p2_l, p_l, a_dot, row_l, BW)
+        t3 = warpgroup_mma(a3, xT, zero, use_acc=False, is_async=True)
+        sa = sa_s.index(i).load(col_l)
+        t1 = warpgroup_mma_wait(1, deps=[t1])
+        acc1 += t1 * (ttgl.expand_dims(sb1, 1) * ttgl.expand_dims(sa, 0))
+        t3 = warpgroup_mma_wait(0, deps=[t3])
+        acc3 += t3 * (ttgl.expand_dims(sb3, 1) * ttgl.expand_dims(sa, 0))
+        return acc1, acc3
+
+    @gluon.jit
+    def l1_decode_kernel(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr,
+                         work_ptr, MT, N, K, G, P, limit, stride_am, stride_as, stride_bg,
+                         stride_bn, stride_bsg, stride_bsn, stride_cm,
+                         TOPK: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr,
+                         USE_ASM: ttgl.constexpr, BW: ttgl.constexpr, BT: ttgl.constexpr,
+                         BK: ttgl.constexpr, NS: ttgl.constexpr, NKP: ttgl.constexpr,
+                         NW: ttgl.constexpr):
+        """Program pid: row tile pid // (N / BW) of the tile list (moe.tile_list at BT rows:
+        [total, grp[MT], row0[MT], rend[MT]]), weight rows (pid % (N / BW)) * BW of W1 and W3.
+        N % BW == 0, K % BK == 0, K / BK <= NKP (the launcher checks); out-of-range list entries
+        exit before any pointer is formed."""
+        ttgl.static_assert(NS == 4, "the loop is unrolled for 4 stages")
+        ttgl.static_assert(NW == 4, "one warpgroup")
+        ttgl.static_assert(BW == 64, "64 weight rows per matrix")
+        ttgl.static_assert(BK == 128, "128-column chunks")
+        # ---- layouts ------------------------------------------------------------------
+        mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                          instr_shape=[16, BT, 32])
+        a_dot: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+        # packed bytes [row, 64 bytes]: byte 16 t + 4 kk + b of row 16 w + 8 r + g in lane 4 g + t
+        # of warp w, registers (b, kk, r): rows as the wgmma A fragment / accumulator
+        p2_l: ttgl.constexpr = ttgl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
+            lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BW, 64])
+        p_l: ttgl.constexpr = ttgl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 1, 0], [0, 0, 2, 0], [8, 0, 0, 0]],
+            lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+            warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[BW, 4, 4, 4])
+        row_l: ttgl.constexpr = ttgl.SliceLayout(1, mma)
+        col_l: ttgl.constexpr = ttgl.SliceLayout(0, mma)
+        # copies: weights 16 bytes, exponents 4, X 4 (the permuted k order), sa 4
+        wl: ttgl.constexpr = ttgl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])
+        el: ttgl.constexpr = ttgl.BlockedLayout([1, 4], [32, 1], [NW, 1], [1, 0])
+        xl: ttgl.constexpr = ttgl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+        sl: ttgl.constexpr = ttgl.BlockedLayout([1, 1], [2, 16], [NW, 1], [1, 0])
+        x_sl: ttgl.constexpr = ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
+                                                      rank=2)
+        flat: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        flat1: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [0])  # [NKP, BT], .index(i)
+
+        # ---- the tile ------------------------------------------------------------------
+        pid = ttgl.program_id(0)
+        num_n = N // BW
+        j = pid // num_n
+        pid_n = pid % num_n
+        total = ttgl.load(work_ptr)
+        g32 = ttgl.load(work_ptr + 1 + j)
+        row0 = ttgl.load(work_ptr + 1 + MT + j)
+        rend = ttgl.minimum(ttgl.load(work_ptr + 1 + 2 * MT + j), P)
+        nrows = rend - row0
+        if (j >= total) | (g32 < 0) | (g32 >= G) | (row0 < 0) | (nrows <= 0) | (nrows > BT):
+            return
+        g = g32.to(ttgl.int64)
+        n0 = pid_n * BW
+
+        # weights: rows 0..BW-1 of the stage = W1 rows n0.., rows BW..2BW-1 = W3 rows n0..
+        rw = ttgl.arange(0, 2 * BW, layout=ttgl.SliceLayout(1, wl))
+        cw = ttgl.arange(0, 64, layout=ttgl.SliceLayout(0, wl))
+        is1 = (rw < BW)[:, None]
+        wofs = ((n0 + rw % BW).to(ttgl.int64) * stride_bn)[:, None] + cw[None, :]
+        w_ptrs = ttgl.where(is1, b1_ptr + g * stride_bg + wofs, b2_ptr + g * stride_bg + wofs)
+        re = ttgl.arange(0, 2 * BW, layout=ttgl.SliceLayout(1, el))
+        ce = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, el))
+        # row strides of 4-byte multiples written as 4 x (stride / 4): the 4-byte cp.async needs
+        # that alignment proven also where the stride is not a multiple of 16 (not specialized)
+        eofs = ((n0 + re % BW).to(ttgl.int64) * (stride_bsn // 4) * 4)[:, None] + ce[None, :]
+        e_ptrs = ttgl.where((re < BW)[:, None], bs1_ptr + g * stride_bsg + eofs,
+                            bs2_ptr + g * stride_bsg + eofs)
+        # X [BT tokens, BK] in the wgmma's k order: position 32 kk + 16 h + 4 t + i holds
+        # column 32 t + 8 kk + 4 h + i of the chunk
+        rx = ttgl.arange(0, BT, layout=ttgl.SliceLayout(1, xl))
+        kx = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, xl))
+        colx = ((kx // 4) % 4) * 32 + (kx // 32) * 8 + ((kx // 16) % 2) * 4 + kx % 4
+        srcx = ttgl.load(aidx_ptr + row0 + rx, mask=rx < nrows, other=0)
+        x_ptrs = a_ptr + ((srcx // TOPK).to(ttgl.int64) * (stride_am // 4) * 4)[:, None] + \
+            colx[None, :]
+        x_mask = (rx < nrows)[:, None] & (kx < BK)[None, :]
+        # A scales of every chunk, [NKP, BT] (chunk-major: a token's chunk i at sa_s[i])
+        n_k = K // BK
+        cs = ttgl.arange(0, NKP, layout=ttgl.SliceLayout(1, sl))
+        ts = ttgl.arange(0, BT, layout=ttgl.SliceLayout(0, sl))
+        srcs = ttgl.load(aidx_ptr + row0 + ts, mask=ts < nrows, other=0)
+        s_ptrs = as_ptr + ((srcs // TOPK).to(ttgl.int64) * stride_as)[None, :] + cs[:, None]
+        s_mask = (cs < n_k)[:, None] & (ts < nrows)[None, :]
+
+        # ---- shared memory: NS stages (each its own allocation), the A scales ----------
+        w0 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 64], flat)
+        w1 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 64], flat)
+        w2 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 64], flat)
+        w3 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 64], flat)
+        e0 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 4], flat)
+        e1 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 4], flat)
+        e2 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 4], flat)
+        e3 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 4], flat)
+        x0 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BT, BK], x_sl)
+        x1 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BT, BK], x_sl)
+        x2 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BT, BK], x_sl)
+        x3 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BT, BK], x_sl)
+        sa_s = ttgl.allocate_shared_memory(ttgl.float32, [NKP, BT], flat)
+
+        # prologue: the A scales with chunk 0, chunks 1 .. NS - 2 (clamped)
+        async_copy.async_copy_global_to_shared(sa_s, s_ptrs, mask=s_mask)
+        _issue(w0, e0, x0, w_ptrs, e_ptrs, x_ptrs, x_mask, 0, n_k, BK)
+        _issue(w1, e1, x1, w_ptrs, e_ptrs, x_ptrs, x_mask, 1, n_k, BK)
+        _issue(w2, e2, x2, w_ptrs, e_ptrs, x_ptrs, x_mask, 2, n_k, BK)
+
+        # the same bytes as a ring of [BT] rows (.index(i): a rank-1 layout), for the reads
+        sa_r = sa_s._reinterpret(ttgl.float32, [NKP, BT], flat1)
+        acc1 = ttgl.zeros([BW, BT], ttgl.float32, mma)
+        acc3 = ttgl.zeros([BW, BT], ttgl.float32, mma)
+        for i in range(0, n_k, NS):
+            acc1, acc3 = _chunk(i, n_k, w0, e0, x0, w3, e3, x3, sa_r, acc1, acc3, w_ptrs, e_ptrs,
+                                x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK, mma, p2_l, p_l, a_dot)
+            if i + 1 < n_k:
+                acc1, acc3 = _chunk(i + 1, n_k, w1, e1, x1, w0, e0, x0, sa_r, acc1, acc3, w_ptrs,
+                                    e_ptrs, x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK, mma, p2_l,
+                                    p_l, a_dot)
+            if i + 2 < n_k:
+                acc1, acc3 = _chunk(i + 2, n_k, w2, e2, x2, w1, e1, x1, sa_r, acc1, acc3, w_ptrs,
+                                    e_ptrs, x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK, mma, p2_l,
+                                    p_l, a_dot)
+            if i + 3 < n_k:
+                acc1, acc3 = _chunk(i + 3, n_k, w3, e3, x3, w2, e2, x2, sa_r, acc1, acc3, w_ptrs,
+                                    e_ptrs, x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK, mma, p2_l,
+                                    p_l, a_dot)
+        async_copy.wait_group(0)  # the clamped re-copies past K (never read)
+
+        # ---- epilogue: moe_jit.swiglu_act, out[row0 + token, n0 + weight row] -----------
+        gt = acc1
+        up = acc3
+        if HAS_LIMIT:
+            up = ttgl.minimum(ttgl.maximum(up, -limit), limit)
+            gt = ttgl.minimum(gt, limit)
+        h = gt * (1 / (1 + ttgl.exp(-gt))) * up
+        rn = n0 + ttgl.arange(0, BW, layout=row_l)
+        tk = ttgl.arange(0, BT, layout=col_l)
+        c_ptrs = c_ptr + ((row0 + tk).to(ttgl.int64) * stride_cm)[None, :] + rn[:, None]
+        ttgl.store(c_ptrs, h.to(c_ptr.dtype.element_ty),
+                   mask=(tk < nrows)[None, :] & (rn < N)[:, None])
+
+
+@functools.cache
+def _cap_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def available(device: torch.device | None = None) -> bool:
+    """Gluon with the Hopper APIs used here imported (Triton 3.6) and a CUDA sm_90 device."""
+    if not _IMPORT_OK or not torch.cuda.is_available():
+        return False
+    dev = torch.device("cuda") if device is None else device
+    if dev.type != "cuda":
+        return False
+    return _cap_ok(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def l1_gluon_decode(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tiles: int,
+                    limit: float | None = None, tiles: torch.Tensor | None = None,
+                    use_asm: bool | None = None) -> torch.Tensor:
+    """out [P, F] (expert-sorted rows; fp16 in routed_experts, fp32 / bf16 fine; a row-strided
+    view is fine) = swiglu(A W1^T, A W3^T) per expert, A row of sorted row r = a_q[a_idx[r] //
+    topk] (E4M3 [T, d], a_scale [T, d / 128] f32); w1 / w3: moe.Bank MXFP4 [E, F, d / 2] with E8M0
+    [E, F, d / 32]; counts [E] int32 rows per expert. Row tiles of BT = 16 rows: max_tiles bounds
+    them (routed_experts' formula at 16 rows: min(P, P // 16 + E)); tiles: moe.tile_list(counts,
+    16, max_tiles) if already built (else built here: one tiny launch, no host sync, CUDA-graph
+    capturable). use_asm: the PRMT table upcast (default) or its integer-arithmetic twin."""
+    from . import moe
+
+    if not _IMPORT_OK:
+        raise RuntimeError("l1_gluon_decode needs Triton 3.6 Gluon")
+    if not (w1.wfmt == 0 and w3.wfmt == 0 and w1.bk == 32 and w1.bn == 1 and w3.bk == 32
+            and w3.bn == 1):
+        raise ValueError("l1_gluon_decode takes MXFP4 banks (E8M0 per 32 columns)")
+    if a_q.dtype != torch.float8_e4m3fn or a_scale is None:
+        raise ValueError("l1_gluon_decode takes E4M3 activations with fp8_1x128 scales")
+    N, K = w1.n, w1.k
+    if N % BW or K % BK or w3.n != N or w3.k != K:
+        raise ValueError(f"N {N} / K {K} do not fit the {BW}-row block / {BK}-column chunk")
+    n_k = K // BK
+    nkp = max(16, _next_pow2(n_k))
+    if nkp > 256:
+        raise ValueError(f"K {K}: more than 256 chunks of A scales")
+    if w1.w.stride() != w3.w.stride() or w1.s.stride() != w3.s.stride():
+        raise ValueError("W1 and W3 banks need the same strides")
+    if w1.w.stride(1) % 16 or w1.s.stride(1) % 4 or w1.w.data_ptr() % 16 or \
+            w3.w.data_ptr() % 16 or w1.s.data_ptr() % 4 or w3.s.data_ptr() % 4:
+        raise ValueError("weight rows must be 16-byte, exponent rows 4-byte aligned")
+    if w1.groups != w3.groups or counts.numel() > w1.groups:
+        raise ValueError("counts has more experts than the banks")
+    if a_q.stride(1) != 1 or a_q.stride(0) % 4 or a_q.data_ptr() % 4 or out.stride(1) != 1:
+        raise ValueError("a_q rows contiguous and 4-byte aligned, out rows contiguous")
+    if a_scale.stride(1) != 1 or a_scale.shape[1] < n_k:
+        raise ValueError("a_scale [T, K / 128] with contiguous rows")
+    P = a_idx.numel()
+    if out.shape[0] < P or out.shape[1] != N:
+        raise ValueError(f"out {tuple(out.shape)} for {P} sorted rows x {N}")
+    if max_tiles == 0 or P == 0:
+        return out
+    if tiles is None:
+        tiles = moe.tile_list(counts, BT, max_tiles)
+    elif tiles.numel() != 1 + 3 * max_tiles:
+        raise ValueError("tiles was built for another max_tiles")
+    use_asm = True if use_asm is None else bool(use_asm)
+    grid = (max_tiles * (N // BW),)
+    l1_decode_kernel[grid](
+        a_q, a_scale, a_idx, w1.w, w1.s, w3.w, w3.s, out, tiles, max_tiles, N, K,
+        counts.numel(), P, float(limit or 0.0), a_q.stride(0), a_scale.stride(0),
+        w1.w.stride(0), w1.w.stride(1), w1.s.stride(0), w1.s.stride(1), out.stride(0),
+        TOPK=topk, HAS_LIMIT=limit is not None and limit > 0, USE_ASM=use_asm,
+        BW=BW, BT=BT, BK=BK, NS=NS, NKP=nkp, NW=NUM_WARPS, num_warps=NUM_WARPS)
+    return out
