@@ -20,113 +20,26 @@ timed only if both checks pass. Bandwidth: bytes of the touched experts' W1 + W3
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+# the shared inputs, timing, child checks and report (after the sys.path entry: E402)
+from gluon_probe_common import build, check_lines, finish, reference_rows, rel  # noqa: E402
+from gluon_probe_common import run_child, table, time_triton_l1, timed_row  # noqa: E402
+from gluon_probe_common import V41_FLASH as REAL  # noqa: E402
+from gluon_probe_common import probe_parser, skipped  # noqa: E402
+from gluon_probe_common import write_report  # noqa: E402
+
 PEAK_GBS = 4240.0
-REAL = dict(d=5120, F=2304, E=384, k=6)
 SMOKE = dict(d=1024, F=256, E=64, k=6)
-
-
-def time_ms(fn, reps: int = 5, min_ms: float = 20.0) -> float:
-    """Median ms per call: warm-up, one CUDA graph of n calls (n sized to >= min_ms per replay),
-    replays timed with events; eager batches if the capture fails."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    n = max(1, min(200, int(min_ms / max(1e-3, 1e3 * (time.perf_counter() - t0)))))
-    run = None
-    try:
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(g):
-            for _ in range(n):
-                fn()
-        run = g.replay
-    except Exception as exc:  # noqa: BLE001  (eager fallback, reported)
-        print(f"[probe] graph capture failed ({exc!r}): eager timing", file=sys.stderr)
-
-        def run():
-            for _ in range(n):
-                fn()
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / n)
-    return statistics.median(times)
-
-
-def build(T: int, d: int, F: int, E: int, k: int, seed: int = 0):
-    """x_q / x_scale (E4M3 per 128), W1 / W3 banks, random top-k ids (distinct per token),
-    counts, the sorted pair list."""
-    from megagraph.kernels.triton import moe
-
-    torch.manual_seed(seed)
-    dev = "cuda"
-    x = torch.randn(T, d, device=dev)
-    xb = x.view(T, d // 128, 128)
-    sc = torch.exp2(torch.ceil(torch.log2(xb.abs().amax(-1).clamp_min(1e-4) / 448)))
-    xq = (xb / sc[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(T, d)
-    xs = sc.float().contiguous()
-
-    def bank():
-        w = torch.randint(-128, 128, (E, F, d // 2), dtype=torch.int8, device=dev)
-        s = torch.randint(119, 125, (E, F, d // 32), dtype=torch.uint8, device=dev)
-        return moe.bank(w, s.view(torch.float8_e8m0fnu), "mxfp4")
-
-    w1, w3 = bank(), bank()
-    ids = torch.rand(T, E, device=dev).topk(k, dim=1).indices
-    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
-    srt = moe.permute(ids.flatten(), counts, E)
-    return xq, xs, w1, w3, counts, srt
-
-
-def reference_rows(xq, xs, w1, w3, counts, srt, k, limit, experts: int):
-    """fp32 H of the rows of the first `experts` non-empty experts (exactly dequantized
-    operands), and the slice of sorted rows they cover."""
-    lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=xq.device)
-    lut = torch.cat([lut, -lut])
-
-    def deq(b, e):
-        v = b.w[e].view(torch.uint8).long()
-        v = torch.stack([lut[v & 0xF], lut[v >> 4]], -1).flatten(-2)
-        return v * torch.exp2(b.s[e].float() - 127).repeat_interleave(32, -1)
-
-    a = (xq.float().view(xq.shape[0], -1, 128) * xs[..., None]).view(xq.shape[0], -1)
-    outs, r0, done = [], 0, 0
-    for e, c in enumerate(counts.tolist()):
-        if done == experts:
-            break
-        if c:
-            rows = a[srt[r0:r0 + c].long() // k]
-            gt = (rows @ deq(w1, e).T).clamp(max=limit)
-            up = (rows @ deq(w3, e).T).clamp(-limit, limit)
-            outs.append(gt * torch.sigmoid(gt) * up)
-            done += 1
-        r0 += c
-    return torch.cat(outs), r0
-
-
-def rel(x, y) -> float:
-    return float((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30))
 
 
 def check(T: int, dims: dict, limit: float) -> dict:
@@ -135,13 +48,13 @@ def check(T: int, dims: dict, limit: float) -> dict:
     from megagraph.kernels.triton import moe_gluon_decode as md
 
     d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
-    xq, xs, w1, w3, counts, srt = build(T, d, F, E, k, seed=1)
+    xq, xs, w1, w3, counts, srt = build(T, d, F, E, k, seed=1, routing="random")
     P = T * k
     h = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
     md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, h, topk=k, max_tiles=min(P, P // md.BT + E),
                        limit=limit)
     torch.cuda.synchronize()
-    ref, n = reference_rows(xq, xs, w1, w3, counts, srt, k, limit, experts=8)
+    ref, n = reference_rows(xq, xs, w1, w3, counts, srt, k, limit, experts=8, nonempty=True)
     err = rel(h[:n].nan_to_num(0.0, 0.0, 0.0), ref)
     written = bool(torch.isfinite(h).all())
     return dict(tokens=T, dims=dims, all_written=written, rel_err_vs_fp32=err,
@@ -149,32 +62,21 @@ def check(T: int, dims: dict, limit: float) -> dict:
 
 
 def check_in_child(T: int, dims: dict, limit: float, timeout: float = 120.0) -> dict:
-    import subprocess
-
-    cmd = [sys.executable, os.path.abspath(__file__), "--check-json", json.dumps(
-        dict(tokens=T, dims=dims, limit=limit))]
-    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                           check=False)
-    except subprocess.TimeoutExpired:
-        return dict(tokens=T, dims=dims, ok=False, error=f"check timed out ({timeout} s)")
-    for line in reversed(r.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    return dict(tokens=T, dims=dims, ok=False,
-                error=f"rc {r.returncode}: {(r.stderr or r.stdout)[-800:]}")
+    """check(T, dims, limit) in a child process (run_child: CUDA_LAUNCH_BLOCKING=1, a crash
+    cannot poison this process's context): its result, or the failure as a result."""
+    got, timed_out, error = run_child(__file__, dict(tokens=T, dims=dims, limit=limit), timeout)
+    if got and not timed_out:
+        return got[-1]
+    return dict(tokens=T, dims=dims, ok=False, error=error)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=64, help="decode tokens (rows = tokens * 6)")
-    ap.add_argument("--smoke", action="store_true", help="small dims (d 1024, F 256, 64 experts)")
-    ap.add_argument("--limit", type=float, default=10.0, help="SwiGLU clamp")
-    ap.add_argument("--out", default=None, help="directory for moe_gluon_decode_probe.json / .md")
-    ap.add_argument("--check-json", default=None, help=argparse.SUPPRESS)
+    ap = probe_parser(__doc__, 64, "decode tokens (rows = tokens * 6)",
+                      "small dims (d 1024, F 256, 64 experts)", "moe_gluon_decode_probe")
     args = ap.parse_args()
+
+    def write():  # the JSON / md, after every row: a later crash loses nothing measured
+        _write(args.out, res)
 
     if args.check_json:
         c = json.loads(args.check_json)
@@ -191,45 +93,28 @@ def main() -> None:
     dims = SMOKE if args.smoke else REAL
     T = args.tokens
     res = dict(tokens=T, dims=dims, peak_gbs=PEAK_GBS, rows=[])
-    if not md.available():
-        res["skipped"] = "needs CUDA sm_90 and Triton 3.6 Gluon (moe_gluon_decode.available())"
-        print(res["skipped"])
-        return _write(args.out, res)
+    if skipped(res, md.available(), "moe_gluon_decode.available()", write):
+        return
     t_start = time.perf_counter()
     d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
-    xq, xs, w1, w3, counts, srt = build(T, d, F, E, k)
+    xq, xs, w1, w3, counts, srt = build(T, d, F, E, k, routing="random")
     P = T * k
     touched = int((counts > 0).sum())
     res["experts_touched"] = touched
     res["max_rows_per_expert"] = int(counts.max())
     wbytes = touched * 2 * F * (d // 2 + d // 32)  # W1 + W3 packed FP4 + E8M0 of touched experts
     res["weight_bytes"] = wbytes
-    rpg = P / max(1, min(E, P))
-    cfg = moe.pick_config("l1", rpg)
-    mt1 = min(P, P // cfg.bm + E)
     mtg = min(P, P // md.BT + E)
-    h_tr = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
 
-    def triton_l1():
-        moe.gemm(xq, xs, w1, h_tr, b2=w3, role="l1", rows_per_group=rpg, counts=counts,
-                 a_idx=srt, topk=k, max_tiles=mt1, limit=args.limit)
+    def rates(ms):
+        gbs = wbytes / ms / 1e6
+        return dict(gbs=gbs, pct_bw=100 * gbs / PEAK_GBS)
 
     def timed(name, fn, tile):
-        try:
-            ms = time_ms(fn)
-            gbs = wbytes / ms / 1e6
-            row = dict(name=name, ms=ms, gbs=gbs, pct_bw=100 * gbs / PEAK_GBS, tile=tile)
-        except Exception as exc:  # noqa: BLE001  (reported, the JSON keeps the other rows)
-            row = dict(name=name, error=repr(exc)[:500])
-        res["rows"].append(row)
-        print(row, flush=True)
-        _write(args.out, res)
-        return "error" not in row
+        return timed_row(res, write, name, fn, tile, rates)
 
-    timed("triton l1 (moe.gemm)", triton_l1, cfg.__dict__)
-    ref, n = reference_rows(xq, xs, w1, w3, counts, srt, k, args.limit, experts=8)
-    res["rel_err_triton_vs_fp32"] = rel(h_tr[:n], ref)
-    _write(args.out, res)
+    h_tr, ref, n = time_triton_l1(res, write, rates, (xq, xs, w1, w3, counts, srt), P, F, E, k,
+                                  args.limit, experts=8, nonempty=True)
     checks = [check_in_child(min(T, 64), SMOKE, args.limit)]
     if checks[0].get("ok"):
         checks.append(check_in_child(T, dims, args.limit))
@@ -268,30 +153,20 @@ def main() -> None:
             res["rel_err_gluon_vs_fp32"] = rel(h_gl[:n], ref)
         except Exception as exc:  # noqa: BLE001
             res["gluon_error"] = repr(exc)[:500]
-    res["wall_s"] = time.perf_counter() - t_start
-    print(json.dumps({x: res[x] for x in res if x != "rows"}, indent=1), flush=True)
-    _write(args.out, res)
+    finish(res, t_start, write)
 
 
 def _write(out, res) -> None:
     if not out:
         return
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "moe_gluon_decode_probe.json"), "w") as f:
-        json.dump(res, f, indent=1)
     lines = [f"# Gluon decode L1 probe, {res['tokens']} tokens, dims {res['dims']}", ""]
     if "skipped" in res:
         lines.append(f"skipped: {res['skipped']}")
     else:
         lines += [(f"experts touched: {res.get('experts_touched')}, max rows per expert "
-                   f"{res.get('max_rows_per_expert')}, weight bytes {res.get('weight_bytes')}"), "",
-                  "| launch | ms | GB/s | % of 4.24 TB/s |", "| --- | --- | --- | --- |"]
-        for r in res["rows"]:
-            if "error" in r:
-                lines.append(f"| {r['name']} | error: {r['error'][:120]} | | |")
-            else:
-                lines.append(f"| {r['name']} | {r['ms']:.3f} | {r['gbs']:.0f} | "
-                             f"{r['pct_bw']:.1f} |")
+                   f"{res.get('max_rows_per_expert')}, weight bytes {res.get('weight_bytes')}"), ""]
+        lines += table(res["rows"], "| launch | ms | GB/s | % of 4.24 TB/s |",
+                       lambda r: [f"{r['ms']:.3f}", f"{r['gbs']:.0f}", f"{r['pct_bw']:.1f}"])
 
         def f(key):
             v = res.get(key)
@@ -301,12 +176,8 @@ def _write(out, res) -> None:
                        f"(first 8 experts): gluon {f('rel_err_gluon_vs_fp32')}, triton "
                        f"{f('rel_err_triton_vs_fp32')}; every gluon row written: "
                        f"{res.get('all_written', 'n/a')}")]
-        for c in res.get("gluon_checks", []):
-            lines.append(f"gluon check {c.get('tokens')} tokens {c.get('dims')}: ok "
-                         f"{c.get('ok')}, rel {c.get('rel_err_vs_fp32')}, written "
-                         f"{c.get('all_written')}, error {str(c.get('error', ''))[:200]}")
-    with open(os.path.join(out, "moe_gluon_decode_probe.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        lines += check_lines("gluon", res.get("gluon_checks", []))
+    write_report(out, "moe_gluon_decode_probe", res, lines)
 
 
 if __name__ == "__main__":

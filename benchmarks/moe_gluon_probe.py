@@ -31,112 +31,26 @@ exits 0 (with --out, a JSON that records the skip). Meant to finish in < 150 s o
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+# the shared inputs, timing, child checks and report (after the sys.path entry: E402)
+from gluon_probe_common import build, check_lines, finish, reference_rows, rel  # noqa: E402
+from gluon_probe_common import run_child, table, time_triton_l1, timed_row  # noqa: E402
+from gluon_probe_common import V41_FLASH as REAL  # noqa: E402
+from gluon_probe_common import probe_parser, skipped  # noqa: E402
+from gluon_probe_common import write_report  # noqa: E402
+
 PEAK_TFLOPS = 1430.0
-REAL = dict(d=5120, F=2304, E=384, k=6)
 SMOKE = dict(d=1024, F=256, E=16, k=6)
-
-
-def time_ms(fn, reps: int = 5, min_ms: float = 20.0) -> float:
-    """Median ms per call: warm-up, one CUDA graph of n calls (n sized to >= min_ms per replay),
-    replays timed with events; eager batches if the capture fails."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    n = max(1, min(200, int(min_ms / max(1e-3, 1e3 * (time.perf_counter() - t0)))))
-    run = None
-    try:
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(g):
-            for _ in range(n):
-                fn()
-        run = g.replay
-    except Exception as exc:  # noqa: BLE001  (eager fallback, reported)
-        print(f"[probe] graph capture failed ({exc!r}): eager timing", file=sys.stderr)
-
-        def run():
-            for _ in range(n):
-                fn()
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / n)
-    return statistics.median(times)
-
-
-def build(T: int, d: int, F: int, E: int, k: int, seed: int = 0, routing: str = "balanced"):
-    """x_q / x_scale (E4M3 per 128), W1 / W3 banks, ids (balanced: token t -> experts 6t ..
-    6t + 5 mod E; poisson: top-k of random router logits), counts, sorted pair list."""
-    from megagraph.kernels.triton import moe
-
-    torch.manual_seed(seed)
-    dev = "cuda"
-    x = torch.randn(T, d, device=dev)
-    xb = x.view(T, d // 128, 128)
-    sc = torch.exp2(torch.ceil(torch.log2(xb.abs().amax(-1).clamp_min(1e-4) / 448)))
-    xq = (xb / sc[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(T, d)
-    xs = sc.float().contiguous()
-
-    def bank():
-        w = torch.randint(-128, 128, (E, F, d // 2), dtype=torch.int8, device=dev)
-        s = torch.randint(119, 125, (E, F, d // 32), dtype=torch.uint8, device=dev)
-        return moe.bank(w, s.view(torch.float8_e8m0fnu), "mxfp4")
-
-    w1, w3 = bank(), bank()
-    if routing == "poisson":
-        ids = torch.randn(T, E, device=dev).topk(k, dim=1).indices
-    else:
-        t = torch.arange(T, device=dev)[:, None]
-        ids = (t * k + torch.arange(k, device=dev)[None, :]) % E
-    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
-    srt = moe.permute(ids.flatten(), counts, E)
-    return xq, xs, w1, w3, counts, srt
-
-
-def reference_rows(xq, xs, w1, w3, counts, srt, k, limit, experts: int):
-    """fp32 H of the first `experts` experts' sorted rows (exactly dequantized operands)."""
-    lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=xq.device)
-    lut = torch.cat([lut, -lut])
-
-    def deq(b, e):
-        v = b.w[e].view(torch.uint8).long()
-        v = torch.stack([lut[v & 0xF], lut[v >> 4]], -1).flatten(-2)
-        return v * torch.exp2(b.s[e].float() - 127).repeat_interleave(32, -1)
-
-    a = (xq.float().view(xq.shape[0], -1, 128) * xs[..., None]).view(xq.shape[0], -1)
-    outs, r0 = [], 0
-    for e, c in enumerate(counts.tolist()[:experts]):
-        rows = a[srt[r0:r0 + c].long() // k]
-        gt = (rows @ deq(w1, e).T).clamp(max=limit)
-        up = (rows @ deq(w3, e).T).clamp(-limit, limit)
-        outs.append(gt * torch.sigmoid(gt) * up)
-        r0 += c
-    return torch.cat(outs), r0
-
-
-def rel(x, y) -> float:
-    return float((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30))
 
 
 def check(T: int, dims: dict, limit: float, bm: int = 128, asm: str = "lane",
@@ -165,40 +79,30 @@ def check_in_child(cases: list, timeout: float = 120.0) -> list:
     """check(**case) for each case, in order, in ONE child process with CUDA_LAUNCH_BLOCKING=1
     (the error names the launch; one process start per variant); stops at the first failure.
     Returns the results (a failed or crashed case last)."""
-    import subprocess
-
-    cmd = [sys.executable, os.path.abspath(__file__), "--check-json", json.dumps(cases)]
-    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                           check=False)
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        got = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    got, timed_out, error = run_child(__file__, cases, timeout)
+    if timed_out:
         return got + [dict(cases[len(got)] if len(got) < len(cases) else {}, ok=False,
-                           error=f"check timed out ({timeout} s)")]
-    got = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+                           error=error)]
     if len(got) < len(cases) and not (got and not got[-1].get("ok")):
-        got.append(dict(cases[len(got)], ok=False,
-                        error=f"rc {r.returncode}: {(r.stderr or r.stdout)[-800:]}"))
+        got.append(dict(cases[len(got)], ok=False, error=error))
     return got
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=8192, help="tokens (rows = tokens * 6)")
-    ap.add_argument("--smoke", action="store_true", help="small dims (d 1024, F 256, 16 experts)")
-    ap.add_argument("--limit", type=float, default=10.0, help="SwiGLU clamp")
-    ap.add_argument("--routing", choices=("balanced", "poisson"), default="balanced",
-                    help="balanced: 128 rows per expert at 8192 tokens; poisson: top-6 of "
-                         "random logits (89 .. 183 rows per expert)")
-    ap.add_argument("--variants", default="128:lane,128:pack,64:lane,64:pack",
-                    help="gluon variants bm:asm[:maxnreg], comma-separated (e.g. 64:lane:128: "
-                         "2 programs of 8 warps per SM)")
-    ap.add_argument("--out", default=None, help="directory for moe_gluon_probe.json / .md")
-    ap.add_argument("--check-json", default=None, help=argparse.SUPPRESS)  # child: check()
+    ap = probe_parser(__doc__, 8192, "tokens (rows = tokens * 6)",
+                      "small dims (d 1024, F 256, 16 experts)", "moe_gluon_probe", extra=[
+                          ("--routing", dict(choices=("balanced", "poisson"), default="balanced",
+                                             help="balanced: 128 rows per expert at 8192 tokens; "
+                                                  "poisson: top-6 of random logits (89 .. 183 "
+                                                  "rows per expert)")),
+                          ("--variants", dict(default="128:lane,128:pack,64:lane,64:pack",
+                                              help="gluon variants bm:asm[:maxnreg], "
+                                                   "comma-separated (e.g. 64:lane:128: 2 "
+                                                   "programs of 8 warps per SM)"))])
     args = ap.parse_args()
+
+    def write():  # the JSON / md, after every row: a later crash loses nothing measured
+        _write(args.out, res)
 
     if args.check_json:  # child process of check_in_child: one JSON line per case
         for c in json.loads(args.check_json):
@@ -218,10 +122,8 @@ def main() -> None:
     dims = SMOKE if args.smoke else REAL
     T = min(args.tokens, 512) if args.smoke else args.tokens
     res = dict(tokens=T, dims=dims, routing=args.routing, peak_tflops=PEAK_TFLOPS, rows=[])
-    if not mg.available():
-        res["skipped"] = "needs CUDA sm_90 and Triton 3.6 Gluon (moe_gluon.available())"
-        print(res["skipped"])
-        return _write(args.out, res)
+    if skipped(res, mg.available(), "moe_gluon.available()", write):
+        return
     t_start = time.perf_counter()
     d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
     xq, xs, w1, w3, counts, srt = build(T, d, F, E, k, routing=args.routing)
@@ -230,33 +132,15 @@ def main() -> None:
     res["rows_per_expert"] = dict(min=min(cl), max=max(cl), mean=P / E,
                                   tiles_bm128=sum(-(-c // 128) for c in cl),
                                   tiles_bm64=sum(-(-c // 64) for c in cl))
-    rpg = P / max(1, min(E, P))
-    cfg = moe.pick_config("l1", rpg)
-    mt1 = min(P, P // cfg.bm + E)
-    h_tr = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
     flops = 2.0 * P * 2 * F * d
 
-    def triton_l1():
-        moe.gemm(xq, xs, w1, h_tr, b2=w3, role="l1", rows_per_group=rpg, counts=counts,
-                 a_idx=srt, topk=k, max_tiles=mt1, limit=args.limit)
-
-    def timed(name, fn, tile):
-        try:
-            ms = time_ms(fn)
-            tf = flops / ms / 1e9
-            row = dict(name=name, ms=ms, tflops=tf, pct_peak=100 * tf / PEAK_TFLOPS, tile=tile)
-        except Exception as exc:  # noqa: BLE001  (reported, the JSON keeps the other rows)
-            row = dict(name=name, error=repr(exc)[:500])
-        res["rows"].append(row)
-        print(row, flush=True)
-        _write(args.out, res)  # after every row: a later crash loses nothing measured
-        return "error" not in row
+    def rates(ms):
+        tf = flops / ms / 1e9
+        return dict(tflops=tf, pct_peak=100 * tf / PEAK_TFLOPS)
 
     # 1) the Triton L1 first (the baseline survives whatever the Gluon kernel does)
-    timed("triton l1 (moe.gemm)", triton_l1, cfg.__dict__)
-    ref, n = reference_rows(xq, xs, w1, w3, counts, srt, k, args.limit, experts=4)
-    res["rel_err_triton_vs_fp32"] = rel(h_tr[:n], ref)
-    _write(args.out, res)
+    h_tr, ref, n = time_triton_l1(res, write, rates, (xq, xs, w1, w3, counts, srt), P, F, E, k,
+                                  args.limit, experts=4)
     # 2) each Gluon variant: checked in a child process (an illegal access there cannot poison
     # this process's context; small dims, then these dims and routing), then timed
     res["gluon_checks"] = {}
@@ -288,8 +172,9 @@ def main() -> None:
                         limit=args.limit, tiles=tiles, bm=bm, asm=asm, use_asm=True,
                         maxnreg=maxnreg)
 
-        ok = timed(name, gluon_l1, dict(bm=bm, bn=mg.BN, bk=mg.BK, nsa=mg.NSA, asm=asm,
-                                        maxnreg=maxnreg, **mg.TILES[bm]))
+        ok = timed_row(res, write, name, gluon_l1, dict(bm=bm, bn=mg.BN, bk=mg.BK, nsa=mg.NSA,
+                                                         asm=asm, maxnreg=maxnreg,
+                                                         **mg.TILES[bm]), rates)
         if ok:
             try:
                 torch.cuda.synchronize()
@@ -302,17 +187,12 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001
                 res["rows"][-1]["check_error"] = repr(exc)[:500]
             _write(args.out, res)
-    res["wall_s"] = time.perf_counter() - t_start
-    print(json.dumps({x: res[x] for x in res if x != "rows"}, indent=1), flush=True)
-    _write(args.out, res)
+    finish(res, t_start, write)
 
 
 def _write(out, res) -> None:
     if not out:
         return
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "moe_gluon_probe.json"), "w") as f:
-        json.dump(res, f, indent=1)
     lines = [(f"# Gluon L1 probe, {res['tokens']} tokens, dims {res['dims']}, routing "
               f"{res.get('routing', 'balanced')}"), ""]
     if "rows_per_expert" in res:
@@ -320,23 +200,15 @@ def _write(out, res) -> None:
     if "skipped" in res:
         lines.append(f"skipped: {res['skipped']}")
     else:
-        lines += ["| launch | ms | TFLOP/s | % of 1430 | rel vs triton | rel vs fp32 |",
-                  "| --- | --- | --- | --- | --- | --- |"]
-        for r in res["rows"]:
-            if "error" in r:
-                lines.append(f"| {r['name']} | error: {r['error'][:120]} | | | | |")
-            else:
-                lines.append(f"| {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
-                             f"{r['pct_peak']:.1f} | {r.get('rel_err_vs_triton', 'n/a')} | "
-                             f"{r.get('rel_err_vs_fp32', 'n/a')} |")
+        lines += table(res["rows"], "| launch | ms | TFLOP/s | % of 1430 | rel vs triton | rel vs "
+                       "fp32 |", lambda r: [f"{r['ms']:.3f}", f"{r['tflops']:.0f}",
+                                             f"{r['pct_peak']:.1f}",
+                                             f"{r.get('rel_err_vs_triton', 'n/a')}",
+                                             f"{r.get('rel_err_vs_fp32', 'n/a')}"])
         lines += ["", f"triton vs fp32 math (first 4 experts): {res.get('rel_err_triton_vs_fp32')}"]
         for name, checks in res.get("gluon_checks", {}).items():
-            for c in checks:
-                lines.append(f"{name} check {c.get('tokens')} tokens {c.get('dims')}: ok "
-                             f"{c.get('ok')}, rel {c.get('rel_err_vs_fp32')}, written "
-                             f"{c.get('all_written')}, error {str(c.get('error', ''))[:200]}")
-    with open(os.path.join(out, "moe_gluon_probe.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+            lines += check_lines(name, checks)
+    write_report(out, "moe_gluon_probe", res, lines)
 
 
 if __name__ == "__main__":

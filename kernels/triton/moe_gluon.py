@@ -63,28 +63,16 @@ reads no byte past a row).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-try:  # Triton 3.6 names; other versions may lack or rename them (available() says no)
-    import triton
+from .gluon_common import IMPORT_OK as _IMPORT_OK
+from .gluon_common import available  # noqa: F401  (moe._gluon_l1_ok and the tests call it here)
+from .gluon_common import check_rows, tile_list
 
-    # written against Triton 3.6's Gluon (the H200 image): 3.9 removed
-    # async_copy_global_to_shared (async_load), so other versions are not assumed to work
-    if tuple(int(x) for x in triton.__version__.split(".")[:2]) != (3, 6):
-        raise ImportError(f"Gluon API of Triton {triton.__version__} not checked")
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as ttgl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        async_copy,
-        fence_async_shared,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    _IMPORT_OK = True
-except Exception:  # noqa: BLE001  (any import failure: the module still imports)
-    _IMPORT_OK = False
+if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
+    from .gluon_common import async_copy, fence_async_shared, gluon, swiglu, ttgl
+    from .gluon_common import e2m1_e4m3_bits as _e2m1_e4m3_bits
+    from .gluon_common import warpgroup_mma, warpgroup_mma_wait
 
 BM, BN, BK, NSA, NUM_WARPS = 128, 64, 128, 2, 8
 # row tiles l1_gluon(bm=...) builds: warps, warpgroups side by side along N (WN). bm = 64 runs
@@ -205,15 +193,6 @@ if _IMPORT_OK:
         16-byte units of 128-byte rows by the row index, so with 128-byte rows either way the
         int32 view puts every byte where the fp8 view has it."""
         return ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-
-    @gluon.jit
-    def _e2m1_e4m3_bits(c, rel):
-        """moe_jit.e2m1_e4m3_bits (the arithmetic twin of the PTX upcast): the E4M3 byte of E2M1
-        code c times 2^rel; rel in [-5, 6] is exact, rel < -5 gives (signed) zero."""
-        m = c & 7
-        base = ttgl.where(m >= 2, m * 4 + 0x30, m * 0x30) + rel * 8
-        base = ttgl.where((m == 0) | (rel < -5), 0, base)
-        return base | ((c & 8) << 4)
 
     @gluon.jit
     def _dequant_store(p, e, b_dst, sb_dst, USE_ASM: ttgl.constexpr, BN: ttgl.constexpr,
@@ -450,33 +429,12 @@ if _IMPORT_OK:
         async_copy.wait_group(0)  # the clamped re-copy of the last A chunk (never read)
 
         # ---- epilogue: moe_jit.swiglu_act, expert-sorted rows ------------------------------
-        gt = acc1
-        up = acc2
-        if HAS_LIMIT:
-            up = ttgl.minimum(ttgl.maximum(up, -limit), limit)
-            gt = ttgl.minimum(gt, limit)
-        out = gt * (1 / (1 + ttgl.exp(-gt))) * up
+        out = swiglu(acc1, acc2, limit, HAS_LIMIT)
         crow = crow_s.load(row_l)
         rn = ccol_s.load(col_l)
         c_ptrs = c_ptr + crow.to(ttgl.int64)[:, None] * stride_cm + rn[None, :]
         ttgl.store(c_ptrs, out.to(c_ptr.dtype.element_ty),
                    mask=(crow >= 0)[:, None] & (rn < N)[None, :])
-
-
-@functools.cache
-def _cap_ok(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
-def available(device: torch.device | None = None) -> bool:
-    """Gluon with the Hopper APIs used here imported, and a CUDA sm_90 device (the kernel is
-    wgmma + cp.async only: no sm_100 / sm_89 build)."""
-    if not _IMPORT_OK or not torch.cuda.is_available():
-        return False
-    dev = torch.device("cuda") if device is None else device
-    if dev.type != "cuda":
-        return False
-    return _cap_ok(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 def l1_gluon(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tiles: int,
@@ -517,19 +475,12 @@ def l1_gluon(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tiles: 
         raise ValueError("a_q rows must be contiguous and 16-byte aligned, out rows contiguous")
     if a_q.data_ptr() % 16:
         raise ValueError("a_q must be 16-byte aligned (cp.async of 16 bytes)")
-    if a_scale.stride(1) != 1 or a_scale.shape[1] < K // 128:
-        raise ValueError("a_scale [T, K / 128] with contiguous rows")
-    P = a_idx.numel()
-    if out.shape[0] < P or out.shape[1] != N:
-        raise ValueError(f"out {tuple(out.shape)} for {P} sorted rows x {N}")
+    P = check_rows(a_scale, a_idx, out, N, K)
     if max_tiles == 0 or P == 0:
         return out
-    if tiles is None:
-        if bm not in TILES:
-            raise ValueError(f"bm {bm}: one of {sorted(TILES)}")
-        tiles = moe.tile_list(counts, bm, max_tiles)
-    elif tiles.numel() != 1 + 3 * max_tiles:
-        raise ValueError("tiles was built for another max_tiles")
+    if tiles is None and bm not in TILES:
+        raise ValueError(f"bm {bm}: one of {sorted(TILES)}")
+    tiles = tile_list(counts, bm, max_tiles, tiles)
     if use_asm is None:
         use_asm = moe.asm_ok(out.device)
     consts = kernel_consts(bm, asm if use_asm else "arith")

@@ -52,28 +52,33 @@ tensor core's sum order inside a chunk differs (as for every wgmma kernel here).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-try:  # Triton 3.6 names (the H200 image); other versions: available() says no
-    import triton
+from .gluon_common import IMPORT_OK as _IMPORT_OK
+from .gluon_common import available  # noqa: F401  (moe._gluon_l1_ok and the tests call it here)
+from .gluon_common import check_rows, tile_list
 
-    if tuple(int(x) for x in triton.__version__.split(".")[:2]) != (3, 6):
-        raise ImportError(f"Gluon API of Triton {triton.__version__} not checked")
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as ttgl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        async_copy,
-        fence_async_shared,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    _IMPORT_OK = True
-except Exception:  # noqa: BLE001  (any import failure: the module still imports)
-    _IMPORT_OK = False
+if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
+    from .gluon_common import async_copy, fence_async_shared, gluon, swiglu, ttgl
+    from .gluon_common import e2m1_e4m3_bits as _e2m1_e4m3_bits
+    from .gluon_common import warpgroup_mma, warpgroup_mma_wait
 
 BW, BT, BK, NS, NUM_WARPS = 64, 16, 128, 4, 4
+
+
+def _table_half(out: str, sel: str, spread: str) -> str:
+    """One half of FP4_TABLE_ASM_TEXT: the 4 E4M3 bytes of the columns whose magnitudes are the
+    selector nibbles `sel` (prmt of the tables $3 / $7), signs from the byte spread `spread` of
+    the packed word $2 ("0x1100": bytes 0, 1 -> columns 0..3; "0x3322": bytes 2, 3 -> 4..7),
+    into `out`. Written once: the two halves differ only in these three names."""
+    return (f"prmt.b32 m, $3, $7, {sel};\n"
+            f"prmt.b32 q, $2, $2, {spread};\n"
+            "shl.b32 x, q, 4;\n"
+            "and.b32 x, x, 0x00800080;\n"
+            "and.b32 q, q, 0x80008000;\n"
+            "or.b32 m, m, x;\n"
+            f"or.b32 {out}, m, q;\n")
+
 
 # One pack: $2 = 4 packed bytes (8 E2M1 codes, byte j: low nibble = column 2j, high = 2j + 1),
 # $3 (= $4 .. $6) table bytes T[0..3], $7 (= $8 .. $10) T[4..7] of the pack's (row, group).
@@ -81,40 +86,17 @@ BW, BT, BK, NS, NUM_WARPS = 64, 16, 128, 4, 4
 # prmt with the magnitudes (bit 3 of each selector nibble cleared) looks up 4 bytes at once; the
 # sign of column 2j (bit 3 of byte j) / 2j + 1 (bit 7) goes to bit 7 of its output byte through
 # a byte spread (b0 b0 b1 b1): bits 3 -> 7 (<< 4) and 7 -> 15 (in place), per half.
-FP4_TABLE_ASM_TEXT = """
-{
-.reg .b32 pm, sh, q, x, m;
-and.b32 pm, $2, 0x77777777;
-prmt.b32 m, $3, $7, pm;
-prmt.b32 q, $2, $2, 0x1100;
-shl.b32 x, q, 4;
-and.b32 x, x, 0x00800080;
-and.b32 q, q, 0x80008000;
-or.b32 m, m, x;
-or.b32 $0, m, q;
-shr.u32 sh, pm, 16;
-prmt.b32 m, $3, $7, sh;
-prmt.b32 q, $2, $2, 0x3322;
-shl.b32 x, q, 4;
-and.b32 x, x, 0x00800080;
-and.b32 q, q, 0x80008000;
-or.b32 m, m, x;
-or.b32 $1, m, q;
-}
-"""
+FP4_TABLE_ASM_TEXT = ("\n{\n"
+                      ".reg .b32 pm, sh, q, x, m;\n"
+                      "and.b32 pm, $2, 0x77777777;\n"
+                      + _table_half("$0", "pm", "0x1100")
+                      + "shr.u32 sh, pm, 16;\n"
+                      + _table_half("$1", "sh", "0x3322")
+                      + "}\n")
 
 
 if _IMPORT_OK:
     FP4_TABLE_ASM = ttgl.constexpr(FP4_TABLE_ASM_TEXT)
-
-    @gluon.jit
-    def _e2m1_e4m3_bits(c, rel):
-        """moe_jit.e2m1_e4m3_bits: the E4M3 byte of E2M1 code c times 2^rel; rel in [-5, 6]
-        exact, rel < -5 gives (signed) zero."""
-        m = c & 7
-        base = ttgl.where(m >= 2, m * 4 + 0x30, m * 0x30) + rel * 8
-        base = ttgl.where((m == 0) | (rel < -5), 0, base)
-        return base | ((c & 8) << 4)
 
     @gluon.jit
     def _upcast(w_st, e_st, ROW0: ttgl.constexpr, USE_ASM: ttgl.constexpr,
@@ -323,32 +305,12 @@ if _IMPORT_OK:
         async_copy.wait_group(0)  # the clamped re-copies past K (never read)
 
         # ---- epilogue: moe_jit.swiglu_act, out[row0 + token, n0 + weight row] -----------
-        gt = acc1
-        up = acc3
-        if HAS_LIMIT:
-            up = ttgl.minimum(ttgl.maximum(up, -limit), limit)
-            gt = ttgl.minimum(gt, limit)
-        h = gt * (1 / (1 + ttgl.exp(-gt))) * up
+        h = swiglu(acc1, acc3, limit, HAS_LIMIT)
         rn = n0 + ttgl.arange(0, BW, layout=row_l)
         tk = ttgl.arange(0, BT, layout=col_l)
         c_ptrs = c_ptr + ((row0 + tk).to(ttgl.int64) * stride_cm)[None, :] + rn[:, None]
         ttgl.store(c_ptrs, h.to(c_ptr.dtype.element_ty),
                    mask=(tk < nrows)[None, :] & (rn < N)[:, None])
-
-
-@functools.cache
-def _cap_ok(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
-def available(device: torch.device | None = None) -> bool:
-    """Gluon with the Hopper APIs used here imported (Triton 3.6) and a CUDA sm_90 device."""
-    if not _IMPORT_OK or not torch.cuda.is_available():
-        return False
-    dev = torch.device("cuda") if device is None else device
-    if dev.type != "cuda":
-        return False
-    return _cap_ok(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 def _next_pow2(n: int) -> int:
@@ -365,8 +327,6 @@ def l1_gluon_decode(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_
     them (routed_experts' formula at 16 rows: min(P, P // 16 + E)); tiles: moe.tile_list(counts,
     16, max_tiles) if already built (else built here: one tiny launch, no host sync, CUDA-graph
     capturable). use_asm: the PRMT table upcast (default) or its integer-arithmetic twin."""
-    from . import moe
-
     if not _IMPORT_OK:
         raise RuntimeError("l1_gluon_decode needs Triton 3.6 Gluon")
     if not (w1.wfmt == 0 and w3.wfmt == 0 and w1.bk == 32 and w1.bn == 1 and w3.bk == 32
@@ -390,17 +350,10 @@ def l1_gluon_decode(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_
         raise ValueError("counts has more experts than the banks")
     if a_q.stride(1) != 1 or a_q.stride(0) % 4 or a_q.data_ptr() % 4 or out.stride(1) != 1:
         raise ValueError("a_q rows contiguous and 4-byte aligned, out rows contiguous")
-    if a_scale.stride(1) != 1 or a_scale.shape[1] < n_k:
-        raise ValueError("a_scale [T, K / 128] with contiguous rows")
-    P = a_idx.numel()
-    if out.shape[0] < P or out.shape[1] != N:
-        raise ValueError(f"out {tuple(out.shape)} for {P} sorted rows x {N}")
+    P = check_rows(a_scale, a_idx, out, N, K)  # (K // 128 == n_k: K % BK == 0 checked)
     if max_tiles == 0 or P == 0:
         return out
-    if tiles is None:
-        tiles = moe.tile_list(counts, BT, max_tiles)
-    elif tiles.numel() != 1 + 3 * max_tiles:
-        raise ValueError("tiles was built for another max_tiles")
+    tiles = tile_list(counts, BT, max_tiles, tiles)
     use_asm = True if use_asm is None else bool(use_asm)
     grid = (max_tiles * (N // BW),)
     l1_decode_kernel[grid](

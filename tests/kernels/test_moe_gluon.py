@@ -17,70 +17,15 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 
 import pytest
 import torch
+from gluon_cases import TYPES, case, debug_cases, diagnose, reference, rel
 from megagraph.kernels.triton import moe_gluon as mg
+from sm90_build import gluon_sm90, last_loop, usage_and_sass
 
 GPU_OK = mg.available()
 gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and Triton 3.6 Gluon")
-
-E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
-
-
-def _mxfp4_f32(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """[E, N, K/2] int8 codes (low nibble = even column) x E8M0 [E, N, K/32] -> fp32 [E, N, K]."""
-    lut = torch.tensor(E2M1 + [-v for v in E2M1], device=w.device)
-    b = w.view(torch.uint8).long()
-    v = torch.stack([lut[b & 0xF], lut[b >> 4]], dim=-1).flatten(-2)
-    sc = torch.exp2(s.view(torch.uint8).float() - 127).repeat_interleave(32, dim=-1)
-    return v * sc
-
-
-def _case(T, E, d, F, k, seed, subset=None, exps=(119, 125)):
-    from megagraph.kernels.triton import moe
-
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, d, generator=g)
-    xb = x.view(T, d // 128, 128)
-    sc = torch.exp2(torch.ceil(torch.log2(xb.abs().amax(-1).clamp_min(1e-4) / 448)))
-    xq = (xb / sc[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(T, d).cuda()
-    xs = sc.float().cuda()
-
-    def bank():
-        w = torch.randint(-128, 128, (E, F, d // 2), dtype=torch.int8, generator=g)
-        s = torch.randint(*exps, (E, F, d // 32), dtype=torch.uint8, generator=g)
-        return moe.bank(w.cuda(), s.view(torch.float8_e8m0fnu).cuda(), "mxfp4")
-
-    w1, w3 = bank(), bank()
-    pool = torch.tensor(subset) if subset else torch.arange(E)
-    ids = pool[torch.randint(0, len(pool), (T, k), generator=g)].cuda()
-    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
-    srt = moe.permute(ids.flatten(), counts, E)
-    return xq, xs, w1, w3, counts, srt
-
-
-def _reference(xq, xs, w1, w3, counts, srt, topk, limit):
-    """fp32 H of the sorted rows: swiglu(A W1^T, A W3^T) on the exactly dequantized operands."""
-    a = (xq.float().view(xq.shape[0], -1, 128) * xs[..., None]).view(xq.shape[0], -1)
-    W1, W3 = _mxfp4_f32(w1.w, w1.s), _mxfp4_f32(w3.w, w3.s)
-    rows = a[srt.long() // topk]
-    out = torch.empty(rows.shape[0], W1.shape[1], device=xq.device)
-    r0 = 0
-    for e, c in enumerate(counts.tolist()):
-        if c:
-            gt = rows[r0:r0 + c] @ W1[e].T
-            up = (rows[r0:r0 + c] @ W3[e].T).clamp(-limit, limit)
-            gt = gt.clamp(max=limit)
-            out[r0:r0 + c] = gt * torch.sigmoid(gt) * up
-        r0 += c
-    return out
-
-
-def _rel(x, y):
-    return ((x.float() - y.float()).norm() / y.float().norm()).item()
-
 
 # (row tile, PTX upcast) variants of l1_gluon: the default (128, "lane") first
 VARIANTS = [(128, "lane"), (128, "pack"), (64, "lane"), (64, "pack")]
@@ -94,7 +39,7 @@ def test_l1_gluon_matches(T, E, subset, bm, asm):
     from megagraph.kernels.triton import moe
 
     d, F, k, limit = 1024, 256, 2, 10.0
-    xq, xs, w1, w3, counts, srt = _case(T, E, d, F, k, seed=T, subset=subset)
+    xq, xs, w1, w3, counts, srt = case(T, E, d, F, k, seed=T, subset=subset)
     P = T * k
     max_tiles = min(P, P // bm + E)
     out = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
@@ -102,15 +47,15 @@ def test_l1_gluon_matches(T, E, subset, bm, asm):
                 bm=bm, asm=asm)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "an output element was not written (or is not finite)"
-    ref = _reference(xq, xs, w1, w3, counts, srt, k, limit)
-    assert _rel(out, ref) < 2e-3
+    ref = reference(xq, xs, w1, w3, counts, srt, k, limit)
+    assert rel(out, ref) < 2e-3
     # the Triton L1 as routed_experts launches it
     h = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
     rpg = P / max(1, min(E, P))
     mt1 = min(P, P // moe.pick_config("l1", rpg).bm + E)
     moe.gemm(xq, xs, w1, h, b2=w3, role="l1", rows_per_group=rpg, counts=counts, a_idx=srt,
              topk=k, max_tiles=mt1, limit=limit)
-    assert _rel(out, h) < 2e-3
+    assert rel(out, h) < 2e-3
 
 
 @gpu
@@ -126,7 +71,7 @@ def test_l1_gluon_no_limit_and_asm_off(bm, asm):
     from megagraph.kernels.triton import moe
 
     d, F, k, E, T = 512, 128, 3, 4, 77
-    xq, xs, w1, w3, counts, srt = _case(T, E, d, F, k, seed=5, exps=(108, 128))
+    xq, xs, w1, w3, counts, srt = case(T, E, d, F, k, seed=5, exps=(108, 128))
     P = T * k
     mt = min(P, P // bm + E)
     o1 = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
@@ -136,44 +81,15 @@ def test_l1_gluon_no_limit_and_asm_off(bm, asm):
     mg.l1_gluon(xq, xs, srt, w1, w3, counts, o2, topk=k, max_tiles=mt, use_asm=False, bm=bm)
     torch.cuda.synchronize()
     assert torch.isfinite(o2).all(), "arithmetic upcast: an element not written / not finite"
-    ref = _reference(xq, xs, w1, w3, counts, srt, k, float("inf"))
+    ref = reference(xq, xs, w1, w3, counts, srt, k, float("inf"))
     # the fp32 reference keeps the weights whose rel < -5 (the kernels flush them): relative to
     # the row's largest group they are below 2^-11
-    assert _rel(o2, ref) < 2e-3, f"arithmetic upcast vs fp32 math: {_rel(o2, ref):.3e}"
+    assert rel(o2, ref) < 2e-3, f"arithmetic upcast vs fp32 math: {rel(o2, ref):.3e}"
     # the uniform upcast has no device check of its own (moe.asm_ok checks the per-lane PTX):
     # this bit-exact comparison is its check
     if asm == "pack" or moe.asm_ok(o1.device):
         assert torch.isfinite(o1).all(), "PTX upcast: an element not written / not finite"
-        assert torch.equal(o1, o2), f"PTX ({asm}) vs arithmetic upcast: rel {_rel(o1, o2):.3e}"
-
-
-def _dbg_bank(codes: torch.Tensor, exps: torch.Tensor):
-    from megagraph.kernels.triton import moe
-
-    return moe.bank(codes.to(torch.int8).cuda(), exps.to(torch.uint8).view(
-        torch.float8_e8m0fnu).cuda(), "mxfp4")
-
-
-def _diagnose(name, out, ref):
-    """'' when out matches ref (2e-3 relative, finite), else where it does not: the bad rows /
-    columns, the first bad element, and the ratio out / ref (a power of two: a scale bug)."""
-    out, ref = out.float(), ref.float()
-    fin = torch.isfinite(out)
-    err = (out - ref).abs() > 2e-3 * ref.abs().amax().clamp_min(1e-30) + 1e-2 * ref.abs()
-    bad = err | ~fin
-    rel = _rel(torch.where(fin, out, 0), ref)
-    if not bad.any() and rel < 2e-3:
-        return ""
-    r, c = bad.nonzero()[0].tolist() if bad.any() else (0, 0)
-    rows = bad.any(1).nonzero().flatten().tolist()
-    cols = bad.any(0).nonzero().flatten().tolist()
-    ok = fin & (ref.abs() > 1e-3)
-    ratio = (out[ok] / ref[ok]).median().item() if ok.any() else float("nan")
-    return (f"{name}: rel {rel:.3e}, {int(bad.sum())}/{bad.numel()} bad, {int((~fin).sum())} "
-            f"not finite; bad rows {rows[:8]}{'...' if len(rows) > 8 else ''} "
-            f"({len(rows)}), bad cols {cols[:8]}{'...' if len(cols) > 8 else ''} "
-            f"({len(cols)}); first ({r}, {c}): {out[r, c].item():.6g} vs {ref[r, c].item():.6g}; "
-            f"median out/ref {ratio:.6g}")
+        assert torch.equal(o1, o2), f"PTX ({asm}) vs arithmetic upcast: rel {rel(o1, o2):.3e}"
 
 
 @gpu
@@ -194,85 +110,24 @@ def test_l1_gluon_debug_pieces(bm):
       rows_300   300 rows gathered with top-k 2 from 150 tokens in a shuffled order (3 row
                  tiles, the last partial; A row = a_idx // topk)
     """
-    d, F = 256, 64
-    g = torch.Generator().manual_seed(7)
+    F = 64
     msgs = []
-
-    def run(name, x, xs, c1, e1, c3, e3, topk=1, a_idx=None, limit=None):
-        T = x.shape[0]
-        a_idx = torch.arange(T * topk, dtype=torch.int32) if a_idx is None else a_idx
-        P = a_idx.numel()
-        xq = x.to(torch.float8_e4m3fn).cuda()
-        xs = xs.float().cuda()
-        w1, w3 = _dbg_bank(c1, e1), _dbg_bank(c3, e3)
-        counts = torch.tensor([P], dtype=torch.int32, device="cuda")
-        srt = a_idx.to(torch.int32).cuda()
-        ref = _reference(xq, xs, w1, w3, counts, srt, topk,
-                         float("inf") if limit is None else limit)
+    for name, topk, limit, (xq, xs, w1, w3, counts, srt, ref) in debug_cases(128, 1, 37, 150):
+        P = srt.numel()
         for mode in ("arith", "lane", "pack"):
             out = torch.full((P, F), float("nan"), dtype=torch.float32, device="cuda")
             mg.l1_gluon(xq, xs, srt, w1, w3, counts, out, topk=topk,
                         max_tiles=-(-P // bm), limit=limit, use_asm=mode != "arith",
                         asm="lane" if mode == "arith" else mode, bm=bm)
             torch.cuda.synchronize()
-            m = _diagnose(f"{name} (bm {bm}, {mode})", out, ref)
-            if m:
-                msgs.append(m)
-
-    ones_x = torch.ones(128, d)
-    one_s = torch.ones(128, d // 128)
-    c_one = torch.full((1, F, d // 2), 0x22)  # E2M1 1.0 in both nibbles
-    c_half = torch.full((1, F, d // 2), 0x11)  # 0.5
-    e127 = torch.full((1, F, d // 32), 127)
-
-    def codes():
-        return torch.randint(0, 256, (1, F, d // 2), generator=g)
-
-    def randx(T):
-        return (torch.randn(T, d, generator=g) * 64).clamp(-448, 448)
-
-    run("ones", ones_x, one_s, c_one, e127, c_half, e127)
-    eye = torch.zeros(128, d)
-    eye[torch.arange(128), torch.arange(128)] = 1.0
-    run("onehot", eye, one_s, codes(), e127, c_one, e127)
-    run("exps_flat", randx(128), one_s / 64, codes(), torch.full((1, F, d // 32), 120), codes(),
-        torch.full((1, F, d // 32), 120))
-    run("exps_wide", randx(128), one_s / 64, codes(),
-        torch.randint(108, 128, (1, F, d // 32), generator=g), codes(),
-        torch.randint(108, 128, (1, F, d // 32), generator=g))
-    sa = torch.exp2(torch.randint(-9, -3, (128, d // 128), generator=g).float())
-    run("a_scales", randx(128), sa, codes(), torch.randint(119, 125, (1, F, d // 32), generator=g),
-        codes(), torch.randint(119, 125, (1, F, d // 32), generator=g))
-    run("rows_37", randx(37), one_s[:37] / 64, codes(), e127 - 6, codes(), e127 - 6)
-    perm = torch.randperm(300, generator=g).to(torch.int32)
-    run("rows_300", randx(150), torch.full((150, d // 128), 1 / 64), codes(),
-        torch.randint(119, 125, (1, F, d // 32), generator=g), codes(),
-        torch.randint(119, 125, (1, F, d // 32), generator=g), topk=2, a_idx=perm, limit=10.0)
+            msgs.append(diagnose(f"{name} (bm {bm}, {mode})", out, ref))
+    msgs = [m for m in msgs if m]
     assert not msgs, "\n".join(msgs)
 
 
 # ---------------------------------------------------------------------------------------------
 # ahead-of-time sm_90 build (CPU)
 # ---------------------------------------------------------------------------------------------
-
-TYPES = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", aidx_ptr="*i32", b1_ptr="*i8", bs1_ptr="*u8",
-             b2_ptr="*i8", bs2_ptr="*u8", c_ptr="*fp16", work_ptr="*i32", MT="i32", N="i32", G="i32", P="i32",
-             K="i32", limit="fp32", stride_am="i32", stride_as="i32", stride_bg="i32",
-             stride_bn="i32", stride_bsg="i32", stride_bsn="i32", stride_cm="i32")
-
-
-def _sass_loop(sass: str) -> str:
-    """The SASS of the last backward branch's body (the K loop)."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in
-           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    span = None
-    for addr, text in ins:
-        m = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            span = (int(m.group(1), 16), addr)
-    assert span is not None, "no loop in the SASS"
-    return "\n".join(t for a, t in ins if span[0] <= a <= span[1])
-
 
 def _pack_ptx_case(w: int, rel6: int) -> tuple[int, int]:
     """(cols 0..3, cols 4..7) E4M3 bytes of int32 word w at offset rel6 by the uniform upcast."""
@@ -334,35 +189,10 @@ def test_pack_luts_and_word_layout():
 def _sm90_build(bm: int, asm: str, maxnreg: int | None = None):
     """l1_kernel compiled ahead of time for sm_90 (the launcher's constexprs for bm / asm and
     the 16-divisible arguments of the real shapes): (compiled kernel, resource usage, SASS)."""
-    import triton
-
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.experimental.gluon._runtime import GluonASTSource
-    except ImportError:
-        pytest.skip("this triton has no ahead-of-time Gluon compile API")
-    fn = mg.l1_kernel
     consts = dict(TOPK=6, HAS_LIMIT=True, **mg.kernel_consts(bm, asm))
-    sig = {n: ("constexpr" if n in consts else TYPES[n]) for n in fn.arg_names}
-    # what the launcher's arguments specialize to at the real shapes (16-divisible)
-    div = [n for n in TYPES if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K")]
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
-    opts = dict(num_warps=consts["NW"], **({} if maxnreg is None else dict(maxnreg=maxnreg)))
-    k = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 128), options=opts)
-    import tempfile
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        pytest.skip("no cuobjdump in this triton")
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "k.cubin")
-        with open(cubin, "wb") as f:
-            f.write(k.asm["cubin"])
-        usage = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True,
-                               text=True, check=True).stdout
-        sass = subprocess.run([tool, "--dump-sass", cubin], capture_output=True, text=True,
-                              check=True).stdout
+    k = gluon_sm90(mg.l1_kernel, TYPES, consts, num_warps=consts["NW"],
+                   **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+    usage, sass = usage_and_sass(k)
     return k, usage, sass
 
 
@@ -371,7 +201,7 @@ def sass_stats(bm: int = 128, asm: str = "lane", maxnreg: int | None = None) -> 
     one variant's sm_90 build (for reports: python -c 'import test_moe_gluon as t;
     print(t.sass_stats(64, "pack"))' with Triton 3.6 on the path)."""
     k, usage, sass = _sm90_build(bm, asm, maxnreg)
-    body = _sass_loop(sass)
+    body = last_loop(sass)
 
     def n(p):
         return len(re.findall(p, body))
@@ -392,7 +222,7 @@ def test_l1_gluon_sm90_build(bm, asm):
     assert k.metadata.shared <= 227 * 1024
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
-    body = _sass_loop(sass)
+    body = last_loop(sass)
     # per NSA chunks: two async wgmmas (W1, W3: 4 k32 steps each) per chunk and warpgroup, one
     # wait, one barrier
     assert len(re.findall(r"\bQGMMA\b", body)) == 8 * mg.NSA

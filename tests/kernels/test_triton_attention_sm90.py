@@ -11,9 +11,9 @@ import importlib.util
 import inspect
 import os
 import re
-import subprocess
 
 import pytest
+from sm90_build import cuobjdump, last_loop
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
@@ -326,11 +326,7 @@ def test_compiles_for_sm90_without_spills(name, tmp_path):
         assert hit is None, f"{name}: {hit.group(0)} in the PTX"
     cubin = tmp_path / "k.cubin"
     cubin.write_bytes(k.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        pytest.skip("no cuobjdump in this triton")
-    usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True,
-                           text=True, check=True).stdout
+    usage = cuobjdump(cubin, "--dump-resource-usage")
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     # the shapes were picked on Triton 3.9's build; Triton 3.6 (the H200 image) spills 136 bytes
     # in the split decode kernel at the same shape
@@ -338,18 +334,15 @@ def test_compiles_for_sm90_without_spills(name, tmp_path):
     limit = max(limit, opts.get("stack", 0))  # a case's own cap, where its comment says why
     assert stack <= limit, f"{name}: {stack} bytes of stack per thread ({usage.strip()})"
     if mma:
-        sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
-                              check=True).stdout
+        sass = cuobjdump(cubin, "--dump-sass")
         assert re.search(rf"\b{mma}\b", sass), f"{name}: no {mma} in the SASS"
     if pinned(opts.get("no_sass")):
-        sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
-                              check=True).stdout
+        sass = cuobjdump(cubin, "--dump-sass")
         hit = re.search(pinned(opts["no_sass"]), sass)
         assert hit is None, f"{name}: {hit.group(0)} in the SASS"
     if opts.get("loop"):
-        sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
-                              check=True).stdout
-        body = _last_loop(sass)
+        sass = cuobjdump(cubin, "--dump-sass")
+        body = last_loop(sass)
         for pat, want in opts["loop"].items():
             want = pinned(want)
             if want is None:
@@ -357,20 +350,6 @@ def test_compiles_for_sm90_without_spills(name, tmp_path):
             got = len(re.findall(pat, body))
             assert got == want, f"{name}: {got} x {pat} in the K loop, expected {want}"
     if pinned(opts.get("max_loop")):
-        sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
-                              check=True).stdout
-        n, cap = len(_last_loop(sass).splitlines()), pinned(opts["max_loop"])
+        sass = cuobjdump(cubin, "--dump-sass")
+        n, cap = len(last_loop(sass).splitlines()), pinned(opts["max_loop"])
         assert n <= cap, f"{name}: {n} instructions in the K loop (> {cap})"
-
-
-def _last_loop(sass: str) -> str:
-    """The SASS of the last backward branch's body (the kernel's last loop: the GEMMs' K loop)."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in
-           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    span = None
-    for addr, text in ins:
-        m = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            span = (int(m.group(1), 16), addr)
-    assert span is not None, "no loop in the SASS"
-    return "\n".join(t for a, t in ins if span[0] <= a <= span[1])

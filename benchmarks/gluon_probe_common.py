@@ -1,0 +1,258 @@
+"""What the Gluon L1 probes share (benchmarks/moe_gluon_probe.py: the prefill kernel,
+benchmarks/moe_gluon_decode_probe.py: the decode kernel): the inputs at V4.1-Flash dims, the
+fp32 math of the first experts' rows, the timing (CUDA-graph replays), the child-process
+correctness check and the row-by-row JSON / markdown report.
+
+Why one module: the two probes time two kernels of the same op against the same Triton L1 and
+their numbers are read side by side (benchmarks/results/), so they must build the same inputs,
+time the same way and guard against a crashing kernel the same way (its check runs in a child
+process, so an illegal memory access cannot lose the rows already measured). The probes import
+it as a sibling (run as scripts, benchmarks/ is on sys.path; each also puts it there, as
+benchmarks/kernels.py does for kernel_rows).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+# V4.1-Flash's routed experts, the dims both probes time at: hidden d, expert width F, E experts,
+# top-k
+V41_FLASH = dict(d=5120, F=2304, E=384, k=6)
+
+
+def probe_parser(doc: str, tokens: int, tokens_help: str, smoke_help: str, stem: str,
+                 extra=()) -> argparse.ArgumentParser:
+    """The probes' command line: --tokens, --smoke, --limit, the probe's own options (extra:
+    (flag, add_argument keywords) pairs), --out (for <stem>.json / .md) and the hidden
+    --check-json of the child process (check_in_child's payload)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=tokens, help=tokens_help)
+    ap.add_argument("--smoke", action="store_true", help=smoke_help)
+    ap.add_argument("--limit", type=float, default=10.0, help="SwiGLU clamp")
+    for flag, kw in extra:
+        ap.add_argument(flag, **kw)
+    ap.add_argument("--out", default=None, help=f"directory for {stem}.json / .md")
+    ap.add_argument("--check-json", default=None, help=argparse.SUPPRESS)  # the child: check()
+    return ap
+
+
+def time_ms(fn, reps: int = 5, min_ms: float = 20.0) -> float:
+    """Median ms per call: warm-up, one CUDA graph of n calls (n sized to >= min_ms per replay),
+    replays timed with events; eager batches if the capture fails."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    n = max(1, min(200, int(min_ms / max(1e-3, 1e3 * (time.perf_counter() - t0)))))
+    run = None
+    try:
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                fn()
+        run = g.replay
+    except Exception as exc:  # noqa: BLE001  (eager fallback, reported)
+        print(f"[probe] graph capture failed ({exc!r}): eager timing", file=sys.stderr)
+
+        def run():
+            for _ in range(n):
+                fn()
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / n)
+    return statistics.median(times)
+
+
+def build(T: int, d: int, F: int, E: int, k: int, seed: int = 0, routing: str = "balanced"):
+    """x_q / x_scale (E4M3 per 128), W1 / W3 banks (MXFP4, exponents 119 .. 124), ids, counts,
+    the sorted pair list. routing: "balanced" (token t -> experts kt .. kt + k - 1 mod E),
+    "poisson" (top-k of random normal router logits), "random" (top-k of uniform random
+    scores: distinct experts per token, as the decode probe draws them)."""
+    from megagraph.kernels.triton import moe
+
+    torch.manual_seed(seed)
+    dev = "cuda"
+    x = torch.randn(T, d, device=dev)
+    xb = x.view(T, d // 128, 128)
+    sc = torch.exp2(torch.ceil(torch.log2(xb.abs().amax(-1).clamp_min(1e-4) / 448)))
+    xq = (xb / sc[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(T, d)
+    xs = sc.float().contiguous()
+
+    def bank():
+        w = torch.randint(-128, 128, (E, F, d // 2), dtype=torch.int8, device=dev)
+        s = torch.randint(119, 125, (E, F, d // 32), dtype=torch.uint8, device=dev)
+        return moe.bank(w, s.view(torch.float8_e8m0fnu), "mxfp4")
+
+    w1, w3 = bank(), bank()
+    if routing == "poisson":
+        ids = torch.randn(T, E, device=dev).topk(k, dim=1).indices
+    elif routing == "random":
+        ids = torch.rand(T, E, device=dev).topk(k, dim=1).indices
+    else:
+        t = torch.arange(T, device=dev)[:, None]
+        ids = (t * k + torch.arange(k, device=dev)[None, :]) % E
+    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
+    srt = moe.permute(ids.flatten(), counts, E)
+    return xq, xs, w1, w3, counts, srt
+
+
+def reference_rows(xq, xs, w1, w3, counts, srt, k, limit, experts: int,
+                   nonempty: bool = False):
+    """fp32 H of the sorted rows of the first `experts` experts (`nonempty`: the first `experts`
+    experts that have rows) on exactly dequantized operands, and the number of sorted rows
+    before the last expert counted (the slice h[:n] the result covers)."""
+    lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=xq.device)
+    lut = torch.cat([lut, -lut])
+
+    def deq(b, e):
+        v = b.w[e].view(torch.uint8).long()
+        v = torch.stack([lut[v & 0xF], lut[v >> 4]], -1).flatten(-2)
+        return v * torch.exp2(b.s[e].float() - 127).repeat_interleave(32, -1)
+
+    a = (xq.float().view(xq.shape[0], -1, 128) * xs[..., None]).view(xq.shape[0], -1)
+    outs, r0, done = [], 0, 0
+    for e, c in enumerate(counts.tolist()):
+        if done == experts:
+            break
+        if c or not nonempty:
+            rows = a[srt[r0:r0 + c].long() // k]
+            gt = (rows @ deq(w1, e).T).clamp(max=limit)
+            up = (rows @ deq(w3, e).T).clamp(-limit, limit)
+            outs.append(gt * torch.sigmoid(gt) * up)
+            done += 1
+        r0 += c
+    return torch.cat(outs), r0
+
+
+def rel(x, y) -> float:
+    return float((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30))
+
+
+def run_child(script: str, payload, timeout: float):
+    """`python script --check-json <payload as JSON>` with CUDA_LAUNCH_BLOCKING=1 (the error
+    names the launch; a crash kills only the child's CUDA context). Returns (the JSON objects
+    the child printed, one a line; whether it timed out; the error to record where the results
+    fall short: the timeout, else the exit code and the tail of the child's output)."""
+    cmd = [sys.executable, os.path.abspath(script), "--check-json", json.dumps(payload)]
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                           check=False)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return ([json.loads(x) for x in out.splitlines() if x.startswith("{")], True,
+                f"check timed out ({timeout} s)")
+    got = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    return got, False, f"rc {r.returncode}: {(r.stderr or r.stdout)[-800:]}"
+
+
+def timed_row(res: dict, write, name: str, fn, tile, rates) -> bool:
+    """Times fn (time_ms) into a row {name, ms, **rates(ms), tile} (or {name, error}) appended to
+    res["rows"], printed, and written at once (write(): a later crash loses nothing measured).
+    True when it ran."""
+    try:
+        ms = time_ms(fn)
+        row = dict(name=name, ms=ms, **rates(ms), tile=tile)
+    except Exception as exc:  # noqa: BLE001  (reported, the JSON keeps the other rows)
+        row = dict(name=name, error=repr(exc)[:500])
+    res["rows"].append(row)
+    print(row, flush=True)
+    write()
+    return "error" not in row
+
+
+def time_triton_l1(res: dict, write, rates, inputs, P: int, F: int, E: int, k: int,
+                   limit: float, experts: int, nonempty: bool = False):
+    """The baseline, timed first (its row survives whatever the Gluon kernel does): the Triton
+    L1 as routed_experts launches it (moe.gemm role "l1", pick_config's tile for these rows per
+    expert) on inputs = build(...), into a NaN-poisoned fp16 H, a row in res (timed_row with
+    rates), then its error against the fp32 math of the first experts' rows (reference_rows)
+    as res["rel_err_triton_vs_fp32"], written. Returns (H, the reference, the rows it covers)."""
+    from megagraph.kernels.triton import moe
+
+    xq, xs, w1, w3, counts, srt = inputs
+    rpg = P / max(1, min(E, P))
+    cfg = moe.pick_config("l1", rpg)
+    mt1 = min(P, P // cfg.bm + E)
+    h_tr = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
+
+    def triton_l1():
+        moe.gemm(xq, xs, w1, h_tr, b2=w3, role="l1", rows_per_group=rpg, counts=counts,
+                 a_idx=srt, topk=k, max_tiles=mt1, limit=limit)
+
+    timed_row(res, write, "triton l1 (moe.gemm)", triton_l1, cfg.__dict__, rates)
+    ref, n = reference_rows(xq, xs, w1, w3, counts, srt, k, limit, experts, nonempty)
+    res["rel_err_triton_vs_fp32"] = rel(h_tr[:n], ref)
+    write()
+    return h_tr, ref, n
+
+
+def skipped(res: dict, ok: bool, what: str, write) -> bool:
+    """Where the kernel cannot run here (ok False: `what`, its availability check, said no):
+    the skip recorded in res, printed and written (the probe then exits 0); True then."""
+    if ok:
+        return False
+    res["skipped"] = f"needs CUDA sm_90 and Triton 3.6 Gluon ({what})"
+    print(res["skipped"])
+    write()
+    return True
+
+
+def finish(res: dict, t_start: float, write) -> None:
+    """The probe's end: its wall time, the summary (everything but the rows) printed, the last
+    write."""
+    res["wall_s"] = time.perf_counter() - t_start
+    print(json.dumps({x: res[x] for x in res if x != "rows"}, indent=1), flush=True)
+    write()
+
+
+def write_report(out, stem: str, res: dict, lines: list) -> None:
+    """res as out/<stem>.json and the markdown `lines` as out/<stem>.md (nothing without out)."""
+    if not out:
+        return
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, stem + ".json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(out, stem + ".md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def table(rows: list, head: str, cells) -> list:
+    """A markdown table of the probe's rows: header `head` ("| a | b |"), one line a row, an
+    errored row as its error in the second column (cells(row): the other rows' cells)."""
+    n = head.count("|") - 1
+    lines = [head, "|" + " --- |" * n]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | error: {r['error'][:120]} |" + " |" * (n - 2))
+        else:
+            lines.append("| " + " | ".join([r["name"], *cells(r)]) + " |")
+    return lines
+
+
+def check_lines(prefix: str, checks: list) -> list:
+    """One markdown line per child check result."""
+    return [f"{prefix} check {c.get('tokens')} tokens {c.get('dims')}: ok "
+            f"{c.get('ok')}, rel {c.get('rel_err_vs_fp32')}, written "
+            f"{c.get('all_written')}, error {str(c.get('error', ''))[:200]}" for c in checks]

@@ -1,0 +1,117 @@
+"""What the Gluon (Triton 3.6, sm_90) kernels share: the guarded import of the Gluon / Hopper
+APIs, the capability check, the arithmetic E2M1 -> E4M3 upcast, the SwiGLU epilogue and the
+launchers' common argument checks.
+
+Why one module: moe_gluon.py (prefill L1) and moe_gluon_decode.py (decode L1) are written against
+the same Triton 3.6 Gluon API (the H200 image) and must agree on when they may run; a version
+gate or capability rule changed in one place and not the other would let one kernel try an API
+it was never checked on. The arithmetic upcast is the bit-exact reference both kernels' PTX
+upcasts are tested against, and the epilogue is the formula both must match moe_jit with, so
+each is one function (a @gluon.jit helper is inlined: the compiled kernels are the same
+instructions as with the code written in place - the sm_90 SASS was compared byte for byte).
+
+Importing this module never fails: where Triton is missing, is not 3.6 or lacks a name,
+IMPORT_OK is False, the Gluon names are not defined and available() says no.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # Triton 3.6 names; other versions may lack or rename them (available() says no)
+    import triton
+
+    # written against Triton 3.6's Gluon (the H200 image): 3.9 removed
+    # async_copy_global_to_shared (async_load), so other versions are not assumed to work
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) != (3, 6):
+        raise ImportError(f"Gluon API of Triton {triton.__version__} not checked")
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as ttgl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    IMPORT_OK = True
+except Exception:  # noqa: BLE001  (any import failure: the module still imports)
+    IMPORT_OK = False
+
+# what the kernel modules import from here (the Gluon names only where IMPORT_OK): their
+# @gluon.jit bodies read them as module globals
+__all__ = [
+    "IMPORT_OK",
+    "async_copy",
+    "available",
+    "e2m1_e4m3_bits",
+    "fence_async_shared",
+    "gluon",
+    "ttgl",
+    "warpgroup_mma",
+    "warpgroup_mma_wait",
+]
+
+
+@functools.cache
+def _cap_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def available(device: torch.device | None = None) -> bool:
+    """Gluon with the Hopper APIs used here imported (Triton 3.6), and a CUDA sm_90 device (the
+    kernels are wgmma + cp.async only: no sm_100 / sm_89 build)."""
+    if not IMPORT_OK or not torch.cuda.is_available():
+        return False
+    dev = torch.device("cuda") if device is None else device
+    if dev.type != "cuda":
+        return False
+    return _cap_ok(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+if IMPORT_OK:
+
+    @gluon.jit
+    def e2m1_e4m3_bits(c, rel):
+        """moe_jit.e2m1_e4m3_bits (the arithmetic twin of the PTX upcasts): the E4M3 byte of
+        E2M1 code c times 2^rel; rel in [-5, 6] is exact, rel < -5 gives (signed) zero."""
+        m = c & 7
+        base = ttgl.where(m >= 2, m * 4 + 0x30, m * 0x30) + rel * 8
+        base = ttgl.where((m == 0) | (rel < -5), 0, base)
+        return base | ((c & 8) << 4)
+
+    @gluon.jit
+    def swiglu(gt, up, limit, HAS_LIMIT: ttgl.constexpr):
+        """moe_jit.swiglu_act on the fp32 accumulators of W1 (gt) and W3 (up): silu(min(gt,
+        limit)) * clamp(up, -limit, limit) (no clamp unless HAS_LIMIT): both kernels' epilogue,
+        one formula so their outputs cannot drift apart."""
+        if HAS_LIMIT:
+            up = ttgl.minimum(ttgl.maximum(up, -limit), limit)
+            gt = ttgl.minimum(gt, limit)
+        return gt * (1 / (1 + ttgl.exp(-gt))) * up
+
+
+# ---- the launchers' shared argument checks (plain Python, run before any launch) ---------------
+
+
+def check_rows(a_scale, a_idx, out, N: int, K: int) -> int:
+    """The A scales [T, K / 128] with contiguous rows, out [>= P, N]: P = a_idx.numel() sorted
+    rows (the same checks, in the same order, in both launchers)."""
+    if a_scale.stride(1) != 1 or a_scale.shape[1] < K // 128:
+        raise ValueError("a_scale [T, K / 128] with contiguous rows")
+    P = a_idx.numel()
+    if out.shape[0] < P or out.shape[1] != N:
+        raise ValueError(f"out {tuple(out.shape)} for {P} sorted rows x {N}")
+    return P
+
+
+def tile_list(counts, rows: int, max_tiles: int, tiles):
+    """The device tile list of `rows`-row tiles: `tiles` if the caller built it (checked against
+    max_tiles), else moe.tile_list(counts, rows, max_tiles) (one tiny launch, no host sync)."""
+    from . import moe
+
+    if tiles is None:
+        return moe.tile_list(counts, rows, max_tiles)
+    if tiles.numel() != 1 + 3 * max_tiles:
+        raise ValueError("tiles was built for another max_tiles")
+    return tiles

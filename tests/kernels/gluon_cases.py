@@ -1,0 +1,181 @@
+"""Inputs, fp32 reference and diagnostics shared by the Gluon L1 tests (test_moe_gluon.py: the
+prefill kernel, test_moe_gluon_decode.py: the decode kernel).
+
+Why one module: both kernels compute the same SwiGLU of W1 / W3 on MXFP4 weights and gathered
+E4M3 activations, so both are held to the same exact dequantization, the same fp32 math and the
+same failure report; one copy keeps the two tests' yardsticks identical. Imported as a sibling
+(`from gluon_cases import ...`: pytest puts tests/kernels on sys.path).
+"""
+from __future__ import annotations
+
+import torch
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+# the argument types of both L1 kernels (l1_kernel, l1_decode_kernel) for the sm_90 build tests
+TYPES = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", aidx_ptr="*i32", b1_ptr="*i8", bs1_ptr="*u8",
+             b2_ptr="*i8", bs2_ptr="*u8", c_ptr="*fp16", work_ptr="*i32", MT="i32", N="i32",
+             G="i32", P="i32", K="i32", limit="fp32", stride_am="i32", stride_as="i32",
+             stride_bg="i32", stride_bn="i32", stride_bsg="i32", stride_bsn="i32",
+             stride_cm="i32")
+
+
+def mxfp4_f32(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """[E, N, K/2] int8 codes (low nibble = even column) x E8M0 [E, N, K/32] -> fp32 [E, N, K]."""
+    lut = torch.tensor(E2M1 + [-v for v in E2M1], device=w.device)
+    b = w.view(torch.uint8).long()
+    v = torch.stack([lut[b & 0xF], lut[b >> 4]], dim=-1).flatten(-2)
+    sc = torch.exp2(s.view(torch.uint8).float() - 127).repeat_interleave(32, dim=-1)
+    return v * sc
+
+
+def case(T, E, d, F, k, seed, subset=None, exps=(119, 125), distinct=False):
+    """Random E4M3 activations (power-of-two scales per 128), MXFP4 W1 / W3 (exponents in
+    [exps[0], exps[1])), random top-k routing from `subset` if given (the other experts stay
+    empty): with replacement (a token may pick an expert twice), or `distinct` experts per
+    token (the top-k of random scores, as a router). On the GPU: (xq, xs, w1, w3, counts, srt)."""
+    from megagraph.kernels.triton import moe
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, d, generator=g)
+    xb = x.view(T, d // 128, 128)
+    sc = torch.exp2(torch.ceil(torch.log2(xb.abs().amax(-1).clamp_min(1e-4) / 448)))
+    xq = (xb / sc[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(T, d).cuda()
+    xs = sc.float().cuda()
+
+    def bank():
+        w = torch.randint(-128, 128, (E, F, d // 2), dtype=torch.int8, generator=g)
+        s = torch.randint(*exps, (E, F, d // 32), dtype=torch.uint8, generator=g)
+        return moe.bank(w.cuda(), s.view(torch.float8_e8m0fnu).cuda(), "mxfp4")
+
+    w1, w3 = bank(), bank()
+    pool = torch.tensor(subset) if subset else torch.arange(E)
+    if distinct:
+        ids = pool[torch.rand(T, len(pool), generator=g).topk(k, dim=1).indices].cuda()
+    else:
+        ids = pool[torch.randint(0, len(pool), (T, k), generator=g)].cuda()
+    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
+    srt = moe.permute(ids.flatten(), counts, E)
+    return xq, xs, w1, w3, counts, srt
+
+
+def reference(xq, xs, w1, w3, counts, srt, topk, limit):
+    """fp32 H of the sorted rows: swiglu(A W1^T, A W3^T) on the exactly dequantized operands."""
+    a = (xq.float().view(xq.shape[0], -1, 128) * xs[..., None]).view(xq.shape[0], -1)
+    W1, W3 = mxfp4_f32(w1.w, w1.s), mxfp4_f32(w3.w, w3.s)
+    rows = a[srt.long() // topk]
+    out = torch.empty(rows.shape[0], W1.shape[1], device=xq.device)
+    r0 = 0
+    for e, c in enumerate(counts.tolist()):
+        if c:
+            gt = rows[r0:r0 + c] @ W1[e].T
+            up = (rows[r0:r0 + c] @ W3[e].T).clamp(-limit, limit)
+            gt = gt.clamp(max=limit)
+            out[r0:r0 + c] = gt * torch.sigmoid(gt) * up
+        r0 += c
+    return out
+
+
+def rel(x, y):
+    return ((x.float() - y.float()).norm() / y.float().norm()).item()
+
+
+def dbg_bank(codes: torch.Tensor, exps: torch.Tensor):
+    """A one-expert MXFP4 bank on the GPU from given codes [1, N, K/2] and E8M0 exponents."""
+    from megagraph.kernels.triton import moe
+
+    return moe.bank(codes.to(torch.int8).cuda(), exps.to(torch.uint8).view(
+        torch.float8_e8m0fnu).cuda(), "mxfp4")
+
+
+def dbg_case(x, xs, c1, e1, c3, e3, topk=1, a_idx=None, limit=None):
+    """The debug tests' one-expert inputs on the GPU: x [T, d] (cast to E4M3), A scales xs, W1 /
+    W3 from codes and exponents, sorted rows a_idx (default 0 .. T * topk - 1), and the fp32
+    reference (no clamp for limit None): (xq, xs, w1, w3, counts, srt, ref)."""
+    T = x.shape[0]
+    a_idx = torch.arange(T * topk, dtype=torch.int32) if a_idx is None else a_idx
+    P = a_idx.numel()
+    xq = x.to(torch.float8_e4m3fn).cuda()
+    xs = xs.float().cuda()
+    w1, w3 = dbg_bank(c1, e1), dbg_bank(c3, e3)
+    counts = torch.tensor([P], dtype=torch.int32, device="cuda")
+    srt = a_idx.to(torch.int32).cuda()
+    ref = reference(xq, xs, w1, w3, counts, srt, topk, float("inf") if limit is None else limit)
+    return xq, xs, w1, w3, counts, srt, ref
+
+
+def diagnose(name, out, ref):
+    """'' when out matches ref (2e-3 relative, finite), else where it does not: the bad rows /
+    columns, the first bad element, and the median ratio out / ref (a power of two: a scale
+    bug)."""
+    out, ref = out.float(), ref.float()
+    fin = torch.isfinite(out)
+    err = (out - ref).abs() > 2e-3 * ref.abs().amax().clamp_min(1e-30) + 1e-2 * ref.abs()
+    bad = err | ~fin
+    r_err = rel(torch.where(fin, out, 0), ref)
+    if not bad.any() and r_err < 2e-3:
+        return ""
+    r, c = bad.nonzero()[0].tolist() if bad.any() else (0, 0)
+    rows = bad.any(1).nonzero().flatten().tolist()
+    cols = bad.any(0).nonzero().flatten().tolist()
+    ok = fin & (ref.abs() > 1e-3)
+    ratio = (out[ok] / ref[ok]).median().item() if ok.any() else float("nan")
+    return (f"{name}: rel {r_err:.3e}, {int(bad.sum())}/{bad.numel()} bad, {int((~fin).sum())} "
+            f"not finite; bad rows {rows[:8]}{'...' if len(rows) > 8 else ''} ({len(rows)}), "
+            f"bad cols {cols[:8]}{'...' if len(cols) > 8 else ''} ({len(cols)}); first "
+            f"({r}, {c}): {out[r, c].item():.6g} vs {ref[r, c].item():.6g}; median out/ref "
+            f"{ratio:.6g}")
+
+
+def debug_cases(T: int, eye_step: int, partial: int, gathered: int, ramp: bool = False,
+                d: int = 256, F: int = 64):
+    """The debug tests' pieces, one expert, K = d = 256 (2 chunks), N = F = 64, each isolating
+    one part of a kernel, in order, as [(name, topk, limit, dbg_case(...))]:
+      ones       A = 1, W1 = 1, W3 = 0.5, all scales 1 (T rows): g = 256, u = 128
+      onehot     row r of A = e_(eye_step r), random W1 codes, exponents 127: g = one W1 column
+      col_ramp   (ramp) one row of ones, W1 code of column c = c % 16 (every code and sign)
+      exps_flat  random A and codes, every exponent 120 (rel = 6)
+      exps_wide  exponents 108 .. 127 (every offset, the clamp / flush)
+      a_scales   a different A scale per (row, chunk)
+      rows_<partial>    a partial row tile (masks, the store)
+      rows_<2 gathered> 2 gathered rows with top-k 2 from `gathered` tokens in a shuffled order
+    Random values come from one generator (seed 7) in this order, so a case's data does not
+    depend on which kernel runs it."""
+    g = torch.Generator().manual_seed(7)
+
+    def codes():
+        return torch.randint(0, 256, (1, F, d // 2), generator=g)
+
+    def randx(T):
+        return (torch.randn(T, d, generator=g) * 64).clamp(-448, 448)
+
+    def rexp(lo, hi):
+        return torch.randint(lo, hi, (1, F, d // 32), generator=g)
+
+    one_s = torch.ones(T, d // 128)
+    c_one = torch.full((1, F, d // 2), 0x22)  # E2M1 1.0 in both nibbles
+    c_half = torch.full((1, F, d // 2), 0x11)  # 0.5
+    e127 = torch.full((1, F, d // 32), 127)
+    e120 = torch.full((1, F, d // 32), 120)
+    eye = torch.zeros(T, d)
+    eye[torch.arange(T), torch.arange(T) * eye_step] = 1.0
+    cases = [("ones", torch.ones(T, d), one_s, c_one, e127, c_half, e127, {}),
+             ("onehot", eye, one_s, codes(), e127, c_one, e127, {})]
+    if ramp:
+        col = torch.arange(d // 2)
+        rmp = ((2 * col) % 16) | (((2 * col + 1) % 16) << 4)
+        cases.append(("col_ramp", torch.ones(1, d), one_s[:1], rmp.expand(1, F, d // 2).clone(),
+                      e127, c_one, e127, {}))
+    cases.append(("exps_flat", randx(T), one_s / 64, codes(), e120, codes(), e120, {}))
+    cases.append(("exps_wide", randx(T), one_s / 64, codes(), rexp(108, 128), codes(),
+                  rexp(108, 128), {}))
+    sa = torch.exp2(torch.randint(-9, -3, (T, d // 128), generator=g).float())
+    cases.append(("a_scales", randx(T), sa, codes(), rexp(119, 125), codes(), rexp(119, 125), {}))
+    cases.append((f"rows_{partial}", randx(partial), one_s[:partial] / 64, codes(), e127 - 6,
+                  codes(), e127 - 6, {}))
+    perm = torch.randperm(2 * gathered, generator=g).to(torch.int32)
+    cases.append((f"rows_{2 * gathered}", randx(gathered), torch.full((gathered, d // 128), 1 / 64),
+                  codes(), rexp(119, 125), codes(), rexp(119, 125),
+                  dict(topk=2, a_idx=perm, limit=10.0)))
+    return [(name, kw.get("topk", 1), kw.get("limit"), dbg_case(*args, **kw))
+            for name, *args, kw in cases]

@@ -1,0 +1,77 @@
+"""Ahead-of-time sm_90 builds and their SASS, for the CPU tests that pin what the GPU kernels
+compile to (test_triton_attention_sm90.py, test_moe_gluon.py, test_moe_gluon_decode.py).
+
+Why one module: the pinned numbers (registers, stack, instructions per K loop) are only
+comparable if every test reads them the same way - the same cuobjdump (the one in Triton's
+bundle, so the SASS is that Triton's ptxas's), the same rule for "the K loop" (the body of the
+last backward branch). A test imports it as a sibling (`from sm90_build import ...`: pytest
+puts tests/kernels on sys.path, as for _reference_helpers).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+
+
+def cuobjdump(cubin, *flags: str) -> str:
+    """stdout of Triton's bundled cuobjdump with `flags` on the cubin file `cubin`; skips the
+    test where this Triton ships none."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        pytest.skip("no cuobjdump in this triton")
+    return subprocess.run([tool, *flags, str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def usage_and_sass(kernel) -> tuple[str, str]:
+    """(cuobjdump --dump-resource-usage, --dump-sass) of a compiled kernel's cubin (written to a
+    temporary file: also usable outside pytest, e.g. test_moe_gluon.sass_stats)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        return cuobjdump(cubin, "--dump-resource-usage"), cuobjdump(cubin, "--dump-sass")
+
+
+def loop_instructions(sass: str) -> list[str]:
+    """The instructions (text up to the ';', unstripped) of the last backward branch's body:
+    the kernel's last loop (the GEMMs' K loop)."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    span = None
+    for addr, text in ins:
+        m = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            span = (int(m.group(1), 16), addr)
+    assert span is not None, "no loop in the SASS"
+    return [t for a, t in ins if span[0] <= a <= span[1]]
+
+
+def last_loop(sass: str) -> str:
+    """loop_instructions as one text, an instruction a line."""
+    return "\n".join(loop_instructions(sass))
+
+
+def gluon_sm90(fn, types: dict, consts: dict, **options):
+    """The @gluon.jit kernel fn compiled ahead of time for sm_90: `consts` its constexprs, the
+    other arguments typed by `types`, the pointers, strides, N and K 16-divisible (what the
+    launchers' arguments specialize to at the real shapes); options go to triton.compile
+    (num_warps, maxnreg). Skips where this Triton has no ahead-of-time Gluon compile API."""
+    import triton
+
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.experimental.gluon._runtime import GluonASTSource
+    except ImportError:
+        pytest.skip("this triton has no ahead-of-time Gluon compile API")
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+    div = [n for n in types if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K")]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
+    return triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 128), options=options)
