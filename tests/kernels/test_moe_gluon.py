@@ -15,7 +15,6 @@ K loop (cuobjdump from Triton's bundle).
 """
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -23,6 +22,7 @@ import torch
 from gluon_cases import TYPES, case, debug_cases, diagnose, reference, rel
 from megagraph.kernels.triton import moe_gluon as mg
 from sm90_build import gluon_sm90, last_loop, usage_and_sass
+from test_triton_moe import ACT, _e4m3_ref_byte, _run_ptx, check_routed, routed_case
 
 GPU_OK = mg.available()
 gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and Triton 3.6 Gluon")
@@ -131,10 +131,6 @@ def test_l1_gluon_debug_pieces(bm):
 
 def _pack_ptx_case(w: int, rel6: int) -> tuple[int, int]:
     """(cols 0..3, cols 4..7) E4M3 bytes of int32 word w at offset rel6 by the uniform upcast."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(__file__))
-    from test_triton_moe import _run_ptx
 
     la, lb = mg.pack_luts(rel6)
     return _run_ptx(mg.FP4_PACK_ASM_TEXT, [0, 0, w, la, lb])
@@ -147,10 +143,6 @@ def test_pack_ptx_bit_logic():
     scale group's), output byte 2j of a half = the low nibble of its byte j, 2j + 1 = the high
     nibble, each equal to the arithmetic E4M3 byte (test_triton_moe._e4m3_ref_byte, rel < -5
     flushed to signed zero)."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(__file__))
-    from test_triton_moe import _e4m3_ref_byte
 
     g = torch.Generator().manual_seed(11)
     for lane in range(4):
@@ -170,10 +162,6 @@ def test_pack_luts_and_word_layout():
     """pack_luts: the tables are the E4M3 codes of the E2M1 magnitudes at each offset (0 for
     magnitude 0 and for rel < -5), every byte in [0, 0x7C] (no carry between bytes); the word
     layout check accepts the kernel's layouts and rejects a byte axis that is not the fastest."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(__file__))
-    from test_triton_moe import _e4m3_ref_byte
 
     for rel6 in range(13):
         la, lb = mg.pack_luts(rel6)
@@ -295,12 +283,7 @@ def test_routed_experts_prefill_uses_gluon(gluon, monkeypatch):
     """routed_experts at a prefill size (300 tokens, top-2 of 8 experts: 75 rows per expert)
     runs its L1 on l1_gluon when on (once) and on moe_gemm when MEGAGRAPH_MOE_GLUON is off;
     both against the reference op within test_triton_moe's bound (2e-3, fp32 output)."""
-    import sys
-
     from megagraph.kernels.triton import moe
-
-    sys.path.insert(0, os.path.dirname(__file__))
-    from test_triton_moe import ACT, check_routed, routed_case
 
     monkeypatch.setattr(moe, "GLUON", gluon)
     monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
