@@ -356,6 +356,23 @@ def quantize_out(x, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def chunk_scales(as_ptrs, rm, rmask, bs1, bs2, rn, nmask, k0, K, stride_bsn,
+                 SWIGLU: tl.constexpr, A_SCALED: tl.constexpr, BLK_N_S: tl.constexpr,
+                 BLK_K_S: tl.constexpr, NSUB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """The small per-chunk scales of K chunk k0 (the K loops load them one chunk ahead): A's
+    per-128 scales sa [BM] (ones when not A_SCALED; 1.0 past K) and the biased exponents of B1 /
+    B2 (load_b_scales; e2 = e1 without SWIGLU)."""
+    sa = tl.full((BM,), 1.0, tl.float32)
+    if A_SCALED:
+        sa = tl.load(as_ptrs + k0 // 128, mask=rmask & ((k0 + rm * 0) < K), other=1.0)
+    e1 = load_b_scales(bs1, rn, nmask, k0, K, stride_bsn, BLK_N_S, BLK_K_S, NSUB, BK)
+    e2 = e1
+    if SWIGLU:
+        e2 = load_b_scales(bs2, rn, nmask, k0, K, stride_bsn, BLK_N_S, BLK_K_S, NSUB, BK)
+    return sa, e1, e2
+
+
+@triton.jit
 def moe_acc(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask, K, stride_bn, stride_bsn,
             SWIGLU: tl.constexpr, A_SCALED: tl.constexpr, WFMT: tl.constexpr, MMA: tl.constexpr,
             BLK_N_S: tl.constexpr, BLK_K_S: tl.constexpr, NSUB: tl.constexpr,
@@ -367,25 +384,16 @@ def moe_acc(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask, K, stride_b
     acc2 = tl.zeros((BM, BN), dtype=tl.float32)
     # the small scale loads are prefetched one chunk ahead by hand (the software pipeliner only
     # stages the big tiles): their latency hides behind the current chunk's work
-    sa_next = tl.full((BM,), 1.0, tl.float32)
-    if A_SCALED:
-        sa_next = tl.load(as_ptrs, mask=rmask, other=1.0)
-    e1_next = load_b_scales(bs1, rn, nmask, 0, K, stride_bsn, BLK_N_S, BLK_K_S, NSUB, BK)
-    e2_next = e1_next
-    if SWIGLU:
-        e2_next = load_b_scales(bs2, rn, nmask, 0, K, stride_bsn, BLK_N_S, BLK_K_S, NSUB, BK)
+    sa_next, e1_next, e2_next = chunk_scales(as_ptrs, rm, rmask, bs1, bs2, rn, nmask, 0, K,
+                                             stride_bsn, SWIGLU, A_SCALED, BLK_N_S, BLK_K_S,
+                                             NSUB, BM, BK)
     for k0 in range(0, K, BK):
         sa = sa_next
         e1 = e1_next
         e2 = e2_next
-        if A_SCALED:
-            sa_next = tl.load(as_ptrs + (k0 + BK) // 128, mask=rmask & ((k0 + BK + rm * 0) < K),
-                              other=1.0)
-        e1_next = load_b_scales(bs1, rn, nmask, k0 + BK, K, stride_bsn, BLK_N_S, BLK_K_S, NSUB,
-                                BK)
-        if SWIGLU:
-            e2_next = load_b_scales(bs2, rn, nmask, k0 + BK, K, stride_bsn, BLK_N_S, BLK_K_S,
-                                    NSUB, BK)
+        sa_next, e1_next, e2_next = chunk_scales(as_ptrs, rm, rmask, bs1, bs2, rn, nmask,
+                                                 k0 + BK, K, stride_bsn, SWIGLU, A_SCALED,
+                                                 BLK_N_S, BLK_K_S, NSUB, BM, BK)
         a = tl.load(a_ptrs + k0, mask=rmask[:, None], other=0.0)
         if PAR:  # MXFP4, fp8 / fp16 MMA: K split by parity, no interleave of the upcast tile
             a_e, a_o = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
@@ -511,23 +519,15 @@ def moe_acc_swap(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask, K, str
     sum order within a chunk differs, so results are not bit-equal to the default's."""
     acc1 = tl.zeros((BN, BM), dtype=tl.float32)
     acc2 = tl.zeros((BN, BM), dtype=tl.float32)
-    sa_next = tl.full((BM,), 1.0, tl.float32)
-    if A_SCALED:
-        sa_next = tl.load(as_ptrs, mask=rmask, other=1.0)
-    e1_next = load_b_scales(bs1, rn, nmask, 0, K, stride_bsn, 1, 32, NSUB, BK)
-    e2_next = e1_next
-    if SWIGLU:
-        e2_next = load_b_scales(bs2, rn, nmask, 0, K, stride_bsn, 1, 32, NSUB, BK)
+    sa_next, e1_next, e2_next = chunk_scales(as_ptrs, rm, rmask, bs1, bs2, rn, nmask, 0, K,
+                                             stride_bsn, SWIGLU, A_SCALED, 1, 32, NSUB, BM, BK)
     for k0 in range(0, K, BK):
         sa = sa_next
         e1 = e1_next
         e2 = e2_next
-        if A_SCALED:
-            sa_next = tl.load(as_ptrs + (k0 + BK) // 128, mask=rmask & ((k0 + BK + rm * 0) < K),
-                              other=1.0)
-        e1_next = load_b_scales(bs1, rn, nmask, k0 + BK, K, stride_bsn, 1, 32, NSUB, BK)
-        if SWIGLU:
-            e2_next = load_b_scales(bs2, rn, nmask, k0 + BK, K, stride_bsn, 1, 32, NSUB, BK)
+        sa_next, e1_next, e2_next = chunk_scales(as_ptrs, rm, rmask, bs1, bs2, rn, nmask,
+                                                 k0 + BK, K, stride_bsn, SWIGLU, A_SCALED, 1, 32,
+                                                 NSUB, BM, BK)
         a = tl.load(a_ptrs + k0, mask=rmask[:, None], other=0.0)
         if PAR:
             a_e, a_o = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
