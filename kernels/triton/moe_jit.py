@@ -200,6 +200,24 @@ def load_b_fp4_halves(b_ptr, e, rn, nmask, k0, stride_bn, MMA: tl.constexpr,
 
 
 @triton.jit
+def promote(acc, part, sa, sb, A_SCALED: tl.constexpr, SWAP: tl.constexpr):
+    """acc += one K chunk's fp32 partial product times its scales: sa per activation row (A's
+    per-128 scale, only when A_SCALED) x sb per weight row (the promotion exponent of the
+    upcast tile). acc / part are [BM, BN], or [BN, BM] with SWAP (weight rows first)."""
+    if SWAP:
+        if A_SCALED:
+            acc += part * (sb[:, None] * sa[None, :])
+        else:
+            acc += part * sb[:, None]
+    else:
+        if A_SCALED:
+            acc += part * (sa[:, None] * sb[None, :])
+        else:
+            acc += part * sb[None, :]
+    return acc
+
+
+@triton.jit
 def mma_step_halves(acc, a_e, a_o, sa, b_lo, b_hi, sb, A_SCALED: tl.constexpr,
                     MMA: tl.constexpr, SWAP: tl.constexpr = False):
     """acc += (A_even @ B_lo^T + A_odd @ B_hi^T) * scales (the K-parity split of mma_step).
@@ -211,17 +229,11 @@ def mma_step_halves(acc, a_e, a_o, sa, b_lo, b_hi, sb, A_SCALED: tl.constexpr,
     if SWAP:
         part = tl.dot(b_lo, tl.trans(a_e))
         part = tl.dot(b_hi, tl.trans(a_o), part)
-        if A_SCALED:
-            acc += part * (sb[:, None] * sa[None, :])
-        else:
-            acc += part * sb[:, None]
+        acc = promote(acc, part, sa, sb, A_SCALED, True)
     else:
         part = tl.dot(a_e, tl.trans(b_lo))
         part = tl.dot(a_o, tl.trans(b_hi), part)
-        if A_SCALED:
-            acc += part * (sa[:, None] * sb[None, :])
-        else:
-            acc += part * sb[None, :]
+        acc = promote(acc, part, sa, sb, A_SCALED, False)
     return acc
 
 
@@ -312,18 +324,12 @@ def mma_step(acc, a, sa, b, sb, A_SCALED: tl.constexpr, MMA: tl.constexpr,
         if MMA == 1:
             a = a.to(tl.float16)
         part = tl.dot(b, tl.trans(a))
-        if A_SCALED:
-            acc += part * (sb[:, None] * sa[None, :])
-        else:
-            acc += part * sb[:, None]
+        acc = promote(acc, part, sa, sb, A_SCALED, True)
     elif MMA == 0 or MMA == 1:
         if MMA == 1:
             a = a.to(tl.float16)
         part = tl.dot(a, tl.trans(b))
-        if A_SCALED:
-            acc += part * (sa[:, None] * sb[None, :])
-        else:
-            acc += part * sb[None, :]
+        acc = promote(acc, part, sa, sb, A_SCALED, False)
     else:
         af = a.to(tl.float32)
         if A_SCALED:
@@ -490,10 +496,7 @@ def moe_acc_fused(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask, K, st
             a = a.to(tl.float16)
         b, sb = load_b_pair_fp4(b1, b2, e, rn, nmask, k0, stride_bn, MMA, NSUB, USE_ASM, BN, BK)
         part = tl.dot(a, tl.trans(b))
-        if A_SCALED:
-            acc += part * (sa[:, None] * sb[None, :])
-        else:
-            acc += part * sb[None, :]
+        acc = promote(acc, part, sa, sb, A_SCALED, False)
     acc1, acc2 = tl.split(tl.reshape(acc, (BM, BN, 2)))
     return acc1, acc2
 
