@@ -102,8 +102,11 @@ PERSISTENT_PER_SM = 2
 # overrides per call. Tiles: the "l1_fp8h" / "l2_fp8h" roles of pick_config / CONFIG_OVERRIDE.
 FP8_H = os.environ.get("MEGAGRAPH_MOE_FP8_H", "0") == "1"
 # The prefill L1 on the hand-pipelined Gluon kernel (moe_gluon.py, where available: Triton 3.6 on
-# sm_90; _gluon_l1_ok). "0" keeps the Triton moe_gemm everywhere.
+# sm_90; _gluon_l1). "0" keeps the Triton moe_gemm everywhere.
 GLUON = os.environ.get("MEGAGRAPH_MOE_GLUON", "1") == "1"
+# The decode L1 (<= 12 rows per expert) on moe_gluon_decode (same conditions as GLUON, which
+# turns both off). Experimental until timed on the H200.
+GLUON_DECODE = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE", "1") == "1"
 MMA_FP8, MMA_FP16, MMA_BF16, MMA_F32 = 0, 1, 2, 3
 WFMT = {"mxfp4": 0, "fp8_block": 1}
 RDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -590,11 +593,11 @@ def routed_experts(x_q: Tensor, x_scale: Tensor, ids: Tensor, wts: Tensor, count
     cfg1 = pick_config(r1, rpg)
     mt1 = min(P, P // cfg1.bm + E)
     tiles1 = tile_list(counts, cfg1.bm, mt1) if cfg1.persistent else None
-    if _gluon_l1_ok(x_q, x_scale, w1, w3, h, r1, rpg):
-        from . import moe_gluon
-
-        moe_gluon.l1_gluon(x_q, x_scale, srt, w1, w3, counts, h, topk=topk,
-                           max_tiles=min(P, P // moe_gluon.BM + E), limit=swiglu_limit)
+    gluon = _gluon_l1(x_q, x_scale, w1, w3, h, r1, rpg)
+    if gluon is not None:
+        launch, rows = gluon
+        launch(x_q, x_scale, srt, w1, w3, counts, h, topk=topk,
+               max_tiles=min(P, P // rows + E), limit=swiglu_limit)
     else:
         gemm(x_q, x_scale, w1, h, b2=w3, role=r1, rows_per_group=rpg, counts=counts,
              a_idx=srt, topk=topk, max_tiles=mt1, limit=swiglu_limit, tiles=tiles1,
@@ -608,26 +611,39 @@ def routed_experts(x_q: Tensor, x_scale: Tensor, ids: Tensor, wts: Tensor, count
     return y
 
 
-def _gluon_l1_ok(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor,
-                 role: str, rows_per_group: float) -> bool:
-    """Whether routed_experts' L1 runs on the hand-pipelined Gluon kernel (moe_gluon.l1_gluon)
-    instead of moe_gemm: prefill sizes (> 48 rows per expert; timed on the H200 at ~128, sixth
-    session: 8.54 -> 7.31 ms at 8192 tokens, rel. diff 2.5e-4 to the Triton L1, both 2.3e-4 to
-    fp32 math: benchmarks/results/moe-gluon-h200.md), the fp16-H role with E4M3 activations on
-    MXFP4 banks whose shapes fit its tile (F % 64, d % 256), MEGAGRAPH_MOE_GLUON not "0", no
-    CONFIG_OVERRIDE for the role (tests and sweeps pin the Triton tile), and Gluon's sm_90 APIs
-    importable (moe_gluon.available: Triton 3.6, CUDA sm_90). Anything else keeps moe_gemm."""
-    if not GLUON or role != "l1" or role in CONFIG_OVERRIDE or rows_per_group <= 48:
-        return False
+def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor,
+              role: str, rows_per_group: float):
+    """(launch, row tile) of the Gluon kernel that runs routed_experts' L1 instead of moe_gemm,
+    or None.
+    Prefill (> 48 rows per expert): moe_gluon, the hand-pipelined 128 x 64 tile (timed on the H200
+    at ~128 rows, sixth session: 8.54 -> 7.31 ms at 8192 tokens, rel. diff 2.5e-4 to the Triton
+    L1, both 2.3e-4 to fp32 math: benchmarks/results/moe-gluon-h200.md). Decode (<= 12 rows per
+    expert, GLUON_DECODE): moe_gluon_decode, the swapped wgmma with the upcast weights as a
+    register operand (benchmarks/results/moe-gluon-decode-h200.md). Both need the fp16-H role
+    with E4M3 activations on MXFP4 banks whose shapes fit the tile, MEGAGRAPH_MOE_GLUON not "0",
+    no CONFIG_OVERRIDE for the role (tests and sweeps pin the Triton tile), and Gluon's sm_90
+    APIs importable (available(): Triton 3.6, CUDA sm_90). Anything else keeps moe_gemm; the
+    middle range (12 < rows <= 48) too (not timed)."""
+    if not GLUON or role != "l1" or role in CONFIG_OVERRIDE:
+        return None
     if x_q.dtype != torch.float8_e4m3fn or x_scale is None or h.dtype != torch.float16:
-        return False
+        return None
     if not (w1.wfmt == 0 and w3.wfmt == 0 and w1.bk == 32 and w1.bn == 1 and w3.bk == 32
             and w3.bn == 1):
-        return False
-    from . import moe_gluon
+        return None
+    if rows_per_group > 48:
+        from . import moe_gluon as mod
 
-    return (w1.n % moe_gluon.BN == 0 and w1.k % (2 * moe_gluon.BK) == 0
-            and moe_gluon.available(x_q.device))
+        ok = w1.n % mod.BN == 0 and w1.k % (2 * mod.BK) == 0
+        pick = (mod.l1_gluon, mod.BM)
+    elif rows_per_group <= 12 and GLUON_DECODE:
+        from . import moe_gluon_decode as mod
+
+        ok = w1.n % mod.BW == 0 and w1.k % mod.BK == 0 and w1.k // mod.BK <= 256
+        pick = (mod.l1_gluon_decode, mod.BT)
+    else:
+        return None
+    return pick if ok and mod.available(x_q.device) else None
 
 
 def shared_expert(x_q: Tensor, x_scale: Tensor, w1: Bank, w3: Bank, w2: Bank, out: Tensor, *,

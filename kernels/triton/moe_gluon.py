@@ -40,7 +40,7 @@ rings + 768 bytes holding the epilogue's output rows / columns, which spilled wh
 registers across the K loop), per chunk pair 16 QGMMA, 4 WARPGROUP.ARRIVE, 2 WARPGROUP.DEPBAR,
 2 BAR.SYNC, 8 LDGSTS, 16 STS, no F2FP (tests/kernels/test_moe_gluon.py::test_l1_gluon_sm90_build).
 BM = 128 halves the upcast work per MMA flop against the Triton L1's 64-row tile. routed_experts
-runs its prefill L1 here where moe._gluon_l1_ok says so (> 48 rows per expert, shapes that fit,
+runs its prefill L1 here where moe._gluon_l1 says so (> 48 rows per expert, shapes that fit,
 MEGAGRAPH_MOE_GLUON not "0", available()); the H200 probe (benchmarks/moe_gluon_probe.py,
 sixth session) timed it at 7.31 ms against 8.54 ms for the Triton L1 at 8192 tokens.
 
@@ -66,7 +66,7 @@ from __future__ import annotations
 import torch
 
 from .gluon_common import IMPORT_OK as _IMPORT_OK
-from .gluon_common import available  # noqa: F401  (moe._gluon_l1_ok and the tests call it here)
+from .gluon_common import available  # noqa: F401  (moe._gluon_l1 and the tests call it here)
 from .gluon_common import check_rows, tile_list
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)

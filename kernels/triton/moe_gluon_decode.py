@@ -55,7 +55,7 @@ from __future__ import annotations
 import torch
 
 from .gluon_common import IMPORT_OK as _IMPORT_OK
-from .gluon_common import available  # noqa: F401  (moe._gluon_l1_ok and the tests call it here)
+from .gluon_common import available  # noqa: F401  (moe._gluon_l1 and the tests call it here)
 from .gluon_common import check_rows, tile_list
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)

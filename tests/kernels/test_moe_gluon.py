@@ -228,7 +228,7 @@ def test_l1_gluon_sm90_build(bm, asm):
 
 
 # ---------------------------------------------------------------------------------------------
-# routed_experts' choice of the Gluon L1 (moe._gluon_l1_ok) and the wired-in path
+# routed_experts' choice of the Gluon L1 (moe._gluon_l1) and the wired-in path
 # ---------------------------------------------------------------------------------------------
 
 
@@ -243,38 +243,62 @@ def _cpu_banks(d=256, F=128, E=4, fmt="mxfp4"):
 
 
 def test_gluon_l1_choice(monkeypatch):
-    """The Gluon L1 runs only where it was timed and checked: the fp16-H "l1" role at prefill
-    sizes (> 48 rows per expert), E4M3 activations with scales, MXFP4 banks whose shapes fit
-    the tile (N % 64, K % 256), no CONFIG_OVERRIDE for the role, MEGAGRAPH_MOE_GLUON on, and
-    moe_gluon.available() (forced here: the predicate's own logic, on any machine)."""
+    """The Gluon L1s run only where they were timed and checked: the fp16-H "l1" role, the
+    prefill kernel (moe_gluon.l1_gluon) above 48 rows per expert, the decode kernel
+    (moe_gluon_decode.l1_gluon_decode) at <= 12, moe_gemm in between; E4M3 activations with
+    scales, MXFP4 banks whose shapes fit the tile (prefill N % 64, K % 256; decode N % 64,
+    K % 128), no CONFIG_OVERRIDE for the role, MEGAGRAPH_MOE_GLUON on (and
+    MEGAGRAPH_MOE_GLUON_DECODE for the decode kernel), and available() (forced here: the
+    predicate's own logic, on any machine)."""
     from megagraph.kernels.triton import moe
+    from megagraph.kernels.triton import moe_gluon_decode as md
 
-    monkeypatch.setattr(mg, "available", lambda device=None: True)
+    for mod in (mg, md):
+        monkeypatch.setattr(mod, "available", lambda device=None: True)
     monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
     monkeypatch.setattr(moe, "GLUON", True)
+    monkeypatch.setattr(moe, "GLUON_DECODE", True)
     w1, w3 = _cpu_banks()
-    xq = torch.zeros(4, 256, dtype=torch.float8_e4m3fn)
-    xs = torch.ones(4, 2)
+    xq = torch.randn(4, 256).to(torch.float8_e4m3fn)
+    xs = torch.rand(4, 2) + 0.5
     h = torch.empty(8, 128, dtype=torch.float16)
-    ok = moe._gluon_l1_ok
-    assert ok(xq, xs, w1, w3, h, "l1", 128.0)
-    assert not ok(xq, xs, w1, w3, h, "l1", 48.0)  # decode / middle sizes keep moe_gemm
-    assert not ok(xq, xs, w1, w3, h, "l1_fp8h", 128.0)  # FP8-H L1 quantizes H: not built here
-    assert not ok(xq, None, w1, w3, h, "l1", 128.0)
-    assert not ok(xq.float(), xs, w1, w3, h, "l1", 128.0)
-    assert not ok(xq, xs, w1, w3, h.float(), "l1", 128.0)  # exact mode / fp32 H
-    a1, a3 = _cpu_banks(d=128)  # K = 128: not a whole chunk pair
-    assert not ok(xq[:, :128], xs[:, :1], a1, a3, h, "l1", 128.0)
-    b1, b3 = _cpu_banks(F=96)  # N = 96: not a multiple of the 64-column tile
-    assert not ok(xq, xs, b1, b3, h[:, :96], "l1", 128.0)
+
+    def ok(*a):
+        pick = moe._gluon_l1(*a)
+        return None if pick is None else pick[0].__name__
+
+    assert ok(xq, xs, w1, w3, h, "l1", 128.0) == "l1_gluon"
+    assert moe._gluon_l1(xq, xs, w1, w3, h, "l1", 128.0)[1] == mg.BM
+    assert ok(xq, xs, w1, w3, h, "l1", 48.0) is None  # the middle range keeps moe_gemm
+    assert ok(xq, xs, w1, w3, h, "l1", 12.5) is None
+    assert ok(xq, xs, w1, w3, h, "l1", 12.0) == "l1_gluon_decode"
+    assert moe._gluon_l1(xq, xs, w1, w3, h, "l1", 1.0)[1] == md.BT
+    for rpg in (128.0, 3.0):
+        assert ok(xq, xs, w1, w3, h, "l1_fp8h", rpg) is None  # quantizes H: not built here
+        assert ok(xq, None, w1, w3, h, "l1", rpg) is None
+        assert ok(xq.float(), xs, w1, w3, h, "l1", rpg) is None
+        assert ok(xq, xs, w1, w3, h.float(), "l1", rpg) is None  # exact mode / fp32 H
+        b1, b3 = _cpu_banks(F=96)  # N = 96: not a multiple of the 64-column tile
+        assert ok(xq, xs, b1, b3, h[:, :96], "l1", rpg) is None
+    a1, a3 = _cpu_banks(d=128)  # K = 128: not a whole chunk pair (prefill), one chunk (decode)
+    assert ok(xq[:, :128], xs[:, :1], a1, a3, h, "l1", 128.0) is None
+    assert ok(xq[:, :128], xs[:, :1], a1, a3, h, "l1", 2.0) == "l1_gluon_decode"
     monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {"l1": moe.GemmConfig(64, 64)})
-    assert not ok(xq, xs, w1, w3, h, "l1", 128.0)
+    assert ok(xq, xs, w1, w3, h, "l1", 128.0) is None
+    assert ok(xq, xs, w1, w3, h, "l1", 2.0) is None
     monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
+    monkeypatch.setattr(moe, "GLUON_DECODE", False)
+    assert ok(xq, xs, w1, w3, h, "l1", 2.0) is None
+    assert ok(xq, xs, w1, w3, h, "l1", 128.0) == "l1_gluon"
+    monkeypatch.setattr(moe, "GLUON_DECODE", True)
     monkeypatch.setattr(moe, "GLUON", False)
-    assert not ok(xq, xs, w1, w3, h, "l1", 128.0)
+    assert ok(xq, xs, w1, w3, h, "l1", 128.0) is None
+    assert ok(xq, xs, w1, w3, h, "l1", 2.0) is None
     monkeypatch.setattr(moe, "GLUON", True)
-    monkeypatch.setattr(mg, "available", lambda device=None: False)
-    assert not ok(xq, xs, w1, w3, h, "l1", 128.0)
+    for mod in (mg, md):
+        monkeypatch.setattr(mod, "available", lambda device=None: False)
+    assert ok(xq, xs, w1, w3, h, "l1", 128.0) is None
+    assert ok(xq, xs, w1, w3, h, "l1", 2.0) is None
 
 
 @gpu

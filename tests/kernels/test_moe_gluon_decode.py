@@ -27,6 +27,7 @@ import torch
 from gluon_cases import TYPES, case, debug_cases, diagnose, reference, rel
 from megagraph.kernels.triton import moe_gluon_decode as md
 from sm90_build import gluon_sm90, loop_instructions, usage_and_sass
+from test_triton_moe import ACT, check_routed, routed_case
 
 GPU_OK = md.available()
 gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and Triton 3.6 Gluon")
@@ -89,6 +90,26 @@ def test_l1_decode_asm_vs_arith_and_tiles():
     assert torch.isfinite(o1).all(), "PTX upcast: an element not written / not finite"
     assert torch.equal(o1, o2), f"PTX vs arithmetic upcast: rel {rel(o1, o2):.3e}"
     assert torch.equal(o1, o3), "prebuilt tile list differs"
+
+
+@gpu
+@pytest.mark.parametrize("gluon", [True, False])
+def test_routed_experts_decode_uses_gluon(gluon, monkeypatch):
+    """routed_experts at a decode size (24 tokens, top-6 of 48 experts: 3 rows per expert) runs
+    its L1 on l1_gluon_decode when on (once) and on moe_gemm when MEGAGRAPH_MOE_GLUON_DECODE is
+    off; both against the reference op within test_triton_moe's bound (2e-3, fp32 output)."""
+    from megagraph.kernels.triton import moe
+
+    monkeypatch.setattr(moe, "GLUON_DECODE", gluon)
+    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
+    calls = []
+    real = md.l1_gluon_decode
+    monkeypatch.setattr(md, "l1_gluon_decode",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    xq, xs, ids, wts, bank = routed_case(24, 48, 512, 128, 6, seed=91)
+    check_routed(xq, xs, ids, wts, bank, dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT,
+                                              out_dtype="f32"))
+    assert len(calls) == (1 if gluon else 0)
 
 
 @gpu
