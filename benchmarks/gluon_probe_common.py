@@ -256,3 +256,46 @@ def check_lines(prefix: str, checks: list) -> list:
     return [f"{prefix} check {c.get('tokens')} tokens {c.get('dims')}: ok "
             f"{c.get('ok')}, rel {c.get('rel_err_vs_fp32')}, written "
             f"{c.get('all_written')}, error {str(c.get('error', ''))[:200]}" for c in checks]
+
+
+def build_l2(T: int, d: int, F: int, E: int, k: int, seed: int = 0):
+    """The decode L2's inputs (benchmarks/moe_gluon_decode_l2_probe.py): fp16 H [T k, F] (the
+    L1's output in expert-sorted rows; N(0, 1) values), a W2 bank [E, d, F / 2] (MXFP4,
+    exponents 119 .. 124), top-k routing of uniform random scores (distinct experts per token,
+    build's "random"), the sorted pair list and the pair weights: (h, w2, counts, srt, wts
+    [T, k])."""
+    from megagraph.kernels.triton import moe
+
+    torch.manual_seed(seed)
+    dev = "cuda"
+    h = torch.randn(T * k, F, device=dev).to(torch.float16)
+    w = torch.randint(-128, 128, (E, d, F // 2), dtype=torch.int8, device=dev)
+    s = torch.randint(119, 125, (E, d, F // 32), dtype=torch.uint8, device=dev)
+    w2 = moe.bank(w, s.view(torch.float8_e8m0fnu), "mxfp4")
+    ids = torch.rand(T, E, device=dev).topk(k, dim=1).indices
+    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
+    srt = moe.permute(ids.flatten(), counts, E)
+    wts = torch.rand(T, k, device=dev)
+    return h, w2, counts, srt, wts
+
+
+def reference_l2_slots(h, w2, counts, srt, wts, ks: int, experts: int):
+    """fp32 y rows of the first `experts` experts with rows: row_w[p] x (H[r] @ W2[g]^T) on the
+    exactly dequantized W2, as (y row indices (p // k) ks + p % k, the rows [n, d])."""
+    lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=h.device)
+    lut = torch.cat([lut, -lut])
+    k = wts.shape[1]
+    idx, rows, r0, done = [], [], 0, 0
+    for e, c in enumerate(counts.tolist()):
+        if done == experts:
+            break
+        if c:
+            v = w2.w[e].view(torch.uint8).long()
+            W = torch.stack([lut[v & 0xF], lut[v >> 4]], -1).flatten(-2)
+            W = W * torch.exp2(w2.s[e].float() - 127).repeat_interleave(32, -1)
+            p = srt[r0:r0 + c].long()
+            idx.append((p // k) * ks + p % k)
+            rows.append(wts.reshape(-1)[p, None] * (h[r0:r0 + c].float() @ W.T))
+            done += 1
+        r0 += c
+    return torch.cat(idx), torch.cat(rows)

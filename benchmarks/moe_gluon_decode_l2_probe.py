@@ -1,0 +1,205 @@
+"""Times the experimental Gluon DECODE L2 (kernels/triton/moe_gluon_decode_l2.py: swapped wgmma
+with the MXFP4 W2 upcast to fp16 in registers as the A operand, a 4-stage cp.async ring, the
+weighted scatter to y) against the Triton L2 launch that routed_experts makes at decode
+(moe.gemm role "l2" with pick_config("l2", rows)), at V4.1-Flash dims: d = 5120 output
+columns, 384 experts x F = 2304 (MXFP4 W2, E8M0 per 32), top-6, 64 tokens with random routing
+(~240 experts touched, 1..5 rows each), y [T, ks = 7, d] bf16 (mega_moe's: topk + the shared
+expert's slot, bf16 for a bf16 model). Random weights made on the device. Each launch is timed
+as CUDA-graph replays (events, median of batches).
+
+    python benchmarks/moe_gluon_decode_l2_probe.py --out /tmp/gd2            # H200, 64 tokens
+    python benchmarks/moe_gluon_decode_l2_probe.py --tokens 16 --out /tmp/gd2
+    python benchmarks/moe_gluon_decode_l2_probe.py --y-dtype f32 --out /tmp/gd2
+    python benchmarks/moe_gluon_decode_l2_probe.py --smoke                  # small dims
+
+Order: the Triton L2 is timed first and the JSON / md written after every row; then the Gluon
+kernel is checked in child processes (CUDA_LAUNCH_BLOCKING=1; small dims, then these dims:
+NaN-poisoned y, every routed slot written and no other, rel. error vs the fp32 math of the
+same operands < 2e-3 for f32 y, 1e-2 for bf16), so an illegal memory access cannot lose the
+Triton row; the Gluon kernel is timed only if both checks pass. Bandwidth: bytes of the touched
+experts' W2 (packed FP4 + E8M0) per call, GB/s and % of 4.24 TB/s (H200 HBM3e). Needs CUDA
+sm_90 and Triton 3.6 (moe_gluon_decode_l2.available()); elsewhere it says so and exits 0.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+# the shared inputs, timing, child checks and report (after the sys.path entry: E402)
+from gluon_probe_common import V41_FLASH as REAL  # noqa: E402
+from gluon_probe_common import build_l2, check_lines, finish, probe_parser  # noqa: E402
+from gluon_probe_common import reference_l2_slots, rel, run_child, skipped  # noqa: E402
+from gluon_probe_common import table, timed_row, write_report  # noqa: E402
+
+PEAK_GBS = 4240.0
+SMOKE = dict(d=1024, F=256, E=64, k=6)
+YDT = {"bf16": torch.bfloat16, "f32": torch.float32}
+
+
+def _launch_triton(h, w2, counts, srt, wts, y, E):
+    """moe.gemm role "l2" into y [T, ks, d] as routed_experts launches it."""
+    from megagraph.kernels.triton import moe
+
+    T, k = wts.shape
+    P = T * k
+    rpg = P / max(1, min(E, P))
+    mt2 = min(P, P // moe.pick_config("l2", rpg).bm + E)
+    moe.gemm(h, None, w2, y.view(T * y.shape[1], -1), role="l2", rows_per_group=rpg,
+             counts=counts, c_idx=srt, row_w=wts.reshape(-1), topk=k, ks=y.shape[1],
+             max_tiles=mt2)
+
+
+def _errors(y, ref_idx, ref_rows, k) -> dict:
+    """Every routed slot written (finite), every other slot untouched (NaN), and the rel.
+    error of the reference's rows."""
+    flat = y.view(-1, y.shape[-1])
+    return dict(all_written=bool(torch.isfinite(y[:, :k]).all()),
+                others_untouched=bool(torch.isnan(y[:, k:]).all()),
+                rel_err_vs_fp32=rel(flat[ref_idx].nan_to_num(0.0, 0.0, 0.0), ref_rows))
+
+
+def check(T: int, dims: dict, ks: int, ydt: str) -> dict:
+    """One Gluon decode L2 call (NaN-poisoned y) against the fp32 math of the first experts'
+    rows. Meant for a child process (--check-json)."""
+    from megagraph.kernels.triton import moe_gluon_decode_l2 as ml2
+
+    d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
+    h, w2, counts, srt, wts = build_l2(T, d, F, E, k, seed=1)
+    P = T * k
+    y = torch.full((T, ks, d), float("nan"), dtype=YDT[ydt], device="cuda")
+    ml2.l2_gluon_decode(h, w2, counts, srt, wts.reshape(-1), y.view(T * ks, d), topk=k, ks=ks,
+                        max_tiles=min(P, P // ml2.BT + E))
+    torch.cuda.synchronize()
+    idx, ref = reference_l2_slots(h, w2, counts, srt, wts, ks, experts=8)
+    res = dict(tokens=T, dims=dims, ks=ks, y_dtype=ydt, **_errors(y, idx, ref, k))
+    tol = 2e-3 if ydt == "f32" else 1e-2
+    res["ok"] = res["all_written"] and res["others_untouched"] and res["rel_err_vs_fp32"] < tol
+    return res
+
+
+def check_in_child(T: int, dims: dict, ks: int, ydt: str, timeout: float = 120.0) -> dict:
+    """check(...) in a child process (run_child: CUDA_LAUNCH_BLOCKING=1, a crash cannot poison
+    this process's context): its result, or the failure as a result."""
+    got, timed_out, error = run_child(__file__, dict(tokens=T, dims=dims, ks=ks, ydt=ydt),
+                                      timeout)
+    if got and not timed_out:
+        return got[-1]
+    return dict(tokens=T, dims=dims, ok=False, error=error)
+
+
+def main() -> None:
+    ap = probe_parser(__doc__, 64, "decode tokens (rows = tokens * 6)",
+                      "small dims (d 1024, F 256, 64 experts)", "moe_gluon_decode_l2_probe",
+                      extra=[("--ks", dict(type=int, default=7, help="slots per token in y")),
+                             ("--y-dtype", dict(choices=sorted(YDT), default="bf16",
+                                                help="y dtype"))])
+    args = ap.parse_args()
+
+    def write():  # the JSON / md, after every row: a later crash loses nothing measured
+        _write(args.out, res)
+
+    if args.check_json:
+        c = json.loads(args.check_json)
+        try:
+            res = check(c["tokens"], c["dims"], c["ks"], c["ydt"])
+        except Exception as exc:  # noqa: BLE001  (reported to the parent)
+            res = dict(tokens=c["tokens"], dims=c["dims"], ok=False, error=repr(exc)[:800])
+        print(json.dumps(res), flush=True)
+        return
+
+    from megagraph.kernels.triton import moe
+    from megagraph.kernels.triton import moe_gluon_decode_l2 as ml2
+
+    dims = SMOKE if args.smoke else REAL
+    T, ks, ydt = args.tokens, args.ks, args.y_dtype
+    res = dict(tokens=T, dims=dims, ks=ks, y_dtype=ydt, peak_gbs=PEAK_GBS, rows=[])
+    if skipped(res, ml2.available(), "moe_gluon_decode_l2.available()", write):
+        return
+    t_start = time.perf_counter()
+    d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
+    h, w2, counts, srt, wts = build_l2(T, d, F, E, k)
+    P = T * k
+    touched = int((counts > 0).sum())
+    res["experts_touched"] = touched
+    res["max_rows_per_expert"] = int(counts.max())
+    wbytes = touched * d * (F // 2 + F // 32)  # W2 packed FP4 + E8M0 of the touched experts
+    res["weight_bytes"] = wbytes
+    mtg = min(P, P // ml2.BT + E)
+
+    def rates(ms):
+        gbs = wbytes / ms / 1e6
+        return dict(gbs=gbs, pct_bw=100 * gbs / PEAK_GBS)
+
+    def timed(name, fn, tile):
+        return timed_row(res, write, name, fn, tile, rates)
+
+    y_tr = torch.full((T, ks, d), float("nan"), dtype=YDT[ydt], device="cuda")
+    rpg = P / max(1, min(E, P))
+    timed("triton l2 (moe.gemm)", lambda: _launch_triton(h, w2, counts, srt, wts, y_tr, E),
+          moe.pick_config("l2", rpg).__dict__)
+    idx, ref = reference_l2_slots(h, w2, counts, srt, wts, ks, experts=8)
+    res["triton"] = _errors(y_tr, idx, ref, k)
+    write()
+    checks = [check_in_child(min(T, 64), SMOKE, ks, ydt)]
+    if checks[0].get("ok"):
+        checks.append(check_in_child(T, dims, ks, ydt))
+    res["gluon_checks"] = checks
+    print(json.dumps(checks), flush=True)
+    write()
+    if not all(c.get("ok") for c in checks):
+        res["gluon_skipped"] = "the Gluon decode L2 is wrong or crashed (gluon_checks): not timed"
+        res["rows"].append(dict(name="gluon decode l2", error=res["gluon_skipped"]))
+        print(res["gluon_skipped"], flush=True)
+    else:
+        y_gl = torch.full_like(y_tr, float("nan"))
+        tiles = moe.tile_list(counts, ml2.BT, mtg)
+
+        def gluon_l2(use_asm=True, prebuilt=True):
+            ml2.l2_gluon_decode(h, w2, counts, srt, wts.reshape(-1), y_gl.view(T * ks, d),
+                                topk=k, ks=ks, max_tiles=mtg, tiles=tiles if prebuilt else None,
+                                use_asm=use_asm)
+
+        tile = dict(bw=ml2.BW, bt=ml2.BT, bk=ml2.BK, ns=ml2.NS, warps=ml2.NUM_WARPS)
+        if timed("gluon decode l2", gluon_l2, tile):
+            timed("gluon decode l2 + tile_list", lambda: gluon_l2(prebuilt=False), None)
+            timed("gluon decode l2 (arith upcast)", lambda: gluon_l2(use_asm=False), None)
+            gluon_l2()
+        try:
+            torch.cuda.synchronize()
+            res["gluon"] = _errors(y_gl, idx, ref, k)
+            res["rel_err_gluon_vs_triton"] = rel(y_gl[:, :k], y_tr[:, :k])
+        except Exception as exc:  # noqa: BLE001
+            res["gluon_error"] = repr(exc)[:500]
+    finish(res, t_start, write)
+
+
+def _write(out, res) -> None:
+    if not out:
+        return
+    lines = [(f"# Gluon decode L2 probe, {res['tokens']} tokens, dims {res['dims']}, ks "
+              f"{res['ks']}, y {res['y_dtype']}"), ""]
+    if "skipped" in res:
+        lines.append(f"skipped: {res['skipped']}")
+    else:
+        lines += [(f"experts touched: {res.get('experts_touched')}, max rows per expert "
+                   f"{res.get('max_rows_per_expert')}, weight bytes {res.get('weight_bytes')}"), ""]
+        lines += table(res["rows"], "| launch | ms | GB/s | % of 4.24 TB/s |",
+                       lambda r: [f"{r['ms']:.3f}", f"{r['gbs']:.0f}", f"{r['pct_bw']:.1f}"])
+        v = res.get("rel_err_gluon_vs_triton")
+        lines += ["", f"rel err gluon vs triton: {f'{v:.2e}' if isinstance(v, float) else 'n/a'}",
+                  f"triton vs fp32 math (first 8 experts): {res.get('triton')}",
+                  f"gluon vs fp32 math (first 8 experts): {res.get('gluon')}"]
+        lines += check_lines("gluon", res.get("gluon_checks", []))
+    write_report(out, "moe_gluon_decode_l2_probe", res, lines)
+
+
+if __name__ == "__main__":
+    main()

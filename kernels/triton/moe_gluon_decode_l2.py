@@ -1,0 +1,394 @@
+"""Experimental Gluon (Triton 3.6, sm_90) kernel for the DECODE routed-expert L2 GEMM (the down
+projection): Y = row_w x (H W2^T) on MXFP4 W2 with the fp16 H of the L1, scattered to the
+(token, slot) rows of y - the launch `routed_experts` makes through `moe.gemm(role="l2")` at
+<= 12 rows per expert (moe_jit.moe_tile with SCATTER_C / WEIGHTED, load_b_tile's MXFP4 x fp16
+MMA). The Triton L2 runs there at ~33% of the H200's HBM bandwidth; this is the L2 twin of
+moe_gluon_decode.py (the decode L1: 1.66 -> 1.11 ms, 64%). Not wired into routed_experts: the
+lead decides after timing it (benchmarks/moe_gluon_decode_l2_probe.py).
+
+Swap AB, as the decode L1: per program one row tile of <= BT = 16 expert-sorted rows of one
+expert (moe.tile_list at 16 rows) and a block of BW = 64 weight rows (output columns of y); per
+128-column K chunk
+
+    C^T [64 weight rows, 16 tokens] += W2 [64, 128] @ H^T [128, 16]      (wgmma m64n16k16 x 8)
+
+with W2 the wgmma's A operand IN REGISTERS (fp16, DotOperandLayout(0, mma, k_width 2)): the
+MXFP4 bytes are read from shared memory and upcast in registers - no store of the upcast tile.
+H^T (the chunk's 16 rows of H, fp16, NVMMA-swizzled, K-major) is the B operand in shared memory.
+
+Pipeline (NS = 4 stages, one warpgroup, every stage its own allocation and the loop unrolled by
+NS as in the L1s, so Gluon's barrier analysis sees static stages): per chunk i
+    cp.async.wait_group(NS - 2); bar.sync; fence.proxy.async        (stage i % NS landed)
+    cp.async chunk i + NS - 1 into the stage chunk i - 1 used (its LDS and wgmma are done)
+    LDS the packed words + exponents, tables, upcast -> wgmma (async) -> wait(0)
+    acc += part * sb                      (sb = 2^(S - 127) per weight row, moe_jit.promote)
+A stage: the packed W2 rows [64, 64 bytes] (2 x 16-byte cp.async per thread), their E8M0
+exponents [64, 4] (4-byte cp.async), H [16, 128] fp16 (eight 4-byte cp.async per thread, in the
+k order below, zero-filled past the tile's rows). No A scales (H is fp16).
+
+The k order (one fp16x2 A register = 2 consecutive k = 2 adjacent columns = one packed byte):
+the m64n16k16 fp16 A fragment gives lane 4 g + t of warp w the k pairs (2t, 2t+1) and
+(2t+8, 2t+9) of rows 16 w + g and 16 w + g + 8 per k16 step, so over a chunk's 8 steps a thread
+holds 16 k pairs per row - exactly one 32-column scale group. Thread t reads the 16 packed bytes
+of group t of each of its rows (one LDS.128 each: words kk = 0..3); byte j of word kk is pair
+q = 4 kk + j of the group and goes to k positions
+
+    kpos = 16 (q // 2) + 8 (q % 2) + 2 t + i  <-  column 32 t + 2 q + i        (i = 0, 1)
+
+(kpos = 32 kk + 16 (j // 2) + 8 (j % 2) + 2 t + i). H is copied into shared memory with the
+same permutation in 4-byte pieces (h_column: the column at each k position), so the sum over the
+chunk is unchanged (tests/kernels/test_moe_gluon_decode_l2.py checks the bijection and the dot
+product on the CPU).
+
+The upcast (FP16_TABLE_ASM, one call per packed word = 8 columns -> 4 fp16x2 registers): every
+E2M1 magnitude times 2^rel, rel in [-5, 6], is an fp16 with a ZERO low byte, its high byte
+0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46 (0.5 .. 6) plus 4 rel (the exponent field is bits
+10..14: no carry out of a byte over [-5, 6]), 0 for code 0. Per (row, group) two table words
+(ta = high bytes of magnitudes 0..3, tb = 4..7; all zero for rel < -5: the flush) are looked up
+by one prmt with the 4 magnitude nibbles of a half word; the nibbles' sign bits are moved to bit
+7 of their bytes (prmt of the word and the word << 4, one and); two prmt with a zero word then
+spread the 4 high bytes into 2 fp16x2 registers (byte 2 j' -> bits 8..15, 2 j' + 1 -> 24..31).
+rel = e - S, S = max(max(e) - 6, 1) over the row's 4 exponents of the chunk (moe_acc's choice).
+USE_ASM = False computes the same 4 registers per word with integer arithmetic (_fp16x2_bits)
+elementwise on the same word tensor - no layout operation differs - for the bit-exact check.
+
+Numerics == moe.gemm role "l2" at decode (load_b_tile MMA == 1: the E4M3 codes e2m1 x 2^rel,
+converted to fp16, which are these exact fp16 values; fp32 partial per chunk from the fp16 MMA,
+acc += part * 2^(S - 127)); epilogue out row (p // topk) * ks + p % topk of sorted row r
+(p = c_idx[r]) = acc * row_w[p], cast to out's dtype. Only the tensor core's sum order inside a
+chunk differs (as for every wgmma kernel here).
+"""
+from __future__ import annotations
+
+import torch
+
+from .gluon_common import IMPORT_OK as _IMPORT_OK
+from .gluon_common import available  # noqa: F401  (the tests and the probe call it here)
+from .gluon_common import tile_list
+
+BW, BT, BK, NS, NUM_WARPS = 64, 16, 128, 4, 4
+
+
+def h_column(kpos):
+    """The chunk column whose H element sits at wgmma k position kpos (0 .. 127): kpos =
+    16 s + 8 h + 2 t + i <- column 32 t + 4 s + 2 h + i (pair q = 2 s + h of group t, module
+    docstring). Plain arithmetic on ints, torch tensors or (as _h_column, gluon.jit of this
+    function) the kernel's tensors: one formula for the kernel and the CPU test."""
+    return ((kpos // 2) % 4) * 32 + (kpos // 16) * 4 + ((kpos // 8) % 2) * 2 + kpos % 2
+
+
+def _signs_and_spread(sel: str, sgn: str, out0: str, out1: str) -> str:
+    """One half word of FP16_TABLE_ASM_TEXT: high bytes of the 4 magnitude nibbles `sel` from
+    the tables $5 / $6, the nibbles' signs (prmt selector `sgn` of w4 = word << 4 and the word
+    $4: bit 7 of each picked byte) OR-ed into bit 7, spread into the fp16x2 registers out0
+    (nibbles 0, 1 of the half) and out1 (2, 3). Written once: the halves differ in these
+    names only."""
+    return (f"prmt.b32 m, $5, $6, {sel};\n"
+            f"prmt.b32 q, w4, $4, {sgn};\n"
+            "and.b32 q, q, 0x80808080;\n"
+            "or.b32 m, m, q;\n"
+            f"prmt.b32 {out0}, m, 0, 0x1404;\n"
+            f"prmt.b32 {out1}, m, 0, 0x3424;\n")
+
+
+# One packed word: $4 = 4 bytes (8 E2M1 codes, byte j: low nibble = column 2j, high = 2j + 1),
+# $5 = table high bytes T[0..3] (T[0] = 0), $6 = T[4..7] of the word's (row, group).
+# $0 .. $3 = fp16x2 of bytes 0 .. 3 (low half = column 2j, high half = 2j + 1).
+# prmt with the magnitudes (bit 3 of each selector nibble cleared: no sign-replicate mode) looks
+# up 4 high bytes at once; the sign of nibble n is bit 3 of byte n // 2 for even n (bit 7 of
+# that byte of word << 4), bit 7 for odd n: selectors 0x5140 (nibbles 0..3: w4.b0, w.b0, w4.b1,
+# w.b1) and 0x7362 (nibbles 4..7); the spread puts a zero word's byte (4) in the low bytes.
+FP16_TABLE_ASM_TEXT = ("\n{\n"
+                       ".reg .b32 pm, sh, w4, q, m;\n"
+                       "and.b32 pm, $4, 0x77777777;\n"
+                       "shl.b32 w4, $4, 4;\n"
+                       + _signs_and_spread("pm", "0x5140", "$0", "$1")
+                       + "shr.u32 sh, pm, 16;\n"
+                       + _signs_and_spread("sh", "0x7362", "$2", "$3")
+                       + "}\n")
+
+# the A operand's assembly in _upcast: [row, t, kk, i, j % 2, j // 2] (the joins of the 4
+# registers' fp16 halves) -> [row, kk, j // 2, j % 2, t, i], i.e. k position 32 kk + 16 (j // 2)
+# + 8 (j % 2) + 2 t + i (the CPU test replays it on column indices)
+A_ORDER = (0, 2, 5, 4, 1, 3)
+
+# table words of rel = 0 and their step per unit of rel (4 per byte; byte 0 of ta is T[0] = 0)
+TABLE_A, TABLE_B = 0x3E3C3800, 0x46444240
+STEP_A, STEP_B = 0x04040400, 0x04040404
+
+
+if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
+    from .gluon_common import async_copy, fence_async_shared, gluon, ttgl
+    from .gluon_common import warpgroup_mma, warpgroup_mma_wait
+
+    FP16_TABLE_ASM = ttgl.constexpr(FP16_TABLE_ASM_TEXT)
+    _TA, _TB = ttgl.constexpr(TABLE_A), ttgl.constexpr(TABLE_B)
+    _SA, _SB = ttgl.constexpr(STEP_A), ttgl.constexpr(STEP_B)
+    _A_ORDER = ttgl.constexpr(A_ORDER)
+    _h_column = gluon.jit(h_column)
+
+    @gluon.jit
+    def _fp16_bits(c, rel):
+        """fp16 bits (int32) of E2M1 code c (low 4 bits) times 2^rel: high byte 0x38 (0.5) or
+        0x38 + 2 m (m = 2 .. 7: 1 .. 6) plus 4 rel, sign at bit 15; (signed) zero for code 0 or
+        rel < -5 (the flush)."""
+        m = c & 7
+        hb = ttgl.where(m >= 2, 0x38 + 2 * m, 0x38) + 4 * rel
+        hb = ttgl.where((m == 0) | (rel < -5), 0, hb)
+        return (hb << 8) | ((c & 8) << 12)
+
+    @gluon.jit
+    def _fp16x2_bits(w, rel, J: ttgl.constexpr):
+        """The arithmetic twin of FP16_TABLE_ASM's output register J: fp16x2 of byte J of the
+        packed word w (low half = its low nibble) at offset rel, elementwise."""
+        b = (w >> (8 * J)) & 0xFF
+        return _fp16_bits(b & 0xF, rel) | (_fp16_bits(b >> 4, rel) << 16)
+
+    @gluon.jit
+    def _halves(r):
+        """An fp16x2 register tensor (int32) -> [.., 2] int16 (low half, high half)."""
+        return ttgl.join(r.to(ttgl.int16), (r >> 16).to(ttgl.int16))
+
+    @gluon.jit
+    def _upcast(w_st, e_st, USE_ASM: ttgl.constexpr, w2_l: ttgl.constexpr,
+                w_l: ttgl.constexpr, a_dot: ttgl.constexpr, row_l: ttgl.constexpr,
+                BW: ttgl.constexpr):
+        """The stage's packed rows (w_st [BW, 64] bytes, e_st [BW, 4] exponents) -> the wgmma A
+        operand (fp16 [BW, 128] in a_dot, k permuted as the module docstring says) and the rows'
+        promotion scales 2^(S - 127) (row_l)."""
+        e_l: ttgl.constexpr = ttgl.SliceLayout(2, w_l)
+        flat: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        w = w_st._reinterpret(ttgl.int32, [BW, 16], flat).load(w2_l)  # LDS.128 of group t
+        w = ttgl.convert_layout(ttgl.reshape(w, [BW, 4, 4]), w_l, assert_trivial=True)
+        e = e_st.load(e_l).to(ttgl.int32)  # [BW, 4]: thread t: group t
+        S = ttgl.maximum(ttgl.max(e, axis=1) - 6, 1)
+        rel = e - ttgl.expand_dims(S, 1)
+        rel_w = ttgl.broadcast(ttgl.expand_dims(rel, 2), w)[0]
+        if USE_ASM:
+            flush = rel_w < -5
+            ta = ttgl.where(flush, 0, _TA + rel_w * _SA)
+            tb = ttgl.where(flush, 0, _TB + rel_w * _SB)
+            r0, r1, r2, r3 = ttgl.inline_asm_elementwise(
+                FP16_TABLE_ASM, "=r,=r,=r,=r,r,r,r", [w, ta, tb],
+                dtype=(ttgl.int32, ttgl.int32, ttgl.int32, ttgl.int32), is_pure=True, pack=1)
+        else:
+            r0 = _fp16x2_bits(w, rel_w, 0)
+            r1 = _fp16x2_bits(w, rel_w, 1)
+            r2 = _fp16x2_bits(w, rel_w, 2)
+            r3 = _fp16x2_bits(w, rel_w, 3)
+        # [row, t, kk, i, j % 2, j // 2] -> the k order (A_ORDER)
+        lo = ttgl.join(_halves(r0), _halves(r1))
+        hi = ttgl.join(_halves(r2), _halves(r3))
+        a = ttgl.permute(ttgl.join(lo, hi), _A_ORDER.value)
+        a = ttgl.reshape(a, [BW, 128]).to(ttgl.float16, bitcast=True)
+        a = ttgl.convert_layout(a, a_dot, assert_trivial=True)
+        sb = (S << 23).to(ttgl.float32, bitcast=True)  # S >= 1: 2^(S - 127), normal
+        return a, ttgl.convert_layout(sb, row_l, assert_trivial=True)
+
+    @gluon.jit
+    def _issue(w_dst, e_dst, x_dst, w_ptrs, e_ptrs, x_ptrs, x_mask, c, n_k, BK: ttgl.constexpr):
+        """cp.async of chunk min(c, n_k - 1) (clamped: past K it re-reads the last chunk into a
+        stage nobody reads) and commit."""
+        k0 = ttgl.minimum(c, n_k - 1) * BK
+        async_copy.async_copy_global_to_shared(w_dst, w_ptrs + k0 // 2)
+        async_copy.async_copy_global_to_shared(e_dst, e_ptrs + k0 // 32)
+        async_copy.async_copy_global_to_shared(x_dst, x_ptrs + k0, mask=x_mask)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _chunk(i, n_k, w_cur, e_cur, x_cur, w_nxt, e_nxt, x_nxt, acc, w_ptrs, e_ptrs, x_ptrs,
+               x_mask, USE_ASM: ttgl.constexpr, NS: ttgl.constexpr, BW: ttgl.constexpr,
+               BT: ttgl.constexpr, BK: ttgl.constexpr, mma: ttgl.constexpr,
+               w2_l: ttgl.constexpr, w_l: ttgl.constexpr, a_dot: ttgl.constexpr):
+        async_copy.wait_group(NS - 2)  # this thread's copies of chunk i landed
+        # every thread's copies of chunk i in; every thread done with chunk i - 1 (its LDS, its
+        # waited wgmma): the stage written below is free
+        ttgl.thread_barrier()
+        fence_async_shared()  # H (cp.async, generic proxy) -> the wgmma (async proxy)
+        _issue(w_nxt, e_nxt, x_nxt, w_ptrs, e_ptrs, x_ptrs, x_mask, i + NS - 1, n_k, BK)
+        row_l: ttgl.constexpr = ttgl.SliceLayout(1, mma)
+        a, sb = _upcast(w_cur, e_cur, USE_ASM, w2_l, w_l, a_dot, row_l, BW)
+        zero = ttgl.zeros([BW, BT], ttgl.float32, mma)
+        t = warpgroup_mma(a, x_cur.permute((1, 0)), zero, use_acc=False, is_async=True)
+        t = warpgroup_mma_wait(0, deps=[t])
+        return acc + t * ttgl.expand_dims(sb, 1)
+
+    @gluon.jit
+    def l2_decode_kernel(h_ptr, b_ptr, bs_ptr, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, N, K, G, P,
+                         stride_hm, stride_bg, stride_bn, stride_bsg, stride_bsn, stride_cm,
+                         TOPK: ttgl.constexpr, KS: ttgl.constexpr, USE_ASM: ttgl.constexpr,
+                         BW: ttgl.constexpr, BT: ttgl.constexpr, BK: ttgl.constexpr,
+                         NS: ttgl.constexpr, NW: ttgl.constexpr):
+        """Program pid: row tile pid // (N / BW) of the tile list (moe.tile_list at BT rows:
+        [total, grp[MT], row0[MT], rend[MT]], rend the END OF THE GROUP: the tile's rows are
+        row0 .. min(row0 + BT, rend, P) - 1), weight rows (pid % (N / BW)) * BW of W2.
+        N % BW == 0, K % BK == 0 (the launcher checks); out-of-range list entries exit before
+        any pointer is formed."""
+        ttgl.static_assert(NS == 4, "the loop is unrolled for 4 stages")
+        ttgl.static_assert(NW == 4, "one warpgroup")
+        ttgl.static_assert(BW == 64, "64 weight rows")
+        ttgl.static_assert(BT == 16, "16 tokens")
+        ttgl.static_assert(BK == 128, "128-column chunks")
+        # ---- layouts ------------------------------------------------------------------
+        mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                          instr_shape=[16, BT, 16])
+        a_dot: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        # packed words [row, 16 words]: word 4 t + kk of row 16 w + 8 r + g in lane 4 g + t of
+        # warp w, registers (kk, r): rows as the wgmma A fragment / accumulator
+        w2_l: ttgl.constexpr = ttgl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [8, 0]],
+            lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BW, 16])
+        w_l: ttgl.constexpr = ttgl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
+            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[BW, 4, 4])
+        row_l: ttgl.constexpr = ttgl.SliceLayout(1, mma)
+        col_l: ttgl.constexpr = ttgl.SliceLayout(0, mma)
+        # copies: weights 16 bytes, exponents 4, H 4 (2 fp16 of the permuted k order)
+        wl: ttgl.constexpr = ttgl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])
+        el: ttgl.constexpr = ttgl.BlockedLayout([1, 4], [32, 1], [NW, 1], [1, 0])
+        xl: ttgl.constexpr = ttgl.BlockedLayout([1, 2], [1, 32], [NW, 1], [1, 0])
+        x_sl: ttgl.constexpr = ttgl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                      element_bitwidth=16, rank=2)
+        flat: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+        # ---- the tile ------------------------------------------------------------------
+        pid = ttgl.program_id(0)
+        num_n = N // BW
+        j = pid // num_n
+        pid_n = pid % num_n
+        total = ttgl.load(work_ptr)
+        g32 = ttgl.load(work_ptr + 1 + j)
+        row0 = ttgl.load(work_ptr + 1 + MT + j)
+        rend = ttgl.load(work_ptr + 1 + 2 * MT + j)  # the end of the GROUP
+        nrows = ttgl.minimum(ttgl.minimum(rend, row0 + BT), P) - row0
+        if (j >= total) | (g32 < 0) | (g32 >= G) | (row0 < 0) | (nrows <= 0):
+            return
+        g = g32.to(ttgl.int64)
+        n0 = pid_n * BW
+
+        rw = ttgl.arange(0, BW, layout=ttgl.SliceLayout(1, wl))
+        cw = ttgl.arange(0, 64, layout=ttgl.SliceLayout(0, wl))
+        w_ptrs = b_ptr + g * stride_bg + ((n0 + rw).to(ttgl.int64) * stride_bn)[:, None] + \
+            cw[None, :]
+        re = ttgl.arange(0, BW, layout=ttgl.SliceLayout(1, el))
+        ce = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, el))
+        # row strides of 4-byte multiples written as 4 x (stride / 4): the 4-byte cp.async needs
+        # that alignment proven also where the stride is not a multiple of 16 (not specialized)
+        e_ptrs = bs_ptr + g * stride_bsg + \
+            ((n0 + re).to(ttgl.int64) * (stride_bsn // 4) * 4)[:, None] + ce[None, :]
+        # H [BT rows, BK] in the wgmma's k order (h_column), 2 fp16 (4 bytes) per piece
+        rx = ttgl.arange(0, BT, layout=ttgl.SliceLayout(1, xl))
+        kx = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, xl))
+        x_ptrs = h_ptr + ((row0 + rx).to(ttgl.int64) * (stride_hm // 2) * 2)[:, None] + \
+            _h_column(kx)[None, :]
+        x_mask = (rx < nrows)[:, None] & (kx < BK)[None, :]
+
+        # ---- shared memory: NS stages, each its own allocation -------------------------
+        w0 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 64], flat)
+        w1 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 64], flat)
+        w2 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 64], flat)
+        w3 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 64], flat)
+        e0 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 4], flat)
+        e1 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 4], flat)
+        e2 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 4], flat)
+        e3 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 4], flat)
+        x0 = ttgl.allocate_shared_memory(ttgl.float16, [BT, BK], x_sl)
+        x1 = ttgl.allocate_shared_memory(ttgl.float16, [BT, BK], x_sl)
+        x2 = ttgl.allocate_shared_memory(ttgl.float16, [BT, BK], x_sl)
+        x3 = ttgl.allocate_shared_memory(ttgl.float16, [BT, BK], x_sl)
+
+        # prologue: chunks 0 .. NS - 2 (clamped)
+        n_k = K // BK
+        _issue(w0, e0, x0, w_ptrs, e_ptrs, x_ptrs, x_mask, 0, n_k, BK)
+        _issue(w1, e1, x1, w_ptrs, e_ptrs, x_ptrs, x_mask, 1, n_k, BK)
+        _issue(w2, e2, x2, w_ptrs, e_ptrs, x_ptrs, x_mask, 2, n_k, BK)
+
+        acc = ttgl.zeros([BW, BT], ttgl.float32, mma)
+        for i in range(0, n_k, NS):
+            acc = _chunk(i, n_k, w0, e0, x0, w3, e3, x3, acc, w_ptrs, e_ptrs, x_ptrs, x_mask,
+                         USE_ASM, NS, BW, BT, BK, mma, w2_l, w_l, a_dot)
+            if i + 1 < n_k:
+                acc = _chunk(i + 1, n_k, w1, e1, x1, w0, e0, x0, acc, w_ptrs, e_ptrs, x_ptrs,
+                             x_mask, USE_ASM, NS, BW, BT, BK, mma, w2_l, w_l, a_dot)
+            if i + 2 < n_k:
+                acc = _chunk(i + 2, n_k, w2, e2, x2, w1, e1, x1, acc, w_ptrs, e_ptrs, x_ptrs,
+                             x_mask, USE_ASM, NS, BW, BT, BK, mma, w2_l, w_l, a_dot)
+            if i + 3 < n_k:
+                acc = _chunk(i + 3, n_k, w3, e3, x3, w2, e2, x2, acc, w_ptrs, e_ptrs, x_ptrs,
+                             x_mask, USE_ASM, NS, BW, BT, BK, mma, w2_l, w_l, a_dot)
+        async_copy.wait_group(0)  # the clamped re-copies past K (never read)
+
+        # ---- epilogue: out[(p // TOPK) * KS + p % TOPK, n0 + weight row] = acc * row_w[p] ---
+        rn = n0 + ttgl.arange(0, BW, layout=row_l)
+        tk = ttgl.arange(0, BT, layout=col_l)
+        tmask = tk < nrows
+        pair = ttgl.load(cidx_ptr + row0 + tk, mask=tmask, other=0)
+        crow = ((pair // TOPK) * KS + pair % TOPK).to(ttgl.int64)
+        out = acc * ttgl.expand_dims(ttgl.load(w_ptr + pair, mask=tmask, other=0.0), 0)
+        c_ptrs = c_ptr + (crow * stride_cm)[None, :] + rn[:, None]
+        ttgl.store(c_ptrs, out.to(c_ptr.dtype.element_ty),
+                   mask=tmask[None, :] & (rn < N)[:, None])
+
+
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check(h, w2, counts, c_idx, row_w, out, topk: int, ks: int) -> int:
+    """The launcher's argument checks (ValueError); returns P, the sorted rows."""
+    if not (w2.wfmt == 0 and w2.bk == 32 and w2.bn == 1):
+        raise ValueError("l2_gluon_decode takes an MXFP4 bank (E8M0 per 32 columns)")
+    N, K = w2.n, w2.k
+    if N % BW or K % BK:
+        raise ValueError(f"N {N} / K {K} do not fit the {BW}-row block / {BK}-column chunk")
+    if h.dtype != torch.float16 or h.dim() != 2 or h.shape[1] != K:
+        raise ValueError(f"h must be fp16 [P, {K}]")
+    if h.stride(1) != 1 or h.stride(0) % 2 or h.data_ptr() % 4:
+        raise ValueError("h rows contiguous, 4-byte aligned (2-fp16 cp.async pieces)")
+    if w2.w.stride(1) % 16 or w2.w.data_ptr() % 16 or w2.s.stride(1) % 4 or \
+            w2.s.data_ptr() % 4:
+        raise ValueError("weight rows must be 16-byte, exponent rows 4-byte aligned")
+    if counts.dtype != torch.int32 or counts.numel() > w2.groups:
+        raise ValueError("counts: int32, at most one per expert of the bank")
+    P = c_idx.numel()
+    if c_idx.dtype != torch.int32 or c_idx.dim() != 1 or h.shape[0] < P:
+        raise ValueError("c_idx: int32 [P], P <= the rows of h")
+    if row_w.dim() != 1 or row_w.stride(0) != 1 or row_w.numel() < P or \
+            not row_w.is_floating_point():
+        raise ValueError("row_w: a contiguous float vector of >= P pair weights")
+    if topk < 1 or ks < topk:
+        raise ValueError(f"topk {topk}, ks {ks}: need 1 <= topk <= ks")
+    if out.dtype not in OUT_DTYPES or out.dim() != 2 or out.shape[1] != N or out.stride(1) != 1:
+        raise ValueError(f"out: fp32 / bf16 / fp16 [rows, {N}] with contiguous rows")
+    if P and out.shape[0] <= ((P - 1) // topk) * ks + (P - 1) % topk:
+        raise ValueError(f"out has {out.shape[0]} rows: too few for {P} pairs at ks {ks}")
+    return P
+
+
+def l2_gluon_decode(h, w2, counts, c_idx, row_w, out, *, topk: int, ks: int, max_tiles: int,
+                    tiles: torch.Tensor | None = None, use_asm: bool | None = None):
+    """out[(p // topk) * ks + p % topk] = row_w[p] * (H[r] @ W2[g]^T) for every sorted row r of
+    expert g, p = c_idx[r] (moe.gemm role "l2" as routed_experts launches it: out = y.view(T * ks,
+    d)); rows of slots no pair maps to are not written. h: fp16 [P, F] in expert-sorted row order;
+    w2: moe.Bank MXFP4 [E, d, F / 2] with E8M0 [E, d, F / 32]; counts [E] int32 rows per expert;
+    row_w [P] the pair weights (wts.reshape(-1)); out fp32 / bf16 / fp16 [>= T * ks, d] (a
+    row-strided view is fine). Row tiles of BT = 16 rows: max_tiles bounds them (routed_experts'
+    formula at 16 rows: min(P, P // 16 + E)); tiles: moe.tile_list(counts, 16, max_tiles) if
+    already built (else built here: one tiny launch, no host sync, CUDA-graph capturable).
+    use_asm: the PRMT table upcast (default) or its integer-arithmetic twin."""
+    if not _IMPORT_OK:
+        raise RuntimeError("l2_gluon_decode needs Triton 3.6 Gluon")
+    P = _check(h, w2, counts, c_idx, row_w, out, topk, ks)
+    if max_tiles == 0 or P == 0:
+        return out
+    tiles = tile_list(counts, BT, max_tiles, tiles)
+    use_asm = True if use_asm is None else bool(use_asm)
+    N, K = w2.n, w2.k
+    grid = (max_tiles * (N // BW),)
+    l2_decode_kernel[grid](
+        h, w2.w, w2.s, out, c_idx, row_w, tiles, max_tiles, N, K, counts.numel(), P, h.stride(0),
+        w2.w.stride(0), w2.w.stride(1), w2.s.stride(0), w2.s.stride(1), out.stride(0),
+        TOPK=topk, KS=ks, USE_ASM=use_asm, BW=BW, BT=BT, BK=BK, NS=NS, NW=NUM_WARPS,
+        num_warps=NUM_WARPS)
+    return out

@@ -1,0 +1,426 @@
+"""The experimental Gluon DECODE L2 (kernels/triton/moe_gluon_decode_l2.py): swapped wgmma (64
+weight rows of W2 = M, <= 16 tokens = N), the MXFP4 weights upcast to fp16 in registers as the
+wgmma's A operand, the fp16 H rows as B in shared memory, the weighted scatter to the (token,
+slot) rows of y.
+
+CPU: the PTX table upcast (FP16_TABLE_ASM_TEXT) run by a small PTX emulator, bit-exact against
+fp16 values computed by torch for every byte in every byte lane, every offset rel in [-13, 6]
+(the flush below -5, signs, -0); the k permutation (the kernel's assembly order A_ORDER replayed
+on column indices) is a bijection, equals h_column (the H copy's order) and keeps dot products.
+With Triton 3.6 importable (PYTHONPATH=/tmp/t36) the kernel is compiled ahead of time for
+sm_90: no local memory, registers, the register-A HGMMA 64x16x16 in the K loop, instruction
+counts per chunk pinned.
+
+GPU (CUDA sm_90 + Triton 3.6 Gluon, else skipped): l2_gluon_decode against the fp32 math of the
+same operands (H's fp16 values x exactly dequantized W2, times row_w, scattered) and against
+moe.gemm role "l2" as routed_experts launches it, into NaN-poisoned y: T in {1, 7, 64} with
+empty experts, an expert with > 16 rows (several row tiles), ks > topk (the unrouted slots stay
+NaN: exactly the routed slots are written), fp32 and bf16 outputs. Tolerance 2e-3 relative
+(Frobenius) for fp32 y: H is an exact fp16 input, the weight codes e2m1 x 2^rel are exact fp16
+(rel in [0, 5] with the exponents used: nothing flushes), fp16 x fp16 products are exact in the
+tensor core and summed in fp32, so the error is fp32 sum order (~1e-6); the bound is the L1
+tests' (the Triton L2 computes the same formula and must agree as tightly). bf16 y: 1e-2 (one
+bf16 rounding, 2^-9 relative). The PTX upcast and its integer-arithmetic twin give bit-identical
+outputs also on exponents 108 .. 127 (every offset, weights flushed).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from gluon_cases import E2M1, diagnose, mxfp4_f32, rel
+from megagraph.kernels.triton import moe_gluon_decode_l2 as ml2
+from sm90_build import gluon_sm90, loop_instructions, usage_and_sass
+from test_triton_moe import _prmt
+
+GPU_OK = ml2.available()
+gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and Triton 3.6 Gluon")
+
+# ---------------------------------------------------------------------------------------------
+# the PTX table upcast, emulated (CPU)
+# ---------------------------------------------------------------------------------------------
+
+M32 = 0xFFFFFFFF
+
+
+def _parse(asm: str) -> list[tuple[str, list[str]]]:
+    """The instructions of an inline-asm text as (opcode, operands), braces / .reg dropped."""
+    ops = []
+    for line in asm.strip().splitlines():
+        line = line.strip().rstrip(";")
+        if line and line not in "{}" and not line.startswith(".reg"):
+            op, rest = line.split(None, 1)
+            ops.append((op, [x.strip() for x in rest.split(",")]))
+    return ops
+
+
+def _run(ops, operands: list[int], n_out: int) -> list[int]:
+    """Run the integer PTX subset of FP16_TABLE_ASM_TEXT (and / or / shl / shr / prmt with
+    register or immediate operands) on $n = operands[n]; the first n_out registers."""
+    regs = {f"${i}": v for i, v in enumerate(operands)}
+
+    def val(x):
+        return regs[x] if x in regs else int(x, 0) & M32
+
+    for op, a in ops:
+        if op == "and.b32":
+            regs[a[0]] = val(a[1]) & val(a[2])
+        elif op == "or.b32":
+            regs[a[0]] = val(a[1]) | val(a[2])
+        elif op == "shl.b32":
+            regs[a[0]] = (val(a[1]) << int(a[2], 0)) & M32
+        elif op == "shr.u32":
+            regs[a[0]] = val(a[1]) >> int(a[2], 0)
+        elif op == "prmt.b32":
+            regs[a[0]] = _prmt(val(a[1]), val(a[2]), val(a[3]))
+        else:
+            raise AssertionError(f"unknown PTX op {op}")
+    return [regs[f"${i}"] for i in range(n_out)]
+
+
+def _tables(r: int) -> tuple[int, int]:
+    """The kernel's table words at offset r (ttgl.where(rel < -5, 0, TABLE + rel * STEP))."""
+    if r < -5:
+        return 0, 0
+    return (ml2.TABLE_A + r * ml2.STEP_A) & M32, (ml2.TABLE_B + r * ml2.STEP_B) & M32
+
+
+def _fp16_ref(r: int) -> list[int]:
+    """fp16 bits of every E2M1 code 0..15 times 2^r, computed by torch; (signed) zero for
+    r < -5 (the flush). Asserts the values are exact in fp16."""
+    vals = torch.tensor([(-1.0 if c & 8 else 1.0) * E2M1[c & 7] * 2.0 ** r * (r >= -5)
+                         for c in range(16)], dtype=torch.float64)
+    h = vals.to(torch.float16)
+    assert torch.equal(h.double(), vals), r
+    return (h.view(torch.int16).long() & 0xFFFF).tolist()
+
+
+def test_fp16_table_asm_bit_exact():
+    """FP16_TABLE_ASM_TEXT with the kernel's tables: for every byte value in every byte lane of
+    the word (random bytes in the other lanes) and every rel in [-13, 6], output register j =
+    fp16 of byte j's low nibble (bits 0..15) and high nibble (16..31), equal to torch's fp16
+    of e2m1 x 2^rel bit for bit (signs and -0 included, zero below rel -5)."""
+    ops = _parse(ml2.FP16_TABLE_ASM_TEXT)
+    g = torch.Generator().manual_seed(3)
+    for r in range(-13, 7):
+        ref = _fp16_ref(r)
+        ta, tb = _tables(r)
+        for lane in range(4):
+            for b in range(256):
+                bs = torch.randint(0, 256, (4,), generator=g).tolist()
+                bs[lane] = b
+                w = sum(x << (8 * i) for i, x in enumerate(bs))
+                got = _run(ops, [0, 0, 0, 0, w, ta, tb], 4)
+                want = [ref[x & 0xF] | (ref[x >> 4] << 16) for x in bs]
+                assert got == want, (r, lane, b, [hex(x) for x in got], [hex(x) for x in want])
+
+
+# ---------------------------------------------------------------------------------------------
+# the k permutation (CPU)
+# ---------------------------------------------------------------------------------------------
+
+
+def _assembled_columns() -> torch.Tensor:
+    """The chunk column at each wgmma k position as _upcast assembles the A operand: thread t's
+    word kk, byte j (pair q = 4 kk + j of group t), half i holds column 32 t + 2 q + i; the
+    kernel's joins ([t, kk] x i x (j % 2) x (j // 2)), permute A_ORDER and reshape, replayed
+    with torch.stack (ttgl.join: a new minor dimension) on these indices."""
+    t = torch.arange(4)[:, None]
+    kk = torch.arange(4)[None, :]
+
+    def reg(j):  # [1 row, t, kk, i]: the two halves of register j
+        return torch.stack([(32 * t + 2 * (4 * kk + j) + i)[None] for i in (0, 1)], dim=-1)
+
+    lo = torch.stack([reg(0), reg(1)], dim=-1)
+    hi = torch.stack([reg(2), reg(3)], dim=-1)
+    return torch.stack([lo, hi], dim=-1).permute(ml2.A_ORDER).reshape(128)
+
+
+def test_k_permutation():
+    """The A operand's k order: (1) a bijection of the 128 chunk columns; (2) the wgmma A
+    fragment's: k position 16 s + 8 h + 2 t + i belongs to the thread of lane % 4 = t, whose
+    table is group t's, so its column is in scale group t; (3) equal to h_column, the order in
+    which the kernel copies H (so both operands are permuted alike); (4) a dot product over the
+    permuted operands equals the plain one (integers: exact)."""
+    cols = _assembled_columns()
+    kpos = torch.arange(128)
+    assert torch.equal(cols.sort().values, kpos)
+    assert torch.equal(cols // 32, (kpos // 2) % 4)
+    assert torch.equal(cols, ml2.h_column(kpos))
+    assert [ml2.h_column(int(k)) for k in kpos] == cols.tolist()
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-64, 64, (8, 128), generator=g)
+    h = torch.randint(-64, 64, (16, 128), generator=g)
+    assert torch.equal(w[:, cols] @ h[:, ml2.h_column(kpos)].T, w @ h.T)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+
+def l2_case(T, E, d, F, k, seed, subset=None, exps=(119, 125)):
+    """Random fp16 H [T k, F] (sorted rows), an MXFP4 W2 bank [E, d, F / 2] (exponents in
+    [exps[0], exps[1])), top-k routing of distinct experts per token from `subset` (the other
+    experts stay empty), pair weights. On the GPU: (h, w2, counts, srt, wts [T, k])."""
+    from megagraph.kernels.triton import moe
+
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(T * k, F, generator=g) * 2).to(torch.float16).cuda()
+    w = torch.randint(-128, 128, (E, d, F // 2), dtype=torch.int8, generator=g)
+    s = torch.randint(*exps, (E, d, F // 32), dtype=torch.uint8, generator=g)
+    w2 = moe.bank(w.cuda(), s.view(torch.float8_e8m0fnu).cuda(), "mxfp4")
+    pool = torch.tensor(subset) if subset else torch.arange(E)
+    ids = pool[torch.rand(T, len(pool), generator=g).topk(k, dim=1).indices].cuda()
+    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
+    srt = moe.permute(ids.flatten(), counts, E)
+    wts = torch.rand(T, k, generator=g).cuda()
+    return h, w2, counts, srt, wts
+
+
+def l2_reference(h, w2, counts, srt, wts, ks):
+    """fp32 y [T, ks, d] (NaN in the unrouted slots): row_w[p] x (H[r] @ W2[g]^T) at slot p of
+    sorted row r of expert g, on H's fp16 values and the exactly dequantized W2."""
+    T, k = wts.shape
+    W = mxfp4_f32(w2.w, w2.s)
+    y = torch.full((T * ks, W.shape[1]), float("nan"), device=h.device)
+    r0 = 0
+    for e, c in enumerate(counts.tolist()):
+        p = srt[r0:r0 + c].long()
+        y[(p // k) * ks + p % k] = wts.reshape(-1)[p, None] * (h[r0:r0 + c].float() @ W[e].T)
+        r0 += c
+    return y.view(T, ks, -1)
+
+
+def _max_tiles(P, E):
+    return min(P, P // ml2.BT + E)
+
+
+def _triton_l2(h, w2, counts, srt, wts, y, E):
+    """moe.gemm role "l2" into y [T, ks, d] as routed_experts launches it."""
+    from megagraph.kernels.triton import moe
+
+    T, k = wts.shape
+    P = T * k
+    rpg = P / max(1, min(E, P))
+    mt2 = min(P, P // moe.pick_config("l2", rpg).bm + E)
+    moe.gemm(h, None, w2, y.view(T * y.shape[1], -1), role="l2", rows_per_group=rpg,
+             counts=counts, c_idx=srt, row_w=wts.reshape(-1), topk=k, ks=y.shape[1],
+             max_tiles=mt2)
+
+
+@gpu
+@pytest.mark.parametrize("T,E,subset,ks,dtype", [
+    (1, 8, None, 6, torch.float32),
+    (7, 32, [0, 3, 5, 9, 17, 30], 8, torch.float32),
+    (64, 64, None, 6, torch.float32),
+    (64, 64, None, 7, torch.bfloat16),
+    (64, 16, list(range(0, 16, 2)), 6, torch.float32),
+    (64, 16, list(range(0, 16, 2)), 8, torch.bfloat16)])
+def test_l2_decode_matches(T, E, subset, ks, dtype):
+    """T = 64 of 64 experts: ~6 rows per expert (the decode regime); T = 7 of 6 experts in a
+    subset of 32 (the others empty); 8 of 16 experts: 48 rows per expert (3 row tiles each);
+    ks > topk: the slots topk .. ks - 1 stay NaN. F = 640: 5 chunks (one pass of the 4-stage
+    unrolled loop and a partial one)."""
+    d, F, k = 512, 640, 6
+    h, w2, counts, srt, wts = l2_case(T, E, d, F, k, seed=T + E + ks, subset=subset)
+    P = T * k
+    y = torch.full((T, ks, d), float("nan"), dtype=dtype, device="cuda")
+    ml2.l2_gluon_decode(h, w2, counts, srt, wts.reshape(-1), y.view(T * ks, d), topk=k, ks=ks,
+                        max_tiles=_max_tiles(P, E))
+    torch.cuda.synchronize()
+    assert torch.isfinite(y[:, :k]).all(), "a routed slot was not written (or is not finite)"
+    assert torch.isnan(y[:, k:]).all(), "an unrouted slot was written"
+    tol = 2e-3 if dtype == torch.float32 else 1e-2
+    ref = l2_reference(h, w2, counts, srt, wts, ks)
+    assert rel(y[:, :k], ref[:, :k]) < tol, f"vs fp32 math: {rel(y[:, :k], ref[:, :k]):.3e}"
+    y_tr = torch.full_like(y, float("nan"))
+    _triton_l2(h, w2, counts, srt, wts, y_tr, E)
+    torch.cuda.synchronize()
+    assert rel(y[:, :k], y_tr[:, :k]) < tol, f"vs the Triton L2: {rel(y[:, :k], y_tr[:, :k]):.3e}"
+
+
+@gpu
+def test_l2_decode_asm_vs_arith_and_tiles():
+    """Exponents 108 .. 127 (rel over [-13, 6] within a row's chunk: every table offset occurs
+    and weights flush): the PTX table upcast and the arithmetic twin give the same bits; a
+    prebuilt tile list gives the same output as the one built in the call."""
+    from megagraph.kernels.triton import moe
+
+    d, F, k, E, T = 256, 384, 3, 4, 21
+    h, w2, counts, srt, wts = l2_case(T, E, d, F, k, seed=5, exps=(108, 128))
+    P = T * k
+    mt = _max_tiles(P, E)
+    outs = []
+    for kw in (dict(use_asm=True), dict(use_asm=False),
+               dict(tiles=moe.tile_list(counts, ml2.BT, mt))):
+        y = torch.full((P, d), float("nan"), dtype=torch.float32, device="cuda")
+        ml2.l2_gluon_decode(h, w2, counts, srt, wts.reshape(-1), y, topk=k, ks=k, max_tiles=mt,
+                            **kw)
+        outs.append(y)
+    torch.cuda.synchronize()
+    asm, arith, pre = outs
+    assert torch.isfinite(arith).all(), "arithmetic upcast: an element not written / not finite"
+    ref = l2_reference(h, w2, counts, srt, wts, k).view(P, d)
+    # the reference keeps the flushed weights (rel < -5: below 2^-11 of the row's largest group)
+    assert rel(arith, ref) < 2e-3, f"arithmetic upcast vs fp32 math: {rel(arith, ref):.3e}"
+    assert torch.isfinite(asm).all(), "PTX upcast: an element not written / not finite"
+    assert torch.equal(asm, arith), f"PTX vs arithmetic upcast: rel {rel(asm, arith):.3e}"
+    assert torch.equal(asm, pre), "prebuilt tile list differs"
+
+
+@gpu
+def test_l2_decode_debug_pieces():
+    """GPU debug: one expert, K = 256 (2 chunks), d = 64 (one weight block), fp32 y, topk = ks
+    = 1, row_w = 1 unless said, each piece with the PTX and the arithmetic upcast; the message
+    lists every case that is off and where:
+      ones       H = 1, W2 = 1 (codes 0x22), exponents 127: y = 256 (data path, promotion)
+      onehot     H row r = e_(17 r) (16 rows): y = W2[:, 17 r] (the k permutation of the A
+                 registers and of the H copy, nibble order)
+      col_ramp   one row, W2 code of column c = c % 16 (every code and sign), H = 2 on the
+                 positive codes, 1 on the negative ones
+      exps_wide  random H and codes, exponents 108 .. 127 (every offset, the flush)
+      rows_5     5 rows (the masks, the store)
+      rows_40    40 rows (3 row tiles, the last partial), topk 2, ks 3, a shuffled pair order
+                 and random row_w (the scatter, the weights)"""
+    from megagraph.kernels.triton import moe
+
+    d, F = 64, 256
+    g = torch.Generator().manual_seed(7)
+
+    def bank(codes, exps):
+        return moe.bank(codes.to(torch.int8).cuda(),
+                        exps.to(torch.uint8).view(torch.float8_e8m0fnu).cuda(), "mxfp4")
+
+    def codes():
+        return torch.randint(0, 256, (1, d, F // 2), generator=g)
+
+    e127 = torch.full((1, d, F // 32), 127)
+    eye = torch.zeros(16, F)
+    eye[torch.arange(16), torch.arange(16) * 17] = 1.0
+    col = torch.arange(F // 2)
+    ramp = (((2 * col) % 16) | (((2 * col + 1) % 16) << 4)).expand(1, d, F // 2)
+    cases = [("ones", torch.ones(16, F), torch.full((1, d, F // 2), 0x22), e127, 1, 1, None),
+             ("onehot", eye, codes(), e127, 1, 1, None),
+             ("col_ramp", torch.where(torch.arange(F) % 16 < 8, 2.0, 1.0)[None], ramp, e127,
+              1, 1, None),
+             ("exps_wide", torch.randn(16, F, generator=g), codes(),
+              torch.randint(108, 128, (1, d, F // 32), generator=g), 1, 1, None),
+             ("rows_5", torch.randn(5, F, generator=g), codes(), e127 - 6, 1, 1, None),
+             ("rows_40", torch.randn(40, F, generator=g), codes(), e127 - 4, 2, 3,
+              torch.randperm(40, generator=g))]
+    msgs = []
+    for name, x, c, e, k, ks, perm in cases:
+        P = x.shape[0]
+        h = x.to(torch.float16).cuda()
+        w2 = bank(c, e)
+        counts = torch.tensor([P], dtype=torch.int32, device="cuda")
+        srt = (torch.arange(P) if perm is None else perm).to(torch.int32).cuda()
+        wts = (torch.ones(P) if perm is None else torch.rand(P, generator=g) + 0.5).cuda()
+        ref = l2_reference(h, w2, counts, srt, wts.view(-1, k), ks).view(-1, d)
+        for use_asm in (False, True):
+            y = torch.full((P // k * ks, d), float("nan"), device="cuda")
+            tag = f"{name} ({'asm' if use_asm else 'arith'})"
+            try:
+                ml2.l2_gluon_decode(h, w2, counts, srt, wts, y, topk=k, ks=ks,
+                                    max_tiles=-(-P // ml2.BT), use_asm=use_asm)
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001  (a launch error names the case)
+                msgs.append(f"{tag}: {exc!r}"[:400])
+                continue
+            routed = torch.isfinite(ref[:, 0])
+            msgs.append(diagnose(tag, y[routed], ref[routed]))
+            if torch.isfinite(y[~routed]).any():
+                msgs.append(f"{tag}: an unrouted slot was written")
+    msgs = [m for m in msgs if m]
+    assert not msgs, "\n".join(msgs)
+
+
+def test_launcher_checks():
+    """The launcher's argument checks run before any launch (CPU tensors suffice): fp16 H only,
+    K a multiple of 128, ks >= topk, enough out rows for the scatter."""
+    from megagraph.kernels.triton import moe
+
+    if not ml2._IMPORT_OK:
+        with pytest.raises(RuntimeError):
+            ml2.l2_gluon_decode(None, None, None, None, None, None, topk=1, ks=1, max_tiles=1)
+        return
+    E, d, F, k, T = 2, 64, 256, 2, 3
+    w2 = moe.bank(torch.zeros(E, d, F // 2, dtype=torch.int8),
+                  torch.full((E, d, F // 32), 127, dtype=torch.uint8), "mxfp4")
+    counts = torch.tensor([T * k, 0], dtype=torch.int32)
+    srt = torch.arange(T * k, dtype=torch.int32)
+    wts = torch.ones(T * k)
+    h = torch.zeros(T * k, F, dtype=torch.float16)
+    out = torch.zeros(T * k, d)
+    bad = [dict(h=h.float()), dict(h=torch.zeros(T * k, F - 128, dtype=torch.float16)),
+           dict(ks=1), dict(out=torch.zeros(T * k - 1, d)), dict(out=out.to(torch.int32)),
+           dict(c_idx=srt.long())]
+    for kw in bad:
+        args = dict(h=h, w2=w2, counts=counts, c_idx=srt, row_w=wts, out=out, ks=k)
+        args.update(kw)
+        ks = args.pop("ks")
+        with pytest.raises(ValueError):
+            ml2.l2_gluon_decode(**args, topk=k, ks=ks, max_tiles=_max_tiles(T * k, E))
+
+
+# ---------------------------------------------------------------------------------------------
+# ahead-of-time sm_90 build (CPU)
+# ---------------------------------------------------------------------------------------------
+
+TYPES = dict(h_ptr="*fp16", b_ptr="*i8", bs_ptr="*u8", c_ptr="*fp32", cidx_ptr="*i32",
+             w_ptr="*fp32", work_ptr="*i32", MT="i32", N="i32", K="i32", G="i32", P="i32",
+             stride_hm="i32", stride_bg="i32", stride_bn="i32", stride_bsg="i32",
+             stride_bsn="i32", stride_cm="i32")
+
+
+def _count(body, pat):
+    return sum(1 for t in body if re.search(pat, t))
+
+
+@pytest.mark.skipif(not ml2._IMPORT_OK,
+                    reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+@pytest.mark.parametrize("use_asm", [True, False])
+def test_l2_decode_sm90_build(use_asm):
+    """Triton 3.6 sm_90 build at the real shapes' divisibility: no stack / local memory; with the
+    PTX upcast at most 96 registers (91 at the time of writing: 5 CTAs of 4 warps per SM) and,
+    per K chunk (the loop holds NS = 4): 8 register-A HGMMA 64x16x16 (fp16, 8 k16 steps),
+    1 WARPGROUP.ARRIVE, 1 WARPGROUP.DEPBAR, 1 BAR.SYNC, 1 DEPBAR (cp.async wait), 2 LDGSTS.128
+    (weights) + 9 LDGSTS (8 of H, 1 of the exponents), 2 LDS.128 (the packed words: one per
+    row), no STS (no upcast tile stored), 64 PRMT (8 words x (2 table + 2 sign + 4 spread): the
+    fp16 halves' joins cost no repacking), the loop's instruction count pinned (830 for 4
+    chunks at the time of writing, ~207 per chunk, +- 8%). The arithmetic twin: built, no
+    spills."""
+    consts = dict(TOPK=6, KS=6, USE_ASM=use_asm, BW=ml2.BW, BT=ml2.BT, BK=ml2.BK, NS=ml2.NS,
+                  NW=ml2.NUM_WARPS)
+    k = gluon_sm90(ml2.l2_decode_kernel, TYPES, consts, num_warps=ml2.NUM_WARPS)
+    assert k.metadata.shared <= 40 * 1024, k.metadata.shared
+    usage, sass = usage_and_sass(k)
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
+    body = [t.strip() for t in loop_instructions(sass)]
+    ns = ml2.NS
+    counts = {name: _count(body, pat) for name, pat in [
+        ("HGMMA", r"\bHGMMA\.64x16x16\.F32\b"), ("ARRIVE", r"WARPGROUP\.ARRIVE"),
+        ("WG_DEPBAR", r"WARPGROUP\.DEPBAR"), ("BAR_SYNC", r"\bBAR\.SYNC"),
+        ("DEPBAR", r"^(@\S+\s+)?DEPBAR"), ("LDGSTS128", r"\bLDGSTS\.E\.BYPASS\.128\b"),
+        ("LDGSTS", r"\bLDGSTS\.E\s"), ("LDS128", r"\bLDS\.128\b"), ("STS", r"\bSTS"),
+        ("PRMT", r"\bPRMT\b")]}
+    print(f"\nsm_90 build ({'asm' if use_asm else 'arith'}): {regs} registers, "
+          f"{k.metadata.shared} B shared, K loop {len(body)} instructions for {ns} chunks "
+          f"({len(body) / ns:.0f} per chunk): {counts}")
+    assert counts["HGMMA"] == 8 * ns
+    assert counts["ARRIVE"] == ns
+    assert counts["WG_DEPBAR"] == ns
+    assert counts["BAR_SYNC"] == ns
+    assert counts["DEPBAR"] == ns
+    assert counts["LDGSTS128"] == 2 * ns
+    assert counts["LDGSTS"] == 9 * ns
+    assert counts["LDS128"] == 2 * ns
+    assert counts["STS"] == 0
+    if use_asm:
+        assert regs <= 96, usage
+        assert counts["PRMT"] == 64 * ns
+        assert abs(len(body) - 830) <= 0.08 * 830, len(body)
