@@ -320,16 +320,21 @@ def timed_variant(tm, knobs: dict, overrides: dict, run, check, dev, times: dict
 
 def _variants(rpg: float, tm, auto: bool):
     """(name, L1 tile, L2 tile, PTX upcast, module knobs) to time: the defaults (tiles None = no
-    CONFIG_OVERRIDE, so routed_experts picks as in serving, the Gluon prefill L1 included where
-    available) with the default upcast, the same with the other upcast, at prefill and decode
-    sizes the Triton L1 at its default tile ("triton-l1": MEGAGRAPH_MOE_GLUON off), one
-    alternative tile each for L1 and L2."""
+    CONFIG_OVERRIDE, so routed_experts picks as in serving: the Gluon decode L1 / L2 where
+    available) with the default upcast, the same with the other upcast, at decode the Triton
+    kernels instead of the Gluon ones (both: "triton", one at a time: "triton-l1" /
+    "triton-l2"), at prefill the opt-in Gluon L1 ("gluon-l1"), one alternative tile each for
+    L1 and L2."""
     G = tm.GemmConfig
     out = [("default", None, None, auto, {})]
     if not tm.INTERPRET:
         out.append(("default", None, None, not auto, {}))
-    if not 12 < rpg <= 48:  # no Gluon L1 in the middle range
-        out.insert(1, ("triton-l1", None, None, auto, {"GLUON": False}))
+    if rpg <= 12:  # the Gluon decode L1 / L2 (default) against the Triton kernels
+        out[1:1] = [("triton", None, None, auto, {"GLUON": False}),
+                    ("triton-l1", None, None, auto, {"GLUON_DECODE": False}),
+                    ("triton-l2", None, None, auto, {"GLUON_DECODE_L2": False})]
+    elif rpg > 48:  # the opt-in Gluon prefill L1
+        out.insert(1, ("gluon-l1", None, None, auto, {"GLUON_PREFILL": True}))
     if rpg <= 12:
         out.append(("alt", G(16, 64, 128, 4, 4, par=True), G(64, 64, 128, 4, 4, par=True), auto,
                     {}))

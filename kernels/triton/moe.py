@@ -101,12 +101,17 @@ PERSISTENT_PER_SM = 2
 # routed_experts (moe_experts_q, mega_moe) at every token count; routed_experts(fp8_h=...)
 # overrides per call. Tiles: the "l1_fp8h" / "l2_fp8h" roles of pick_config / CONFIG_OVERRIDE.
 FP8_H = os.environ.get("MEGAGRAPH_MOE_FP8_H", "0") == "1"
-# The prefill L1 on the hand-pipelined Gluon kernel (moe_gluon.py, where available: Triton 3.6 on
-# sm_90; _gluon_l1). "0" keeps the Triton moe_gemm everywhere.
+# The hand-written Gluon L1 kernels (Triton 3.6 on sm_90, where available; _gluon_l1):
+# MEGAGRAPH_MOE_GLUON "0" keeps the Triton moe_gemm everywhere. The decode L1
+# (moe_gluon_decode, <= 12 rows per expert) is on by default (H200, seventh session: 1.66 ->
+# 1.11 ms at 64 tokens, bit-stable across launches); the prefill L1 (moe_gluon, > 48 rows) only
+# with MEGAGRAPH_MOE_GLUON_PREFILL=1: two variants of its pipeline gave run-to-run different
+# wrong outputs on the H200 and the cause is not found (kernels/triton/moe_gluon.py).
 GLUON = os.environ.get("MEGAGRAPH_MOE_GLUON", "1") == "1"
-# The decode L1 (<= 12 rows per expert) on moe_gluon_decode (same conditions as GLUON, which
-# turns both off). Experimental until timed on the H200.
 GLUON_DECODE = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE", "1") == "1"
+GLUON_PREFILL = os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL", "0") == "1"
+# The decode L2 (moe_gluon_decode_l2, <= 12 rows per expert; MEGAGRAPH_MOE_GLUON turns it off too)
+GLUON_DECODE_L2 = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE_L2", "1") == "1"
 MMA_FP8, MMA_FP16, MMA_BF16, MMA_F32 = 0, 1, 2, 3
 WFMT = {"mxfp4": 0, "fp8_block": 1}
 RDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -606,8 +611,14 @@ def routed_experts(x_q: Tensor, x_scale: Tensor, ids: Tensor, wts: Tensor, count
     ks = y.shape[1]
     mt2 = min(P, P // cfg2.bm + E)
     tiles2 = tiles1 if (tiles1 is not None and cfg2.bm == cfg1.bm) else None  # one list for both
-    gemm(h, h_scale, w2, y.view(T * ks, -1), role=r2, rows_per_group=rpg, counts=counts,
-         c_idx=srt, row_w=wts.reshape(-1), topk=topk, ks=ks, max_tiles=mt2, tiles=tiles2)
+    gluon2 = _gluon_l2(h, w2, y, r2, rpg)
+    if gluon2 is not None:
+        launch, rows = gluon2
+        launch(h, w2, counts, srt, wts.reshape(-1), y.view(T * ks, -1), topk=topk, ks=ks,
+               max_tiles=min(P, P // rows + E))
+    else:
+        gemm(h, h_scale, w2, y.view(T * ks, -1), role=r2, rows_per_group=rpg, counts=counts,
+             c_idx=srt, row_w=wts.reshape(-1), topk=topk, ks=ks, max_tiles=mt2, tiles=tiles2)
     return y
 
 
@@ -615,11 +626,12 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
               role: str, rows_per_group: float):
     """(launch, row tile) of the Gluon kernel that runs routed_experts' L1 instead of moe_gemm,
     or None.
-    Prefill (> 48 rows per expert): moe_gluon, the hand-pipelined 128 x 64 tile (timed on the H200
-    at ~128 rows, sixth session: 8.54 -> 7.31 ms at 8192 tokens, rel. diff 2.5e-4 to the Triton
-    L1, both 2.3e-4 to fp32 math: benchmarks/results/moe-gluon-h200.md). Decode (<= 12 rows per
-    expert, GLUON_DECODE): moe_gluon_decode, the swapped wgmma with the upcast weights as a
-    register operand (benchmarks/results/moe-gluon-decode-h200.md). Both need the fp16-H role
+    Prefill (> 48 rows per expert, GLUON_PREFILL: opt-in): moe_gluon, the hand-pipelined
+    128 x 64 tile (timed on the H200 at ~128 rows, sixth session: 8.54 -> 7.31 ms at 8192
+    tokens, rel. diff 2.5e-4 to the Triton L1, both 2.3e-4 to fp32 math:
+    benchmarks/results/moe-gluon-h200.md). Decode (<= 12 rows per expert, GLUON_DECODE):
+    moe_gluon_decode, the swapped wgmma with the upcast weights as a register operand (1.66 ->
+    1.11 ms at 64 tokens, same file). Both need the fp16-H role
     with E4M3 activations on MXFP4 banks whose shapes fit the tile, MEGAGRAPH_MOE_GLUON not "0",
     no CONFIG_OVERRIDE for the role (tests and sweeps pin the Triton tile), and Gluon's sm_90
     APIs importable (available(): Triton 3.6, CUDA sm_90). Anything else keeps moe_gemm; the
@@ -628,10 +640,9 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
         return None
     if x_q.dtype != torch.float8_e4m3fn or x_scale is None or h.dtype != torch.float16:
         return None
-    if not (w1.wfmt == 0 and w3.wfmt == 0 and w1.bk == 32 and w1.bn == 1 and w3.bk == 32
-            and w3.bn == 1):
+    if not _mxfp4_e8m0_32(w1, w3):
         return None
-    if rows_per_group > 48:
+    if rows_per_group > 48 and GLUON_PREFILL:
         from . import moe_gluon as mod
 
         ok = w1.n % mod.BN == 0 and w1.k % (2 * mod.BK) == 0
@@ -644,6 +655,28 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
     else:
         return None
     return pick if ok and mod.available(x_q.device) else None
+
+
+def _gluon_l2(h: Tensor, w2: Bank, y: Tensor, role: str, rows_per_group: float):
+    """(launch, row tile) of the Gluon kernel that runs routed_experts' L2 instead of moe_gemm,
+    or None: the decode L2 (moe_gluon_decode_l2.l2_gluon_decode: swapped fp16 wgmma, the MXFP4
+    W2 upcast in registers) at <= 12 rows per expert, fp16 H (not FP8-H), an MXFP4 W2 whose
+    shape fits the tile (d % 64, F % 128), y fp32 / bf16 / fp16, MEGAGRAPH_MOE_GLUON and
+    MEGAGRAPH_MOE_GLUON_DECODE_L2 on, no CONFIG_OVERRIDE for the role, available()."""
+    if not (GLUON and GLUON_DECODE_L2) or role != "l2" or role in CONFIG_OVERRIDE:
+        return None
+    if rows_per_group > 12 or h.dtype != torch.float16 or not _mxfp4_e8m0_32(w2):
+        return None
+    from . import moe_gluon_decode_l2 as mod
+
+    if w2.n % mod.BW or w2.k % mod.BK or y.dtype not in mod.OUT_DTYPES:
+        return None
+    return (mod.l2_gluon_decode, mod.BT) if mod.available(h.device) else None
+
+
+def _mxfp4_e8m0_32(*banks: Bank) -> bool:
+    """MXFP4 banks with one E8M0 exponent per 32 columns of a row (what the Gluon kernels read)."""
+    return all(b.wfmt == 0 and b.bk == 32 and b.bn == 1 for b in banks)
 
 
 def shared_expert(x_q: Tensor, x_scale: Tensor, w1: Bank, w3: Bank, w2: Bank, out: Tensor, *,

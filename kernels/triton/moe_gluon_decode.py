@@ -225,9 +225,10 @@ if _IMPORT_OK:
         total = ttgl.load(work_ptr)
         g32 = ttgl.load(work_ptr + 1 + j)
         row0 = ttgl.load(work_ptr + 1 + MT + j)
-        rend = ttgl.minimum(ttgl.load(work_ptr + 1 + 2 * MT + j), P)
+        # rend is the END OF THE GROUP (moe_tile_list): this tile's rows end at row0 + BT
+        rend = ttgl.minimum(ttgl.minimum(ttgl.load(work_ptr + 1 + 2 * MT + j), P), row0 + BT)
         nrows = rend - row0
-        if (j >= total) | (g32 < 0) | (g32 >= G) | (row0 < 0) | (nrows <= 0) | (nrows > BT):
+        if (j >= total) | (g32 < 0) | (g32 >= G) | (row0 < 0) | (nrows <= 0):
             return
         g = g32.to(ttgl.int64)
         n0 = pid_n * BW

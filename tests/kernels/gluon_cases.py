@@ -133,7 +133,8 @@ def debug_cases(T: int, eye_step: int, partial: int, gathered: int, ramp: bool =
     one part of a kernel, in order, as [(name, topk, limit, dbg_case(...))]:
       ones       A = 1, W1 = 1, W3 = 0.5, all scales 1 (T rows): g = 256, u = 128
       onehot     row r of A = e_(eye_step r), random W1 codes, exponents 127: g = one W1 column
-      col_ramp   (ramp) one row of ones, W1 code of column c = c % 16 (every code and sign)
+      col_ramp   (ramp) one row, W1 code of column c = c % 16 (every code and sign), A = 2 on
+                 the positive codes and 1 on the negative ones (A = 1 would cancel to g = 0)
       exps_flat  random A and codes, every exponent 120 (rel = 6)
       exps_wide  exponents 108 .. 127 (every offset, the clamp / flush)
       a_scales   a different A scale per (row, chunk)
@@ -164,7 +165,10 @@ def debug_cases(T: int, eye_step: int, partial: int, gathered: int, ramp: bool =
     if ramp:
         col = torch.arange(d // 2)
         rmp = ((2 * col) % 16) | (((2 * col + 1) % 16) << 4)
-        cases.append(("col_ramp", torch.ones(1, d), one_s[:1], rmp.expand(1, F, d // 2).clone(),
+        # A = 2 on the positive codes (c % 16 < 8), 1 on the negative ones: with A = 1 every
+        # 16 columns cancel (g = 0, out = 0: no signal); here g = 18 d / 16 (288 at d = 256)
+        a_ramp = torch.where(torch.arange(d) % 16 < 8, 2.0, 1.0)[None, :]
+        cases.append(("col_ramp", a_ramp, one_s[:1], rmp.expand(1, F, d // 2).clone(),
                       e127, c_one, e127, {}))
     cases.append(("exps_flat", randx(T), one_s / 64, codes(), e120, codes(), e120, {}))
     cases.append(("exps_wide", randx(T), one_s / 64, codes(), rexp(108, 128), codes(),
