@@ -266,7 +266,11 @@ def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
                               if dg else f"best {best[0]}") + f"; PTX upcast check: {auto}"
                        + "; variants (ms): "
                        + ", ".join(f"{kk} {vv}" for kk, vv in variants.items())))
-        tm.USE_ASM = best[3]
+        # the rows below time Triton kernels: the PTX upcast wherever its check passed (the
+        # best variant's upcast setting may be the other one by noise where the Gluon kernels,
+        # which ignore it, won: the seventh session's first table timed them all on the
+        # 3x slower arithmetic upcast that way)
+        tm.USE_ASM = auto
         tm.CONFIG_OVERRIDE.update(_tiles(best[4], best[5]))
     else:
         out.append({"kernel": "triton.moe_experts_q", "case": f"T={T}", "error":
@@ -274,10 +278,9 @@ def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
     try:
         if rpg <= 12:
             out += persistent_rows(dims, T, dev, tm, a2, kw2, ref2, touched,
-                                   best[3] if best else auto, best[1] if best else None, t_end,
-                                   sweep)
+                                   auto, best[1] if best else None, t_end, sweep)
         out += fp8h_rows(dims, T, dev, tm, a2, kw2, ref2, touched,
-                         best[3] if best else auto, best[1] if best else None, t_end, sweep)
+                         auto, best[1] if best else None, t_end, sweep)
         out += piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched)
     finally:
         tm.USE_ASM = asm_default

@@ -199,3 +199,24 @@ def test_l1_decode_sm90_build():
     # and its first WARPGROUP.DEPBAR
     chunk = "\n".join(body).split("WARPGROUP.DEPBAR")[0]
     assert "QGMMA" in chunk and len(re.findall(r"\bPRMT\b", chunk.split("QGMMA", 1)[1])) >= 32
+
+
+@gpu
+@pytest.mark.parametrize("T,E,d,F", [(2, 1, 256, 64), (64, 64, 1024, 256)])
+def test_l1_decode_bit_stable(T, E, d, F):
+    """20 launches of one call give the same bits: one program (one expert, <= 16 rows, one
+    64-row block, 2 chunks: where the prefill kernel's removed variants went wrong from run to
+    run, kernels/triton/moe_gluon.py) and a multi-program decode grid."""
+    k = min(6, E)
+    xq, xs, w1, w3, counts, srt = case(T, E, d, F, k, seed=13, distinct=True)
+    P = T * k
+    first = None
+    for _ in range(20):
+        out = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
+        md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, out, topk=k,
+                           max_tiles=_max_tiles(P, E), limit=10.0)
+        if first is None:
+            first = out
+        else:
+            assert torch.equal(out.nan_to_num(7.0), first.nan_to_num(7.0)), "bits differ"
+    assert torch.isfinite(first).all()

@@ -494,3 +494,23 @@ def test_routed_experts_decode_uses_gluon_l2(gluon, monkeypatch):
         check_routed(xq, xs, ids, wts, bank, dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT,
                                                   out_dtype=out_dtype))
     assert len(calls) == (2 if gluon else 0)
+
+
+@gpu
+@pytest.mark.parametrize("T,E,d,F", [(2, 1, 64, 256), (64, 64, 1024, 640)])
+def test_l2_decode_bit_stable(T, E, d, F):
+    """20 launches of one call give the same bits: one program (one expert, <= 16 rows, one
+    64-row block) and a multi-program decode grid (test_moe_gluon_decode's twin)."""
+    k = min(6, E)
+    h, w2, counts, srt, wts = l2_case(T, E, d, F, k, seed=17)
+    P = T * k
+    first = None
+    for _ in range(20):
+        y = torch.full((T * (k + 1), d), float("nan"), dtype=torch.float32, device="cuda")
+        ml2.l2_gluon_decode(h, w2, counts, srt, wts.reshape(-1), y, topk=k, ks=k + 1,
+                            max_tiles=_max_tiles(P, E))
+        if first is None:
+            first = y
+        else:
+            assert torch.equal(y.nan_to_num(7.0), first.nan_to_num(7.0)), "bits differ"
+    assert torch.isfinite(first.view(T, k + 1, d)[:, :k]).all()
