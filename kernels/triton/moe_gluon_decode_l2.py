@@ -67,9 +67,6 @@ from .gluon_common import available  # noqa: F401  (the tests and the probe call
 from .gluon_common import tile_list
 
 BW, BT, BK, NS, NUM_WARPS = 64, 16, 128, 4, 4
-# 64-row weight blocks per program (l2_gluon_decode(blocks=)): 1, or 2 (the second block's
-# upcast under the first block's wgmma; used where d % 128 == 0)
-BLOCKS = 1
 
 
 def h_column(kpos):
@@ -153,18 +150,17 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         return ttgl.join(r.to(ttgl.int16), (r >> 16).to(ttgl.int16))
 
     @gluon.jit
-    def _upcast(w_st, e_st, ROW0: ttgl.constexpr, USE_ASM: ttgl.constexpr,
-                w2_l: ttgl.constexpr, w_l: ttgl.constexpr, a_dot: ttgl.constexpr,
-                row_l: ttgl.constexpr, BW: ttgl.constexpr, WB: ttgl.constexpr):
-        """Rows ROW0 .. ROW0 + BW - 1 of the stage's packed rows (w_st [WB BW, 64] bytes, e_st
-        [WB BW, 4] exponents) -> the wgmma A operand (fp16 [BW, 128] in a_dot, k permuted as
-        the module docstring says) and the rows' promotion scales 2^(S - 127) (row_l)."""
+    def _upcast(w_st, e_st, USE_ASM: ttgl.constexpr, w2_l: ttgl.constexpr,
+                w_l: ttgl.constexpr, a_dot: ttgl.constexpr, row_l: ttgl.constexpr,
+                BW: ttgl.constexpr):
+        """The stage's packed rows (w_st [BW, 64] bytes, e_st [BW, 4] exponents) -> the wgmma A
+        operand (fp16 [BW, 128] in a_dot, k permuted as the module docstring says) and the rows'
+        promotion scales 2^(S - 127) (row_l)."""
         e_l: ttgl.constexpr = ttgl.SliceLayout(2, w_l)
         flat: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        w_i = w_st._reinterpret(ttgl.int32, [WB * BW, 16], flat)
-        w = w_i.slice(ROW0, BW).load(w2_l)  # LDS.128 of group t
+        w = w_st._reinterpret(ttgl.int32, [BW, 16], flat).load(w2_l)  # LDS.128 of group t
         w = ttgl.convert_layout(ttgl.reshape(w, [BW, 4, 4]), w_l, assert_trivial=True)
-        e = e_st.slice(ROW0, BW).load(e_l).to(ttgl.int32)  # [BW, 4]: thread t: group t
+        e = e_st.load(e_l).to(ttgl.int32)  # [BW, 4]: thread t: group t
         S = ttgl.maximum(ttgl.max(e, axis=1) - 6, 1)
         rel = e - ttgl.expand_dims(S, 1)
         rel_w = ttgl.broadcast(ttgl.expand_dims(rel, 2), w)[0]
@@ -200,11 +196,10 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         async_copy.commit_group()
 
     @gluon.jit
-    def _chunk(i, n_k, w_cur, e_cur, x_cur, w_nxt, e_nxt, x_nxt, acc, acc2, w_ptrs, e_ptrs,
-               x_ptrs, x_mask, USE_ASM: ttgl.constexpr, NS: ttgl.constexpr, BW: ttgl.constexpr,
+    def _chunk(i, n_k, w_cur, e_cur, x_cur, w_nxt, e_nxt, x_nxt, acc, w_ptrs, e_ptrs, x_ptrs,
+               x_mask, USE_ASM: ttgl.constexpr, NS: ttgl.constexpr, BW: ttgl.constexpr,
                BT: ttgl.constexpr, BK: ttgl.constexpr, mma: ttgl.constexpr,
-               w2_l: ttgl.constexpr, w_l: ttgl.constexpr, a_dot: ttgl.constexpr,
-               WB: ttgl.constexpr):
+               w2_l: ttgl.constexpr, w_l: ttgl.constexpr, a_dot: ttgl.constexpr):
         async_copy.wait_group(NS - 2)  # this thread's copies of chunk i landed
         # every thread's copies of chunk i in; every thread done with chunk i - 1 (its LDS, its
         # waited wgmma): the stage written below is free
@@ -212,38 +207,26 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         fence_async_shared()  # H (cp.async, generic proxy) -> the wgmma (async proxy)
         _issue(w_nxt, e_nxt, x_nxt, w_ptrs, e_ptrs, x_ptrs, x_mask, i + NS - 1, n_k, BK)
         row_l: ttgl.constexpr = ttgl.SliceLayout(1, mma)
+        a, sb = _upcast(w_cur, e_cur, USE_ASM, w2_l, w_l, a_dot, row_l, BW)
         zero = ttgl.zeros([BW, BT], ttgl.float32, mma)
-        xT = x_cur.permute((1, 0))
-        a, sb = _upcast(w_cur, e_cur, 0, USE_ASM, w2_l, w_l, a_dot, row_l, BW, WB)
-        t = warpgroup_mma(a, xT, zero, use_acc=False, is_async=True)
-        if WB == 2:  # the second block's upcast runs while the first block's wgmma does
-            a2, sb2 = _upcast(w_cur, e_cur, BW, USE_ASM, w2_l, w_l, a_dot, row_l, BW, WB)
-            t2 = warpgroup_mma(a2, xT, zero, use_acc=False, is_async=True)
-            t = warpgroup_mma_wait(1, deps=[t])
-            acc = acc + t * ttgl.expand_dims(sb, 1)
-            t2 = warpgroup_mma_wait(0, deps=[t2])
-            acc2 = acc2 + t2 * ttgl.expand_dims(sb2, 1)
-        else:
-            t = warpgroup_mma_wait(0, deps=[t])
-            acc = acc + t * ttgl.expand_dims(sb, 1)
-        return acc, acc2
+        t = warpgroup_mma(a, x_cur.permute((1, 0)), zero, use_acc=False, is_async=True)
+        t = warpgroup_mma_wait(0, deps=[t])
+        return acc + t * ttgl.expand_dims(sb, 1)
 
     @gluon.jit
     def l2_decode_kernel(h_ptr, b_ptr, bs_ptr, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, N, K, G, P,
                          stride_hm, stride_bg, stride_bn, stride_bsg, stride_bsn, stride_cm,
                          TOPK: ttgl.constexpr, KS: ttgl.constexpr, USE_ASM: ttgl.constexpr,
                          BW: ttgl.constexpr, BT: ttgl.constexpr, BK: ttgl.constexpr,
-                         NS: ttgl.constexpr, NW: ttgl.constexpr, WB: ttgl.constexpr = 1):
-        """Program pid: row tile pid // (N / (WB BW)) of the tile list (moe.tile_list at BT rows:
+                         NS: ttgl.constexpr, NW: ttgl.constexpr):
+        """Program pid: row tile pid // (N / BW) of the tile list (moe.tile_list at BT rows:
         [total, grp[MT], row0[MT], rend[MT]], rend the END OF THE GROUP: the tile's rows are
-        row0 .. min(row0 + BT, rend, P) - 1), weight rows (pid % (N / (WB BW))) * WB BW of W2:
-        WB blocks of BW rows, each its own wgmma (WB = 2: the second block's upcast overlaps the
-        first block's wgmma, as the decode L1's W1 / W3). N % (WB BW) == 0, K % BK == 0 (the
-        launcher checks); out-of-range list entries exit before any pointer is formed."""
+        row0 .. min(row0 + BT, rend, P) - 1), weight rows (pid % (N / BW)) * BW of W2.
+        N % BW == 0, K % BK == 0 (the launcher checks); out-of-range list entries exit before
+        any pointer is formed."""
         ttgl.static_assert(NS == 4, "the loop is unrolled for 4 stages")
         ttgl.static_assert(NW == 4, "one warpgroup")
-        ttgl.static_assert(BW == 64, "64 weight rows per block")
-        ttgl.static_assert((WB == 1) | (WB == 2), "1 or 2 blocks")
+        ttgl.static_assert(BW == 64, "64 weight rows")
         ttgl.static_assert(BT == 16, "16 tokens")
         ttgl.static_assert(BK == 128, "128-column chunks")
         # ---- layouts ------------------------------------------------------------------
@@ -272,7 +255,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
 
         # ---- the tile ------------------------------------------------------------------
         pid = ttgl.program_id(0)
-        num_n = N // (WB * BW)
+        num_n = N // BW
         j = pid // num_n
         pid_n = pid % num_n
         total = ttgl.load(work_ptr)
@@ -283,13 +266,13 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         if (j >= total) | (g32 < 0) | (g32 >= G) | (row0 < 0) | (nrows <= 0):
             return
         g = g32.to(ttgl.int64)
-        n0 = pid_n * (WB * BW)
+        n0 = pid_n * BW
 
-        rw = ttgl.arange(0, WB * BW, layout=ttgl.SliceLayout(1, wl))
+        rw = ttgl.arange(0, BW, layout=ttgl.SliceLayout(1, wl))
         cw = ttgl.arange(0, 64, layout=ttgl.SliceLayout(0, wl))
         w_ptrs = b_ptr + g * stride_bg + ((n0 + rw).to(ttgl.int64) * stride_bn)[:, None] + \
             cw[None, :]
-        re = ttgl.arange(0, WB * BW, layout=ttgl.SliceLayout(1, el))
+        re = ttgl.arange(0, BW, layout=ttgl.SliceLayout(1, el))
         ce = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, el))
         # row strides of 4-byte multiples written as 4 x (stride / 4): the 4-byte cp.async needs
         # that alignment proven also where the stride is not a multiple of 16 (not specialized)
@@ -303,14 +286,14 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         x_mask = (rx < nrows)[:, None] & (kx < BK)[None, :]
 
         # ---- shared memory: NS stages, each its own allocation -------------------------
-        w0 = ttgl.allocate_shared_memory(ttgl.uint8, [WB * BW, 64], flat)
-        w1 = ttgl.allocate_shared_memory(ttgl.uint8, [WB * BW, 64], flat)
-        w2 = ttgl.allocate_shared_memory(ttgl.uint8, [WB * BW, 64], flat)
-        w3 = ttgl.allocate_shared_memory(ttgl.uint8, [WB * BW, 64], flat)
-        e0 = ttgl.allocate_shared_memory(ttgl.uint8, [WB * BW, 4], flat)
-        e1 = ttgl.allocate_shared_memory(ttgl.uint8, [WB * BW, 4], flat)
-        e2 = ttgl.allocate_shared_memory(ttgl.uint8, [WB * BW, 4], flat)
-        e3 = ttgl.allocate_shared_memory(ttgl.uint8, [WB * BW, 4], flat)
+        w0 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 64], flat)
+        w1 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 64], flat)
+        w2 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 64], flat)
+        w3 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 64], flat)
+        e0 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 4], flat)
+        e1 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 4], flat)
+        e2 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 4], flat)
+        e3 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 4], flat)
         x0 = ttgl.allocate_shared_memory(ttgl.float16, [BT, BK], x_sl)
         x1 = ttgl.allocate_shared_memory(ttgl.float16, [BT, BK], x_sl)
         x2 = ttgl.allocate_shared_memory(ttgl.float16, [BT, BK], x_sl)
@@ -323,23 +306,18 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         _issue(w2, e2, x2, w_ptrs, e_ptrs, x_ptrs, x_mask, 2, n_k, BK)
 
         acc = ttgl.zeros([BW, BT], ttgl.float32, mma)
-        acc2 = ttgl.zeros([BW, BT], ttgl.float32, mma)  # block 2 (WB == 2; else unused)
         for i in range(0, n_k, NS):
-            acc, acc2 = _chunk(i, n_k, w0, e0, x0, w3, e3, x3, acc, acc2, w_ptrs, e_ptrs,
-                               x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK, mma, w2_l, w_l,
-                               a_dot, WB)
+            acc = _chunk(i, n_k, w0, e0, x0, w3, e3, x3, acc, w_ptrs, e_ptrs, x_ptrs, x_mask,
+                         USE_ASM, NS, BW, BT, BK, mma, w2_l, w_l, a_dot)
             if i + 1 < n_k:
-                acc, acc2 = _chunk(i + 1, n_k, w1, e1, x1, w0, e0, x0, acc, acc2, w_ptrs,
-                                   e_ptrs, x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK, mma, w2_l,
-                                   w_l, a_dot, WB)
+                acc = _chunk(i + 1, n_k, w1, e1, x1, w0, e0, x0, acc, w_ptrs, e_ptrs, x_ptrs,
+                             x_mask, USE_ASM, NS, BW, BT, BK, mma, w2_l, w_l, a_dot)
             if i + 2 < n_k:
-                acc, acc2 = _chunk(i + 2, n_k, w2, e2, x2, w1, e1, x1, acc, acc2, w_ptrs,
-                                   e_ptrs, x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK, mma, w2_l,
-                                   w_l, a_dot, WB)
+                acc = _chunk(i + 2, n_k, w2, e2, x2, w1, e1, x1, acc, w_ptrs, e_ptrs, x_ptrs,
+                             x_mask, USE_ASM, NS, BW, BT, BK, mma, w2_l, w_l, a_dot)
             if i + 3 < n_k:
-                acc, acc2 = _chunk(i + 3, n_k, w3, e3, x3, w2, e2, x2, acc, acc2, w_ptrs,
-                                   e_ptrs, x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK, mma, w2_l,
-                                   w_l, a_dot, WB)
+                acc = _chunk(i + 3, n_k, w3, e3, x3, w2, e2, x2, acc, w_ptrs, e_ptrs, x_ptrs,
+                             x_mask, USE_ASM, NS, BW, BT, BK, mma, w2_l, w_l, a_dot)
         async_copy.wait_group(0)  # the clamped re-copies past K (never read)
 
         # ---- epilogue: out[(p // TOPK) * KS + p % TOPK, n0 + weight row] = acc * row_w[p] ---
@@ -348,13 +326,10 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         tmask = tk < nrows
         pair = ttgl.load(cidx_ptr + row0 + tk, mask=tmask, other=0)
         crow = ((pair // TOPK) * KS + pair % TOPK).to(ttgl.int64)
-        rw_t = ttgl.expand_dims(ttgl.load(w_ptr + pair, mask=tmask, other=0.0), 0)
+        out = acc * ttgl.expand_dims(ttgl.load(w_ptr + pair, mask=tmask, other=0.0), 0)
         c_ptrs = c_ptr + (crow * stride_cm)[None, :] + rn[:, None]
-        ttgl.store(c_ptrs, (acc * rw_t).to(c_ptr.dtype.element_ty),
+        ttgl.store(c_ptrs, out.to(c_ptr.dtype.element_ty),
                    mask=tmask[None, :] & (rn < N)[:, None])
-        if WB == 2:
-            ttgl.store(c_ptrs + BW, (acc2 * rw_t).to(c_ptr.dtype.element_ty),
-                       mask=tmask[None, :] & (rn + BW < N)[:, None])
 
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -392,8 +367,7 @@ def _check(h, w2, counts, c_idx, row_w, out, topk: int, ks: int) -> int:
 
 
 def l2_gluon_decode(h, w2, counts, c_idx, row_w, out, *, topk: int, ks: int, max_tiles: int,
-                    tiles: torch.Tensor | None = None, use_asm: bool | None = None,
-                    blocks: int | None = None):
+                    tiles: torch.Tensor | None = None, use_asm: bool | None = None):
     """out[(p // topk) * ks + p % topk] = row_w[p] * (H[r] @ W2[g]^T) for every sorted row r of
     expert g, p = c_idx[r] (moe.gemm role "l2" as routed_experts launches it: out = y.view(T * ks,
     d)); rows of slots no pair maps to are not written. h: fp16 [P, F] in expert-sorted row order;
@@ -402,8 +376,7 @@ def l2_gluon_decode(h, w2, counts, c_idx, row_w, out, *, topk: int, ks: int, max
     row-strided view is fine). Row tiles of BT = 16 rows: max_tiles bounds them (routed_experts'
     formula at 16 rows: min(P, P // 16 + E)); tiles: moe.tile_list(counts, 16, max_tiles) if
     already built (else built here: one tiny launch, no host sync, CUDA-graph capturable).
-    use_asm: the PRMT table upcast (default) or its integer-arithmetic twin. blocks: 64-row
-    weight blocks per program, 1 or 2 (default BLOCKS where d divides into them, else 1)."""
+    use_asm: the PRMT table upcast (default) or its integer-arithmetic twin."""
     if not _IMPORT_OK:
         raise RuntimeError("l2_gluon_decode needs Triton 3.6 Gluon")
     P = _check(h, w2, counts, c_idx, row_w, out, topk, ks)
@@ -412,14 +385,10 @@ def l2_gluon_decode(h, w2, counts, c_idx, row_w, out, *, topk: int, ks: int, max
     tiles = tile_list(counts, BT, max_tiles, tiles)
     use_asm = True if use_asm is None else bool(use_asm)
     N, K = w2.n, w2.k
-    if blocks is None:
-        blocks = BLOCKS if N % (BLOCKS * BW) == 0 else 1
-    if blocks not in (1, 2) or N % (blocks * BW):
-        raise ValueError(f"blocks {blocks}: 1 or 2 blocks of {BW} rows dividing d = {N}")
-    grid = (max_tiles * (N // (blocks * BW)),)
+    grid = (max_tiles * (N // BW),)
     l2_decode_kernel[grid](
         h, w2.w, w2.s, out, c_idx, row_w, tiles, max_tiles, N, K, counts.numel(), P, h.stride(0),
         w2.w.stride(0), w2.w.stride(1), w2.s.stride(0), w2.s.stride(1), out.stride(0),
-        TOPK=topk, KS=ks, USE_ASM=use_asm, BW=BW, BT=BT, BK=BK, NS=NS, NW=NUM_WARPS, WB=blocks,
+        TOPK=topk, KS=ks, USE_ASM=use_asm, BW=BW, BT=BT, BK=BK, NS=NS, NW=NUM_WARPS,
         num_warps=NUM_WARPS)
     return out
