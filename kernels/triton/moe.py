@@ -211,11 +211,16 @@ def pick_config(role: str, rows_per_group: float) -> GemmConfig:
         if rows_per_group <= 48:
             return GemmConfig(64, 128, 128, 4, 4, par=True)
         return GemmConfig(64, 128, 128, 4, 3, par=True)
+    # dense (linear_q, the shared expert): at decode sizes the weights stream once through
+    # few row tiles, so the column tile sets the parallelism: 32 weight columns per program
+    # (16 x 2 for the SwiGLU pair). The 64 / 128-column tiles gave the attention projections
+    # at 64 tokens 10 (wq_a, N = 1280) to 80 programs on 132 SMs: 2-7% of the HBM bandwidth,
+    # the shared expert 6% (benchmarks/results/kernels-moe-h200.md, sixth session).
     swiglu = role == "dense_swiglu"
     if rows_per_group <= 12:
-        return GemmConfig(16, 64, 128, 4, 4)
-    if rows_per_group <= 48:
-        return GemmConfig(64, 64 if swiglu else 128, 128, 4, 3)
+        return GemmConfig(16, 16 if swiglu else 32, 128, 4, 4)
+    if rows_per_group <= 64:
+        return GemmConfig(64, 16 if swiglu else 32, 128, 4, 4)
     return GemmConfig(128, 64 if swiglu else 128, 128, 8, 3)
 
 
@@ -599,10 +604,14 @@ def routed_experts(x_q: Tensor, x_scale: Tensor, ids: Tensor, wts: Tensor, count
     mt1 = min(P, P // cfg1.bm + E)
     tiles1 = tile_list(counts, cfg1.bm, mt1) if cfg1.persistent else None
     gluon = _gluon_l1(x_q, x_scale, w1, w3, h, r1, rpg)
+    gluon2 = _gluon_l2(h, w2, y, r2, rpg)
+    shared_tiles = None  # one device tile list for both Gluon decode kernels (same row tile)
+    if gluon is not None and gluon2 is not None and gluon[1] == gluon2[1]:
+        shared_tiles = tile_list(counts, gluon[1], min(P, P // gluon[1] + E))
     if gluon is not None:
         launch, rows = gluon
         launch(x_q, x_scale, srt, w1, w3, counts, h, topk=topk,
-               max_tiles=min(P, P // rows + E), limit=swiglu_limit)
+               max_tiles=min(P, P // rows + E), limit=swiglu_limit, tiles=shared_tiles)
     else:
         gemm(x_q, x_scale, w1, h, b2=w3, role=r1, rows_per_group=rpg, counts=counts,
              a_idx=srt, topk=topk, max_tiles=mt1, limit=swiglu_limit, tiles=tiles1,
@@ -611,11 +620,10 @@ def routed_experts(x_q: Tensor, x_scale: Tensor, ids: Tensor, wts: Tensor, count
     ks = y.shape[1]
     mt2 = min(P, P // cfg2.bm + E)
     tiles2 = tiles1 if (tiles1 is not None and cfg2.bm == cfg1.bm) else None  # one list for both
-    gluon2 = _gluon_l2(h, w2, y, r2, rpg)
     if gluon2 is not None:
         launch, rows = gluon2
         launch(h, w2, counts, srt, wts.reshape(-1), y.view(T * ks, -1), topk=topk, ks=ks,
-               max_tiles=min(P, P // rows + E))
+               max_tiles=min(P, P // rows + E), tiles=shared_tiles)
     else:
         gemm(h, h_scale, w2, y.view(T * ks, -1), role=r2, rows_per_group=rpg, counts=counts,
              c_idx=srt, row_w=wts.reshape(-1), topk=topk, ks=ks, max_tiles=mt2, tiles=tiles2)

@@ -340,7 +340,7 @@ def test_moe_exact_mode(monkeypatch):
 
 
 @pytest.mark.parametrize("block", [32, 128])
-@pytest.mark.parametrize("T", [1, 9])
+@pytest.mark.parametrize("T", [1, 9, 40])
 def test_swiglu_mlp_q_fp8_block(block, T):
     g = gen(block + T)
     d, F = 256, 256
@@ -355,10 +355,12 @@ def test_swiglu_mlp_q_fp8_block(block, T):
     assert y.dtype == torch.bfloat16 and rel(y, ref) < 1e-2
 
 
+@pytest.mark.parametrize("T", [3, 20])
 @pytest.mark.parametrize("fmt,block", [("fp8_block", 32), ("fp8_block", 128), ("mxfp4", 32)])
-def test_linear_q(fmt, block):
+def test_linear_q(fmt, block, T):
+    """2 T rows (decode-size tiles at 6, the 64-row tile at 40)."""
     g = gen(block)
-    T, K, N = 3, 384, 96
+    K, N = 384, 96
     x = randn(2, T, K, g=g)  # leading dims are flattened
     xq, xs = rf.quantize_act(x, act_fmt=ACT)
     if fmt == "mxfp4":
