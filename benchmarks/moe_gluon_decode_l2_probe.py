@@ -1,4 +1,4 @@
-"""Times the experimental Gluon DECODE L2 (kernels/triton/moe_gluon_decode_l2.py: swapped wgmma
+"""Times the Gluon DECODE L2 (kernels/triton/moe_gluon_decode_l2.py: swapped wgmma
 with the MXFP4 W2 upcast to fp16 in registers as the A operand, a 4-stage cp.async ring, the
 weighted scatter to y) against the Triton L2 launch that routed_experts makes at decode
 (moe.gemm role "l2" with pick_config("l2", rows)), at V4.1-Flash dims: d = 5120 output

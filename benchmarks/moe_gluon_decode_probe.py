@@ -1,4 +1,4 @@
-"""Times the experimental Gluon DECODE L1 (kernels/triton/moe_gluon_decode.py: swapped wgmma
+"""Times the Gluon DECODE L1 (kernels/triton/moe_gluon_decode.py: swapped wgmma
 with the MXFP4 weights upcast in registers as the A operand, a 4-stage cp.async ring) against
 the Triton L1 launch that routed_experts makes at decode (moe.gemm role "l1" with
 pick_config("l1", rows): the swapped 16 x 64 tile), at V4.1-Flash dims: hidden d = 5120,

@@ -1,10 +1,11 @@
-"""Experimental Gluon (Triton 3.6, sm_90) kernel for the DECODE routed-expert L2 GEMM (the down
+"""Gluon (Triton 3.6, sm_90) kernel for the DECODE routed-expert L2 GEMM (the down
 projection): Y = row_w x (H W2^T) on MXFP4 W2 with the fp16 H of the L1, scattered to the
 (token, slot) rows of y - the launch `routed_experts` makes through `moe.gemm(role="l2")` at
 <= 12 rows per expert (moe_jit.moe_tile with SCATTER_C / WEIGHTED, load_b_tile's MXFP4 x fp16
 MMA). The Triton L2 runs there at ~33% of the H200's HBM bandwidth; this is the L2 twin of
-moe_gluon_decode.py (the decode L1: 1.66 -> 1.11 ms, 64%). Not wired into routed_experts: the
-lead decides after timing it (benchmarks/moe_gluon_decode_l2_probe.py).
+moe_gluon_decode.py (the decode L1: 1.66 -> 1.11 ms, 64%). routed_experts runs it there by
+default where available (moe._gluon_l2): 1.035 -> 0.607 ms at 64 tokens on the H200, 59% of HBM
+bandwidth (benchmarks/moe_gluon_decode_l2_probe.py, benchmarks/results/moe-gluon-decode-h200.md).
 
 Swap AB, as the decode L1: per program one row tile of <= BT = 16 expert-sorted rows of one
 expert (moe.tile_list at 16 rows) and a block of BW = 64 weight rows (output columns of y); per
