@@ -299,3 +299,20 @@ def reference_l2_slots(h, w2, counts, srt, wts, ks: int, experts: int):
             done += 1
         r0 += c
     return torch.cat(idx), torch.cat(rows)
+
+
+def bandwidth_rates(res: dict, counts, bytes_per_expert: int, peak_gbs: float):
+    """The decode probes' bandwidth accounting: records in res the experts a call touches, the
+    largest expert's rows and the weight bytes it must read (touched experts x
+    bytes_per_expert: packed FP4 + E8M0 of the matrices the kernel streams); returns
+    rates(ms) -> GB/s and % of peak_gbs for timed_row."""
+    touched = int((counts > 0).sum())
+    wbytes = touched * bytes_per_expert
+    res.update(experts_touched=touched, max_rows_per_expert=int(counts.max()),
+               weight_bytes=wbytes)
+
+    def rates(ms):
+        gbs = wbytes / ms / 1e6
+        return dict(gbs=gbs, pct_bw=100 * gbs / peak_gbs)
+
+    return rates

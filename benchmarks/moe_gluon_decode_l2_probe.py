@@ -37,24 +37,11 @@ if str(HERE) not in sys.path:
 from gluon_probe_common import V41_FLASH as REAL  # noqa: E402
 from gluon_probe_common import build_l2, check_lines, finish, probe_parser  # noqa: E402
 from gluon_probe_common import reference_l2_slots, rel, run_child, skipped  # noqa: E402
-from gluon_probe_common import table, timed_row, write_report  # noqa: E402
+from gluon_probe_common import bandwidth_rates, table, timed_row, write_report  # noqa: E402
 
 PEAK_GBS = 4240.0
 SMOKE = dict(d=1024, F=256, E=64, k=6)
 YDT = {"bf16": torch.bfloat16, "f32": torch.float32}
-
-
-def _launch_triton(h, w2, counts, srt, wts, y, E):
-    """moe.gemm role "l2" into y [T, ks, d] as routed_experts launches it."""
-    from megagraph.kernels.triton import moe
-
-    T, k = wts.shape
-    P = T * k
-    rpg = P / max(1, min(E, P))
-    mt2 = min(P, P // moe.pick_config("l2", rpg).bm + E)
-    moe.gemm(h, None, w2, y.view(T * y.shape[1], -1), role="l2", rows_per_group=rpg,
-             counts=counts, c_idx=srt, row_w=wts.reshape(-1), topk=k, ks=y.shape[1],
-             max_tiles=mt2)
 
 
 def _errors(y, ref_idx, ref_rows, k) -> dict:
@@ -127,23 +114,15 @@ def main() -> None:
     d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
     h, w2, counts, srt, wts = build_l2(T, d, F, E, k)
     P = T * k
-    touched = int((counts > 0).sum())
-    res["experts_touched"] = touched
-    res["max_rows_per_expert"] = int(counts.max())
-    wbytes = touched * d * (F // 2 + F // 32)  # W2 packed FP4 + E8M0 of the touched experts
-    res["weight_bytes"] = wbytes
+    rates = bandwidth_rates(res, counts, d * (F // 2 + F // 32), PEAK_GBS)  # W2
     mtg = min(P, P // ml2.BT + E)
-
-    def rates(ms):
-        gbs = wbytes / ms / 1e6
-        return dict(gbs=gbs, pct_bw=100 * gbs / PEAK_GBS)
 
     def timed(name, fn, tile):
         return timed_row(res, write, name, fn, tile, rates)
 
     y_tr = torch.full((T, ks, d), float("nan"), dtype=YDT[ydt], device="cuda")
     rpg = P / max(1, min(E, P))
-    timed("triton l2 (moe.gemm)", lambda: _launch_triton(h, w2, counts, srt, wts, y_tr, E),
+    timed("triton l2 (moe.gemm)", lambda: moe.triton_l2(h, w2, counts, srt, wts, y_tr),
           moe.pick_config("l2", rpg).__dict__)
     idx, ref = reference_l2_slots(h, w2, counts, srt, wts, ks, experts=8)
     res["triton"] = _errors(y_tr, idx, ref, k)

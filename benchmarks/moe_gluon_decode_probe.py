@@ -36,7 +36,7 @@ from gluon_probe_common import build, check_lines, finish, reference_rows, rel  
 from gluon_probe_common import run_child, table, time_triton_l1, timed_row  # noqa: E402
 from gluon_probe_common import V41_FLASH as REAL  # noqa: E402
 from gluon_probe_common import probe_parser, skipped  # noqa: E402
-from gluon_probe_common import write_report  # noqa: E402
+from gluon_probe_common import bandwidth_rates, write_report  # noqa: E402
 
 PEAK_GBS = 4240.0
 SMOKE = dict(d=1024, F=256, E=64, k=6)
@@ -99,16 +99,8 @@ def main() -> None:
     d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
     xq, xs, w1, w3, counts, srt = build(T, d, F, E, k, routing="random")
     P = T * k
-    touched = int((counts > 0).sum())
-    res["experts_touched"] = touched
-    res["max_rows_per_expert"] = int(counts.max())
-    wbytes = touched * 2 * F * (d // 2 + d // 32)  # W1 + W3 packed FP4 + E8M0 of touched experts
-    res["weight_bytes"] = wbytes
+    rates = bandwidth_rates(res, counts, 2 * F * (d // 2 + d // 32), PEAK_GBS)  # W1 + W3
     mtg = min(P, P // md.BT + E)
-
-    def rates(ms):
-        gbs = wbytes / ms / 1e6
-        return dict(gbs=gbs, pct_bw=100 * gbs / PEAK_GBS)
 
     def timed(name, fn, tile):
         return timed_row(res, write, name, fn, tile, rates)

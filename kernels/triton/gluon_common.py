@@ -47,6 +47,7 @@ __all__ = [
     "e2m1_e4m3_bits",
     "fence_async_shared",
     "gluon",
+    "issue_chunk",
     "ttgl",
     "warpgroup_mma",
     "warpgroup_mma_wait",
@@ -79,6 +80,19 @@ if IMPORT_OK:
         base = ttgl.where(m >= 2, m * 4 + 0x30, m * 0x30) + rel * 8
         base = ttgl.where((m == 0) | (rel < -5), 0, base)
         return base | ((c & 8) << 4)
+
+    @gluon.jit
+    def issue_chunk(w_dst, e_dst, x_dst, w_ptrs, e_ptrs, x_ptrs, x_mask, c, n_k,
+                    BK: ttgl.constexpr):
+        """The decode kernels' ring refill: cp.async of K chunk min(c, n_k - 1) (clamped: past
+        K it re-reads the last chunk into a stage nobody reads) - the packed MXFP4 rows
+        (w_ptrs, byte offset k0 / 2), their E8M0 exponents (k0 / 32) and the activation tile
+        (x_ptrs, element offset k0, masked past the tile's rows) - and commit the group."""
+        k0 = ttgl.minimum(c, n_k - 1) * BK
+        async_copy.async_copy_global_to_shared(w_dst, w_ptrs + k0 // 2)
+        async_copy.async_copy_global_to_shared(e_dst, e_ptrs + k0 // 32)
+        async_copy.async_copy_global_to_shared(x_dst, x_ptrs + k0, mask=x_mask)
+        async_copy.commit_group()
 
     @gluon.jit
     def swiglu(gt, up, limit, HAS_LIMIT: ttgl.constexpr):

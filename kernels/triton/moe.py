@@ -665,6 +665,20 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
     return pick if ok and mod.available(x_q.device) else None
 
 
+def triton_l2(h: Tensor, w2: Bank, counts: Tensor, srt: Tensor, wts: Tensor,
+              y: Tensor) -> Tensor:
+    """The Triton L2 as routed_experts launches it with fp16 H (moe.gemm role "l2": y [T, ks, d]
+    row (p // topk) * ks + p % topk = wts[p] x H[r] W2^T for sorted row r, p = srt[r]): the
+    baseline the Gluon decode L2 is tested and timed against."""
+    T, k = wts.shape
+    P, E = T * k, counts.numel()
+    rpg = P / max(1, min(E, P))
+    mt2 = min(P, P // pick_config("l2", rpg).bm + E)
+    return gemm(h, None, w2, y.view(T * y.shape[1], -1), role="l2", rows_per_group=rpg,
+                counts=counts, c_idx=srt, row_w=wts.reshape(-1), topk=k, ks=y.shape[1],
+                max_tiles=mt2)
+
+
 def _gluon_l2(h: Tensor, w2: Bank, y: Tensor, role: str, rows_per_group: float):
     """(launch, row tile) of the Gluon kernel that runs routed_experts' L2 instead of moe_gemm,
     or None: the decode L2 (moe_gluon_decode_l2.l2_gluon_decode: swapped fp16 wgmma, the MXFP4

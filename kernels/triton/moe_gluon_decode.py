@@ -60,7 +60,7 @@ from .gluon_common import available  # noqa: F401  (moe._gluon_l1 and the tests 
 from .gluon_common import check_rows, tile_list
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
-    from .gluon_common import async_copy, fence_async_shared, gluon, swiglu, ttgl
+    from .gluon_common import async_copy, fence_async_shared, gluon, issue_chunk, swiglu, ttgl
     from .gluon_common import e2m1_e4m3_bits as _e2m1_e4m3_bits
     from .gluon_common import warpgroup_mma, warpgroup_mma_wait
 
@@ -140,16 +140,6 @@ if _IMPORT_OK:
         return a, ttgl.convert_layout(sb, row_l)
 
     @gluon.jit
-    def _issue(w_dst, e_dst, x_dst, w_ptrs, e_ptrs, x_ptrs, x_mask, c, n_k, BK: ttgl.constexpr):
-        """cp.async of chunk min(c, n_k - 1) (clamped: past K it re-reads the last chunk into a
-        stage nobody reads) and commit."""
-        k0 = ttgl.minimum(c, n_k - 1) * BK
-        async_copy.async_copy_global_to_shared(w_dst, w_ptrs + k0 // 2)
-        async_copy.async_copy_global_to_shared(e_dst, e_ptrs + k0 // 32)
-        async_copy.async_copy_global_to_shared(x_dst, x_ptrs + k0, mask=x_mask)
-        async_copy.commit_group()
-
-    @gluon.jit
     def _chunk(i, n_k, w_cur, e_cur, x_cur, w_nxt, e_nxt, x_nxt, sa_s, acc1, acc3, w_ptrs,
                e_ptrs, x_ptrs, x_mask, USE_ASM: ttgl.constexpr, NS: ttgl.constexpr,
                BW: ttgl.constexpr, BT: ttgl.constexpr, BK: ttgl.constexpr,
@@ -160,7 +150,7 @@ if _IMPORT_OK:
         # waited wgmmas): the stage written below is free
         ttgl.thread_barrier()
         fence_async_shared()  # X (cp.async, generic proxy) -> the wgmma (async proxy)
-        _issue(w_nxt, e_nxt, x_nxt, w_ptrs, e_ptrs, x_ptrs, x_mask, i + NS - 1, n_k, BK)
+        issue_chunk(w_nxt, e_nxt, x_nxt, w_ptrs, e_ptrs, x_ptrs, x_mask, i + NS - 1, n_k, BK)
         row_l: ttgl.constexpr = ttgl.SliceLayout(1, mma)
         col_l: ttgl.constexpr = ttgl.SliceLayout(0, mma)
         zero = ttgl.zeros([BW, BT], ttgl.float32, mma)
@@ -281,9 +271,9 @@ if _IMPORT_OK:
 
         # prologue: the A scales with chunk 0, chunks 1 .. NS - 2 (clamped)
         async_copy.async_copy_global_to_shared(sa_s, s_ptrs, mask=s_mask)
-        _issue(w0, e0, x0, w_ptrs, e_ptrs, x_ptrs, x_mask, 0, n_k, BK)
-        _issue(w1, e1, x1, w_ptrs, e_ptrs, x_ptrs, x_mask, 1, n_k, BK)
-        _issue(w2, e2, x2, w_ptrs, e_ptrs, x_ptrs, x_mask, 2, n_k, BK)
+        issue_chunk(w0, e0, x0, w_ptrs, e_ptrs, x_ptrs, x_mask, 0, n_k, BK)
+        issue_chunk(w1, e1, x1, w_ptrs, e_ptrs, x_ptrs, x_mask, 1, n_k, BK)
+        issue_chunk(w2, e2, x2, w_ptrs, e_ptrs, x_ptrs, x_mask, 2, n_k, BK)
 
         # the same bytes as a ring of [BT] rows (.index(i): a rank-1 layout), for the reads
         sa_r = sa_s._reinterpret(ttgl.float32, [NKP, BT], flat1)

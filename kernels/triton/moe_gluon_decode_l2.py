@@ -119,7 +119,7 @@ STEP_A, STEP_B = 0x04040400, 0x04040404
 
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
-    from .gluon_common import async_copy, fence_async_shared, gluon, ttgl
+    from .gluon_common import async_copy, fence_async_shared, gluon, issue_chunk, ttgl
     from .gluon_common import warpgroup_mma, warpgroup_mma_wait
 
     FP16_TABLE_ASM = ttgl.constexpr(FP16_TABLE_ASM_TEXT)
@@ -187,16 +187,6 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         return a, ttgl.convert_layout(sb, row_l, assert_trivial=True)
 
     @gluon.jit
-    def _issue(w_dst, e_dst, x_dst, w_ptrs, e_ptrs, x_ptrs, x_mask, c, n_k, BK: ttgl.constexpr):
-        """cp.async of chunk min(c, n_k - 1) (clamped: past K it re-reads the last chunk into a
-        stage nobody reads) and commit."""
-        k0 = ttgl.minimum(c, n_k - 1) * BK
-        async_copy.async_copy_global_to_shared(w_dst, w_ptrs + k0 // 2)
-        async_copy.async_copy_global_to_shared(e_dst, e_ptrs + k0 // 32)
-        async_copy.async_copy_global_to_shared(x_dst, x_ptrs + k0, mask=x_mask)
-        async_copy.commit_group()
-
-    @gluon.jit
     def _chunk(i, n_k, w_cur, e_cur, x_cur, w_nxt, e_nxt, x_nxt, acc, w_ptrs, e_ptrs, x_ptrs,
                x_mask, USE_ASM: ttgl.constexpr, NS: ttgl.constexpr, BW: ttgl.constexpr,
                BT: ttgl.constexpr, BK: ttgl.constexpr, mma: ttgl.constexpr,
@@ -206,7 +196,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         # waited wgmma): the stage written below is free
         ttgl.thread_barrier()
         fence_async_shared()  # H (cp.async, generic proxy) -> the wgmma (async proxy)
-        _issue(w_nxt, e_nxt, x_nxt, w_ptrs, e_ptrs, x_ptrs, x_mask, i + NS - 1, n_k, BK)
+        issue_chunk(w_nxt, e_nxt, x_nxt, w_ptrs, e_ptrs, x_ptrs, x_mask, i + NS - 1, n_k, BK)
         row_l: ttgl.constexpr = ttgl.SliceLayout(1, mma)
         a, sb = _upcast(w_cur, e_cur, USE_ASM, w2_l, w_l, a_dot, row_l, BW)
         zero = ttgl.zeros([BW, BT], ttgl.float32, mma)
@@ -302,9 +292,9 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
 
         # prologue: chunks 0 .. NS - 2 (clamped)
         n_k = K // BK
-        _issue(w0, e0, x0, w_ptrs, e_ptrs, x_ptrs, x_mask, 0, n_k, BK)
-        _issue(w1, e1, x1, w_ptrs, e_ptrs, x_ptrs, x_mask, 1, n_k, BK)
-        _issue(w2, e2, x2, w_ptrs, e_ptrs, x_ptrs, x_mask, 2, n_k, BK)
+        issue_chunk(w0, e0, x0, w_ptrs, e_ptrs, x_ptrs, x_mask, 0, n_k, BK)
+        issue_chunk(w1, e1, x1, w_ptrs, e_ptrs, x_ptrs, x_mask, 1, n_k, BK)
+        issue_chunk(w2, e2, x2, w_ptrs, e_ptrs, x_ptrs, x_mask, 2, n_k, BK)
 
         acc = ttgl.zeros([BW, BT], ttgl.float32, mma)
         for i in range(0, n_k, NS):

@@ -197,19 +197,6 @@ def _max_tiles(P, E):
     return min(P, P // ml2.BT + E)
 
 
-def _triton_l2(h, w2, counts, srt, wts, y, E):
-    """moe.gemm role "l2" into y [T, ks, d] as routed_experts launches it."""
-    from megagraph.kernels.triton import moe
-
-    T, k = wts.shape
-    P = T * k
-    rpg = P / max(1, min(E, P))
-    mt2 = min(P, P // moe.pick_config("l2", rpg).bm + E)
-    moe.gemm(h, None, w2, y.view(T * y.shape[1], -1), role="l2", rows_per_group=rpg,
-             counts=counts, c_idx=srt, row_w=wts.reshape(-1), topk=k, ks=y.shape[1],
-             max_tiles=mt2)
-
-
 @gpu
 @pytest.mark.parametrize("T,E,subset,ks,dtype", [
     (1, 8, None, 6, torch.float32),
@@ -235,8 +222,10 @@ def test_l2_decode_matches(T, E, subset, ks, dtype):
     tol = 2e-3 if dtype == torch.float32 else 1e-2
     ref = l2_reference(h, w2, counts, srt, wts, ks)
     assert rel(y[:, :k], ref[:, :k]) < tol, f"vs fp32 math: {rel(y[:, :k], ref[:, :k]):.3e}"
+    from megagraph.kernels.triton import moe
+
     y_tr = torch.full_like(y, float("nan"))
-    _triton_l2(h, w2, counts, srt, wts, y_tr, E)
+    moe.triton_l2(h, w2, counts, srt, wts, y_tr)
     torch.cuda.synchronize()
     assert rel(y[:, :k], y_tr[:, :k]) < tol, f"vs the Triton L2: {rel(y[:, :k], y_tr[:, :k]):.3e}"
 
