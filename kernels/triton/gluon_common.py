@@ -48,6 +48,7 @@ __all__ = [
     "fence_async_shared",
     "gluon",
     "issue_chunk",
+    "tile_entry",
     "ttgl",
     "warpgroup_mma",
     "warpgroup_mma_wait",
@@ -93,6 +94,23 @@ if IMPORT_OK:
         async_copy.async_copy_global_to_shared(e_dst, e_ptrs + k0 // 32)
         async_copy.async_copy_global_to_shared(x_dst, x_ptrs + k0, mask=x_mask)
         async_copy.commit_group()
+
+    @gluon.jit
+    def tile_entry(work_ptr, pid, num_n, MT, G, P, BM: ttgl.constexpr):
+        """Program pid's row tile in moe.tile_list's device list of BM-row tiles ([total,
+        grp[MT], row0[MT], rend[MT]]), num_n column tiles per row tile: (skip, group as int64,
+        row0, nrows, pid_n). rend is the END OF THE GROUP, so the tile's rows are row0 ..
+        min(rend, row0 + BM, P) - 1 (the decode L1 once took rend - row0 and lost every tile of
+        an expert but the last); skip for entries past the list or out of range: the caller
+        returns before it forms any pointer. One reader of the list for every Gluon kernel."""
+        j = pid // num_n
+        total = ttgl.load(work_ptr)
+        g32 = ttgl.load(work_ptr + 1 + j)  # j < MT (the grid): inside the list either way
+        row0 = ttgl.load(work_ptr + 1 + MT + j)
+        rend = ttgl.load(work_ptr + 1 + 2 * MT + j)
+        nrows = ttgl.minimum(ttgl.minimum(rend, row0 + BM), P) - row0
+        skip = (j >= total) | (g32 < 0) | (g32 >= G) | (row0 < 0) | (nrows <= 0)
+        return skip, g32.to(ttgl.int64), row0, nrows, pid % num_n
 
     @gluon.jit
     def swiglu(gt, up, limit, HAS_LIMIT: ttgl.constexpr):

@@ -73,7 +73,7 @@ from .gluon_common import available  # noqa: F401  (moe._gluon_l1 and the tests 
 from .gluon_common import check_rows, tile_list
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
-    from .gluon_common import async_copy, fence_async_shared, gluon, swiglu, ttgl
+    from .gluon_common import async_copy, fence_async_shared, gluon, swiglu, tile_entry, ttgl
     from .gluon_common import e2m1_e4m3_bits as _e2m1_e4m3_bits
     from .gluon_common import warpgroup_mma, warpgroup_mma_wait
 
@@ -219,18 +219,10 @@ if _IMPORT_OK:
         s_sl: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [0])
 
         # ---- the tile (moe_tile_list's entries, as moe_gemm_persistent reads them) ------
-        pid = ttgl.program_id(0)
-        num_n = N // BN
-        j = pid // num_n
-        pid_n = pid % num_n
-        total = ttgl.load(work_ptr)
-        g32 = ttgl.load(work_ptr + 1 + j)  # j < MT (the grid): inside the list either way
-        row0 = ttgl.load(work_ptr + 1 + MT + j)
-        rend = ttgl.minimum(ttgl.load(work_ptr + 1 + 2 * MT + j), P)
-        nrows = rend - row0
-        if (j >= total) | (g32 < 0) | (g32 >= G) | (row0 < 0) | (nrows <= 0):
+        skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BN, MT, G,
+                                                 P, BM)
+        if skip:
             return
-        g = g32.to(ttgl.int64)
 
         # gathered A rows, in the copy layout and in the accumulator's row layout (for sa)
         rm_a = ttgl.arange(0, BM, layout=ttgl.SliceLayout(1, la))

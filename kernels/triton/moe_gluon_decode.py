@@ -60,7 +60,8 @@ from .gluon_common import available  # noqa: F401  (moe._gluon_l1 and the tests 
 from .gluon_common import check_rows, tile_list
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
-    from .gluon_common import async_copy, fence_async_shared, gluon, issue_chunk, swiglu, ttgl
+    from .gluon_common import async_copy, fence_async_shared, gluon, issue_chunk, swiglu
+    from .gluon_common import tile_entry, ttgl
     from .gluon_common import e2m1_e4m3_bits as _e2m1_e4m3_bits
     from .gluon_common import warpgroup_mma, warpgroup_mma_wait
 
@@ -209,19 +210,10 @@ if _IMPORT_OK:
         flat1: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [0])  # [NKP, BT], .index(i)
 
         # ---- the tile ------------------------------------------------------------------
-        pid = ttgl.program_id(0)
-        num_n = N // BW
-        j = pid // num_n
-        pid_n = pid % num_n
-        total = ttgl.load(work_ptr)
-        g32 = ttgl.load(work_ptr + 1 + j)
-        row0 = ttgl.load(work_ptr + 1 + MT + j)
-        # rend is the END OF THE GROUP (moe_tile_list): this tile's rows end at row0 + BT
-        rend = ttgl.minimum(ttgl.minimum(ttgl.load(work_ptr + 1 + 2 * MT + j), P), row0 + BT)
-        nrows = rend - row0
-        if (j >= total) | (g32 < 0) | (g32 >= G) | (row0 < 0) | (nrows <= 0):
+        skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BW, MT, G,
+                                                 P, BT)
+        if skip:
             return
-        g = g32.to(ttgl.int64)
         n0 = pid_n * BW
 
         # weights: rows 0..BW-1 of the stage = W1 rows n0.., rows BW..2BW-1 = W3 rows n0..

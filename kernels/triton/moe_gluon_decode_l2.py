@@ -119,7 +119,7 @@ STEP_A, STEP_B = 0x04040400, 0x04040404
 
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
-    from .gluon_common import async_copy, fence_async_shared, gluon, issue_chunk, ttgl
+    from .gluon_common import async_copy, fence_async_shared, gluon, issue_chunk, tile_entry, ttgl
     from .gluon_common import warpgroup_mma, warpgroup_mma_wait
 
     FP16_TABLE_ASM = ttgl.constexpr(FP16_TABLE_ASM_TEXT)
@@ -245,18 +245,10 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         flat: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
         # ---- the tile ------------------------------------------------------------------
-        pid = ttgl.program_id(0)
-        num_n = N // BW
-        j = pid // num_n
-        pid_n = pid % num_n
-        total = ttgl.load(work_ptr)
-        g32 = ttgl.load(work_ptr + 1 + j)
-        row0 = ttgl.load(work_ptr + 1 + MT + j)
-        rend = ttgl.load(work_ptr + 1 + 2 * MT + j)  # the end of the GROUP
-        nrows = ttgl.minimum(ttgl.minimum(rend, row0 + BT), P) - row0
-        if (j >= total) | (g32 < 0) | (g32 >= G) | (row0 < 0) | (nrows <= 0):
+        skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BW, MT, G,
+                                                 P, BT)
+        if skip:
             return
-        g = g32.to(ttgl.int64)
         n0 = pid_n * BW
 
         rw = ttgl.arange(0, BW, layout=ttgl.SliceLayout(1, wl))
