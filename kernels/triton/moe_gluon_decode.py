@@ -17,7 +17,7 @@ in shared memory.
 
 Pipeline (NS = 4 stages, one warpgroup = 4 warps, every stage its own allocation and the loop
 unrolled by NS, as moe_gluon.py, so Gluon's barrier analysis sees static stages): per chunk i
-    cp.async.wait_group(NS - 2); bar.sync; fence.proxy.async        (stage i % NS landed)
+    cp.async.wait_group(NS - 2); fence.proxy.async; bar.sync        (stage i % NS landed)
     cp.async chunk i + NS - 1 into the stage chunk i - 1 used (its LDS and wgmmas are done)
     W1: LDS the packed bytes + exponents, tables, upcast -> wgmma (async)
     W3: the same -> wgmma (async)   (runs while the W1 wgmma runs)
@@ -147,10 +147,16 @@ if _IMPORT_OK:
                mma: ttgl.constexpr, p2_l: ttgl.constexpr, p_l: ttgl.constexpr,
                a_dot: ttgl.constexpr):
         async_copy.wait_group(NS - 2)  # this thread's copies of chunk i landed
-        # every thread's copies of chunk i in; every thread done with chunk i - 1 (its LDS, its
-        # waited wgmmas): the stage written below is free
+        # writer-side proxy fence (CUTLASS's order, the PTX rule: each writing thread fences its
+        # own completed generic-proxy writes BEFORE the barrier the wgmma issuers wait at): X
+        # (cp.async) -> the wgmma's async proxy. Fenced after the barrier instead, a fast warp
+        # could issue its wgmma before a slow warp had fenced its copies of the stage.
+        fence_async_shared()
+        # every thread's copies of chunk i in and fenced; every thread done with chunk i - 1
+        # (its LDS, its waited wgmmas): the stage written below is free. (Triton 3.6's membar
+        # pass adds its own CTA barrier right after the async_wait, as the next op is no
+        # barrier: two per chunk, K loop 1407 -> 1423 instructions per 4 chunks.)
         ttgl.thread_barrier()
-        fence_async_shared()  # X (cp.async, generic proxy) -> the wgmma (async proxy)
         issue_chunk(w_nxt, e_nxt, x_nxt, w_ptrs, e_ptrs, x_ptrs, x_mask, i + NS - 1, n_k, BK)
         row_l: ttgl.constexpr = ttgl.SliceLayout(1, mma)
         col_l: ttgl.constexpr = ttgl.SliceLayout(0, mma)

@@ -19,7 +19,7 @@ H^T (the chunk's 16 rows of H, fp16, NVMMA-swizzled, K-major) is the B operand i
 
 Pipeline (NS = 4 stages, one warpgroup, every stage its own allocation and the loop unrolled by
 NS as in the L1s, so Gluon's barrier analysis sees static stages): per chunk i
-    cp.async.wait_group(NS - 2); bar.sync; fence.proxy.async        (stage i % NS landed)
+    cp.async.wait_group(NS - 2); fence.proxy.async; bar.sync        (stage i % NS landed)
     cp.async chunk i + NS - 1 into the stage chunk i - 1 used (its LDS and wgmma are done)
     LDS the packed words + exponents, tables, upcast -> wgmma (async) -> wait(0)
     acc += part * sb                      (sb = 2^(S - 127) per weight row, moe_jit.promote)
@@ -192,10 +192,16 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                BT: ttgl.constexpr, BK: ttgl.constexpr, mma: ttgl.constexpr,
                w2_l: ttgl.constexpr, w_l: ttgl.constexpr, a_dot: ttgl.constexpr):
         async_copy.wait_group(NS - 2)  # this thread's copies of chunk i landed
-        # every thread's copies of chunk i in; every thread done with chunk i - 1 (its LDS, its
-        # waited wgmma): the stage written below is free
+        # writer-side proxy fence (CUTLASS's order, the PTX rule: each writing thread fences its
+        # own completed generic-proxy writes BEFORE the barrier the wgmma issuers wait at): H
+        # (cp.async) -> the wgmma's async proxy. Fenced after the barrier instead, a fast warp
+        # could issue its wgmma before a slow warp had fenced its copies of the stage.
+        fence_async_shared()
+        # every thread's copies of chunk i in and fenced; every thread done with chunk i - 1
+        # (its LDS, its waited wgmma): the stage written below is free. (Triton 3.6's membar
+        # pass adds its own CTA barrier right after the async_wait, as the next op is no
+        # barrier: two per chunk, K loop 830 -> 846 instructions per 4 chunks.)
         ttgl.thread_barrier()
-        fence_async_shared()  # H (cp.async, generic proxy) -> the wgmma (async proxy)
         issue_chunk(w_nxt, e_nxt, x_nxt, w_ptrs, e_ptrs, x_ptrs, x_mask, i + NS - 1, n_k, BK)
         row_l: ttgl.constexpr = ttgl.SliceLayout(1, mma)
         a, sb = _upcast(w_cur, e_cur, USE_ASM, w2_l, w_l, a_dot, row_l, BW)
