@@ -511,6 +511,8 @@ def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> 
          touched * expert // 3 + P * F + P * F // 32 + P * d * 2, "fp8"),
         ("shared expert (FP8 blocks, L1 + L2)", shared, 2 * T * 3 * fs * d,
          3 * fs * d + T * d + T * d * 2, "bf16"),
+        ("shared expert, Triton L1 (MEGAGRAPH_CUBLAS_FP8=0)", cublas_off(shared),
+         2 * T * 3 * fs * d, 3 * fs * d + T * d + T * d * 2, "bf16"),
         ("combine + shared + mHC expand", comb_, 0, T * (k + 1) * d * 2 + 2 * T * 4 * d * 2, ""),
     ]
     out = []
@@ -518,6 +520,27 @@ def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> 
         out.append(row("triton.mega_moe piece", f"T={T} {name}", time_ms(fn, device=dev),
                        flops=fl, bytes=by, peak=peak))
     return out
+
+
+def cublas_off(fn):
+    """fn with kernels/cublas_fp8 switched off (the Triton FP8-block GEMMs run), for the rows
+    that time Triton next to cuBLAS."""
+    from megagraph.kernels import cublas_fp8
+
+    def run():
+        mode, cublas_fp8.MODE = cublas_fp8.MODE, "0"
+        try:
+            return fn()
+        finally:
+            cublas_fp8.MODE = mode
+    return run
+
+
+def cublas_note(dev) -> str:
+    from megagraph.kernels import cublas_fp8
+
+    form = cublas_fp8.supported(dev.index or 0) if dev.type == "cuda" else None
+    return f"cuBLAS block-scaled FP8, weight scales {form}" if form else ""
 
 
 LINEAR_SHAPES = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wo_b", 5120, 8192)]
@@ -562,9 +585,9 @@ def linear_rows(dims, w, T, dev, t_end) -> list[dict]:
         xq, xs = rf.quantize_act(x, act_fmt="fp8_1x128")
         wq, ws = formats.quantize_fp8_block(torch.randn(N, K, device=dev, generator=g) * 0.02, 32)
         kw = dict(fmt="fp8_block", act_fmt="fp8_1x128", out_dtype="bf16")
-        tri = tm.linear_q(xq, xs, wq, ws, **kw)
+        tri = cublas_off(lambda: tm.linear_q(xq, xs, wq, ws, **kw))()
         ref = rf.linear_q(xq, xs, wq, ws, **kw)
-        ms = time_ms(lambda: tm.linear_q(xq, xs, wq, ws, **kw), device=dev)
+        ms = time_ms(cublas_off(lambda: tm.linear_q(xq, xs, wq, ws, **kw)), device=dev)
         base = time_ms(lambda: cf.linear_q(xq, xs, wq, ws, **kw), device=dev)
         comp = None
         if COMPILE and name == "wq_a" and T <= 256 and time.perf_counter() < t_end - 60:
@@ -587,6 +610,15 @@ def linear_rows(dims, w, T, dev, t_end) -> list[dict]:
                        peak="fp8", baseline="capturable", baseline_ms=base, compile_ms=comp,
                        rel_err=rel_err(tri, ref), scaled_mm_ms=sm,
                        notes=(f"torch._scaled_mm per-tensor FP8 {1e3 * sm:.1f} us" if sm else "")))
+        note = cublas_note(dev)
+        if note:
+            cub = tm.linear_q(xq, xs, wq, ws, **kw)
+            ms_c = time_ms(lambda: tm.linear_q(xq, xs, wq, ws, **kw), device=dev)
+            out.append(row("cublas.fp8_block_gemm", f"T={T} {name} {N}x{K}", ms_c,
+                           flops=2 * T * N * K, bytes=N * K + N * K // 1024 + T * K + T * N * 2,
+                           peak="fp8", baseline="triton", baseline_ms=ms,
+                           rel_err=rel_err(cub, ref), notes=note + "; weight reblocked from 32x32 "
+                           "(kernels/cublas_fp8.py); linear_q's default"))
     if time.perf_counter() < t_end:
         G, O, In = (8, 1024, 4096) if dims["d"] == V41["d"] else (2, 64, 128)
         x = torch.randn(T, G * In, device=dev, generator=g)
@@ -594,14 +626,26 @@ def linear_rows(dims, w, T, dev, t_end) -> list[dict]:
         wq, ws = formats.quantize_fp8_block(torch.randn(G * O, In, device=dev, generator=g) * 0.02,
                                             32)
         kw = dict(groups=G, fmt="fp8_block", act_fmt="fp8_1x128", out_dtype="bf16")
-        tri = tm.grouped_linear_q(xq, xs, wq, ws, **kw)
+        tri = cublas_off(lambda: tm.grouped_linear_q(xq, xs, wq, ws, **kw))()
         ref = rf.grouped_linear_q(xq, xs, wq, ws, **kw)
-        ms = time_ms(lambda: tm.grouped_linear_q(xq, xs, wq, ws, **kw), device=dev)
+        ms = time_ms(cublas_off(lambda: tm.grouped_linear_q(xq, xs, wq, ws, **kw)), device=dev)
         base = time_ms(lambda: cf.grouped_linear_q(xq, xs, wq, ws, **kw), device=dev)
         out.append(row("triton.grouped_fp8_gemm", f"T={T} wo_a 8x{O}x{In}", ms,
                        flops=2 * T * G * O * In, bytes=G * O * In + T * G * In + T * G * O * 2,
                        peak="fp8", baseline="capturable", baseline_ms=base,
                        rel_err=rel_err(tri, ref)))
+        note = cublas_note(dev)
+        if note:  # one cuBLAS GEMM per group (grouped_linear_q's default from 256 rows)
+            yc = torch.empty_like(tri)
+            b = tm.bank(wq, ws, "fp8_block")
+            if tm._cublas_groups(xq, xs, wq, ws, G, b, yc):
+                ms_c = time_ms(lambda: tm._cublas_groups(xq, xs, wq, ws, G, b, yc), device=dev)
+                out.append(row("cublas.grouped_fp8_gemm", f"T={T} wo_a 8x{O}x{In}", ms_c,
+                               flops=2 * T * G * O * In,
+                               bytes=G * O * In + T * G * In + T * G * O * 2, peak="fp8",
+                               baseline="triton", baseline_ms=ms, rel_err=rel_err(yc, ref),
+                               notes=note + f"; {G} GEMMs; grouped_linear_q's default from "
+                               f"{tm.CUBLAS_GROUPED_MIN_ROWS} rows"))
     return out
 
 

@@ -110,6 +110,12 @@ FP8_H = os.environ.get("MEGAGRAPH_MOE_FP8_H", "0") == "1"
 GLUON = os.environ.get("MEGAGRAPH_MOE_GLUON", "1") == "1"
 GLUON_DECODE = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE", "1") == "1"
 GLUON_PREFILL = os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL", "0") == "1"
+# dense FP8-block GEMMs (linear_q) from this many rows on go to cuBLAS (kernels/cublas_fp8.py)
+CUBLAS_MIN_ROWS = int(os.environ.get("MEGAGRAPH_CUBLAS_FP8_MIN_ROWS", "1"))
+# grouped_linear_q (wo_a, 8 groups) from this many rows on: one cuBLAS GEMM per group (at 64 rows
+# 8 launches of ~6 us lose to one batched Triton launch of 40 us; at 8192 rows the Triton GEMM
+# takes 2.2 ms)
+CUBLAS_GROUPED_MIN_ROWS = int(os.environ.get("MEGAGRAPH_CUBLAS_FP8_GROUPED_MIN_ROWS", "256"))
 # The decode L2 (moe_gluon_decode_l2, <= 12 rows per expert; MEGAGRAPH_MOE_GLUON turns it off too)
 GLUON_DECODE_L2 = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE_L2", "1") == "1"
 MMA_FP8, MMA_FP16, MMA_BF16, MMA_F32 = 0, 1, 2, 3
@@ -707,10 +713,32 @@ def shared_expert(x_q: Tensor, x_scale: Tensor, w1: Bank, w3: Bank, w2: Bank, ou
     T = x_q.shape[0]
     h_dtype = torch.float32 if (EXACT or x_q.dtype == torch.float32) else torch.float16
     h = torch.empty(T, w1.n, dtype=h_dtype, device=x_q.device)
-    gemm(x_q, x_scale, w1, h, b2=w3, role="dense_swiglu", rows_per_group=T, m=T,
-         limit=swiglu_limit)
+    y13 = _cublas_l1(x_q, x_scale, w1, w3)
+    if y13 is not None:  # [W1; W3] as one cuBLAS GEMM (fp32 out), then the SwiGLU + clamp
+        bf = 1024
+        _jit().swiglu_rows[(T, -(-w1.n // bf))](
+            y13, h, w1.n, float(swiglu_limit or 0.0), y13.stride(0), h.stride(0),
+            HAS_LIMIT=swiglu_limit is not None and swiglu_limit > 0, BF=bf, num_warps=4)
+    else:
+        gemm(x_q, x_scale, w1, h, b2=w3, role="dense_swiglu", rows_per_group=T, m=T,
+             limit=swiglu_limit)
     gemm(h, None, w2, out, role="dense", rows_per_group=T, m=T)
     return out
+
+
+def _cublas_l1(x_q: Tensor, x_scale: Tensor, w1: Bank, w3: Bank) -> Tensor | None:
+    """The shared expert's first GEMM on cuBLAS (kernels/cublas_fp8.py): fp32 [T, 2F] = x @
+    [W1; W3]^T for FP8-block banks (one weight each), E4M3 x, >= CUBLAS_MIN_ROWS rows; else None
+    (the Triton dense_swiglu tile with the SwiGLU in its epilogue runs). H stays fp16 and the
+    second GEMM on Triton: the reference keeps H in high precision, and cuBLAS's block-scaled
+    GEMM takes only FP8 operands."""
+    if (w1.wfmt != 1 or w3.wfmt != 1 or w1.groups != 1 or w3.groups != 1 or INTERPRET or EXACT
+            or x_q.dtype != torch.float8_e4m3fn or x_q.shape[0] < CUBLAS_MIN_ROWS):
+        return None
+    from megagraph.kernels import cublas_fp8
+
+    return cublas_fp8.linear(x_q, x_scale, [(w1.w[0], w1.s[0]), (w3.w[0], w3.s[0])],
+                             torch.float32)
 
 
 def combine(y: Tensor, out: Tensor, *, topk: int, shared: bool, rdt: torch.dtype,
@@ -807,7 +835,9 @@ def swiglu_mlp_q(x_q, x_scale, w1, w1_scale, w3, w3_scale, w2, w2_scale, *, fmt,
 def linear_q(x_q, x_scale, weight, scale=None, *, fmt, act_fmt, out_dtype):
     """kernels.reference.fused.linear_q: y = dequant(x_q) @ dequant(W)^T on FP8-block (or MXFP4)
     weights; DeepGEMM's fp8_gemm_nt where importable and the scales are its 1x128 / 128x128
-    recipe (V4 blocks), else this Triton GEMM."""
+    recipe (V4 blocks), else cuBLAS's block-scaled FP8 GEMM (kernels/cublas_fp8.py: FP8-block
+    weights reblocked once to 1x128 scales, >= CUBLAS_MIN_ROWS rows, where its device check
+    passed), else this Triton GEMM."""
     from megagraph.graph.interp import TORCH_DTYPES
 
     b = bank(weight, scale, fmt) if weight.dim() == 2 else None
@@ -817,6 +847,10 @@ def linear_q(x_q, x_scale, weight, scale=None, *, fmt, act_fmt, out_dtype):
     xq, xs = _flat(x_q), _flat(x_scale)
     odt = TORCH_DTYPES[out_dtype]
     y = _deepgemm_linear(xq, xs, weight, scale, b, odt)
+    if y is None and b.wfmt == 1 and not INTERPRET and xq.shape[0] >= CUBLAS_MIN_ROWS:
+        from megagraph.kernels import cublas_fp8
+
+        y = cublas_fp8.linear(xq, xs, [(weight, scale)], odt)
     if y is None:
         y = torch.empty(xq.shape[0], b.n, dtype=odt, device=x_q.device)
         if xq.shape[0]:
@@ -842,6 +876,9 @@ def grouped_linear_q(x_q, x_scale, weight, scale=None, *, groups, fmt, act_fmt, 
     y = torch.empty(T, b.n, dtype=TORCH_DTYPES[out_dtype], device=x_q.device)
     if T == 0:
         return y
+    if (b.wfmt == 1 and not INTERPRET and T >= CUBLAS_GROUPED_MIN_ROWS
+            and _cublas_groups(x_q, x_scale, weight, scale, groups, b, y)):
+        return y
     # the weight as G groups of [o, K]: views with a group stride
     ws = b.w.shape[-1]
     wg = Bank(b.w.reshape(groups, o, ws), b.s.reshape(groups, -1, b.s.shape[-1]), b.wfmt, b.bn,
@@ -849,6 +886,31 @@ def grouped_linear_q(x_q, x_scale, weight, scale=None, *, groups, fmt, act_fmt, 
     gemm(x_q, x_scale, wg, y, role="dense", rows_per_group=T, m=T, batched=True,
          a_group_stride=b.k, as_group_stride=b.k // 128, c_group_stride=o)
     return y
+
+
+def _cublas_groups(x_q: Tensor, x_scale: Tensor, weight: Tensor, scale: Tensor, groups: int,
+                   b: Bank, y: Tensor) -> bool:
+    """grouped_linear_q as one cuBLAS block-scaled GEMM per group (kernels/cublas_fp8.py; each
+    group's rows of the weight are their own cached reblocked weight): True when every group
+    ran, False (y untouched) where the first group's weight does not take cuBLAS. Above
+    CUBLAS_GROUPED_MIN_ROWS only: at decode sizes G launches cost more than the one batched
+    Triton launch."""
+    from megagraph.kernels import cublas_fp8
+
+    o, k = b.n // groups, b.k
+    so = o // b.bn
+    for g in range(groups):
+        xg = x_q[:, g * k:(g + 1) * k].contiguous()
+        sg = x_scale[:, g * k // 128:(g + 1) * k // 128]
+        yg = cublas_fp8.linear(xg, sg, [(weight[g * o:(g + 1) * o], scale[g * so:(g + 1) * so])],
+                               y.dtype)
+        if yg is None:
+            if g == 0:
+                return False
+            raise RuntimeError("cublas_fp8: group 0 of a grouped weight took cuBLAS, group "
+                               f"{g} did not")
+        y[:, g * o:(g + 1) * o] = yg
+    return True
 
 
 @functools.cache

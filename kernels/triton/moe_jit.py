@@ -568,6 +568,20 @@ def swiglu_act(acc1, acc2, limit, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr)
 
 
 @triton.jit
+def swiglu_rows(y_ptr, h_ptr, F, limit, stride_y, stride_h, HAS_LIMIT: tl.constexpr,
+                BF: tl.constexpr):
+    """h[r, :F] = swiglu_act(y[r, :F], y[r, F:2F]) for the shared expert's L1 run as one GEMM on
+    [W1; W3] (kernels/cublas_fp8.py): one program per (row, BF columns), fp32 math, h's dtype."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BF + tl.arange(0, BF)
+    m = c < F
+    g = tl.load(y_ptr + r * stride_y + c, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(y_ptr + r * stride_y + F + c, mask=m, other=0.0).to(tl.float32)
+    out = swiglu_act(g, u, limit, True, HAS_LIMIT)
+    tl.store(h_ptr + r * stride_h + c, out.to(h_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def quantize_pair(x0, x1):
     """quantize_out of the [BM, 128] block whose columns are x0 [BM, 64] then x1 [BM, 64] (the
     QSPLIT = 2 tile): the same amax (max is exact in any order), scale and codes, with each half
