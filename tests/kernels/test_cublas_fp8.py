@@ -142,13 +142,13 @@ def test_capture_after_warmup_and_miss_inside_capture():
     wq, ws = _weight(256, 512, 32, 3, seed=11, device="cuda")
     xq, xs = rf.quantize_act(torch.randn(8, 512, device="cuda"), act_fmt="fp8_1x128")
     eager = cb.linear(xq, xs, [(wq, ws)], torch.bfloat16)  # warm-up: reblocked and cached
+    w_new, s_new = _weight(256, 512, 32, 3, seed=12, device="cuda")  # never used before
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         with torch.cuda.graph(g):
             out = cb.linear(xq, xs, [(wq, ws)], torch.bfloat16)
-            w_new, s_new = _weight(256, 512, 32, 3, seed=12, device="cuda")
             miss = cb.prepare((w_new, s_new))  # first use inside a capture: the caller's kernel
     torch.cuda.current_stream().wait_stream(s)
     g.replay()
