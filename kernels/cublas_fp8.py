@@ -266,6 +266,8 @@ def prepare(*pairs: tuple[Tensor, Tensor]) -> CublasWeight | None:
     except ValueError:
         return None
     cw = CublasWeight(w2, s2, form, exact)
+    # complete before any stream reads it (mega_moe runs the shared expert on a side stream)
+    torch.cuda.current_stream(ws[0].device).synchronize()
     refs = tuple(weakref.ref(_root(w), lambda _r, k=key: _CACHE.pop(k, None)) for w in ws)
     with _LOCK:
         _CACHE[key] = (refs, cw)

@@ -61,7 +61,12 @@ KERNELS: dict[str, list[KernelImpl]] = {
     "mega_mhc": [_k("deepgemm.mega_mhc", f"{BLACKWELL_GEMM}"),
                  _k("triton.mega_mhc", "sm_90 triton", "available",
                     note="kernels/triton/mhc.py: projection (split-K when few tokens) + finish")],
-    "mega_moe": [_k("deepgemm.fp8_fp4_mega_moe", f"{BLACKWELL_GEMM} mxfp4"),
+    "mega_moe": [_k("deepgemm.fp8_fp4_mega_moe", f"{BLACKWELL_GEMM} mxfp4", "unvalidated",
+                    note="kernels/deepgemm_mega.py, tried first by triton.mega_moe: DeepGEMM "
+                         "MegaMoE for the routed experts, router / shared expert / combine + "
+                         "expand in Triton; never run (no sm_100 + DeepGEMM yet); needs a 1-rank "
+                         "group (deepgemm_mega.init_single_rank_group) and a warm-up call "
+                         "before capture"),
                  _k("triton.mega_moe", "sm_90 triton", "available",
                     note=f"{TRITON_MOE}; router, permutation, shared expert, combine + expand")],
     "hc_mixer": [_k("deepgemm.tf32_hc_prenorm_gemm+triton.sinkhorn", "cuda deepgemm triton")],
@@ -130,6 +135,7 @@ LOADABLE.update({
 # MegaMoE path, FP8-block GEMMs and Mega-mHC in Triton (Hopper; capturable fallbacks elsewhere)
 LOADABLE.update({
     "triton.mega_moe": "megagraph.kernels.triton.moe",
+    "deepgemm.fp8_fp4_mega_moe": "megagraph.kernels.triton.moe",  # deepgemm_mega, else Triton
     "triton.moe_fp8_mxfp4": "megagraph.kernels.triton.moe",
     "triton.swiglu_fp8_block": "megagraph.kernels.triton.moe",
     "triton.fp8_block_gemm": "megagraph.kernels.triton.moe",

@@ -10,7 +10,8 @@ cover (CPU tensors outside the Triton interpreter, act_fmt other than fp8_1x128,
 weights, K not a multiple of 128, ...) run the capturable kernels instead.
 
 mega_moe launches (T tokens, k = topk, E experts, P = T*k pairs):
-  1 gate_scores   x @ gate_w^T in fp32 (bf16 tensor cores, exact products)     [T, E] f32
+  1 gate_scores   x @ gate_w^T in fp32 (bf16 tensor cores, exact products); few tokens:
+                  split over K into slabs that route_topk adds in order       [S, T, E] f32
   2 route_topk    sqrtsoftplus / bias / top-k / renormalize / x route_scale, expert counts
                   by atomics (hash routing: experts from tid2eid[token_ids])   ids, w [T, k]
   3 moe_plan      exclusive scan of the counts -> per-expert cursors (1 program)
@@ -19,7 +20,9 @@ mega_moe launches (T tokens, k = topk, E experts, P = T*k pairs):
                   the tile's expert, SwiGLU-clamp epilogue                       H [P, F] f16
   6 moe_gemm L2   A = H rows, B = W2, epilogue: x routing weight, row scattered to its
                   (token, slot)                                                  Y [T, k+1, d]
-  7,8 moe_gemm    shared expert, dense (FP8-block weights): L1 (SwiGLU) -> Hs, L2 -> Y[:, k]
+  7,8 moe_gemm    shared expert, dense (FP8-block weights): L1 (SwiGLU) -> Hs, L2 -> Y[:, k];
+                  L1 on cuBLAS + swiglu_rows where kernels/cublas_fp8 applies; on a side
+                  stream, concurrent with 3-6 (SHARED_STREAM)
   9 moe_combine   y = sum of the k slots (+ shared), streams' = post*y + comb^T streams
 (+ one memset of the counts). The grouped GEMMs launch a static worst-case grid
 (min(P, P // BM + E) row tiles x N tiles); each program finds its expert by a scan of the
@@ -112,6 +115,8 @@ GLUON_DECODE = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE", "1") == "1"
 GLUON_PREFILL = os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL", "0") == "1"
 # dense FP8-block GEMMs (linear_q) from this many rows on go to cuBLAS (kernels/cublas_fp8.py)
 CUBLAS_MIN_ROWS = int(os.environ.get("MEGAGRAPH_CUBLAS_FP8_MIN_ROWS", "1"))
+# mega_moe runs the shared expert on a side stream, concurrent with the routed experts
+SHARED_STREAM = os.environ.get("MEGAGRAPH_MOE_SHARED_STREAM", "1") == "1"
 # grouped_linear_q (wo_a, 8 groups) from this many rows on: one cuBLAS GEMM per group (at 64 rows
 # 8 launches of ~6 us lose to one batched Triton launch of 40 us; at 8192 rows the Triton GEMM
 # takes 2.2 ms)
@@ -548,7 +553,11 @@ def route_ids(x: Tensor, gate_w: Tensor, bias: Tensor | None, *, topk: int, rout
     wts = torch.empty(T, topk, dtype=torch.float32, device=dev)
     if T == 0:
         return ids, wts
-    scores = torch.empty(T, E, dtype=torch.float32, device=dev)
+    bm = 16 if (T <= 256 or INTERPRET) else 64
+    be = 64
+    bk = 64
+    split = _gate_split(-(-T // bm) * -(-E // be), D, bk)
+    scores = torch.empty(split, T, E, dtype=torch.float32, device=dev)
     x = x if x.stride(-1) == 1 else x.contiguous()
     gw = gate_w if gate_w.stride(-1) == 1 else gate_w.contiguous()
     if INTERPRET or x.dtype == torch.float32 or x.dtype != torch.bfloat16:
@@ -557,21 +566,29 @@ def route_ids(x: Tensor, gate_w: Tensor, bias: Tensor | None, *, topk: int, rout
         mode = 0 if gw.dtype == torch.bfloat16 else 1
         if gw.dtype not in (torch.bfloat16, torch.float32):
             mode = 2
-    bm = 16 if (T <= 256 or INTERPRET) else 64
-    be = 64
-    jit.gate_scores[(-(-T // bm), -(-E // be))](
-        x, gw, scores, T, E, D, x.stride(0), gw.stride(0), scores.stride(0),
-        MODE=mode, BM=bm, BE=be, BK=64, num_warps=4, num_stages=3)
+    jit.gate_scores[(-(-T // bm), -(-E // be), split)](
+        x, gw, scores, T, E, D, D // split, x.stride(0), gw.stride(0), scores.stride(1),
+        scores.stride(0), MODE=mode, BM=bm, BE=be, BK=bk, num_warps=4, num_stages=3)
     hashed = tid2eid is not None
     bmk = 8
     jit.route_topk[(-(-T // bmk),)](
         scores, bias if bias is not None else scores, ids, wts,
         counts if counts is not None else ids, tid2eid if hashed else ids,
-        token_ids if hashed else ids, T, E, float(route_scale), scores.stride(0),
-        TOPK=topk, K_PAD=_next_pow2(max(topk, 2)), SCORE=SCORES[score_func],
+        token_ids if hashed else ids, T, E, float(route_scale), scores.stride(1),
+        scores.stride(0), SPLIT=split, TOPK=topk, K_PAD=_next_pow2(max(topk, 2)), SCORE=SCORES[score_func],
         HAS_BIAS=bias is not None, NORM=bool(norm_topk), HASH=hashed, COUNT=counts is not None,
         IDS64=ids64, BM=bmk, E_PAD=_next_pow2(E), num_warps=4)
     return ids, wts
+
+
+def _gate_split(programs: int, D: int, bk: int) -> int:
+    """K slices of the router's gate GEMM: enough for ~128 programs when few tokens give few
+    (64 tokens x 384 experts: 24 tiles of 16 x 64 each streaming all 5120 columns, 30 us on the
+    H200 for 4 MB of weights), each slice a multiple of bk; 1 when the tiles fill the GPU."""
+    split = 1
+    while programs * split * 2 <= 128 and D % (split * 2 * bk) == 0 and split < 8:
+        split *= 2
+    return split
 
 
 def permute(ids: Tensor, counts: Tensor, E: int) -> Tensor:
@@ -957,7 +974,18 @@ def mega_moe(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_sca
              score_func="sqrtsoftplus", fmt="dense", shared_fmt="dense", swiglu_limit=0.0,
              act_fmt):
     """kernels.reference.fused.mega_moe: route -> routed experts + shared expert -> combine ->
-    hc_expand, in 9 launches (module doc)."""
+    hc_expand, in 9 launches (module doc). DeepGEMM's MegaMoE runs the routed experts instead
+    where kernels/deepgemm_mega.py takes the call (sm_100, opt-in; it returns None otherwise)."""
+    from megagraph.kernels import deepgemm_mega
+
+    y = deepgemm_mega.mega_moe(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1,
+                               w1_scale, w3, w3_scale, w2, w2_scale, sw1, sw1_scale, sw3,
+                               sw3_scale, sw2, sw2_scale, tid2eid, token_ids, topk=topk,
+                               route_scale=route_scale, norm_topk=norm_topk,
+                               score_func=score_func, fmt=fmt, shared_fmt=shared_fmt,
+                               swiglu_limit=swiglu_limit, act_fmt=act_fmt)
+    if y is not None:
+        return y
     banks = [bank(w, s, fmt) for w, s in ((w1, w1_scale), (w3, w3_scale), (w2, w2_scale))]
     shared = sw1 is not None
     sbanks = ([bank(w, s, shared_fmt) for w, s in ((sw1, sw1_scale), (sw3, sw3_scale),
@@ -985,13 +1013,38 @@ def mega_moe(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_sca
                          token_ids=token_ids, counts=counts)
     ks = topk + int(shared)
     y = torch.empty(T, ks, d, dtype=_ydtype(x.dtype), device=dev)
+    side = _side_stream(dev) if shared and SHARED_STREAM and not INTERPRET else None
+    if side is not None:  # the shared expert overlaps the routed experts (it needs x_q only)
+        main = torch.cuda.current_stream(dev)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            shared_expert(x_q, x_scale, *sbanks, y[:, topk], swiglu_limit=swiglu_limit)
     routed_experts(x_q, x_scale, ids, wts, counts, *banks, y, topk=topk,
                    swiglu_limit=swiglu_limit)
-    if shared:
+    if side is not None:
+        main.wait_stream(side)  # joined before anything reads y or frees the inputs
+    elif shared:
         shared_expert(x_q, x_scale, *sbanks, y[:, topk], swiglu_limit=swiglu_limit)
     sc = streams if streams.stride(-1) == 1 else streams.contiguous()
     return combine(y, out, topk=topk, shared=shared, rdt=x.dtype, streams=sc,
                    post=post.float().contiguous(), comb=comb.float().contiguous())
+
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(dev: torch.device) -> torch.cuda.Stream | None:
+    """One side stream per device for the shared expert (captured into CUDA graphs as a fork /
+    join: the graph then runs it as a parallel branch). Why: at decode the routed GEMMs are
+    bound by HBM bandwidth on weights the shared expert does not touch, and the shared expert
+    (34 us at 64 tokens on the H200) is a few small launches that leave SMs idle; on one stream
+    they added up (mega_moe 1.85 ms, 59% of the bandwidth roofline)."""
+    if dev.type != "cuda":
+        return None
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _SIDE:
+        _SIDE[i] = torch.cuda.Stream(device=i)
+    return _SIDE[i]
 
 
 def _mega_moe_fallback(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_scale, w3,

@@ -821,18 +821,23 @@ def moe_gemm_persistent(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_pt
 
 
 @triton.jit
-def gate_scores(x_ptr, w_ptr, s_ptr, T, E, D, stride_x, stride_w, stride_s,
+def gate_scores(x_ptr, w_ptr, s_ptr, T, E, D, k_per, stride_x, stride_w, stride_s, stride_split,
                 MODE: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
-    """s[T, E] = x @ w^T in fp32. MODE 0: bf16 x bf16 (exact products); 1: x bf16, w fp32 split
-    into bf16 hi + lo (two products, ~2^-16 relative); 2: fp32 "ieee"."""
+    """s[split, T, E] = x[:, K slice] @ w[:, K slice]^T in fp32, split = program axis 2 (K slices
+    of k_per columns, a multiple of BK; route_topk adds the slabs in split order: few tokens
+    give few programs, so the gate weight streams through more SMs). MODE 0: bf16 x bf16 (exact
+    products); 1: x bf16, w fp32 split into bf16 hi + lo (two products, ~2^-16 relative); 2:
+    fp32 "ieee"."""
     pm = tl.program_id(0)
     pe = tl.program_id(1)
+    ps = tl.program_id(2)
     rm = pm * BM + tl.arange(0, BM)
     re = pe * BE + tl.arange(0, BE)
     mmask = rm < T
     emask = re < E
     acc = tl.zeros((BM, BE), dtype=tl.float32)
-    for k0 in range(0, D, BK):
+    k_lo = ps * k_per
+    for k0 in range(k_lo, tl.minimum(k_lo + k_per, D), BK):
         rk = k0 + tl.arange(0, BK)
         kmask = rk < D
         x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_x + rk[None, :],
@@ -850,8 +855,8 @@ def gate_scores(x_ptr, w_ptr, s_ptr, T, E, D, stride_x, stride_w, stride_s,
         else:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
                          input_precision="ieee")
-    tl.store(s_ptr + rm[:, None].to(tl.int64) * stride_s + re[None, :], acc,
-             mask=mmask[:, None] & emask[None, :])
+    tl.store(s_ptr + ps.to(tl.int64) * stride_split + rm[:, None].to(tl.int64) * stride_s
+             + re[None, :], acc, mask=mmask[:, None] & emask[None, :])
 
 
 @triton.jit
@@ -864,7 +869,8 @@ def log1p_f32(z):
 
 @triton.jit
 def route_topk(s_ptr, bias_ptr, ids_ptr, w_ptr, cnt_ptr, tid_ptr, tok_ptr, T, E, route_scale,
-               stride_s, TOPK: tl.constexpr, K_PAD: tl.constexpr, SCORE: tl.constexpr,
+               stride_s, stride_split, SPLIT: tl.constexpr, TOPK: tl.constexpr,
+               K_PAD: tl.constexpr, SCORE: tl.constexpr,
                HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HASH: tl.constexpr,
                COUNT: tl.constexpr, IDS64: tl.constexpr, BM: tl.constexpr, E_PAD: tl.constexpr):
     """Scores (sqrtsoftplus / softmax / sigmoid of the logits), top-k of scores + bias (ties: the
@@ -877,6 +883,9 @@ def route_topk(s_ptr, bias_ptr, ids_ptr, w_ptr, cnt_ptr, tid_ptr, tok_ptr, T, E,
     emask = ce < E
     lg = tl.load(s_ptr + rm[:, None].to(tl.int64) * stride_s + ce[None, :],
                  mask=rmask[:, None] & emask[None, :], other=0.0)
+    for sp_i in tl.static_range(1, SPLIT):  # gate_scores' K slabs, in split order
+        lg += tl.load(s_ptr + sp_i * stride_split + rm[:, None].to(tl.int64) * stride_s
+                      + ce[None, :], mask=rmask[:, None] & emask[None, :], other=0.0)
     if SCORE == 0:
         sp = tl.where(lg > 20.0, lg, log1p_f32(tl.exp(tl.minimum(lg, 20.0))))
         sc = tl.sqrt_rn(sp)

@@ -612,3 +612,16 @@ def test_zero_tokens():
     assert y.shape == (0, d)
     y = tm.linear_q(xq, xs, shared[0], shared[1], fmt="fp8_block", act_fmt=ACT, out_dtype="bf16")
     assert y.shape == (0, F)
+
+
+def test_gate_split_fills_the_gpu_at_decode():
+    """The router's gate GEMM splits over K when few tokens give few tiles (64 tokens x 384
+    experts: 4 x 6 tiles of 16 x 64), into slices that are whole BK chunks, and not when the
+    tiles alone fill the GPU."""
+    assert tm._gate_split(4 * 6, 5120, 64) == 4
+    assert tm._gate_split(1, 5120, 64) == 8
+    assert tm._gate_split(128 * 6, 5120, 64) == 1
+    for programs in (1, 3, 24, 60):
+        s = tm._gate_split(programs, 5120, 64)
+        assert 5120 % (s * 64) == 0 and programs * s <= 128
+    assert tm._gate_split(1, 192, 64) == 1  # 192 = 3 chunks: no even split
