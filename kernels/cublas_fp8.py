@@ -238,21 +238,15 @@ def _stack(parts: list[tuple[Tensor, Tensor, bool]], form: str) -> tuple[Tensor,
     return w, s, all(p[2] for p in parts)
 
 
-def prepare(*pairs: tuple[Tensor, Tensor]) -> CublasWeight | None:
-    """The cached CublasWeight of one or more (weight, scale) pairs stacked along N, on their CUDA
-    device, built on first use (reblock); None where the device check failed, the shapes do not
-    fit, or the first use is inside a CUDA-graph capture (the caller's kernel runs: a reblock
-    captured into a graph would re-run at every replay). An entry lives as long as its weights
-    (weak references) and is rebuilt after an in-place change (the version counter)."""
+def derived(pairs: tuple[tuple[Tensor, Tensor], ...], tag: str, build):
+    """The cached build(pairs) of CUDA weights (weight, scale) for this tag: built once, outside
+    any CUDA-graph capture (None there on a miss: the caller's kernel runs, since a build captured
+    into a graph would re-run at every replay), completed on the device before it is returned
+    (any stream may read it: mega_moe runs the shared expert on a side stream). An entry lives as
+    long as its weights (weak references) and is rebuilt after an in-place change (the version
+    counter). build may return None (does not apply: not cached)."""
     ws = [w for w, _ in pairs]
-    if not ws or any(w.device.type != "cuda" or w.dim() != 2 for w in ws):
-        return None
-    if len({(w.device, w.shape[1]) for w in ws}) != 1:
-        return None
-    form = supported(ws[0].device.index or 0)
-    if form is None:
-        return None
-    key = tuple(_key(w, sc) for w, sc in pairs)
+    key = (tag,) + tuple(_key(w, sc) for w, sc in pairs)
     with _LOCK:
         hit = _CACHE.get(key)
     if hit is not None and all(r() is _root(w) for r, w in zip(hit[0], ws)):
@@ -261,17 +255,49 @@ def prepare(*pairs: tuple[Tensor, Tensor]) -> CublasWeight | None:
         log.warning("cublas_fp8: weight %s first used inside a CUDA-graph capture; the Triton "
                     "GEMM runs (warm up before capturing)", tuple(ws[0].shape))
         return None
-    try:
-        w2, s2, exact = _stack([reblock(w, sc, form) for w, sc in pairs], form)
-    except ValueError:
+    out = build(pairs)
+    if out is None:
         return None
-    cw = CublasWeight(w2, s2, form, exact)
-    # complete before any stream reads it (mega_moe runs the shared expert on a side stream)
     torch.cuda.current_stream(ws[0].device).synchronize()
     refs = tuple(weakref.ref(_root(w), lambda _r, k=key: _CACHE.pop(k, None)) for w in ws)
     with _LOCK:
-        _CACHE[key] = (refs, cw)
-    return cw
+        _CACHE[key] = (refs, out)
+    return out
+
+
+def prepare(*pairs: tuple[Tensor, Tensor]) -> CublasWeight | None:
+    """The cached CublasWeight of one or more (weight, scale) pairs stacked along N (reblocked on
+    first use, derived()); None where the device check failed or the shapes do not fit."""
+    ws = [w for w, _ in pairs]
+    if not ws or any(w.device.type != "cuda" or w.dim() != 2 for w in ws):
+        return None
+    if len({(w.device, w.shape[1]) for w in ws}) != 1:
+        return None
+    form = supported(ws[0].device.index or 0)
+    if form is None:
+        return None
+
+    def build(pairs):
+        try:
+            w2, s2, exact = _stack([reblock(w, sc, form) for w, sc in pairs], form)
+        except ValueError:
+            return None
+        return CublasWeight(w2, s2, form, exact)
+
+    return derived(tuple(pairs), form, build)
+
+
+def dense_bf16(weight: Tensor, scale: Tensor) -> Tensor | None:
+    """The cached bf16 [N, K] of an FP8-block weight (exact: an E4M3 value times a power of two
+    is a bf16 number), for a GEMM whose other operand is not FP8 (the shared expert's W2 on its
+    fp16 / bf16 H: cuBLAS's block-scaled GEMM takes FP8 operands only); None off CUDA or when
+    MODE is "0"."""
+    if MODE == "0" or weight.device.type != "cuda" or weight.dim() != 2:
+        return None
+    from megagraph.kernels import formats
+
+    return derived(((weight, scale),), "bf16",
+                   lambda p: formats.dequantize_fp8_block(*p[0]).to(torch.bfloat16))
 
 
 def linear(x_q: Tensor, x_scale: Tensor, pairs: list[tuple[Tensor, Tensor]],

@@ -108,8 +108,9 @@ FP8_H = os.environ.get("MEGAGRAPH_MOE_FP8_H", "0") == "1"
 # MEGAGRAPH_MOE_GLUON "0" keeps the Triton moe_gemm everywhere. The decode L1
 # (moe_gluon_decode, <= 12 rows per expert) is on by default (H200, seventh session: 1.66 ->
 # 1.11 ms at 64 tokens, bit-stable across launches); the prefill L1 (moe_gluon, > 48 rows) only
-# with MEGAGRAPH_MOE_GLUON_PREFILL=1: two variants of its pipeline gave run-to-run different
-# wrong outputs on the H200 and the cause is not found (kernels/triton/moe_gluon.py).
+# with MEGAGRAPH_MOE_GLUON_PREFILL=1: two variants of its pipeline (asm "pack", bm 64; removed,
+# in commit f12126b) gave wrong outputs on the H200, with either proxy-fence order, and the
+# cause is not found (kernels/triton/moe_gluon.py).
 GLUON = os.environ.get("MEGAGRAPH_MOE_GLUON", "1") == "1"
 GLUON_DECODE = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE", "1") == "1"
 GLUON_PREFILL = os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL", "0") == "1"
@@ -729,8 +730,11 @@ def shared_expert(x_q: Tensor, x_scale: Tensor, w1: Bank, w3: Bank, w2: Bank, ou
     """out [T, d] (a strided view is fine) = W2 (silu(min(W1 x, lim)) * clamp(W3 x)) (dense)."""
     T = x_q.shape[0]
     h_dtype = torch.float32 if (EXACT or x_q.dtype == torch.float32) else torch.float16
-    h = torch.empty(T, w1.n, dtype=h_dtype, device=x_q.device)
     y13 = _cublas_l1(x_q, x_scale, w1, w3)
+    w2b = _bf16_w2(w2) if y13 is not None else None
+    if w2b is not None:
+        h_dtype = torch.bfloat16  # the bf16 GEMM's operand (the fp16 H of the Triton L2 below)
+    h = torch.empty(T, w1.n, dtype=h_dtype, device=x_q.device)
     if y13 is not None:  # [W1; W3] as one cuBLAS GEMM (fp32 out), then the SwiGLU + clamp
         bf = 1024
         _jit().swiglu_rows[(T, -(-w1.n // bf))](
@@ -739,8 +743,24 @@ def shared_expert(x_q: Tensor, x_scale: Tensor, w1: Bank, w3: Bank, w2: Bank, ou
     else:
         gemm(x_q, x_scale, w1, h, b2=w3, role="dense_swiglu", rows_per_group=T, m=T,
              limit=swiglu_limit)
-    gemm(h, None, w2, out, role="dense", rows_per_group=T, m=T)
+    if w2b is not None:  # cuBLAS bf16 on the cached exact bf16 W2
+        out.copy_(torch.mm(h, w2b.t()))
+    else:
+        gemm(h, None, w2, out, role="dense", rows_per_group=T, m=T)
     return out
+
+
+def _bf16_w2(w2: Bank) -> Tensor | None:
+    """The shared expert's W2 as a cached bf16 matrix (kernels/cublas_fp8.dense_bf16: exact) for
+    a cuBLAS bf16 GEMM on bf16 H, where the first GEMM ran on cuBLAS; None keeps the Triton L2 on
+    fp16 H. Why bf16 and not FP8 H: the reference keeps H in high precision (E4M3 H costs ~3% on
+    the output, moe.FP8_H); why not the Triton GEMM: 24 us at 64 rows and 0.79 ms at 8192 on the
+    H200 for 24 MB of weights, 5-13% of the bandwidth / bf16 roofline."""
+    if w2.wfmt != 1 or w2.groups != 1:
+        return None
+    from megagraph.kernels import cublas_fp8
+
+    return cublas_fp8.dense_bf16(w2.w[0], w2.s[0])
 
 
 def _cublas_l1(x_q: Tensor, x_scale: Tensor, w1: Bank, w3: Bank) -> Tensor | None:

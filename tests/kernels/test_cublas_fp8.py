@@ -177,7 +177,8 @@ def test_linear_q_takes_cublas():
 @pytest.mark.parametrize("T", [1, 5, 64, 300])
 def test_shared_expert_l1_on_cublas(T):
     """swiglu_mlp_q with FP8-block weights: [W1; W3] on cuBLAS (fp32 out) + the SwiGLU kernel,
-    W2 on Triton (fp16 H); within bf16 of the fp32 reference op (1e-2 on norms)."""
+    W2 as an exact bf16 copy on cuBLAS bf16 (bf16 H); within bf16 of the fp32 reference op (1e-2
+    on norms)."""
     from megagraph.kernels.triton import moe as tm
 
     _form()
@@ -188,7 +189,9 @@ def test_shared_expert_l1_on_cublas(T):
     x = torch.randn(T, d, device="cuda") * 4
     xq, xs = rf.quantize_act(x, act_fmt="fp8_1x128")
     b1, b3 = tm.bank(w1, s1, "fp8_block"), tm.bank(w3, s3, "fp8_block")
-    assert tm._cublas_l1(xq, xs, b1, b3) is not None  # the cuBLAS path is the one taken
+    assert tm._cublas_l1(xq, xs, b1, b3) is not None  # the cuBLAS paths are the ones taken
+    w2b = tm._bf16_w2(tm.bank(w2, s2, "fp8_block"))
+    assert w2b is not None and torch.equal(w2b.float(), formats.dequantize_fp8_block(w2, s2))
     kw = dict(fmt="fp8_block", swiglu_limit=7.0, act_fmt="fp8_1x128", out_dtype="bf16")
     y = tm.swiglu_mlp_q(xq, xs, w1, s1, w3, s3, w2, s2, **kw)
     ref = rf.swiglu_mlp_q(xq, xs, w1, s1, w3, s3, w2, s2, **kw)
