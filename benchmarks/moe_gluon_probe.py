@@ -11,18 +11,12 @@ quantized operands on the first experts' rows).
     python benchmarks/moe_gluon_probe.py --tokens 4096 --out /tmp/gl
     python benchmarks/moe_gluon_probe.py --smoke                     # small dims, seconds
     python benchmarks/moe_gluon_probe.py --routing poisson --out /tmp/gl   # realistic routing
-    python benchmarks/moe_gluon_probe.py --routing poisson --variants 128:lane,128:pack,64:pack
 
 --routing poisson: top-6 of random router logits over the 384 experts (rows per expert
 ~Binomial(T * 6, 1 / 64): 89 .. 183 at 8192 tokens, as benchmarks/kernel_rows/moe.py's real
-routing), where 128-row tiles pad (an expert with 129 rows takes 2 tiles).
-
---variants (default 128:lane,128:pack): the Gluon variants bm:asm to check and time - row tile
-bm = 128 (default) / 64 (opt-in) x PTX upcast "lane" (moe_jit.FP4_E4M3_ASM, per-byte-lane
-offsets: the default, what routed_experts runs) / "pack" (moe_gluon.FP4_PACK_ASM_TEXT, one
-offset per int32 word: opt-in; 8.20 against 10.03 ms for lane at poisson routing in the seventh
-session, under the old reader-side proxy fence). Each variant is checked in its own child
-process (small dims, then these dims and routing) and timed only if correct.
+routing), where 128-row tiles pad (an expert with 129 rows takes 2 tiles). (The bm = 64 and
+"pack" variants this probe also timed in the seventh and eighth sessions (--variants) were
+removed: moe_gluon.py; the probe with them is in commit f12126b.)
 
 Order: the Triton L1 is timed first and the JSON written after every row; then the Gluon L1 is
 checked in child processes (CUDA_LAUNCH_BLOCKING=1; small dims, then these dims), so an illegal
@@ -31,8 +25,7 @@ memory access cannot lose the Triton row; the Gluon L1 is timed only if both che
 
 L1 FLOPs = 2 * rows * 2F * d (rows = tokens * top-k); % of peak against 1430 TFLOP/s (H200
 dense FP8). Needs CUDA sm_90 and Triton 3.6 (moe_gluon.available()); elsewhere it says so and
-exits 0 (with --out, a JSON that records the skip). About 60 s on the H200 for one variant
-(~30 s more per variant).
+exits 0 (with --out, a JSON that records the skip). About 60 s on the H200.
 """
 from __future__ import annotations
 
@@ -58,8 +51,7 @@ PEAK_TFLOPS = 1430.0
 SMOKE = dict(d=1024, F=256, E=16, k=6)
 
 
-def check(T: int, dims: dict, limit: float, routing: str = "balanced", bm: int = 128,
-          asm: str = "lane") -> dict:
+def check(T: int, dims: dict, limit: float, routing: str = "balanced") -> dict:
     """One Gluon L1 call (into a NaN-poisoned output) against the fp32 math of the first experts'
     rows: every row written, relative error. Meant for a child process (--check): an illegal
     memory access there kills only that process's CUDA context."""
@@ -68,21 +60,21 @@ def check(T: int, dims: dict, limit: float, routing: str = "balanced", bm: int =
     d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
     xq, xs, w1, w3, counts, srt = build(T, d, F, E, k, seed=1, routing=routing)
     P = T * k
-    mtg = min(P, P // bm + E)
+    mtg = min(P, P // mg.BM + E)
     h = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
     mg.l1_gluon(xq, xs, srt, w1, w3, counts, h, topk=k, max_tiles=mtg, limit=limit,
-                use_asm=True, asm=asm, bm=bm)
+                use_asm=True)
     torch.cuda.synchronize()
     ref, n = reference_rows(xq, xs, w1, w3, counts, srt, k, limit, experts=min(E, 4))
     err = rel(h[:n].nan_to_num(0.0, 0.0, 0.0), ref)
     written = bool(torch.isfinite(h).all())
-    return dict(tokens=T, dims=dims, routing=routing, bm=bm, asm=asm, all_written=written,
+    return dict(tokens=T, dims=dims, routing=routing, all_written=written,
                 rel_err_vs_fp32=err, ok=written and err < 2e-3)
 
 
 def check_in_child(cases: list, timeout: float = 120.0) -> list:
     """check(**case) for each case, in order, in ONE child process with CUDA_LAUNCH_BLOCKING=1
-    (the error names the launch; one process start per variant); stops at the first failure.
+    (the error names the launch; one process start); stops at the first failure.
     Returns the results (a failed or crashed case last)."""
     got, timed_out, error = run_child(__file__, cases, timeout)
     if timed_out:
@@ -99,10 +91,7 @@ def main() -> None:
                           ("--routing", dict(choices=("balanced", "poisson"), default="balanced",
                                              help="balanced: 128 rows per expert at 8192 tokens; "
                                                   "poisson: top-6 of random logits (89 .. 183 "
-                                                  "rows per expert)")),
-                          ("--variants", dict(default="128:lane,128:pack",
-                                              help="gluon variants bm:asm, comma-separated "
-                                                   "(bm 128 / 64, asm lane / pack)"))])
+                                                  "rows per expert)"))])
     args = ap.parse_args()
 
     def write():  # the JSON / md, after every row: a later crash loses nothing measured
@@ -111,8 +100,7 @@ def main() -> None:
     if args.check_json:  # child process of check_in_child: one JSON line per case
         for c in json.loads(args.check_json):
             try:
-                res = check(c["tokens"], c["dims"], c["limit"], c["routing"],
-                            c.get("bm", 128), c.get("asm", "lane"))
+                res = check(c["tokens"], c["dims"], c["limit"], c["routing"])
             except Exception as exc:  # noqa: BLE001  (reported to the parent)
                 res = dict(c, ok=False, error=repr(exc)[:800])
             print(json.dumps(res), flush=True)
@@ -128,19 +116,13 @@ def main() -> None:
     res = dict(tokens=T, dims=dims, routing=args.routing, peak_tflops=PEAK_TFLOPS, rows=[])
     if skipped(res, mg.available(), "moe_gluon.available()", write):
         return
-    variants = []
-    for var in args.variants.split(","):
-        bm_s, asm = var.split(":")
-        mg.kernel_consts(asm, int(bm_s))  # an unknown variant fails here, before any timing
-        variants.append((int(bm_s), asm))
     t_start = time.perf_counter()
     d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
     xq, xs, w1, w3, counts, srt = build(T, d, F, E, k, routing=args.routing)
     P = T * k
     cl = counts.tolist()
     res["rows_per_expert"] = dict(min=min(cl), max=max(cl), mean=P / E,
-                                  tiles_bm128=sum(-(-c // 128) for c in cl),
-                                  tiles_bm64=sum(-(-c // 64) for c in cl))
+                                  tiles=sum(-(-c // mg.BM) for c in cl))
     flops = 2.0 * P * 2 * F * d
 
     def rates(ms):
@@ -150,47 +132,44 @@ def main() -> None:
     # 1) the Triton L1 first (the baseline survives whatever the Gluon kernel does)
     h_tr, ref, n = time_triton_l1(res, write, rates, (xq, xs, w1, w3, counts, srt), P, F, E, k,
                                   args.limit, experts=4)
-    # 2) each Gluon variant: checked in a child process (an illegal access there cannot poison
-    # this process's context; small dims, then these dims and routing), then timed
-    res["gluon_checks"] = {}
-    h_gl = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
-    for bm, asm in variants:
-        name = f"gluon l1 bm{bm} {asm}"
-        cases = [dict(tokens=min(T, 256), dims=SMOKE, limit=args.limit, routing=args.routing,
-                      bm=bm, asm=asm)]
-        if dims != SMOKE:
-            cases.append(dict(cases[0], tokens=T, dims=dims))
-        checks = check_in_child(cases)
-        res["gluon_checks"][name] = checks
-        print(json.dumps(checks), flush=True)
+    # 2) the Gluon L1: checked in a child process (an illegal access there cannot poison this
+    # process's context; small dims, then these dims and routing), then timed
+    name = "gluon l1"
+    cases = [dict(tokens=min(T, 256), dims=SMOKE, limit=args.limit, routing=args.routing)]
+    if dims != SMOKE:
+        cases.append(dict(cases[0], tokens=T, dims=dims))
+    checks = check_in_child(cases)
+    res["gluon_checks"] = {name: checks}
+    print(json.dumps(checks), flush=True)
+    _write(args.out, res)
+    if len(checks) < len(cases) or not all(c.get("ok") for c in checks):
+        res["rows"].append(dict(name=name, error="wrong or crashed in the child check: "
+                                "not timed (gluon_checks)"))
+        print(res["rows"][-1], flush=True)
         _write(args.out, res)
-        if len(checks) < len(cases) or not all(c.get("ok") for c in checks):
-            res["rows"].append(dict(name=name, error="wrong or crashed in the child check: "
-                                    "not timed (gluon_checks)"))
-            print(res["rows"][-1], flush=True)
-            _write(args.out, res)
-            continue
-        mtg = min(P, P // bm + E)
-        tiles = moe.tile_list(counts, bm, mtg)
-        h_gl.fill_(float("nan"))
+        finish(res, t_start, write)
+        return
+    mtg = min(P, P // mg.BM + E)
+    tiles = moe.tile_list(counts, mg.BM, mtg)
+    h_gl = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
 
-        def gluon_l1(bm=bm, asm=asm, mtg=mtg, tiles=tiles):
-            mg.l1_gluon(xq, xs, srt, w1, w3, counts, h_gl, topk=k, max_tiles=mtg,
-                        limit=args.limit, tiles=tiles, use_asm=True, asm=asm, bm=bm)
+    def gluon_l1():
+        mg.l1_gluon(xq, xs, srt, w1, w3, counts, h_gl, topk=k, max_tiles=mtg, limit=args.limit,
+                    tiles=tiles, use_asm=True)
 
-        if timed_row(res, write, name, gluon_l1, dict(bm=bm, bn=mg.BN, bk=mg.BK, nsa=mg.NSA,
-                                                      asm=asm, **mg.TILES[bm]), rates):
-            try:
-                torch.cuda.synchronize()
-                row = res["rows"][-1]
-                row["all_written"] = bool(torch.isfinite(h_gl).all())
-                row["rel_err_vs_triton"] = rel(h_gl, h_tr)
-                row["rel_err_vs_fp32"] = rel(h_gl[:n], ref)
-                print({x: row[x] for x in ("all_written", "rel_err_vs_triton",
-                                           "rel_err_vs_fp32")}, flush=True)
-            except Exception as exc:  # noqa: BLE001
-                res["rows"][-1]["check_error"] = repr(exc)[:500]
-            _write(args.out, res)
+    if timed_row(res, write, name, gluon_l1, dict(bm=mg.BM, bn=mg.BN, bk=mg.BK, nsa=mg.NSA,
+                                                  nw=mg.NUM_WARPS), rates):
+        try:
+            torch.cuda.synchronize()
+            row = res["rows"][-1]
+            row["all_written"] = bool(torch.isfinite(h_gl).all())
+            row["rel_err_vs_triton"] = rel(h_gl, h_tr)
+            row["rel_err_vs_fp32"] = rel(h_gl[:n], ref)
+            print({x: row[x] for x in ("all_written", "rel_err_vs_triton", "rel_err_vs_fp32")},
+                  flush=True)
+        except Exception as exc:  # noqa: BLE001
+            res["rows"][-1]["check_error"] = repr(exc)[:500]
+        _write(args.out, res)
     finish(res, t_start, write)
 
 

@@ -46,41 +46,52 @@ runs its prefill L1 here where moe._gluon_l1 says so (opt-in: MEGAGRAPH_MOE_GLUO
 (benchmarks/moe_gluon_probe.py) timed it at 7.31 ms against 8.54 ms for the Triton L1 at
 balanced 8192 tokens (sixth session), 10.03 against 10.47 ms at poisson routing (seventh).
 
-The proxy fence (eighth session, not yet run on the H200): until now every Gluon kernel here
-ran wait_group -> CTA barrier -> fence.proxy.async -> wgmma, the fence on the READER side after
-the barrier (to save a barrier: Triton 3.6's membar pass puts a CTA barrier right after an
-async_wait unless the next op is a barrier). The PTX rule (and CUTLASS, and Triton's own
-FenceInsertion for register -> shared stores) is writer-side: each thread fences its own
-completed generic-proxy writes (here its cp.async bytes, after its wait) BEFORE the barrier the
-wgmma issuers wait at. With the fence after the barrier a fast warp could issue its wgmma
-before a slow warp had fenced its part of the stage - the first suspect for the variants'
-nondeterminism below. The kernels now run wait_group -> fence.proxy.async -> CTA barrier ->
-wgmma; in SASS DEPBAR, BAR.SYNC (membar's), MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S, BAR.SYNC (ours),
-then the WARPGROUP.ARRIVE / QGMMA: one more BAR.SYNC per chunk, K loop 1210 -> 1218
-instructions per chunk pair (pack 777 -> 785). The sm_90 tests check the fence's position.
-(The wait and the fence as one inline asm, which membar does not see as a wait, would keep a
-single barrier - tried on a scratch copy of the decode L1: 1419 instructions, 4 BAR.SYNC per 4
-chunks - not done: it hides the wait from Triton's analyses; worth it only if the H200 times the
-second barrier.)
+The proxy fence (eighth session): until then every Gluon kernel here ran wait_group -> CTA
+barrier -> fence.proxy.async -> wgmma, the fence on the READER side after the barrier (to save a
+barrier: Triton 3.6's membar pass puts a CTA barrier right after an async_wait unless the next
+op is a barrier). The PTX rule (and CUTLASS, and Triton's own FenceInsertion for register ->
+shared stores) is writer-side: each thread fences its own completed generic-proxy writes (here
+its cp.async bytes, after its wait) BEFORE the barrier the wgmma issuers wait at. With the fence
+after the barrier a fast warp could issue its wgmma before a slow warp had fenced its part of
+the stage. The kernels now run wait_group -> fence.proxy.async -> CTA barrier -> wgmma; in SASS
+DEPBAR, BAR.SYNC (membar's), MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S, BAR.SYNC (ours), then the
+WARPGROUP.ARRIVE / QGMMA: one more BAR.SYNC per chunk, K loop 1210 -> 1218 instructions per
+chunk pair. The sm_90 tests check the fence's position (test_moe_gluon.proxy_fence_problems).
+On the H200 (eighth session, Triton 3.6) the writer-side builds passed every test: this kernel
+(bm 128, per-lane upcast) and both decode kernels, the 10x repeated-launch bit checks included
+(100 + 16 passed). (The wait and the fence as one inline asm, which membar does not see as a
+wait, would keep a single barrier - tried on a scratch copy of the decode L1: 1419
+instructions, 4 BAR.SYNC per 4 chunks - not done: it hides the wait from Triton's analyses;
+worth it only if the H200 times the second barrier.)
 
-Opt-in variants (l1_gluon(asm=, bm=); routed_experts keeps asm = "lane", bm = 128): asm =
-"pack" loads the packed weights as int32 words (4 bytes of one row and one E8M0 group by
-construction) and upcasts each word with FP4_PACK_ASM_TEXT (one offset per word, folded into a
-per-group lookup-table pair: 4 PRMT + ~3 LOP3 per word): 785 K-loop instructions per chunk pair
-against 1218, 64 PRMT against 232, 255 registers, no stack; 8.20 against 10.03 ms at
-poisson-routed 8192 tokens on the H200 (seventh session). bm = 64 runs 8 warps as 2 warpgroups
-side by side along N (wgmma m64n32; 138 / 130 registers lane / pack, no stack; slower on the
-H200: 14.29 / 10.62 ms). In the seventh session, under the reader-side fence, both gave
-NONDETERMINISTIC wrong outputs on the H200 in one-program debug launches (pack at bm = 128; the
-arithmetic upcast at bm = 64): a few accumulator registers of one warp off by up to 2^70,
-different from run to run, while the same builds passed the multi-program tests
-(benchmarks/results/moe-gluon-h200.md). They were removed (1ebf946) and are back, with the
-writer-side fence, so that the H200 can tell whether the fence order was the cause
-(test_moe_gluon.py's repeated one-program launches). The SASS showed no register or ordinary
-shared-memory hazard (no register of an in-flight QGMMA touched before its WARPGROUP.DEPBAR;
-every ring stage written after the CTA barrier that follows its readers' waits). Because the
-default shares the pipeline, routed_experts runs this kernel only on request
-(moe.GLUON_PREFILL, MEGAGRAPH_MOE_GLUON_PREFILL=1) until that is settled.
+Removed variants (the code is in commit f12126b, with the writer-side fence; 3a35562 has them
+under the old one): asm = "pack" (the packed weights loaded as int32 words, one upcast offset
+per word folded into a per-(row, group) PRMT table pair: 785 against 1218 K-loop instructions
+per chunk pair, 64 PRMT against 232, 255 registers, no stack) and bm = 64 (8 warps as 2
+warpgroups side by side along N, wgmma m64n32; 138 / 130 registers lane / pack; slower: 14.29 /
+10.62 ms against 10.03 at poisson routing, seventh session). In the seventh session, under the
+reader-side fence, both gave run-to-run different wrong outputs on the H200 in one-program debug
+launches (pack at bm 128; the arithmetic upcast at bm 64): a few accumulator registers of one
+warp off by up to 2^70 (benchmarks/results/moe-gluon-h200.md). f12126b brought them back with
+the writer-side fence and they still failed on the H200 (eighth session), so the fence order
+was ruled out as their cause:
+  - bm = 64: test_l1_gluon_no_limit_and_asm_off[64-lane] ("use_asm=False: a repeated launch
+    gave other bits") and test_l1_gluon_debug_pieces[64-lane-256|512|1024] ("ones (bm 64,
+    d 256, arith): rel inf, 1504/4096 bad ... first (0, 33): 6.78136e+25 vs 32768");
+  - asm = "pack": an ILLEGAL MEMORY ACCESS in test_l1_gluon_no_limit_and_asm_off[128-pack]
+    (d 512, F 128, E 4, T 77, top-3, exponents 108 .. 127) and in every pack debug-pieces case,
+    under CUDA_LAUNCH_BLOCKING=1 too; yet benchmarks/moe_gluon_probe.py --routing poisson
+    --tokens 8192 --variants 128:lane,128:pack checked pack correct at 256 and 8192 tokens (in
+    child processes) and timed it at 8.616 ms against 10.306 ms for lane (Triton L1 10.487 ms).
+Next leads: for pack, compute-sanitizer memcheck on the failing case (an out-of-bounds int32
+word load? the launcher checked the banks' 4-byte alignment of rows and bases); for bm = 64, the
+accumulator layout of two warpgroups along N (NVMMADistributedLayout warps_per_cta [4, 2],
+instr_shape [16, 32, 32]; the failing launches reported were the arithmetic upcast's, no
+inline PTX). The SASS of both showed no register or ordinary shared-memory hazard (no register
+of an in-flight QGMMA touched before its WARPGROUP.DEPBAR; every ring stage written after the
+CTA barrier that follows its readers' waits). Because the default shares the pipeline,
+routed_experts runs this kernel only on request (moe.GLUON_PREFILL,
+MEGAGRAPH_MOE_GLUON_PREFILL=1) until that is understood.
 
 Fixes after the first H200 run (every output wrong): the upcast now passes every element's own
 offset rel + 6 (moe_jit.fp4_rel6) as moe_jit.FP4_E4M3_ASM reads it (it passed the signed rel:
@@ -102,24 +113,16 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     from .gluon_common import warpgroup_mma, warpgroup_mma_wait
 
 BM, BN, BK, NSA, NUM_WARPS = 128, 64, 128, 2, 8
-# row tiles l1_gluon(bm=...) builds: warps, warpgroups side by side along N (WN). bm = 64 (opt-in,
-# a test / diagnosis variant: slower on the H200, 14.29 / 10.62 ms against 10.03 at poisson
-# routing) runs 8 warps as 2 warpgroups of m64 x n32 (130-138 registers, no spill under Triton
-# 3.6); a single 4-warp warpgroup spilled (8-24 bytes of stack)
-TILES = {128: dict(NW=8, WN=1), 64: dict(NW=8, WN=2)}
-ASM_MODES = {"arith": 0, "lane": 1, "pack": 2}  # USE_ASM of l1_kernel
+ASM_MODES = {"arith": 0, "lane": 1}  # USE_ASM of l1_kernel
 
 
-def kernel_consts(asm: str = "lane", bm: int = BM) -> dict:
-    """The constexprs of l1_kernel for an upcast and a row tile (the launcher's and the
-    ahead-of-time build test's): asm "lane" = moe_jit.FP4_E4M3_ASM (per-byte-lane offsets, the
-    default), "pack" = FP4_PACK_ASM_TEXT on int32 words (one offset per word, opt-in), "arith" =
-    the arithmetic twin; bm 128 (the default) or 64 (opt-in)."""
-    if asm not in ASM_MODES or bm not in TILES:
-        raise ValueError(f"asm {asm!r} / bm {bm}: asm in {sorted(ASM_MODES)}, bm in "
-                         f"{sorted(TILES)}")
-    t = TILES[bm]
-    return dict(USE_ASM=ASM_MODES[asm], BM=bm, BN=BN, BK=BK, NSA=NSA, NW=t["NW"], WN=t["WN"])
+def kernel_consts(asm: str = "lane") -> dict:
+    """The constexprs of l1_kernel for an upcast (the launcher's and the ahead-of-time build
+    test's): asm "lane" = moe_jit.FP4_E4M3_ASM (per-byte-lane offsets), "arith" = its
+    arithmetic twin."""
+    if asm not in ASM_MODES:
+        raise ValueError(f"asm {asm!r}: one of {sorted(ASM_MODES)}")
+    return dict(USE_ASM=ASM_MODES[asm], BM=BM, BN=BN, BK=BK, NSA=NSA, NW=NUM_WARPS)
 
 
 def _asm_text() -> str:
@@ -128,93 +131,14 @@ def _asm_text() -> str:
     return getattr(FP4_E4M3_ASM, "value", FP4_E4M3_ASM)
 
 
-# The uniform-offset upcast (USE_ASM == 2, l1_gluon(asm="pack")). Its unit is one int32 WORD
-# $2 = 4 consecutive MXFP4 bytes (8 E2M1 codes, low nibble = even column) at a 4-byte-aligned
-# offset of one B row, loaded as such (int32 loads of the packed weights; inline asm with
-# pack = 1): a word never spans two rows or two scale groups (a group is 16 bytes = 4 whole
-# words at 16-byte-aligned row offsets: the words of group g are 4 g .. 4 g + 3), so ONE
-# exponent offset per call is exact by construction, not by a register-layout assumption (the
-# per-lane moe_jit.FP4_E4M3_ASM exists because a uint8 tensor's pack of 4 elements may mix
-# groups in a Triton-chosen layout: word_layout_ok states and checks the word layout's
-# property statically). The offset comes folded into a per-(row, group) lookup table pair
-# ($3, $4; the kernel computes it once per group from rel6 = rel + 6, pack_luts):
-#   lut_a = [0, E4M3(0.5 * 2^rel), E4M3(1 * 2^rel), E4M3(1.5 * 2^rel)]   (E2M1 magnitudes 0..3)
-#   lut_b = [E4M3(2, 3, 4, 6 * 2^rel)]                                     (magnitudes 4..7)
-# = moe_jit.e2m1_e4m3_bits of each magnitude (m * 0x30 / m * 4 + 0x30 plus rel * 8, 0 for
-# magnitude 0); both words are 0 for rel < -5 (rel6 == 0: every code flushes to +-0 as in the
-# arithmetic twin). prmt's selector nibble m picks byte m of (lut_a, lut_b) (bit 3 cleared: the
-# E2M1 sign would switch prmt to sign-replicate mode), and the nibbles of the word's low 16 bits
-# are exactly columns 0, 1, 2, 3 of the word, so one prmt gives 4 interleaved E4M3 codes ($0),
-# the high half (>> 16) columns 4..7 ($1): no lo / hi join afterwards. Signs: prmt in
-# sign-replicate mode on (w << 4, w) takes the msb of the byte holding each nibble's bit 3
-# (column 2j: bit 3 of byte j = msb of byte j of w << 4; column 2j + 1: msb of byte j of w),
-# & 0x80 per byte, or-ed in. 11 PTX instructions per word (FP4_E4M3_ASM: ~33 plus the per-lane
-# offset bytes, the lo / hi interleave and, for bytes carried across the K loop as uint8
-# elements, their repacking into words).
-FP4_PACK_ASM_TEXT = """
-{
-.reg .b32 c, z, s;
-and.b32 c, $2, 0x77777777;
-prmt.b32 $0, $3, $4, c;
-shr.u32 c, c, 16;
-prmt.b32 $1, $3, $4, c;
-shl.b32 z, $2, 4;
-prmt.b32 s, z, $2, 0xD9C8;
-and.b32 s, s, 0x80808080;
-or.b32 $0, $0, s;
-prmt.b32 s, z, $2, 0xFBEA;
-and.b32 s, s, 0x80808080;
-or.b32 $1, $1, s;
-}
-"""
-# lut_a / lut_b of a scale group from rel6 = rel + 6 (ints here; the kernel computes the same on
-# int32 tensors): the E4M3 codes of the magnitudes at rel = 0 (0x3C383030 / 0x4C484440) minus
-# 0x30 per byte, plus 8 * rel6 per byte (no byte leaves [0, 0x7C]: no carries), lut_a's byte 0
-# (magnitude 0) cleared
-LUT_A0, LUT_B0, LUT_STEP = 0x0C080000, 0x1C181410, 0x08080808
-
-
-def pack_luts(rel6: int) -> tuple[int, int]:
-    """(lut_a, lut_b) of FP4_PACK_ASM_TEXT for one scale group's offset rel6 in [0, 12]."""
-    if rel6 <= 0:
-        return 0, 0
-    return (LUT_A0 + rel6 * LUT_STEP) & ~0xFF, LUT_B0 + rel6 * LUT_STEP
-
-
-def word_layout_ok(size_per_thread, order, shape) -> bool:
-    """The uniform upcast's load layout of the packed weights as int32 words [rows, 4 groups,
-    4 words]: the word axis is the fastest (order[0] == 2: a thread's words of a group are
-    contiguous, so its loads vectorize) and the tile is [*, 4, 4] (4 groups of 16 bytes per 128
-    columns). Correctness needs nothing of the layout - every asm call gets one whole word and
-    its own group's table (elementwise, pack = 1) - this only pins the shape the kernel's
-    word offsets (4 g + w) and the output reshape assume."""
-    return (len(shape) == 3 and list(shape[1:]) == [4, 4] and order[0] == 2
-            and 4 % size_per_thread[2] == 0)
-
-
 if _IMPORT_OK:
     FP4_ASM = ttgl.constexpr(_asm_text())
-    FP4_PACK_ASM = ttgl.constexpr(FP4_PACK_ASM_TEXT)
-    LUT_A0_C, LUT_B0_C, LUT_STEP_C = (ttgl.constexpr(LUT_A0), ttgl.constexpr(LUT_B0),
-                                      ttgl.constexpr(LUT_STEP))
-    _word_ok = gluon.constexpr_function(word_layout_ok)
 
     @gluon.constexpr_function
-    def _b_layout(nw, words):
-        """The packed weights' register layout (8 warps): [BN, 4 groups, 16 bytes] uint8 (the
-        per-lane and arithmetic upcasts) or [BN, 4 groups, 4 words] int32 (the uniform one,
-        asm="pack"): 8 bytes (16 columns) of one row and group per thread."""
-        lay = ttgl.BlockedLayout([1, 1, 2 if words else 8], [4, 4, 2], [nw, 1, 1], [2, 1, 0])
-        if words:
-            assert _word_ok(lay.size_per_thread, lay.order, [64, 4, 4])
-        return lay
-
-    @gluon.constexpr_function
-    def _words_sl():
-        """The B stages' NVMMA layout seen as int32 [BN, BK / 4]: the 128-byte swizzle permutes
-        16-byte units of 128-byte rows by the row index, so with 128-byte rows either way the
-        int32 view puts every byte where the fp8 view has it."""
-        return ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    def _b_layout(nw):
+        """The packed weights' register layout [BN, 4 groups, 16 bytes] uint8: 8 bytes (16
+        columns) of one row and group per thread (8 warps)."""
+        return ttgl.BlockedLayout([1, 1, 8], [4, 4, 2], [nw, 1, 1], [2, 1, 0])
 
     @gluon.jit
     def _dequant_store(p, e, b_dst, sb_dst, USE_ASM: ttgl.constexpr, BN: ttgl.constexpr,
@@ -228,50 +152,27 @@ if _IMPORT_OK:
         these exponents (rel in [1, 6]) the PTX path then decoded every weight 2^-6 too small)."""
         S = ttgl.maximum(ttgl.max(e, axis=1) - 6, 1)
         rel6 = ttgl.maximum(e - ttgl.expand_dims(S - 6, 1), 0)  # fp4_rel6: max(rel, -6) + 6
-        if USE_ASM == 2:
-            # the uniform-offset upcast on int32 words p [BN, 4, 4] (4 bytes of one row and
-            # group each: see FP4_PACK_ASM_TEXT): one table pair per (row, group), elementwise
-            ttgl.static_assert(_word_ok(p.type.layout.size_per_thread, p.type.layout.order,
-                                        p.type.shape), "uniform upcast: p must be [BN, 4, 4]")
-            ttgl.static_assert(p.dtype == ttgl.int32, "uniform upcast: int32 words")
-            ok = rel6 > 0
-            lut_a = ttgl.where(ok, (LUT_A0_C + rel6 * LUT_STEP_C) & -256, 0)
-            lut_b = ttgl.where(ok, LUT_B0_C + rel6 * LUT_STEP_C, 0)
-            la_p = ttgl.broadcast(ttgl.expand_dims(lut_a, 2), p)[0]
-            lb_p = ttgl.broadcast(ttgl.expand_dims(lut_b, 2), p)[0]
-            w0, w1 = ttgl.inline_asm_elementwise(FP4_PACK_ASM, "=r,=r,r,r,r", [p, la_p, lb_p],
-                                                 dtype=(ttgl.int32, ttgl.int32), is_pure=True,
-                                                 pack=1)
-            # word w of group g: w0 = columns 32 g + 8 w + 0..3, w1 = + 4..7 -> int32 word
-            # 8 g + 2 w (+ 1) of the [BN, BK / 4] int32 view of the stage
-            bw = ttgl.reshape(ttgl.join(w0, w1), [BN, BK // 4])
-            b_dst._reinterpret(ttgl.int32, [BN, BK // 4], _words_sl()).store(bw)
-        else:
-            rel6_p = ttgl.broadcast(ttgl.expand_dims(rel6, 2), p)[0]
-            if USE_ASM:
-                lo, hi = ttgl.inline_asm_elementwise(FP4_ASM, "=r,=r,r,r",
-                                                     [p, rel6_p.to(ttgl.uint8)],
-                                                     dtype=(ttgl.uint8, ttgl.uint8),
-                                                     is_pure=True, pack=4)
-            else:  # moe_jit.fp4_halves_e4m3's arithmetic branch
-                pi = p.to(ttgl.int32)
-                rel_p = rel6_p - 6
-                lo = _e2m1_e4m3_bits(pi & 0xF, rel_p).to(ttgl.uint8)
-                hi = _e2m1_e4m3_bits(pi >> 4, rel_p).to(ttgl.uint8)
-            b = ttgl.reshape(ttgl.join(lo, hi), [BN, BK])  # byte j -> cols 2j (lo), 2j + 1 (hi)
-            b_dst.store(b.to(ttgl.float8e4nv, bitcast=True))
+        rel6_p = ttgl.broadcast(ttgl.expand_dims(rel6, 2), p)[0]
+        if USE_ASM:
+            lo, hi = ttgl.inline_asm_elementwise(FP4_ASM, "=r,=r,r,r",
+                                                 [p, rel6_p.to(ttgl.uint8)],
+                                                 dtype=(ttgl.uint8, ttgl.uint8),
+                                                 is_pure=True, pack=4)
+        else:  # moe_jit.fp4_halves_e4m3's arithmetic branch
+            pi = p.to(ttgl.int32)
+            rel_p = rel6_p - 6
+            lo = _e2m1_e4m3_bits(pi & 0xF, rel_p).to(ttgl.uint8)
+            hi = _e2m1_e4m3_bits(pi >> 4, rel_p).to(ttgl.uint8)
+        b = ttgl.reshape(ttgl.join(lo, hi), [BN, BK])  # byte j -> cols 2j (lo), 2j + 1 (hi)
+        b_dst.store(b.to(ttgl.float8e4nv, bitcast=True))
         bits = ttgl.where(S <= 0, 0x00400000, S << 23)  # moe_jit.exp2_biased
         sb_dst.store(bits.to(ttgl.float32, bitcast=True))
 
     @gluon.jit
-    def _load_b(b_ptr, bs_ptr, pofs, eofs, k0, WORDS: ttgl.constexpr = False):
-        """MXFP4 bytes (uint8 [BN, 4, 16]; WORDS: int32 words [BN, 4, 4] through an int32
-        b_ptr) and E8M0 exponents (int32 [BN, 4]) of chunk k0 of one weight matrix (offsets
-        pofs / eofs already hold the rows; k0 < K: callers clamp)."""
-        if WORDS:
-            p = ttgl.load((b_ptr + k0 // 8) + pofs)
-        else:
-            p = ttgl.load(b_ptr + pofs + k0 // 2).to(ttgl.uint8, bitcast=True)
+    def _load_b(b_ptr, bs_ptr, pofs, eofs, k0):
+        """MXFP4 bytes (uint8 [BN, 4, 16]) and E8M0 exponents (int32 [BN, 4]) of chunk k0 of
+        one weight matrix (offsets pofs / eofs already hold the rows; k0 < K: callers clamp)."""
+        p = ttgl.load(b_ptr + pofs + k0 // 2).to(ttgl.uint8, bitcast=True)
         e = ttgl.load(bs_ptr + eofs + k0 // 32).to(ttgl.int32)
         return p, e
 
@@ -313,8 +214,8 @@ if _IMPORT_OK:
         fence_async_shared()  # each writer fences its own stores before the next barrier
         # chunk i + 2's bytes, chunk i + 1's A scales: a whole chunk of latency to hide
         k2 = ttgl.minimum(i + 2, n_k - 1) * BK
-        p1, e1 = _load_b(b1, bs1, pofs, eofs, k2, USE_ASM == 2)
-        p3, e3 = _load_b(b2, bs2, pofs, eofs, k2, USE_ASM == 2)
+        p1, e1 = _load_b(b1, bs1, pofs, eofs, k2)
+        p3, e3 = _load_b(b2, bs2, pofs, eofs, k2)
         sa_n = ttgl.load(as_ptrs + ttgl.minimum(i + 1, n_k - 1), mask=rmask, other=1.0)
         t1, t3 = warpgroup_mma_wait(0, deps=[t1, t3])
         col_l: ttgl.constexpr = ttgl.SliceLayout(0, mma)
@@ -330,7 +231,7 @@ if _IMPORT_OK:
                   stride_bsn, stride_cm,
                   TOPK: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr, USE_ASM: ttgl.constexpr,
                   BM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
-                  NSA: ttgl.constexpr, NW: ttgl.constexpr, WN: ttgl.constexpr = 1):
+                  NSA: ttgl.constexpr, NW: ttgl.constexpr):
         """One [BM, BN] tile of H = swiglu(A W1^T, A W3^T): program pid -> row tile pid // num_n
         of the device tile list (moe.tile_list: [total, grp[MT], row0[MT], rend[MT]]), column
         tile pid % num_n. N % BN == 0, K % BK == 0 (the launcher checks); G experts, P sorted
@@ -338,20 +239,18 @@ if _IMPORT_OK:
         (two A stages; the only value built)."""
         ttgl.static_assert(NSA == 2, "two A stages")
         # ---- layouts -------------------------------------------------------------------
-        # WN warpgroups side by side along N (each wgmma m64 x n(BN / WN)), NW / 4 / WN along M
-        ttgl.static_assert(BM == 16 * NW // WN, "BM = 64 rows per warpgroup along M")
+        # NW / 4 warpgroups along M, each wgmma m64 x n64
+        ttgl.static_assert(BM == 16 * NW, "BM = 64 rows per warpgroup")
         mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0],
-                                                          warps_per_cta=[NW // WN, WN],
-                                                          instr_shape=[16, BN // WN, 32])
+                                                          warps_per_cta=[NW, 1],
+                                                          instr_shape=[16, BN, 32])
         row_l: ttgl.constexpr = ttgl.SliceLayout(1, mma)
         col_l: ttgl.constexpr = ttgl.SliceLayout(0, mma)
         # A copy: 16 bytes per cp.async, 8 threads per 128-byte row
         la: ttgl.constexpr = ttgl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
-        # B bytes [BN, 4 groups of 32 columns, 16 bytes] (or, for the uniform upcast, int32
-        # words [BN, 4 groups, 4 words]): 8 bytes (16 columns) of one row and group per thread
-        WORDS: ttgl.constexpr = USE_ASM == 2
-        NB: ttgl.constexpr = 4 if WORDS else 16  # loaded items per 16-byte scale group
-        lb: ttgl.constexpr = _b_layout(NW, WORDS)
+        # B bytes [BN, 4 groups of 32 columns, 16 bytes]: 8 bytes (16 columns) of one row and
+        # group per thread
+        lb: ttgl.constexpr = _b_layout(NW)
         lb_e: ttgl.constexpr = ttgl.SliceLayout(2, lb)
         # one NVMMA layout object for every fp8 stage: the cp.async / st.shared writers and the
         # wgmma descriptors use the same 128-byte swizzle (rows of exactly 128 bytes)
@@ -380,18 +279,12 @@ if _IMPORT_OK:
         # B rows of this column tile: byte / exponent offsets in the upcast layout
         rn_b = pid_n * BN + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, lb_e))
         grp = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, lb_e))
-        byt = ttgl.arange(0, NB, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(1, lb)))
-        if WORDS:  # int32 word offsets (the launcher checks stride_bn % 4 == 0)
-            pofs2 = rn_b[:, None] * (stride_bn // 4) + grp[None, :] * 4
-        else:
-            pofs2 = rn_b[:, None] * stride_bn + grp[None, :] * 16
+        byt = ttgl.arange(0, 16, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(1, lb)))
+        pofs2 = rn_b[:, None] * stride_bn + grp[None, :] * 16
         pofs = ttgl.expand_dims(pofs2, 2) + ttgl.expand_dims(ttgl.expand_dims(byt, 0), 1)
         eofs = rn_b[:, None] * stride_bsn + grp[None, :]
         b1 = b1_ptr + g * stride_bg
         b2 = b2_ptr + g * stride_bg
-        if WORDS:
-            b1 = b1.to(ttgl.pointer_type(ttgl.int32), bitcast=True)
-            b2 = b2.to(ttgl.pointer_type(ttgl.int32), bitcast=True)
         bs1 = bs1_ptr + g * stride_bsg
         bs2 = bs2_ptr + g * stride_bsg
 
@@ -420,14 +313,14 @@ if _IMPORT_OK:
         # (clamped: K = BK has no chunk 1), A scales of chunk 0
         async_copy.async_copy_global_to_shared(a0, a_ptrs, mask=a_mask)
         async_copy.commit_group()
-        p1, e1 = _load_b(b1, bs1, pofs, eofs, 0, WORDS)
-        p3, e3 = _load_b(b2, bs2, pofs, eofs, 0, WORDS)
+        p1, e1 = _load_b(b1, bs1, pofs, eofs, 0)
+        p3, e3 = _load_b(b2, bs2, pofs, eofs, 0)
         _dequant_store(p1, e1, w1_0, sb1_0, USE_ASM, BN, BK)
         _dequant_store(p3, e3, w3_0, sb3_0, USE_ASM, BN, BK)
         fence_async_shared()
         k1 = ttgl.minimum(1, n_k - 1) * BK
-        p1, e1 = _load_b(b1, bs1, pofs, eofs, k1, WORDS)
-        p3, e3 = _load_b(b2, bs2, pofs, eofs, k1, WORDS)
+        p1, e1 = _load_b(b1, bs1, pofs, eofs, k1)
+        p3, e3 = _load_b(b2, bs2, pofs, eofs, k1)
         sa = ttgl.load(as_ptrs, mask=rmask, other=1.0)
 
         acc1 = ttgl.zeros([BM, BN], ttgl.float32, mma)
@@ -458,28 +351,18 @@ if _IMPORT_OK:
 
 def l1_gluon(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tiles: int,
              limit: float | None = None, tiles: torch.Tensor | None = None,
-             use_asm: bool | None = None, asm: str = "lane",
-             bm: int = BM) -> torch.Tensor:
+             use_asm: bool | None = None) -> torch.Tensor:
     """out [P, F] (expert-sorted rows, fp16 / bf16 / fp32; a row-strided view is fine) =
     swiglu(A W1^T, A W3^T) per expert, A row of sorted row r = a_q[a_idx[r] // topk] (E4M3
     [T, d], scales a_scale [T, d / 128] f32). w1 / w3: moe.Bank of MXFP4 [E, F, d/2] with E8M0
     [E, F, d/32]; counts [E] int32 rows per expert (sorted order). The same arguments as the
-    L1 moe.gemm launch in routed_experts; max_tiles bounds the row tiles of bm rows
-    (e.g. min(P, P // bm + E)); tiles: moe.tile_list(counts, bm, max_tiles) if already built
-    (else built here: one tiny launch, no host sync). use_asm: a PTX upcast (default:
-    moe.asm_ok's bit-exact check on this device, made for the per-lane PTX), else the
-    arithmetic twin. asm: which PTX upcast when use_asm: "lane" (moe_jit.FP4_E4M3_ASM, one
-    offset per byte lane: the default, what routed_experts runs) or "pack" (opt-in:
-    FP4_PACK_ASM_TEXT on int32 words, one offset per word; 8.20 against 10.03 ms at poisson
-    routing on the H200 in the seventh session, but nondeterministic there under the old
-    reader-side proxy fence: see the module docstring). bm: the row tile, 128 (default) or 64
-    (opt-in, slower: 8 warps as 2 warpgroups side by side along N); max_tiles / tiles must be
-    for this bm."""
+    L1 moe.gemm launch in routed_experts; max_tiles bounds the row tiles of BM rows
+    (e.g. min(P, P // BM + E)); tiles: moe.tile_list(counts, BM, max_tiles) if already built
+    (else built here: one tiny launch, no host sync). use_asm: the PTX upcast (default:
+    moe.asm_ok's bit-exact check on this device, made for the per-lane PTX), else its
+    arithmetic twin."""
     from . import moe
 
-    if asm not in ("lane", "pack") or bm not in TILES:
-        raise ValueError(f"asm {asm!r} / bm {bm}: asm \"lane\" or \"pack\", bm in "
-                         f"{sorted(TILES)}")
     if not (w1.wfmt == 0 and w3.wfmt == 0 and w1.bk == 32 and w1.bn == 1):
         raise ValueError("l1_gluon takes MXFP4 banks (E8M0 per 32 columns)")
     if a_q.dtype != torch.float8_e4m3fn or a_scale is None:
@@ -498,20 +381,15 @@ def l1_gluon(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tiles: 
         raise ValueError("a_q rows must be contiguous and 16-byte aligned, out rows contiguous")
     if a_q.data_ptr() % 16:
         raise ValueError("a_q must be 16-byte aligned (cp.async of 16 bytes)")
-    if asm == "pack" and use_asm is not False and (
-            w1.w.stride(0) % 4 or w1.w.stride(1) % 4 or any(b.w.data_ptr() % 4
-                                                            for b in (w1, w3))):
-        raise ValueError('asm="pack" loads the packed weights as int32 words: 4-byte-aligned '
-                         "rows and banks")
     P = check_rows(a_scale, a_idx, out, N, K)
     if max_tiles == 0 or P == 0:
         return out
     if not _IMPORT_OK:
         raise RuntimeError("l1_gluon needs Triton 3.6's Gluon (moe_gluon.available())")
-    tiles = tile_list(counts, bm, max_tiles, tiles)
+    tiles = tile_list(counts, BM, max_tiles, tiles)
     if use_asm is None:
         use_asm = moe.asm_ok(out.device)
-    consts = kernel_consts(asm if use_asm else "arith", bm)
+    consts = kernel_consts("lane" if use_asm else "arith")
     grid = (max_tiles * (N // BN),)
     l1_kernel[grid](
         a_q, a_scale, a_idx, w1.w, w1.s, w3.w, w3.s, out, tiles, max_tiles, N, K,

@@ -9,18 +9,16 @@ E4M3 weight codes are exact (E2M1 x 2^rel, rel in [1, 6] for these exponents) an
 are exact, so the error is the fp16 output rounding (2^-11 relative, ~3e-4 rms) plus the
 tensor core's fp32 sums; the Triton L1 computes the same formula, so it must agree as tightly.
 
-Every test runs the default (bm = 128, per-lane PTX upcast "lane") and the opt-in variants
-(asm = "pack": the int32-word upcast; bm = 64), each also with the arithmetic upcast. The
+Each test runs the PTX upcast (per-lane offsets) and, where it says so, the arithmetic one. The
 one-program debug launches repeat every launch REPEATS times and compare the bits with the first
-launch and the first with the fp32 math: in the seventh session pack (bm 128) and the arithmetic
-upcast at bm 64 gave run-to-run different wrong outputs there, under the old reader-side proxy
-fence (moe_gluon's docstring).
+launch and the first with the fp32 math (the removed "pack" / bm 64 variants went wrong there on
+the H200: moe_gluon's docstring; their tests are in commit f12126b).
 
-On CPU: the GPU tests skip; the pack upcast's PTX runs in test_triton_moe's emulator and the
-launcher's argument checks run on CPU tensors; the kernel is compiled ahead of time for sm_90
-when the installed Triton is 3.6 (make sm90-h200), checking no local memory, the async wgmma in
-the K loop, its instruction count, and that every thread's fence.proxy.async comes before the
-CTA barrier the wgmma waits at (proxy_fence_problems; cuobjdump from Triton's bundle).
+On CPU: the GPU tests skip; the launcher's argument checks run on CPU tensors; the kernel is
+compiled ahead of time for sm_90 when the installed Triton is 3.6 (make sm90-h200), checking no
+local memory, the async wgmma in the K loop, its instruction count, and that every thread's
+fence.proxy.async comes before the CTA barrier the wgmma waits at (proxy_fence_problems;
+cuobjdump from Triton's bundle).
 """
 from __future__ import annotations
 
@@ -31,31 +29,26 @@ import torch
 from gluon_cases import TYPES, case, debug_cases, diagnose, reference, rel
 from megagraph.kernels.triton import moe_gluon as mg
 from sm90_build import gluon_sm90, last_loop, usage_and_sass
-from test_triton_moe import ACT, _e4m3_ref_byte, _run_ptx, check_routed, routed_case
+from test_triton_moe import ACT, check_routed, routed_case
 
 GPU_OK = mg.available()
 gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and Triton 3.6 Gluon")
 
-# (row tile, PTX upcast) variants of l1_gluon: the default (128, "lane") first; "pack" and
-# bm = 64 are opt-in (l1_gluon(asm=, bm=))
-VARIANTS = [(128, "lane"), (128, "pack"), (64, "lane"), (64, "pack")]
 REPEATS = 10  # launches of each one-program debug case (bits compared with the first)
 
 
 @gpu
-@pytest.mark.parametrize("bm,asm", VARIANTS)
 @pytest.mark.parametrize("T,E,subset", [(1, 8, None), (37, 8, None), (203, 8, [0, 3, 5]),
                                         (515, 16, None), (1024, 8, [1, 2])])
-def test_l1_gluon_matches(T, E, subset, bm, asm):
+def test_l1_gluon_matches(T, E, subset):
     from megagraph.kernels.triton import moe
 
     d, F, k, limit = 1024, 256, 2, 10.0
     xq, xs, w1, w3, counts, srt = case(T, E, d, F, k, seed=T, subset=subset)
     P = T * k
-    max_tiles = min(P, P // bm + E)
+    max_tiles = min(P, P // mg.BM + E)
     out = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
-    mg.l1_gluon(xq, xs, srt, w1, w3, counts, out, topk=k, max_tiles=max_tiles, limit=limit,
-                bm=bm, asm=asm)
+    mg.l1_gluon(xq, xs, srt, w1, w3, counts, out, topk=k, max_tiles=max_tiles, limit=limit)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "an output element was not written (or is not finite)"
     ref = reference(xq, xs, w1, w3, counts, srt, k, limit)
@@ -70,32 +63,29 @@ def test_l1_gluon_matches(T, E, subset, bm, asm):
 
 
 @gpu
-@pytest.mark.parametrize("bm,asm", VARIANTS)
-def test_l1_gluon_no_limit_and_asm_off(bm, asm):
+def test_l1_gluon_no_limit_and_asm_off():
     """No clamp; the arithmetic upcast instead of the PTX one gives the same output bits. The
     E8M0 exponents span 108 .. 127 (not the 6-wide range of _case), so within a row the offsets
     rel = e - S of the 4 groups of a chunk differ by up to 19: every rel in [-6, 6] occurs and
     some clamp at -6 (zero weights), exercising the per-lane offsets rel + 6 that
     moe_jit.FP4_E4M3_ASM reads from every byte (a kernel passing the old signed rel would decode
-    rel - 6: off by 2^-6, or garbage for rel <= 0), and every lookup-table pair of the uniform
-    upcast (asm="pack": one offset per int32 word, all 13 offsets, the rel < -5 flush). Run 3
-    times: the outputs must be equal bit for bit."""
+    rel - 6: off by 2^-6, or garbage for rel <= 0). Run 3 times: the outputs must be equal bit
+    for bit."""
     from megagraph.kernels.triton import moe
 
     d, F, k, E, T = 512, 128, 3, 4, 77
     xq, xs, w1, w3, counts, srt = case(T, E, d, F, k, seed=5, exps=(108, 128))
     P = T * k
-    mt = min(P, P // bm + E)
+    mt = min(P, P // mg.BM + E)
     o1 = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
     o2 = torch.full_like(o1, float("nan"))
-    mg.l1_gluon(xq, xs, srt, w1, w3, counts, o1, topk=k, max_tiles=mt, use_asm=True, asm=asm,
-                bm=bm)
-    mg.l1_gluon(xq, xs, srt, w1, w3, counts, o2, topk=k, max_tiles=mt, use_asm=False, bm=bm)
+    mg.l1_gluon(xq, xs, srt, w1, w3, counts, o1, topk=k, max_tiles=mt, use_asm=True)
+    mg.l1_gluon(xq, xs, srt, w1, w3, counts, o2, topk=k, max_tiles=mt, use_asm=False)
     for use_asm, first in ((True, o1), (False, o2)):
         for _ in range(2):
             again = torch.full_like(o1, float("nan"))
             mg.l1_gluon(xq, xs, srt, w1, w3, counts, again, topk=k, max_tiles=mt,
-                        use_asm=use_asm, asm=asm, bm=bm)
+                        use_asm=use_asm)
             assert torch.equal(again.nan_to_num(7.0), first.nan_to_num(7.0)), \
                 f"use_asm={use_asm}: a repeated launch gave other bits"
     torch.cuda.synchronize()
@@ -104,28 +94,24 @@ def test_l1_gluon_no_limit_and_asm_off(bm, asm):
     # the fp32 reference keeps the weights whose rel < -5 (the kernels flush them): relative to
     # the row's largest group they are below 2^-11
     assert rel(o2, ref) < 2e-3, f"arithmetic upcast vs fp32 math: {rel(o2, ref):.3e}"
-    # the uniform upcast has no device check of its own (moe.asm_ok checks the per-lane PTX):
-    # this bit-exact comparison is its check
-    if asm == "pack" or moe.asm_ok(o1.device):
+    if moe.asm_ok(o1.device):
         assert torch.isfinite(o1).all(), "PTX upcast: an element not written / not finite"
-        assert torch.equal(o1, o2), f"PTX ({asm}) vs arithmetic upcast: rel {rel(o1, o2):.3e}"
+        assert torch.equal(o1, o2), f"PTX vs arithmetic upcast: rel {rel(o1, o2):.3e}"
 
 
 @gpu
 @pytest.mark.parametrize("d", [256, 512, 1024])
-@pytest.mark.parametrize("bm,asm", VARIANTS)
-def test_l1_gluon_debug_pieces(bm, asm, d):
+def test_l1_gluon_debug_pieces(d):
     """GPU debug and determinism: one expert, K = d = 256 / 512 / 1024 (one / two / four loop
-    trips), N = 64 (one column tile: one program per row tile, where pack at bm 128 and the
-    arithmetic upcast at bm 64 went wrong from run to run in the seventh session), fp32 output,
-    no clamp, each piece isolated, each with the arithmetic upcast and the PTX one of the
-    variant (asm), each launched REPEATS times into a NaN-poisoned output: every launch must
-    give the bits of the first, and the first must match the fp32 math (a launch with other
-    bits is diagnosed against it too). The failure message lists every case that is off and
+    trips), N = 64 (one column tile: one program per row tile, where the removed pack / bm 64
+    variants went wrong on the H200), fp32 output, no clamp, each piece isolated, each with the
+    arithmetic and the PTX upcast, each launched REPEATS times into a NaN-poisoned output: every
+    launch must give the bits of the first, and the first must match the fp32 math (a launch
+    with other bits is diagnosed against it too). The failure message lists every case that is off and
     where (rows / columns / scale), so one GPU run says which piece is wrong:
       ones       A = 1, W1 = 1, W3 = 0.5, all scales 1: g = d, u = d / 2 (the data path, the
                  promotion of every chunk, the epilogue)
-      onehot     A row r = e_r (r < bm), W random codes, exponents 127: g = W1[:, r]
+      onehot     A row r = e_r (r < BM), W random codes, exponents 127: g = W1[:, r]
                  (one B element per output: B's column order / orientation, the A rows)
       exps_flat  random A and codes, every exponent 120 (rel = 6: the upcast offsets, sb)
       exps_wide  exponents 108 .. 127 (per-lane offsets in [-6, 6] and the clamp)
@@ -136,18 +122,18 @@ def test_l1_gluon_debug_pieces(bm, asm, d):
     """
     F = 64
     msgs = []
-    for name, topk, limit, (xq, xs, w1, w3, counts, srt, ref) in debug_cases(bm, 1, 37, 150,
-                                                                             d=d):
+    cases = debug_cases(mg.BM, 1, 37, 150, d=d)
+    for name, topk, limit, (xq, xs, w1, w3, counts, srt, ref) in cases:
         P = srt.numel()
         for use_asm in (False, True):
             outs = []
             for _ in range(REPEATS):
                 out = torch.full((P, F), float("nan"), dtype=torch.float32, device="cuda")
                 mg.l1_gluon(xq, xs, srt, w1, w3, counts, out, topk=topk,
-                            max_tiles=-(-P // bm), limit=limit, use_asm=use_asm, asm=asm, bm=bm)
+                            max_tiles=-(-P // mg.BM), limit=limit, use_asm=use_asm)
                 outs.append(out)
             torch.cuda.synchronize()
-            tag = f"{name} (bm {bm}, d {d}, {asm if use_asm else 'arith'})"
+            tag = f"{name} (d {d}, {'ptx' if use_asm else 'arith'})"
             msgs.append(diagnose(tag, outs[0], ref))
             differ = [j for j, o in enumerate(outs)
                       if not torch.equal(outs[0].nan_to_num(7.0), o.nan_to_num(7.0))]
@@ -163,67 +149,19 @@ def test_l1_gluon_debug_pieces(bm, asm, d):
 # ahead-of-time sm_90 build (CPU)
 # ---------------------------------------------------------------------------------------------
 
-def _pack_ptx_case(w: int, rel6: int) -> tuple[int, int]:
-    """(cols 0..3, cols 4..7) E4M3 bytes of int32 word w at offset rel6 by the uniform upcast."""
-
-    la, lb = mg.pack_luts(rel6)
-    return _run_ptx(mg.FP4_PACK_ASM_TEXT, [0, 0, w, la, lb])
-
-
-def test_pack_ptx_bit_logic():
-    """The uniform-offset upcast (moe_gluon.FP4_PACK_ASM_TEXT with pack_luts' tables), run by
-    test_triton_moe's PTX emulator: for every byte value in every byte of the word and every
-    offset rel6 in [0, 12] (one offset for the whole word: its 4 bytes are one row's and one
-    scale group's), output byte 2j of a half = the low nibble of its byte j, 2j + 1 = the high
-    nibble, each equal to the arithmetic E4M3 byte (test_triton_moe._e4m3_ref_byte, rel < -5
-    flushed to signed zero)."""
-
-    g = torch.Generator().manual_seed(11)
-    for lane in range(4):
-        for b in range(256):
-            for rel6 in range(13):
-                bs = torch.randint(0, 256, (4,), generator=g).tolist()
-                bs[lane] = b
-                w = sum(x << (8 * i) for i, x in enumerate(bs))
-                lo, hi = _pack_ptx_case(w, rel6)
-                got = [(lo >> (8 * i)) & 0xFF for i in range(4)] + [
-                    (hi >> (8 * i)) & 0xFF for i in range(4)]
-                want = [_e4m3_ref_byte(c, rel6 - 6) for x in bs for c in (x & 0xF, x >> 4)]
-                assert got == want, (lane, b, rel6, bs, got, want)
-
-
-def test_pack_luts_and_word_layout():
-    """pack_luts: the tables are the E4M3 codes of the E2M1 magnitudes at each offset (0 for
-    magnitude 0 and for rel < -5), every byte in [0, 0x7C] (no carry between bytes); the word
-    layout check accepts the kernel's layouts and rejects a byte axis that is not the fastest."""
-
-    for rel6 in range(13):
-        la, lb = mg.pack_luts(rel6)
-        t = [(la >> (8 * i)) & 0xFF for i in range(4)] + [(lb >> (8 * i)) & 0xFF for i in range(4)]
-        assert t == [_e4m3_ref_byte(m, rel6 - 6) for m in range(8)], rel6
-        assert max(t) <= 0x7C
-    assert mg.word_layout_ok([1, 1, 2], [2, 1, 0], [64, 4, 4])
-    assert mg.word_layout_ok([1, 1, 4], [2, 1, 0], [64, 4, 4])
-    assert not mg.word_layout_ok([1, 1, 2], [1, 2, 0], [64, 4, 4])
-    assert not mg.word_layout_ok([1, 1, 2], [2, 1, 0], [64, 4, 16])
-
-
 def test_kernel_consts_and_launcher_checks():
-    """kernel_consts: the default is bm 128 with the per-lane upcast; pack and bm 64 are the
-    opt-in constexprs; unknown names raise. l1_gluon's argument checks run before any launch
-    (CPU tensors suffice): an unknown asm / bm, pack on banks whose rows or base are not 4-byte
-    aligned (int32 word loads), shapes off the tile; where Gluon is missing, a valid call says
-    so (RuntimeError) instead of launching."""
+    """kernel_consts: bm 128 with the per-lane upcast (or its arithmetic twin); an unknown
+    upcast raises. l1_gluon's argument checks run before any launch (CPU tensors suffice):
+    shapes off the tile raise ValueError; banks whose rows are not 4-byte aligned are fine (the
+    upcast loads bytes); where Gluon is missing, a valid call says so (RuntimeError) instead of
+    launching."""
     from megagraph.kernels.triton import moe
 
-    assert mg.kernel_consts() == dict(USE_ASM=1, BM=128, BN=mg.BN, BK=mg.BK, NSA=mg.NSA, NW=8,
-                                      WN=1)
-    assert mg.kernel_consts("pack")["USE_ASM"] == 2
-    assert mg.kernel_consts("arith", 64)["USE_ASM"] == 0
-    assert (mg.kernel_consts("lane", 64)["BM"], mg.kernel_consts("lane", 64)["WN"]) == (64, 2)
-    for bad in (dict(asm="word"), dict(bm=32)):
+    assert mg.kernel_consts() == dict(USE_ASM=1, BM=128, BN=mg.BN, BK=mg.BK, NSA=mg.NSA, NW=8)
+    assert mg.kernel_consts("arith")["USE_ASM"] == 0
+    for bad in ("pack", "word"):
         with pytest.raises(ValueError):
-            mg.kernel_consts(**bad)
+            mg.kernel_consts(bad)
     E, d, F, k, T = 2, 256, 128, 2, 3
     w1, w3 = _cpu_banks(d=d, F=F, E=E)
     xq = torch.zeros(T, d).to(torch.float8_e4m3fn)
@@ -243,20 +181,19 @@ def test_kernel_consts_and_launcher_checks():
     w_odd = moe.bank(wide[..., : d // 2], w1.s.view(torch.float8_e8m0fnu), "mxfp4")
     w_odd3 = moe.bank(wide.clone()[..., : d // 2], w3.s.view(torch.float8_e8m0fnu), "mxfp4")
     assert w_odd.w.stride(1) % 4 == 2
-    for kw in (dict(asm="word"), dict(bm=32), dict(asm="pack", w1=w_odd, w3=w_odd3),
-               dict(w1=_cpu_banks(d=d, F=96, E=E)[0], w3=_cpu_banks(d=d, F=96, E=E)[1],
+    for kw in (dict(w1=_cpu_banks(d=d, F=96, E=E)[0], w3=_cpu_banks(d=d, F=96, E=E)[1],
                     out=out[:, :96]),
                dict(a_q=xq[:, :128], a_scale=xs[:, :1],
                     w1=_cpu_banks(d=128, F=F, E=E)[0], w3=_cpu_banks(d=128, F=F, E=E)[1]),
                dict(out=out[:-1])):
         with pytest.raises(ValueError):
             call(**kw)
-    # the arithmetic upcast reads bytes: the 4-byte rule is pack's only
+    # the upcast reads bytes: no alignment rule for the packed weights
     if not mg._IMPORT_OK:
         with pytest.raises(RuntimeError):
-            call(asm="pack", use_asm=False, w1=w_odd, w3=w_odd3)
+            call(w1=w_odd, w3=w_odd3)
         with pytest.raises(RuntimeError):
-            call(asm="pack")
+            call()
     assert call(max_tiles=0) is out  # nothing to do: no launch, no Gluon needed
 
 
@@ -318,27 +255,26 @@ def test_proxy_fence_problems():
     assert proxy_fence_problems([t.replace("SB0, 0x0", "SB0, 0x2") for t in old], 1)
 
 
-def _sm90_build(asm: str = "lane", bm: int = mg.BM):
+def _sm90_build(asm: str = "lane"):
     """l1_kernel compiled ahead of time for sm_90 (the launcher's constexprs for the upcast and
-    the row tile, and the 16-divisible arguments of the real shapes): (compiled kernel, resource
-    usage, SASS)."""
-    consts = dict(TOPK=6, HAS_LIMIT=True, **mg.kernel_consts(asm, bm))
+    the 16-divisible arguments of the real shapes): (compiled kernel, resource usage, SASS)."""
+    consts = dict(TOPK=6, HAS_LIMIT=True, **mg.kernel_consts(asm))
     k = gluon_sm90(mg.l1_kernel, TYPES, consts, num_warps=consts["NW"])
     usage, sass = usage_and_sass(k)
     return k, usage, sass
 
 
-def sass_stats(asm: str = "lane", bm: int = mg.BM) -> dict:
+def sass_stats(asm: str = "lane") -> dict:
     """Registers, stack, shared memory and the K loop's instruction counts (per chunk pair) of
-    one variant's sm_90 build (for reports: python -c 'import test_moe_gluon as t;
-    print(t.sass_stats("pack"))' with Triton 3.6 on the path)."""
-    k, usage, sass = _sm90_build(asm, bm)
+    the sm_90 build (for reports: python -c 'import test_moe_gluon as t;
+    print(t.sass_stats())' with Triton 3.6 on the path)."""
+    k, usage, sass = _sm90_build(asm)
     body = last_loop(sass)
 
     def n(p):
         return len(re.findall(p, body))
 
-    return dict(asm=asm, bm=bm, regs=int(re.search(r"REG:(\d+)", usage).group(1)),
+    return dict(asm=asm, regs=int(re.search(r"REG:(\d+)", usage).group(1)),
                 stack=int(re.search(r"STACK:(\d+)", usage).group(1)), shared=k.metadata.shared,
                 loop_instructions=len(body.splitlines()), QGMMA=n(r"\bQGMMA\b"),
                 ARRIVE=n(r"WARPGROUP\.ARRIVE"), DEPBAR=n(r"WARPGROUP\.DEPBAR"),
@@ -349,21 +285,19 @@ def sass_stats(asm: str = "lane", bm: int = mg.BM) -> dict:
                     [t.strip() for t in body.splitlines()], mg.NSA))
 
 
-# K-loop instructions per chunk pair of the Triton 3.6 sm_90 builds (writer-side fence; the
-# reader-side builds of the seventh session had 1210 / 777 / 1033 / 606: one BAR.SYNC fewer per
-# chunk), pinned +- 8%
-LOOP_PIN = {(128, "lane"): 1218, (128, "pack"): 785, (64, "lane"): 1039, (64, "pack"): 614}
+# K-loop instructions per chunk pair of the Triton 3.6 sm_90 build (writer-side fence; the
+# reader-side build of the seventh session had 1210: one BAR.SYNC fewer per chunk), pinned +- 8%
+LOOP_PIN = 1218
 
 
 @pytest.mark.skipif(not mg._IMPORT_OK, reason="needs Triton 3.6 with Gluon (make sm90-h200)")
-@pytest.mark.parametrize("bm,asm", VARIANTS)
-def test_l1_gluon_sm90_build(bm, asm):
-    """Each variant's build (the PTX upcasts; the arithmetic twin, a test aid, spills 64 bytes
-    at bm 128): no stack / local memory; per chunk two async wgmma groups (W1, W3: 4 k32 steps
-    each) per warpgroup, one wgmma wait, two CTA barriers (Triton's membar barrier after the
+def test_l1_gluon_sm90_build():
+    """The default build (PTX upcast; the arithmetic twin, a test aid, spills 64 bytes): no
+    stack / local memory; per chunk two async wgmma groups (W1, W3: 4 k32 steps each) per
+    warpgroup, one wgmma wait, two CTA barriers (Triton's membar barrier after the
     cp.async wait, then the one after every thread's proxy fence: proxy_fence_problems), the
     MMA overlapping the next chunk's upcast stores; the loop's length pinned (LOOP_PIN)."""
-    k, usage, sass = _sm90_build(asm, bm)
+    k, usage, sass = _sm90_build("lane")
     assert k.metadata.shared <= 227 * 1024
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
@@ -380,12 +314,7 @@ def test_l1_gluon_sm90_build(bm, asm):
     # the wait comes after the next chunk's upcast stores: the MMA overlaps the upcast
     first = body.split("WARPGROUP.DEPBAR")[0]
     assert "QGMMA" in first and re.search(r"\bSTS\.128\b", first.split("QGMMA")[-1])
-    if asm == "pack":  # the uniform upcast: 4 prmt per int32 word (2 lookups, 2 sign spreads)
-        # and nothing else: no byte repacking (words carried across the loop, not bytes)
-        words = mg.NSA * 2 * mg.BN * (mg.BK // 8) // (32 * mg.TILES[bm]["NW"])  # W1 + W3
-        assert len(re.findall(r"\bPRMT\b", body)) == 4 * words
-    pin = LOOP_PIN[(bm, asm)]
-    assert abs(len(lines) - pin) <= 0.08 * pin, len(lines)
+    assert abs(len(lines) - LOOP_PIN) <= 0.08 * LOOP_PIN, len(lines)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -212,8 +212,8 @@ def test_l1_decode_sm90_build():
 def test_l1_decode_bit_stable(T, E, d, F):
     """20 launches of one call give the same bits, and the first matches the fp32 math: one
     program (one expert, <= 16 rows, one 64-row block, 2 chunks: where the prefill kernel's
-    pack / bm 64 variants went wrong from run to run in the seventh session,
-    kernels/triton/moe_gluon.py) and a multi-program decode grid."""
+    removed pack / bm 64 variants went wrong, kernels/triton/moe_gluon.py) and a multi-program
+    decode grid."""
     k = min(6, E)
     xq, xs, w1, w3, counts, srt = case(T, E, d, F, k, seed=13, distinct=True)
     P = T * k
