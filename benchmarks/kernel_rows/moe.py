@@ -326,8 +326,8 @@ def _variants(rpg: float, tm, auto: bool):
     CONFIG_OVERRIDE, so routed_experts picks as in serving: the Gluon decode L1 / L2 where
     available) with the default upcast, the same with the other upcast, at decode the Triton
     kernels instead of the Gluon ones (both: "triton", one at a time: "triton-l1" /
-    "triton-l2"), at prefill the opt-in Gluon L1 ("gluon-l1"), one alternative tile each for
-    L1 and L2."""
+    "triton-l2"), at prefill the Triton L1 ("triton-l1") and the opt-in Gluon L1 ("gluon-l1")
+    instead of the default cuBLAS one, one alternative tile each for L1 and L2."""
     G = tm.GemmConfig
     out = [("default", None, None, auto, {})]
     if not tm.INTERPRET:
@@ -336,8 +336,9 @@ def _variants(rpg: float, tm, auto: bool):
         out[1:1] = [("triton", None, None, auto, {"GLUON": False}),
                     ("triton-l1", None, None, auto, {"GLUON_DECODE": False}),
                     ("triton-l2", None, None, auto, {"GLUON_DECODE_L2": False})]
-    elif rpg > 48:  # the opt-in Gluon prefill L1
-        out.insert(1, ("gluon-l1", None, None, auto, {"GLUON_PREFILL": True}))
+    elif rpg > 48:  # the L1 on the Triton kernel, on the opt-in Gluon kernel (default: cuBLAS)
+        out[1:1] = [("triton-l1", None, None, auto, {"CUBLAS_PREFILL": False}),
+                    ("gluon-l1", None, None, auto, {"GLUON_PREFILL": True})]
     if rpg <= 12:
         out.append(("alt", G(16, 64, 128, 4, 4, par=True), G(64, 64, 128, 4, 4, par=True), auto,
                     {}))
@@ -464,6 +465,11 @@ def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> 
         tm.gemm(xq, xs, b[0], h, b2=b[1], role="l1", rows_per_group=rpg, counts=counts, a_idx=srt,
                 topk=k, max_tiles=min(P, P // c1.bm + E), limit=10.0)
 
+    def l1c():  # the prefill default: cuBLAS grouped FP8 on the per-call E4M3 upcast
+        from megagraph.kernels.triton import moe_grouped_cublas as mgc
+
+        mgc.l1_swiglu(xq, xs, srt, b[0], b[1], counts, h, topk=k, limit=10.0)
+
     def l2():
         tm.gemm(h, None, b[2], y.view(T * (k + 1), d), role="l2", rows_per_group=rpg,
                 counts=counts, c_idx=srt, row_w=wts.reshape(-1), topk=k, ks=k + 1,
@@ -503,6 +509,9 @@ def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> 
          P * 8, ""),
         ("L1: W1/W3 + SwiGLU", l1, 2 * P * 2 * F * d, touched * expert * 2 // 3 + T * d + P * F * 2,
          "fp8"),
+        ("L1 on cuBLAS: E4M3 upcast of W1/W3 + row gather + grouped FP8 GEMM + SwiGLU "
+         "(moe_grouped_cublas)", l1c, 2 * P * 2 * F * d,
+         touched * expert * 2 // 3 * 3 + T * d + P * 2 * F * 2 * 2 + P * F * 2, "fp8"),
         ("L2: W2 + weights -> (token, slot)", l2, 2 * P * F * d,
          touched * expert // 3 + P * F * 2 + P * d * 2, "fp8"),
         ("L1 FP8-H: W1/W3 + SwiGLU + H to E4M3 (MEGAGRAPH_MOE_FP8_H)", l1q, 2 * P * 2 * F * d,
@@ -515,6 +524,10 @@ def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> 
          2 * T * 3 * fs * d, 3 * fs * d + T * d + T * d * 2, "bf16"),
         ("combine + shared + mHC expand", comb_, 0, T * (k + 1) * d * 2 + 2 * T * 4 * d * 2, ""),
     ]
+    from megagraph.kernels.triton import moe_grouped_cublas as mgc
+
+    if not mgc.applies(xq, b[0], b[1], h, rpg):  # decode sizes / no device support
+        pieces = [p for p in pieces if p[1] is not l1c]
     out = []
     for name, fn, fl, by, peak in pieces:
         out.append(row("triton.mega_moe piece", f"T={T} {name}", time_ms(fn, device=dev),

@@ -18,6 +18,8 @@ mega_moe launches (T tokens, k = topk, E experts, P = T*k pairs):
   4 moe_scatter   pair -> its expert-sorted row (atomic cursors)               sorted [P]
   5 moe_gemm L1   rows of one expert per tile, A = x_q rows gathered by token, W1 and W3 of
                   the tile's expert, SwiGLU-clamp epilogue                       H [P, F] f16
+                  (prefill: moe_grouped_cublas - E4M3 upcast of the touched experts, row
+                  gather, cuBLAS grouped FP8 GEMM, swiglu_rows: 4 launches + cumsum)
   6 moe_gemm L2   A = H rows, B = W2, epilogue: x routing weight, row scattered to its
                   (token, slot)                                                  Y [T, k+1, d]
   7,8 moe_gemm    shared expert, dense (FP8-block weights): L1 (SwiGLU) -> Hs, L2 -> Y[:, k];
@@ -116,6 +118,9 @@ GLUON_DECODE = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE", "1") == "1"
 GLUON_PREFILL = os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL", "0") == "1"
 # dense FP8-block GEMMs (linear_q) from this many rows on go to cuBLAS (kernels/cublas_fp8.py)
 CUBLAS_MIN_ROWS = int(os.environ.get("MEGAGRAPH_CUBLAS_FP8_MIN_ROWS", "1"))
+# routed_experts' L1 at prefill sizes (> 48 rows per expert) on cuBLAS's rowwise grouped FP8
+# GEMM after a per-call E4M3 upcast of the touched experts (moe_grouped_cublas)
+CUBLAS_PREFILL = os.environ.get("MEGAGRAPH_MOE_CUBLAS_PREFILL", "1") == "1"
 # mega_moe runs the shared expert on a side stream, concurrent with the routed experts
 SHARED_STREAM = os.environ.get("MEGAGRAPH_MOE_SHARED_STREAM", "1") == "1"
 # grouped_linear_q (wo_a, 8 groups) from this many rows on: one cuBLAS GEMM per group (at 64 rows
@@ -636,6 +641,11 @@ def routed_experts(x_q: Tensor, x_scale: Tensor, ids: Tensor, wts: Tensor, count
         launch, rows = gluon
         launch(x_q, x_scale, srt, w1, w3, counts, h, topk=topk,
                max_tiles=min(P, P // rows + E), limit=swiglu_limit, tiles=shared_tiles)
+    elif _cublas_prefill(x_q, w1, w3, h, r1, rpg):
+        from . import moe_grouped_cublas
+
+        moe_grouped_cublas.l1_swiglu(x_q, x_scale, srt, w1, w3, counts, h, topk=topk,
+                                     limit=swiglu_limit)
     else:
         gemm(x_q, x_scale, w1, h, b2=w3, role=r1, rows_per_group=rpg, counts=counts,
              a_idx=srt, topk=topk, max_tiles=mt1, limit=swiglu_limit, tiles=tiles1,
@@ -687,6 +697,19 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
     else:
         return None
     return pick if ok and mod.available(x_q.device) else None
+
+
+def _cublas_prefill(x_q: Tensor, w1: Bank, w3: Bank, h: Tensor, role: str,
+                    rows_per_group: float) -> bool:
+    """routed_experts' L1 on cuBLAS's grouped FP8 GEMM (moe_grouped_cublas: 10.6 -> ~7 ms
+    expected at 8192 tokens on the H200, the experts upcast per call): CUBLAS_PREFILL on, the
+    fp16-H role without a CONFIG_OVERRIDE (tests and sweeps pin the Triton tile), and what
+    moe_grouped_cublas.applies checks (prefill sizes, formats, its device check)."""
+    if not CUBLAS_PREFILL or role != "l1" or role in CONFIG_OVERRIDE:
+        return False
+    from . import moe_grouped_cublas
+
+    return moe_grouped_cublas.applies(x_q, w1, w3, h, rows_per_group)
 
 
 def triton_l2(h: Tensor, w2: Bank, counts: Tensor, srt: Tensor, wts: Tensor,

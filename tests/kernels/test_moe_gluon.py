@@ -407,6 +407,7 @@ def test_routed_experts_prefill_uses_gluon(gluon, monkeypatch):
     from megagraph.kernels.triton import moe
 
     monkeypatch.setattr(moe, "GLUON_PREFILL", gluon)
+    monkeypatch.setattr(moe, "CUBLAS_PREFILL", False)  # the Triton L1 when Gluon is off
     monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
     calls = []
     real = mg.l1_gluon

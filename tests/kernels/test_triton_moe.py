@@ -239,8 +239,24 @@ def check_routed(xq, xs, ids, wts, bank, kw) -> torch.Tensor:
     ref = rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
     finite(y)
     assert y.dtype == ref.dtype and y.shape == ref.shape
-    assert rel(y, ref) < (2e-3 if kw["out_dtype"] == "f32" else 1e-2)
+    assert rel(y, ref) < (_f32_bound(xq, ids, bank) if kw["out_dtype"] == "f32" else 1e-2)
     return y
+
+
+def _f32_bound(xq, ids, bank) -> float:
+    """check_routed's bound for fp32 outputs: 2e-3 (fp16 H), 5e-3 where the prefill L1 runs on
+    cuBLAS's grouped FP8 GEMM (moe_grouped_cublas), whose bf16 output rounds W1 x and W3 x
+    before the SwiGLU: 2^-9 relative per element, ~1.5e-3 on the norm on top of fp16 H."""
+    from megagraph.kernels.triton import moe_grouped_cublas as mgc
+
+    b1, b3 = tm.bank(bank[0], bank[1], "mxfp4"), tm.bank(bank[2], bank[3], "mxfp4")
+    if b1 is None or b3 is None:
+        return 2e-3
+    h = torch.empty(0, b1.n, dtype=torch.float16, device=xq.device)
+    rpg = ids.numel() / max(1, min(b1.groups, ids.numel()))
+    cub = (tm.CUBLAS_PREFILL and "l1" not in tm.CONFIG_OVERRIDE
+           and mgc.applies(xq, b1, b3, h, rpg))
+    return 5e-3 if cub else 2e-3
 
 
 def check_dense_swiglu(seed: int, T: int) -> None:
