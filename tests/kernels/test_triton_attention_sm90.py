@@ -94,6 +94,7 @@ def cases():
                                  dict(BLOCK=32, NB=8, E8M0=True), 4, None)
     out.update(moe_cases())
     out.update(dense_cases())
+    out.update(mhc_cases())
     return out
 
 
@@ -122,6 +123,49 @@ def dense_cases():
         out[f"fake quant {name}"] = ("quant_jit", "fake_quant_fwd", fq,
                                      dict(D=d, FMT=fmt, BLOCK=block, BR=br, NB=nb, MANUAL=False),
                                      4, None, exact)
+    return out
+
+
+MHC = dict(h_ptr="*bf16", fn_ptr="*fp32", part_ptr="*fp32", sqp_ptr="*fp32", m_ptr="*fp32",
+           sq_ptr="*fp32", cnt_ptr="*i32", base_ptr="*fp32", scale_ptr="*fp32", mix_ptr="*fp32",
+           nw_ptr="*bf16", x_ptr="*bf16", xq_ptr="*fp8e4nv", xs_ptr="*fp32", pre_ptr="*fp32",
+           post_ptr="*fp32", comb_ptr="*fp32", T="i32", D="i32", KD="i32", k_per="i32",
+           nsplit="i32", eps="fp32", hc_eps="fp32", norm_eps="fp32", stride_h="i32",
+           stride_fn="i32", stride_x="i32", stride_xq="i32", stride_xs="i32")
+MHC_NAMES = ["mhc fused decode", "mhc fused prefill", "mhc fused unsplit", "mhc proj prefill"]
+
+
+def mhc_cases():
+    """Mega-mHC at V4.1-Flash width (n = 4, d = 5120: every pointer, D, KD, k_per and the row
+    strides 16-divisible, the fp8_1x128 scale stride d / 128 = 40 not) in the tiles mhc.plan
+    gives on the H200 (132 SMs): the one-launch kernel (mhc_jit.mhc_fused) at 64 tokens (the
+    default there: 8-token blocks under the mma.sync m16 tile, split-K, last-arriver finish, 8
+    warps), at 8192 (64-row wgmma tiles, split 3: opt-in, MEGAGRAPH_MHC_FUSED=1) and unsplit
+    (one program per 64-token block), and the prefill default's projection (mhc_proj, wgmma):
+    no local memory."""
+    import torch
+
+    from megagraph.kernels.triton import mhc as H
+
+    div = {n for n in MHC if n.endswith("_ptr")} | {"D", "KD", "k_per", "stride_h", "stride_fn",
+                                                    "stride_x", "stride_xq"}
+    fin = dict(HC=4, NPAD=H.NPAD, ITERS=20, HAS_MIX=False, HAS_NW=True, E8M0=False, QB=128,
+               RDT=1, MANUAL=False)
+    out = {}
+    for name, T, split in (("mhc fused decode", 64, None), ("mhc fused prefill", 8192, None),
+                           ("mhc fused unsplit", 8192, 1)):
+        p = H.plan(T, 4 * 5120, torch.device("cuda"), sms=132)
+        consts = dict(fin, NM=24, SPLIT_BF16=True, SPLIT=(split or p.split) > 1, BM=p.bm,
+                      BK=p.bk, BT=p.block, FBM=p.fbm, FSTAGES=p.fstages, NQ=p.nq)
+        out[name] = ("mhc_jit", "mhc_fused", MHC, consts, p.warps, "HMMA" if p.bm < 64 else "HGMMA",
+                     dict(stages=p.stages, div=div, no_sass=r"\b(LDL|STL)\b"))
+    p = H.plan(8192, 4 * 5120, torch.device("cuda"), sms=132)
+    proj = {n: MHC[n] for n in ("h_ptr", "fn_ptr", "T", "KD", "k_per", "stride_h", "stride_fn")}
+    out["mhc proj prefill"] = (
+        "mhc_jit", "mhc_proj", dict(proj, m_ptr="*fp32", sq_ptr="*fp32"),
+        dict(NM=24, NPAD=H.NPAD, SPLIT_BF16=True, BM=p.bm, BK=p.bk, BT=p.block), p.warps, "HGMMA",
+        dict(stages=p.stages, div={"h_ptr", "fn_ptr", "m_ptr", "sq_ptr", "KD", "k_per",
+                                   "stride_h", "stride_fn"}, no_sass=r"\b(LDL|STL)\b"))
     return out
 
 
@@ -287,6 +331,7 @@ NAMES = ["attn decode q-epilogue", "attn decode split", "attn plain", "attn comb
          "moe l1 decode mma.sync", "moe l2 fp8h swap decode", "moe l1 fp8h swap decode",
          "rope q", "rope q inverse", "rope ik", "rope f32",
          "fake quant fp8_e4m3", "fake quant mxfp4", "fake quant nvfp4"]
+NAMES += MHC_NAMES
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -353,3 +398,50 @@ def test_compiles_for_sm90_without_spills(name, tmp_path):
         sass = cuobjdump(cubin, "--dump-sass")
         n, cap = len(last_loop(sass).splitlines()), pinned(opts["max_loop"])
         assert n <= cap, f"{name}: {n} instructions in the K loop (> {cap})"
+
+
+@pytest.mark.parametrize("name", MHC_NAMES[:3])
+def test_mhc_fused_sm90_registers_and_arrival(name):
+    """The one-launch Mega-mHC (mhc_jit.mhc_fused) as built for sm_90: no local memory, at most
+    96 registers at the decode tile (168 at the 64-row prefill tiles), and on the split path
+    exactly one arrival atomic, predicated to one thread (ATOMG.ADD, gpu scope) with the release
+    fence before it and the L1 invalidation after it (acq_rel), the slabs read through L2
+    (strong .gpu loads), the counter reset (ATOMG.EXCH); no atomics at all unsplit."""
+    import importlib
+
+    import triton
+
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        pytest.skip("this triton has no ahead-of-time compile API")
+    from sm90_build import usage_and_sass
+
+    mod, fn_name, types, consts, warps, _, opts = mhc_cases()[name]
+    fn = getattr(importlib.import_module(f"megagraph.kernels.triton.{mod}"), fn_name)
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in opts["div"]}
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 128),
+                       options=dict(num_warps=warps, num_stages=opts["stages"]))
+    usage, sass = usage_and_sass(k)
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0 and "LOCAL:0" in usage, usage
+    # Triton 3.6 / 3.9: decode 76 / 70 registers (8 warps: 3 programs per SM), prefill 140,
+    # unsplit 128 (64-row tiles, 4 warps)
+    assert regs <= (96 if consts["BM"] < 64 else 168), usage
+    atoms = re.findall(r"^.*\bATOMG?\.[^;]*;", sass, re.M)
+    if not consts["SPLIT"]:
+        assert atoms == [], atoms
+        return
+    adds = [a for a in atoms if ".ADD" in a]
+    assert len(adds) == 1 and re.search(r"@!?U?P\d\s+ATOMG\.E\.ADD\.STRONG\.GPU", adds[0]), adds
+    assert len([a for a in atoms if ".EXCH" in a]) == 1, atoms
+    lines = sass.splitlines()
+    at = next(i for i, line in enumerate(lines) if adds[0].strip() in line)
+    assert any(re.search(r"MEMBAR\.(ALL|SC)\.GPU", x) for x in lines[at - 6:at]), \
+        "no release fence before the arrival"
+    assert any("CCTL.IVALL" in x for x in lines[at + 1:at + 6]), "no acquire after the arrival"
+    after = "\n".join(lines[at:])
+    assert re.search(r"LDG\.E\.STRONG\.GPU", after), "slabs not read through L2"
