@@ -60,7 +60,8 @@ KERNELS: dict[str, list[KernelImpl]] = {
                                            note=f"{TRITON_GEMM}, SwiGLU-clamp epilogue")],
     "mega_mhc": [_k("deepgemm.mega_mhc", f"{BLACKWELL_GEMM}"),
                  _k("triton.mega_mhc", "sm_90 triton", "available",
-                    note="kernels/triton/mhc.py: projection (split-K when few tokens) + finish")],
+                    note="kernels/triton/mhc.py: one launch at <= 64 tokens (split-K, last-arriver "
+                         "finish), else projection + ordered reduce + finish")],
     "mega_moe": [_k("deepgemm.fp8_fp4_mega_moe", f"{BLACKWELL_GEMM} mxfp4", "unvalidated",
                     note="kernels/deepgemm_mega.py, tried first by triton.mega_moe: DeepGEMM "
                          "MegaMoE for the routed experts, router / shared expert / combine + "

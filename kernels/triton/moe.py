@@ -120,9 +120,15 @@ GLUON_PREFILL = os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL", "0") == "1"
 CUBLAS_MIN_ROWS = int(os.environ.get("MEGAGRAPH_CUBLAS_FP8_MIN_ROWS", "1"))
 # routed_experts' L1 at prefill sizes (> 48 rows per expert) on cuBLAS's rowwise grouped FP8
 # GEMM after a per-call E4M3 upcast of the touched experts (moe_grouped_cublas)
-CUBLAS_PREFILL = os.environ.get("MEGAGRAPH_MOE_CUBLAS_PREFILL", "1") == "1"
-# mega_moe runs the shared expert on a side stream, concurrent with the routed experts
-SHARED_STREAM = os.environ.get("MEGAGRAPH_MOE_SHARED_STREAM", "1") == "1"
+# Off by default: on the H200 the whole L1 took 16.1 ms against the Triton L1's 10.6 at 8192
+# tokens (mega_moe 23.2 against 17.6 ms, eighth session): the grouped GEMM alone is 3.3 ms
+# (scaled_mm probe), so the upcast / gather kernels take the rest - to profile and fix first.
+CUBLAS_PREFILL = os.environ.get("MEGAGRAPH_MOE_CUBLAS_PREFILL", "0") == "1"
+# mega_moe runs the shared expert on a side stream, concurrent with the routed experts. Off by
+# default: on the H200 (64 tokens, CUDA graphs) the layer took 2.001 ms with it against 1.904 ms
+# without (three A/B pairs in one run, eighth session): the Gluon decode L1's grid loses SMs to
+# the shared expert's kernels and pays for it in its tail
+SHARED_STREAM = os.environ.get("MEGAGRAPH_MOE_SHARED_STREAM", "0") == "1"
 # grouped_linear_q (wo_a, 8 groups) from this many rows on: one cuBLAS GEMM per group (at 64 rows
 # 8 launches of ~6 us lose to one batched Triton launch of 40 us; at 8192 rows the Triton GEMM
 # takes 2.2 ms)
