@@ -122,7 +122,9 @@ CUBLAS_MIN_ROWS = int(os.environ.get("MEGAGRAPH_CUBLAS_FP8_MIN_ROWS", "1"))
 # GEMM after a per-call E4M3 upcast of the touched experts (moe_grouped_cublas)
 # Off by default: on the H200 the whole L1 took 16.1 ms against the Triton L1's 10.6 at 8192
 # tokens (mega_moe 23.2 against 17.6 ms, eighth session): the grouped GEMM alone is 3.3 ms
-# (scaled_mm probe), so the upcast / gather kernels take the rest - to profile and fix first.
+# (scaled_mm probe); its first upcast kernel gathered one scale per byte (~19 SASS per element,
+# ALU-bound ~5 ms). Rebuilt after that run on the GEMMs' PRMT upcast (5 per element: HBM-bound,
+# ~3.3 ms for W1 / W3 at 384 experts): expected ~7 ms for the L1, NOT yet timed.
 CUBLAS_PREFILL = os.environ.get("MEGAGRAPH_MOE_CUBLAS_PREFILL", "0") == "1"
 # mega_moe runs the shared expert on a side stream, concurrent with the routed experts. Off by
 # default: on the H200 (64 tokens, CUDA graphs) the layer took 2.001 ms with it against 1.904 ms

@@ -12,10 +12,10 @@ at 384 experts, ~3.3 ms at HBM speed. Prefill only (many rows per expert amortiz
 decode keeps the Gluon kernels.
 
 Numerics. Weights: element E2M1(c) * 2^(e_g - 127) of group g becomes E4M3(E2M1(c) * 2^(e_g - S))
-with the row's S = max_g e_g - 6 (headroom: 6 * 2^6 = 384 <= 448) and row scale 2^(S - 127):
-exact wherever the shifted value is a normal E4M3 number, else rounded (RNE) to the E4M3
-subnormal grid, an absolute error <= 2^-10 * 2^(S - 127) (groups 14+ binades below the row's
-largest). Activations: x_q (E4M3, power-of-two scales per 128 columns) becomes E4M3 with one
+with the row's S = max_g e_g - 6 (headroom: 6 * 2^6 = 384 <= 448) and row scale 2^(S - 127),
+through the upcast the Triton / Gluon GEMMs use (exact for e_g - S >= -5; groups further below,
+12+ binades under the row's largest, become zero: |error| < 2^-5 * 2^(S - 127), the same rule
+the GEMMs apply per K chunk). Activations: x_q (E4M3, power-of-two scales per 128 columns) becomes E4M3 with one
 scale per row (the row's largest), the same rule. The GEMM accumulates in fp32 and rounds W1 x,
 W3 x to bf16 before the SwiGLU (DeepGEMM's MegaMoE does the same).
 
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 MIN_ROWS_PER_EXPERT = 48  # the prefill range of routed_experts (decode: the Gluon kernels)
 BN, BK = 32, 256  # upcast tile: rows x columns per step
-BR, BD = 8, 128  # activation requant tile: rows x columns per step
+BR, BD = 32, 128  # activation requant tile: rows x columns per step (4 KB in flight)
 
 
 def _kernels():
@@ -53,9 +53,12 @@ def upcast_rows(w, counts: Tensor, out: Tensor, out_scale: Tensor) -> None:
     nonzero count (the others' rows are left as they were: no sorted row reads them)."""
     up, _ = _kernels()
     G, N, K = w.groups, w.n, w.k
+    from . import moe
+
     up[(G, -(-N // BN))](w.w, w.s, counts, out, out_scale, N, K, w.w.stride(0), w.w.stride(1),
                          w.s.stride(0), w.s.stride(1), out.stride(0), out.stride(1),
-                         out_scale.stride(0), NG=_next_pow2(K // 32), BN=BN, BK=BK, num_warps=4)
+                         out_scale.stride(0), NG=_next_pow2(K // 32), BN=BN, BK=BK,
+                         USE_ASM=moe.asm_ok(out.device), num_warps=4)
 
 
 def gather_rows(x_q: Tensor, x_scale: Tensor, srt: Tensor, topk: int) -> tuple[Tensor, Tensor]:
