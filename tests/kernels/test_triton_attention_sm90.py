@@ -309,6 +309,9 @@ def moe_cases():
         dict(stages=d1s.num_stages, div=divs - {"work_ptr"}, stack=80,  # 3.9: 72 B
              loop={r"HMMA\.16816": 64, r"F2FP\.F16\.E4M3": 160}))
     gemm = dict(gemm, hs_ptr="*fp32", stride_hs="i32")
+    up_types = dict(w_ptr="*u8", s_ptr="*u8", cnt_ptr="*i32", out_ptr="*fp8e4nv", os_ptr="*fp32",
+                    N="i32", K="i32", stride_wg="i32", stride_wn="i32", stride_sg="i32",
+                    stride_sn="i32", stride_og="i32", stride_on="i32", stride_osg="i32")
     return out | {
         "moe persistent l1": ("moe_jit", "moe_gemm_persistent", gemm, l1, cfg.num_warps, "HMMA",
                               dict(opts, div=div1)),
@@ -318,6 +321,14 @@ def moe_cases():
         "moe tile list": ("moe_jit", "moe_tile_list",
                           dict(cnt_ptr="*i32", work_ptr="*i32", G="i32", MT="i32"),
                           dict(BM=cfg.bm, G_PAD=512, BT=32), 4, None, {}),
+        # moe_grouped_cublas' expert upcast (prefill L1 on cuBLAS, opt-in): the PRMT upcast
+        # with one offset load per 32-column group; the first version gathered a scale per
+        # byte (1211 loop instructions per 32 x 256 tile on 3.6, ALU-bound on the H200)
+        "moe grouped cublas upcast": (
+            "moe_grouped_cublas_jit", "mxfp4_rows_e4m3", up_types,
+            dict(NG=256, BN=32, BK=256, USE_ASM=True), 4, "PRMT",
+            dict(div=set(up_types) - {"N"}, no_sass=r"\b(LDL|STL)\b",
+                 max_loop={(3, 6): 330, (3, 9): 330})),
     }
 
 
@@ -328,6 +339,7 @@ NAMES = ["attn decode q-epilogue", "attn decode split", "attn plain", "attn comb
          "moe fp8h l1 prefill", "moe fp8h l2 prefill", "moe fp8h l1 decode persistent",
          "moe fp8h l2 decode persistent", "moe l1 fused prefill", "moe l1 fused prefill 8w",
          "moe l1 prefill default", "moe l1 swap decode", "moe l2 swap decode",
+         "moe grouped cublas upcast",
          "moe l1 decode mma.sync", "moe l2 fp8h swap decode", "moe l1 fp8h swap decode",
          "rope q", "rope q inverse", "rope ik", "rope f32",
          "fake quant fp8_e4m3", "fake quant mxfp4", "fake quant nvfp4"]
