@@ -10,11 +10,12 @@ CUDA-graph tests only have teeth on the GPU. On the H200 (Triton 3.6) every test
 (kernels/triton/NOTES-mhc.md)."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
 import torch
+
+from poisoned_alloc import poisoned  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -56,30 +57,6 @@ def inputs(T, n=4, d=256, seed=0, dtype=torch.bfloat16, mix=False):
     nw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(DEV)
     m = torch.softmax(torch.randn(T, n, generator=g), -1).to(DEV) if mix else None
     return streams, fn, base, scale, m, nw
-
-
-@contextlib.contextmanager
-def poisoned():
-    """Every torch.empty in the block (outputs, scratch, slabs) returns NaN (floats, fp8 too),
-    0xFF (uint8 / e8m0) or a huge int: an element nobody wrote shows up as NaN / garbage. The
-    arrival counters (torch.zeros) are not poisoned."""
-    real = torch.empty
-
-    def empty(*size, dtype=None, device=None, **kw):
-        t = real(*size, dtype=dtype, device=device, **kw)
-        if t.dtype.is_floating_point:
-            t.view(torch.uint8).fill_(0xFF) if t.element_size() == 1 else t.fill_(float("nan"))
-        elif t.dtype == torch.uint8:
-            t.fill_(0xFF)
-        elif t.dtype in (torch.int32, torch.int64):
-            t.fill_(1 << 30)
-        return t
-
-    torch.empty = empty
-    try:
-        yield
-    finally:
-        torch.empty = real
 
 
 def all_written(out, act_fmt):

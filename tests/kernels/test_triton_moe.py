@@ -15,10 +15,11 @@ outputs 2e-3 (fp16 SwiGLU output feeding the second GEMM), bf16 outputs 1e-2.
 """
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
+
+from poisoned_alloc import poisoned  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
@@ -68,30 +69,6 @@ def mxfp4(E, N, K, g, lo=119, hi=124):
 def fp8_block(N, K, g, block=32, scale=0.05):
     w, s = formats.quantize_fp8_block(torch.randn(N, K, generator=g) * scale, block)
     return w.to(DEV), s.to(DEV)
-
-
-@contextlib.contextmanager
-def poisoned():
-    """Every torch.empty in the block returns NaN (floats, fp8 too), 0xFF (uint8 / e8m0) or a huge
-    index (ints): reading an element nobody wrote poisons the result."""
-    real = torch.empty
-
-    def empty(*size, dtype=None, device=None, **kw):
-        t = real(*size, dtype=dtype, device=device, **kw)
-        dt = t.dtype
-        if dt.is_floating_point:
-            t.view(torch.uint8).fill_(0xFF) if t.element_size() == 1 else t.fill_(float("nan"))
-        elif dt == torch.uint8:
-            t.fill_(0xFF)
-        elif dt in (torch.int32, torch.int64):
-            t.fill_(1 << 30)
-        return t
-
-    torch.empty = empty
-    try:
-        yield
-    finally:
-        torch.empty = real
 
 
 def finite(*ts):
