@@ -23,6 +23,7 @@ from megagraph.kernels.reference import fused as rf  # noqa: E402
 from megagraph.kernels.triton import mhc as tmhc  # noqa: E402
 from megagraph.kernels.triton import mhc_jit  # noqa: E402
 from megagraph.kernels.triton import moe as tm  # noqa: E402
+from test_triton_moe import check_mhc  # noqa: E402
 
 RUNNABLE = torch.cuda.is_available() or tm.INTERPRET
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason="runs in the interpreter child process")
@@ -166,16 +167,7 @@ def test_fused_matches_reference(T, dtype, act_fmt, with_mix, split, tiles, monk
         out = tmhc.mega_mhc(streams, fn, base, scale, mix, nw, **kw, fused=True)
     ref = rf.mega_mhc(streams, fn, base, scale, mix, nw, **kw)
     all_written(out, act_fmt)
-    for name, a, b in zip(NAMES, out, ref, strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape, name
-    x, xq, xs, pre, post, comb = out
-    rx, rxq, rxs, rpre, rpost, rcomb = ref
-    for a, b in ((pre, rpre), (post, rpost), (comb, rcomb)):
-        assert rel(a, b) < TOL_COEF
-    assert rel(x, rx) < 1e-2
-    deq = rf.dequant_act(xq, xs, act_fmt=act_fmt)
-    assert rel(deq, rf.dequant_act(rxq, rxs, act_fmt=act_fmt)) < 2e-2
-    assert rel(deq, x.float()) < 5e-2
+    check_mhc(out, ref, act_fmt)
 
 
 def test_default_follows_the_flag(monkeypatch):
