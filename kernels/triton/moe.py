@@ -137,6 +137,8 @@ SHARED_STREAM = os.environ.get("MEGAGRAPH_MOE_SHARED_STREAM", "0") == "1"
 CUBLAS_GROUPED_MIN_ROWS = int(os.environ.get("MEGAGRAPH_CUBLAS_FP8_GROUPED_MIN_ROWS", "256"))
 # The decode L2 (moe_gluon_decode_l2, <= 12 rows per expert; MEGAGRAPH_MOE_GLUON turns it off too)
 GLUON_DECODE_L2 = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE_L2", "1") == "1"
+# The prefill L2 (moe_gluon_l2, > 48 rows per expert): opt-in until timed on the H200
+GLUON_PREFILL_L2 = os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL_L2", "0") == "1"
 MMA_FP8, MMA_FP16, MMA_BF16, MMA_F32 = 0, 1, 2, 3
 WFMT = {"mxfp4": 0, "fp8_block": 1}
 RDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -739,10 +741,20 @@ def _gluon_l2(h: Tensor, w2: Bank, y: Tensor, role: str, rows_per_group: float):
     or None: the decode L2 (moe_gluon_decode_l2.l2_gluon_decode: swapped fp16 wgmma, the MXFP4
     W2 upcast in registers) at <= 12 rows per expert, fp16 H (not FP8-H), an MXFP4 W2 whose
     shape fits the tile (d % 64, F % 128), y fp32 / bf16 / fp16, MEGAGRAPH_MOE_GLUON and
-    MEGAGRAPH_MOE_GLUON_DECODE_L2 on, no CONFIG_OVERRIDE for the role, available()."""
-    if not (GLUON and GLUON_DECODE_L2) or role != "l2" or role in CONFIG_OVERRIDE:
+    MEGAGRAPH_MOE_GLUON_DECODE_L2 on, no CONFIG_OVERRIDE for the role, available(). Above 48
+    rows per expert with GLUON_PREFILL_L2 (opt-in): the prefill L2 (moe_gluon_l2.l2_gluon,
+    128 x 128 tiles, d % 128, F % 384)."""
+    if not GLUON or role != "l2" or role in CONFIG_OVERRIDE:
         return None
-    if rows_per_group > 12 or h.dtype != torch.float16 or not _mxfp4_e8m0_32(w2):
+    if h.dtype != torch.float16 or not _mxfp4_e8m0_32(w2):
+        return None
+    if rows_per_group > 48 and GLUON_PREFILL_L2:
+        from . import moe_gluon_l2 as mod
+
+        if w2.n % mod.BN or w2.k % (mod.NS * mod.BK) or y.dtype not in mod.OUT_DTYPES:
+            return None
+        return (mod.l2_gluon, mod.BM) if mod.available(h.device) else None
+    if rows_per_group > 12 or not GLUON_DECODE_L2:
         return None
     from . import moe_gluon_decode_l2 as mod
 

@@ -49,7 +49,7 @@ DEV = "cuda"  # the GPU tests' device (module-level, read at call time)
 
 def _sync():
     if torch.cuda.is_available() and DEV == "cuda":
-        _sync()
+        torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -615,3 +615,25 @@ def test_l2_gluon_bit_stable(T, E, d, F):
     assert torch.isfinite(y[:, :k]).all() and torch.isnan(y[:, k:].float()).all()
     ref = l2_reference(h, w2, counts, srt, wts, k + 1)
     assert rel(y[:, :k], ref[:, :k]) < 1e-2, f"vs fp32 math: {rel(y[:, :k], ref[:, :k]):.3e}"
+
+
+@gpu
+@pytest.mark.parametrize("on", [True, False])
+def test_routed_experts_prefill_uses_gluon_l2(on, monkeypatch):
+    """routed_experts at a prefill size (300 tokens, top-2 of 8 experts: 75 rows per expert, d
+    256, F 384) runs its L2 on l2_gluon when MEGAGRAPH_MOE_GLUON_PREFILL_L2 is on (once) and
+    on the Triton L2 when off (the default); both within test_triton_moe's bound of the
+    reference op (check_routed)."""
+    from megagraph.kernels.triton import moe
+    from test_triton_moe import ACT, check_routed, routed_case
+
+    monkeypatch.setattr(moe, "GLUON_PREFILL_L2", on)
+    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
+    calls = []
+    real = mgl.l2_gluon
+    monkeypatch.setattr(mgl, "l2_gluon", lambda *a, **k: calls.append(1) or real(*a, **k))
+    xq, xs, ids, wts, bank = routed_case(300, 8, 256, 384, 2, seed=78)
+    check_routed(xq, xs, ids, wts, bank, dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT,
+                                              out_dtype="f32"))
+    assert len(calls) == (1 if on else 0)
+
