@@ -1,9 +1,10 @@
-"""What the Gluon L1 probes share (benchmarks/moe_gluon_probe.py: the prefill kernel,
-benchmarks/moe_gluon_decode_probe.py: the decode kernel): the inputs at V4.1-Flash dims, the
-fp32 math of the first experts' rows, the timing (CUDA-graph replays), the child-process
-correctness check and the row-by-row JSON / markdown report.
+"""What the Gluon probes share (benchmarks/moe_gluon_probe.py / moe_gluon_decode_probe.py: the
+prefill / decode L1, moe_gluon_l2_probe.py / moe_gluon_decode_l2_probe.py: the prefill / decode
+L2): the inputs at V4.1-Flash dims, the fp32 math of the first experts' rows, the timing
+(CUDA-graph replays), the child-process correctness check and the row-by-row JSON / markdown
+report.
 
-Why one module: the two probes time two kernels of the same op against the same Triton L1 and
+Why one module: the probes time the kernels of one op against the same Triton launch and
 their numbers are read side by side (benchmarks/results/), so they must build the same inputs,
 time the same way and guard against a crashing kernel the same way (its check runs in a child
 process, so an illegal memory access cannot lose the rows already measured). The probes import
@@ -25,6 +26,8 @@ import torch
 # V4.1-Flash's routed experts, the dims both probes time at: hidden d, expert width F, E experts,
 # top-k
 V41_FLASH = dict(d=5120, F=2304, E=384, k=6)
+# the L2 probes' --y-dtype choices
+Y_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
 
 
 def probe_parser(doc: str, tokens: int, tokens_help: str, smoke_help: str, stem: str,
@@ -105,6 +108,17 @@ def build(T: int, d: int, F: int, E: int, k: int, seed: int = 0, routing: str = 
         return moe.bank(w, s.view(torch.float8_e8m0fnu), "mxfp4")
 
     w1, w3 = bank(), bank()
+    counts, srt = route(T, E, k, routing, dev)
+    return xq, xs, w1, w3, counts, srt
+
+
+def route(T: int, E: int, k: int, routing: str, dev: str = "cuda"):
+    """The probes' routing of T tokens to top-k of E experts, (counts [E] int32, the sorted pair
+    list): "balanced" (token t -> experts kt .. kt + k - 1 mod E), "poisson" (top-k of random
+    normal router logits), "random" (top-k of uniform random scores: distinct experts per
+    token); the random ones draw from torch's global generator."""
+    from megagraph.kernels.triton import moe
+
     if routing == "poisson":
         ids = torch.randn(T, E, device=dev).topk(k, dim=1).indices
     elif routing == "random":
@@ -113,8 +127,7 @@ def build(T: int, d: int, F: int, E: int, k: int, seed: int = 0, routing: str = 
         t = torch.arange(T, device=dev)[:, None]
         ids = (t * k + torch.arange(k, device=dev)[None, :]) % E
     counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
-    srt = moe.permute(ids.flatten(), counts, E)
-    return xq, xs, w1, w3, counts, srt
+    return counts, moe.permute(ids.flatten(), counts, E)
 
 
 def reference_rows(xq, xs, w1, w3, counts, srt, k, limit, experts: int,
@@ -167,6 +180,46 @@ def run_child(script: str, payload, timeout: float):
     return got, False, f"rc {r.returncode}: {(r.stderr or r.stdout)[-800:]}"
 
 
+def check_cases_in_child(script: str, cases: list, timeout: float) -> list:
+    """The probe's check(**case) for each case, in order, in ONE child process (run_child of
+    `script`: CUDA_LAUNCH_BLOCKING=1, the error names the launch; one process start), which
+    stops at the first failure (run_checks). Returns the results, a failed or crashed case
+    last (a crash or a timeout recorded as that case with ok False and the error)."""
+    got, timed_out, error = run_child(script, cases, timeout)
+    if timed_out:
+        return got + [dict(cases[len(got)] if len(got) < len(cases) else {}, ok=False,
+                           error=error)]
+    if len(got) < len(cases) and not (got and not got[-1].get("ok")):
+        got.append(dict(cases[len(got)], ok=False, error=error))
+    return got
+
+
+def run_checks(check_json: str, check) -> None:
+    """The child process of check_cases_in_child (--check-json): check(case) for each case of
+    the JSON list, one JSON line per result (an exception is a failed result with its error),
+    stopping at the first failure."""
+    for c in json.loads(check_json):
+        try:
+            res = check(c)
+        except Exception as exc:  # noqa: BLE001  (reported to the parent)
+            res = dict(c, ok=False, error=repr(exc)[:800])
+        print(json.dumps(res), flush=True)
+        if not res.get("ok"):
+            return
+
+
+def not_checked(res: dict, write, name: str, checks: list, n_cases: int) -> bool:
+    """Where the child checks fell short (fewer than n_cases results or one not ok): the kernel's
+    row `name` recorded as not timed, printed and written; True then (the probe finishes)."""
+    if len(checks) >= n_cases and all(c.get("ok") for c in checks):
+        return False
+    res["rows"].append(dict(name=name, error="wrong or crashed in the child check: "
+                            "not timed (gluon_checks)"))
+    print(res["rows"][-1], flush=True)
+    write()
+    return True
+
+
 def timed_row(res: dict, write, name: str, fn, tile, rates) -> bool:
     """Times fn (time_ms) into a row {name, ms, **rates(ms), tile} (or {name, error}) appended to
     res["rows"], printed, and written at once (write(): a later crash loses nothing measured).
@@ -206,6 +259,16 @@ def time_triton_l1(res: dict, write, rates, inputs, P: int, F: int, E: int, k: i
     res["rel_err_triton_vs_fp32"] = rel(h_tr[:n], ref)
     write()
     return h_tr, ref, n
+
+
+def flop_rates(flops: float, peak_tflops: float):
+    """The prefill probes' rates(ms) for timed_row: TFLOP/s of `flops` per call and % of
+    peak_tflops."""
+    def rates(ms):
+        tf = flops / ms / 1e9
+        return dict(tflops=tf, pct_peak=100 * tf / peak_tflops)
+
+    return rates
 
 
 def skipped(res: dict, ok: bool, what: str, write) -> bool:
@@ -258,12 +321,13 @@ def check_lines(prefix: str, checks: list) -> list:
             f"{c.get('all_written')}, error {str(c.get('error', ''))[:200]}" for c in checks]
 
 
-def build_l2(T: int, d: int, F: int, E: int, k: int, seed: int = 0):
-    """The decode L2's inputs (benchmarks/moe_gluon_decode_l2_probe.py): fp16 H [T k, F] (the
-    L1's output in expert-sorted rows; N(0, 1) values), a W2 bank [E, d, F / 2] (MXFP4,
-    exponents 119 .. 124), top-k routing of uniform random scores (distinct experts per token,
-    build's "random"), the sorted pair list and the pair weights: (h, w2, counts, srt, wts
-    [T, k])."""
+def build_l2(T: int, d: int, F: int, E: int, k: int, seed: int = 0, routing: str = "random",
+             wts_lo: float = 0.0):
+    """The L2 probes' inputs (moe_gluon_decode_l2_probe.py: "random" routing, weights in [0, 1);
+    moe_gluon_l2_probe.py: "balanced" / "poisson", weights in [0.25, 1.25)): fp16 H [T k, F]
+    (the L1's output in expert-sorted rows; N(0, 1) values), a W2 bank [E, d, F / 2] (MXFP4,
+    exponents 119 .. 124), top-k routing (route), the sorted pair list and the pair weights in
+    [wts_lo, wts_lo + 1): (h, w2, counts, srt, wts [T, k]) on the GPU."""
     from megagraph.kernels.triton import moe
 
     torch.manual_seed(seed)
@@ -272,10 +336,8 @@ def build_l2(T: int, d: int, F: int, E: int, k: int, seed: int = 0):
     w = torch.randint(-128, 128, (E, d, F // 2), dtype=torch.int8, device=dev)
     s = torch.randint(119, 125, (E, d, F // 32), dtype=torch.uint8, device=dev)
     w2 = moe.bank(w, s.view(torch.float8_e8m0fnu), "mxfp4")
-    ids = torch.rand(T, E, device=dev).topk(k, dim=1).indices
-    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
-    srt = moe.permute(ids.flatten(), counts, E)
-    wts = torch.rand(T, k, device=dev)
+    counts, srt = route(T, E, k, routing, dev)
+    wts = torch.rand(T, k, device=dev) + wts_lo
     return h, w2, counts, srt, wts
 
 
@@ -299,6 +361,26 @@ def reference_l2_slots(h, w2, counts, srt, wts, ks: int, experts: int):
             done += 1
         r0 += c
     return torch.cat(idx), torch.cat(rows)
+
+
+def slot_errors(y, idx, ref, k: int) -> dict:
+    """The L2 probes' check of y [T, ks, d]: every routed slot (the first k) written (finite),
+    every other slot untouched (NaN), and the rel. error of the rows idx against ref
+    (reference_l2_slots)."""
+    flat = y.view(-1, y.shape[-1])
+    return dict(all_written=bool(torch.isfinite(y[:, :k]).all()),
+                others_untouched=bool(torch.isnan(y[:, k:].float()).all()),
+                rel_err_vs_fp32=rel(flat[idx].nan_to_num(0.0, 0.0, 0.0), ref))
+
+
+def l2_error_lines(res: dict, experts: int) -> list:
+    """The L2 probes' report lines on the errors: Gluon vs Triton L2 (rel_err_gluon_vs_triton),
+    both against the fp32 math of the first `experts` experts' rows (res["triton"] /
+    res["gluon"]: slot_errors)."""
+    v = res.get("rel_err_gluon_vs_triton")
+    return ["", f"rel err gluon vs triton: {f'{v:.2e}' if isinstance(v, float) else 'n/a'}",
+            f"triton vs fp32 math (first {experts} experts): {res.get('triton')}",
+            f"gluon vs fp32 math (first {experts} experts): {res.get('gluon')}"]
 
 
 def bandwidth_rates(res: dict, counts, bytes_per_expert: int, peak_gbs: float):

@@ -35,22 +35,14 @@ if str(HERE) not in sys.path:
 
 # the shared inputs, timing, child checks and report (after the sys.path entry: E402)
 from gluon_probe_common import V41_FLASH as REAL  # noqa: E402
+from gluon_probe_common import Y_DTYPES as YDT  # noqa: E402
 from gluon_probe_common import build_l2, check_lines, finish, probe_parser  # noqa: E402
 from gluon_probe_common import reference_l2_slots, rel, run_child, skipped  # noqa: E402
+from gluon_probe_common import l2_error_lines, slot_errors  # noqa: E402
 from gluon_probe_common import bandwidth_rates, table, timed_row, write_report  # noqa: E402
 
 PEAK_GBS = 4240.0
 SMOKE = dict(d=1024, F=256, E=64, k=6)
-YDT = {"bf16": torch.bfloat16, "f32": torch.float32}
-
-
-def _errors(y, ref_idx, ref_rows, k) -> dict:
-    """Every routed slot written (finite), every other slot untouched (NaN), and the rel.
-    error of the reference's rows."""
-    flat = y.view(-1, y.shape[-1])
-    return dict(all_written=bool(torch.isfinite(y[:, :k]).all()),
-                others_untouched=bool(torch.isnan(y[:, k:]).all()),
-                rel_err_vs_fp32=rel(flat[ref_idx].nan_to_num(0.0, 0.0, 0.0), ref_rows))
 
 
 def check(T: int, dims: dict, ks: int, ydt: str) -> dict:
@@ -66,7 +58,7 @@ def check(T: int, dims: dict, ks: int, ydt: str) -> dict:
                         max_tiles=min(P, P // ml2.BT + E))
     torch.cuda.synchronize()
     idx, ref = reference_l2_slots(h, w2, counts, srt, wts, ks, experts=8)
-    res = dict(tokens=T, dims=dims, ks=ks, y_dtype=ydt, **_errors(y, idx, ref, k))
+    res = dict(tokens=T, dims=dims, ks=ks, y_dtype=ydt, **slot_errors(y, idx, ref, k))
     tol = 2e-3 if ydt == "f32" else 1e-2
     res["ok"] = res["all_written"] and res["others_untouched"] and res["rel_err_vs_fp32"] < tol
     return res
@@ -125,7 +117,7 @@ def main() -> None:
     timed("triton l2 (moe.gemm)", lambda: moe.triton_l2(h, w2, counts, srt, wts, y_tr),
           moe.pick_config("l2", rpg).__dict__)
     idx, ref = reference_l2_slots(h, w2, counts, srt, wts, ks, experts=8)
-    res["triton"] = _errors(y_tr, idx, ref, k)
+    res["triton"] = slot_errors(y_tr, idx, ref, k)
     write()
     checks = [check_in_child(min(T, 64), SMOKE, ks, ydt)]
     if checks[0].get("ok"):
@@ -153,7 +145,7 @@ def main() -> None:
             gluon_l2()
         try:
             torch.cuda.synchronize()
-            res["gluon"] = _errors(y_gl, idx, ref, k)
+            res["gluon"] = slot_errors(y_gl, idx, ref, k)
             res["rel_err_gluon_vs_triton"] = rel(y_gl[:, :k], y_tr[:, :k])
         except Exception as exc:  # noqa: BLE001
             res["gluon_error"] = repr(exc)[:500]
@@ -172,10 +164,7 @@ def _write(out, res) -> None:
                    f"{res.get('max_rows_per_expert')}, weight bytes {res.get('weight_bytes')}"), ""]
         lines += table(res["rows"], "| launch | ms | GB/s | % of 4.24 TB/s |",
                        lambda r: [f"{r['ms']:.3f}", f"{r['gbs']:.0f}", f"{r['pct_bw']:.1f}"])
-        v = res.get("rel_err_gluon_vs_triton")
-        lines += ["", f"rel err gluon vs triton: {f'{v:.2e}' if isinstance(v, float) else 'n/a'}",
-                  f"triton vs fp32 math (first 8 experts): {res.get('triton')}",
-                  f"gluon vs fp32 math (first 8 experts): {res.get('gluon')}"]
+        lines += l2_error_lines(res, experts=8)
         lines += check_lines("gluon", res.get("gluon_checks", []))
     write_report(out, "moe_gluon_decode_l2_probe", res, lines)
 

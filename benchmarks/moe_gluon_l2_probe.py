@@ -40,48 +40,23 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-# the shared timing, child checks and report (after the sys.path entry: E402)
+# the shared inputs, timing, child checks and report (after the sys.path entry: E402)
 from gluon_probe_common import V41_FLASH as REAL  # noqa: E402
-from gluon_probe_common import check_lines, finish, probe_parser, reference_l2_slots  # noqa: E402
-from gluon_probe_common import rel, run_child, skipped, table, timed_row  # noqa: E402
-from gluon_probe_common import write_report  # noqa: E402
+from gluon_probe_common import Y_DTYPES as YDT  # noqa: E402
+from gluon_probe_common import build_l2, check_cases_in_child, check_lines, finish  # noqa: E402
+from gluon_probe_common import flop_rates, l2_error_lines, not_checked, probe_parser  # noqa: E402
+from gluon_probe_common import reference_l2_slots, rel, run_checks, skipped  # noqa: E402
+from gluon_probe_common import slot_errors, table, timed_row, write_report  # noqa: E402
 
 PEAK_TFLOPS = 989.0
 SMOKE = dict(d=1024, F=768, E=16, k=6)
-YDT = {"bf16": torch.bfloat16, "f32": torch.float32}
 
 
 def build(T: int, d: int, F: int, E: int, k: int, seed: int = 0, routing: str = "balanced"):
-    """fp16 H [T k, F] (N(0, 1)), a W2 bank [E, d, F / 2] (MXFP4, exponents 119 .. 124), the
-    routing (balanced: token t -> experts kt .. kt + k - 1 mod E; poisson: top-k of random normal
-    logits), counts, the sorted pair list and the pair weights: (h, w2, counts, srt, wts [T, k])
-    on the GPU."""
-    from megagraph.kernels.triton import moe
-
-    torch.manual_seed(seed)
-    dev = "cuda"
-    h = torch.randn(T * k, F, device=dev).to(torch.float16)
-    w = torch.randint(-128, 128, (E, d, F // 2), dtype=torch.int8, device=dev)
-    s = torch.randint(119, 125, (E, d, F // 32), dtype=torch.uint8, device=dev)
-    w2 = moe.bank(w, s.view(torch.float8_e8m0fnu), "mxfp4")
-    if routing == "poisson":
-        ids = torch.randn(T, E, device=dev).topk(k, dim=1).indices
-    else:
-        t = torch.arange(T, device=dev)[:, None]
-        ids = (t * k + torch.arange(k, device=dev)[None, :]) % E
-    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
-    srt = moe.permute(ids.flatten(), counts, E)
-    wts = torch.rand(T, k, device=dev) + 0.25
-    return h, w2, counts, srt, wts
-
-
-def _errors(y, idx, ref, k) -> dict:
-    """Every routed slot written (finite), every other slot untouched (NaN), the rel. error of
-    the reference's rows."""
-    flat = y.view(-1, y.shape[-1])
-    return dict(all_written=bool(torch.isfinite(y[:, :k]).all()),
-                others_untouched=bool(torch.isnan(y[:, k:].float()).all()),
-                rel_err_vs_fp32=rel(flat[idx].nan_to_num(0.0, 0.0, 0.0), ref))
+    """build_l2 with this probe's routing (balanced: token t -> experts kt .. kt + k - 1 mod E;
+    poisson: top-k of random normal logits) and pair weights in [0.25, 1.25): (h, w2, counts,
+    srt, wts [T, k]) on the GPU."""
+    return build_l2(T, d, F, E, k, seed=seed, routing=routing, wts_lo=0.25)
 
 
 def check(T: int, dims: dict, ks: int, ydt: str, routing: str) -> dict:
@@ -102,24 +77,11 @@ def check(T: int, dims: dict, ks: int, ydt: str, routing: str) -> dict:
                for o in ys[1:])
     idx, ref = reference_l2_slots(h, w2, counts, srt, wts, ks, experts=4)
     res = dict(tokens=T, dims=dims, ks=ks, y_dtype=ydt, routing=routing, repeat_same_bits=same,
-               **_errors(ys[0], idx, ref, k))
+               **slot_errors(ys[0], idx, ref, k))
     tol = 2e-3 if ydt == "f32" else 1e-2
     res["ok"] = bool(res["all_written"] and res["others_untouched"] and same and
                      res["rel_err_vs_fp32"] < tol)
     return res
-
-
-def check_in_child(cases: list, timeout: float = 180.0) -> list:
-    """check(**case) for each case, in order, in ONE child process with CUDA_LAUNCH_BLOCKING=1
-    (the error names the launch); stops at the first failure. Returns the results (a failed or
-    crashed case last)."""
-    got, timed_out, error = run_child(__file__, cases, timeout)
-    if timed_out:
-        return got + [dict(cases[len(got)] if len(got) < len(cases) else {}, ok=False,
-                           error=error)]
-    if len(got) < len(cases) and not (got and not got[-1].get("ok")):
-        got.append(dict(cases[len(got)], ok=False, error=error))
-    return got
 
 
 def main() -> None:
@@ -136,15 +98,9 @@ def main() -> None:
     def write():  # the JSON / md, after every row: a later crash loses nothing measured
         _write(args.out, res)
 
-    if args.check_json:  # child process of check_in_child: one JSON line per case
-        for c in json.loads(args.check_json):
-            try:
-                res = check(c["tokens"], c["dims"], c["ks"], c["ydt"], c["routing"])
-            except Exception as exc:  # noqa: BLE001  (reported to the parent)
-                res = dict(c, ok=False, error=repr(exc)[:800])
-            print(json.dumps(res), flush=True)
-            if not res.get("ok"):
-                return
+    if args.check_json:  # child process of check_cases_in_child: one JSON line per case
+        run_checks(args.check_json,
+                   lambda c: check(c["tokens"], c["dims"], c["ks"], c["ydt"], c["routing"]))
         return
 
     from megagraph.kernels.triton import moe
@@ -164,11 +120,7 @@ def main() -> None:
     cl = counts.tolist()
     res["rows_per_expert"] = dict(min=min(cl), max=max(cl), mean=P / E,
                                   tiles_128=sum(-(-c // mgl.BM) for c in cl))
-    flops = 2.0 * P * F * d
-
-    def rates(ms):
-        tf = flops / ms / 1e9
-        return dict(tflops=tf, pct_peak=100 * tf / PEAK_TFLOPS)
+    rates = flop_rates(2.0 * P * F * d, PEAK_TFLOPS)
 
     # 1) the Triton L2 first (the baseline survives whatever the Gluon kernel does)
     y_tr = torch.full((T, ks, d), float("nan"), dtype=YDT[ydt], device="cuda")
@@ -177,7 +129,7 @@ def main() -> None:
               lambda: moe.triton_l2(h, w2, counts, srt, wts, y_tr),
               moe.pick_config("l2", rpg).__dict__, rates)
     idx, ref = reference_l2_slots(h, w2, counts, srt, wts, ks, experts=4)
-    res["triton"] = _errors(y_tr, idx, ref, k)
+    res["triton"] = slot_errors(y_tr, idx, ref, k)
     write()
     # 2) the Gluon L2: checked in a child process (small dims, then these dims and routing),
     # then timed
@@ -185,15 +137,11 @@ def main() -> None:
     cases = [dict(tokens=min(T, 1024), dims=SMOKE, ks=ks, ydt=ydt, routing=args.routing)]
     if dims != SMOKE:
         cases.append(dict(cases[0], tokens=T, dims=dims))
-    checks = check_in_child(cases)
+    checks = check_cases_in_child(__file__, cases, timeout=180.0)
     res["gluon_checks"] = checks
     print(json.dumps(checks), flush=True)
     write()
-    if len(checks) < len(cases) or not all(c.get("ok") for c in checks):
-        res["rows"].append(dict(name=name, error="wrong or crashed in the child check: "
-                                "not timed (gluon_checks)"))
-        print(res["rows"][-1], flush=True)
-        write()
+    if not_checked(res, write, name, checks, len(cases)):
         finish(res, t_start, write)
         return
     mtg = min(P, P // mgl.BM + E)
@@ -214,7 +162,7 @@ def main() -> None:
             y_gl.fill_(float("nan"))
             gluon_l2()
             torch.cuda.synchronize()
-            res["gluon"] = _errors(y_gl, idx, ref, k)
+            res["gluon"] = slot_errors(y_gl, idx, ref, k)
             res["rel_err_gluon_vs_triton"] = rel(y_gl[:, :k], y_tr[:, :k])
             print({"gluon": res["gluon"], "vs_triton": res["rel_err_gluon_vs_triton"]},
                   flush=True)
@@ -237,10 +185,7 @@ def _write(out, res) -> None:
         lines += table(res["rows"], "| launch | ms | TFLOP/s | % of 989 |",
                        lambda r: [f"{r['ms']:.3f}", f"{r['tflops']:.0f}",
                                   f"{r['pct_peak']:.1f}"])
-        v = res.get("rel_err_gluon_vs_triton")
-        lines += ["", f"rel err gluon vs triton: {f'{v:.2e}' if isinstance(v, float) else 'n/a'}",
-                  f"triton vs fp32 math (first 4 experts): {res.get('triton')}",
-                  f"gluon vs fp32 math (first 4 experts): {res.get('gluon')}"]
+        lines += l2_error_lines(res, experts=4)
         lines += check_lines("gluon l2", res.get("gluon_checks", []))
     write_report(out, "moe_gluon_l2_probe", res, lines)
 

@@ -41,8 +41,9 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 # the shared inputs, timing, child checks and report (after the sys.path entry: E402)
-from gluon_probe_common import build, check_lines, finish, reference_rows, rel  # noqa: E402
-from gluon_probe_common import run_child, table, time_triton_l1, timed_row  # noqa: E402
+from gluon_probe_common import build, check_cases_in_child, check_lines, finish  # noqa: E402
+from gluon_probe_common import flop_rates, not_checked, reference_rows, rel  # noqa: E402
+from gluon_probe_common import run_checks, table, time_triton_l1, timed_row  # noqa: E402
 from gluon_probe_common import V41_FLASH as REAL  # noqa: E402
 from gluon_probe_common import probe_parser, skipped  # noqa: E402
 from gluon_probe_common import write_report  # noqa: E402
@@ -72,19 +73,6 @@ def check(T: int, dims: dict, limit: float, routing: str = "balanced") -> dict:
                 rel_err_vs_fp32=err, ok=written and err < 2e-3)
 
 
-def check_in_child(cases: list, timeout: float = 120.0) -> list:
-    """check(**case) for each case, in order, in ONE child process with CUDA_LAUNCH_BLOCKING=1
-    (the error names the launch; one process start); stops at the first failure.
-    Returns the results (a failed or crashed case last)."""
-    got, timed_out, error = run_child(__file__, cases, timeout)
-    if timed_out:
-        return got + [dict(cases[len(got)] if len(got) < len(cases) else {}, ok=False,
-                           error=error)]
-    if len(got) < len(cases) and not (got and not got[-1].get("ok")):
-        got.append(dict(cases[len(got)], ok=False, error=error))
-    return got
-
-
 def main() -> None:
     ap = probe_parser(__doc__, 8192, "tokens (rows = tokens * 6)",
                       "small dims (d 1024, F 256, 16 experts)", "moe_gluon_probe", extra=[
@@ -97,15 +85,9 @@ def main() -> None:
     def write():  # the JSON / md, after every row: a later crash loses nothing measured
         _write(args.out, res)
 
-    if args.check_json:  # child process of check_in_child: one JSON line per case
-        for c in json.loads(args.check_json):
-            try:
-                res = check(c["tokens"], c["dims"], c["limit"], c["routing"])
-            except Exception as exc:  # noqa: BLE001  (reported to the parent)
-                res = dict(c, ok=False, error=repr(exc)[:800])
-            print(json.dumps(res), flush=True)
-            if not res.get("ok"):
-                return
+    if args.check_json:  # child process of check_cases_in_child: one JSON line per case
+        run_checks(args.check_json,
+                   lambda c: check(c["tokens"], c["dims"], c["limit"], c["routing"]))
         return
 
     from megagraph.kernels.triton import moe
@@ -123,11 +105,7 @@ def main() -> None:
     cl = counts.tolist()
     res["rows_per_expert"] = dict(min=min(cl), max=max(cl), mean=P / E,
                                   tiles=sum(-(-c // mg.BM) for c in cl))
-    flops = 2.0 * P * 2 * F * d
-
-    def rates(ms):
-        tf = flops / ms / 1e9
-        return dict(tflops=tf, pct_peak=100 * tf / PEAK_TFLOPS)
+    rates = flop_rates(2.0 * P * 2 * F * d, PEAK_TFLOPS)
 
     # 1) the Triton L1 first (the baseline survives whatever the Gluon kernel does)
     h_tr, ref, n = time_triton_l1(res, write, rates, (xq, xs, w1, w3, counts, srt), P, F, E, k,
@@ -138,15 +116,11 @@ def main() -> None:
     cases = [dict(tokens=min(T, 256), dims=SMOKE, limit=args.limit, routing=args.routing)]
     if dims != SMOKE:
         cases.append(dict(cases[0], tokens=T, dims=dims))
-    checks = check_in_child(cases)
+    checks = check_cases_in_child(__file__, cases, timeout=120.0)
     res["gluon_checks"] = {name: checks}
     print(json.dumps(checks), flush=True)
     _write(args.out, res)
-    if len(checks) < len(cases) or not all(c.get("ok") for c in checks):
-        res["rows"].append(dict(name=name, error="wrong or crashed in the child check: "
-                                "not timed (gluon_checks)"))
-        print(res["rows"][-1], flush=True)
-        _write(args.out, res)
+    if not_checked(res, write, name, checks, len(cases)):
         finish(res, t_start, write)
         return
     mtg = min(P, P // mg.BM + E)

@@ -1,5 +1,8 @@
 """What the Gluon (Triton 3.6, sm_90) kernels share: the guarded import of the Gluon / Hopper
-APIs, the capability check, the arithmetic E2M1 -> E4M3 upcast, the SwiGLU epilogue and the
+APIs, the capability check, the arithmetic E2M1 -> E4M3 upcast (the L1s), the arithmetic
+E2M1 -> fp16 upcast (fp16_bits .. fp16x2_regs, halves: the L2s, the flush bound a constexpr:
+-5 in the decode L2, -13 in the prefill L2), the prefill kernels' chunk top (refill_a: cp.async
+wait, writer-side proxy fence, CTA barrier, next A copy), the SwiGLU epilogue and the
 launchers' common argument checks.
 
 Why one module: moe_gluon.py (prefill L1) and moe_gluon_decode.py (decode L1) are written against
@@ -46,8 +49,13 @@ __all__ = [
     "available",
     "e2m1_e4m3_bits",
     "fence_async_shared",
+    "fp16_bits",
+    "fp16x2_bits",
+    "fp16x2_regs",
     "gluon",
+    "halves",
     "issue_chunk",
+    "refill_a",
     "tile_entry",
     "ttgl",
     "warpgroup_mma",
@@ -81,6 +89,55 @@ if IMPORT_OK:
         base = ttgl.where(m >= 2, m * 4 + 0x30, m * 0x30) + rel * 8
         base = ttgl.where((m == 0) | (rel < -5), 0, base)
         return base | ((c & 8) << 4)
+
+    @gluon.jit
+    def fp16_bits(c, rel, REL_MIN: ttgl.constexpr):
+        """fp16 bits (int32) of E2M1 code c (low 4 bits) times 2^rel, elementwise: high byte 0x38
+        (0.5) or 0x38 + 2 m (m = 2 .. 7: 1 .. 6) plus 4 rel, sign at bit 15; (signed) zero for
+        code 0 or rel < REL_MIN (the flush: -5 in the decode L2's per-chunk frame, -13 in the
+        prefill L2's per-row frame). The arithmetic twin of the L2s' PTX table upcast
+        (moe_gluon_decode_l2.FP16_TABLE_ASM_TEXT)."""
+        m = c & 7
+        hb = ttgl.where(m >= 2, 0x38 + 2 * m, 0x38) + 4 * rel
+        hb = ttgl.where((m == 0) | (rel < REL_MIN), 0, hb)
+        return (hb << 8) | ((c & 8) << 12)
+
+    @gluon.jit
+    def fp16x2_bits(w, rel, J: ttgl.constexpr, REL_MIN: ttgl.constexpr):
+        """The arithmetic twin of the PTX table upcast's output register J: fp16x2 of byte J of
+        the packed word w (low half = its low nibble) at offset rel, elementwise."""
+        b = (w >> (8 * J)) & 0xFF
+        return fp16_bits(b & 0xF, rel, REL_MIN) | (fp16_bits(b >> 4, rel, REL_MIN) << 16)
+
+    @gluon.jit
+    def fp16x2_regs(w, rel, REL_MIN: ttgl.constexpr):
+        """All 4 registers of the table upcast of the packed words w (fp16x2 of bytes 0 .. 3) at
+        offsets rel (the shape of w), by integer arithmetic: both L2s' USE_ASM = False path."""
+        return (fp16x2_bits(w, rel, 0, REL_MIN), fp16x2_bits(w, rel, 1, REL_MIN),
+                fp16x2_bits(w, rel, 2, REL_MIN), fp16x2_bits(w, rel, 3, REL_MIN))
+
+    @gluon.jit
+    def halves(r):
+        """An fp16x2 register tensor (int32) -> [.., 2] int16 (low half, high half)."""
+        return ttgl.join(r.to(ttgl.int16), (r >> 16).to(ttgl.int16))
+
+    @gluon.jit
+    def refill_a(a_nxt, a_ptrs, a_mask, i, n_k, BK: ttgl.constexpr):
+        """The prefill kernels' chunk top (moe_gluon.l1_kernel, moe_gluon_l2.l2_kernel: one A
+        copy group in flight): wait for this thread's cp.async of A[i]; the writer-side proxy
+        fence - each thread fences its own completed generic-proxy writes to shared memory (the
+        cp.async bytes, and its upcast stores not fenced yet) for the wgmma's async proxy BEFORE
+        the CTA barrier the wgmma issuers wait at (CUTLASS's order, the PTX rule; fenced after
+        the barrier, a fast warp could issue its wgmma before a slow warp had fenced its part);
+        the barrier (Triton 3.6's membar pass adds one more right after the wait, as the next op
+        is no barrier: two per chunk); then cp.async of A[i + 1] (clamped to chunk n_k - 1: past
+        K it re-copies the last chunk into a stage nobody reads) into a_nxt, committed."""
+        async_copy.wait_group(0)
+        fence_async_shared()
+        ttgl.thread_barrier()
+        kn = ttgl.minimum(i + 1, n_k - 1) * BK
+        async_copy.async_copy_global_to_shared(a_nxt, a_ptrs + kn, mask=a_mask)
+        async_copy.commit_group()
 
     @gluon.jit
     def issue_chunk(w_dst, e_dst, x_dst, w_ptrs, e_ptrs, x_ptrs, x_mask, c, n_k,

@@ -108,7 +108,8 @@ from .gluon_common import available  # noqa: F401  (moe._gluon_l1 and the tests 
 from .gluon_common import check_rows, tile_list
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
-    from .gluon_common import async_copy, fence_async_shared, gluon, swiglu, tile_entry, ttgl
+    from .gluon_common import async_copy, fence_async_shared, gluon, refill_a, swiglu, tile_entry
+    from .gluon_common import ttgl
     from .gluon_common import e2m1_e4m3_bits as _e2m1_e4m3_bits
     from .gluon_common import warpgroup_mma, warpgroup_mma_wait
 
@@ -187,22 +188,13 @@ if _IMPORT_OK:
         chunk i. Returns the accumulators and chunk i + 2's bytes / chunk i + 1's A scales.
         Every prefetch index is clamped to the last chunk (n_k - 1): past K it reloads that
         chunk into the free stage, never reads past a row."""
-        async_copy.wait_group(0)  # this thread's copies of A[i] landed
-        # writer-side proxy fence: each thread fences its own completed cp.async bytes of A[i]
-        # (generic proxy) for the wgmma's async proxy BEFORE the barrier the wgmma issuers
-        # wait at (CUTLASS's order, the PTX rule for generic-proxy writes read by the async
-        # proxy). Fenced after the barrier, as before the eighth session, a fast warp could
-        # issue its wgmma before a slow warp had fenced its part of A[i].
-        fence_async_shared()
-        # every thread's A[i] copies and B[i] stores are in and fenced by their writers, and
-        # every warpgroup waited on chunk i - 1's wgmmas (the readers of the stages written
-        # below). Triton 3.6's membar pass adds a CTA barrier right after the async_wait
-        # (whenever the next op is not a barrier), so the loop has two per chunk; this one is
-        # the one that orders the fences before the wgmma
-        ttgl.thread_barrier()
-        kn = ttgl.minimum(i + 1, n_k - 1) * BK
-        async_copy.async_copy_global_to_shared(a_nxt, a_ptrs + kn, mask=a_mask)
-        async_copy.commit_group()
+        # A[i] landed, each thread's cp.async bytes of it fenced (writer-side: before the CTA
+        # barrier the wgmma issuers wait at; fenced after it, as before the eighth session, a
+        # fast warp could issue its wgmma before a slow warp had fenced its part of A[i]), the
+        # barrier (gluon_common.refill_a): every thread's A[i] copies and B[i] stores are in
+        # and fenced by their writers, and every warpgroup waited on chunk i - 1's wgmmas (the
+        # readers of the stages written below); A[i + 1] copied
+        refill_a(a_nxt, a_ptrs, a_mask, i, n_k, BK)
         zero = ttgl.zeros([BM, BN], ttgl.float32, mma)
         # wgmma: A [BM, BK] (K-major smem) @ B [BK, BN]: the [BN, BK] K-major stage, permuted
         t1 = warpgroup_mma(a_cur, w1_cur.permute((1, 0)), zero, use_acc=False, is_async=True)

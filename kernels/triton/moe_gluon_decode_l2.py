@@ -50,7 +50,7 @@ by one prmt with the 4 magnitude nibbles of a half word; the nibbles' sign bits 
 7 of their bytes (prmt of the word and the word << 4, one and); two prmt with a zero word then
 spread the 4 high bytes into 2 fp16x2 registers (byte 2 j' -> bits 8..15, 2 j' + 1 -> 24..31).
 rel = e - S, S = max(max(e) - 6, 1) over the row's 4 exponents of the chunk (moe_acc's choice).
-USE_ASM = False computes the same 4 registers per word with integer arithmetic (_fp16x2_bits)
+USE_ASM = False computes the same 4 registers per word with integer arithmetic (fp16x2_regs)
 elementwise on the same word tensor - no layout operation differs - for the bit-exact check.
 
 Numerics == moe.gemm role "l2" at decode (load_b_tile MMA == 1: the E4M3 codes e2m1 x 2^rel,
@@ -116,39 +116,37 @@ A_ORDER = (0, 2, 5, 4, 1, 3)
 # table words of rel = 0 and their step per unit of rel (4 per byte; byte 0 of ta is T[0] = 0)
 TABLE_A, TABLE_B = 0x3E3C3800, 0x46444240
 STEP_A, STEP_B = 0x04040400, 0x04040404
+# the flush: rel = e - S below REL_MIN gives (signed) zero (S = max(max e - 6, 1) per chunk)
+REL_MIN = -5
 
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
-    from .gluon_common import async_copy, fence_async_shared, gluon, issue_chunk, tile_entry, ttgl
-    from .gluon_common import warpgroup_mma, warpgroup_mma_wait
+    from .gluon_common import async_copy, fence_async_shared, fp16x2_regs, gluon, halves
+    from .gluon_common import issue_chunk, tile_entry, ttgl, warpgroup_mma, warpgroup_mma_wait
 
     FP16_TABLE_ASM = ttgl.constexpr(FP16_TABLE_ASM_TEXT)
     _TA, _TB = ttgl.constexpr(TABLE_A), ttgl.constexpr(TABLE_B)
     _SA, _SB = ttgl.constexpr(STEP_A), ttgl.constexpr(STEP_B)
+    _RMIN = ttgl.constexpr(REL_MIN)
     _A_ORDER = ttgl.constexpr(A_ORDER)
     _h_column = gluon.jit(h_column)
 
     @gluon.jit
-    def _fp16_bits(c, rel):
-        """fp16 bits (int32) of E2M1 code c (low 4 bits) times 2^rel: high byte 0x38 (0.5) or
-        0x38 + 2 m (m = 2 .. 7: 1 .. 6) plus 4 rel, sign at bit 15; (signed) zero for code 0 or
-        rel < -5 (the flush)."""
-        m = c & 7
-        hb = ttgl.where(m >= 2, 0x38 + 2 * m, 0x38) + 4 * rel
-        hb = ttgl.where((m == 0) | (rel < -5), 0, hb)
-        return (hb << 8) | ((c & 8) << 12)
+    def fp16_tables(rel, REL_MIN: ttgl.constexpr):
+        """The table words (ta, tb) of FP16_TABLE_ASM at offsets rel, elementwise: TABLE + rel *
+        STEP, both zero for rel < REL_MIN (the flush; -5 here, moe_gluon_l2's per-row frame
+        passes -13)."""
+        flush = rel < REL_MIN
+        return ttgl.where(flush, 0, _TA + rel * _SA), ttgl.where(flush, 0, _TB + rel * _SB)
 
     @gluon.jit
-    def _fp16x2_bits(w, rel, J: ttgl.constexpr):
-        """The arithmetic twin of FP16_TABLE_ASM's output register J: fp16x2 of byte J of the
-        packed word w (low half = its low nibble) at offset rel, elementwise."""
-        b = (w >> (8 * J)) & 0xFF
-        return _fp16_bits(b & 0xF, rel) | (_fp16_bits(b >> 4, rel) << 16)
-
-    @gluon.jit
-    def _halves(r):
-        """An fp16x2 register tensor (int32) -> [.., 2] int16 (low half, high half)."""
-        return ttgl.join(r.to(ttgl.int16), (r >> 16).to(ttgl.int16))
+    def fp16_table_regs(w, ta, tb):
+        """FP16_TABLE_ASM on the packed words w with their table words ta, tb (the shape of w):
+        the 4 fp16x2 registers (bytes 0 .. 3; gluon_common.fp16x2_regs is the arithmetic
+        twin). The one call of the PTX for both L2 kernels."""
+        return ttgl.inline_asm_elementwise(
+            FP16_TABLE_ASM, "=r,=r,=r,=r,r,r,r", [w, ta, tb],
+            dtype=(ttgl.int32, ttgl.int32, ttgl.int32, ttgl.int32), is_pure=True, pack=1)
 
     @gluon.jit
     def _upcast(w_st, e_st, USE_ASM: ttgl.constexpr, w2_l: ttgl.constexpr,
@@ -166,20 +164,13 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         rel = e - ttgl.expand_dims(S, 1)
         rel_w = ttgl.broadcast(ttgl.expand_dims(rel, 2), w)[0]
         if USE_ASM:
-            flush = rel_w < -5
-            ta = ttgl.where(flush, 0, _TA + rel_w * _SA)
-            tb = ttgl.where(flush, 0, _TB + rel_w * _SB)
-            r0, r1, r2, r3 = ttgl.inline_asm_elementwise(
-                FP16_TABLE_ASM, "=r,=r,=r,=r,r,r,r", [w, ta, tb],
-                dtype=(ttgl.int32, ttgl.int32, ttgl.int32, ttgl.int32), is_pure=True, pack=1)
+            ta, tb = fp16_tables(rel_w, _RMIN)
+            r0, r1, r2, r3 = fp16_table_regs(w, ta, tb)
         else:
-            r0 = _fp16x2_bits(w, rel_w, 0)
-            r1 = _fp16x2_bits(w, rel_w, 1)
-            r2 = _fp16x2_bits(w, rel_w, 2)
-            r3 = _fp16x2_bits(w, rel_w, 3)
+            r0, r1, r2, r3 = fp16x2_regs(w, rel_w, _RMIN)
         # [row, t, kk, i, j % 2, j // 2] -> the k order (A_ORDER)
-        lo = ttgl.join(_halves(r0), _halves(r1))
-        hi = ttgl.join(_halves(r2), _halves(r3))
+        lo = ttgl.join(halves(r0), halves(r1))
+        hi = ttgl.join(halves(r2), halves(r3))
         a = ttgl.permute(ttgl.join(lo, hi), _A_ORDER.value)
         a = ttgl.reshape(a, [BW, 128]).to(ttgl.float16, bitcast=True)
         a = ttgl.convert_layout(a, a_dot, assert_trivial=True)

@@ -50,7 +50,7 @@ differ only in the tensor core's fp32 sum order. Why one frame: no fp32 partial 
 registers a thread at BN = 128) and no promotion between chunks, so the wgmmas chain on one
 accumulator with one group in flight.
 
-USE_ASM = False: the same 4 registers per word with integer arithmetic (_fp16x2_bits)
+USE_ASM = False: the same 4 registers per word with integer arithmetic (fp16x2_regs)
 elementwise on the same word tensor (bit-exact twin of the table, for the GPU tests).
 
 Triton 3.6 sm_90 build (bf16 y, F = 2304; tests/kernels/test_moe_gluon_l2.py::
@@ -74,7 +74,7 @@ import torch
 from .gluon_common import IMPORT_OK as _IMPORT_OK
 from .gluon_common import available  # noqa: F401  (the tests, the probe and moe call it here)
 from .gluon_common import tile_list
-from .moe_gluon_decode_l2 import FP16_TABLE_ASM_TEXT, STEP_A, STEP_B, TABLE_A, TABLE_B
+from .moe_gluon_decode_l2 import STEP_A, STEP_B, TABLE_A, TABLE_B
 
 BM, BN, BK, NS, NUM_WARPS = 128, 128, 64, 3, 8
 # the per-row frame: rel = e - S0 in [REL_MIN, REL_MAX] is an exact normal fp16 of the table
@@ -97,8 +97,9 @@ def frame(e_max: int) -> int:
 
 def fp16_bits(c: int, rel: int) -> int:
     """The fp16 bits of E2M1 code c (4 bits) x 2^rel as the kernel's upcast writes them (Python
-    ints: the CPU twin of _fp16_bits): high byte 0x38 (0.5) or 0x38 + 2 m (m = 2 .. 7: 1 .. 6)
-    plus 4 rel, sign at bit 15; (signed) zero for magnitude 0 or rel < REL_MIN."""
+    ints: the CPU twin of gluon_common.fp16_bits at REL_MIN): high byte 0x38 (0.5) or 0x38 + 2 m
+    (m = 2 .. 7: 1 .. 6) plus 4 rel, sign at bit 15; (signed) zero for magnitude 0 or
+    rel < REL_MIN."""
     m = c & 7
     hb = (0x38 + 2 * m if m >= 2 else 0x38) + 4 * rel
     if m == 0 or rel < REL_MIN:
@@ -114,33 +115,11 @@ def tables(rel: int) -> tuple[int, int]:
 
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
-    from .gluon_common import async_copy, fence_async_shared, gluon, tile_entry, ttgl
+    from .gluon_common import async_copy, fp16x2_regs, gluon, halves, refill_a, tile_entry, ttgl
     from .gluon_common import warpgroup_mma, warpgroup_mma_wait
+    from .moe_gluon_decode_l2 import fp16_table_regs, fp16_tables
 
-    FP16_TABLE_ASM = ttgl.constexpr(FP16_TABLE_ASM_TEXT)
-    _TA, _TB = ttgl.constexpr(TABLE_A), ttgl.constexpr(TABLE_B)
-    _SA, _SB = ttgl.constexpr(STEP_A), ttgl.constexpr(STEP_B)
     _RMIN, _RMAX = ttgl.constexpr(REL_MIN), ttgl.constexpr(REL_MAX)
-
-    @gluon.jit
-    def _fp16_bits(c, rel):
-        """fp16 bits (int32) of E2M1 code c (low 4 bits) times 2^rel (fp16_bits, elementwise)."""
-        m = c & 7
-        hb = ttgl.where(m >= 2, 0x38 + 2 * m, 0x38) + 4 * rel
-        hb = ttgl.where((m == 0) | (rel < _RMIN), 0, hb)
-        return (hb << 8) | ((c & 8) << 12)
-
-    @gluon.jit
-    def _fp16x2_bits(w, rel, J: ttgl.constexpr):
-        """The arithmetic twin of FP16_TABLE_ASM's output register J: fp16x2 of byte J of the
-        packed word w (low half = its low nibble) at offset rel, elementwise."""
-        b = (w >> (8 * J)) & 0xFF
-        return _fp16_bits(b & 0xF, rel) | (_fp16_bits(b >> 4, rel) << 16)
-
-    @gluon.jit
-    def _halves(r):
-        """An fp16x2 register tensor (int32) -> [.., 2] int16 (low half, high half)."""
-        return ttgl.join(r.to(ttgl.int16), (r >> 16).to(ttgl.int16))
 
     @gluon.jit
     def _load_w(w_ptrs, e_ptrs, k0):
@@ -160,23 +139,16 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         32 g + 8 kk + 2 j + i)."""
         rel = e - ttgl.expand_dims(s0, 1)  # [BN, 2]: one offset per (row, group) = thread
         if USE_ASM:
-            flush = rel < _RMIN
-            ta = ttgl.where(flush, 0, _TA + rel * _SA)
-            tb = ttgl.where(flush, 0, _TB + rel * _SB)
+            ta, tb = fp16_tables(rel, _RMIN)  # per thread, then broadcast to its 4 words
             ta = ttgl.broadcast(ttgl.expand_dims(ta, 2), w)[0]
             tb = ttgl.broadcast(ttgl.expand_dims(tb, 2), w)[0]
-            r0, r1, r2, r3 = ttgl.inline_asm_elementwise(
-                FP16_TABLE_ASM, "=r,=r,=r,=r,r,r,r", [w, ta, tb],
-                dtype=(ttgl.int32, ttgl.int32, ttgl.int32, ttgl.int32), is_pure=True, pack=1)
+            r0, r1, r2, r3 = fp16_table_regs(w, ta, tb)
         else:
             rel_w = ttgl.broadcast(ttgl.expand_dims(rel, 2), w)[0]
-            r0 = _fp16x2_bits(w, rel_w, 0)
-            r1 = _fp16x2_bits(w, rel_w, 1)
-            r2 = _fp16x2_bits(w, rel_w, 2)
-            r3 = _fp16x2_bits(w, rel_w, 3)
+            r0, r1, r2, r3 = fp16x2_regs(w, rel_w, _RMIN)
         # [row, g, kk, a, b] with register j = 2 a + b, then its halves i: column 32 g + 8 kk
         # + 2 j + i in row-major order
-        x = _halves(ttgl.join(ttgl.join(r0, r2), ttgl.join(r1, r3)))
+        x = halves(ttgl.join(ttgl.join(r0, r2), ttgl.join(r1, r3)))
         x = ttgl.reshape(x, [BN, BK]).to(ttgl.float16, bitcast=True)
         b_dst.store(x)
 
@@ -188,19 +160,12 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         wgmma(i) possibly still in flight) and chunk i + 2's words / exponents. Every prefetch
         index is clamped to the last chunk (n_k - 1): past K it refills a stage nobody reads,
         never reads past a row."""
-        async_copy.wait_group(0)  # this thread's copies of A[i] landed
-        # writer-side proxy fence: each thread fences its own completed cp.async bytes of A[i]
-        # and its upcast stores of B[i] (made in chunk i - 1 or the prologue) BEFORE the CTA
-        # barrier the wgmma issuers wait at (moe_gluon.py: the eighth session's order)
-        fence_async_shared()
-        # every thread's A[i] copies and B[i] stores are in and fenced; every warpgroup waited
-        # for wgmma(i - 2) (wait(1) at the end of chunk i - 1): stage (i + 1) % 3, written
-        # below, has no reader left. (Triton's membar pass adds its own barrier right after the
-        # async_wait: two per chunk, as in the L1.)
-        ttgl.thread_barrier()
-        kn = ttgl.minimum(i + 1, n_k - 1) * BK
-        async_copy.async_copy_global_to_shared(a_nxt, a_ptrs + kn, mask=a_mask)
-        async_copy.commit_group()
+        # A[i] landed; the writer-side fence covers each thread's cp.async bytes of A[i] AND
+        # its upcast stores of B[i] (made in chunk i - 1 or the prologue), then the CTA barrier
+        # (gluon_common.refill_a): every thread's A[i] copies and B[i] stores are in and
+        # fenced, every warpgroup waited for wgmma(i - 2) (wait(1) at the end of chunk i - 1),
+        # so stage (i + 1) % 3, written from here on, has no reader left; A[i + 1] copied
+        refill_a(a_nxt, a_ptrs, a_mask, i, n_k, BK)
         # wgmma: A [BM, BK] (K-major smem) @ B [BK, BN]: the [BN, BK] K-major stage, permuted;
         # chained on acc (wgmma(i - 1) may still be running: the hardware orders them)
         acc = warpgroup_mma(a_cur, b_cur.permute((1, 0)), acc, is_async=True)

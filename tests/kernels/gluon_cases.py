@@ -1,10 +1,12 @@
 """Inputs, fp32 reference and diagnostics shared by the Gluon L1 tests (test_moe_gluon.py: the
-prefill kernel, test_moe_gluon_decode.py: the decode kernel).
+prefill kernel, test_moe_gluon_decode.py: the decode kernel) and the Gluon L2 tests
+(test_moe_gluon_l2.py: prefill, test_moe_gluon_decode_l2.py: decode; l2_case, l2_reference).
 
-Why one module: both kernels compute the same SwiGLU of W1 / W3 on MXFP4 weights and gathered
-E4M3 activations, so both are held to the same exact dequantization, the same fp32 math and the
-same failure report; one copy keeps the two tests' yardsticks identical. Imported as a sibling
-(`from gluon_cases import ...`: pytest puts tests/kernels on sys.path).
+Why one module: both L1 kernels compute the same SwiGLU of W1 / W3 on MXFP4 weights and gathered
+E4M3 activations, and both L2 kernels the same weighted scatter of H W2^T, so each pair is held
+to the same exact dequantization, the same fp32 math and the same failure report; one copy keeps
+the two tests' yardsticks identical. Imported as a sibling (`from gluon_cases import ...`:
+pytest puts tests/kernels on sys.path).
 """
 from __future__ import annotations
 
@@ -80,12 +82,76 @@ def rel(x, y):
     return ((x.float() - y.float()).norm() / y.float().norm()).item()
 
 
-def dbg_bank(codes: torch.Tensor, exps: torch.Tensor):
-    """A one-expert MXFP4 bank on the GPU from given codes [1, N, K/2] and E8M0 exponents."""
+def sort_pairs(ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The expert-sorted pair list: moe.permute on the GPU, a stable argsort elsewhere (the same
+    groups; the order inside a group may differ, which no output depends on)."""
+    if ids.is_cuda:
+        from megagraph.kernels.triton import moe
+
+        return moe.permute(ids.flatten(), counts, counts.numel())
+    return torch.argsort(ids.flatten(), stable=True).to(torch.int32)
+
+
+def l2_case(T, E, d, F, k, seed, subset=None, exps=(119, 125), device="cuda", scale=2.0,
+            wts_lo=0.0):
+    """The L2 tests' inputs: random fp16 H [T k, F] (N(0, scale^2), sorted rows), an MXFP4 W2
+    bank [E, d, F / 2] (exponents in [exps[0], exps[1])), top-k routing of distinct experts per
+    token from `subset` (the other experts stay empty), pair weights in [wts_lo, wts_lo + 1):
+    (h, w2, counts, srt, wts [T, k]) on `device`. One generator, one draw order: a case's data
+    does not depend on the device."""
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(T * k, F, generator=g) * scale).to(torch.float16).to(device)
+    w = torch.randint(-128, 128, (E, d, F // 2), dtype=torch.int8, generator=g)
+    s = torch.randint(*exps, (E, d, F // 32), dtype=torch.uint8, generator=g)
+    w2 = dbg_bank(w, s, device)
+    pool = torch.tensor(subset) if subset else torch.arange(E)
+    ids = pool[torch.rand(T, len(pool), generator=g).topk(k, dim=1).indices].to(device)
+    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
+    srt = sort_pairs(ids, counts)
+    wts = (torch.rand(T, k, generator=g) + wts_lo).to(device)
+    return h, w2, counts, srt, wts
+
+
+def l2_reference(h, w2, counts, srt, wts, ks):
+    """fp32 y [T, ks, d] (NaN in the unrouted slots): wts[p] x (H[r] @ W2[g]^T) at slot
+    (p // k) ks + p % k of sorted row r of expert g, p = srt[r], on H's fp16 values and the
+    exactly dequantized W2."""
+    T, k = wts.shape
+    W = mxfp4_f32(w2.w, w2.s)
+    y = torch.full((T * ks, W.shape[1]), float("nan"), device=h.device)
+    r0 = 0
+    for e, c in enumerate(counts.tolist()):
+        p = srt[r0:r0 + c].long()
+        y[(p // k) * ks + p % k] = wts.reshape(-1)[p, None].float() * \
+            (h[r0:r0 + c].float() @ W[e].T)
+        r0 += c
+    return y.view(T, ks, -1)
+
+
+def check_l2_out(y, h, w2, counts, srt, wts, ks, tol):
+    """An L2 kernel's y [T, ks, d] (its routed slots: the first k = wts.shape[1]) against the
+    fp32 math (l2_reference) and against moe.triton_l2 (the Triton L2 as routed_experts
+    launches it) on the same inputs: relative (Frobenius) error < tol for both."""
     from megagraph.kernels.triton import moe
 
-    return moe.bank(codes.to(torch.int8).cuda(), exps.to(torch.uint8).view(
-        torch.float8_e8m0fnu).cuda(), "mxfp4")
+    k = wts.shape[1]
+    ref = l2_reference(h, w2, counts, srt, wts, ks)
+    assert rel(y[:, :k], ref[:, :k]) < tol, f"vs fp32 math: {rel(y[:, :k], ref[:, :k]):.3e}"
+    y_tr = torch.full_like(y, float("nan"))
+    moe.triton_l2(h, w2, counts, srt, wts, y_tr)
+    if y_tr.is_cuda:
+        torch.cuda.synchronize()
+    assert rel(y[:, :k], y_tr[:, :k]) < tol, \
+        f"vs the Triton L2: {rel(y[:, :k], y_tr[:, :k]):.3e}"
+
+
+def dbg_bank(codes: torch.Tensor, exps: torch.Tensor, device="cuda"):
+    """An MXFP4 bank on `device` (the GPU unless said) from given codes [E, N, K/2] and E8M0
+    exponents [E, N, K/32] (the debug tests' one-expert banks, the L2 tests' W2)."""
+    from megagraph.kernels.triton import moe
+
+    return moe.bank(codes.to(torch.int8).to(device),
+                    exps.to(torch.uint8).view(torch.float8_e8m0fnu).to(device), "mxfp4")
 
 
 def dbg_case(x, xs, c1, e1, c3, e3, topk=1, a_idx=None, limit=None):
@@ -102,6 +168,23 @@ def dbg_case(x, xs, c1, e1, c3, e3, topk=1, a_idx=None, limit=None):
     srt = a_idx.to(torch.int32).cuda()
     ref = reference(xq, xs, w1, w3, counts, srt, topk, float("inf") if limit is None else limit)
     return xq, xs, w1, w3, counts, srt, ref
+
+
+def dbg_l2_case(x, codes, exps, k: int, ks: int, perm, g, device="cuda"):
+    """The L2 debug tests' one-expert inputs on `device`: H = x [P, F] in fp16, W2 from codes
+    [1, d, F/2] and exponents, the sorted pair list 0 .. P - 1 (or perm), pair weights 1 (with
+    perm: random in [0.5, 1.5) from the generator g), and the fp32 reference rows
+    [P / k * ks, d] (l2_reference; NaN in the unrouted slots): (h, w2, counts, srt,
+    wts [P / k, k], ref)."""
+    P = x.shape[0]
+    h = x.to(torch.float16).to(device)
+    w2 = dbg_bank(codes, exps, device)
+    counts = torch.tensor([P], dtype=torch.int32, device=device)
+    srt = (torch.arange(P) if perm is None else perm).to(torch.int32).to(device)
+    wts = (torch.ones(P) if perm is None else torch.rand(P, generator=g) + 0.5).to(device)
+    wts = wts.view(-1, k)
+    ref = l2_reference(h, w2, counts, srt, wts, ks).view(-1, w2.n)
+    return h, w2, counts, srt, wts, ref
 
 
 def diagnose(name, out, ref):

@@ -30,7 +30,15 @@ import re
 
 import pytest
 import torch
-from gluon_cases import E2M1, diagnose, mxfp4_f32, rel
+from gluon_cases import (
+    E2M1,
+    check_l2_out,
+    dbg_l2_case,
+    diagnose,
+    l2_case,
+    l2_reference,
+    rel,
+)
 from megagraph.kernels.triton import moe_gluon_decode_l2 as ml2
 from sm90_build import gluon_sm90, loop_instructions, usage_and_sass
 from test_moe_gluon import proxy_fence_problems
@@ -88,14 +96,30 @@ def _tables(r: int) -> tuple[int, int]:
     return (ml2.TABLE_A + r * ml2.STEP_A) & M32, (ml2.TABLE_B + r * ml2.STEP_B) & M32
 
 
-def _fp16_ref(r: int) -> list[int]:
+def fp16_ref(r: int, rel_min: int = -5) -> list[int]:
     """fp16 bits of every E2M1 code 0..15 times 2^r, computed by torch; (signed) zero for
-    r < -5 (the flush). Asserts the values are exact in fp16."""
-    vals = torch.tensor([(-1.0 if c & 8 else 1.0) * E2M1[c & 7] * 2.0 ** r * (r >= -5)
+    r < rel_min (the flush: -5 here, -13 in the prefill L2's test). Asserts the values are
+    exact (normal) fp16."""
+    vals = torch.tensor([(-1.0 if c & 8 else 1.0) * E2M1[c & 7] * 2.0 ** r * (r >= rel_min)
                          for c in range(16)], dtype=torch.float64)
     h = vals.to(torch.float16)
     assert torch.equal(h.double(), vals), r
     return (h.view(torch.int16).long() & 0xFFFF).tolist()
+
+
+def check_table_lanes(ops, r: int, ta: int, tb: int, ref: list[int], g) -> None:
+    """FP16_TABLE_ASM_TEXT (ops = _parse of it) with table words ta, tb at offset r: for every
+    byte value in every byte lane of the word (random bytes from the generator g in the other
+    lanes), output register j = fp16 of byte j's low nibble (bits 0..15) and high nibble
+    (16..31) as ref (fp16_ref(r)) says, bit for bit."""
+    for lane in range(4):
+        for b in range(256):
+            bs = torch.randint(0, 256, (4,), generator=g).tolist()
+            bs[lane] = b
+            w = sum(x << (8 * i) for i, x in enumerate(bs))
+            got = _run(ops, [0, 0, 0, 0, w, ta, tb], 4)
+            want = [ref[x & 0xF] | (ref[x >> 4] << 16) for x in bs]
+            assert got == want, (r, lane, b, [hex(x) for x in got], [hex(x) for x in want])
 
 
 def test_fp16_table_asm_bit_exact():
@@ -106,16 +130,8 @@ def test_fp16_table_asm_bit_exact():
     ops = _parse(ml2.FP16_TABLE_ASM_TEXT)
     g = torch.Generator().manual_seed(3)
     for r in range(-13, 7):
-        ref = _fp16_ref(r)
         ta, tb = _tables(r)
-        for lane in range(4):
-            for b in range(256):
-                bs = torch.randint(0, 256, (4,), generator=g).tolist()
-                bs[lane] = b
-                w = sum(x << (8 * i) for i, x in enumerate(bs))
-                got = _run(ops, [0, 0, 0, 0, w, ta, tb], 4)
-                want = [ref[x & 0xF] | (ref[x >> 4] << 16) for x in bs]
-                assert got == want, (r, lane, b, [hex(x) for x in got], [hex(x) for x in want])
+        check_table_lanes(ops, r, ta, tb, fp16_ref(r), g)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,37 +178,8 @@ def test_k_permutation():
 # ---------------------------------------------------------------------------------------------
 
 
-def l2_case(T, E, d, F, k, seed, subset=None, exps=(119, 125)):
-    """Random fp16 H [T k, F] (sorted rows), an MXFP4 W2 bank [E, d, F / 2] (exponents in
-    [exps[0], exps[1])), top-k routing of distinct experts per token from `subset` (the other
-    experts stay empty), pair weights. On the GPU: (h, w2, counts, srt, wts [T, k])."""
-    from megagraph.kernels.triton import moe
-
-    g = torch.Generator().manual_seed(seed)
-    h = (torch.randn(T * k, F, generator=g) * 2).to(torch.float16).cuda()
-    w = torch.randint(-128, 128, (E, d, F // 2), dtype=torch.int8, generator=g)
-    s = torch.randint(*exps, (E, d, F // 32), dtype=torch.uint8, generator=g)
-    w2 = moe.bank(w.cuda(), s.view(torch.float8_e8m0fnu).cuda(), "mxfp4")
-    pool = torch.tensor(subset) if subset else torch.arange(E)
-    ids = pool[torch.rand(T, len(pool), generator=g).topk(k, dim=1).indices].cuda()
-    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
-    srt = moe.permute(ids.flatten(), counts, E)
-    wts = torch.rand(T, k, generator=g).cuda()
-    return h, w2, counts, srt, wts
-
-
-def l2_reference(h, w2, counts, srt, wts, ks):
-    """fp32 y [T, ks, d] (NaN in the unrouted slots): row_w[p] x (H[r] @ W2[g]^T) at slot p of
-    sorted row r of expert g, on H's fp16 values and the exactly dequantized W2."""
-    T, k = wts.shape
-    W = mxfp4_f32(w2.w, w2.s)
-    y = torch.full((T * ks, W.shape[1]), float("nan"), device=h.device)
-    r0 = 0
-    for e, c in enumerate(counts.tolist()):
-        p = srt[r0:r0 + c].long()
-        y[(p // k) * ks + p % k] = wts.reshape(-1)[p, None] * (h[r0:r0 + c].float() @ W[e].T)
-        r0 += c
-    return y.view(T, ks, -1)
+# the inputs (gluon_cases.l2_case: here on the GPU, pair weights in [0, 1)) and the fp32 math
+# (gluon_cases.l2_reference): the same helpers as the prefill L2's test
 
 
 def _max_tiles(P, E):
@@ -221,15 +208,8 @@ def test_l2_decode_matches(T, E, subset, ks, dtype):
     torch.cuda.synchronize()
     assert torch.isfinite(y[:, :k]).all(), "a routed slot was not written (or is not finite)"
     assert torch.isnan(y[:, k:]).all(), "an unrouted slot was written"
-    tol = 2e-3 if dtype == torch.float32 else 1e-2
-    ref = l2_reference(h, w2, counts, srt, wts, ks)
-    assert rel(y[:, :k], ref[:, :k]) < tol, f"vs fp32 math: {rel(y[:, :k], ref[:, :k]):.3e}"
-    from megagraph.kernels.triton import moe
-
-    y_tr = torch.full_like(y, float("nan"))
-    moe.triton_l2(h, w2, counts, srt, wts, y_tr)
-    torch.cuda.synchronize()
-    assert rel(y[:, :k], y_tr[:, :k]) < tol, f"vs the Triton L2: {rel(y[:, :k], y_tr[:, :k]):.3e}"
+    check_l2_out(y, h, w2, counts, srt, wts, ks,
+                                2e-3 if dtype == torch.float32 else 1e-2)
 
 
 @gpu
@@ -275,14 +255,8 @@ def test_l2_decode_debug_pieces():
       rows_5     5 rows (the masks, the store)
       rows_40    40 rows (3 row tiles, the last partial), topk 2, ks 3, a shuffled pair order
                  and random row_w (the scatter, the weights)"""
-    from megagraph.kernels.triton import moe
-
     d, F = 64, 256
     g = torch.Generator().manual_seed(7)
-
-    def bank(codes, exps):
-        return moe.bank(codes.to(torch.int8).cuda(),
-                        exps.to(torch.uint8).view(torch.float8_e8m0fnu).cuda(), "mxfp4")
 
     def codes():
         return torch.randint(0, 256, (1, d, F // 2), generator=g)
@@ -304,17 +278,12 @@ def test_l2_decode_debug_pieces():
     msgs = []
     for name, x, c, e, k, ks, perm in cases:
         P = x.shape[0]
-        h = x.to(torch.float16).cuda()
-        w2 = bank(c, e)
-        counts = torch.tensor([P], dtype=torch.int32, device="cuda")
-        srt = (torch.arange(P) if perm is None else perm).to(torch.int32).cuda()
-        wts = (torch.ones(P) if perm is None else torch.rand(P, generator=g) + 0.5).cuda()
-        ref = l2_reference(h, w2, counts, srt, wts.view(-1, k), ks).view(-1, d)
+        h, w2, counts, srt, wts, ref = dbg_l2_case(x, c, e, k, ks, perm, g)
         for use_asm in (False, True):
             y = torch.full((P // k * ks, d), float("nan"), device="cuda")
             tag = f"{name} ({'asm' if use_asm else 'arith'})"
             try:
-                ml2.l2_gluon_decode(h, w2, counts, srt, wts, y, topk=k, ks=ks,
+                ml2.l2_gluon_decode(h, w2, counts, srt, wts.reshape(-1), y, topk=k, ks=ks,
                                     max_tiles=-(-P // ml2.BT), use_asm=use_asm)
                 torch.cuda.synchronize()
             except Exception as exc:  # noqa: BLE001  (a launch error names the case)

@@ -31,13 +31,22 @@ from __future__ import annotations
 
 import re
 
+import gluon_cases
 import pytest
 import torch
-from gluon_cases import E2M1, diagnose, mxfp4_f32, rel
+from gluon_cases import (
+    E2M1,
+    check_l2_out,
+    dbg_bank,
+    dbg_l2_case,
+    diagnose,
+    l2_reference,
+    rel,
+)
 from megagraph.kernels.triton import moe_gluon_l2 as mgl
 from sm90_build import gluon_sm90, loop_instructions, usage_and_sass
 from test_moe_gluon import proxy_fence_problems
-from test_moe_gluon_decode_l2 import _parse, _run
+from test_moe_gluon_decode_l2 import _parse, _run, check_table_lanes, fp16_ref
 
 GPU_OK = mgl.available()
 gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and Triton 3.6 Gluon")
@@ -57,54 +66,13 @@ def _sync():
 # ---------------------------------------------------------------------------------------------
 
 
-def _bank(codes: torch.Tensor, exps: torch.Tensor, device):
-    from megagraph.kernels.triton import moe
-
-    return moe.bank(codes.to(torch.int8).to(device),
-                    exps.to(torch.uint8).view(torch.float8_e8m0fnu).to(device), "mxfp4")
-
-
-def sort_pairs(ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The expert-sorted pair list: moe.permute on the GPU, a stable argsort elsewhere (the same
-    groups; the order inside a group may differ, which no output depends on)."""
-    if ids.is_cuda:
-        from megagraph.kernels.triton import moe
-
-        return moe.permute(ids.flatten(), counts, counts.numel())
-    return torch.argsort(ids.flatten(), stable=True).to(torch.int32)
-
-
 def l2_case(T, E, d, F, k, seed, subset=None, exps=(119, 125), device=None, scale=2.0):
-    """Random fp16 H [T k, F] (sorted rows), an MXFP4 W2 bank [E, d, F / 2] (exponents in
-    [exps[0], exps[1])), top-k routing of distinct experts per token from `subset` (the other
-    experts stay empty), pair weights: (h, w2, counts, srt, wts [T, k]) on `device` (DEV)."""
-    device = DEV if device is None else device
-    g = torch.Generator().manual_seed(seed)
-    h = (torch.randn(T * k, F, generator=g) * scale).to(torch.float16).to(device)
-    w = torch.randint(-128, 128, (E, d, F // 2), dtype=torch.int8, generator=g)
-    s = torch.randint(*exps, (E, d, F // 32), dtype=torch.uint8, generator=g)
-    w2 = _bank(w, s, device)
-    pool = torch.tensor(subset) if subset else torch.arange(E)
-    ids = pool[torch.rand(T, len(pool), generator=g).topk(k, dim=1).indices].to(device)
-    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
-    srt = sort_pairs(ids, counts)
-    wts = (torch.rand(T, k, generator=g) + 0.25).to(device)
-    return h, w2, counts, srt, wts
-
-
-def l2_reference(h, w2, counts, srt, wts, ks):
-    """fp32 y [T, ks, d] (NaN in the unrouted slots): wts[p] x (H[r] @ W2[g]^T) at slot p of
-    sorted row r of expert g, on H's fp16 values and the exactly dequantized W2."""
-    T, k = wts.shape
-    W = mxfp4_f32(w2.w, w2.s)
-    y = torch.full((T * ks, W.shape[1]), float("nan"), device=h.device)
-    r0 = 0
-    for e, c in enumerate(counts.tolist()):
-        p = srt[r0:r0 + c].long()
-        y[(p // k) * ks + p % k] = wts.reshape(-1)[p, None].float() * \
-            (h[r0:r0 + c].float() @ W[e].T)
-        r0 += c
-    return y.view(T, ks, -1)
+    """gluon_cases.l2_case on `device` (DEV) with pair weights in [0.25, 1.25): (h, w2, counts,
+    srt, wts [T, k]); the fp32 math is gluon_cases.l2_reference (both shared with the decode
+    L2's test)."""
+    return gluon_cases.l2_case(T, E, d, F, k, seed, subset=subset, exps=exps,
+                               device=DEV if device is None else device, scale=scale,
+                               wts_lo=0.25)
 
 
 def _max_tiles(P, E):
@@ -150,17 +118,6 @@ def emulate_l2(h, w2, counts, srt, wts, ks):
 # ---------------------------------------------------------------------------------------------
 
 
-def _fp16_ref(r: int) -> list[int]:
-    """fp16 bits of every E2M1 code 0..15 times 2^r, computed by torch; (signed) zero for
-    r < REL_MIN (the flush). Asserts the values are exact (normal) fp16."""
-    keep = r >= mgl.REL_MIN
-    vals = torch.tensor([(-1.0 if c & 8 else 1.0) * E2M1[c & 7] * 2.0 ** r * keep
-                         for c in range(16)], dtype=torch.float64)
-    h = vals.to(torch.float16)
-    assert torch.equal(h.double(), vals), r
-    return (h.view(torch.int16).long() & 0xFFFF).tolist()
-
-
 def test_table_upcast_frame_bit_exact():
     """FP16_TABLE_ASM_TEXT with this kernel's tables (mgl.tables: the decode L2's table words,
     flushed below REL_MIN = -13 instead of -5): for every byte value in every byte lane of the
@@ -173,17 +130,10 @@ def test_table_upcast_frame_bit_exact():
     ops = _parse(ml2.FP16_TABLE_ASM_TEXT)
     g = torch.Generator().manual_seed(11)
     for r in range(-20, mgl.REL_MAX + 1):
-        ref = _fp16_ref(r)
+        ref = fp16_ref(r, mgl.REL_MIN)  # torch's fp16, flushed below REL_MIN
         assert [mgl.fp16_bits(c, r) for c in range(16)] == ref, r
         ta, tb = mgl.tables(r)
-        for lane in range(4):
-            for b in range(256):
-                bs = torch.randint(0, 256, (4,), generator=g).tolist()
-                bs[lane] = b
-                w = sum(x << (8 * i) for i, x in enumerate(bs))
-                got = _run(ops, [0, 0, 0, 0, w, ta, tb], 4)
-                want = [ref[x & 0xF] | (ref[x >> 4] << 16) for x in bs]
-                assert got == want, (r, lane, b, [hex(x) for x in got], [hex(x) for x in want])
+        check_table_lanes(ops, r, ta, tb, ref, g)
     assert mgl.fp16_bits(7, mgl.REL_MAX) == 0x7A00  # 49152: the largest frame weight
     assert mgl.frame(127) == 114 and mgl.frame(5) == 1
 
@@ -276,7 +226,7 @@ def test_kernel_consts_and_launcher_checks():
     assert mgl.kernel_consts(384, False)["USE_ASM"] is False
     assert [mgl.kernel_consts(k)["KGI"] for k in (384, 512, 768, 1152)] == [1, 1, 2, 3]
     E, d, F, k, T = 2, 128, 384, 2, 3
-    w2 = _bank(torch.zeros(E, d, F // 2), torch.full((E, d, F // 32), 127), "cpu")
+    w2 = dbg_bank(torch.zeros(E, d, F // 2), torch.full((E, d, F // 32), 127), "cpu")
     counts = torch.tensor([T * k, 0], dtype=torch.int32)
     srt = torch.arange(T * k, dtype=torch.int32)
     wts = torch.ones(T, k)
@@ -289,10 +239,10 @@ def test_kernel_consts_and_launcher_checks():
         args.update(kw)
         return mgl.l2_gluon(**args)
 
-    w2_k = _bank(torch.zeros(E, d, 64), torch.full((E, d, 4), 127), "cpu")  # K = 128
-    w2_n = _bank(torch.zeros(E, 64, F // 2), torch.full((E, 64, F // 32), 127), "cpu")  # d 64
+    w2_k = dbg_bank(torch.zeros(E, d, 64), torch.full((E, d, 4), 127), "cpu")  # K = 128
+    w2_n = dbg_bank(torch.zeros(E, 64, F // 2), torch.full((E, 64, F // 32), 127), "cpu")  # d 64
     wide = torch.zeros(E, d, F // 2 + 8, dtype=torch.int8)  # rows of 200 bytes: not 16-aligned
-    w2_a = _bank(wide[..., : F // 2], torch.full((E, d, F // 32), 127), "cpu")
+    w2_a = dbg_bank(wide[..., : F // 2], torch.full((E, d, F // 32), 127), "cpu")
     h_pad = torch.zeros(T * k, F + 4, dtype=torch.float16)[:, :F]  # row stride 388: not 16 B
     bad = [dict(h=h.float()), dict(h=torch.zeros(T * k, F - 192, dtype=torch.float16)),
            dict(h=h_pad), dict(h=h[: T * k - 1]), dict(w2_bank=w2_k, h=h[:, :128]),
@@ -468,22 +418,14 @@ def test_l2_gluon_matches(T, E, k, subset, ks, dtype, d, F):
     into fp16 y; one token (rows < 48: the kernel is correct at any size); 384 rows per
     expert at the real F = 2304 (36 chunks). NaN-poisoned y: every routed slot written, no
     other; vs the fp32 math and vs moe.triton_l2; REPEATS launches give the same bits."""
-    from megagraph.kernels.triton import moe
-
     h, w2, counts, srt, wts = l2_case(T, E, d, F, k, seed=T + E + ks, subset=subset)
     outs = _launch(h, w2, counts, srt, wts, ks, dtype, repeats=REPEATS)
     y = outs[0]
     assert torch.isfinite(y[:, :k]).all(), "a routed slot was not written (or is not finite)"
     assert torch.isnan(y[:, k:].float()).all(), "an unrouted slot was written"
     assert not _differ(outs), f"launches {_differ(outs)} of {REPEATS} gave other bits"
-    tol = 2e-3 if dtype == torch.float32 else 1e-2
-    ref = l2_reference(h, w2, counts, srt, wts, ks)
-    assert rel(y[:, :k], ref[:, :k]) < tol, f"vs fp32 math: {rel(y[:, :k], ref[:, :k]):.3e}"
-    y_tr = torch.full_like(y, float("nan"))
-    moe.triton_l2(h, w2, counts, srt, wts, y_tr)
-    _sync()
-    assert rel(y[:, :k], y_tr[:, :k]) < tol, \
-        f"vs the Triton L2: {rel(y[:, :k], y_tr[:, :k]):.3e}"
+    check_l2_out(y, h, w2, counts, srt, wts, ks,
+                                2e-3 if dtype == torch.float32 else 1e-2)
 
 
 @gpu
@@ -568,14 +510,7 @@ def test_l2_gluon_debug_pieces(K):
               torch.randperm(300, generator=g))]
     msgs = []
     for name, x, c, e, k, ks, perm in cases:
-        P = x.shape[0]
-        h = x.to(torch.float16).to(DEV)
-        w2 = _bank(c, e, DEV)
-        counts = torch.tensor([P], dtype=torch.int32, device=DEV)
-        srt = (torch.arange(P) if perm is None else perm).to(torch.int32).to(DEV)
-        wts = (torch.ones(P) if perm is None else torch.rand(P, generator=g) + 0.5).to(DEV)
-        wts = wts.view(-1, k)
-        ref = l2_reference(h, w2, counts, srt, wts, ks).view(-1, d)
+        h, w2, counts, srt, wts, ref = dbg_l2_case(x, c, e, k, ks, perm, g, DEV)
         routed = torch.isfinite(ref[:, 0])
         for use_asm in (False, True):
             tag = f"{name} (K {K}, {'asm' if use_asm else 'arith'})"
