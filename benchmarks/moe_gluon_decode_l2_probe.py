@@ -37,7 +37,8 @@ if str(HERE) not in sys.path:
 from gluon_probe_common import V41_FLASH as REAL  # noqa: E402
 from gluon_probe_common import Y_DTYPES as YDT  # noqa: E402
 from gluon_probe_common import build_l2, check_lines, finish, probe_parser  # noqa: E402
-from gluon_probe_common import reference_l2_slots, rel, run_child, skipped  # noqa: E402
+from gluon_probe_common import check_cases_in_child, reference_l2_slots, rel  # noqa: E402
+from gluon_probe_common import run_checks, skipped  # noqa: E402
 from gluon_probe_common import l2_error_lines, slot_errors  # noqa: E402
 from gluon_probe_common import bandwidth_rates, table, timed_row, write_report  # noqa: E402
 
@@ -65,13 +66,10 @@ def check(T: int, dims: dict, ks: int, ydt: str) -> dict:
 
 
 def check_in_child(T: int, dims: dict, ks: int, ydt: str, timeout: float = 120.0) -> dict:
-    """check(...) in a child process (run_child: CUDA_LAUNCH_BLOCKING=1, a crash cannot poison
-    this process's context): its result, or the failure as a result."""
-    got, timed_out, error = run_child(__file__, dict(tokens=T, dims=dims, ks=ks, ydt=ydt),
-                                      timeout)
-    if got and not timed_out:
-        return got[-1]
-    return dict(tokens=T, dims=dims, ok=False, error=error)
+    """check(...) in a child process (gluon_probe_common.check_cases_in_child:
+    CUDA_LAUNCH_BLOCKING=1, a crash cannot poison this process's context): its result, or the
+    failure as a result."""
+    return check_cases_in_child(__file__, [dict(tokens=T, dims=dims, ks=ks, ydt=ydt)], timeout)[-1]
 
 
 def main() -> None:
@@ -85,13 +83,8 @@ def main() -> None:
     def write():  # the JSON / md, after every row: a later crash loses nothing measured
         _write(args.out, res)
 
-    if args.check_json:
-        c = json.loads(args.check_json)
-        try:
-            res = check(c["tokens"], c["dims"], c["ks"], c["ydt"])
-        except Exception as exc:  # noqa: BLE001  (reported to the parent)
-            res = dict(tokens=c["tokens"], dims=c["dims"], ok=False, error=repr(exc)[:800])
-        print(json.dumps(res), flush=True)
+    if args.check_json:  # child process of check_cases_in_child: one JSON line per case
+        run_checks(args.check_json, lambda c: check(c["tokens"], c["dims"], c["ks"], c["ydt"]))
         return
 
     from megagraph.kernels.triton import moe

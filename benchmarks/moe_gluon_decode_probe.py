@@ -33,7 +33,8 @@ if str(HERE) not in sys.path:
 
 # the shared inputs, timing, child checks and report (after the sys.path entry: E402)
 from gluon_probe_common import build, check_lines, finish, reference_rows, rel  # noqa: E402
-from gluon_probe_common import run_child, table, time_triton_l1, timed_row  # noqa: E402
+from gluon_probe_common import check_cases_in_child, run_checks, table  # noqa: E402
+from gluon_probe_common import time_triton_l1, timed_row  # noqa: E402
 from gluon_probe_common import V41_FLASH as REAL  # noqa: E402
 from gluon_probe_common import probe_parser, skipped  # noqa: E402
 from gluon_probe_common import bandwidth_rates, write_report  # noqa: E402
@@ -62,12 +63,10 @@ def check(T: int, dims: dict, limit: float) -> dict:
 
 
 def check_in_child(T: int, dims: dict, limit: float, timeout: float = 120.0) -> dict:
-    """check(T, dims, limit) in a child process (run_child: CUDA_LAUNCH_BLOCKING=1, a crash
-    cannot poison this process's context): its result, or the failure as a result."""
-    got, timed_out, error = run_child(__file__, dict(tokens=T, dims=dims, limit=limit), timeout)
-    if got and not timed_out:
-        return got[-1]
-    return dict(tokens=T, dims=dims, ok=False, error=error)
+    """check(...) in a child process (gluon_probe_common.check_cases_in_child:
+    CUDA_LAUNCH_BLOCKING=1, a crash cannot poison this process's context): its result, or the
+    failure as a result."""
+    return check_cases_in_child(__file__, [dict(tokens=T, dims=dims, limit=limit)], timeout)[-1]
 
 
 def main() -> None:
@@ -78,13 +77,8 @@ def main() -> None:
     def write():  # the JSON / md, after every row: a later crash loses nothing measured
         _write(args.out, res)
 
-    if args.check_json:
-        c = json.loads(args.check_json)
-        try:
-            res = check(c["tokens"], c["dims"], c["limit"])
-        except Exception as exc:  # noqa: BLE001  (reported to the parent)
-            res = dict(tokens=c["tokens"], dims=c["dims"], ok=False, error=repr(exc)[:800])
-        print(json.dumps(res), flush=True)
+    if args.check_json:  # child process of check_cases_in_child: one JSON line per case
+        run_checks(args.check_json, lambda c: check(c["tokens"], c["dims"], c["limit"]))
         return
 
     from megagraph.kernels.triton import moe
