@@ -1,0 +1,113 @@
+"""A/B of MegaMoE configurations in one process: the kernel switches of kernels/triton/moe.py
+(module attributes such as CUBLAS_PREFILL, GLUON_PREFILL_L2, SHARED_STREAM) set per row,
+rows interleaved over rounds so that they compare within one run (between device calls the same
+row moves by up to 5%). Real V4.1-Flash dims and the inputs of benchmarks/kernels.py's MoE rows.
+Each configuration's output is compared with the first configuration's (relative Frobenius
+error), so a faster row that is wrong shows.
+
+    python3 benchmarks/moe_ab.py --out DIR --tokens 8192 \
+        --configs "base:;cublas_l1:CUBLAS_PREFILL=1;gluon_l2:GLUON_PREFILL_L2=1"
+
+Writes DIR/moe-ab.json and DIR/moe-ab.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_rows import moe as m, time_ms  # noqa: E402
+
+
+def parse_configs(spec: str) -> list[tuple[str, dict]]:
+    """"name:ATTR=v,ATTR=v;name2:..." -> [(name, {ATTR: bool|int|str})]; "1"/"0" are booleans."""
+    out = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        name, _, knobs = part.partition(":")
+        d = {}
+        for kv in filter(None, knobs.split(",")):
+            k, _, v = kv.partition("=")
+            d[k.strip()] = {"1": True, "0": False}.get(v.strip(), v.strip())
+        out.append((name.strip(), d))
+    if not out:
+        raise SystemExit("--configs: no configuration given")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", default="8192")
+    ap.add_argument("--configs", required=True)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    from megagraph.kernels.triton import moe as tm
+
+    configs = parse_configs(args.configs)
+    for _, knobs in configs:
+        for k in knobs:
+            if not hasattr(tm, k):
+                raise SystemExit(f"--configs: kernels.triton.moe has no switch {k!r}")
+    dev = torch.device("cuda")
+    w = m.make_weights(m.V41, dev)
+    kw = dict(topk=m.V41["k"], **m.MOE_KW)
+    rows = []
+    for T in (int(t) for t in args.tokens.split(",")):
+        streams, (x, xq, xs, _pre, post, comb) = m.layer_inputs(m.V41, w, T, dev, seed=T + 1)
+        call = lambda: tm.mega_moe(x, xq, xs, streams, post, comb, w["gate"], w["bias"],  # noqa
+                                   *w["routed"], *w["shared"], **kw)
+        saved = {k: getattr(tm, k) for _, kn in configs for k in kn}
+        ref, times = None, {name: [] for name, _ in configs}
+        errs = {}
+        for rnd in range(args.rounds):
+            for name, knobs in configs:
+                for k, v in saved.items():
+                    setattr(tm, k, knobs.get(k, v))
+                try:
+                    if rnd == 0:
+                        out = call().float()
+                        torch.cuda.synchronize()
+                        if ref is None:
+                            ref = out
+                        errs[name] = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+                    times[name].append(time_ms(call, device="cuda"))
+                except Exception as e:  # a failing configuration is a row, not the end of the run
+                    errs.setdefault(name, float("nan"))
+                    times[name].append(float("nan"))
+                    print(f"T={T} {name}: {type(e).__name__}: {e}", flush=True)
+                print(f"T={T} round {rnd} {name}: {times[name][-1]:.4f} ms "
+                      f"rel_err {errs[name]:.2e}", flush=True)
+        for k, v in saved.items():
+            setattr(tm, k, v)
+        for name, knobs in configs:
+            rows.append(dict(tokens=T, config=name, knobs={k: str(v) for k, v in knobs.items()},
+                             ms=times[name], median_ms=statistics.median(times[name]),
+                             rel_err_vs_first=errs[name]))
+    os.makedirs(args.out, exist_ok=True)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=__import__("triton").__version__, configs=args.configs, rows=rows)
+    for ext, text in (("json", json.dumps(meta, indent=1)), ("md", _md(meta))):
+        path = os.path.join(args.out, f"moe-ab.{ext}")
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+
+
+def _md(meta: dict) -> str:
+    lines = [f"# MegaMoE A/B: {meta['device']} (torch {meta['torch']}, Triton {meta['triton']})",
+             "", f"configs: `{meta['configs']}`", "",
+             "| tokens | config | runs (ms) | median ms | rel err vs first |", "|---|---|---|---:|---:|"]
+    for r in meta["rows"]:
+        lines.append(f"| {r['tokens']} | {r['config']} | "
+                     f"{', '.join(f'{t:.4f}' for t in r['ms'])} | {r['median_ms']:.4f} | "
+                     f"{r['rel_err_vs_first']:.2e} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
