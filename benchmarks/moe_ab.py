@@ -6,7 +6,7 @@ Each configuration's output is compared with the first configuration's (relative
 error), so a faster row that is wrong shows.
 
     python3 benchmarks/moe_ab.py --out DIR --tokens 8192 \
-        --configs "base:;cublas_l1:CUBLAS_PREFILL=1;gluon_l2:GLUON_PREFILL_L2=1"
+        --configs "base:/cublas_l1:CUBLAS_PREFILL=1/gluon_l2:GLUON_PREFILL_L2=1"
 
 Writes DIR/moe-ab.json and DIR/moe-ab.md.
 """
@@ -25,9 +25,10 @@ from kernel_rows import moe as m, time_ms  # noqa: E402
 
 
 def parse_configs(spec: str) -> list[tuple[str, dict]]:
-    """"name:ATTR=v,ATTR=v;name2:..." -> [(name, {ATTR: bool|int|str})]; "1"/"0" are booleans."""
+    """"name:ATTR=v,ATTR=v/name2:..." -> [(name, {ATTR: bool|int|str})]; "1"/"0" are booleans.
+    Configurations are separated by "/" (or ";", which benchmarks/h200_check.sh splits steps on)."""
     out = []
-    for part in filter(None, (p.strip() for p in spec.split(";"))):
+    for part in filter(None, (p.strip() for p in spec.replace(";", "/").split("/"))):
         name, _, knobs = part.partition(":")
         d = {}
         for kv in filter(None, knobs.split(",")):

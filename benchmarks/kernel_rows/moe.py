@@ -327,7 +327,8 @@ def _variants(rpg: float, tm, auto: bool):
     available) with the default upcast, the same with the other upcast, at decode the Triton
     kernels instead of the Gluon ones (both: "triton", one at a time: "triton-l1" /
     "triton-l2"), at prefill the Triton L1 ("triton-l1") and the opt-in Gluon L1 ("gluon-l1")
-    instead of the default cuBLAS one, one alternative tile each for L1 and L2."""
+    instead of the default cuBLAS one (from 100 rows per expert) and the Triton L2 ("triton-l2")
+    instead of the Gluon one, one alternative tile each for L1 and L2."""
     G = tm.GemmConfig
     out = [("default", None, None, auto, {})]
     if not tm.INTERPRET:
@@ -336,9 +337,10 @@ def _variants(rpg: float, tm, auto: bool):
         out[1:1] = [("triton", None, None, auto, {"GLUON": False}),
                     ("triton-l1", None, None, auto, {"GLUON_DECODE": False}),
                     ("triton-l2", None, None, auto, {"GLUON_DECODE_L2": False})]
-    elif rpg > 48:  # the L1 on the Triton kernel, on the opt-in Gluon kernel (default: cuBLAS)
+    elif rpg > 48:  # the L1 on the Triton kernel, on the opt-in Gluon one; the L2 on Triton
         out[1:1] = [("triton-l1", None, None, auto, {"CUBLAS_PREFILL": False}),
-                    ("gluon-l1", None, None, auto, {"GLUON_PREFILL": True})]
+                    ("gluon-l1", None, None, auto, {"GLUON_PREFILL": True}),
+                    ("triton-l2", None, None, auto, {"GLUON_PREFILL_L2": False})]
     if rpg <= 12:
         out.append(("alt", G(16, 64, 128, 4, 4, par=True), G(64, 64, 128, 4, 4, par=True), auto,
                     {}))

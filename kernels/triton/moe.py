@@ -118,14 +118,13 @@ GLUON_DECODE = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE", "1") == "1"
 GLUON_PREFILL = os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL", "0") == "1"
 # dense FP8-block GEMMs (linear_q) from this many rows on go to cuBLAS (kernels/cublas_fp8.py)
 CUBLAS_MIN_ROWS = int(os.environ.get("MEGAGRAPH_CUBLAS_FP8_MIN_ROWS", "1"))
-# routed_experts' L1 at prefill sizes (> 48 rows per expert) on cuBLAS's rowwise grouped FP8
-# GEMM after a per-call E4M3 upcast of the touched experts (moe_grouped_cublas)
-# Off by default: on the H200 the whole L1 took 16.1 ms against the Triton L1's 10.6 at 8192
-# tokens (mega_moe 23.2 against 17.6 ms, eighth session): the grouped GEMM alone is 3.3 ms
-# (scaled_mm probe); its first upcast kernel gathered one scale per byte (~19 SASS per element,
-# ALU-bound ~5 ms). Rebuilt after that run on the GEMMs' PRMT upcast (5 per element: HBM-bound,
-# ~3.3 ms for W1 / W3 at 384 experts): expected ~7 ms for the L1, NOT yet timed.
-CUBLAS_PREFILL = os.environ.get("MEGAGRAPH_MOE_CUBLAS_PREFILL", "0") == "1"
+# routed_experts' L1 at prefill sizes (> moe_grouped_cublas.MIN_ROWS_PER_EXPERT rows per expert)
+# on cuBLAS's rowwise grouped FP8 GEMM after a per-call E4M3 upcast of the touched experts
+# (moe_grouped_cublas). On by default from the ninth session: in one run on the H200
+# (benchmarks/moe_ab.py, mega_moe with the Gluon prefill L2) 14.56 against 15.78 ms at 8192
+# tokens (128 rows per expert), but 11.54 against 9.63 ms at 4096 (64 rows: the upcast of all
+# experts is a fixed ~3 ms that the Triton L1 only pays back from ~100 rows per expert)
+CUBLAS_PREFILL = os.environ.get("MEGAGRAPH_MOE_CUBLAS_PREFILL", "1") == "1"
 # mega_moe runs the shared expert on a side stream, concurrent with the routed experts. Off by
 # default: on the H200 (64 tokens, CUDA graphs) the layer took 2.001 ms with it against 1.904 ms
 # without (three A/B pairs in one run, eighth session): the Gluon decode L1's grid loses SMs to
@@ -137,8 +136,11 @@ SHARED_STREAM = os.environ.get("MEGAGRAPH_MOE_SHARED_STREAM", "0") == "1"
 CUBLAS_GROUPED_MIN_ROWS = int(os.environ.get("MEGAGRAPH_CUBLAS_FP8_GROUPED_MIN_ROWS", "256"))
 # The decode L2 (moe_gluon_decode_l2, <= 12 rows per expert; MEGAGRAPH_MOE_GLUON turns it off too)
 GLUON_DECODE_L2 = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE_L2", "1") == "1"
-# The prefill L2 (moe_gluon_l2, > 48 rows per expert): opt-in until timed on the H200
-GLUON_PREFILL_L2 = os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL_L2", "0") == "1"
+# The prefill L2 (moe_gluon_l2, > 48 rows per expert): on by default from the ninth session (H200,
+# poisson routing at 8192 tokens: 4.01 against the Triton L2's 5.82 ms, rel. diff 7.4e-5,
+# benchmarks/moe_gluon_l2_probe.py; mega_moe 15.78 against 17.61 ms at 8192, 9.63 against 10.25
+# at 4096 tokens, benchmarks/moe_ab.py; its tests repeat launches and compare the bits)
+GLUON_PREFILL_L2 = os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL_L2", "1") == "1"
 MMA_FP8, MMA_FP16, MMA_BF16, MMA_F32 = 0, 1, 2, 3
 WFMT = {"mxfp4": 0, "fp8_block": 1}
 RDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -711,8 +713,8 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
 
 def _cublas_prefill(x_q: Tensor, w1: Bank, w3: Bank, h: Tensor, role: str,
                     rows_per_group: float) -> bool:
-    """routed_experts' L1 on cuBLAS's grouped FP8 GEMM (moe_grouped_cublas: 10.6 -> ~7 ms
-    expected at 8192 tokens on the H200, the experts upcast per call): CUBLAS_PREFILL on, the
+    """routed_experts' L1 on cuBLAS's grouped FP8 GEMM (moe_grouped_cublas, the experts upcast per
+    call: mega_moe 15.78 -> 14.56 ms at 8192 tokens on the H200): CUBLAS_PREFILL on, the
     fp16-H role without a CONFIG_OVERRIDE (tests and sweeps pin the Triton tile), and what
     moe_grouped_cublas.applies checks (prefill sizes, formats, its device check)."""
     if not CUBLAS_PREFILL or role != "l1" or role in CONFIG_OVERRIDE:

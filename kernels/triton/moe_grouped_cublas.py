@@ -32,7 +32,10 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-MIN_ROWS_PER_EXPERT = 48  # the prefill range of routed_experts (decode: the Gluon kernels)
+# From this many rows per expert on (exclusive) the per-call upcast pays: H200, mega_moe with the
+# Gluon prefill L2, one run (benchmarks/results/moe-ab-9-h200.md): 14.56 vs 15.78 ms with the
+# Triton L1 at 128 rows per expert, 11.54 vs 9.63 ms at 64; crossover ~100 by interpolation
+MIN_ROWS_PER_EXPERT = 100
 BN, BK = 32, 256  # upcast tile: rows x columns per step
 BR, BD = 32, 128  # activation requant tile: rows x columns per step (4 KB in flight)
 
