@@ -71,6 +71,9 @@ KERNELS: dict[str, list[KernelImpl]] = {
                  _k("triton.mega_moe", "sm_90 triton", "available",
                     note=f"{TRITON_MOE}; router, permutation, shared expert, combine + expand")],
     "hc_mixer": [_k("deepgemm.tf32_hc_prenorm_gemm+triton.sinkhorn", "cuda deepgemm triton")],
+    "hc_expand": [_k("triton.hc_expand", "sm_90 triton", "unvalidated",
+                     note="kernels/triton/mhc.py: mega_moe's combine kernel with one slot (the "
+                          "attention sites' residual expand; the FFN sites' is inside mega_moe)")],
     "sparse_attn": [_k("flashmla.sparse_fwd", "cuda flashmla"),
                     _k("triton.sparse_attn", "sm_90 triton", "available", note=TRITON_ATTN)],
     "sparse_attn_q": [_k("flashmla.mega_attention", "sm_100f flashmla mxfp8"),
@@ -142,6 +145,7 @@ LOADABLE.update({
     "triton.fp8_block_gemm": "megagraph.kernels.triton.moe",
     "triton.grouped_fp8_gemm": "megagraph.kernels.triton.moe",
     "triton.mega_mhc": "megagraph.kernels.triton.mhc",
+    "triton.hc_expand": "megagraph.kernels.triton.mhc",
     "triton.quantize_act": "megagraph.kernels.triton.quant",
     "triton.fake_quant": "megagraph.kernels.triton.quant",
     "triton.rope": "megagraph.kernels.triton.rope",

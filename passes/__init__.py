@@ -4,7 +4,8 @@ Importing this package registers every pass in `PASSES` (one module per pass).
 """
 
 from . import (batch_window_copies, bounded_replay, cleanup, fuse_compressor,  # noqa: F401
-               indexer_products, mega_moe, partition, quantize_epilogues)
+               indexer_products, mega_mhc, mega_moe, partition,
+               quantize_epilogues)
 from .base import PASSES, Pass, PassError, PassResult, register_pass
 from .hw import HwProfile, known_hw, load_hw_profile
 from .pipeline import PIPELINE, CompileOptions, Compiled, compile_graph, compile_model

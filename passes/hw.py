@@ -18,7 +18,7 @@ from megagraph.models.config import CONFIG_DIR, ConfigError
 HW_DIR = CONFIG_DIR / "hw"
 NUMBER_FORMATS = ("fp8_e4m3", "mxfp8", "mxfp4", "nvfp4")
 KERNEL_LIBRARIES = ("deepgemm", "flashmla", "deepep", "triton")
-FUSIONS = ("mega_moe", "attn_epilogue", "compressor", "window_copies")
+FUSIONS = ("mega_moe", "mega_mhc", "attn_epilogue", "compressor", "window_copies")
 
 
 @dataclass(frozen=True)

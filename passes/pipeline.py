@@ -28,6 +28,7 @@ PIPELINE = (
     "fuse-compressor",      # before quantize-epilogues: the compressor reads the unquantized norm
     "quantize-epilogues",   # before mega-moe-fusion, which absorbs the MoE-input quantize_act
     "mega-moe-fusion",      # needs quantize-epilogues' moe_experts_q / swiglu_mlp_q
+    "mega-mhc-fusion",      # after mega-moe-fusion: the mHC front halves it left (attention sites)
     "expert-parallel",      # after mega-moe-fusion (splits mega_moe); only with --dp/--ep > 1
     "batch-window-copies",  # after every attention rewrite: it reads each layer's final kv value
     "indexer-products",     # after every attention rewrite: reads the final producers of qi / ikey

@@ -251,3 +251,25 @@ def reduce_partials(part: Tensor, sqp: Tensor) -> tuple[Tensor, Tensor]:
 
 
 __all__ = ["mega_mhc", "supports", "plan", "counters", "reset_counters"]
+
+
+def hc_expand(H: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    """kernels.reference.mhc.hc_expand at the attention sites (the FFN sites' expand runs inside
+    mega_moe's combine): H'[t, j] = post[t, j] y[t] + sum_i comb[t, i, j] H[t, i], fp32 math, one
+    launch of mega_moe's combine kernel with one slot (moe.combine: K = 1, no shared slot, so y
+    passes through unrounded). The capturable version is a broadcast product, an einsum and a
+    cast (3-4 kernels, and its einsum over bf16 streams upcasts all of H first). The sum over i
+    runs in the kernel's order: an output element can differ from the reference by one rounding
+    of the output dtype (bf16: 2^-8 relative) where the fp32 values straddle a tie."""
+    T, n, d = H.shape
+    if not (available() and on_device(H)) or H.dtype not in RDT or y.dtype not in RDT \
+            or n & (n - 1) or y.shape != (T, d) or y.stride(-1) != 1:
+        from megagraph.kernels.capturable.dense import hc_expand as fallback
+
+        return fallback(H, y, post, comb)
+    from .moe import combine
+
+    out = torch.empty(T, n, d, dtype=H.dtype, device=H.device)
+    h = H if H.stride(-1) == 1 else H.contiguous()
+    return combine(y.unsqueeze(1), out, topk=1, shared=False, rdt=y.dtype, streams=h,
+                   post=post.float().contiguous(), comb=comb.float().contiguous())

@@ -340,3 +340,55 @@ def test_fused_equals_unfused_full_width(T):
     all_written(fused, "fp8_1x128")
     assert same_bits(fused, plain) == []
     assert counters_zero()
+
+
+# ---------------------------------------------------------------------------------------------
+# hc_expand at the attention sites (mega_moe's combine kernel with one slot)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T,d,dtype", [(1, 256, torch.bfloat16), (5, 200, torch.bfloat16),
+                                       (64, 512, torch.bfloat16), (300, 256, torch.float32),
+                                       (3, 256, torch.float16)])
+def test_hc_expand_matches_reference(T, d, dtype):
+    """Every element written (poisoned output) and within one rounding of the output dtype of the
+    reference's fp32 math (an element can round the other way at a tie) plus the fp32 summation
+    order (the sum over source streams runs in the kernel's order: 1e-6 of the terms' magnitude,
+    |post y| + sum |comb H|, which bounds cancellation). d = 200: a masked column tail. Without
+    a GPU it runs in the interpreter child (test_triton_interp.py)."""
+    from megagraph.kernels.reference.mhc import hc_expand as ref
+
+    n = 4
+    g = torch.Generator().manual_seed(T * 7 + d)
+    H = torch.randn(T, n, d, generator=g).to(dtype).to(DEV)
+    y = torch.randn(T, d, generator=g).to(dtype).to(DEV)
+    post = (2 * torch.rand(T, n, generator=g)).to(DEV)
+    comb = torch.softmax(torch.randn(T, n, n, generator=g), -1).to(DEV)
+    with poisoned():
+        out = tmhc.hc_expand(H, y, post, comb)
+    want = ref(H, y, post, comb)
+    assert out.dtype == want.dtype and out.shape == want.shape
+    assert torch.isfinite(out.float()).all(), "an output element was not written"
+    ulp = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 0.0}[dtype]  # 1 ulp
+    terms = ref(H.float().abs(), y.float().abs(), post.abs(), comb.abs())
+    err = (out.float() - want.float()).abs()
+    assert bool((err <= ulp * want.float().abs() + 1e-6 * terms).all()), float(err.max())
+
+
+def test_hc_expand_strided_streams_and_fallback():
+    """A non-contiguous stream view (the runtime's slot buffers) gives the same bits as its
+    contiguous copy; an odd stream count (not a power of two) takes the capturable path."""
+    from megagraph.kernels.capturable.dense import hc_expand as cap
+
+    T, n, d = 7, 4, 256
+    g = torch.Generator().manual_seed(11)
+    big = torch.randn(T, n, 2 * d, generator=g).to(torch.bfloat16).to(DEV)
+    H = big[:, :, :d]
+    y = torch.randn(T, d, generator=g).to(torch.bfloat16).to(DEV)
+    post, comb = torch.rand(T, n, generator=g).to(DEV), torch.rand(T, n, n, generator=g).to(DEV)
+    a = tmhc.hc_expand(H, y, post, comb)
+    b = tmhc.hc_expand(H.contiguous(), y, post, comb)
+    assert torch.equal(a, b)
+    H3 = torch.randn(T, 3, d, generator=g).to(torch.bfloat16).to(DEV)
+    p3, c3 = torch.rand(T, 3, generator=g).to(DEV), torch.rand(T, 3, 3, generator=g).to(DEV)
+    assert torch.equal(tmhc.hc_expand(H3, y, p3, c3), cap(H3, y, p3, c3))

@@ -25,9 +25,10 @@ def test_compile_writes_the_artifact_layout(tmp_path, capsys):
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert files == ["graph/00-built.mgir", "graph/01-fold-constants.mgir", "graph/02-cse.mgir",
                      "graph/03-fuse-compressor.mgir", "graph/04-quantize-epilogues.mgir",
-                     "graph/05-mega-moe-fusion.mgir", "graph/06-batch-window-copies.mgir",
-                     "graph/07-indexer-products.mgir", "graph/08-dead-code.mgir",
-                     "graph/09-partition-prefill.mgir", "graph/10-bounded-replay.mgir",
+                     "graph/05-mega-moe-fusion.mgir", "graph/06-mega-mhc-fusion.mgir",
+                     "graph/07-batch-window-copies.mgir", "graph/08-indexer-products.mgir",
+                     "graph/09-dead-code.mgir", "graph/10-partition-prefill.mgir",
+                     "graph/11-bounded-replay.mgir",
                      "graph/encoder-replay.mgir",
                      "graph/prefill-prefix.mgir", "graph/prefill-suffix.mgir", "manifest.yaml",
                      "model.yaml", "plan.yaml"]
@@ -36,6 +37,7 @@ def test_compile_writes_the_artifact_layout(tmp_path, capsys):
     assert m["model"]["config_hash"].startswith("sha256:") and m["options"]["keep"] == 14
     assert [p["name"] for p in m["passes"]][:3] == ["fold-constants", "cse", "fuse-compressor"]
     assert m["passes"][4]["stats"] == {"fused": 9, "sites": 9}
+    assert m["passes"][5]["stats"] == {"fused": 9, "sites": 9}  # the attention sites' mHC
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
     assert "mega-moe-fusion" in capsys.readouterr().out
 
@@ -101,7 +103,7 @@ def test_pass_list_runs_exactly_those(tmp_path):
 def test_schema_version_and_tampering_are_caught(tmp_path, capsys):
     assert _compile(tmp_path, hw="cpu") == 0
     art = tmp_path / "art"
-    g = art / "graph" / "10-bounded-replay.mgir"
+    g = art / "graph" / "11-bounded-replay.mgir"
     g.write_text(g.read_text().replace("rms_norm", "rms_norm", 1) + "\n")
     with pytest.raises(ArtifactError, match="does not match the manifest's hash"):
         load_artifacts(art)

@@ -34,7 +34,8 @@ def test_full_size_round_trip(model):
 def test_v41_full_size_fusions_fire_everywhere_on_blackwell():
     c = compiled("v4.1-flash", "gb300")
     ops = c.graph.op_counts()
-    assert ops["mega_mhc"] == ops["mega_moe"] == 40
+    assert ops["mega_moe"] == 40 and ops["mega_mhc"] == 80  # FFN sites + attention sites
+    assert "hc_mixer" not in ops and ops["hc_collapse"] == 1  # only the final collapse is left
     assert ops["sparse_attn_q"] == 40 and "sparse_attn" not in ops
     assert ops["compressor"] == 4 and ops["ring_update_batched"] == 1
     assert "moe_experts" not in ops and "route" not in ops

@@ -16,6 +16,7 @@ from megagraph.passes.batch_window_copies import BatchWindowCopies
 from megagraph.passes.cleanup import CommonSubexpressions, DeadCode, FoldConstants
 from megagraph.passes.fuse_compressor import FuseCompressor
 from megagraph.passes.indexer_products import IndexerProducts
+from megagraph.passes.mega_mhc import MegaMhcFusion
 from megagraph.passes.mega_moe import MegaMoeFusion
 from megagraph.passes.partition import PartitionPrefill, segments
 from megagraph.passes.quantize_epilogues import QuantizeEpilogues
@@ -69,8 +70,8 @@ def test_cleanups_fold_cse_and_dead_code():
     assert again.graph is c.graph and "nothing to fold" in again.note
 
 
-@pytest.mark.parametrize("cls", [FuseCompressor, QuantizeEpilogues, MegaMoeFusion, BatchWindowCopies,
-                                 PartitionPrefill])
+@pytest.mark.parametrize("cls", [FuseCompressor, QuantizeEpilogues, MegaMoeFusion, MegaMhcFusion,
+                                 BatchWindowCopies, PartitionPrefill])
 def test_profile_dependent_passes_do_not_fire_on_cpu(cls):
     _, g, _, _ = tiny("v4.1-flash-tiny", "bf16")
     r = cls(hw=CPU).run(g)
@@ -95,6 +96,35 @@ def test_mega_moe_leaves_a_site_whose_intermediate_escapes():
     q = replace(q, outputs=q.outputs + (("debug", "L3.ffn.routed"),))
     m = MegaMoeFusion(GB300).run(q)
     assert m.stats == {"sites": 9, "fused": 8} and "L3:" in m.note and "L3.ffn.routed" in m.note
+
+
+def test_mega_mhc_fuses_the_attention_sites_after_mega_moe():
+    _, g, _, _ = tiny("v4.1-flash-tiny", "bf16")
+    q = QuantizeEpilogues(GB300).run(g).graph
+    assert MegaMhcFusion(GB300).run(g).skipped  # unquantized: no site has its quantize_act
+    m = MegaMoeFusion(GB300).run(q).graph
+    r = MegaMhcFusion(GB300).run(m)
+    ops = r.graph.op_counts()
+    assert r.stats == {"sites": 9, "fused": 9}
+    assert ops["mega_mhc"] == 18 and ops["mega_moe"] == 9 and "hc_mixer" not in ops
+    assert ops["hc_collapse"] == 1 and ops["hc_expand"] == 9  # the final collapse, attention expands
+    verify_graph(r.graph)
+    # an attention site keeps the values its readers need: the norm output feeds the compressor
+    site = next(n for n in r.graph.nodes if n.op == "mega_mhc" and n.outputs[0] == "L1.attn.xn")
+    assert site.outputs[1:3] == ("L1.attn.xn.q", "L1.attn.xn.qscale")
+    assert site.inputs[4] == "L0.ffn.pre"  # collapsed with the previous site's pre
+    # without mega-moe-fusion it takes the FFN sites' front halves too
+    both = MegaMhcFusion(GB300).run(q)
+    assert both.stats == {"sites": 18, "fused": 18} and "moe_experts_q" in both.graph.op_counts()
+
+
+def test_mega_mhc_leaves_a_site_whose_collapse_escapes():
+    _, g, _, _ = tiny("v4.1-flash-tiny", "bf16")
+    m = MegaMoeFusion(GB300).run(QuantizeEpilogues(GB300).run(g).graph).graph
+    m = replace(m, outputs=m.outputs + (("debug", "L2.attn.x"),))
+    r = MegaMhcFusion(GB300).run(m)
+    assert r.stats == {"sites": 9, "fused": 8} and "L2: the collapse is not read by" in r.note
+    assert "hc_mixer" in r.graph.op_counts()
 
 
 def test_fuse_compressor_leaves_a_layer_whose_latent_escapes():

@@ -35,5 +35,5 @@ def test_every_stage_preserves_outputs(model, hw):
         rest = [c for c in checked if c != "indexer-products"]
         assert rest in ([], ["fold-constants"], ["fold-constants", "cse"], ["cse"])
     else:
-        assert {"fuse-compressor", "quantize-epilogues", "mega-moe-fusion",
+        assert {"fuse-compressor", "quantize-epilogues", "mega-moe-fusion", "mega-mhc-fusion",
                 "batch-window-copies"} <= set(checked)
