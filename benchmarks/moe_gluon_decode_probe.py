@@ -9,12 +9,17 @@ CUDA-graph replays (events, median of batches).
     python benchmarks/moe_gluon_decode_probe.py --out /tmp/gd            # H200, 64 tokens
     python benchmarks/moe_gluon_decode_probe.py --tokens 16 --out /tmp/gd
     python benchmarks/moe_gluon_decode_probe.py --smoke                  # small dims
+    python benchmarks/moe_gluon_decode_probe.py --load cp.async,tma,tma:6 --out /tmp/gd
 
 Order: the Triton L1 is timed first and the JSON / md written after every row; then the Gluon
 kernel is checked in child processes (CUDA_LAUNCH_BLOCKING=1; small dims, then these dims:
 NaN-poisoned output, every row written, rel. error vs the fp32 math of the same quantized
 operands < 2e-3), so an illegal memory access cannot lose the Triton row; the Gluon kernel is
-timed only if both checks pass. Bandwidth: bytes of the touched experts' W1 + W3 (packed FP4
+timed only if both checks pass. --load (default cp.async) names the loads of the packed weights
+to check and time in one run: "cp.async", "tma" (TMA_STAGES stages) or "tma:N" (N stages); each
+is checked in the child as above and, other than cp.async, for the cp.async kernel's bits on
+the same call; timed only if its checks pass, then compared bit for bit with the first load's
+output here too. Bandwidth: bytes of the touched experts' W1 + W3 (packed FP4
 + E8M0) per call, GB/s and % of 4.24 TB/s (H200 HBM3e). Needs CUDA sm_90 and Triton 3.6
 (moe_gluon_decode.available()); elsewhere it says so and exits 0. Well under 120 s.
 """
@@ -43,50 +48,73 @@ PEAK_GBS = 4240.0
 SMOKE = dict(d=1024, F=256, E=64, k=6)
 
 
-def check(T: int, dims: dict, limit: float) -> dict:
-    """One Gluon decode L1 call (NaN-poisoned output) against the fp32 math of the first experts'
-    rows. Meant for a child process (--check-json)."""
+def parse_load(spec: str) -> tuple[str, int | None]:
+    """A --load item: "cp.async", "tma" or "tma:N" -> (load, stages) for l1_gluon_decode."""
+    load, _, stages = spec.partition(":")
+    return load, (int(stages) if stages else None)
+
+
+def check(T: int, dims: dict, limit: float, load: str = "cp.async") -> dict:
+    """One Gluon decode L1 call with the --load item `load` (NaN-poisoned output) against the
+    fp32 math of the first experts' rows, and - other than cp.async - against the cp.async
+    kernel's bits on the same inputs. Meant for a child process (--check-json)."""
     from megagraph.kernels.triton import moe_gluon_decode as md
 
     d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
     xq, xs, w1, w3, counts, srt = build(T, d, F, E, k, seed=1, routing="random")
     P = T * k
-    h = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
-    md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, h, topk=k, max_tiles=min(P, P // md.BT + E),
-                       limit=limit)
-    torch.cuda.synchronize()
+
+    def run(spec):
+        name, stages = parse_load(spec)
+        h = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
+        md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, h, topk=k,
+                           max_tiles=min(P, P // md.BT + E), limit=limit, load=name,
+                           stages=stages)
+        torch.cuda.synchronize()
+        return h
+
+    h = run(load)
     ref, n = reference_rows(xq, xs, w1, w3, counts, srt, k, limit, experts=8, nonempty=True)
     err = rel(h[:n].nan_to_num(0.0, 0.0, 0.0), ref)
     written = bool(torch.isfinite(h).all())
-    return dict(tokens=T, dims=dims, all_written=written, rel_err_vs_fp32=err,
-                ok=written and err < 2e-3)
+    same = True if load == "cp.async" else bool(torch.equal(h, run("cp.async")))
+    return dict(tokens=T, dims=dims, load=load, all_written=written, rel_err_vs_fp32=err,
+                same_bits_as_cp_async=same, ok=written and err < 2e-3 and same)
 
 
-def check_in_child(T: int, dims: dict, limit: float, timeout: float = 120.0) -> dict:
+def check_in_child(T: int, dims: dict, limit: float, load: str, timeout: float = 120.0) -> dict:
     """check(...) in a child process (gluon_probe_common.check_cases_in_child:
     CUDA_LAUNCH_BLOCKING=1, a crash cannot poison this process's context): its result, or the
     failure as a result."""
-    return check_cases_in_child(__file__, [dict(tokens=T, dims=dims, limit=limit)], timeout)[-1]
+    return check_cases_in_child(__file__, [dict(tokens=T, dims=dims, limit=limit, load=load)],
+                                timeout)[-1]
 
 
 def main() -> None:
     ap = probe_parser(__doc__, 64, "decode tokens (rows = tokens * 6)",
-                      "small dims (d 1024, F 256, 64 experts)", "moe_gluon_decode_probe")
+                      "small dims (d 1024, F 256, 64 experts)", "moe_gluon_decode_probe",
+                      extra=[("--load", dict(default="cp.async",
+                                             help="comma-separated loads of the packed weights: "
+                                                  "cp.async, tma, tma:N (N stages)"))])
     args = ap.parse_args()
 
     def write():  # the JSON / md, after every row: a later crash loses nothing measured
         _write(args.out, res)
 
     if args.check_json:  # child process of check_cases_in_child: one JSON line per case
-        run_checks(args.check_json, lambda c: check(c["tokens"], c["dims"], c["limit"]))
+        run_checks(args.check_json,
+                   lambda c: check(c["tokens"], c["dims"], c["limit"], c["load"]))
         return
 
     from megagraph.kernels.triton import moe
     from megagraph.kernels.triton import moe_gluon_decode as md
 
+    loads = [x.strip() for x in args.load.split(",") if x.strip()]
+    for spec in loads:  # a typo fails here, before any child or timing
+        md._load_and_stages(*parse_load(spec))
     dims = SMOKE if args.smoke else REAL
     T = args.tokens
-    res = dict(tokens=T, dims=dims, peak_gbs=PEAK_GBS, rows=[])
+    res = dict(tokens=T, dims=dims, peak_gbs=PEAK_GBS, loads=loads, rows=[])
     if skipped(res, md.available(), "moe_gluon_decode.available()", write):
         return
     t_start = time.perf_counter()
@@ -101,45 +129,64 @@ def main() -> None:
 
     h_tr, ref, n = time_triton_l1(res, write, rates, (xq, xs, w1, w3, counts, srt), P, F, E, k,
                                   args.limit, experts=8, nonempty=True)
-    checks = [check_in_child(min(T, 64), SMOKE, args.limit)]
-    if checks[0].get("ok"):
-        checks.append(check_in_child(T, dims, args.limit))
-    res["gluon_checks"] = checks
-    print(json.dumps(checks), flush=True)
-    _write(args.out, res)
-    if not all(c.get("ok") for c in checks):
-        res["gluon_skipped"] = "the Gluon decode L1 is wrong or crashed (gluon_checks): not timed"
-        res["rows"].append(dict(name="gluon decode l1", error=res["gluon_skipped"]))
-        print(res["gluon_skipped"], flush=True)
-    else:
-        h_gl = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
-        tiles = moe.tile_list(counts, md.BT, mtg)
-
-        def gluon_l1():
-            md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, h_gl, topk=k, max_tiles=mtg,
-                               limit=args.limit, tiles=tiles)
-
-        def gluon_l1_list():  # the same, with the device tile list built in the call
-            md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, h_gl, topk=k, max_tiles=mtg,
-                               limit=args.limit)
-
-        def gluon_l1_arith():  # the integer-arithmetic upcast (for comparison)
-            md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, h_gl, topk=k, max_tiles=mtg,
-                               limit=args.limit, tiles=tiles, use_asm=False)
-
-        tile = dict(bw=md.BW, bt=md.BT, bk=md.BK, ns=md.NS, warps=md.NUM_WARPS)
-        if timed("gluon decode l1", gluon_l1, tile):
-            timed("gluon decode l1 + tile_list", gluon_l1_list, None)
-            timed("gluon decode l1 (arith upcast)", gluon_l1_arith, None)
-            gluon_l1()
-        try:
-            torch.cuda.synchronize()
-            res["all_written"] = bool(torch.isfinite(h_gl).all())
-            res["rel_err_gluon_vs_triton"] = rel(h_gl, h_tr)
-            res["rel_err_gluon_vs_fp32"] = rel(h_gl[:n], ref)
-        except Exception as exc:  # noqa: BLE001
-            res["gluon_error"] = repr(exc)[:500]
+    res["gluon_checks"], outs = [], {}
+    tiles = moe.tile_list(counts, md.BT, mtg)
+    for spec in loads:
+        h_gl = time_load(res, write, timed, spec, args.limit, (xq, xs, w1, w3, counts, srt), P,
+                         F, E, k, mtg, tiles, T, dims)
+        if h_gl is not None:
+            outs[spec] = h_gl
+    try:
+        torch.cuda.synchronize()
+        for spec, h_gl in outs.items():
+            res.setdefault("all_written", {})[spec] = bool(torch.isfinite(h_gl).all())
+            res.setdefault("rel_err_gluon_vs_triton", {})[spec] = rel(h_gl, h_tr)
+            res.setdefault("rel_err_gluon_vs_fp32", {})[spec] = rel(h_gl[:n], ref)
+        first = next(iter(outs.values()), None)
+        res["same_bits_as_first_load"] = {spec: bool(torch.equal(h_gl, first))
+                                          for spec, h_gl in outs.items()}
+    except Exception as exc:  # noqa: BLE001
+        res["gluon_error"] = repr(exc)[:500]
     finish(res, t_start, write)
+
+
+def time_load(res, write, timed, spec, limit, inputs, P, F, E, k, mtg, tiles, T, dims):
+    """One --load item: its child checks (small dims, then these dims), then - only if both
+    pass - its rows: the launch with a prebuilt tile list, with the list built in the call,
+    with the integer-arithmetic upcast. Returns its output of the plain launch (None if not
+    timed)."""
+    from megagraph.kernels.triton import moe_gluon_decode as md
+
+    xq, xs, w1, w3, counts, srt = inputs
+    load, stages = parse_load(spec)
+    checks = [check_in_child(min(T, 64), SMOKE, limit, spec)]
+    if checks[0].get("ok"):
+        checks.append(check_in_child(T, dims, limit, spec))
+    res["gluon_checks"] += checks
+    print(json.dumps(checks), flush=True)
+    write()
+    tag = "" if spec == "cp.async" else f" [{spec}]"
+    if not all(c.get("ok") for c in checks):
+        msg = f"the Gluon decode L1 ({spec}) is wrong or crashed (gluon_checks): not timed"
+        res["rows"].append(dict(name=f"gluon decode l1{tag}", error=msg))
+        print(msg, flush=True)
+        return None
+    h_gl = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
+
+    def launch(**kw):
+        md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, h_gl, topk=k, max_tiles=mtg,
+                           limit=limit, load=load, stages=stages, **kw)
+
+    tile = dict(bw=md.BW, bt=md.BT, bk=md.BK, warps=md.NUM_WARPS, load=load,
+                ns=md.NS if load == "cp.async" else (stages or md.TMA_STAGES))
+    if timed(f"gluon decode l1{tag}", lambda: launch(tiles=tiles), tile):
+        timed(f"gluon decode l1{tag} + tile_list", launch, None)
+        timed(f"gluon decode l1{tag} (arith upcast)",
+              lambda: launch(tiles=tiles, use_asm=False), None)
+        h_gl.fill_(float("nan"))
+        launch(tiles=tiles)
+        return h_gl
+    return None
 
 
 def _write(out, res) -> None:
@@ -154,15 +201,19 @@ def _write(out, res) -> None:
         lines += table(res["rows"], "| launch | ms | GB/s | % of 4.24 TB/s |",
                        lambda r: [f"{r['ms']:.3f}", f"{r['gbs']:.0f}", f"{r['pct_bw']:.1f}"])
 
-        def f(key):
+        def f(key, spec=None):
             v = res.get(key)
+            v = v.get(spec) if isinstance(v, dict) else v
             return f"{v:.2e}" if isinstance(v, float) else "n/a"
 
-        lines += ["", (f"rel err gluon vs triton: {f('rel_err_gluon_vs_triton')}; vs fp32 math "
-                       f"(first 8 experts): gluon {f('rel_err_gluon_vs_fp32')}, triton "
-                       f"{f('rel_err_triton_vs_fp32')}; every gluon row written: "
-                       f"{res.get('all_written', 'n/a')}")]
-        lines += check_lines("gluon", res.get("gluon_checks", []))
+        lines += ["", f"triton vs fp32 math (first 8 experts): {f('rel_err_triton_vs_fp32')}"]
+        for spec in res.get("same_bits_as_first_load", {}):
+            lines.append(f"gluon {spec}: rel err vs triton {f('rel_err_gluon_vs_triton', spec)}, "
+                         f"vs fp32 math {f('rel_err_gluon_vs_fp32', spec)}, every row written "
+                         f"{res['all_written'].get(spec)}, same bits as the first load "
+                         f"{res['same_bits_as_first_load'][spec]}")
+        for c in res.get("gluon_checks", []):
+            lines += check_lines(f"gluon {c.get('load', 'cp.async')}", [c])
     write_report(out, "moe_gluon_decode_probe", res, lines)
 
 

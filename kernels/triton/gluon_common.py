@@ -1,8 +1,9 @@
 """What the Gluon (Triton 3.6, sm_90) kernels share: the guarded import of the Gluon / Hopper
-APIs, the capability check, the arithmetic E2M1 -> E4M3 upcast (the L1s), the arithmetic
-E2M1 -> fp16 upcast (fp16_bits .. fp16x2_regs, halves: the L2s, the flush bound a constexpr:
--5 in the decode L2, -13 in the prefill L2), the prefill kernels' chunk top (refill_a: cp.async
-wait, writer-side proxy fence, CTA barrier, next A copy), the SwiGLU epilogue and the
+APIs (cp.async, TMA + mbarrier, wgmma), the capability check, the arithmetic E2M1 -> E4M3
+upcast (the L1s), the arithmetic E2M1 -> fp16 upcast (fp16_bits .. fp16x2_regs, halves: the
+L2s, the flush bound a constexpr: -5 in the decode L2, -13 in the prefill L2), the prefill
+kernels' chunk top (refill_a: cp.async wait, writer-side proxy fence, CTA barrier, next A copy),
+the decode kernels' ring refills (issue_chunk, issue_side), the SwiGLU epilogue and the
 launchers' common argument checks.
 
 Why one module: moe_gluon.py (prefill L1) and moe_gluon_decode.py (decode L1) are written against
@@ -34,9 +35,12 @@ try:  # Triton 3.6 names; other versions may lack or rename them (available() sa
     from triton.experimental.gluon.language.nvidia.hopper import (
         async_copy,
         fence_async_shared,
+        mbarrier,
+        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     IMPORT_OK = True
 except Exception:  # noqa: BLE001  (any import failure: the module still imports)
     IMPORT_OK = False
@@ -45,6 +49,7 @@ except Exception:  # noqa: BLE001  (any import failure: the module still imports
 # @gluon.jit bodies read them as module globals
 __all__ = [
     "IMPORT_OK",
+    "TensorDescriptor",
     "async_copy",
     "available",
     "e2m1_e4m3_bits",
@@ -55,8 +60,11 @@ __all__ = [
     "gluon",
     "halves",
     "issue_chunk",
+    "issue_side",
+    "mbarrier",
     "refill_a",
     "tile_entry",
+    "tma",
     "ttgl",
     "warpgroup_mma",
     "warpgroup_mma_wait",
@@ -144,10 +152,21 @@ if IMPORT_OK:
                     BK: ttgl.constexpr):
         """The decode kernels' ring refill: cp.async of K chunk min(c, n_k - 1) (clamped: past
         K it re-reads the last chunk into a stage nobody reads) - the packed MXFP4 rows
-        (w_ptrs, byte offset k0 / 2), their E8M0 exponents (k0 / 32) and the activation tile
-        (x_ptrs, element offset k0, masked past the tile's rows) - and commit the group."""
+        (w_ptrs, byte offset k0 / 2), then issue_side's exponents and activation tile - and
+        commit the group."""
         k0 = ttgl.minimum(c, n_k - 1) * BK
         async_copy.async_copy_global_to_shared(w_dst, w_ptrs + k0 // 2)
+        issue_side(e_dst, x_dst, e_ptrs, x_ptrs, x_mask, c, n_k, BK)
+
+    @gluon.jit
+    def issue_side(e_dst, x_dst, e_ptrs, x_ptrs, x_mask, c, n_k, BK: ttgl.constexpr):
+        """cp.async of K chunk min(c, n_k - 1)'s E8M0 exponents (e_ptrs, offset k0 / 32) and
+        activation tile (x_ptrs, element offset k0, masked past the tile's rows), committed as
+        one group: what the decode kernels stream besides the packed weights (issue_chunk adds
+        those by cp.async; the TMA variants move them through an mbarrier instead, so the
+        exponents' 4-byte rows - below TMA's 16-byte box - and the gathered activation rows stay
+        on cp.async and its group count)."""
+        k0 = ttgl.minimum(c, n_k - 1) * BK
         async_copy.async_copy_global_to_shared(e_dst, e_ptrs + k0 // 32)
         async_copy.async_copy_global_to_shared(x_dst, x_ptrs + k0, mask=x_mask)
         async_copy.commit_group()

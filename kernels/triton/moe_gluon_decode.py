@@ -27,6 +27,15 @@ exponents [128, 4] (one 4-byte cp.async per thread), X [16, 128] E4M3 (NVMMA 128
 four 4-byte cp.async per thread, zero-filled past the tile's rows). The A scales of every chunk
 ([NKP chunks, 16 tokens] f32) are copied once in the prologue.
 
+The TMA variant (l1_decode_tma_kernel; load="tma" or MEGAGRAPH_MOE_GLUON_DECODE_LOAD=tma, not the
+default until timed on the H200): the packed W1 / W3 rows of a stage come by TMA instead - two
+boxes of [64 rows, 64 bytes] (NVMMA 64-byte swizzle) from host descriptors of the banks as
+[E F, d / 2] bytes, completing on the stage's mbarrier (one elected thread issues them; the
+stage is waited for with the barrier's phase) - while the exponents and X stay on cp.async: an
+exponent row of a chunk is 4 bytes, under TMA's 16-byte minimum box, and X is a row gather in
+the permuted k order. Any ring depth >= 3 (stages=, TMA_STAGES = 4: 47 KB, 4 CTAs per SM); the
+chunk's math is the same code (_mma_chunk), so both loads give the same bits.
+
 The upcast (FP4_TABLE_ASM, one call per 4 packed bytes = 8 columns): a PRMT table lookup. With
 the wgmma A fragment (each 32-bit register = 4 consecutive k of one row) the kernel gives thread
 (lane t of a quad) of row r the 16 packed bytes 16 t .. 16 t + 15 of the row's chunk, i.e.
@@ -53,6 +62,8 @@ tensor core's sum order inside a chunk differs (as for every wgmma kernel here).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .gluon_common import IMPORT_OK as _IMPORT_OK
@@ -60,12 +71,17 @@ from .gluon_common import available  # noqa: F401  (moe._gluon_l1 and the tests 
 from .gluon_common import check_rows, tile_list
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
-    from .gluon_common import async_copy, fence_async_shared, gluon, issue_chunk, swiglu
-    from .gluon_common import tile_entry, ttgl
+    from .gluon_common import TensorDescriptor, async_copy, fence_async_shared, gluon
+    from .gluon_common import issue_chunk, issue_side, mbarrier, swiglu, tile_entry, tma, ttgl
     from .gluon_common import e2m1_e4m3_bits as _e2m1_e4m3_bits
     from .gluon_common import warpgroup_mma, warpgroup_mma_wait
 
 BW, BT, BK, NS, NUM_WARPS = 64, 16, 128, 4, 4
+# how the packed weights reach shared memory: "cp.async" (l1_decode_kernel, the default) or
+# "tma" (l1_decode_tma_kernel, TMA_STAGES stages unless the call says otherwise); the same bits
+LOADS = ("cp.async", "tma")
+LOAD = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE_LOAD", "cp.async")
+TMA_STAGES = 4
 
 
 def _table_half(out: str, sel: str, spread: str) -> str:
@@ -99,17 +115,48 @@ FP4_TABLE_ASM_TEXT = ("\n{\n"
 
 if _IMPORT_OK:
     FP4_TABLE_ASM = ttgl.constexpr(FP4_TABLE_ASM_TEXT)
+    # the TMA boxes' shared layout ([BW, 64] bytes: 64-byte rows, the widest swizzle that fits),
+    # one object for the host descriptors and the kernel's stages (w1_desc.layout)
+    W_TMA_LAYOUT = ttgl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+
+    # ---- layouts, shared by both loads (BW = 64 weight rows, BT = 16 tokens, one warpgroup:
+    # the kernels assert these sizes) ----------------------------------------------------------
+    _MMA_L = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                         instr_shape=[16, BT, 32])
+    MMA = ttgl.constexpr(_MMA_L)
+    A_DOT = ttgl.constexpr(ttgl.DotOperandLayout(operand_index=0, parent=_MMA_L, k_width=4))
+    ROW_L = ttgl.constexpr(ttgl.SliceLayout(1, _MMA_L))
+    COL_L = ttgl.constexpr(ttgl.SliceLayout(0, _MMA_L))
+    # packed bytes [row, 64 bytes]: byte 16 t + 4 kk + b of row 16 w + 8 r + g in lane 4 g + t
+    # of warp w, registers (b, kk, r): rows as the wgmma A fragment / accumulator
+    P2_L = ttgl.constexpr(ttgl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
+        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BW, 64]))
+    P_L = ttgl.constexpr(ttgl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 1, 0], [0, 0, 2, 0], [8, 0, 0, 0]],
+        lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[BW, 4, 4, 4]))
+    # cp.async copies: weights 16 bytes, exponents 4, X 4 (the permuted k order), sa 4
+    W_CP_L = ttgl.constexpr(ttgl.BlockedLayout([1, 16], [8, 4], [NUM_WARPS, 1], [1, 0]))
+    E_CP_L = ttgl.constexpr(ttgl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0]))
+    X_CP_L = ttgl.constexpr(ttgl.BlockedLayout([1, 4], [1, 32], [NUM_WARPS, 1], [1, 0]))
+    S_CP_L = ttgl.constexpr(ttgl.BlockedLayout([1, 1], [2, 16], [NUM_WARPS, 1], [1, 0]))
+    X_SMEM = ttgl.constexpr(ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
+                                                   rank=2))
+    FLAT = ttgl.constexpr(ttgl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    FLAT1 = ttgl.constexpr(ttgl.SwizzledSharedLayout(1, 1, 1, [0]))  # [NKP, BT], .index(i)
 
     @gluon.jit
-    def _upcast(w_st, e_st, ROW0: ttgl.constexpr, USE_ASM: ttgl.constexpr,
-                p2_l: ttgl.constexpr, p_l: ttgl.constexpr, a_dot: ttgl.constexpr,
-                row_l: ttgl.constexpr, BW: ttgl.constexpr):
-        """Weight rows ROW0 .. ROW0 + BW - 1 of the stage (packed bytes w_st [2 BW, 64], exponents
-        e_st [2 BW, 4]) -> the wgmma A operand (E4M3 [BW, 128] in a_dot, k permuted as the module
-        docstring says) and the rows' promotion scales 2^(S - 127) (row_l)."""
-        e_l: ttgl.constexpr = ttgl.SliceLayout(2, ttgl.SliceLayout(3, p_l))
-        p = w_st.slice(ROW0, BW).load(p2_l)  # [BW, 64] uint8: LDS.128 of group t per row
-        p = ttgl.convert_layout(ttgl.reshape(p, [BW, 4, 4, 4]), p_l, assert_trivial=True)
+    def _upcast(w_t, e_st, ROW0: ttgl.constexpr, USE_ASM: ttgl.constexpr, BW: ttgl.constexpr):
+        """One matrix's BW weight rows of the stage (packed bytes w_t [BW, 64], their exponents
+        rows ROW0 .. ROW0 + BW - 1 of e_st [2 BW, 4]) -> the wgmma A operand (E4M3 [BW, 128] in
+        A_DOT, k permuted as the module docstring says) and the rows' promotion scales
+        2^(S - 127) (ROW_L). w_t's shared layout is the load's (flat for cp.async, NVMMA 64-byte
+        swizzle for TMA): the LDS.128 of group t per row reads 16 contiguous bytes either way."""
+        e_l: ttgl.constexpr = ttgl.SliceLayout(2, ttgl.SliceLayout(3, P_L))
+        p = w_t.load(P2_L)  # [BW, 64] uint8: LDS.128 of group t per row
+        p = ttgl.convert_layout(ttgl.reshape(p, [BW, 4, 4, 4]), P_L, assert_trivial=True)
         e = e_st.slice(ROW0, BW).load(e_l).to(ttgl.int32)  # [BW, 4]: thread t: group t
         S = ttgl.maximum(ttgl.max(e, axis=1) - 6, 1)
         rel = e - ttgl.expand_dims(S, 1)
@@ -131,21 +178,40 @@ if _IMPORT_OK:
             # pack (bytes 0, 1), r1 = columns 4..7 (bytes 2, 3)
             j = ttgl.reshape(ttgl.join(lo, hi), [BW, 4, 4, 2, 4])  # [.., half, 2 (b & 1) + lohi]
             r0, r1 = ttgl.split(ttgl.permute(j, (0, 1, 2, 4, 3)))
-            r0 = ttgl.convert_layout(r0, p_l)
-            r1 = ttgl.convert_layout(r1, p_l)
+            r0 = ttgl.convert_layout(r0, P_L)
+            r1 = ttgl.convert_layout(r1, P_L)
         # [row, t, kk, i] x h -> [row, kk, h, t, i] = k position 32 kk + 16 h + 4 t + i
         a = ttgl.permute(ttgl.join(r0, r1), (0, 2, 4, 1, 3))
         a = ttgl.reshape(a, [BW, 128]).to(ttgl.float8e4nv, bitcast=True)
-        a = ttgl.convert_layout(a, a_dot)
+        a = ttgl.convert_layout(a, A_DOT)
         sb = (S << 23).to(ttgl.float32, bitcast=True)  # S >= 1: 2^(S - 127), normal
-        return a, ttgl.convert_layout(sb, row_l)
+        return a, ttgl.convert_layout(sb, ROW_L)
+
+    @gluon.jit
+    def _mma_chunk(i, w1_cur, w3_cur, e_cur, x_cur, sa_s, acc1, acc3, USE_ASM: ttgl.constexpr,
+                   BW: ttgl.constexpr, BT: ttgl.constexpr):
+        """Chunk i's math once its stage (packed W1 / W3 tiles, exponents, X) is in and fenced:
+        W1 upcast ->
+        wgmma (async), W3 upcast -> wgmma (runs while the W1 wgmma runs), then the per-chunk
+        promotion acc += part * (sb x sa) of each. Both loads' kernels end their chunk with it,
+        so their numerics are one code path."""
+        zero = ttgl.zeros([BW, BT], ttgl.float32, MMA)
+        xT = x_cur.permute((1, 0))  # [BK, BT]: the K-major [BT, BK] stage
+        a1, sb1 = _upcast(w1_cur, e_cur, 0, USE_ASM, BW)
+        t1 = warpgroup_mma(a1, xT, zero, use_acc=False, is_async=True)
+        a3, sb3 = _upcast(w3_cur, e_cur, BW, USE_ASM, BW)
+        t3 = warpgroup_mma(a3, xT, zero, use_acc=False, is_async=True)
+        sa = sa_s.index(i).load(COL_L)
+        t1 = warpgroup_mma_wait(1, deps=[t1])
+        acc1 += t1 * (ttgl.expand_dims(sb1, 1) * ttgl.expand_dims(sa, 0))
+        t3 = warpgroup_mma_wait(0, deps=[t3])
+        acc3 += t3 * (ttgl.expand_dims(sb3, 1) * ttgl.expand_dims(sa, 0))
+        return acc1, acc3
 
     @gluon.jit
     def _chunk(i, n_k, w_cur, e_cur, x_cur, w_nxt, e_nxt, x_nxt, sa_s, acc1, acc3, w_ptrs,
                e_ptrs, x_ptrs, x_mask, USE_ASM: ttgl.constexpr, NS: ttgl.constexpr,
-               BW: ttgl.constexpr, BT: ttgl.constexpr, BK: ttgl.constexpr,
-               mma: ttgl.constexpr, p2_l: ttgl.constexpr, p_l: ttgl.constexpr,
-               a_dot: ttgl.constexpr):
+               BW: ttgl.constexpr, BT: ttgl.constexpr, BK: ttgl.constexpr):
         async_copy.wait_group(NS - 2)  # this thread's copies of chunk i landed
         # writer-side proxy fence (CUTLASS's order, the PTX rule: each writing thread fences its
         # own completed generic-proxy writes BEFORE the barrier the wgmma issuers wait at): X
@@ -158,20 +224,52 @@ if _IMPORT_OK:
         # barrier: two per chunk, K loop 1407 -> 1423 instructions per 4 chunks.)
         ttgl.thread_barrier()
         issue_chunk(w_nxt, e_nxt, x_nxt, w_ptrs, e_ptrs, x_ptrs, x_mask, i + NS - 1, n_k, BK)
-        row_l: ttgl.constexpr = ttgl.SliceLayout(1, mma)
-        col_l: ttgl.constexpr = ttgl.SliceLayout(0, mma)
-        zero = ttgl.zeros([BW, BT], ttgl.float32, mma)
-        xT = x_cur.permute((1, 0))  # [BK, BT]: the K-major [BT, BK] stage
-        a1, sb1 = _upcast(w_cur, e_cur, 0, USE_ASM, p2_l, p_l, a_dot, row_l, BW)
-        t1 = warpgroup_mma(a1, xT, zero, use_acc=False, is_async=True)
-        a3, sb3 = _upcast(w_cur, e_cur, BW, USE_ASM, p2_l, p_l, a_dot, row_l, BW)
-        t3 = warpgroup_mma(a3, xT, zero, use_acc=False, is_async=True)
-        sa = sa_s.index(i).load(col_l)
-        t1 = warpgroup_mma_wait(1, deps=[t1])
-        acc1 += t1 * (ttgl.expand_dims(sb1, 1) * ttgl.expand_dims(sa, 0))
-        t3 = warpgroup_mma_wait(0, deps=[t3])
-        acc3 += t3 * (ttgl.expand_dims(sb3, 1) * ttgl.expand_dims(sa, 0))
-        return acc1, acc3
+        return _mma_chunk(i, w_cur.slice(0, BW), w_cur.slice(BW, BW), e_cur, x_cur, sa_s, acc1,
+                          acc3, USE_ASM, BW, BT)
+
+    @gluon.jit
+    def _side_pointers(a_ptr, as_ptr, aidx_ptr, bs1_ptr, bs2_ptr, g, n0, row0, nrows, K,
+                       stride_am, stride_as, stride_bsg, stride_bsn, TOPK: ttgl.constexpr,
+                       BW: ttgl.constexpr, BT: ttgl.constexpr, BK: ttgl.constexpr,
+                       NKP: ttgl.constexpr):
+        """The cp.async sources both loads share: the E8M0 exponent rows of the stage (rows
+        0..BW-1 W1, BW..2BW-1 W3), the activation tile in the wgmma's k order with its row mask,
+        the A scales of every chunk [NKP, BT] with their mask."""
+        re = ttgl.arange(0, 2 * BW, layout=ttgl.SliceLayout(1, E_CP_L))
+        ce = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, E_CP_L))
+        # row strides of 4-byte multiples written as 4 x (stride / 4): the 4-byte cp.async needs
+        # that alignment proven also where the stride is not a multiple of 16 (not specialized)
+        eofs = ((n0 + re % BW).to(ttgl.int64) * (stride_bsn // 4) * 4)[:, None] + ce[None, :]
+        e_ptrs = ttgl.where((re < BW)[:, None], bs1_ptr + g * stride_bsg + eofs,
+                            bs2_ptr + g * stride_bsg + eofs)
+        # X [BT tokens, BK] in the wgmma's k order: position 32 kk + 16 h + 4 t + i holds
+        # column 32 t + 8 kk + 4 h + i of the chunk
+        rx = ttgl.arange(0, BT, layout=ttgl.SliceLayout(1, X_CP_L))
+        kx = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, X_CP_L))
+        colx = ((kx // 4) % 4) * 32 + (kx // 32) * 8 + ((kx // 16) % 2) * 4 + kx % 4
+        srcx = ttgl.load(aidx_ptr + row0 + rx, mask=rx < nrows, other=0)
+        x_ptrs = a_ptr + ((srcx // TOPK).to(ttgl.int64) * (stride_am // 4) * 4)[:, None] + \
+            colx[None, :]
+        x_mask = (rx < nrows)[:, None] & (kx < BK)[None, :]
+        # A scales of every chunk, [NKP, BT] (chunk-major: a token's chunk i at sa_s[i])
+        cs = ttgl.arange(0, NKP, layout=ttgl.SliceLayout(1, S_CP_L))
+        ts = ttgl.arange(0, BT, layout=ttgl.SliceLayout(0, S_CP_L))
+        srcs = ttgl.load(aidx_ptr + row0 + ts, mask=ts < nrows, other=0)
+        s_ptrs = as_ptr + ((srcs // TOPK).to(ttgl.int64) * stride_as)[None, :] + cs[:, None]
+        s_mask = (cs < K // BK)[:, None] & (ts < nrows)[None, :]
+        return e_ptrs, x_ptrs, x_mask, s_ptrs, s_mask
+
+    @gluon.jit
+    def _store_h(acc1, acc3, c_ptr, limit, row0, nrows, n0, N, stride_cm,
+                 HAS_LIMIT: ttgl.constexpr, BW: ttgl.constexpr, BT: ttgl.constexpr):
+        """The epilogue both loads share: moe_jit.swiglu_act, out[row0 + token, n0 + weight
+        row] for the tile's rows."""
+        h = swiglu(acc1, acc3, limit, HAS_LIMIT)
+        rn = n0 + ttgl.arange(0, BW, layout=ROW_L)
+        tk = ttgl.arange(0, BT, layout=COL_L)
+        c_ptrs = c_ptr + ((row0 + tk).to(ttgl.int64) * stride_cm)[None, :] + rn[:, None]
+        ttgl.store(c_ptrs, h.to(c_ptr.dtype.element_ty),
+                   mask=(tk < nrows)[None, :] & (rn < N)[:, None])
 
     @gluon.jit
     def l1_decode_kernel(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr,
@@ -189,31 +287,7 @@ if _IMPORT_OK:
         ttgl.static_assert(NW == 4, "one warpgroup")
         ttgl.static_assert(BW == 64, "64 weight rows per matrix")
         ttgl.static_assert(BK == 128, "128-column chunks")
-        # ---- layouts ------------------------------------------------------------------
-        mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                          instr_shape=[16, BT, 32])
-        a_dot: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-        # packed bytes [row, 64 bytes]: byte 16 t + 4 kk + b of row 16 w + 8 r + g in lane 4 g + t
-        # of warp w, registers (b, kk, r): rows as the wgmma A fragment / accumulator
-        p2_l: ttgl.constexpr = ttgl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
-            lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BW, 64])
-        p_l: ttgl.constexpr = ttgl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 1, 0], [0, 0, 2, 0], [8, 0, 0, 0]],
-            lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
-            warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[BW, 4, 4, 4])
-        row_l: ttgl.constexpr = ttgl.SliceLayout(1, mma)
-        col_l: ttgl.constexpr = ttgl.SliceLayout(0, mma)
-        # copies: weights 16 bytes, exponents 4, X 4 (the permuted k order), sa 4
-        wl: ttgl.constexpr = ttgl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])
-        el: ttgl.constexpr = ttgl.BlockedLayout([1, 4], [32, 1], [NW, 1], [1, 0])
-        xl: ttgl.constexpr = ttgl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
-        sl: ttgl.constexpr = ttgl.BlockedLayout([1, 1], [2, 16], [NW, 1], [1, 0])
-        x_sl: ttgl.constexpr = ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
-                                                      rank=2)
-        flat: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        flat1: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [0])  # [NKP, BT], .index(i)
+        ttgl.static_assert(BT == 16, "16-token tiles")
 
         # ---- the tile ------------------------------------------------------------------
         skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BW, MT, G,
@@ -223,49 +297,30 @@ if _IMPORT_OK:
         n0 = pid_n * BW
 
         # weights: rows 0..BW-1 of the stage = W1 rows n0.., rows BW..2BW-1 = W3 rows n0..
-        rw = ttgl.arange(0, 2 * BW, layout=ttgl.SliceLayout(1, wl))
-        cw = ttgl.arange(0, 64, layout=ttgl.SliceLayout(0, wl))
+        rw = ttgl.arange(0, 2 * BW, layout=ttgl.SliceLayout(1, W_CP_L))
+        cw = ttgl.arange(0, 64, layout=ttgl.SliceLayout(0, W_CP_L))
         is1 = (rw < BW)[:, None]
         wofs = ((n0 + rw % BW).to(ttgl.int64) * stride_bn)[:, None] + cw[None, :]
         w_ptrs = ttgl.where(is1, b1_ptr + g * stride_bg + wofs, b2_ptr + g * stride_bg + wofs)
-        re = ttgl.arange(0, 2 * BW, layout=ttgl.SliceLayout(1, el))
-        ce = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, el))
-        # row strides of 4-byte multiples written as 4 x (stride / 4): the 4-byte cp.async needs
-        # that alignment proven also where the stride is not a multiple of 16 (not specialized)
-        eofs = ((n0 + re % BW).to(ttgl.int64) * (stride_bsn // 4) * 4)[:, None] + ce[None, :]
-        e_ptrs = ttgl.where((re < BW)[:, None], bs1_ptr + g * stride_bsg + eofs,
-                            bs2_ptr + g * stride_bsg + eofs)
-        # X [BT tokens, BK] in the wgmma's k order: position 32 kk + 16 h + 4 t + i holds
-        # column 32 t + 8 kk + 4 h + i of the chunk
-        rx = ttgl.arange(0, BT, layout=ttgl.SliceLayout(1, xl))
-        kx = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, xl))
-        colx = ((kx // 4) % 4) * 32 + (kx // 32) * 8 + ((kx // 16) % 2) * 4 + kx % 4
-        srcx = ttgl.load(aidx_ptr + row0 + rx, mask=rx < nrows, other=0)
-        x_ptrs = a_ptr + ((srcx // TOPK).to(ttgl.int64) * (stride_am // 4) * 4)[:, None] + \
-            colx[None, :]
-        x_mask = (rx < nrows)[:, None] & (kx < BK)[None, :]
-        # A scales of every chunk, [NKP, BT] (chunk-major: a token's chunk i at sa_s[i])
+        e_ptrs, x_ptrs, x_mask, s_ptrs, s_mask = _side_pointers(
+            a_ptr, as_ptr, aidx_ptr, bs1_ptr, bs2_ptr, g, n0, row0, nrows, K, stride_am,
+            stride_as, stride_bsg, stride_bsn, TOPK, BW, BT, BK, NKP)
         n_k = K // BK
-        cs = ttgl.arange(0, NKP, layout=ttgl.SliceLayout(1, sl))
-        ts = ttgl.arange(0, BT, layout=ttgl.SliceLayout(0, sl))
-        srcs = ttgl.load(aidx_ptr + row0 + ts, mask=ts < nrows, other=0)
-        s_ptrs = as_ptr + ((srcs // TOPK).to(ttgl.int64) * stride_as)[None, :] + cs[:, None]
-        s_mask = (cs < n_k)[:, None] & (ts < nrows)[None, :]
 
         # ---- shared memory: NS stages (each its own allocation), the A scales ----------
-        w0 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 64], flat)
-        w1 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 64], flat)
-        w2 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 64], flat)
-        w3 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 64], flat)
-        e0 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 4], flat)
-        e1 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 4], flat)
-        e2 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 4], flat)
-        e3 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 4], flat)
-        x0 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BT, BK], x_sl)
-        x1 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BT, BK], x_sl)
-        x2 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BT, BK], x_sl)
-        x3 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BT, BK], x_sl)
-        sa_s = ttgl.allocate_shared_memory(ttgl.float32, [NKP, BT], flat)
+        w0 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 64], FLAT)
+        w1 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 64], FLAT)
+        w2 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 64], FLAT)
+        w3 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 64], FLAT)
+        e0 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 4], FLAT)
+        e1 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 4], FLAT)
+        e2 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 4], FLAT)
+        e3 = ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 4], FLAT)
+        x0 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BT, BK], X_SMEM)
+        x1 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BT, BK], X_SMEM)
+        x2 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BT, BK], X_SMEM)
+        x3 = ttgl.allocate_shared_memory(ttgl.float8e4nv, [BT, BK], X_SMEM)
+        sa_s = ttgl.allocate_shared_memory(ttgl.float32, [NKP, BT], FLAT)
 
         # prologue: the A scales with chunk 0, chunks 1 .. NS - 2 (clamped)
         async_copy.async_copy_global_to_shared(sa_s, s_ptrs, mask=s_mask)
@@ -274,33 +329,144 @@ if _IMPORT_OK:
         issue_chunk(w2, e2, x2, w_ptrs, e_ptrs, x_ptrs, x_mask, 2, n_k, BK)
 
         # the same bytes as a ring of [BT] rows (.index(i): a rank-1 layout), for the reads
-        sa_r = sa_s._reinterpret(ttgl.float32, [NKP, BT], flat1)
-        acc1 = ttgl.zeros([BW, BT], ttgl.float32, mma)
-        acc3 = ttgl.zeros([BW, BT], ttgl.float32, mma)
+        sa_r = sa_s._reinterpret(ttgl.float32, [NKP, BT], FLAT1)
+        acc1 = ttgl.zeros([BW, BT], ttgl.float32, MMA)
+        acc3 = ttgl.zeros([BW, BT], ttgl.float32, MMA)
         for i in range(0, n_k, NS):
             acc1, acc3 = _chunk(i, n_k, w0, e0, x0, w3, e3, x3, sa_r, acc1, acc3, w_ptrs, e_ptrs,
-                                x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK, mma, p2_l, p_l, a_dot)
+                                x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK)
             if i + 1 < n_k:
                 acc1, acc3 = _chunk(i + 1, n_k, w1, e1, x1, w0, e0, x0, sa_r, acc1, acc3, w_ptrs,
-                                    e_ptrs, x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK, mma, p2_l,
-                                    p_l, a_dot)
+                                    e_ptrs, x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK)
             if i + 2 < n_k:
                 acc1, acc3 = _chunk(i + 2, n_k, w2, e2, x2, w1, e1, x1, sa_r, acc1, acc3, w_ptrs,
-                                    e_ptrs, x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK, mma, p2_l,
-                                    p_l, a_dot)
+                                    e_ptrs, x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK)
             if i + 3 < n_k:
                 acc1, acc3 = _chunk(i + 3, n_k, w3, e3, x3, w2, e2, x2, sa_r, acc1, acc3, w_ptrs,
-                                    e_ptrs, x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK, mma, p2_l,
-                                    p_l, a_dot)
+                                    e_ptrs, x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK)
         async_copy.wait_group(0)  # the clamped re-copies past K (never read)
+        _store_h(acc1, acc3, c_ptr, limit, row0, nrows, n0, N, stride_cm, HAS_LIMIT, BW, BT)
 
-        # ---- epilogue: moe_jit.swiglu_act, out[row0 + token, n0 + weight row] -----------
-        h = swiglu(acc1, acc3, limit, HAS_LIMIT)
-        rn = n0 + ttgl.arange(0, BW, layout=row_l)
-        tk = ttgl.arange(0, BT, layout=col_l)
-        c_ptrs = c_ptr + ((row0 + tk).to(ttgl.int64) * stride_cm)[None, :] + rn[:, None]
-        ttgl.store(c_ptrs, h.to(c_ptr.dtype.element_ty),
-                   mask=(tk < nrows)[None, :] & (rn < N)[:, None])
+    @gluon.jit
+    def _tma_rows(desc, wrow, c, bar, dst, n_k, BK: ttgl.constexpr):
+        """TMA of K chunk c's packed rows wrow .. wrow + BW - 1 of one bank (box [BW, BK / 2]
+        bytes) into dst, completing on bar. Only for c < n_k: unlike the clamped cp.async
+        re-reads, a copy past K would complete a barrier phase nobody waits for and could land
+        after the CTA exits."""
+        tma.async_copy_global_to_shared(desc, [wrow, c * (BK // 2)], bar, dst, pred=c < n_k)
+
+    @gluon.jit
+    def _arm(bar, c, n_k, BW: ttgl.constexpr, BK: ttgl.constexpr):
+        """Arm a stage barrier for K chunk c (c < n_k, as _tma_rows): one arrival (the init
+        count) + the W1 and W3 boxes' bytes. It may precede the copies: the phase completes
+        only when the transaction count is back at zero."""
+        mbarrier.expect(bar, 2 * BW * (BK // 2), pred=c < n_k)
+
+    @gluon.jit
+    def _chunk_tma(i, phase, n_k, w1_cur, w3_cur, e_cur, x_cur, bar_cur, w1_nxt, w3_nxt, e_nxt,
+                   x_nxt, bar_nxt, sa_s, acc1, acc3, w1_desc, w3_desc, wrow, e_ptrs, x_ptrs,
+                   x_mask, USE_ASM: ttgl.constexpr, NS: ttgl.constexpr, BW: ttgl.constexpr,
+                   BT: ttgl.constexpr, BK: ttgl.constexpr):
+        """_chunk with the packed weights on TMA. Two CTA barriers per chunk, as _chunk: A
+        (every thread done with chunk i - 1, so its stage nxt is free) and B (every thread past
+        its wait for chunk i's weights, so that stage's barrier may be re-armed). Triton's membar
+        pass sees every op on one mbarrier or stage as a write to that allocation and puts a CTA
+        barrier between any two not yet separated by one (an expect and a copy, or two copies,
+        on one mbarrier: 4 BAR.SYNC per chunk), so the two copies of chunk c = i + NS - 1 (into
+        stage nxt, armed one round earlier) straddle B, and the stage just waited for is re-armed
+        for chunk i + NS after B. One proxy fence, between A and the first copy: after this
+        thread's cp.async wait (its exponents and X of chunk i) and before B, which the wgmma
+        follows - the writer-side order of _chunk; and between the generic LDS of stage nxt
+        (chunk i - 1) and the async-proxy TMA writing it (Triton's fence pass would add one
+        there, before the first copy, on its own)."""
+        c = i + NS - 1
+        async_copy.wait_group(NS - 2)
+        ttgl.thread_barrier()  # A
+        fence_async_shared()
+        _tma_rows(w1_desc, wrow, c, bar_nxt, w1_nxt, n_k, BK)
+        mbarrier.wait(bar_cur, phase)  # chunk i's W1 / W3 landed, visible to this thread's LDS
+        ttgl.thread_barrier()  # B
+        _tma_rows(w3_desc, wrow, c, bar_nxt, w3_nxt, n_k, BK)
+        _arm(bar_cur, i + NS, n_k, BW, BK)
+        issue_side(e_nxt, x_nxt, e_ptrs, x_ptrs, x_mask, c, n_k, BK)
+        return _mma_chunk(i, w1_cur, w3_cur, e_cur, x_cur, sa_s, acc1, acc3, USE_ASM, BW, BT)
+
+    @gluon.jit
+    def l1_decode_tma_kernel(a_ptr, as_ptr, aidx_ptr, w1_desc, bs1_ptr, w3_desc, bs2_ptr, c_ptr,
+                             work_ptr, MT, N, K, G, P, limit, stride_am, stride_as, stride_bsg,
+                             stride_bsn, stride_cm, TOPK: ttgl.constexpr,
+                             HAS_LIMIT: ttgl.constexpr, USE_ASM: ttgl.constexpr,
+                             BW: ttgl.constexpr, BT: ttgl.constexpr, BK: ttgl.constexpr,
+                             NS: ttgl.constexpr, NKP: ttgl.constexpr, NW: ttgl.constexpr):
+        """l1_decode_kernel with the packed weights streamed by TMA: w1_desc / w3_desc describe
+        the banks as [G N, K / 2] bytes (boxes [BW, BK / 2], NVMMA 64-byte swizzle), expert g's
+        block n0 at row g N + n0; one mbarrier per stage. NS >= 3 stages of any count (the
+        loop unrolled by NS through static_range, every stage its own allocation: constant
+        stage indices, as l1_decode_kernel)."""
+        ttgl.static_assert(NS >= 3, "a ring of at least 3 stages")
+        ttgl.static_assert(NW == 4, "one warpgroup")
+        ttgl.static_assert(BW == 64, "64 weight rows per matrix")
+        ttgl.static_assert(BK == 128, "128-column chunks")
+        ttgl.static_assert(BT == 16, "16-token tiles")
+
+        skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BW, MT, G,
+                                                 P, BT)
+        if skip:
+            return
+        n0 = pid_n * BW
+        wrow = g.to(ttgl.int32) * N + n0  # < G N: the launcher checks that it fits int32
+        e_ptrs, x_ptrs, x_mask, s_ptrs, s_mask = _side_pointers(
+            a_ptr, as_ptr, aidx_ptr, bs1_ptr, bs2_ptr, g, n0, row0, nrows, K, stride_am,
+            stride_as, stride_bsg, stride_bsn, TOPK, BW, BT, BK, NKP)
+        n_k = K // BK
+
+        # ---- shared memory: the rings as tuples of allocations (stage s = ring[s]) ---------
+        w1_r = ()
+        w3_r = ()
+        e_r = ()
+        x_r = ()
+        bars = ()
+        for s in ttgl.static_range(NS):
+            w1_r = w1_r + (ttgl.allocate_shared_memory(ttgl.uint8, [BW, BK // 2],
+                                                       w1_desc.layout),)
+            w3_r = w3_r + (ttgl.allocate_shared_memory(ttgl.uint8, [BW, BK // 2],
+                                                       w3_desc.layout),)
+            e_r = e_r + (ttgl.allocate_shared_memory(ttgl.uint8, [2 * BW, 4], FLAT),)
+            x_r = x_r + (ttgl.allocate_shared_memory(ttgl.float8e4nv, [BT, BK], X_SMEM),)
+            bars = bars + (ttgl.allocate_shared_memory(ttgl.int64, [1],
+                                                       mbarrier.MBarrierLayout()),)
+        sa_s = ttgl.allocate_shared_memory(ttgl.float32, [NKP, BT], FLAT)
+        for s in ttgl.static_range(NS):
+            mbarrier.init(bars[s], count=1)
+        fence_async_shared()  # the initialized barriers, before the TMA unit signals them
+
+        # prologue: every stage armed for its first chunk (0 .. NS - 1), the A scales with
+        # chunk 0, chunks 0 .. NS - 2 issued (chunk NS - 1: by chunk 0)
+        for s in ttgl.static_range(NS):
+            _arm(bars[s], s, n_k, BW, BK)
+        async_copy.async_copy_global_to_shared(sa_s, s_ptrs, mask=s_mask)
+        for s in ttgl.static_range(NS - 1):
+            _tma_rows(w1_desc, wrow, s, bars[s], w1_r[s], n_k, BK)
+            _tma_rows(w3_desc, wrow, s, bars[s], w3_r[s], n_k, BK)
+            issue_side(e_r[s], x_r[s], e_ptrs, x_ptrs, x_mask, s, n_k, BK)
+
+        sa_r = sa_s._reinterpret(ttgl.float32, [NKP, BT], FLAT1)
+        acc1 = ttgl.zeros([BW, BT], ttgl.float32, MMA)
+        acc3 = ttgl.zeros([BW, BT], ttgl.float32, MMA)
+        for i in range(0, n_k, NS):
+            phase = (i // NS) & 1  # phases of each stage's barrier completed so far, mod 2
+            for s in ttgl.static_range(NS):
+                if i + s < n_k:
+                    nx: ttgl.constexpr = (s + NS - 1) % NS
+                    acc1, acc3 = _chunk_tma(i + s, phase, n_k, w1_r[s], w3_r[s], e_r[s], x_r[s],
+                                            bars[s], w1_r[nx], w3_r[nx], e_r[nx], x_r[nx],
+                                            bars[nx], sa_r, acc1, acc3, w1_desc, w3_desc, wrow,
+                                            e_ptrs, x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK)
+        # the clamped cp.async re-copies past K (never read); every armed phase was waited for
+        async_copy.wait_group(0)
+        for s in ttgl.static_range(NS):
+            mbarrier.invalidate(bars[s])
+        _store_h(acc1, acc3, c_ptr, limit, row0, nrows, n0, N, stride_cm, HAS_LIMIT, BW, BT)
 
 
 def _next_pow2(n: int) -> int:
@@ -309,16 +475,21 @@ def _next_pow2(n: int) -> int:
 
 def l1_gluon_decode(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tiles: int,
                     limit: float | None = None, tiles: torch.Tensor | None = None,
-                    use_asm: bool | None = None) -> torch.Tensor:
+                    use_asm: bool | None = None, load: str | None = None,
+                    stages: int | None = None) -> torch.Tensor:
     """out [P, F] (expert-sorted rows; fp16 in routed_experts, fp32 / bf16 fine; a row-strided
     view is fine) = swiglu(A W1^T, A W3^T) per expert, A row of sorted row r = a_q[a_idx[r] //
     topk] (E4M3 [T, d], a_scale [T, d / 128] f32); w1 / w3: moe.Bank MXFP4 [E, F, d / 2] with E8M0
     [E, F, d / 32]; counts [E] int32 rows per expert. Row tiles of BT = 16 rows: max_tiles bounds
     them (routed_experts' formula at 16 rows: min(P, P // 16 + E)); tiles: moe.tile_list(counts,
     16, max_tiles) if already built (else built here: one tiny launch, no host sync, CUDA-graph
-    capturable). use_asm: the PRMT table upcast (default) or its integer-arithmetic twin."""
+    capturable). use_asm: the PRMT table upcast (default) or its integer-arithmetic twin.
+    load: how the packed weights are streamed, "cp.async" or "tma" (default LOAD, env
+    MEGAGRAPH_MOE_GLUON_DECODE_LOAD); stages: the TMA ring's depth (>= 3, default TMA_STAGES).
+    Both loads give the same bits."""
     if not _IMPORT_OK:
         raise RuntimeError("l1_gluon_decode needs Triton 3.6 Gluon")
+    load, ns = _load_and_stages(load, stages)
     if not (w1.wfmt == 0 and w3.wfmt == 0 and w1.bk == 32 and w1.bn == 1 and w3.bk == 32
             and w3.bn == 1):
         raise ValueError("l1_gluon_decode takes MXFP4 banks (E8M0 per 32 columns)")
@@ -346,6 +517,14 @@ def l1_gluon_decode(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_
     tiles = tile_list(counts, BT, max_tiles, tiles)
     use_asm = True if use_asm is None else bool(use_asm)
     grid = (max_tiles * (N // BW),)
+    if load == "tma":
+        l1_decode_tma_kernel[grid](
+            a_q, a_scale, a_idx, _weight_desc(w1), w1.s, _weight_desc(w3), w3.s, out, tiles,
+            max_tiles, N, K, counts.numel(), P, float(limit or 0.0), a_q.stride(0),
+            a_scale.stride(0), w1.s.stride(0), w1.s.stride(1), out.stride(0),
+            TOPK=topk, HAS_LIMIT=limit is not None and limit > 0, USE_ASM=use_asm,
+            BW=BW, BT=BT, BK=BK, NS=ns, NKP=nkp, NW=NUM_WARPS, num_warps=NUM_WARPS)
+        return out
     l1_decode_kernel[grid](
         a_q, a_scale, a_idx, w1.w, w1.s, w3.w, w3.s, out, tiles, max_tiles, N, K,
         counts.numel(), P, float(limit or 0.0), a_q.stride(0), a_scale.stride(0),
@@ -353,3 +532,31 @@ def l1_gluon_decode(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_
         TOPK=topk, HAS_LIMIT=limit is not None and limit > 0, USE_ASM=use_asm,
         BW=BW, BT=BT, BK=BK, NS=NS, NKP=nkp, NW=NUM_WARPS, num_warps=NUM_WARPS)
     return out
+
+
+def _load_and_stages(load: str | None, stages: int | None) -> tuple[str, int]:
+    """The call's load (default LOAD) and TMA ring depth (default TMA_STAGES), checked: stages
+    only with load='tma', at least 3 (the ring refills the stage of the chunk before)."""
+    load = LOAD if load is None else load
+    if load not in LOADS:
+        raise ValueError(f"load {load!r}: one of {LOADS}")
+    if stages is not None and load != "tma":
+        raise ValueError("stages is the TMA ring's depth (load='tma')")
+    ns = TMA_STAGES if stages is None else int(stages)
+    if ns < 3:
+        raise ValueError(f"stages {ns}: the TMA ring needs at least 3")
+    return load, ns
+
+
+def _weight_desc(bank):
+    """The host TMA descriptor of a bank's packed MXFP4 bytes as one [G N, K / 2] matrix (row
+    g N + n = expert g's weight row n; boxes [BW, BK / 2]): what l1_decode_tma_kernel copies
+    from. The rows of all experts must be one stride apart (stride(0) == N stride(1)) and
+    G N must fit the descriptor's int32 coordinates; the 16-byte base / row alignment TMA
+    needs is what the launcher already checks. Built per call (a host-side cuTensorMap filled
+    at launch and passed by value: CUDA-graph capturable)."""
+    w = bank.w.view(torch.uint8)
+    G, N, KB = w.shape
+    if w.stride(0) != N * w.stride(1) or G * N >= 2 ** 31:
+        raise ValueError("load='tma' needs the experts' weight rows one stride apart, G N < 2^31")
+    return TensorDescriptor(w, [G * N, KB], [w.stride(1), 1], [BW, BK // 2], W_TMA_LAYOUT)

@@ -53,6 +53,24 @@ def loop_instructions(sass: str) -> list[str]:
     return [t for a, t in ins if span[0] <= a <= span[1]]
 
 
+def outer_loop_instructions(sass: str) -> list[str]:
+    """The body of the widest CONDITIONAL backward branch: the K loop also where the kernel
+    waits on mbarriers, whose try-wait retries ptxas places out of line after the function's
+    end (a conditional self-loop, then an unconditional branch back into the K loop - both
+    backward, so loop_instructions' "last backward branch" would pick them). For the cp.async
+    kernels it is the same loop as loop_instructions'."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    span = None
+    for addr, text in ins:
+        m = re.search(r"^\s*@!?U?P\w+\s+BRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr and \
+                (span is None or addr - int(m.group(1), 16) > span[1] - span[0]):
+            span = (int(m.group(1), 16), addr)
+    assert span is not None, "no conditional loop in the SASS"
+    return [t for a, t in ins if span[0] <= a <= span[1]]
+
+
 def last_loop(sass: str) -> str:
     """loop_instructions as one text, an instruction a line."""
     return "\n".join(loop_instructions(sass))

@@ -12,12 +12,19 @@ the tensor core, so the error is the fp16 rounding of H (2^-11 relative, ~3e-4 r
 sum order; the Triton L1 computes the same formula (the same codes, the same per-chunk
 promotion), so the two must agree as tightly. The PTX table upcast and its integer-arithmetic
 twin give bit-identical outputs (the same E4M3 codes) also on 20-wide exponent spreads where
-weights flush. A debug test of isolated pieces (one expert, K = 256) names what fails.
+weights flush. A debug test of isolated pieces (one expert, K = 256) names what fails. Every
+GPU test runs both loads of the packed weights (load="cp.async", the default, and "tma"); the
+TMA variant is also checked bit for bit against the cp.async kernel (explicit per-expert row
+counts: tiles of 1..16 rows, experts of > 16 rows, empty experts, odd token counts, 3 / 4 / 6
+stages, K of fewer chunks than stages), over repeated launches and inside a CUDA graph.
 
 CPU: the kernel is compiled ahead of time for sm_90 when the installed Triton is 3.6
 (make sm90-h200): no local memory, the register-A QGMMA 64x16x32 in the K loop, the per-chunk
 instruction counts pinned, every thread's fence.proxy.async before the CTA barrier the wgmma
-waits at (test_moe_gluon.proxy_fence_problems; cuobjdump from Triton's bundle).
+waits at (test_moe_gluon.proxy_fence_problems; cuobjdump from Triton's bundle); the same for the
+TMA variant (its K loop: 2 UTMALDG, 1 mbarrier try-wait, 1 expect per chunk, no LDGSTS.128, the
+same QGMMA / PRMT / LDS.128 as the cp.async kernel). The launcher's load / stages checks and the
+host TMA descriptor of a bank run on the CPU.
 """
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ import pytest
 import torch
 from gluon_cases import TYPES, case, debug_cases, diagnose, reference, rel
 from megagraph.kernels.triton import moe_gluon_decode as md
-from sm90_build import gluon_sm90, loop_instructions, usage_and_sass
+from sm90_build import gluon_sm90, loop_instructions, outer_loop_instructions, usage_and_sass
 from test_moe_gluon import proxy_fence_problems
 from test_triton_moe import ACT, check_routed, routed_case
 
@@ -39,9 +46,10 @@ def _max_tiles(P, E):
 
 
 @gpu
+@pytest.mark.parametrize("load", md.LOADS)
 @pytest.mark.parametrize("T,E,subset", [(1, 8, None), (7, 32, [0, 3, 5, 9, 17, 30]),
                                         (64, 64, None), (64, 16, list(range(0, 16, 2)))])
-def test_l1_decode_matches(T, E, subset):
+def test_l1_decode_matches(T, E, subset, load):
     """T = 64 with 64 experts: ~6 rows per expert (the decode regime); with 8 of 16 experts:
     48 rows per expert, several 16-row tiles per expert (the last partial)."""
     from megagraph.kernels.triton import moe
@@ -51,7 +59,7 @@ def test_l1_decode_matches(T, E, subset):
     P = T * k
     out = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
     md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, out, topk=k, max_tiles=_max_tiles(P, E),
-                       limit=limit)
+                       limit=limit, load=load)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "an output element was not written (or is not finite)"
     ref = reference(xq, xs, w1, w3, counts, srt, k, limit)
@@ -67,7 +75,8 @@ def test_l1_decode_matches(T, E, subset):
 
 
 @gpu
-def test_l1_decode_asm_vs_arith_and_tiles():
+@pytest.mark.parametrize("load", md.LOADS)
+def test_l1_decode_asm_vs_arith_and_tiles(load):
     """No clamp; exponents 108 .. 127 (rel = e - S over [-13, 6] within a row's chunk: every
     table offset occurs and weights flush): the PTX table upcast and the arithmetic twin give the
     same bits; a prebuilt tile list gives the same output as the one built in the call."""
@@ -80,10 +89,12 @@ def test_l1_decode_asm_vs_arith_and_tiles():
     o1 = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
     o2 = torch.full_like(o1, float("nan"))
     o3 = torch.full_like(o1, float("nan"))
-    md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, o1, topk=k, max_tiles=mt, use_asm=True)
-    md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, o2, topk=k, max_tiles=mt, use_asm=False)
+    md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, o1, topk=k, max_tiles=mt, use_asm=True,
+                       load=load)
+    md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, o2, topk=k, max_tiles=mt, use_asm=False,
+                       load=load)
     md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, o3, topk=k, max_tiles=mt,
-                       tiles=moe.tile_list(counts, md.BT, mt))
+                       tiles=moe.tile_list(counts, md.BT, mt), load=load)
     torch.cuda.synchronize()
     assert torch.isfinite(o2).all(), "arithmetic upcast: an element not written / not finite"
     ref = reference(xq, xs, w1, w3, counts, srt, k, float("inf"))
@@ -95,14 +106,16 @@ def test_l1_decode_asm_vs_arith_and_tiles():
 
 
 @gpu
-@pytest.mark.parametrize("gluon", [True, False])
-def test_routed_experts_decode_uses_gluon(gluon, monkeypatch):
+@pytest.mark.parametrize("gluon,load", [(True, "cp.async"), (True, "tma"), (False, "cp.async")])
+def test_routed_experts_decode_uses_gluon(gluon, load, monkeypatch):
     """routed_experts at a decode size (24 tokens, top-6 of 48 experts: 3 rows per expert) runs
-    its L1 on l1_gluon_decode when on (once) and on moe_gemm when MEGAGRAPH_MOE_GLUON_DECODE is
+    its L1 on l1_gluon_decode when on (once; with the module's LOAD, as
+    MEGAGRAPH_MOE_GLUON_DECODE_LOAD sets it) and on moe_gemm when MEGAGRAPH_MOE_GLUON_DECODE is
     off; both against the reference op within test_triton_moe's bound (2e-3, fp32 output)."""
     from megagraph.kernels.triton import moe
 
     monkeypatch.setattr(moe, "GLUON_DECODE", gluon)
+    monkeypatch.setattr(md, "LOAD", load)
     monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
     calls = []
     real = md.l1_gluon_decode
@@ -115,7 +128,8 @@ def test_routed_experts_decode_uses_gluon(gluon, monkeypatch):
 
 
 @gpu
-def test_l1_decode_debug_pieces():
+@pytest.mark.parametrize("load", md.LOADS)
+def test_l1_decode_debug_pieces(load):
     """GPU debug: one expert, K = 256 (2 chunks), N = 64 (one weight block), fp32 output, no
     clamp, each piece isolated, each with the PTX and the arithmetic upcast; the message lists
     every case that is off and where:
@@ -140,7 +154,8 @@ def test_l1_decode_debug_pieces():
             out = torch.full((P, F), float("nan"), dtype=torch.float32, device="cuda")
             try:
                 md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, out, topk=topk,
-                                   max_tiles=-(-P // md.BT), limit=limit, use_asm=use_asm)
+                                   max_tiles=-(-P // md.BT), limit=limit, use_asm=use_asm,
+                                   load=load)
                 torch.cuda.synchronize()
             except Exception as exc:  # noqa: BLE001  (a launch error names the case)
                 msgs.append(f"{name} ({'asm' if use_asm else 'arith'}): {exc!r}"[:400])
@@ -208,8 +223,9 @@ def test_l1_decode_sm90_build():
 
 
 @gpu
+@pytest.mark.parametrize("load", md.LOADS)
 @pytest.mark.parametrize("T,E,d,F", [(2, 1, 256, 64), (64, 64, 1024, 256)])
-def test_l1_decode_bit_stable(T, E, d, F):
+def test_l1_decode_bit_stable(T, E, d, F, load):
     """20 launches of one call give the same bits, and the first matches the fp32 math: one
     program (one expert, <= 16 rows, one 64-row block, 2 chunks: where the prefill kernel's
     removed pack / bm 64 variants went wrong, kernels/triton/moe_gluon.py) and a multi-program
@@ -221,7 +237,7 @@ def test_l1_decode_bit_stable(T, E, d, F):
     for _ in range(20):
         out = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
         md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, out, topk=k,
-                           max_tiles=_max_tiles(P, E), limit=10.0)
+                           max_tiles=_max_tiles(P, E), limit=10.0, load=load)
         if first is None:
             first = out
         else:
@@ -229,3 +245,202 @@ def test_l1_decode_bit_stable(T, E, d, F):
     assert torch.isfinite(first).all()
     ref = reference(xq, xs, w1, w3, counts, srt, k, 10.0)
     assert rel(first, ref) < 2e-3, f"vs fp32 math: {rel(first, ref):.3e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the TMA load of the packed weights (load="tma")
+# ---------------------------------------------------------------------------------------------
+
+def _rows_case(rows, T, k, d, F, seed, exps=(119, 125)):
+    """case()'s data with EXPLICIT rows per expert (`rows`, zeros = empty experts): sorted row r
+    gathers A row a_idx[r] // k, a_idx a random choice of distinct pairs of T tokens x top-k.
+    On the GPU: (xq, xs, w1, w3, counts, a_idx)."""
+    P = sum(rows)
+    assert P <= T * k
+    xq, xs, w1, w3, _, _ = case(T, len(rows), d, F, k, seed=seed, exps=exps)
+    g = torch.Generator().manual_seed(seed + 1)
+    a_idx = torch.randperm(T * k, generator=g)[:P].to(torch.int32).cuda()
+    counts = torch.tensor(rows, dtype=torch.int32, device="cuda")
+    return xq, xs, w1, w3, counts, a_idx
+
+
+# (rows per expert, tokens, top-k, d, F, exponent range, limit)
+TMA_CASES = {
+    # every tile size 1..16 (one tile per expert) and an empty expert; 47 tokens (odd)
+    "tiles_1_16": (list(range(1, 17)) + [0], 47, 3, 1024, 256, (119, 125), 10.0),
+    # experts of 17, 40 and 33 rows (2-3 tiles, the last partial) between empty ones; 33 tokens
+    "big_experts": ([0, 17, 40, 0, 33, 5, 0], 33, 3, 1024, 128, (119, 125), 10.0),
+    # K = 256: 2 chunks, fewer than the stages (the predicated-off copies past K); no clamp,
+    # exponents over a 20-wide range (every table offset, flushed weights)
+    "short_k_wide_exps": ([3, 0, 16, 1, 9], 11, 3, 256, 64, (108, 128), None),
+}
+
+
+@gpu
+@pytest.mark.parametrize("stages", [3, 4, 6])
+@pytest.mark.parametrize("name", list(TMA_CASES))
+def test_l1_decode_tma_same_bits(name, stages):
+    """load="tma" (at 3, 4 and 6 stages) gives the cp.async kernel's bits into NaN-poisoned
+    outputs (every valid row written, finite), and both match the fp32 math."""
+    rows, T, k, d, F, exps, limit = TMA_CASES[name]
+    xq, xs, w1, w3, counts, a_idx = _rows_case(rows, T, k, d, F, seed=len(name) + stages,
+                                               exps=exps)
+    P = sum(rows)
+    mt = _max_tiles(P, len(rows))
+    outs = {}
+    for load, ns in (("cp.async", None), ("tma", stages)):
+        out = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
+        md.l1_gluon_decode(xq, xs, a_idx, w1, w3, counts, out, topk=k, max_tiles=mt,
+                           limit=limit, load=load, stages=ns)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all(), f"{load}: an element not written / not finite"
+        outs[load] = out
+    assert torch.equal(outs["tma"], outs["cp.async"]), \
+        f"tma vs cp.async: rel {rel(outs['tma'], outs['cp.async']):.3e}"
+    ref = reference(xq, xs, w1, w3, counts, a_idx, k, float("inf") if limit is None else limit)
+    assert rel(outs["tma"], ref) < 2e-3, f"vs fp32 math: {rel(outs['tma'], ref):.3e}"
+
+
+@gpu
+def test_l1_decode_tma_repeat_and_graph():
+    """20 eager TMA launches give the cp.async kernel's bits every time, and the TMA launch
+    captured in a CUDA graph (tile list built inside the capture, host descriptors filled at
+    capture) replays the same bits into a re-poisoned output."""
+    rows, T, k, d, F = [5, 0, 16, 23, 1, 2, 0, 7], 29, 3, 1024, 256
+    xq, xs, w1, w3, counts, a_idx = _rows_case(rows, T, k, d, F, seed=77)
+    P = sum(rows)
+    mt = _max_tiles(P, len(rows))
+
+    def launch(out, load):
+        md.l1_gluon_decode(xq, xs, a_idx, w1, w3, counts, out, topk=k, max_tiles=mt,
+                           limit=10.0, load=load)
+
+    want = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
+    launch(want, "cp.async")
+    out = torch.full_like(want, float("nan"))
+    for _ in range(20):
+        out.fill_(float("nan"))
+        launch(out, "tma")
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"tma launch differs: rel {rel(out, want):.3e}"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch asks
+        launch(out, "tma")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(out, "tma")
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"graph replay differs: rel {rel(out, want):.3e}"
+
+
+def test_l1_decode_load_args():
+    """The launcher's load / stages checks (plain Python, before any launch): the default is
+    the module's LOAD with TMA_STAGES; unknown loads, stages without load='tma' and rings
+    under 3 stages are refused."""
+    assert md._load_and_stages(None, None) == (md.LOAD, md.TMA_STAGES)
+    assert md._load_and_stages("tma", 6) == ("tma", 6)
+    for load, stages in (("tma2", None), ("cp.async", 4), ("tma", 2)):
+        with pytest.raises(ValueError):
+            md._load_and_stages(load, stages)
+
+
+@pytest.mark.skipif(not md._IMPORT_OK, reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+def test_l1_decode_weight_desc():
+    """The host TMA descriptor of a bank (CPU tensors: no launch): the packed bytes as one
+    [E F, d / 2] uint8 matrix with the row stride, [64, 64] boxes in W_TMA_LAYOUT; a bank whose
+    experts are not one row stride apart is refused."""
+    from megagraph.kernels.triton import moe
+
+    E, F, d = 3, 128, 512
+    w = torch.zeros(E, F, d // 2, dtype=torch.int8)
+    s = torch.zeros(E, F, d // 32, dtype=torch.uint8)
+    desc = md._weight_desc(moe.bank(w, s, "mxfp4"))
+    assert list(desc.shape) == [E * F, d // 2] and list(desc.strides) == [d // 2, 1]
+    assert list(desc.block_shape) == [md.BW, md.BK // 2] and desc.layout == md.W_TMA_LAYOUT
+    assert desc.base.dtype == torch.uint8 and desc.base.data_ptr() == w.data_ptr()
+    gapped = torch.zeros(E, F + 64, d // 2, dtype=torch.int8)[:, :F]
+    with pytest.raises(ValueError):
+        md._weight_desc(moe.bank(gapped, s, "mxfp4"))
+
+
+def _tma_types():
+    """TYPES for l1_decode_tma_kernel: the descriptors in place of the weight pointers and
+    their strides (the jit's signature string of a gluon TensorDescriptor)."""
+    desc = f"tensordesc<u8[{md.BW}, {md.BK // 2}],{md.W_TMA_LAYOUT!r}>"
+    types = {n: t for n, t in TYPES.items()
+             if n not in ("b1_ptr", "b2_ptr", "stride_bg", "stride_bn")}
+    return dict(types, w1_desc=desc, w3_desc=desc)
+
+
+SASS_COUNTS = [
+    ("QGMMA", r"\bQGMMA\.64x16x32\.F32\.E4M3\.E4M3\b"), ("ARRIVE", r"WARPGROUP\.ARRIVE"),
+    ("WG_DEPBAR", r"WARPGROUP\.DEPBAR"), ("BAR_SYNC", r"\bBAR\.SYNC"),
+    ("DEPBAR", r"^(@\S+\s+)?DEPBAR"), ("LDGSTS128", r"\bLDGSTS\.E\.BYPASS\.128\b"),
+    ("LDGSTS", r"\bLDGSTS\.E\s"), ("LDS128", r"\bLDS\.128\b"), ("STS", r"\bSTS"),
+    ("PRMT", r"\bPRMT\b"), ("UTMALDG", r"\bUTMALDG\b"), ("TRYWAIT", r"SYNCS\.PHASECHK"),
+    ("EXPECT", r"SYNCS\.ARRIVE\.TRANS64"), ("FENCE", r"\bFENCE\.VIEW\.ASYNC\.S\b")]
+
+
+def _build_stats(kernel, types, consts):
+    """(registers, shared bytes, K-loop instructions, per-pattern counts) of an sm_90 build,
+    with no stack and no local memory asserted."""
+    k = gluon_sm90(kernel, types, consts, num_warps=md.NUM_WARPS)
+    usage, sass = usage_and_sass(k)
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
+    body = [t.strip() for t in outer_loop_instructions(sass)]
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    return regs, k.metadata.shared, body, {n: _count(body, p) for n, p in SASS_COUNTS}
+
+
+@pytest.mark.skipif(not md._IMPORT_OK, reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+def test_l1_decode_tma_sm90_build():
+    """Triton 3.6 sm_90 build of l1_decode_tma_kernel at TMA_STAGES (4) next to the cp.async
+    kernel's: no stack / local memory, <= 128 registers and <= 56 KB shared (4 CTAs per SM), and
+    per K chunk: the cp.async kernel's math (8 QGMMA, 2 ARRIVE, 2 WARPGROUP.DEPBAR, 4 LDS.128,
+    64 PRMT, no STS), 2 BAR.SYNC (A: stage free; B: every thread past its mbarrier wait - no
+    membar barrier between the copies / expect on one mbarrier), 1 cp.async wait, 5 4-byte
+    LDGSTS (X, exponents) and no LDGSTS.128 (the weights left cp.async), 2 UTMALDG (W1, W3),
+    1 mbarrier try-wait, 1 expect (the re-arm), 1 proxy fence - writer-side for X
+    (proxy_fence_problems) and the only one (Triton adds none of its own before the copies);
+    the loop's instruction count pinned (1551 at the time of writing, +- 8%; cp.async 1423)."""
+    consts = dict(TOPK=6, HAS_LIMIT=True, USE_ASM=True, BW=md.BW, BT=md.BT, BK=md.BK, NKP=64,
+                  NW=md.NUM_WARPS)
+    ns = md.TMA_STAGES
+    regs, shared, body, c = _build_stats(md.l1_decode_tma_kernel, _tma_types(),
+                                         dict(consts, NS=ns))
+    regs_cp, shared_cp, body_cp, c_cp = _build_stats(md.l1_decode_kernel, TYPES,
+                                                     dict(consts, NS=md.NS))
+    print(f"\nsm_90 tma ({ns} stages): {regs} registers, {shared} B shared, K loop {len(body)} "
+          f"instructions ({len(body) / ns:.0f} per chunk): {c}\nsm_90 cp.async ({md.NS} "
+          f"stages): {regs_cp} registers, {shared_cp} B shared, K loop {len(body_cp)} "
+          f"({len(body_cp) / md.NS:.0f} per chunk): {c_cp}")
+    assert regs <= 128 and shared <= 56 * 1024, (regs, shared)
+    for name in ("QGMMA", "ARRIVE", "WG_DEPBAR", "LDS128", "PRMT", "STS"):
+        assert c[name] / ns == c_cp[name] / md.NS, (name, c[name], c_cp[name])
+    per_chunk = dict(BAR_SYNC=2, DEPBAR=1, LDGSTS128=0, LDGSTS=5, UTMALDG=2, TRYWAIT=1,
+                     EXPECT=1, FENCE=1)
+    assert {n: c[n] for n in per_chunk} == {n: v * ns for n, v in per_chunk.items()}, c
+    assert abs(len(body) - 1551) <= 0.08 * 1551, len(body)
+    assert proxy_fence_problems(body, ns) == []
+
+
+@pytest.mark.skipif(not md._IMPORT_OK, reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+@pytest.mark.parametrize("stages", [3, 5, 6, 8])
+def test_l1_decode_tma_sm90_build_stages(stages):
+    """Other ring depths build the same chunk (per-chunk counts as at TMA_STAGES), with no
+    stack / spills; registers and shared memory printed (6 and 8 stages: > 128 registers and
+    > 56 KB, so 3 and 2 CTAs per SM)."""
+    consts = dict(TOPK=6, HAS_LIMIT=True, USE_ASM=True, BW=md.BW, BT=md.BT, BK=md.BK, NKP=64,
+                  NW=md.NUM_WARPS, NS=stages)
+    regs, shared, body, c = _build_stats(md.l1_decode_tma_kernel, _tma_types(), consts)
+    print(f"\nsm_90 tma ({stages} stages): {regs} registers, {shared} B shared, K loop "
+          f"{len(body)} instructions ({len(body) / stages:.0f} per chunk)")
+    per_chunk = dict(QGMMA=8, BAR_SYNC=2, UTMALDG=2, TRYWAIT=1, EXPECT=1, FENCE=1, PRMT=64)
+    assert {n: c[n] for n in per_chunk} == {n: v * stages for n, v in per_chunk.items()}, c
+    assert proxy_fence_problems(body, stages) == []
