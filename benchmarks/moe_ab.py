@@ -1,5 +1,6 @@
 """A/B of MegaMoE configurations in one process: the kernel switches of kernels/triton/moe.py
-(module attributes such as CUBLAS_PREFILL, GLUON_PREFILL_L2, SHARED_STREAM) set per row,
+(module attributes such as CUBLAS_PREFILL, GLUON_PREFILL_L2, SHARED_STREAM; "module.ATTR" for
+another module of kernels/triton, e.g. moe_gluon_decode.LOAD=cp.async) set per row,
 rows interleaved over rounds so that they compare within one run (between device calls the same
 row moves by up to 5%). Real V4.1-Flash dims and the inputs of benchmarks/kernels.py's MoE rows.
 Each configuration's output is compared with the first configuration's (relative Frobenius
@@ -52,8 +53,9 @@ def main():
     configs = parse_configs(args.configs)
     for _, knobs in configs:
         for k in knobs:
-            if not hasattr(tm, k):
-                raise SystemExit(f"--configs: kernels.triton.moe has no switch {k!r}")
+            mod, attr = _target(tm, k)
+            if not hasattr(mod, attr):
+                raise SystemExit(f"--configs: {mod.__name__} has no switch {attr!r}")
     dev = torch.device("cuda")
     w = m.make_weights(m.V41, dev)
     kw = dict(topk=m.V41["k"], **m.MOE_KW)
@@ -62,13 +64,13 @@ def main():
         streams, (x, xq, xs, _pre, post, comb) = m.layer_inputs(m.V41, w, T, dev, seed=T + 1)
         call = lambda: tm.mega_moe(x, xq, xs, streams, post, comb, w["gate"], w["bias"],  # noqa
                                    *w["routed"], *w["shared"], **kw)
-        saved = {k: getattr(tm, k) for _, kn in configs for k in kn}
+        saved = {k: getattr(*_target(tm, k)) for _, kn in configs for k in kn}
         ref, times = None, {name: [] for name, _ in configs}
         errs = {}
         for rnd in range(args.rounds):
             for name, knobs in configs:
                 for k, v in saved.items():
-                    setattr(tm, k, knobs.get(k, v))
+                    setattr(*_target(tm, k), knobs.get(k, v))
                 try:
                     if rnd == 0:
                         out = call().float()
@@ -84,7 +86,7 @@ def main():
                 print(f"T={T} round {rnd} {name}: {times[name][-1]:.4f} ms "
                       f"rel_err {errs[name]:.2e}", flush=True)
         for k, v in saved.items():
-            setattr(tm, k, v)
+            setattr(*_target(tm, k), v)
         for name, knobs in configs:
             rows.append(dict(tokens=T, config=name, knobs={k: str(v) for k, v in knobs.items()},
                              ms=times[name], median_ms=statistics.median(times[name]),
@@ -97,6 +99,17 @@ def main():
         with open(path + ".tmp", "w") as f:
             f.write(text)
         os.replace(path + ".tmp", path)
+
+
+def _target(tm, knob: str):
+    """(module, attribute) of a switch: "ATTR" in kernels/triton/moe.py, "mod.ATTR" in
+    kernels/triton/mod.py."""
+    if "." not in knob:
+        return tm, knob
+    import importlib
+
+    mod, attr = knob.rsplit(".", 1)
+    return importlib.import_module(f"megagraph.kernels.triton.{mod}"), attr
 
 
 def _md(meta: dict) -> str:

@@ -71,9 +71,10 @@ KERNELS: dict[str, list[KernelImpl]] = {
                  _k("triton.mega_moe", "sm_90 triton", "available",
                     note=f"{TRITON_MOE}; router, permutation, shared expert, combine + expand")],
     "hc_mixer": [_k("deepgemm.tf32_hc_prenorm_gemm+triton.sinkhorn", "cuda deepgemm triton")],
-    "hc_expand": [_k("triton.hc_expand", "sm_90 triton", "unvalidated",
+    "hc_expand": [_k("triton.hc_expand", "sm_90 triton", "available",
                      note="kernels/triton/mhc.py: mega_moe's combine kernel with one slot (the "
-                          "attention sites' residual expand; the FFN sites' is inside mega_moe)")],
+                          "attention sites' residual expand; the FFN sites' is inside mega_moe; "
+                          "tests/kernels/test_triton_mhc.py on the H200)")],
     "sparse_attn": [_k("flashmla.sparse_fwd", "cuda flashmla"),
                     _k("triton.sparse_attn", "sm_90 triton", "available", note=TRITON_ATTN)],
     "sparse_attn_q": [_k("flashmla.mega_attention", "sm_100f flashmla mxfp8"),

@@ -273,3 +273,6 @@ def hc_expand(H: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     h = H if H.stride(-1) == 1 else H.contiguous()
     return combine(y.unsqueeze(1), out, topk=1, shared=False, rdt=y.dtype, streams=h,
                    post=post.float().contiguous(), comb=comb.float().contiguous())
+
+
+hc_expand.capturable = True  # one launch, no host sync (runtime.kernels reads this)

@@ -27,13 +27,15 @@ exponents [128, 4] (one 4-byte cp.async per thread), X [16, 128] E4M3 (NVMMA 128
 four 4-byte cp.async per thread, zero-filled past the tile's rows). The A scales of every chunk
 ([NKP chunks, 16 tokens] f32) are copied once in the prologue.
 
-The TMA variant (l1_decode_tma_kernel; load="tma" or MEGAGRAPH_MOE_GLUON_DECODE_LOAD=tma, not the
-default until timed on the H200): the packed W1 / W3 rows of a stage come by TMA instead - two
+The TMA variant (l1_decode_tma_kernel; load="tma", the default from the ninth session: on the
+H200 at 64 tokens 0.922 ms with 3 stages against the cp.async kernel's 1.197 ms, 77% against 59%
+of the copy bandwidth, the same bits; 4 stages 0.986, 6 stages 1.182 ms;
+benchmarks/results/moe-gluon-decode-tma-h200.md): the packed W1 / W3 rows of a stage come by TMA instead - two
 boxes of [64 rows, 64 bytes] (NVMMA 64-byte swizzle) from host descriptors of the banks as
 [E F, d / 2] bytes, completing on the stage's mbarrier (one elected thread issues them; the
 stage is waited for with the barrier's phase) - while the exponents and X stay on cp.async: an
 exponent row of a chunk is 4 bytes, under TMA's 16-byte minimum box, and X is a row gather in
-the permuted k order. Any ring depth >= 3 (stages=, TMA_STAGES = 4: 47 KB, 4 CTAs per SM); the
+the permuted k order. Any ring depth >= 3 (stages=, TMA_STAGES = 3: 36 KB, 6 CTAs per SM); the
 chunk's math is the same code (_mma_chunk), so both loads give the same bits.
 
 The upcast (FP4_TABLE_ASM, one call per 4 packed bytes = 8 columns): a PRMT table lookup. With
@@ -77,11 +79,12 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     from .gluon_common import warpgroup_mma, warpgroup_mma_wait
 
 BW, BT, BK, NS, NUM_WARPS = 64, 16, 128, 4, 4
-# how the packed weights reach shared memory: "cp.async" (l1_decode_kernel, the default) or
-# "tma" (l1_decode_tma_kernel, TMA_STAGES stages unless the call says otherwise); the same bits
+# how the packed weights reach shared memory: "tma" (l1_decode_tma_kernel, TMA_STAGES stages
+# unless the call says otherwise; the default) or "cp.async" (l1_decode_kernel); the same bits.
+# A bank whose expert rows are not one stride apart takes cp.async when the call did not ask.
 LOADS = ("cp.async", "tma")
-LOAD = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE_LOAD", "cp.async")
-TMA_STAGES = 4
+LOAD = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE_LOAD", "tma")
+TMA_STAGES = 3
 
 
 def _table_half(out: str, sel: str, spread: str) -> str:
@@ -489,6 +492,8 @@ def l1_gluon_decode(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_
     Both loads give the same bits."""
     if not _IMPORT_OK:
         raise RuntimeError("l1_gluon_decode needs Triton 3.6 Gluon")
+    if load is None and stages is None and not (_tma_fits(w1) and _tma_fits(w3)):
+        load = "cp.async"  # the default load on a bank TMA cannot describe
     load, ns = _load_and_stages(load, stages)
     if not (w1.wfmt == 0 and w3.wfmt == 0 and w1.bk == 32 and w1.bn == 1 and w3.bk == 32
             and w3.bn == 1):
@@ -548,6 +553,12 @@ def _load_and_stages(load: str | None, stages: int | None) -> tuple[str, int]:
     return load, ns
 
 
+def _tma_fits(bank) -> bool:
+    """Can _weight_desc describe this bank (expert rows one stride apart, G N < 2^31)?"""
+    G, N, _ = bank.w.shape
+    return bank.w.stride(0) == N * bank.w.stride(1) and G * N < 2 ** 31
+
+
 def _weight_desc(bank):
     """The host TMA descriptor of a bank's packed MXFP4 bytes as one [G N, K / 2] matrix (row
     g N + n = expert g's weight row n; boxes [BW, BK / 2]): what l1_decode_tma_kernel copies
@@ -557,6 +568,6 @@ def _weight_desc(bank):
     at launch and passed by value: CUDA-graph capturable)."""
     w = bank.w.view(torch.uint8)
     G, N, KB = w.shape
-    if w.stride(0) != N * w.stride(1) or G * N >= 2 ** 31:
+    if not _tma_fits(bank):
         raise ValueError("load='tma' needs the experts' weight rows one stride apart, G N < 2^31")
     return TensorDescriptor(w, [G * N, KB], [w.stride(1), 1], [BW, BK // 2], W_TMA_LAYOUT)
