@@ -47,6 +47,13 @@ def probe_parser(doc: str, tokens: int, tokens_help: str, smoke_help: str, stem:
     return ap
 
 
+def parse_load(spec: str) -> tuple[str, int | None]:
+    """A decode probe's --load item: "cp.async", "tma" or "tma:N" -> (load, stages) for the
+    launcher (l1_gluon_decode / l2_gluon_decode)."""
+    load, _, stages = spec.partition(":")
+    return load, (int(stages) if stages else None)
+
+
 def time_ms(fn, reps: int = 5, min_ms: float = 20.0) -> float:
     """Median ms per call: warm-up, one CUDA graph of n calls (n sized to >= min_ms per replay),
     replays timed with events; eager batches if the capture fails."""

@@ -41,17 +41,11 @@ from gluon_probe_common import build, check_lines, finish, reference_rows, rel  
 from gluon_probe_common import check_cases_in_child, run_checks, table  # noqa: E402
 from gluon_probe_common import time_triton_l1, timed_row  # noqa: E402
 from gluon_probe_common import V41_FLASH as REAL  # noqa: E402
-from gluon_probe_common import probe_parser, skipped  # noqa: E402
+from gluon_probe_common import parse_load, probe_parser, skipped  # noqa: E402
 from gluon_probe_common import bandwidth_rates, write_report  # noqa: E402
 
 PEAK_GBS = 4240.0
 SMOKE = dict(d=1024, F=256, E=64, k=6)
-
-
-def parse_load(spec: str) -> tuple[str, int | None]:
-    """A --load item: "cp.async", "tma" or "tma:N" -> (load, stages) for l1_gluon_decode."""
-    load, _, stages = spec.partition(":")
-    return load, (int(stages) if stages else None)
 
 
 def check(T: int, dims: dict, limit: float, load: str = "cp.async") -> dict:

@@ -27,6 +27,15 @@ A stage: the packed W2 rows [64, 64 bytes] (2 x 16-byte cp.async per thread), th
 exponents [64, 4] (4-byte cp.async), H [16, 128] fp16 (eight 4-byte cp.async per thread, in the
 k order below, zero-filled past the tile's rows). No A scales (H is fp16).
 
+The TMA variant (l2_decode_tma_kernel; load="tma" or MEGAGRAPH_MOE_GLUON_DECODE_L2_LOAD=tma, not
+the default until timed on the H200): the decode L1's TMA design with one box per stage - the
+packed W2 rows of a stage come by TMA, a [64 rows, 64 bytes] box (NVMMA 64-byte swizzle, read as
+[64, 16] words in the same swizzle: one LDS.128 per row and group, no bank conflicts) from a
+host descriptor of the bank as [E d, F / 2] bytes, completing on the stage's mbarrier, while
+the exponents (4 bytes per row and chunk, under TMA's 16-byte minimum box) and the H rows stay
+on cp.async. Any ring depth >= 3 (stages=, TMA_STAGES = 3: 25 KB, 91 registers as the cp.async
+kernel); the chunk's math is the same code (_mma_chunk), so both loads give the same bits.
+
 The k order (one fp16x2 A register = 2 consecutive k = 2 adjacent columns = one packed byte):
 the m64n16k16 fp16 A fragment gives lane 4 g + t of warp w the k pairs (2t, 2t+1) and
 (2t+8, 2t+9) of rows 16 w + g and 16 w + g + 8 per k16 step, so over a chunk's 8 steps a thread
@@ -61,13 +70,28 @@ chunk differs (as for every wgmma kernel here).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .gluon_common import IMPORT_OK as _IMPORT_OK
 from .gluon_common import available  # noqa: F401  (the tests and the probe call it here)
 from .gluon_common import tile_list
+from . import moe_gluon_decode as _l1
 
 BW, BT, BK, NS, NUM_WARPS = 64, 16, 128, 4, 4
+# how the packed W2 rows reach shared memory: "cp.async" (l2_decode_kernel, the default) or
+# "tma" (l2_decode_tma_kernel, TMA_STAGES stages unless the call says otherwise); the same bits.
+# A bank whose expert rows are not one stride apart takes cp.async when the call did not ask.
+LOADS = ("cp.async", "tma")
+LOAD = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE_L2_LOAD", "cp.async")
+TMA_STAGES = 3
+
+# the decode L1's TMA pieces (the host descriptor and its fit check here; W_TMA_LAYOUT,
+# _tma_rows below): its W1 / W3 box is this kernel's W2 box, [BW rows, BK / 2 bytes] of a bank
+# viewed as [G N, K / 2] bytes
+assert (BW, BK) == (_l1.BW, _l1.BK), "the decode L1's TMA box is the W2 box"
+_weight_desc, _tma_fits = _l1._weight_desc, _l1._tma_fits
 
 
 def h_column(kpos):
@@ -122,7 +146,9 @@ REL_MIN = -5
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     from .gluon_common import async_copy, fence_async_shared, fp16x2_regs, gluon, halves
-    from .gluon_common import issue_chunk, tile_entry, ttgl, warpgroup_mma, warpgroup_mma_wait
+    from .gluon_common import issue_chunk, issue_side, mbarrier, tile_entry, ttgl
+    from .gluon_common import warpgroup_mma, warpgroup_mma_wait
+    from .moe_gluon_decode import W_TMA_LAYOUT, _tma_rows  # noqa: F401  (W_TMA_LAYOUT: the tests)
 
     FP16_TABLE_ASM = ttgl.constexpr(FP16_TABLE_ASM_TEXT)
     _TA, _TB = ttgl.constexpr(TABLE_A), ttgl.constexpr(TABLE_B)
@@ -130,6 +156,37 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     _RMIN = ttgl.constexpr(REL_MIN)
     _A_ORDER = ttgl.constexpr(A_ORDER)
     _h_column = gluon.jit(h_column)
+
+    # ---- layouts, shared by both loads (BW = 64 weight rows, BT = 16 tokens, one warpgroup:
+    # the kernels assert these sizes) ----------------------------------------------------------
+    _MMA_L = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                         instr_shape=[16, BT, 16])
+    MMA = ttgl.constexpr(_MMA_L)
+    A_DOT = ttgl.constexpr(ttgl.DotOperandLayout(operand_index=0, parent=_MMA_L, k_width=2))
+    ROW_L = ttgl.constexpr(ttgl.SliceLayout(1, _MMA_L))
+    COL_L = ttgl.constexpr(ttgl.SliceLayout(0, _MMA_L))
+    # packed words [row, 16 words]: word 4 t + kk of row 16 w + 8 r + g in lane 4 g + t of
+    # warp w, registers (kk, r): rows as the wgmma A fragment / accumulator
+    W2_L = ttgl.constexpr(ttgl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]],
+        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BW, 16]))
+    W_L = ttgl.constexpr(ttgl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[BW, 4, 4]))
+    # cp.async copies: weights 16 bytes, exponents 4, H 4 (2 fp16 of the permuted k order)
+    W_CP_L = ttgl.constexpr(ttgl.BlockedLayout([1, 16], [8, 4], [NUM_WARPS, 1], [1, 0]))
+    E_CP_L = ttgl.constexpr(ttgl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0]))
+    X_CP_L = ttgl.constexpr(ttgl.BlockedLayout([1, 2], [1, 32], [NUM_WARPS, 1], [1, 0]))
+    X_SMEM = ttgl.constexpr(ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                   rank=2))
+    FLAT = ttgl.constexpr(ttgl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    # a TMA stage ([BW, 64] bytes in W_TMA_LAYOUT) read as [BW, 16] words: the same 64-byte
+    # swizzle (16-byte units XOR-ed by row) described for 32-bit elements, so the word view
+    # addresses the same bytes and group t of a row stays one 16-byte LDS.128
+    W_WORDS_TMA = ttgl.constexpr(ttgl.NVMMASharedLayout(swizzle_byte_width=64,
+                                                        element_bitwidth=32, rank=2))
 
     @gluon.jit
     def fp16_tables(rel, REL_MIN: ttgl.constexpr):
@@ -149,16 +206,14 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
             dtype=(ttgl.int32, ttgl.int32, ttgl.int32, ttgl.int32), is_pure=True, pack=1)
 
     @gluon.jit
-    def _upcast(w_st, e_st, USE_ASM: ttgl.constexpr, w2_l: ttgl.constexpr,
-                w_l: ttgl.constexpr, a_dot: ttgl.constexpr, row_l: ttgl.constexpr,
-                BW: ttgl.constexpr):
-        """The stage's packed rows (w_st [BW, 64] bytes, e_st [BW, 4] exponents) -> the wgmma A
-        operand (fp16 [BW, 128] in a_dot, k permuted as the module docstring says) and the rows'
-        promotion scales 2^(S - 127) (row_l)."""
-        e_l: ttgl.constexpr = ttgl.SliceLayout(2, w_l)
-        flat: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        w = w_st._reinterpret(ttgl.int32, [BW, 16], flat).load(w2_l)  # LDS.128 of group t
-        w = ttgl.convert_layout(ttgl.reshape(w, [BW, 4, 4]), w_l, assert_trivial=True)
+    def _upcast(w_words, e_st, USE_ASM: ttgl.constexpr, BW: ttgl.constexpr):
+        """The stage's packed rows (w_words: the [BW, 64] bytes as [BW, 16] int32 words in the
+        load's shared layout; e_st [BW, 4] exponents) -> the wgmma A operand (fp16 [BW, 128] in
+        A_DOT, k permuted as the module docstring says) and the rows' promotion scales
+        2^(S - 127) (ROW_L)."""
+        e_l: ttgl.constexpr = ttgl.SliceLayout(2, W_L)
+        w = w_words.load(W2_L)  # LDS.128 of group t
+        w = ttgl.convert_layout(ttgl.reshape(w, [BW, 4, 4]), W_L, assert_trivial=True)
         e = e_st.load(e_l).to(ttgl.int32)  # [BW, 4]: thread t: group t
         S = ttgl.maximum(ttgl.max(e, axis=1) - 6, 1)
         rel = e - ttgl.expand_dims(S, 1)
@@ -173,15 +228,26 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         hi = ttgl.join(halves(r2), halves(r3))
         a = ttgl.permute(ttgl.join(lo, hi), _A_ORDER.value)
         a = ttgl.reshape(a, [BW, 128]).to(ttgl.float16, bitcast=True)
-        a = ttgl.convert_layout(a, a_dot, assert_trivial=True)
+        a = ttgl.convert_layout(a, A_DOT, assert_trivial=True)
         sb = (S << 23).to(ttgl.float32, bitcast=True)  # S >= 1: 2^(S - 127), normal
-        return a, ttgl.convert_layout(sb, row_l, assert_trivial=True)
+        return a, ttgl.convert_layout(sb, ROW_L, assert_trivial=True)
+
+    @gluon.jit
+    def _mma_chunk(w_words, e_cur, x_cur, acc, USE_ASM: ttgl.constexpr, BW: ttgl.constexpr,
+                   BT: ttgl.constexpr):
+        """A chunk's math once its stage (packed W2 words, exponents, H) is in and fenced: the
+        upcast -> wgmma (async) -> wait, then acc += part * sb. Both loads' kernels end their
+        chunk with it, so their numerics are one code path."""
+        a, sb = _upcast(w_words, e_cur, USE_ASM, BW)
+        zero = ttgl.zeros([BW, BT], ttgl.float32, MMA)
+        t = warpgroup_mma(a, x_cur.permute((1, 0)), zero, use_acc=False, is_async=True)
+        t = warpgroup_mma_wait(0, deps=[t])
+        return acc + t * ttgl.expand_dims(sb, 1)
 
     @gluon.jit
     def _chunk(i, n_k, w_cur, e_cur, x_cur, w_nxt, e_nxt, x_nxt, acc, w_ptrs, e_ptrs, x_ptrs,
                x_mask, USE_ASM: ttgl.constexpr, NS: ttgl.constexpr, BW: ttgl.constexpr,
-               BT: ttgl.constexpr, BK: ttgl.constexpr, mma: ttgl.constexpr,
-               w2_l: ttgl.constexpr, w_l: ttgl.constexpr, a_dot: ttgl.constexpr):
+               BT: ttgl.constexpr, BK: ttgl.constexpr):
         async_copy.wait_group(NS - 2)  # this thread's copies of chunk i landed
         # writer-side proxy fence (CUTLASS's order, the PTX rule: each writing thread fences its
         # own completed generic-proxy writes BEFORE the barrier the wgmma issuers wait at): H
@@ -194,12 +260,43 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         # barrier: two per chunk, K loop 830 -> 846 instructions per 4 chunks.)
         ttgl.thread_barrier()
         issue_chunk(w_nxt, e_nxt, x_nxt, w_ptrs, e_ptrs, x_ptrs, x_mask, i + NS - 1, n_k, BK)
-        row_l: ttgl.constexpr = ttgl.SliceLayout(1, mma)
-        a, sb = _upcast(w_cur, e_cur, USE_ASM, w2_l, w_l, a_dot, row_l, BW)
-        zero = ttgl.zeros([BW, BT], ttgl.float32, mma)
-        t = warpgroup_mma(a, x_cur.permute((1, 0)), zero, use_acc=False, is_async=True)
-        t = warpgroup_mma_wait(0, deps=[t])
-        return acc + t * ttgl.expand_dims(sb, 1)
+        w_words = w_cur._reinterpret(ttgl.int32, [BW, 16], FLAT)
+        return _mma_chunk(w_words, e_cur, x_cur, acc, USE_ASM, BW, BT)
+
+    @gluon.jit
+    def _side_pointers(h_ptr, bs_ptr, g, n0, row0, nrows, stride_hm, stride_bsg, stride_bsn,
+                       BW: ttgl.constexpr, BT: ttgl.constexpr, BK: ttgl.constexpr):
+        """The cp.async sources both loads share: the E8M0 exponent rows of the block and the
+        tile's H rows in the wgmma's k order (h_column) with their row mask."""
+        re = ttgl.arange(0, BW, layout=ttgl.SliceLayout(1, E_CP_L))
+        ce = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, E_CP_L))
+        # row strides of 4-byte multiples written as 4 x (stride / 4): the 4-byte cp.async needs
+        # that alignment proven also where the stride is not a multiple of 16 (not specialized)
+        e_ptrs = bs_ptr + g * stride_bsg + \
+            ((n0 + re).to(ttgl.int64) * (stride_bsn // 4) * 4)[:, None] + ce[None, :]
+        # H [BT rows, BK] in the wgmma's k order (h_column), 2 fp16 (4 bytes) per piece
+        rx = ttgl.arange(0, BT, layout=ttgl.SliceLayout(1, X_CP_L))
+        kx = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, X_CP_L))
+        x_ptrs = h_ptr + ((row0 + rx).to(ttgl.int64) * (stride_hm // 2) * 2)[:, None] + \
+            _h_column(kx)[None, :]
+        x_mask = (rx < nrows)[:, None] & (kx < BK)[None, :]
+        return e_ptrs, x_ptrs, x_mask
+
+    @gluon.jit
+    def _store_y(acc, c_ptr, cidx_ptr, w_ptr, row0, nrows, n0, N, stride_cm,
+                 TOPK: ttgl.constexpr, KS: ttgl.constexpr, BW: ttgl.constexpr,
+                 BT: ttgl.constexpr):
+        """The epilogue both loads share: out[(p // TOPK) * KS + p % TOPK, n0 + weight row] =
+        acc * row_w[p] for the tile's rows (p = c_idx[row])."""
+        rn = n0 + ttgl.arange(0, BW, layout=ROW_L)
+        tk = ttgl.arange(0, BT, layout=COL_L)
+        tmask = tk < nrows
+        pair = ttgl.load(cidx_ptr + row0 + tk, mask=tmask, other=0)
+        crow = ((pair // TOPK) * KS + pair % TOPK).to(ttgl.int64)
+        out = acc * ttgl.expand_dims(ttgl.load(w_ptr + pair, mask=tmask, other=0.0), 0)
+        c_ptrs = c_ptr + (crow * stride_cm)[None, :] + rn[:, None]
+        ttgl.store(c_ptrs, out.to(c_ptr.dtype.element_ty),
+                   mask=tmask[None, :] & (rn < N)[:, None])
 
     @gluon.jit
     def l2_decode_kernel(h_ptr, b_ptr, bs_ptr, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, N, K, G, P,
@@ -217,29 +314,6 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         ttgl.static_assert(BW == 64, "64 weight rows")
         ttgl.static_assert(BT == 16, "16 tokens")
         ttgl.static_assert(BK == 128, "128-column chunks")
-        # ---- layouts ------------------------------------------------------------------
-        mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                          instr_shape=[16, BT, 16])
-        a_dot: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        # packed words [row, 16 words]: word 4 t + kk of row 16 w + 8 r + g in lane 4 g + t of
-        # warp w, registers (kk, r): rows as the wgmma A fragment / accumulator
-        w2_l: ttgl.constexpr = ttgl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [8, 0]],
-            lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BW, 16])
-        w_l: ttgl.constexpr = ttgl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
-            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[BW, 4, 4])
-        row_l: ttgl.constexpr = ttgl.SliceLayout(1, mma)
-        col_l: ttgl.constexpr = ttgl.SliceLayout(0, mma)
-        # copies: weights 16 bytes, exponents 4, H 4 (2 fp16 of the permuted k order)
-        wl: ttgl.constexpr = ttgl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])
-        el: ttgl.constexpr = ttgl.BlockedLayout([1, 4], [32, 1], [NW, 1], [1, 0])
-        xl: ttgl.constexpr = ttgl.BlockedLayout([1, 2], [1, 32], [NW, 1], [1, 0])
-        x_sl: ttgl.constexpr = ttgl.NVMMASharedLayout(swizzle_byte_width=128,
-                                                      element_bitwidth=16, rank=2)
-        flat: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
         # ---- the tile ------------------------------------------------------------------
         skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BW, MT, G,
@@ -248,36 +322,26 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
             return
         n0 = pid_n * BW
 
-        rw = ttgl.arange(0, BW, layout=ttgl.SliceLayout(1, wl))
-        cw = ttgl.arange(0, 64, layout=ttgl.SliceLayout(0, wl))
+        rw = ttgl.arange(0, BW, layout=ttgl.SliceLayout(1, W_CP_L))
+        cw = ttgl.arange(0, 64, layout=ttgl.SliceLayout(0, W_CP_L))
         w_ptrs = b_ptr + g * stride_bg + ((n0 + rw).to(ttgl.int64) * stride_bn)[:, None] + \
             cw[None, :]
-        re = ttgl.arange(0, BW, layout=ttgl.SliceLayout(1, el))
-        ce = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, el))
-        # row strides of 4-byte multiples written as 4 x (stride / 4): the 4-byte cp.async needs
-        # that alignment proven also where the stride is not a multiple of 16 (not specialized)
-        e_ptrs = bs_ptr + g * stride_bsg + \
-            ((n0 + re).to(ttgl.int64) * (stride_bsn // 4) * 4)[:, None] + ce[None, :]
-        # H [BT rows, BK] in the wgmma's k order (h_column), 2 fp16 (4 bytes) per piece
-        rx = ttgl.arange(0, BT, layout=ttgl.SliceLayout(1, xl))
-        kx = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, xl))
-        x_ptrs = h_ptr + ((row0 + rx).to(ttgl.int64) * (stride_hm // 2) * 2)[:, None] + \
-            _h_column(kx)[None, :]
-        x_mask = (rx < nrows)[:, None] & (kx < BK)[None, :]
+        e_ptrs, x_ptrs, x_mask = _side_pointers(h_ptr, bs_ptr, g, n0, row0, nrows, stride_hm,
+                                                stride_bsg, stride_bsn, BW, BT, BK)
 
         # ---- shared memory: NS stages, each its own allocation -------------------------
-        w0 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 64], flat)
-        w1 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 64], flat)
-        w2 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 64], flat)
-        w3 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 64], flat)
-        e0 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 4], flat)
-        e1 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 4], flat)
-        e2 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 4], flat)
-        e3 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 4], flat)
-        x0 = ttgl.allocate_shared_memory(ttgl.float16, [BT, BK], x_sl)
-        x1 = ttgl.allocate_shared_memory(ttgl.float16, [BT, BK], x_sl)
-        x2 = ttgl.allocate_shared_memory(ttgl.float16, [BT, BK], x_sl)
-        x3 = ttgl.allocate_shared_memory(ttgl.float16, [BT, BK], x_sl)
+        w0 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 64], FLAT)
+        w1 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 64], FLAT)
+        w2 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 64], FLAT)
+        w3 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 64], FLAT)
+        e0 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 4], FLAT)
+        e1 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 4], FLAT)
+        e2 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 4], FLAT)
+        e3 = ttgl.allocate_shared_memory(ttgl.uint8, [BW, 4], FLAT)
+        x0 = ttgl.allocate_shared_memory(ttgl.float16, [BT, BK], X_SMEM)
+        x1 = ttgl.allocate_shared_memory(ttgl.float16, [BT, BK], X_SMEM)
+        x2 = ttgl.allocate_shared_memory(ttgl.float16, [BT, BK], X_SMEM)
+        x3 = ttgl.allocate_shared_memory(ttgl.float16, [BT, BK], X_SMEM)
 
         # prologue: chunks 0 .. NS - 2 (clamped)
         n_k = K // BK
@@ -285,31 +349,121 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         issue_chunk(w1, e1, x1, w_ptrs, e_ptrs, x_ptrs, x_mask, 1, n_k, BK)
         issue_chunk(w2, e2, x2, w_ptrs, e_ptrs, x_ptrs, x_mask, 2, n_k, BK)
 
-        acc = ttgl.zeros([BW, BT], ttgl.float32, mma)
+        acc = ttgl.zeros([BW, BT], ttgl.float32, MMA)
         for i in range(0, n_k, NS):
             acc = _chunk(i, n_k, w0, e0, x0, w3, e3, x3, acc, w_ptrs, e_ptrs, x_ptrs, x_mask,
-                         USE_ASM, NS, BW, BT, BK, mma, w2_l, w_l, a_dot)
+                         USE_ASM, NS, BW, BT, BK)
             if i + 1 < n_k:
                 acc = _chunk(i + 1, n_k, w1, e1, x1, w0, e0, x0, acc, w_ptrs, e_ptrs, x_ptrs,
-                             x_mask, USE_ASM, NS, BW, BT, BK, mma, w2_l, w_l, a_dot)
+                             x_mask, USE_ASM, NS, BW, BT, BK)
             if i + 2 < n_k:
                 acc = _chunk(i + 2, n_k, w2, e2, x2, w1, e1, x1, acc, w_ptrs, e_ptrs, x_ptrs,
-                             x_mask, USE_ASM, NS, BW, BT, BK, mma, w2_l, w_l, a_dot)
+                             x_mask, USE_ASM, NS, BW, BT, BK)
             if i + 3 < n_k:
                 acc = _chunk(i + 3, n_k, w3, e3, x3, w2, e2, x2, acc, w_ptrs, e_ptrs, x_ptrs,
-                             x_mask, USE_ASM, NS, BW, BT, BK, mma, w2_l, w_l, a_dot)
+                             x_mask, USE_ASM, NS, BW, BT, BK)
         async_copy.wait_group(0)  # the clamped re-copies past K (never read)
+        _store_y(acc, c_ptr, cidx_ptr, w_ptr, row0, nrows, n0, N, stride_cm, TOPK, KS, BW, BT)
 
-        # ---- epilogue: out[(p // TOPK) * KS + p % TOPK, n0 + weight row] = acc * row_w[p] ---
-        rn = n0 + ttgl.arange(0, BW, layout=row_l)
-        tk = ttgl.arange(0, BT, layout=col_l)
-        tmask = tk < nrows
-        pair = ttgl.load(cidx_ptr + row0 + tk, mask=tmask, other=0)
-        crow = ((pair // TOPK) * KS + pair % TOPK).to(ttgl.int64)
-        out = acc * ttgl.expand_dims(ttgl.load(w_ptr + pair, mask=tmask, other=0.0), 0)
-        c_ptrs = c_ptr + (crow * stride_cm)[None, :] + rn[:, None]
-        ttgl.store(c_ptrs, out.to(c_ptr.dtype.element_ty),
-                   mask=tmask[None, :] & (rn < N)[:, None])
+    @gluon.jit
+    def _arm(bar, c, n_k, BW: ttgl.constexpr, BK: ttgl.constexpr):
+        """Arm a stage barrier for K chunk c (c < n_k, as _tma_rows): one arrival (the init
+        count) + the W2 box's bytes. It may precede the copy: the phase completes only when
+        the transaction count is back at zero."""
+        mbarrier.expect(bar, BW * (BK // 2), pred=c < n_k)
+
+    @gluon.jit
+    def _chunk_tma(i, phase, n_k, w_cur, e_cur, x_cur, bar_cur, w_nxt, e_nxt, x_nxt, bar_nxt,
+                   acc, w_desc, wrow, e_ptrs, x_ptrs, x_mask, USE_ASM: ttgl.constexpr,
+                   NS: ttgl.constexpr, BW: ttgl.constexpr, BT: ttgl.constexpr,
+                   BK: ttgl.constexpr):
+        """_chunk with the packed W2 rows on TMA (the decode L1's _chunk_tma with one box per
+        stage). Two CTA barriers per chunk, as _chunk: A (every thread done with chunk i - 1,
+        so its stage nxt is free: the copy of chunk c = i + NS - 1 goes there at once, on
+        bar_nxt, armed one round earlier) and B (every thread past its wait for chunk i's
+        weights, so that stage's barrier may be re-armed for chunk i + NS). Triton's membar pass
+        sees every op on one mbarrier or stage as a write to that allocation: the copy on
+        bar_nxt, the wait and the re-arm on bar_cur are each separated from the last op on
+        their barrier by A or B, so it adds no barrier of its own. One proxy fence, between A
+        and the copy: after this thread's cp.async wait (its exponents and H of chunk i) and
+        before B, which the wgmma follows - the writer-side order of _chunk; and between the
+        generic LDS of stage nxt (chunk i - 1) and the async-proxy TMA writing it."""
+        c = i + NS - 1
+        async_copy.wait_group(NS - 2)
+        ttgl.thread_barrier()  # A
+        fence_async_shared()
+        _tma_rows(w_desc, wrow, c, bar_nxt, w_nxt, n_k, BK)
+        mbarrier.wait(bar_cur, phase)  # chunk i's W2 landed, visible to this thread's LDS
+        ttgl.thread_barrier()  # B
+        _arm(bar_cur, i + NS, n_k, BW, BK)
+        issue_side(e_nxt, x_nxt, e_ptrs, x_ptrs, x_mask, c, n_k, BK)
+        w_words = w_cur._reinterpret(ttgl.int32, [BW, 16], W_WORDS_TMA)
+        return _mma_chunk(w_words, e_cur, x_cur, acc, USE_ASM, BW, BT)
+
+    @gluon.jit
+    def l2_decode_tma_kernel(h_ptr, w_desc, bs_ptr, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, N, K,
+                             G, P, stride_hm, stride_bsg, stride_bsn, stride_cm,
+                             TOPK: ttgl.constexpr, KS: ttgl.constexpr, USE_ASM: ttgl.constexpr,
+                             BW: ttgl.constexpr, BT: ttgl.constexpr, BK: ttgl.constexpr,
+                             NS: ttgl.constexpr, NW: ttgl.constexpr):
+        """l2_decode_kernel with the packed W2 rows streamed by TMA: w_desc describes the bank
+        as [G N, K / 2] bytes (boxes [BW, BK / 2], NVMMA 64-byte swizzle), expert g's block n0
+        at row g N + n0; one mbarrier per stage. NS >= 3 stages of any count (the loop unrolled
+        by NS through static_range, every stage its own allocation: constant stage indices, as
+        l2_decode_kernel)."""
+        ttgl.static_assert(NS >= 3, "a ring of at least 3 stages")
+        ttgl.static_assert(NW == 4, "one warpgroup")
+        ttgl.static_assert(BW == 64, "64 weight rows")
+        ttgl.static_assert(BT == 16, "16 tokens")
+        ttgl.static_assert(BK == 128, "128-column chunks")
+
+        skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BW, MT, G,
+                                                 P, BT)
+        if skip:
+            return
+        n0 = pid_n * BW
+        wrow = g.to(ttgl.int32) * N + n0  # < G N: the launcher checks that it fits int32
+        e_ptrs, x_ptrs, x_mask = _side_pointers(h_ptr, bs_ptr, g, n0, row0, nrows, stride_hm,
+                                                stride_bsg, stride_bsn, BW, BT, BK)
+        n_k = K // BK
+
+        # ---- shared memory: the rings as tuples of allocations (stage s = ring[s]) ---------
+        w_r = ()
+        e_r = ()
+        x_r = ()
+        bars = ()
+        for s in ttgl.static_range(NS):
+            w_r = w_r + (ttgl.allocate_shared_memory(ttgl.uint8, [BW, BK // 2], w_desc.layout),)
+            e_r = e_r + (ttgl.allocate_shared_memory(ttgl.uint8, [BW, 4], FLAT),)
+            x_r = x_r + (ttgl.allocate_shared_memory(ttgl.float16, [BT, BK], X_SMEM),)
+            bars = bars + (ttgl.allocate_shared_memory(ttgl.int64, [1],
+                                                       mbarrier.MBarrierLayout()),)
+        for s in ttgl.static_range(NS):
+            mbarrier.init(bars[s], count=1)
+        fence_async_shared()  # the initialized barriers, before the TMA unit signals them
+
+        # prologue: every stage armed for its first chunk (0 .. NS - 1), chunks 0 .. NS - 2
+        # issued (chunk NS - 1: by chunk 0)
+        for s in ttgl.static_range(NS):
+            _arm(bars[s], s, n_k, BW, BK)
+        for s in ttgl.static_range(NS - 1):
+            _tma_rows(w_desc, wrow, s, bars[s], w_r[s], n_k, BK)
+            issue_side(e_r[s], x_r[s], e_ptrs, x_ptrs, x_mask, s, n_k, BK)
+
+        acc = ttgl.zeros([BW, BT], ttgl.float32, MMA)
+        for i in range(0, n_k, NS):
+            phase = (i // NS) & 1  # phases of each stage's barrier completed so far, mod 2
+            for s in ttgl.static_range(NS):
+                if i + s < n_k:
+                    nx: ttgl.constexpr = (s + NS - 1) % NS
+                    acc = _chunk_tma(i + s, phase, n_k, w_r[s], e_r[s], x_r[s], bars[s],
+                                     w_r[nx], e_r[nx], x_r[nx], bars[nx], acc, w_desc, wrow,
+                                     e_ptrs, x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK)
+        # the clamped cp.async re-copies past K (never read); every armed phase was waited for
+        async_copy.wait_group(0)
+        for s in ttgl.static_range(NS):
+            mbarrier.invalidate(bars[s])
+        _store_y(acc, c_ptr, cidx_ptr, w_ptr, row0, nrows, n0, N, stride_cm, TOPK, KS, BW, BT)
 
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -347,7 +501,8 @@ def _check(h, w2, counts, c_idx, row_w, out, topk: int, ks: int) -> int:
 
 
 def l2_gluon_decode(h, w2, counts, c_idx, row_w, out, *, topk: int, ks: int, max_tiles: int,
-                    tiles: torch.Tensor | None = None, use_asm: bool | None = None):
+                    tiles: torch.Tensor | None = None, use_asm: bool | None = None,
+                    load: str | None = None, stages: int | None = None):
     """out[(p // topk) * ks + p % topk] = row_w[p] * (H[r] @ W2[g]^T) for every sorted row r of
     expert g, p = c_idx[r] (moe.gemm role "l2" as routed_experts launches it: out = y.view(T * ks,
     d)); rows of slots no pair maps to are not written. h: fp16 [P, F] in expert-sorted row order;
@@ -356,9 +511,16 @@ def l2_gluon_decode(h, w2, counts, c_idx, row_w, out, *, topk: int, ks: int, max
     row-strided view is fine). Row tiles of BT = 16 rows: max_tiles bounds them (routed_experts'
     formula at 16 rows: min(P, P // 16 + E)); tiles: moe.tile_list(counts, 16, max_tiles) if
     already built (else built here: one tiny launch, no host sync, CUDA-graph capturable).
-    use_asm: the PRMT table upcast (default) or its integer-arithmetic twin."""
+    use_asm: the PTX table upcast (default) or its integer-arithmetic twin. load: how the packed
+    W2 rows are streamed, "cp.async" or "tma" (default LOAD, env
+    MEGAGRAPH_MOE_GLUON_DECODE_L2_LOAD; a bank TMA cannot describe takes cp.async unless the
+    call asked); stages: the TMA ring's depth (>= 3, default TMA_STAGES). Both loads give the
+    same bits."""
     if not _IMPORT_OK:
         raise RuntimeError("l2_gluon_decode needs Triton 3.6 Gluon")
+    if load is None and stages is None and not _tma_fits(w2):
+        load = "cp.async"  # the default load on a bank TMA cannot describe
+    load, ns = _load_and_stages(load, stages)
     P = _check(h, w2, counts, c_idx, row_w, out, topk, ks)
     if max_tiles == 0 or P == 0:
         return out
@@ -366,9 +528,30 @@ def l2_gluon_decode(h, w2, counts, c_idx, row_w, out, *, topk: int, ks: int, max
     use_asm = True if use_asm is None else bool(use_asm)
     N, K = w2.n, w2.k
     grid = (max_tiles * (N // BW),)
+    if load == "tma":
+        l2_decode_tma_kernel[grid](
+            h, _weight_desc(w2), w2.s, out, c_idx, row_w, tiles, max_tiles, N, K,
+            counts.numel(), P, h.stride(0), w2.s.stride(0), w2.s.stride(1), out.stride(0),
+            TOPK=topk, KS=ks, USE_ASM=use_asm, BW=BW, BT=BT, BK=BK, NS=ns, NW=NUM_WARPS,
+            num_warps=NUM_WARPS)
+        return out
     l2_decode_kernel[grid](
         h, w2.w, w2.s, out, c_idx, row_w, tiles, max_tiles, N, K, counts.numel(), P, h.stride(0),
         w2.w.stride(0), w2.w.stride(1), w2.s.stride(0), w2.s.stride(1), out.stride(0),
         TOPK=topk, KS=ks, USE_ASM=use_asm, BW=BW, BT=BT, BK=BK, NS=NS, NW=NUM_WARPS,
         num_warps=NUM_WARPS)
     return out
+
+
+def _load_and_stages(load: str | None, stages: int | None) -> tuple[str, int]:
+    """The call's load (default LOAD) and TMA ring depth (default TMA_STAGES), checked: stages
+    only with load='tma', at least 3 (the ring refills the stage of the chunk before)."""
+    load = LOAD if load is None else load
+    if load not in LOADS:
+        raise ValueError(f"load {load!r}: one of {LOADS}")
+    if stages is not None and load != "tma":
+        raise ValueError("stages is the TMA ring's depth (load='tma')")
+    ns = TMA_STAGES if stages is None else int(stages)
+    if ns < 3:
+        raise ValueError(f"stages {ns}: the TMA ring needs at least 3")
+    return load, ns

@@ -10,7 +10,10 @@ on column indices) is a bijection, equals h_column (the H copy's order) and keep
 With Triton 3.6 importable (make sm90-h200) the kernel is compiled ahead of time for sm_90: no
 local memory, registers, the register-A HGMMA 64x16x16 in the K loop, instruction counts per
 chunk pinned, every thread's fence.proxy.async before the CTA barrier the wgmma waits at
-(test_moe_gluon.proxy_fence_problems).
+(test_moe_gluon.proxy_fence_problems); the same for the TMA variant (its K loop: 1 UTMALDG,
+1 mbarrier try-wait, 1 expect per chunk, no LDGSTS.128, the same HGMMA / PRMT / LDS.128 as the
+cp.async kernel) at 3 .. 8 stages. The launcher's load / stages checks and the bank's TMA
+descriptor run on the CPU.
 
 GPU (CUDA sm_90 + Triton 3.6 Gluon, else skipped): l2_gluon_decode against the fp32 math of the
 same operands (H's fp16 values x exactly dequantized W2, times row_w, scattered) and against
@@ -22,7 +25,11 @@ NaN: exactly the routed slots are written), fp32 and bf16 outputs. Tolerance 2e-
 tensor core and summed in fp32, so the error is fp32 sum order (~1e-6); the bound is the L1
 tests' (the Triton L2 computes the same formula and must agree as tightly). bf16 y: 1e-2 (one
 bf16 rounding, 2^-9 relative). The PTX upcast and its integer-arithmetic twin give bit-identical
-outputs also on exponents 108 .. 127 (every offset, weights flushed).
+outputs also on exponents 108 .. 127 (every offset, weights flushed). Every GPU test runs both
+loads of the packed W2 rows (load="cp.async", the default, and "tma"); the TMA variant is also
+checked bit for bit against the cp.async kernel (explicit per-expert row counts: tiles of 1..16
+rows, experts of > 16 rows, empty experts, odd token counts, unrouted slots left NaN, 3 / 4 / 6
+stages, K of fewer chunks than stages), over repeated launches and inside a CUDA graph.
 """
 from __future__ import annotations
 
@@ -40,7 +47,7 @@ from gluon_cases import (
     rel,
 )
 from megagraph.kernels.triton import moe_gluon_decode_l2 as ml2
-from sm90_build import gluon_sm90, loop_instructions, usage_and_sass
+from sm90_build import gluon_sm90, loop_instructions, outer_loop_instructions, usage_and_sass
 from test_moe_gluon import proxy_fence_problems
 from test_triton_moe import ACT, _prmt, check_routed, routed_case
 
@@ -187,6 +194,7 @@ def _max_tiles(P, E):
 
 
 @gpu
+@pytest.mark.parametrize("load", ml2.LOADS)
 @pytest.mark.parametrize("T,E,subset,ks,dtype", [
     (1, 8, None, 6, torch.float32),
     (7, 32, [0, 3, 5, 9, 17, 30], 8, torch.float32),
@@ -194,7 +202,7 @@ def _max_tiles(P, E):
     (64, 64, None, 7, torch.bfloat16),
     (64, 16, list(range(0, 16, 2)), 6, torch.float32),
     (64, 16, list(range(0, 16, 2)), 8, torch.bfloat16)])
-def test_l2_decode_matches(T, E, subset, ks, dtype):
+def test_l2_decode_matches(T, E, subset, ks, dtype, load):
     """T = 64 of 64 experts: ~6 rows per expert (the decode regime); T = 7 of 6 experts in a
     subset of 32 (the others empty); 8 of 16 experts: 48 rows per expert (3 row tiles each);
     ks > topk: the slots topk .. ks - 1 stay NaN. F = 640: 5 chunks (one pass of the 4-stage
@@ -204,7 +212,7 @@ def test_l2_decode_matches(T, E, subset, ks, dtype):
     P = T * k
     y = torch.full((T, ks, d), float("nan"), dtype=dtype, device="cuda")
     ml2.l2_gluon_decode(h, w2, counts, srt, wts.reshape(-1), y.view(T * ks, d), topk=k, ks=ks,
-                        max_tiles=_max_tiles(P, E))
+                        max_tiles=_max_tiles(P, E), load=load)
     torch.cuda.synchronize()
     assert torch.isfinite(y[:, :k]).all(), "a routed slot was not written (or is not finite)"
     assert torch.isnan(y[:, k:]).all(), "an unrouted slot was written"
@@ -213,7 +221,8 @@ def test_l2_decode_matches(T, E, subset, ks, dtype):
 
 
 @gpu
-def test_l2_decode_asm_vs_arith_and_tiles():
+@pytest.mark.parametrize("load", ml2.LOADS)
+def test_l2_decode_asm_vs_arith_and_tiles(load):
     """Exponents 108 .. 127 (rel over [-13, 6] within a row's chunk: every table offset occurs
     and weights flush): the PTX table upcast and the arithmetic twin give the same bits; a
     prebuilt tile list gives the same output as the one built in the call."""
@@ -228,7 +237,7 @@ def test_l2_decode_asm_vs_arith_and_tiles():
                dict(tiles=moe.tile_list(counts, ml2.BT, mt))):
         y = torch.full((P, d), float("nan"), dtype=torch.float32, device="cuda")
         ml2.l2_gluon_decode(h, w2, counts, srt, wts.reshape(-1), y, topk=k, ks=k, max_tiles=mt,
-                            **kw)
+                            load=load, **kw)
         outs.append(y)
     torch.cuda.synchronize()
     asm, arith, pre = outs
@@ -242,7 +251,8 @@ def test_l2_decode_asm_vs_arith_and_tiles():
 
 
 @gpu
-def test_l2_decode_debug_pieces():
+@pytest.mark.parametrize("load", ml2.LOADS)
+def test_l2_decode_debug_pieces(load):
     """GPU debug: one expert, K = 256 (2 chunks), d = 64 (one weight block), fp32 y, topk = ks
     = 1, row_w = 1 unless said, each piece with the PTX and the arithmetic upcast; the message
     lists every case that is off and where:
@@ -284,7 +294,7 @@ def test_l2_decode_debug_pieces():
             tag = f"{name} ({'asm' if use_asm else 'arith'})"
             try:
                 ml2.l2_gluon_decode(h, w2, counts, srt, wts.reshape(-1), y, topk=k, ks=ks,
-                                    max_tiles=-(-P // ml2.BT), use_asm=use_asm)
+                                    max_tiles=-(-P // ml2.BT), use_asm=use_asm, load=load)
                 torch.cuda.synchronize()
             except Exception as exc:  # noqa: BLE001  (a launch error names the case)
                 msgs.append(f"{tag}: {exc!r}"[:400])
@@ -439,15 +449,17 @@ def test_gluon_l2_choice(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("gluon", [True, False])
-def test_routed_experts_decode_uses_gluon_l2(gluon, monkeypatch):
+@pytest.mark.parametrize("gluon,load", [(True, "cp.async"), (True, "tma"), (False, "cp.async")])
+def test_routed_experts_decode_uses_gluon_l2(gluon, load, monkeypatch):
     """routed_experts at a decode size (24 tokens, top-6 of 48 experts: 3 rows per expert) runs
-    its L2 on l2_gluon_decode when on (once) and on moe_gemm when MEGAGRAPH_MOE_GLUON_DECODE_L2
+    its L2 on l2_gluon_decode when on (once per output dtype; with the module's LOAD, as
+    MEGAGRAPH_MOE_GLUON_DECODE_L2_LOAD sets it) and on moe_gemm when MEGAGRAPH_MOE_GLUON_DECODE_L2
     is off; fp32 and bf16 outputs against the reference op within test_triton_moe's bounds
     (2e-3 / 1e-2)."""
     from megagraph.kernels.triton import moe
 
     monkeypatch.setattr(moe, "GLUON_DECODE_L2", gluon)
+    monkeypatch.setattr(ml2, "LOAD", load)
     monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
     calls = []
     real = ml2.l2_gluon_decode
@@ -460,8 +472,9 @@ def test_routed_experts_decode_uses_gluon_l2(gluon, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("load", ml2.LOADS)
 @pytest.mark.parametrize("T,E,d,F", [(2, 1, 64, 256), (64, 64, 1024, 640)])
-def test_l2_decode_bit_stable(T, E, d, F):
+def test_l2_decode_bit_stable(T, E, d, F, load):
     """20 launches of one call give the same bits, and the first matches the fp32 math: one
     program (one expert, <= 16 rows, one 64-row block) and a multi-program decode grid
     (test_moe_gluon_decode's twin)."""
@@ -472,7 +485,7 @@ def test_l2_decode_bit_stable(T, E, d, F):
     for _ in range(20):
         y = torch.full((T * (k + 1), d), float("nan"), dtype=torch.float32, device="cuda")
         ml2.l2_gluon_decode(h, w2, counts, srt, wts.reshape(-1), y, topk=k, ks=k + 1,
-                            max_tiles=_max_tiles(P, E))
+                            max_tiles=_max_tiles(P, E), load=load)
         if first is None:
             first = y
         else:
@@ -481,3 +494,223 @@ def test_l2_decode_bit_stable(T, E, d, F):
     assert torch.isfinite(y[:, :k]).all()
     ref = l2_reference(h, w2, counts, srt, wts, k + 1)
     assert rel(y[:, :k], ref[:, :k]) < 2e-3, f"vs fp32 math: {rel(y[:, :k], ref[:, :k]):.3e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the TMA load of the packed W2 rows (load="tma")
+# ---------------------------------------------------------------------------------------------
+
+def _rows_case(rows, T, k, d, F, seed, exps=(119, 125)):
+    """l2_case's data with EXPLICIT rows per expert (`rows`, zeros = empty experts): sorted row
+    r is pair c_idx[r] of T tokens x top-k, c_idx a random choice of distinct pairs (the other
+    pairs' slots stay unwritten). On the GPU: (h [P, F], w2, counts, c_idx, wts [T, k])."""
+    P = sum(rows)
+    assert P <= T * k
+    h, w2, _, _, wts = l2_case(T, len(rows), d, F, k, seed=seed, exps=exps)
+    g = torch.Generator().manual_seed(seed + 1)
+    c_idx = torch.randperm(T * k, generator=g)[:P].to(torch.int32).cuda()
+    counts = torch.tensor(rows, dtype=torch.int32, device="cuda")
+    return h[:P], w2, counts, c_idx, wts
+
+
+def _bits(y):
+    """y's bits as integers (NaN poison included: torch.equal on floats says NaN != NaN)."""
+    return y.view({4: torch.int32, 2: torch.int16}[y.element_size()])
+
+
+# (rows per expert, tokens, top-k, d, F, exponent range, slots per token, y dtype)
+TMA_CASES = {
+    # every tile size 1..16 (one tile per expert) and an empty expert; 47 tokens (odd); F = 640:
+    # 5 chunks (one pass of a 3 / 4-stage ring and a partial one)
+    "tiles_1_16": (list(range(1, 17)) + [0], 47, 3, 256, 640, (119, 125), 4, torch.float32),
+    # experts of 17, 40 and 33 rows (2-3 tiles, the last partial) between empty ones; 33 tokens
+    "big_experts": ([0, 17, 40, 0, 33, 5, 0], 33, 3, 128, 384, (119, 125), 3, torch.bfloat16),
+    # F = 256: 2 chunks, fewer than the stages (the predicated-off copies past K); exponents over
+    # a 20-wide range (every table offset, flushed weights)
+    "short_k_wide_exps": ([3, 0, 16, 1, 9], 11, 3, 64, 256, (108, 128), 5, torch.float32),
+}
+
+
+@gpu
+@pytest.mark.parametrize("stages", [3, 4, 6])
+@pytest.mark.parametrize("name", list(TMA_CASES))
+def test_l2_decode_tma_same_bits(name, stages):
+    """load="tma" (at 3, 4 and 6 stages) gives the cp.async kernel's bits into NaN-poisoned y
+    (exactly the slots of the tile's pairs written, finite), and both match the fp32 math."""
+    rows, T, k, d, F, exps, ks, dtype = TMA_CASES[name]
+    h, w2, counts, c_idx, wts = _rows_case(rows, T, k, d, F, seed=len(name) + stages, exps=exps)
+    P = sum(rows)
+    mt = _max_tiles(P, len(rows))
+    ref = l2_reference(h, w2, counts, c_idx, wts, ks).view(T * ks, d)
+    routed = torch.isfinite(ref[:, 0])
+    outs = {}
+    for load, ns in (("cp.async", None), ("tma", stages)):
+        y = torch.full((T * ks, d), float("nan"), dtype=dtype, device="cuda")
+        ml2.l2_gluon_decode(h, w2, counts, c_idx, wts.reshape(-1), y, topk=k, ks=ks,
+                            max_tiles=mt, load=load, stages=ns)
+        torch.cuda.synchronize()
+        assert torch.isfinite(y[routed]).all(), f"{load}: a pair's slot not written / not finite"
+        assert torch.isnan(y[~routed]).all(), f"{load}: a slot of no pair was written"
+        outs[load] = y
+    assert torch.equal(_bits(outs["tma"]), _bits(outs["cp.async"])), \
+        f"tma vs cp.async: rel {rel(outs['tma'][routed], outs['cp.async'][routed]):.3e}"
+    tol = 2e-3 if dtype == torch.float32 else 1e-2
+    err = rel(outs["tma"][routed], ref[routed])
+    assert err < tol, f"vs fp32 math: {err:.3e}"
+
+
+@gpu
+def test_l2_decode_tma_repeat_and_graph():
+    """20 eager TMA launches give the cp.async kernel's bits every time, and the TMA launch
+    captured in a CUDA graph (tile list built inside the capture, host descriptor filled at
+    capture) replays the same bits into a re-poisoned y."""
+    rows, T, k, d, F, ks = [5, 0, 16, 23, 1, 2, 0, 7], 29, 3, 256, 640, 4
+    h, w2, counts, c_idx, wts = _rows_case(rows, T, k, d, F, seed=77)
+    P = sum(rows)
+    mt = _max_tiles(P, len(rows))
+
+    def launch(y, load):
+        ml2.l2_gluon_decode(h, w2, counts, c_idx, wts.reshape(-1), y, topk=k, ks=ks,
+                            max_tiles=mt, load=load)
+
+    want = torch.full((T * ks, d), float("nan"), dtype=torch.float32, device="cuda")
+    launch(want, "cp.async")
+    y = torch.full_like(want, float("nan"))
+    for _ in range(20):
+        y.fill_(float("nan"))
+        launch(y, "tma")
+        torch.cuda.synchronize()
+        assert torch.equal(_bits(y), _bits(want)), "tma launch differs"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch asks
+        launch(y, "tma")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(y, "tma")
+    for _ in range(3):
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(_bits(y), _bits(want)), "graph replay differs"
+
+
+def test_l2_decode_load_args():
+    """The launcher's load / stages checks (plain Python, before any launch): the default is
+    the module's LOAD with TMA_STAGES; unknown loads, stages without load='tma' and rings
+    under 3 stages are refused."""
+    assert ml2._load_and_stages(None, None) == (ml2.LOAD, ml2.TMA_STAGES)
+    assert ml2._load_and_stages("tma", 6) == ("tma", 6)
+    for load, stages in (("tma2", None), ("cp.async", 4), ("tma", 2)):
+        with pytest.raises(ValueError):
+            ml2._load_and_stages(load, stages)
+
+
+@pytest.mark.skipif(not ml2._IMPORT_OK,
+                    reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+def test_l2_decode_weight_desc():
+    """The host TMA descriptor of a W2 bank (CPU tensors: no launch): the packed bytes as one
+    [E d, F / 2] uint8 matrix with the row stride, [64, 64] boxes in the layout the kernel's
+    stages take; a bank whose experts are not one row stride apart does not fit (the default
+    load falls back to cp.async) and is refused."""
+    from megagraph.kernels.triton import moe
+
+    E, d, F = 3, 128, 512
+    w = torch.zeros(E, d, F // 2, dtype=torch.int8)
+    s = torch.zeros(E, d, F // 32, dtype=torch.uint8)
+    desc = ml2._weight_desc(moe.bank(w, s, "mxfp4"))
+    assert list(desc.shape) == [E * d, F // 2] and list(desc.strides) == [F // 2, 1]
+    assert list(desc.block_shape) == [ml2.BW, ml2.BK // 2] and desc.layout == ml2.W_TMA_LAYOUT
+    assert desc.base.dtype == torch.uint8 and desc.base.data_ptr() == w.data_ptr()
+    gapped = moe.bank(torch.zeros(E, d + 64, F // 2, dtype=torch.int8)[:, :d], s, "mxfp4")
+    assert ml2._tma_fits(moe.bank(w, s, "mxfp4")) and not ml2._tma_fits(gapped)
+    with pytest.raises(ValueError):
+        ml2._weight_desc(gapped)
+
+
+def _tma_types():
+    """TYPES for l2_decode_tma_kernel: the descriptor in place of the weight pointer and its
+    strides (the jit's signature string of a gluon TensorDescriptor)."""
+    desc = f"tensordesc<u8[{ml2.BW}, {ml2.BK // 2}],{ml2.W_TMA_LAYOUT!r}>"
+    types = {n: t for n, t in TYPES.items() if n not in ("b_ptr", "stride_bg", "stride_bn")}
+    return dict(types, w_desc=desc)
+
+
+SASS_COUNTS = [
+    ("HGMMA", r"\bHGMMA\.64x16x16\.F32\b"), ("ARRIVE", r"WARPGROUP\.ARRIVE"),
+    ("WG_DEPBAR", r"WARPGROUP\.DEPBAR"), ("BAR_SYNC", r"\bBAR\.SYNC"),
+    ("DEPBAR", r"^(@\S+\s+)?DEPBAR"), ("LDGSTS128", r"\bLDGSTS\.E\.BYPASS\.128\b"),
+    ("LDGSTS", r"\bLDGSTS\.E\s"), ("LDS128", r"\bLDS\.128\b"), ("STS", r"\bSTS"),
+    ("PRMT", r"\bPRMT\b"), ("UTMALDG", r"\bUTMALDG\b"), ("TRYWAIT", r"SYNCS\.PHASECHK"),
+    ("EXPECT", r"SYNCS\.ARRIVE\.TRANS64"), ("FENCE", r"\bFENCE\.VIEW\.ASYNC\.S\b")]
+
+
+def _build_stats(kernel, types, consts):
+    """(registers, shared bytes, K-loop instructions, per-pattern counts) of an sm_90 build,
+    with no stack and no local memory asserted."""
+    k = gluon_sm90(kernel, types, consts, num_warps=ml2.NUM_WARPS)
+    usage, sass = usage_and_sass(k)
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
+    body = [t.strip() for t in outer_loop_instructions(sass)]
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    return regs, k.metadata.shared, body, {n: _count(body, p) for n, p in SASS_COUNTS}
+
+
+# per K chunk of the TMA kernel, besides the cp.async kernel's math: 2 BAR.SYNC (A: stage
+# free; B: every thread past its mbarrier wait - Triton's membar adds none), 1 cp.async wait,
+# 9 4-byte LDGSTS (8 of H, 1 of the exponents) and no LDGSTS.128 (W2 left cp.async), 1 UTMALDG,
+# 1 mbarrier try-wait, 1 expect (the re-arm), 1 proxy fence (the only one: Triton adds none)
+TMA_PER_CHUNK = dict(BAR_SYNC=2, DEPBAR=1, LDGSTS128=0, LDGSTS=9, UTMALDG=1, TRYWAIT=1,
+                     EXPECT=1, FENCE=1)
+
+
+@pytest.mark.skipif(not ml2._IMPORT_OK,
+                    reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+@pytest.mark.parametrize("use_asm", [True, False])
+def test_l2_decode_tma_sm90_build(use_asm):
+    """Triton 3.6 sm_90 build of l2_decode_tma_kernel at TMA_STAGES (3) next to the cp.async
+    kernel's: no stack / local memory, <= 40 KB shared, and per K chunk the cp.async kernel's
+    math (8 HGMMA, 1 ARRIVE, 1 WARPGROUP.DEPBAR, 2 LDS.128, the same PRMT, no STS) plus
+    TMA_PER_CHUNK; the fence writer-side for H (proxy_fence_problems). With the PTX upcast
+    <= 96 registers (5 CTAs of 4 warps per SM, as the cp.async kernel: 91 at the time of
+    writing) and the loop's instruction count pinned (705 for 3 chunks at the time of writing,
+    ~235 per chunk, +- 8%; cp.async ~212). The arithmetic twin: built, no spills, the same
+    chunk."""
+    consts = dict(TOPK=6, KS=6, USE_ASM=use_asm, BW=ml2.BW, BT=ml2.BT, BK=ml2.BK,
+                  NW=ml2.NUM_WARPS)
+    ns = ml2.TMA_STAGES
+    regs, shared, body, c = _build_stats(ml2.l2_decode_tma_kernel, _tma_types(),
+                                         dict(consts, NS=ns))
+    regs_cp, shared_cp, body_cp, c_cp = _build_stats(ml2.l2_decode_kernel, TYPES,
+                                                     dict(consts, NS=ml2.NS))
+    print(f"\nsm_90 tma ({ns} stages, {'asm' if use_asm else 'arith'}): {regs} registers, "
+          f"{shared} B shared, K loop {len(body)} instructions ({len(body) / ns:.0f} per chunk): "
+          f"{c}\nsm_90 cp.async ({ml2.NS} stages): {regs_cp} registers, {shared_cp} B shared, "
+          f"K loop {len(body_cp)} ({len(body_cp) / ml2.NS:.0f} per chunk): {c_cp}")
+    assert shared <= 40 * 1024, shared
+    for name in ("HGMMA", "ARRIVE", "WG_DEPBAR", "LDS128", "PRMT", "STS"):
+        assert c[name] / ns == c_cp[name] / ml2.NS, (name, c[name], c_cp[name])
+    assert {n: c[n] for n in TMA_PER_CHUNK} == {n: v * ns for n, v in TMA_PER_CHUNK.items()}, c
+    assert proxy_fence_problems(body, ns) == []
+    if use_asm:
+        assert regs <= 96, regs
+        assert abs(len(body) - 705) <= 0.08 * 705, len(body)
+
+
+@pytest.mark.skipif(not ml2._IMPORT_OK,
+                    reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+@pytest.mark.parametrize("stages", [4, 5, 6, 8])
+def test_l2_decode_tma_sm90_build_stages(stages):
+    """Other ring depths build the same chunk (per-chunk counts as at TMA_STAGES), with no
+    stack / spills; registers and shared memory printed (98 .. 110 registers at 4 .. 8 stages
+    at the time of writing: 4 CTAs per SM)."""
+    consts = dict(TOPK=6, KS=6, USE_ASM=True, BW=ml2.BW, BT=ml2.BT, BK=ml2.BK,
+                  NW=ml2.NUM_WARPS, NS=stages)
+    regs, shared, body, c = _build_stats(ml2.l2_decode_tma_kernel, _tma_types(), consts)
+    print(f"\nsm_90 tma ({stages} stages): {regs} registers, {shared} B shared, K loop "
+          f"{len(body)} instructions ({len(body) / stages:.0f} per chunk)")
+    per_chunk = dict(TMA_PER_CHUNK, HGMMA=8, PRMT=64, LDS128=2)
+    assert {n: c[n] for n in per_chunk} == {n: v * stages for n, v in per_chunk.items()}, c
+    assert proxy_fence_problems(body, stages) == []
