@@ -27,8 +27,11 @@ A stage: the packed W2 rows [64, 64 bytes] (2 x 16-byte cp.async per thread), th
 exponents [64, 4] (4-byte cp.async), H [16, 128] fp16 (eight 4-byte cp.async per thread, in the
 k order below, zero-filled past the tile's rows). No A scales (H is fp16).
 
-The TMA variant (l2_decode_tma_kernel; load="tma" or MEGAGRAPH_MOE_GLUON_DECODE_L2_LOAD=tma, not
-the default until timed on the H200): the decode L1's TMA design with one box per stage - the
+The TMA variant (l2_decode_tma_kernel; load="tma" or MEGAGRAPH_MOE_GLUON_DECODE_L2_LOAD=tma; NOT
+the default: correct on the H200 - the same bits, every test passed - but not faster, 0.642 ms at
+3 stages, 0.693 at 4, 0.721 at 6 against the cp.async kernel's 0.621 at 64 tokens, and mega_moe
+1.650 against 1.633 ms; unlike the L1, the L2's weight stream is not what bounds it:
+benchmarks/results/moe-gluon-decode-l2-tma-h200.md): the decode L1's TMA design with one box per stage - the
 packed W2 rows of a stage come by TMA, a [64 rows, 64 bytes] box (NVMMA 64-byte swizzle, read as
 [64, 16] words in the same swizzle: one LDS.128 per row and group, no bank conflicts) from a
 host descriptor of the bank as [E d, F / 2] bytes, completing on the stage's mbarrier, while
