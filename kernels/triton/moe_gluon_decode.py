@@ -30,11 +30,11 @@ four 4-byte cp.async per thread, zero-filled past the tile's rows). The A scales
 The TMA variant (l1_decode_tma_kernel; load="tma", the default from the ninth session: on the
 H200 at 64 tokens 0.922 ms with 3 stages against the cp.async kernel's 1.197 ms, 77% against 59%
 of the copy bandwidth, the same bits; 4 stages 0.986, 6 stages 1.182 ms;
-benchmarks/results/moe-gluon-decode-tma-h200.md): the packed W1 / W3 rows of a stage come by TMA instead - two
-boxes of [64 rows, 64 bytes] (NVMMA 64-byte swizzle) from host descriptors of the banks as
-[E F, d / 2] bytes, completing on the stage's mbarrier (one elected thread issues them; the
-stage is waited for with the barrier's phase) - while the exponents and X stay on cp.async: an
-exponent row of a chunk is 4 bytes, under TMA's 16-byte minimum box, and X is a row gather in
+benchmarks/results/moe-gluon-decode-tma-h200.md): the packed W1 / W3 rows of a stage come by TMA
+instead - two boxes of [64 rows, 64 bytes] (NVMMA 64-byte swizzle) from host descriptors of the
+banks as [E F, d / 2] bytes, completing on the stage's mbarrier (one elected thread issues them;
+the stage is waited for with the barrier's phase) - while the exponents and X stay on cp.async:
+an exponent row of a chunk is 4 bytes, under TMA's 16-byte minimum box, and X is a row gather in
 the permuted k order. Any ring depth >= 3 (stages=, TMA_STAGES = 3: 36 KB, 6 CTAs per SM); the
 chunk's math is the same code (_mma_chunk), so both loads give the same bits.
 
@@ -56,6 +56,17 @@ zero for rel < -5: exactly moe_jit.e2m1_e4m3_bits (bases 0x30, 0x38, 0x3C, 0x40 
 8 rel, no lane carries for rel in [-5, 6]); signs OR-ed into bit 7 (-0 for code 8 and flushed
 negatives, as e2m1_e4m3_bits). USE_ASM = False runs the same codes through integer arithmetic
 (_e2m1_e4m3_bits) for the bit-exact check.
+
+Wider token tiles (bt=32 / 64, BTS; the decode default stays BT = 16, whose sm_90 SASS is
+unchanged by the parameter): the same kernels with the wgmma m64nBTk32 and X [BT, 128] per
+stage, for prefill sizes (~128 rows per expert at 8192 tokens): each upcast weight chunk serves
+BT tokens, so an expert's weights are read and upcast ~rows / BT times instead of rows / 16.
+The cost is registers (acc + the chunk's partial of W1 and W3: 4 x BT / 2 per thread) and the X
+tile (BT / 4 4-byte cp.async per thread and chunk). Triton 3.6 sm_90 builds (TMA, 3 / 4
+stages): BT 16: 112 / 122 registers, 36 / 47 KB; BT 32: 157 / 160, 46 / 59 KB; BT 64: 247 /
+241, 67 / 84 KB - no stack, no spills (2 CTAs per SM at BT 64, by registers). Not timed yet
+and not used by routed_experts. Other BT give other bits than BT = 16 (the wgmma's n sets the
+tensor core's sum order), each within the same bound of the fp32 math.
 
 Numerics == moe_acc_swap with MMA fp8 (per chunk and weight row S, codes at offset e - S, fp32
 partial per chunk promoted acc += part * (sb x sa), sb = 2^(S - 127)), epilogue
@@ -79,6 +90,9 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     from .gluon_common import warpgroup_mma, warpgroup_mma_wait
 
 BW, BT, BK, NS, NUM_WARPS = 64, 16, 128, 4, 4
+# the token tiles both kernels build at (the launcher's bt=, the wgmma's n): BT = 16 for decode,
+# 32 / 64 for prefill sizes, where each upcast weight chunk then serves 2 / 4x the tokens
+BTS = (16, 32, 64)
 # how the packed weights reach shared memory: "tma" (l1_decode_tma_kernel, TMA_STAGES stages
 # unless the call says otherwise; the default) or "cp.async" (l1_decode_kernel); the same bits.
 # A bank whose expert rows are not one stride apart takes cp.async when the call did not ask.
@@ -122,14 +136,31 @@ if _IMPORT_OK:
     # one object for the host descriptors and the kernel's stages (w1_desc.layout)
     W_TMA_LAYOUT = ttgl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
 
-    # ---- layouts, shared by both loads (BW = 64 weight rows, BT = 16 tokens, one warpgroup:
-    # the kernels assert these sizes) ----------------------------------------------------------
-    _MMA_L = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                         instr_shape=[16, BT, 32])
-    MMA = ttgl.constexpr(_MMA_L)
-    A_DOT = ttgl.constexpr(ttgl.DotOperandLayout(operand_index=0, parent=_MMA_L, k_width=4))
-    ROW_L = ttgl.constexpr(ttgl.SliceLayout(1, _MMA_L))
-    COL_L = ttgl.constexpr(ttgl.SliceLayout(0, _MMA_L))
+    # ---- layouts, shared by both loads (BW = 64 weight rows, one warpgroup: the kernels
+    # assert these sizes) ----------------------------------------------------------------------
+    # the wgmma's and its operands' / slices' layouts are functions of the token tile BT (the
+    # wgmma's n: m64nBTk32); at BT = 16 they are the objects the kernels were written with
+    @gluon.constexpr_function
+    def _mma(BT):
+        """The accumulator layout of the m64nBTk32 wgmma (one warpgroup)."""
+        return ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                           instr_shape=[16, BT, 32])
+
+    @gluon.constexpr_function
+    def _a_dot(BT):
+        """The register A operand (upcast E4M3 weights) of that wgmma."""
+        return ttgl.DotOperandLayout(operand_index=0, parent=_mma(BT), k_width=4)
+
+    @gluon.constexpr_function
+    def _row_l(BT):
+        """Per weight row (the accumulator's dim 0): promotion scales sb, output columns."""
+        return ttgl.SliceLayout(1, _mma(BT))
+
+    @gluon.constexpr_function
+    def _col_l(BT):
+        """Per token (dim 1): A scales sa, output rows."""
+        return ttgl.SliceLayout(0, _mma(BT))
+
     # packed bytes [row, 64 bytes]: byte 16 t + 4 kk + b of row 16 w + 8 r + g in lane 4 g + t
     # of warp w, registers (b, kk, r): rows as the wgmma A fragment / accumulator
     P2_L = ttgl.constexpr(ttgl.DistributedLinearLayout(
@@ -151,12 +182,14 @@ if _IMPORT_OK:
     FLAT1 = ttgl.constexpr(ttgl.SwizzledSharedLayout(1, 1, 1, [0]))  # [NKP, BT], .index(i)
 
     @gluon.jit
-    def _upcast(w_t, e_st, ROW0: ttgl.constexpr, USE_ASM: ttgl.constexpr, BW: ttgl.constexpr):
+    def _upcast(w_t, e_st, ROW0: ttgl.constexpr, USE_ASM: ttgl.constexpr, BW: ttgl.constexpr,
+                BT: ttgl.constexpr):
         """One matrix's BW weight rows of the stage (packed bytes w_t [BW, 64], their exponents
         rows ROW0 .. ROW0 + BW - 1 of e_st [2 BW, 4]) -> the wgmma A operand (E4M3 [BW, 128] in
-        A_DOT, k permuted as the module docstring says) and the rows' promotion scales
-        2^(S - 127) (ROW_L). w_t's shared layout is the load's (flat for cp.async, NVMMA 64-byte
-        swizzle for TMA): the LDS.128 of group t per row reads 16 contiguous bytes either way."""
+        _a_dot(BT), k permuted as the module docstring says) and the rows' promotion scales
+        2^(S - 127) (_row_l(BT)). w_t's shared layout is the load's (flat for cp.async, NVMMA
+        64-byte swizzle for TMA): the LDS.128 of group t per row reads 16 contiguous bytes
+        either way."""
         e_l: ttgl.constexpr = ttgl.SliceLayout(2, ttgl.SliceLayout(3, P_L))
         p = w_t.load(P2_L)  # [BW, 64] uint8: LDS.128 of group t per row
         p = ttgl.convert_layout(ttgl.reshape(p, [BW, 4, 4, 4]), P_L, assert_trivial=True)
@@ -186,9 +219,9 @@ if _IMPORT_OK:
         # [row, t, kk, i] x h -> [row, kk, h, t, i] = k position 32 kk + 16 h + 4 t + i
         a = ttgl.permute(ttgl.join(r0, r1), (0, 2, 4, 1, 3))
         a = ttgl.reshape(a, [BW, 128]).to(ttgl.float8e4nv, bitcast=True)
-        a = ttgl.convert_layout(a, A_DOT)
+        a = ttgl.convert_layout(a, _a_dot(BT))
         sb = (S << 23).to(ttgl.float32, bitcast=True)  # S >= 1: 2^(S - 127), normal
-        return a, ttgl.convert_layout(sb, ROW_L)
+        return a, ttgl.convert_layout(sb, _row_l(BT))
 
     @gluon.jit
     def _mma_chunk(i, w1_cur, w3_cur, e_cur, x_cur, sa_s, acc1, acc3, USE_ASM: ttgl.constexpr,
@@ -198,13 +231,13 @@ if _IMPORT_OK:
         wgmma (async), W3 upcast -> wgmma (runs while the W1 wgmma runs), then the per-chunk
         promotion acc += part * (sb x sa) of each. Both loads' kernels end their chunk with it,
         so their numerics are one code path."""
-        zero = ttgl.zeros([BW, BT], ttgl.float32, MMA)
+        zero = ttgl.zeros([BW, BT], ttgl.float32, _mma(BT))
         xT = x_cur.permute((1, 0))  # [BK, BT]: the K-major [BT, BK] stage
-        a1, sb1 = _upcast(w1_cur, e_cur, 0, USE_ASM, BW)
+        a1, sb1 = _upcast(w1_cur, e_cur, 0, USE_ASM, BW, BT)
         t1 = warpgroup_mma(a1, xT, zero, use_acc=False, is_async=True)
-        a3, sb3 = _upcast(w3_cur, e_cur, BW, USE_ASM, BW)
+        a3, sb3 = _upcast(w3_cur, e_cur, BW, USE_ASM, BW, BT)
         t3 = warpgroup_mma(a3, xT, zero, use_acc=False, is_async=True)
-        sa = sa_s.index(i).load(COL_L)
+        sa = sa_s.index(i).load(_col_l(BT))
         t1 = warpgroup_mma_wait(1, deps=[t1])
         acc1 += t1 * (ttgl.expand_dims(sb1, 1) * ttgl.expand_dims(sa, 0))
         t3 = warpgroup_mma_wait(0, deps=[t3])
@@ -268,8 +301,8 @@ if _IMPORT_OK:
         """The epilogue both loads share: moe_jit.swiglu_act, out[row0 + token, n0 + weight
         row] for the tile's rows."""
         h = swiglu(acc1, acc3, limit, HAS_LIMIT)
-        rn = n0 + ttgl.arange(0, BW, layout=ROW_L)
-        tk = ttgl.arange(0, BT, layout=COL_L)
+        rn = n0 + ttgl.arange(0, BW, layout=_row_l(BT))
+        tk = ttgl.arange(0, BT, layout=_col_l(BT))
         c_ptrs = c_ptr + ((row0 + tk).to(ttgl.int64) * stride_cm)[None, :] + rn[:, None]
         ttgl.store(c_ptrs, h.to(c_ptr.dtype.element_ty),
                    mask=(tk < nrows)[None, :] & (rn < N)[:, None])
@@ -290,7 +323,7 @@ if _IMPORT_OK:
         ttgl.static_assert(NW == 4, "one warpgroup")
         ttgl.static_assert(BW == 64, "64 weight rows per matrix")
         ttgl.static_assert(BK == 128, "128-column chunks")
-        ttgl.static_assert(BT == 16, "16-token tiles")
+        ttgl.static_assert((BT == 16) | (BT == 32) | (BT == 64), "16-, 32- or 64-token tiles")
 
         # ---- the tile ------------------------------------------------------------------
         skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BW, MT, G,
@@ -333,8 +366,8 @@ if _IMPORT_OK:
 
         # the same bytes as a ring of [BT] rows (.index(i): a rank-1 layout), for the reads
         sa_r = sa_s._reinterpret(ttgl.float32, [NKP, BT], FLAT1)
-        acc1 = ttgl.zeros([BW, BT], ttgl.float32, MMA)
-        acc3 = ttgl.zeros([BW, BT], ttgl.float32, MMA)
+        acc1 = ttgl.zeros([BW, BT], ttgl.float32, _mma(BT))
+        acc3 = ttgl.zeros([BW, BT], ttgl.float32, _mma(BT))
         for i in range(0, n_k, NS):
             acc1, acc3 = _chunk(i, n_k, w0, e0, x0, w3, e3, x3, sa_r, acc1, acc3, w_ptrs, e_ptrs,
                                 x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK)
@@ -410,7 +443,7 @@ if _IMPORT_OK:
         ttgl.static_assert(NW == 4, "one warpgroup")
         ttgl.static_assert(BW == 64, "64 weight rows per matrix")
         ttgl.static_assert(BK == 128, "128-column chunks")
-        ttgl.static_assert(BT == 16, "16-token tiles")
+        ttgl.static_assert((BT == 16) | (BT == 32) | (BT == 64), "16-, 32- or 64-token tiles")
 
         skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BW, MT, G,
                                                  P, BT)
@@ -454,8 +487,8 @@ if _IMPORT_OK:
             issue_side(e_r[s], x_r[s], e_ptrs, x_ptrs, x_mask, s, n_k, BK)
 
         sa_r = sa_s._reinterpret(ttgl.float32, [NKP, BT], FLAT1)
-        acc1 = ttgl.zeros([BW, BT], ttgl.float32, MMA)
-        acc3 = ttgl.zeros([BW, BT], ttgl.float32, MMA)
+        acc1 = ttgl.zeros([BW, BT], ttgl.float32, _mma(BT))
+        acc3 = ttgl.zeros([BW, BT], ttgl.float32, _mma(BT))
         for i in range(0, n_k, NS):
             phase = (i // NS) & 1  # phases of each stage's barrier completed so far, mod 2
             for s in ttgl.static_range(NS):
@@ -479,22 +512,24 @@ def _next_pow2(n: int) -> int:
 def l1_gluon_decode(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tiles: int,
                     limit: float | None = None, tiles: torch.Tensor | None = None,
                     use_asm: bool | None = None, load: str | None = None,
-                    stages: int | None = None) -> torch.Tensor:
+                    stages: int | None = None, bt: int | None = None) -> torch.Tensor:
     """out [P, F] (expert-sorted rows; fp16 in routed_experts, fp32 / bf16 fine; a row-strided
     view is fine) = swiglu(A W1^T, A W3^T) per expert, A row of sorted row r = a_q[a_idx[r] //
     topk] (E4M3 [T, d], a_scale [T, d / 128] f32); w1 / w3: moe.Bank MXFP4 [E, F, d / 2] with E8M0
-    [E, F, d / 32]; counts [E] int32 rows per expert. Row tiles of BT = 16 rows: max_tiles bounds
-    them (routed_experts' formula at 16 rows: min(P, P // 16 + E)); tiles: moe.tile_list(counts,
-    16, max_tiles) if already built (else built here: one tiny launch, no host sync, CUDA-graph
-    capturable). use_asm: the PRMT table upcast (default) or its integer-arithmetic twin.
-    load: how the packed weights are streamed, "cp.async" or "tma" (default LOAD, env
-    MEGAGRAPH_MOE_GLUON_DECODE_LOAD); stages: the TMA ring's depth (>= 3, default TMA_STAGES).
-    Both loads give the same bits."""
+    [E, F, d / 32]; counts [E] int32 rows per expert. Row tiles of bt rows (one of BTS, default
+    BT = 16, the decode tile; 32 / 64 for prefill sizes): max_tiles bounds them (routed_experts'
+    formula: min(P, P // bt + E)); tiles: moe.tile_list(counts, bt, max_tiles) if already built
+    (else built here: one tiny launch, no host sync, CUDA-graph capturable). use_asm: the PRMT
+    table upcast (default) or its integer-arithmetic twin. load: how the packed weights are
+    streamed, "cp.async" or "tma" (default LOAD, env MEGAGRAPH_MOE_GLUON_DECODE_LOAD); stages:
+    the TMA ring's depth (>= 3, default TMA_STAGES). Both loads give the same bits at one bt;
+    different bt need not (the wgmma's n changes the tensor core's sum order)."""
     if not _IMPORT_OK:
         raise RuntimeError("l1_gluon_decode needs Triton 3.6 Gluon")
     if load is None and stages is None and not (_tma_fits(w1) and _tma_fits(w3)):
         load = "cp.async"  # the default load on a bank TMA cannot describe
     load, ns = _load_and_stages(load, stages)
+    bt = _token_tile(bt)
     if not (w1.wfmt == 0 and w3.wfmt == 0 and w1.bk == 32 and w1.bn == 1 and w3.bk == 32
             and w3.bn == 1):
         raise ValueError("l1_gluon_decode takes MXFP4 banks (E8M0 per 32 columns)")
@@ -519,7 +554,7 @@ def l1_gluon_decode(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_
     P = check_rows(a_scale, a_idx, out, N, K)  # (K // 128 == n_k: K % BK == 0 checked)
     if max_tiles == 0 or P == 0:
         return out
-    tiles = tile_list(counts, BT, max_tiles, tiles)
+    tiles = tile_list(counts, bt, max_tiles, tiles)
     use_asm = True if use_asm is None else bool(use_asm)
     grid = (max_tiles * (N // BW),)
     if load == "tma":
@@ -528,14 +563,14 @@ def l1_gluon_decode(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_
             max_tiles, N, K, counts.numel(), P, float(limit or 0.0), a_q.stride(0),
             a_scale.stride(0), w1.s.stride(0), w1.s.stride(1), out.stride(0),
             TOPK=topk, HAS_LIMIT=limit is not None and limit > 0, USE_ASM=use_asm,
-            BW=BW, BT=BT, BK=BK, NS=ns, NKP=nkp, NW=NUM_WARPS, num_warps=NUM_WARPS)
+            BW=BW, BT=bt, BK=BK, NS=ns, NKP=nkp, NW=NUM_WARPS, num_warps=NUM_WARPS)
         return out
     l1_decode_kernel[grid](
         a_q, a_scale, a_idx, w1.w, w1.s, w3.w, w3.s, out, tiles, max_tiles, N, K,
         counts.numel(), P, float(limit or 0.0), a_q.stride(0), a_scale.stride(0),
         w1.w.stride(0), w1.w.stride(1), w1.s.stride(0), w1.s.stride(1), out.stride(0),
         TOPK=topk, HAS_LIMIT=limit is not None and limit > 0, USE_ASM=use_asm,
-        BW=BW, BT=BT, BK=BK, NS=NS, NKP=nkp, NW=NUM_WARPS, num_warps=NUM_WARPS)
+        BW=BW, BT=bt, BK=BK, NS=NS, NKP=nkp, NW=NUM_WARPS, num_warps=NUM_WARPS)
     return out
 
 
@@ -551,6 +586,15 @@ def _load_and_stages(load: str | None, stages: int | None) -> tuple[str, int]:
     if ns < 3:
         raise ValueError(f"stages {ns}: the TMA ring needs at least 3")
     return load, ns
+
+
+def _token_tile(bt: int | None) -> int:
+    """The call's token tile (default BT, the decode tile), checked: one of BTS, the n the
+    kernels' wgmma is built at."""
+    bt = BT if bt is None else int(bt)
+    if bt not in BTS:
+        raise ValueError(f"bt {bt}: one of {BTS}")
+    return bt
 
 
 def _tma_fits(bank) -> bool:

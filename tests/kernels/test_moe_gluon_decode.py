@@ -1,6 +1,7 @@
 """The experimental Gluon DECODE L1 (kernels/triton/moe_gluon_decode.py): swapped wgmma (weight
-rows = M, <= 16 tokens = N), the MXFP4 weights upcast to E4M3 in registers as the wgmma's A
-operand, gathered E4M3 activations as B in shared memory.
+rows = M, <= bt tokens = N: 16 at decode, 32 / 64 for prefill sizes), the MXFP4 weights upcast
+to E4M3 in registers as the wgmma's A operand, gathered E4M3 activations as B in shared
+memory.
 
 GPU (CUDA sm_90 + Triton 3.6 Gluon, else skipped): l1_gluon_decode against the fp32 math of the
 same quantized operands (MXFP4 dequantized exactly, A = codes x scale) and against the Triton
@@ -16,15 +17,20 @@ weights flush. A debug test of isolated pieces (one expert, K = 256) names what 
 GPU test runs both loads of the packed weights (load="tma", the default, and "cp.async"); the
 TMA variant is also checked bit for bit against the cp.async kernel (explicit per-expert row
 counts: tiles of 1..16 rows, experts of > 16 rows, empty experts, odd token counts, 3 / 4 / 6
-stages, K of fewer chunks than stages), over repeated launches and inside a CUDA graph.
+stages, K of fewer chunks than stages), over repeated launches and inside a CUDA graph. The
+wider token tiles (bt = 32 / 64, md.BTS: prefill sizes) run through the same tests (matches,
+asm vs arith, bit-stable) and their own (tiles of 1..bt rows, experts of > bt rows, empty
+experts, odd token counts, both loads at 3 / 4 stages with the same bits at one bt; repeated
+launches, CUDA graph); across bt only within the bound (the wgmma's n sets the sum order).
 
 CPU: the kernel is compiled ahead of time for sm_90 when the installed Triton is 3.6
 (make sm90-h200): no local memory, the register-A QGMMA 64x16x32 in the K loop, the per-chunk
 instruction counts pinned, every thread's fence.proxy.async before the CTA barrier the wgmma
 waits at (test_moe_gluon.proxy_fence_problems; cuobjdump from Triton's bundle); the same for the
 TMA variant (its K loop: 2 UTMALDG, 1 mbarrier try-wait, 1 expect per chunk, no LDGSTS.128, the
-same QGMMA / PRMT / LDS.128 as the cp.async kernel). The launcher's load / stages checks and the
-host TMA descriptor of a bank run on the CPU.
+same QGMMA / PRMT / LDS.128 as the cp.async kernel); both at bt = 32 / 64 (<= 255 registers, no
+spills, QGMMA 64xbtx32). The launcher's load / stages / bt checks and the host TMA descriptor
+of a bank run on the CPU.
 """
 from __future__ import annotations
 
@@ -41,25 +47,29 @@ from test_triton_moe import ACT, check_routed, routed_case
 GPU_OK = md.available()
 gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and Triton 3.6 Gluon")
 
-def _max_tiles(P, E):
-    return min(P, P // md.BT + E)
+
+def _max_tiles(P, E, bt=md.BT):
+    """routed_experts' bound on the row tiles of bt rows."""
+    return min(P, P // bt + E)
 
 
 @gpu
+@pytest.mark.parametrize("bt", md.BTS)
 @pytest.mark.parametrize("load", md.LOADS)
 @pytest.mark.parametrize("T,E,subset", [(1, 8, None), (7, 32, [0, 3, 5, 9, 17, 30]),
                                         (64, 64, None), (64, 16, list(range(0, 16, 2)))])
-def test_l1_decode_matches(T, E, subset, load):
+def test_l1_decode_matches(T, E, subset, load, bt):
     """T = 64 with 64 experts: ~6 rows per expert (the decode regime); with 8 of 16 experts:
-    48 rows per expert, several 16-row tiles per expert (the last partial)."""
+    48 rows per expert, several 16-row tiles per expert (the last partial; one partial tile at
+    bt = 64). Every token tile bt within the bound of both references."""
     from megagraph.kernels.triton import moe
 
     d, F, k, limit = 1024, 256, 6, 10.0
     xq, xs, w1, w3, counts, srt = case(T, E, d, F, k, seed=T + E, subset=subset, distinct=True)
     P = T * k
     out = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
-    md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, out, topk=k, max_tiles=_max_tiles(P, E),
-                       limit=limit, load=load)
+    md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, out, topk=k,
+                       max_tiles=_max_tiles(P, E, bt), limit=limit, load=load, bt=bt)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "an output element was not written (or is not finite)"
     ref = reference(xq, xs, w1, w3, counts, srt, k, limit)
@@ -75,26 +85,28 @@ def test_l1_decode_matches(T, E, subset, load):
 
 
 @gpu
+@pytest.mark.parametrize("bt", md.BTS)
 @pytest.mark.parametrize("load", md.LOADS)
-def test_l1_decode_asm_vs_arith_and_tiles(load):
+def test_l1_decode_asm_vs_arith_and_tiles(load, bt):
     """No clamp; exponents 108 .. 127 (rel = e - S over [-13, 6] within a row's chunk: every
     table offset occurs and weights flush): the PTX table upcast and the arithmetic twin give the
-    same bits; a prebuilt tile list gives the same output as the one built in the call."""
+    same bits; a prebuilt tile list gives the same output as the one built in the call; at every
+    token tile bt."""
     from megagraph.kernels.triton import moe
 
     d, F, k, E, T = 512, 128, 3, 4, 21
     xq, xs, w1, w3, counts, srt = case(T, E, d, F, k, seed=5, exps=(108, 128), distinct=True)
     P = T * k
-    mt = _max_tiles(P, E)
+    mt = _max_tiles(P, E, bt)
     o1 = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
     o2 = torch.full_like(o1, float("nan"))
     o3 = torch.full_like(o1, float("nan"))
     md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, o1, topk=k, max_tiles=mt, use_asm=True,
-                       load=load)
+                       load=load, bt=bt)
     md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, o2, topk=k, max_tiles=mt, use_asm=False,
-                       load=load)
+                       load=load, bt=bt)
     md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, o3, topk=k, max_tiles=mt,
-                       tiles=moe.tile_list(counts, md.BT, mt), load=load)
+                       tiles=moe.tile_list(counts, bt, mt), load=load, bt=bt)
     torch.cuda.synchronize()
     assert torch.isfinite(o2).all(), "arithmetic upcast: an element not written / not finite"
     ref = reference(xq, xs, w1, w3, counts, srt, k, float("inf"))
@@ -223,13 +235,14 @@ def test_l1_decode_sm90_build():
 
 
 @gpu
+@pytest.mark.parametrize("bt", md.BTS)
 @pytest.mark.parametrize("load", md.LOADS)
 @pytest.mark.parametrize("T,E,d,F", [(2, 1, 256, 64), (64, 64, 1024, 256)])
-def test_l1_decode_bit_stable(T, E, d, F, load):
+def test_l1_decode_bit_stable(T, E, d, F, load, bt):
     """20 launches of one call give the same bits, and the first matches the fp32 math: one
     program (one expert, <= 16 rows, one 64-row block, 2 chunks: where the prefill kernel's
     removed pack / bm 64 variants went wrong, kernels/triton/moe_gluon.py) and a multi-program
-    decode grid."""
+    decode grid; at every token tile bt."""
     k = min(6, E)
     xq, xs, w1, w3, counts, srt = case(T, E, d, F, k, seed=13, distinct=True)
     P = T * k
@@ -237,7 +250,7 @@ def test_l1_decode_bit_stable(T, E, d, F, load):
     for _ in range(20):
         out = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
         md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, out, topk=k,
-                           max_tiles=_max_tiles(P, E), limit=10.0, load=load)
+                           max_tiles=_max_tiles(P, E, bt), limit=10.0, load=load, bt=bt)
         if first is None:
             first = out
         else:
@@ -339,14 +352,19 @@ def test_l1_decode_tma_repeat_and_graph():
 
 
 def test_l1_decode_load_args():
-    """The launcher's load / stages checks (plain Python, before any launch): the default is
-    the module's LOAD with TMA_STAGES; unknown loads, stages without load='tma' and rings
-    under 3 stages are refused."""
+    """The launcher's load / stages / bt checks (plain Python, before any launch): the default
+    is the module's LOAD with TMA_STAGES and the decode tile BT = 16; unknown loads, stages
+    without load='tma', rings under 3 stages and token tiles outside BTS are refused."""
     assert md._load_and_stages(None, None) == (md.LOAD, md.TMA_STAGES)
     assert md._load_and_stages("tma", 6) == ("tma", 6)
     for load, stages in (("tma2", None), ("cp.async", 4), ("tma", 2)):
         with pytest.raises(ValueError):
             md._load_and_stages(load, stages)
+    assert md.BT == 16 and md._token_tile(None) == 16
+    assert [md._token_tile(bt) for bt in md.BTS] == [16, 32, 64]
+    for bt in (8, 48, 128):
+        with pytest.raises(ValueError):
+            md._token_tile(bt)
 
 
 @pytest.mark.skipif(not md._IMPORT_OK, reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
@@ -445,4 +463,126 @@ def test_l1_decode_tma_sm90_build_stages(stages):
           f"{len(body)} instructions ({len(body) / stages:.0f} per chunk)")
     per_chunk = dict(QGMMA=8, BAR_SYNC=2, UTMALDG=2, TRYWAIT=1, EXPECT=1, FENCE=1, PRMT=64)
     assert {n: c[n] for n in per_chunk} == {n: v * stages for n, v in per_chunk.items()}, c
+    assert proxy_fence_problems(body, stages) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# wider token tiles (bt = 32 / 64: prefill sizes)
+# ---------------------------------------------------------------------------------------------
+
+def _bt_rows(bt):
+    """Rows per expert for the token tile bt: every tile size 1..bt (one expert each), experts
+    of bt + 1, 2 bt + 7 and 3 bt rows (2-3 tiles, the last partial or full) and 5 rows between
+    empty experts."""
+    return list(range(1, bt + 1)) + [0, bt + 1, 2 * bt + 7, 0, 3 * bt, 5, 0]
+
+
+@gpu
+@pytest.mark.parametrize("d", [256, 1024])
+@pytest.mark.parametrize("bt", md.BTS)
+def test_l1_decode_bt_rows(bt, d):
+    """The token tile bt on _bt_rows (an odd token count; K of 2 chunks - fewer than the stages
+    - and of 8), into NaN-poisoned fp16 outputs: every row written, within 2e-3 of the fp32
+    math; cp.async and TMA at 3 and 4 stages give the same bits at one bt (one math code path);
+    against the bt = 16 output only within the bound (other bits allowed: the wgmma's n sets the
+    tensor core's sum order)."""
+    rows, k, F = _bt_rows(bt), 3, 128
+    P = sum(rows)
+    T = (P // k + 8) | 1  # odd
+    xq, xs, w1, w3, counts, a_idx = _rows_case(rows, T, k, d, F, seed=bt + d)
+    ref = reference(xq, xs, w1, w3, counts, a_idx, k, 10.0)
+    outs = {}
+    for tile, load, ns in ((bt, "cp.async", None), (bt, "tma", 3), (bt, "tma", 4),
+                           (16, "tma", 3)):
+        out = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
+        md.l1_gluon_decode(xq, xs, a_idx, w1, w3, counts, out, topk=k,
+                           max_tiles=_max_tiles(P, len(rows), tile), limit=10.0, load=load,
+                           stages=ns, bt=tile)
+        torch.cuda.synchronize()
+        name = f"bt {tile} {load} {ns}"
+        assert torch.isfinite(out).all(), f"{name}: an element not written / not finite"
+        assert rel(out, ref) < 2e-3, f"{name} vs fp32 math: {rel(out, ref):.3e}"
+        outs[name] = out
+    want = outs[f"bt {bt} cp.async None"]
+    for name in (f"bt {bt} tma 3", f"bt {bt} tma 4"):
+        assert torch.equal(outs[name], want), f"{name} vs cp.async: rel {rel(outs[name], want)}"
+    assert rel(want, outs["bt 16 tma 3"]) < 2e-3
+
+
+@gpu
+@pytest.mark.parametrize("bt", [32, 64])
+def test_l1_decode_bt_repeat_and_graph(bt):
+    """At bt 32 / 64 (TMA, the default load): 20 eager launches give the same bits, and the
+    launch captured in a CUDA graph (tile list of bt rows built inside the capture) replays
+    them into a re-poisoned output."""
+    rows, T, k, d, F = [5, 0, bt, 2 * bt + 3, 1, 2, 0, 7], 2 * bt + 11, 3, 1024, 256
+    xq, xs, w1, w3, counts, a_idx = _rows_case(rows, T, k, d, F, seed=bt)
+    P = sum(rows)
+
+    def launch(out):
+        md.l1_gluon_decode(xq, xs, a_idx, w1, w3, counts, out, topk=k,
+                           max_tiles=_max_tiles(P, len(rows), bt), limit=10.0, load="tma",
+                           bt=bt)
+
+    want = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
+    launch(want)
+    torch.cuda.synchronize()
+    assert torch.isfinite(want).all()
+    ref = reference(xq, xs, w1, w3, counts, a_idx, k, 10.0)
+    assert rel(want, ref) < 2e-3, f"vs fp32 math: {rel(want, ref):.3e}"
+    out = torch.full_like(want, float("nan"))
+    for _ in range(20):
+        out.fill_(float("nan"))
+        launch(out)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"launch differs: rel {rel(out, want):.3e}"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch asks
+        launch(out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(out)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"graph replay differs: rel {rel(out, want):.3e}"
+
+
+def _ctas_per_sm(regs: int, shared: int) -> int:
+    """CTAs of one warpgroup an H100 / H200 SM holds: 64 K registers (allocated per thread in
+    units of 8), 228 KB shared with 1 KB reserved per CTA."""
+    return min(65536 // (-(-regs // 8) * 8 * 128), 228 * 1024 // (shared + 1024))
+
+
+@pytest.mark.skipif(not md._IMPORT_OK, reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+@pytest.mark.parametrize("kernel,stages", [("tma", 3), ("tma", 4), ("cp.async", 4)])
+@pytest.mark.parametrize("bt", [32, 64])
+def test_l1_decode_sm90_build_bt(bt, kernel, stages):
+    """The wider token tiles build: no stack / local memory (_build_stats), <= 255 registers,
+    and per K chunk the BT = 16 chunk with the wgmma at n = bt (8 QGMMA 64xbtx32), the same
+    upcast (64 PRMT, 4 LDS.128, no STS), barriers, fence order and weight copies (TMA: 2 UTMALDG,
+    1 try-wait, 1 expect; cp.async: 4 LDGSTS.128), and bt / 4 + 1 4-byte LDGSTS (the X rows:
+    4 bytes per thread and row group, and the exponents). Registers, shared memory and CTAs per
+    SM printed (when written: bt 32 157 / 160 / 166 registers, 2-3 CTAs; bt 64 247 / 241 /
+    253, 2 CTAs)."""
+    consts = dict(TOPK=6, HAS_LIMIT=True, USE_ASM=True, BW=md.BW, BT=bt, BK=md.BK, NKP=64,
+                  NW=md.NUM_WARPS, NS=stages)
+    if kernel == "tma":
+        regs, shared, body, c = _build_stats(md.l1_decode_tma_kernel, _tma_types(), consts)
+        copies = dict(UTMALDG=2, TRYWAIT=1, EXPECT=1, LDGSTS128=0)
+    else:
+        regs, shared, body, c = _build_stats(md.l1_decode_kernel, TYPES, consts)
+        copies = dict(UTMALDG=0, TRYWAIT=0, EXPECT=0, LDGSTS128=4)
+    print(f"\nsm_90 {kernel} bt {bt} ({stages} stages): {regs} registers, {shared} B shared, "
+          f"{_ctas_per_sm(regs, shared)} CTAs per SM, K loop {len(body)} instructions "
+          f"({len(body) / stages:.0f} per chunk)")
+    assert regs <= 255, regs
+    qgmma = _count(body, rf"\bQGMMA\.64x{bt}x32\.F32\.E4M3\.E4M3\b")
+    per_chunk = dict(QGMMA=8, ARRIVE=2, WG_DEPBAR=2, BAR_SYNC=2, DEPBAR=1, LDS128=4, STS=0,
+                     PRMT=64, FENCE=1, LDGSTS=bt // 4 + 1, **copies)
+    got = dict({n: c[n] for n in per_chunk}, QGMMA=qgmma)
+    assert got == {n: v * stages for n, v in per_chunk.items()}, got
     assert proxy_fence_problems(body, stages) == []
