@@ -327,7 +327,8 @@ def _variants(rpg: float, tm, auto: bool):
     available) with the default upcast, the same with the other upcast, at decode the Triton
     kernels instead of the Gluon ones (both: "triton", one at a time: "triton-l1" /
     "triton-l2"), at prefill the Triton L1 ("triton-l1") and the opt-in Gluon L1 ("gluon-l1")
-    instead of the default cuBLAS one (from 100 rows per expert) and the Triton L2 ("triton-l2")
+    and the cuBLAS one ("cublas-l1", from 100 rows per expert) instead of the default Gluon L1 with
+    64-token tiles, and the Triton L2 ("triton-l2")
     instead of the Gluon one, one alternative tile each for L1 and L2."""
     G = tm.GemmConfig
     out = [("default", None, None, auto, {})]
@@ -338,7 +339,9 @@ def _variants(rpg: float, tm, auto: bool):
                     ("triton-l1", None, None, auto, {"GLUON_DECODE": False}),
                     ("triton-l2", None, None, auto, {"GLUON_DECODE_L2": False})]
     elif rpg > 48:  # the L1 on the Triton kernel, on the opt-in Gluon one; the L2 on Triton
-        out[1:1] = [("triton-l1", None, None, auto, {"CUBLAS_PREFILL": False}),
+        out[1:1] = [("triton-l1", None, None, auto, {"CUBLAS_PREFILL": False,
+                                                     "GLUON_WIDE_L1": False}),
+                    ("cublas-l1", None, None, auto, {"GLUON_WIDE_L1": False}),
                     ("gluon-l1", None, None, auto, {"GLUON_PREFILL": True}),
                     ("triton-l2", None, None, auto, {"GLUON_PREFILL_L2": False})]
     if rpg <= 12:

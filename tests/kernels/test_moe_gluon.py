@@ -408,6 +408,7 @@ def test_routed_experts_prefill_uses_gluon(gluon, monkeypatch):
 
     monkeypatch.setattr(moe, "GLUON_PREFILL", gluon)
     monkeypatch.setattr(moe, "CUBLAS_PREFILL", False)  # the Triton L1 when Gluon is off
+    monkeypatch.setattr(moe, "GLUON_WIDE_L1", False)
     monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
     calls = []
     real = mg.l1_gluon
