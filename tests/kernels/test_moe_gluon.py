@@ -335,7 +335,8 @@ def _cpu_banks(d=256, F=128, E=4, fmt="mxfp4"):
 def test_gluon_l1_choice(monkeypatch):
     """The Gluon L1s run only where they were timed and checked: the fp16-H "l1" role, the
     prefill kernel (moe_gluon.l1_gluon, opt-in: MEGAGRAPH_MOE_GLUON_PREFILL) above 48 rows per
-    expert, the decode kernel
+    expert, else there the decode kernel with 64-token tiles (GLUON_WIDE_L1, default), the
+    decode kernel
     (moe_gluon_decode.l1_gluon_decode) at <= 12, moe_gemm in between; E4M3 activations with
     scales, MXFP4 banks whose shapes fit the tile (prefill N % 64, K % 256; decode N % 64,
     K % 128), no CONFIG_OVERRIDE for the role, MEGAGRAPH_MOE_GLUON on (and
@@ -357,7 +358,12 @@ def test_gluon_l1_choice(monkeypatch):
 
     def ok(*a):
         pick = moe._gluon_l1(*a)
-        return None if pick is None else pick[0].__name__
+        if pick is None:
+            return None
+        fn = pick[0]
+        if hasattr(fn, "func"):  # the wide-tile decode kernel: a partial with bt
+            return f"{fn.func.__name__}/bt{fn.keywords['bt']}"
+        return fn.__name__
 
     assert ok(xq, xs, w1, w3, h, "l1", 128.0) == "l1_gluon"
     assert moe._gluon_l1(xq, xs, w1, w3, h, "l1", 128.0)[1] == mg.BM
@@ -383,8 +389,13 @@ def test_gluon_l1_choice(monkeypatch):
     assert ok(xq, xs, w1, w3, h, "l1", 2.0) is None
     assert ok(xq, xs, w1, w3, h, "l1", 128.0) == "l1_gluon"
     monkeypatch.setattr(moe, "GLUON_DECODE", True)
-    monkeypatch.setattr(moe, "GLUON_PREFILL", False)
+    monkeypatch.setattr(moe, "GLUON_PREFILL", False)  # the default: the wide decode tiles
+    assert ok(xq, xs, w1, w3, h, "l1", 128.0) == f"l1_gluon_decode/bt{moe.WIDE_BT}"
+    assert moe._gluon_l1(xq, xs, w1, w3, h, "l1", 128.0)[1] == moe.WIDE_BT
+    assert ok(xq, xs, w1, w3, h, "l1", 48.0) is None
+    monkeypatch.setattr(moe, "GLUON_WIDE_L1", False)
     assert ok(xq, xs, w1, w3, h, "l1", 128.0) is None
+    monkeypatch.setattr(moe, "GLUON_WIDE_L1", True)
     assert ok(xq, xs, w1, w3, h, "l1", 2.0) == "l1_gluon_decode"
     monkeypatch.setattr(moe, "GLUON_PREFILL", True)
     monkeypatch.setattr(moe, "GLUON", False)
