@@ -134,10 +134,13 @@ SHARED_STREAM = os.environ.get("MEGAGRAPH_MOE_SHARED_STREAM", "0") == "1"
 # 8 launches of ~6 us lose to one batched Triton launch of 40 us; at 8192 rows the Triton GEMM
 # takes 2.2 ms)
 CUBLAS_GROUPED_MIN_ROWS = int(os.environ.get("MEGAGRAPH_CUBLAS_FP8_GROUPED_MIN_ROWS", "256"))
-# routed_experts' L1 above 48 rows per expert on the decode L1 kernel with 64-token tiles
-# (moe_gluon_decode, bt=64, weights by TMA): on the H200 at 8192 tokens 8.30 ms against the cuBLAS
-# grouped L1's 9.20 and the Triton L1's 10.42 (benchmarks/moe_gluon_decode_probe.py --tokens 8192
-# --bt 32,64, ninth session); before the cuBLAS L1 and the Triton L1 in routed_experts
+# routed_experts' L1 above WIDE_L1_MIN_ROWS rows per expert on the decode L1 kernel with 64-token
+# tiles (moe_gluon_decode, bt=64, weights by TMA): on the H200 at 8192 tokens (~128 rows per
+# expert) 8.30 ms against the cuBLAS grouped L1's 9.20 and the Triton L1's 10.42, the same error
+# to fp32 math as the Triton L1 (benchmarks/moe_gluon_decode_probe.py --tokens 8192 --bt 32,64,
+# ninth session). Only where it was timed against what it replaces (the cuBLAS L1's range):
+# between 48 and 100 rows per expert it was not timed against the Triton L1, which stays there
+WIDE_L1_MIN_ROWS = 100
 GLUON_WIDE_L1 = os.environ.get("MEGAGRAPH_MOE_GLUON_WIDE_L1", "1") == "1"
 WIDE_BT = 64
 # The decode L2 (moe_gluon_decode_l2, <= 12 rows per expert; MEGAGRAPH_MOE_GLUON turns it off too)
@@ -686,9 +689,10 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
               role: str, rows_per_group: float):
     """(launch, row tile) of the Gluon kernel that runs routed_experts' L1 instead of moe_gemm,
     or None.
-    Prefill (> 48 rows per expert): the decode kernel with 64-token tiles and its weights by
-    TMA (GLUON_WIDE_L1, default: 8.30 ms at 8192 tokens on the H200 against the cuBLAS grouped
-    L1's 9.20); with GLUON_PREFILL (opt-in, first): moe_gluon, the hand-pipelined
+    Prefill (> WIDE_L1_MIN_ROWS = 100 rows per expert): the decode kernel with 64-token tiles and
+    its weights by TMA (GLUON_WIDE_L1, default: 8.30 ms at 8192 tokens on the H200 against the
+    cuBLAS grouped L1's 9.20); above 48 rows with GLUON_PREFILL (opt-in, first): moe_gluon, the
+    hand-pipelined
     128 x 64 tile (timed on the H200 at ~128 rows, sixth session: 8.54 -> 7.31 ms at 8192
     tokens, rel. diff 2.5e-4 to the Triton L1, both 2.3e-4 to fp32 math:
     benchmarks/results/moe-gluon-h200.md). Decode (<= 12 rows per expert, GLUON_DECODE):
@@ -709,7 +713,7 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
 
         ok = w1.n % mod.BN == 0 and w1.k % (2 * mod.BK) == 0
         pick = (mod.l1_gluon, mod.BM)
-    elif rows_per_group > 48 and GLUON_WIDE_L1:
+    elif rows_per_group > WIDE_L1_MIN_ROWS and GLUON_WIDE_L1:
         from . import moe_gluon_decode as mod
 
         ok = (w1.n % mod.BW == 0 and w1.k % mod.BK == 0 and w1.k // mod.BK <= 256

@@ -335,7 +335,7 @@ def _cpu_banks(d=256, F=128, E=4, fmt="mxfp4"):
 def test_gluon_l1_choice(monkeypatch):
     """The Gluon L1s run only where they were timed and checked: the fp16-H "l1" role, the
     prefill kernel (moe_gluon.l1_gluon, opt-in: MEGAGRAPH_MOE_GLUON_PREFILL) above 48 rows per
-    expert, else there the decode kernel with 64-token tiles (GLUON_WIDE_L1, default), the
+    expert, else above 100 the decode kernel with 64-token tiles (GLUON_WIDE_L1, default), the
     decode kernel
     (moe_gluon_decode.l1_gluon_decode) at <= 12, moe_gemm in between; E4M3 activations with
     scales, MXFP4 banks whose shapes fit the tile (prefill N % 64, K % 256; decode N % 64,
@@ -392,6 +392,7 @@ def test_gluon_l1_choice(monkeypatch):
     monkeypatch.setattr(moe, "GLUON_PREFILL", False)  # the default: the wide decode tiles
     assert ok(xq, xs, w1, w3, h, "l1", 128.0) == f"l1_gluon_decode/bt{moe.WIDE_BT}"
     assert moe._gluon_l1(xq, xs, w1, w3, h, "l1", 128.0)[1] == moe.WIDE_BT
+    assert ok(xq, xs, w1, w3, h, "l1", 100.0) is None  # 48-100 rows: the Triton L1 (timed)
     assert ok(xq, xs, w1, w3, h, "l1", 48.0) is None
     monkeypatch.setattr(moe, "GLUON_WIDE_L1", False)
     assert ok(xq, xs, w1, w3, h, "l1", 128.0) is None

@@ -142,10 +142,10 @@ def test_routed_experts_decode_uses_gluon(gluon, load, monkeypatch):
 @gpu
 @pytest.mark.parametrize("wide", [True, False])
 def test_routed_experts_prefill_uses_wide_tiles(wide, monkeypatch):
-    """routed_experts at a prefill size (300 tokens, top-2 of 8 experts: 75 rows per expert)
+    """routed_experts at a prefill size (600 tokens, top-2 of 8 experts: 150 rows per expert)
     runs its L1 on l1_gluon_decode with 64-token tiles by TMA when GLUON_WIDE_L1 is on (the
     default; once) and not when off (the cuBLAS / Triton L1); both against the reference op
-    within test_triton_moe's bound (fp32 output)."""
+    within test_triton_moe's bound (fp32 output). NOT yet run on a GPU."""
     from megagraph.kernels.triton import moe
 
     monkeypatch.setattr(moe, "GLUON_WIDE_L1", wide)
@@ -155,7 +155,7 @@ def test_routed_experts_prefill_uses_wide_tiles(wide, monkeypatch):
     real = md.l1_gluon_decode
     monkeypatch.setattr(md, "l1_gluon_decode",
                         lambda *a, **k: calls.append(k.get("bt")) or real(*a, **k))
-    xq, xs, ids, wts, bank = routed_case(300, 8, 256, 128, 2, seed=77)
+    xq, xs, ids, wts, bank = routed_case(600, 8, 256, 128, 2, seed=77)
     check_routed(xq, xs, ids, wts, bank, dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT,
                                               out_dtype="f32"))
     assert calls == ([moe.WIDE_BT] if wide else [])
