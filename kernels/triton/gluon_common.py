@@ -223,3 +223,20 @@ def tile_list(counts, rows: int, max_tiles: int, tiles):
     if tiles.numel() != 1 + 3 * max_tiles:
         raise ValueError("tiles was built for another max_tiles")
     return tiles
+
+
+def load_and_stages(load: str | None, stages: int | None, default_load: str,
+                    default_stages: int, loads: tuple[str, ...]) -> tuple[str, int]:
+    """A decode launcher's load (default_load when None: the module's LOAD) and TMA ring depth
+    (default_stages when None), checked: one of `loads`, stages only with load='tma', at least
+    3 (the ring refills the stage of the chunk before). Both decode kernels take the same pair."""
+    load = default_load if load is None else load
+    if load not in loads:
+        raise ValueError(f"load {load!r}: one of {loads}")
+    if stages is not None and load != "tma":
+        raise ValueError("stages is the TMA ring's depth (load='tma')")
+    ns = default_stages if stages is None else int(stages)
+    if ns < 3:
+        raise ValueError(f"stages {ns}: the TMA ring needs at least 3")
+    return load, ns
+

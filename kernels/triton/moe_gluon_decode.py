@@ -81,7 +81,7 @@ import torch
 
 from .gluon_common import IMPORT_OK as _IMPORT_OK
 from .gluon_common import available  # noqa: F401  (moe._gluon_l1 and the tests call it here)
-from .gluon_common import check_rows, tile_list
+from .gluon_common import check_rows, load_and_stages, tile_list
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     from .gluon_common import TensorDescriptor, async_copy, fence_async_shared, gluon
@@ -575,17 +575,8 @@ def l1_gluon_decode(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_
 
 
 def _load_and_stages(load: str | None, stages: int | None) -> tuple[str, int]:
-    """The call's load (default LOAD) and TMA ring depth (default TMA_STAGES), checked: stages
-    only with load='tma', at least 3 (the ring refills the stage of the chunk before)."""
-    load = LOAD if load is None else load
-    if load not in LOADS:
-        raise ValueError(f"load {load!r}: one of {LOADS}")
-    if stages is not None and load != "tma":
-        raise ValueError("stages is the TMA ring's depth (load='tma')")
-    ns = TMA_STAGES if stages is None else int(stages)
-    if ns < 3:
-        raise ValueError(f"stages {ns}: the TMA ring needs at least 3")
-    return load, ns
+    """gluon_common.load_and_stages with this module's LOAD / TMA_STAGES (read per call)."""
+    return load_and_stages(load, stages, LOAD, TMA_STAGES, LOADS)
 
 
 def _token_tile(bt: int | None) -> int:

@@ -79,7 +79,7 @@ import torch
 
 from .gluon_common import IMPORT_OK as _IMPORT_OK
 from .gluon_common import available  # noqa: F401  (the tests and the probe call it here)
-from .gluon_common import tile_list
+from .gluon_common import load_and_stages, tile_list
 from . import moe_gluon_decode as _l1
 
 BW, BT, BK, NS, NUM_WARPS = 64, 16, 128, 4, 4
@@ -547,14 +547,5 @@ def l2_gluon_decode(h, w2, counts, c_idx, row_w, out, *, topk: int, ks: int, max
 
 
 def _load_and_stages(load: str | None, stages: int | None) -> tuple[str, int]:
-    """The call's load (default LOAD) and TMA ring depth (default TMA_STAGES), checked: stages
-    only with load='tma', at least 3 (the ring refills the stage of the chunk before)."""
-    load = LOAD if load is None else load
-    if load not in LOADS:
-        raise ValueError(f"load {load!r}: one of {LOADS}")
-    if stages is not None and load != "tma":
-        raise ValueError("stages is the TMA ring's depth (load='tma')")
-    ns = TMA_STAGES if stages is None else int(stages)
-    if ns < 3:
-        raise ValueError(f"stages {ns}: the TMA ring needs at least 3")
-    return load, ns
+    """gluon_common.load_and_stages with this module's LOAD / TMA_STAGES (read per call)."""
+    return load_and_stages(load, stages, LOAD, TMA_STAGES, LOADS)
