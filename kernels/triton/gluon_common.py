@@ -240,3 +240,13 @@ def load_and_stages(load: str | None, stages: int | None, default_load: str,
         raise ValueError(f"stages {ns}: the TMA ring needs at least 3")
     return load, ns
 
+
+
+def token_tile(bt: int | None, default: int, bts: tuple[int, ...]) -> int:
+    """A decode launcher's token tile (default when None: the module's decode tile BT),
+    checked: one of `bts`, the n its kernels' wgmma is built at (a launch at another n would
+    fail in the kernel's static_assert, at compile time on the GPU machine)."""
+    bt = default if bt is None else int(bt)
+    if bt not in bts:
+        raise ValueError(f"bt {bt}: one of {bts}")
+    return bt

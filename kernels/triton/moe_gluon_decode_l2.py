@@ -65,6 +65,20 @@ rel = e - S, S = max(max(e) - 6, 1) over the row's 4 exponents of the chunk (moe
 USE_ASM = False computes the same 4 registers per word with integer arithmetic (fp16x2_regs)
 elementwise on the same word tensor - no layout operation differs - for the bit-exact check.
 
+Wider token tiles (bt=32 / 64 / 128, BTS; the decode default stays BT = 16, whose sm_90 machine
+code is unchanged by the parameter - the .text of both kernels compared byte for byte): the same
+kernels with the wgmma m64nBTk16 and H [BT, 128] per stage, for prefill sizes (~128 rows per
+expert at 8192 tokens): each upcast W2 chunk serves BT tokens, so an expert's W2 is read and
+upcast ~rows / BT times instead of rows / 16. The per-chunk promotion stays (the chunk's fp32
+partial next to acc: 2 x BT / 2 registers a thread), and H comes as BT / 2 4-byte cp.async per
+thread and chunk; the copy pointers a thread holds are those of 16 rows (H_SLAB, _issue_side),
+else BT = 128 spills. Triton 3.6 sm_90 builds, registers / shared / CTAs per SM (cp.async 4
+stages; TMA 3 stages): BT 32: 113 / 49 KB / 4, 107 / 37 KB / 4; BT 64: 153 / 81 KB / 2, 147 /
+61 KB / 3; BT 128: 236 / 145 KB / 1, 232 / 109 KB / 2 - no stack, no spills, 2 BAR.SYNC per
+chunk at every BT. Not timed yet and not used by routed_experts. Other BT give other bits than
+BT = 16 (the wgmma's n sets the tensor core's sum order), each within the same bound of the
+fp32 math.
+
 Numerics == moe.gemm role "l2" at decode (load_b_tile MMA == 1: the E4M3 codes e2m1 x 2^rel,
 converted to fp16, which are these exact fp16 values; fp32 partial per chunk from the fp16 MMA,
 acc += part * 2^(S - 127)); epilogue out row (p // topk) * ks + p % topk of sorted row r
@@ -79,10 +93,17 @@ import torch
 
 from .gluon_common import IMPORT_OK as _IMPORT_OK
 from .gluon_common import available  # noqa: F401  (the tests and the probe call it here)
-from .gluon_common import load_and_stages, tile_list
+from .gluon_common import load_and_stages, tile_list, token_tile
 from . import moe_gluon_decode as _l1
 
 BW, BT, BK, NS, NUM_WARPS = 64, 16, 128, 4, 4
+# the token tiles both kernels build at (the launcher's bt=, the wgmma's n): BT = 16 for decode,
+# 32 / 64 / 128 for prefill sizes (~128 rows per expert at 8192 tokens), where each upcast W2
+# chunk then serves 2 / 4 / 8x the tokens
+BTS = (16, 32, 64, 128)
+# the H rows whose copy pointers a thread holds across the K loop (_side_pointers): a BT-row
+# stage's row r is copied through row r % H_SLAB's pointer plus an offset added per chunk
+H_SLAB = 16
 # how the packed W2 rows reach shared memory: "cp.async" (l2_decode_kernel, the default) or
 # "tma" (l2_decode_tma_kernel, TMA_STAGES stages unless the call says otherwise); the same bits.
 # A bank whose expert rows are not one stride apart takes cp.async when the call did not ask.
@@ -149,7 +170,7 @@ REL_MIN = -5
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     from .gluon_common import async_copy, fence_async_shared, fp16x2_regs, gluon, halves
-    from .gluon_common import issue_chunk, issue_side, mbarrier, tile_entry, ttgl
+    from .gluon_common import mbarrier, tile_entry, ttgl
     from .gluon_common import warpgroup_mma, warpgroup_mma_wait
     from .moe_gluon_decode import W_TMA_LAYOUT, _tma_rows  # noqa: F401  (W_TMA_LAYOUT: the tests)
 
@@ -158,16 +179,35 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     _SA, _SB = ttgl.constexpr(STEP_A), ttgl.constexpr(STEP_B)
     _RMIN = ttgl.constexpr(REL_MIN)
     _A_ORDER = ttgl.constexpr(A_ORDER)
+    _SLAB = ttgl.constexpr(H_SLAB)
     _h_column = gluon.jit(h_column)
 
-    # ---- layouts, shared by both loads (BW = 64 weight rows, BT = 16 tokens, one warpgroup:
-    # the kernels assert these sizes) ----------------------------------------------------------
-    _MMA_L = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                         instr_shape=[16, BT, 16])
-    MMA = ttgl.constexpr(_MMA_L)
-    A_DOT = ttgl.constexpr(ttgl.DotOperandLayout(operand_index=0, parent=_MMA_L, k_width=2))
-    ROW_L = ttgl.constexpr(ttgl.SliceLayout(1, _MMA_L))
-    COL_L = ttgl.constexpr(ttgl.SliceLayout(0, _MMA_L))
+    # ---- layouts, shared by both loads (BW = 64 weight rows, one warpgroup: the kernels
+    # assert these sizes) ----------------------------------------------------------------------
+    # the wgmma's and its operands' / slices' layouts are functions of the token tile BT (the
+    # wgmma's n: m64nBTk16, as the decode L1's _mma .. _col_l); at BT = 16 they are the objects
+    # the kernels were written with
+    @gluon.constexpr_function
+    def _mma(BT):
+        """The accumulator layout of the m64nBTk16 wgmma (one warpgroup)."""
+        return ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                           instr_shape=[16, BT, 16])
+
+    @gluon.constexpr_function
+    def _a_dot(BT):
+        """The register A operand (upcast fp16 W2) of that wgmma."""
+        return ttgl.DotOperandLayout(operand_index=0, parent=_mma(BT), k_width=2)
+
+    @gluon.constexpr_function
+    def _row_l(BT):
+        """Per weight row (the accumulator's dim 0): promotion scales sb, output columns."""
+        return ttgl.SliceLayout(1, _mma(BT))
+
+    @gluon.constexpr_function
+    def _col_l(BT):
+        """Per token (dim 1): pair indices and weights, output rows."""
+        return ttgl.SliceLayout(0, _mma(BT))
+
     # packed words [row, 16 words]: word 4 t + kk of row 16 w + 8 r + g in lane 4 g + t of
     # warp w, registers (kk, r): rows as the wgmma A fragment / accumulator
     W2_L = ttgl.constexpr(ttgl.DistributedLinearLayout(
@@ -209,11 +249,12 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
             dtype=(ttgl.int32, ttgl.int32, ttgl.int32, ttgl.int32), is_pure=True, pack=1)
 
     @gluon.jit
-    def _upcast(w_words, e_st, USE_ASM: ttgl.constexpr, BW: ttgl.constexpr):
+    def _upcast(w_words, e_st, USE_ASM: ttgl.constexpr, BW: ttgl.constexpr,
+                BT: ttgl.constexpr):
         """The stage's packed rows (w_words: the [BW, 64] bytes as [BW, 16] int32 words in the
         load's shared layout; e_st [BW, 4] exponents) -> the wgmma A operand (fp16 [BW, 128] in
-        A_DOT, k permuted as the module docstring says) and the rows' promotion scales
-        2^(S - 127) (ROW_L)."""
+        _a_dot(BT), k permuted as the module docstring says) and the rows' promotion scales
+        2^(S - 127) (_row_l(BT))."""
         e_l: ttgl.constexpr = ttgl.SliceLayout(2, W_L)
         w = w_words.load(W2_L)  # LDS.128 of group t
         w = ttgl.convert_layout(ttgl.reshape(w, [BW, 4, 4]), W_L, assert_trivial=True)
@@ -231,9 +272,9 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         hi = ttgl.join(halves(r2), halves(r3))
         a = ttgl.permute(ttgl.join(lo, hi), _A_ORDER.value)
         a = ttgl.reshape(a, [BW, 128]).to(ttgl.float16, bitcast=True)
-        a = ttgl.convert_layout(a, A_DOT, assert_trivial=True)
+        a = ttgl.convert_layout(a, _a_dot(BT), assert_trivial=True)
         sb = (S << 23).to(ttgl.float32, bitcast=True)  # S >= 1: 2^(S - 127), normal
-        return a, ttgl.convert_layout(sb, ROW_L, assert_trivial=True)
+        return a, ttgl.convert_layout(sb, _row_l(BT), assert_trivial=True)
 
     @gluon.jit
     def _mma_chunk(w_words, e_cur, x_cur, acc, USE_ASM: ttgl.constexpr, BW: ttgl.constexpr,
@@ -241,15 +282,15 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         """A chunk's math once its stage (packed W2 words, exponents, H) is in and fenced: the
         upcast -> wgmma (async) -> wait, then acc += part * sb. Both loads' kernels end their
         chunk with it, so their numerics are one code path."""
-        a, sb = _upcast(w_words, e_cur, USE_ASM, BW)
-        zero = ttgl.zeros([BW, BT], ttgl.float32, MMA)
+        a, sb = _upcast(w_words, e_cur, USE_ASM, BW, BT)
+        zero = ttgl.zeros([BW, BT], ttgl.float32, _mma(BT))
         t = warpgroup_mma(a, x_cur.permute((1, 0)), zero, use_acc=False, is_async=True)
         t = warpgroup_mma_wait(0, deps=[t])
         return acc + t * ttgl.expand_dims(sb, 1)
 
     @gluon.jit
-    def _chunk(i, n_k, w_cur, e_cur, x_cur, w_nxt, e_nxt, x_nxt, acc, w_ptrs, e_ptrs, x_ptrs,
-               x_mask, USE_ASM: ttgl.constexpr, NS: ttgl.constexpr, BW: ttgl.constexpr,
+    def _chunk(i, n_k, w_cur, e_cur, x_cur, w_nxt, e_nxt, x_nxt, acc, w_ptrs, e_ptrs, x_src,
+               USE_ASM: ttgl.constexpr, NS: ttgl.constexpr, BW: ttgl.constexpr,
                BT: ttgl.constexpr, BK: ttgl.constexpr):
         async_copy.wait_group(NS - 2)  # this thread's copies of chunk i landed
         # writer-side proxy fence (CUTLASS's order, the PTX rule: each writing thread fences its
@@ -262,28 +303,56 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         # pass adds its own CTA barrier right after the async_wait, as the next op is no
         # barrier: two per chunk, K loop 830 -> 846 instructions per 4 chunks.)
         ttgl.thread_barrier()
-        issue_chunk(w_nxt, e_nxt, x_nxt, w_ptrs, e_ptrs, x_ptrs, x_mask, i + NS - 1, n_k, BK)
+        _issue_chunk(w_nxt, e_nxt, x_nxt, w_ptrs, e_ptrs, x_src, i + NS - 1, n_k, BK)
         w_words = w_cur._reinterpret(ttgl.int32, [BW, 16], FLAT)
         return _mma_chunk(w_words, e_cur, x_cur, acc, USE_ASM, BW, BT)
 
     @gluon.jit
     def _side_pointers(h_ptr, bs_ptr, g, n0, row0, nrows, stride_hm, stride_bsg, stride_bsn,
                        BW: ttgl.constexpr, BT: ttgl.constexpr, BK: ttgl.constexpr):
-        """The cp.async sources both loads share: the E8M0 exponent rows of the block and the
-        tile's H rows in the wgmma's k order (h_column) with their row mask."""
+        """The cp.async sources both loads share: the E8M0 exponent rows of the block, and the
+        tile's H rows as _issue_side's x_src: (pointers [BT, BK] in the wgmma's k order
+        (h_column) for the rows modulo H_SLAB, each row's offset to its own row, the row
+        mask)."""
         re = ttgl.arange(0, BW, layout=ttgl.SliceLayout(1, E_CP_L))
         ce = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, E_CP_L))
         # row strides of 4-byte multiples written as 4 x (stride / 4): the 4-byte cp.async needs
         # that alignment proven also where the stride is not a multiple of 16 (not specialized)
         e_ptrs = bs_ptr + g * stride_bsg + \
             ((n0 + re).to(ttgl.int64) * (stride_bsn // 4) * 4)[:, None] + ce[None, :]
-        # H [BT rows, BK] in the wgmma's k order (h_column), 2 fp16 (4 bytes) per piece
+        # H [BT rows, BK] in the wgmma's k order (h_column), 2 fp16 (4 bytes) per piece; row r
+        # as row r % H_SLAB plus (r // H_SLAB) H_SLAB rows, added per chunk (_issue_side)
         rx = ttgl.arange(0, BT, layout=ttgl.SliceLayout(1, X_CP_L))
         kx = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, X_CP_L))
-        x_ptrs = h_ptr + ((row0 + rx).to(ttgl.int64) * (stride_hm // 2) * 2)[:, None] + \
+        x_ptrs = h_ptr + ((row0 + rx % _SLAB).to(ttgl.int64) * (stride_hm // 2) * 2)[:, None] + \
             _h_column(kx)[None, :]
+        x_slab = ((rx // _SLAB) * (_SLAB * (stride_hm // 2) * 2))[:, None]
         x_mask = (rx < nrows)[:, None] & (kx < BK)[None, :]
-        return e_ptrs, x_ptrs, x_mask
+        return e_ptrs, (x_ptrs, x_slab, x_mask)
+
+    @gluon.jit
+    def _issue_side(e_dst, x_dst, e_ptrs, x_src, c, n_k, BK: ttgl.constexpr):
+        """gluon_common.issue_side on _side_pointers' H source: cp.async of K chunk
+        min(c, n_k - 1)'s exponents and H rows, committed as one group (all the TMA kernel
+        streams by cp.async). The rows' slab offsets are added to the H_SLAB rows' pointers
+        here, per chunk (with k0, so the compiler cannot hoist the sums): pointers for all BT
+        rows held across the K loop are BT / 2 64-bit registers a thread, which the 128-token
+        tile (acc and the chunk's partial: 128 registers) has no room for - it spilled (stack
+        32 B at 255 registers with cp.async; 236 registers without spills this way, the BT = 16
+        machine code unchanged)."""
+        k0 = ttgl.minimum(c, n_k - 1) * BK
+        async_copy.async_copy_global_to_shared(e_dst, e_ptrs + k0 // 32)
+        x_ptrs, x_slab, x_mask = x_src
+        async_copy.async_copy_global_to_shared(x_dst, x_ptrs + (x_slab + k0), mask=x_mask)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _issue_chunk(w_dst, e_dst, x_dst, w_ptrs, e_ptrs, x_src, c, n_k, BK: ttgl.constexpr):
+        """gluon_common.issue_chunk with _issue_side's H source: the packed W2 rows of K chunk
+        min(c, n_k - 1) (clamped: past K a stage nobody reads), then its exponents and H."""
+        k0 = ttgl.minimum(c, n_k - 1) * BK
+        async_copy.async_copy_global_to_shared(w_dst, w_ptrs + k0 // 2)
+        _issue_side(e_dst, x_dst, e_ptrs, x_src, c, n_k, BK)
 
     @gluon.jit
     def _store_y(acc, c_ptr, cidx_ptr, w_ptr, row0, nrows, n0, N, stride_cm,
@@ -291,8 +360,8 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                  BT: ttgl.constexpr):
         """The epilogue both loads share: out[(p // TOPK) * KS + p % TOPK, n0 + weight row] =
         acc * row_w[p] for the tile's rows (p = c_idx[row])."""
-        rn = n0 + ttgl.arange(0, BW, layout=ROW_L)
-        tk = ttgl.arange(0, BT, layout=COL_L)
+        rn = n0 + ttgl.arange(0, BW, layout=_row_l(BT))
+        tk = ttgl.arange(0, BT, layout=_col_l(BT))
         tmask = tk < nrows
         pair = ttgl.load(cidx_ptr + row0 + tk, mask=tmask, other=0)
         crow = ((pair // TOPK) * KS + pair % TOPK).to(ttgl.int64)
@@ -315,7 +384,8 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         ttgl.static_assert(NS == 4, "the loop is unrolled for 4 stages")
         ttgl.static_assert(NW == 4, "one warpgroup")
         ttgl.static_assert(BW == 64, "64 weight rows")
-        ttgl.static_assert(BT == 16, "16 tokens")
+        ttgl.static_assert((BT == 16) | (BT == 32) | (BT == 64) | (BT == 128),
+                           "16-, 32-, 64- or 128-token tiles")
         ttgl.static_assert(BK == 128, "128-column chunks")
 
         # ---- the tile ------------------------------------------------------------------
@@ -329,7 +399,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         cw = ttgl.arange(0, 64, layout=ttgl.SliceLayout(0, W_CP_L))
         w_ptrs = b_ptr + g * stride_bg + ((n0 + rw).to(ttgl.int64) * stride_bn)[:, None] + \
             cw[None, :]
-        e_ptrs, x_ptrs, x_mask = _side_pointers(h_ptr, bs_ptr, g, n0, row0, nrows, stride_hm,
+        e_ptrs, x_src = _side_pointers(h_ptr, bs_ptr, g, n0, row0, nrows, stride_hm,
                                                 stride_bsg, stride_bsn, BW, BT, BK)
 
         # ---- shared memory: NS stages, each its own allocation -------------------------
@@ -348,23 +418,23 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
 
         # prologue: chunks 0 .. NS - 2 (clamped)
         n_k = K // BK
-        issue_chunk(w0, e0, x0, w_ptrs, e_ptrs, x_ptrs, x_mask, 0, n_k, BK)
-        issue_chunk(w1, e1, x1, w_ptrs, e_ptrs, x_ptrs, x_mask, 1, n_k, BK)
-        issue_chunk(w2, e2, x2, w_ptrs, e_ptrs, x_ptrs, x_mask, 2, n_k, BK)
+        _issue_chunk(w0, e0, x0, w_ptrs, e_ptrs, x_src, 0, n_k, BK)
+        _issue_chunk(w1, e1, x1, w_ptrs, e_ptrs, x_src, 1, n_k, BK)
+        _issue_chunk(w2, e2, x2, w_ptrs, e_ptrs, x_src, 2, n_k, BK)
 
-        acc = ttgl.zeros([BW, BT], ttgl.float32, MMA)
+        acc = ttgl.zeros([BW, BT], ttgl.float32, _mma(BT))
         for i in range(0, n_k, NS):
-            acc = _chunk(i, n_k, w0, e0, x0, w3, e3, x3, acc, w_ptrs, e_ptrs, x_ptrs, x_mask,
-                         USE_ASM, NS, BW, BT, BK)
+            acc = _chunk(i, n_k, w0, e0, x0, w3, e3, x3, acc, w_ptrs, e_ptrs, x_src, USE_ASM,
+                         NS, BW, BT, BK)
             if i + 1 < n_k:
-                acc = _chunk(i + 1, n_k, w1, e1, x1, w0, e0, x0, acc, w_ptrs, e_ptrs, x_ptrs,
-                             x_mask, USE_ASM, NS, BW, BT, BK)
+                acc = _chunk(i + 1, n_k, w1, e1, x1, w0, e0, x0, acc, w_ptrs, e_ptrs, x_src,
+                             USE_ASM, NS, BW, BT, BK)
             if i + 2 < n_k:
-                acc = _chunk(i + 2, n_k, w2, e2, x2, w1, e1, x1, acc, w_ptrs, e_ptrs, x_ptrs,
-                             x_mask, USE_ASM, NS, BW, BT, BK)
+                acc = _chunk(i + 2, n_k, w2, e2, x2, w1, e1, x1, acc, w_ptrs, e_ptrs, x_src,
+                             USE_ASM, NS, BW, BT, BK)
             if i + 3 < n_k:
-                acc = _chunk(i + 3, n_k, w3, e3, x3, w2, e2, x2, acc, w_ptrs, e_ptrs, x_ptrs,
-                             x_mask, USE_ASM, NS, BW, BT, BK)
+                acc = _chunk(i + 3, n_k, w3, e3, x3, w2, e2, x2, acc, w_ptrs, e_ptrs, x_src,
+                             USE_ASM, NS, BW, BT, BK)
         async_copy.wait_group(0)  # the clamped re-copies past K (never read)
         _store_y(acc, c_ptr, cidx_ptr, w_ptr, row0, nrows, n0, N, stride_cm, TOPK, KS, BW, BT)
 
@@ -377,7 +447,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
 
     @gluon.jit
     def _chunk_tma(i, phase, n_k, w_cur, e_cur, x_cur, bar_cur, w_nxt, e_nxt, x_nxt, bar_nxt,
-                   acc, w_desc, wrow, e_ptrs, x_ptrs, x_mask, USE_ASM: ttgl.constexpr,
+                   acc, w_desc, wrow, e_ptrs, x_src, USE_ASM: ttgl.constexpr,
                    NS: ttgl.constexpr, BW: ttgl.constexpr, BT: ttgl.constexpr,
                    BK: ttgl.constexpr):
         """_chunk with the packed W2 rows on TMA (the decode L1's _chunk_tma with one box per
@@ -399,7 +469,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         mbarrier.wait(bar_cur, phase)  # chunk i's W2 landed, visible to this thread's LDS
         ttgl.thread_barrier()  # B
         _arm(bar_cur, i + NS, n_k, BW, BK)
-        issue_side(e_nxt, x_nxt, e_ptrs, x_ptrs, x_mask, c, n_k, BK)
+        _issue_side(e_nxt, x_nxt, e_ptrs, x_src, c, n_k, BK)
         w_words = w_cur._reinterpret(ttgl.int32, [BW, 16], W_WORDS_TMA)
         return _mma_chunk(w_words, e_cur, x_cur, acc, USE_ASM, BW, BT)
 
@@ -417,7 +487,8 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         ttgl.static_assert(NS >= 3, "a ring of at least 3 stages")
         ttgl.static_assert(NW == 4, "one warpgroup")
         ttgl.static_assert(BW == 64, "64 weight rows")
-        ttgl.static_assert(BT == 16, "16 tokens")
+        ttgl.static_assert((BT == 16) | (BT == 32) | (BT == 64) | (BT == 128),
+                           "16-, 32-, 64- or 128-token tiles")
         ttgl.static_assert(BK == 128, "128-column chunks")
 
         skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BW, MT, G,
@@ -426,7 +497,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
             return
         n0 = pid_n * BW
         wrow = g.to(ttgl.int32) * N + n0  # < G N: the launcher checks that it fits int32
-        e_ptrs, x_ptrs, x_mask = _side_pointers(h_ptr, bs_ptr, g, n0, row0, nrows, stride_hm,
+        e_ptrs, x_src = _side_pointers(h_ptr, bs_ptr, g, n0, row0, nrows, stride_hm,
                                                 stride_bsg, stride_bsn, BW, BT, BK)
         n_k = K // BK
 
@@ -451,9 +522,9 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
             _arm(bars[s], s, n_k, BW, BK)
         for s in ttgl.static_range(NS - 1):
             _tma_rows(w_desc, wrow, s, bars[s], w_r[s], n_k, BK)
-            issue_side(e_r[s], x_r[s], e_ptrs, x_ptrs, x_mask, s, n_k, BK)
+            _issue_side(e_r[s], x_r[s], e_ptrs, x_src, s, n_k, BK)
 
-        acc = ttgl.zeros([BW, BT], ttgl.float32, MMA)
+        acc = ttgl.zeros([BW, BT], ttgl.float32, _mma(BT))
         for i in range(0, n_k, NS):
             phase = (i // NS) & 1  # phases of each stage's barrier completed so far, mod 2
             for s in ttgl.static_range(NS):
@@ -461,7 +532,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                     nx: ttgl.constexpr = (s + NS - 1) % NS
                     acc = _chunk_tma(i + s, phase, n_k, w_r[s], e_r[s], x_r[s], bars[s],
                                      w_r[nx], e_r[nx], x_r[nx], bars[nx], acc, w_desc, wrow,
-                                     e_ptrs, x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK)
+                                     e_ptrs, x_src, USE_ASM, NS, BW, BT, BK)
         # the clamped cp.async re-copies past K (never read); every armed phase was waited for
         async_copy.wait_group(0)
         for s in ttgl.static_range(NS):
@@ -505,29 +576,33 @@ def _check(h, w2, counts, c_idx, row_w, out, topk: int, ks: int) -> int:
 
 def l2_gluon_decode(h, w2, counts, c_idx, row_w, out, *, topk: int, ks: int, max_tiles: int,
                     tiles: torch.Tensor | None = None, use_asm: bool | None = None,
-                    load: str | None = None, stages: int | None = None):
+                    load: str | None = None, stages: int | None = None,
+                    bt: int | None = None):
     """out[(p // topk) * ks + p % topk] = row_w[p] * (H[r] @ W2[g]^T) for every sorted row r of
     expert g, p = c_idx[r] (moe.gemm role "l2" as routed_experts launches it: out = y.view(T * ks,
     d)); rows of slots no pair maps to are not written. h: fp16 [P, F] in expert-sorted row order;
     w2: moe.Bank MXFP4 [E, d, F / 2] with E8M0 [E, d, F / 32]; counts [E] int32 rows per expert;
     row_w [P] the pair weights (wts.reshape(-1)); out fp32 / bf16 / fp16 [>= T * ks, d] (a
-    row-strided view is fine). Row tiles of BT = 16 rows: max_tiles bounds them (routed_experts'
-    formula at 16 rows: min(P, P // 16 + E)); tiles: moe.tile_list(counts, 16, max_tiles) if
-    already built (else built here: one tiny launch, no host sync, CUDA-graph capturable).
+    row-strided view is fine). Row tiles of bt rows (one of BTS, default BT = 16, the decode
+    tile; 32 / 64 / 128 for prefill sizes): max_tiles bounds them (routed_experts' formula:
+    min(P, P // bt + E)); tiles: moe.tile_list(counts, bt, max_tiles) if already built (else
+    built here: one tiny launch, no host sync, CUDA-graph capturable).
     use_asm: the PTX table upcast (default) or its integer-arithmetic twin. load: how the packed
     W2 rows are streamed, "cp.async" or "tma" (default LOAD, env
     MEGAGRAPH_MOE_GLUON_DECODE_L2_LOAD; a bank TMA cannot describe takes cp.async unless the
     call asked); stages: the TMA ring's depth (>= 3, default TMA_STAGES). Both loads give the
-    same bits."""
+    same bits at one bt; different bt need not (the wgmma's n changes the tensor core's sum
+    order)."""
     if not _IMPORT_OK:
         raise RuntimeError("l2_gluon_decode needs Triton 3.6 Gluon")
     if load is None and stages is None and not _tma_fits(w2):
         load = "cp.async"  # the default load on a bank TMA cannot describe
     load, ns = _load_and_stages(load, stages)
+    bt = token_tile(bt, BT, BTS)
     P = _check(h, w2, counts, c_idx, row_w, out, topk, ks)
     if max_tiles == 0 or P == 0:
         return out
-    tiles = tile_list(counts, BT, max_tiles, tiles)
+    tiles = tile_list(counts, bt, max_tiles, tiles)
     use_asm = True if use_asm is None else bool(use_asm)
     N, K = w2.n, w2.k
     grid = (max_tiles * (N // BW),)
@@ -535,13 +610,13 @@ def l2_gluon_decode(h, w2, counts, c_idx, row_w, out, *, topk: int, ks: int, max
         l2_decode_tma_kernel[grid](
             h, _weight_desc(w2), w2.s, out, c_idx, row_w, tiles, max_tiles, N, K,
             counts.numel(), P, h.stride(0), w2.s.stride(0), w2.s.stride(1), out.stride(0),
-            TOPK=topk, KS=ks, USE_ASM=use_asm, BW=BW, BT=BT, BK=BK, NS=ns, NW=NUM_WARPS,
+            TOPK=topk, KS=ks, USE_ASM=use_asm, BW=BW, BT=bt, BK=BK, NS=ns, NW=NUM_WARPS,
             num_warps=NUM_WARPS)
         return out
     l2_decode_kernel[grid](
         h, w2.w, w2.s, out, c_idx, row_w, tiles, max_tiles, N, K, counts.numel(), P, h.stride(0),
         w2.w.stride(0), w2.w.stride(1), w2.s.stride(0), w2.s.stride(1), out.stride(0),
-        TOPK=topk, KS=ks, USE_ASM=use_asm, BW=BW, BT=BT, BK=BK, NS=NS, NW=NUM_WARPS,
+        TOPK=topk, KS=ks, USE_ASM=use_asm, BW=BW, BT=bt, BK=BK, NS=NS, NW=NUM_WARPS,
         num_warps=NUM_WARPS)
     return out
 

@@ -1,7 +1,7 @@
 """The experimental Gluon DECODE L2 (kernels/triton/moe_gluon_decode_l2.py): swapped wgmma (64
-weight rows of W2 = M, <= 16 tokens = N), the MXFP4 weights upcast to fp16 in registers as the
-wgmma's A operand, the fp16 H rows as B in shared memory, the weighted scatter to the (token,
-slot) rows of y.
+weight rows of W2 = M, <= bt tokens = N: 16 at decode, 32 / 64 / 128 for prefill sizes), the
+MXFP4 weights upcast to fp16 in registers as the wgmma's A operand, the fp16 H rows as B in
+shared memory, the weighted scatter to the (token, slot) rows of y.
 
 CPU: the PTX table upcast (FP16_TABLE_ASM_TEXT) run by a small PTX emulator, bit-exact against
 fp16 values computed by torch for every byte in every byte lane, every offset rel in [-13, 6]
@@ -29,7 +29,13 @@ outputs also on exponents 108 .. 127 (every offset, weights flushed). Every GPU 
 loads of the packed W2 rows (load="cp.async", the default, and "tma"); the TMA variant is also
 checked bit for bit against the cp.async kernel (explicit per-expert row counts: tiles of 1..16
 rows, experts of > 16 rows, empty experts, odd token counts, unrouted slots left NaN, 3 / 4 / 6
-stages, K of fewer chunks than stages), over repeated launches and inside a CUDA graph.
+stages, K of fewer chunks than stages), over repeated launches and inside a CUDA graph. The
+wider token tiles (bt = 32 / 64 / 128, ml2.BTS: prefill sizes) run through the same tests
+(matches, asm vs arith, bit-stable) and their own (tiles of 1..bt rows, experts of > bt rows,
+empty experts, odd token counts, unrouted slots left NaN, both loads - TMA at 3 / 4 stages -
+with the same bits at one bt; repeated launches, CUDA graph); across bt only within the bound
+(the wgmma's n sets the sum order). CPU: both kernels build at bt = 32 / 64 / 128 (<= 255
+registers, no spills, HGMMA 64xbtx16, the BT = 16 chunk's barriers, fence order and upcast).
 """
 from __future__ import annotations
 
@@ -49,6 +55,7 @@ from gluon_cases import (
 from megagraph.kernels.triton import moe_gluon_decode_l2 as ml2
 from sm90_build import gluon_sm90, loop_instructions, outer_loop_instructions, usage_and_sass
 from test_moe_gluon import proxy_fence_problems
+from test_moe_gluon_decode import _ctas_per_sm
 from test_triton_moe import ACT, _prmt, check_routed, routed_case
 
 GPU_OK = ml2.available()
@@ -189,11 +196,13 @@ def test_k_permutation():
 # (gluon_cases.l2_reference): the same helpers as the prefill L2's test
 
 
-def _max_tiles(P, E):
-    return min(P, P // ml2.BT + E)
+def _max_tiles(P, E, bt=ml2.BT):
+    """routed_experts' bound on the row tiles of bt rows."""
+    return min(P, P // bt + E)
 
 
 @gpu
+@pytest.mark.parametrize("bt", ml2.BTS)
 @pytest.mark.parametrize("load", ml2.LOADS)
 @pytest.mark.parametrize("T,E,subset,ks,dtype", [
     (1, 8, None, 6, torch.float32),
@@ -202,17 +211,18 @@ def _max_tiles(P, E):
     (64, 64, None, 7, torch.bfloat16),
     (64, 16, list(range(0, 16, 2)), 6, torch.float32),
     (64, 16, list(range(0, 16, 2)), 8, torch.bfloat16)])
-def test_l2_decode_matches(T, E, subset, ks, dtype, load):
+def test_l2_decode_matches(T, E, subset, ks, dtype, load, bt):
     """T = 64 of 64 experts: ~6 rows per expert (the decode regime); T = 7 of 6 experts in a
-    subset of 32 (the others empty); 8 of 16 experts: 48 rows per expert (3 row tiles each);
-    ks > topk: the slots topk .. ks - 1 stay NaN. F = 640: 5 chunks (one pass of the 4-stage
-    unrolled loop and a partial one)."""
+    subset of 32 (the others empty); 8 of 16 experts: 48 rows per expert (3 row tiles each at
+    bt = 16, one partial tile from bt = 64); ks > topk: the slots topk .. ks - 1 stay NaN.
+    F = 640: 5 chunks (one pass of the 4-stage unrolled loop and a partial one). Every token
+    tile bt within the bound of both references."""
     d, F, k = 512, 640, 6
     h, w2, counts, srt, wts = l2_case(T, E, d, F, k, seed=T + E + ks, subset=subset)
     P = T * k
     y = torch.full((T, ks, d), float("nan"), dtype=dtype, device="cuda")
     ml2.l2_gluon_decode(h, w2, counts, srt, wts.reshape(-1), y.view(T * ks, d), topk=k, ks=ks,
-                        max_tiles=_max_tiles(P, E), load=load)
+                        max_tiles=_max_tiles(P, E, bt), load=load, bt=bt)
     torch.cuda.synchronize()
     assert torch.isfinite(y[:, :k]).all(), "a routed slot was not written (or is not finite)"
     assert torch.isnan(y[:, k:]).all(), "an unrouted slot was written"
@@ -221,23 +231,25 @@ def test_l2_decode_matches(T, E, subset, ks, dtype, load):
 
 
 @gpu
+@pytest.mark.parametrize("bt", ml2.BTS)
 @pytest.mark.parametrize("load", ml2.LOADS)
-def test_l2_decode_asm_vs_arith_and_tiles(load):
+def test_l2_decode_asm_vs_arith_and_tiles(load, bt):
     """Exponents 108 .. 127 (rel over [-13, 6] within a row's chunk: every table offset occurs
     and weights flush): the PTX table upcast and the arithmetic twin give the same bits; a
-    prebuilt tile list gives the same output as the one built in the call."""
+    prebuilt tile list gives the same output as the one built in the call; at every token
+    tile bt."""
     from megagraph.kernels.triton import moe
 
     d, F, k, E, T = 256, 384, 3, 4, 21
     h, w2, counts, srt, wts = l2_case(T, E, d, F, k, seed=5, exps=(108, 128))
     P = T * k
-    mt = _max_tiles(P, E)
+    mt = _max_tiles(P, E, bt)
     outs = []
     for kw in (dict(use_asm=True), dict(use_asm=False),
-               dict(tiles=moe.tile_list(counts, ml2.BT, mt))):
+               dict(tiles=moe.tile_list(counts, bt, mt))):
         y = torch.full((P, d), float("nan"), dtype=torch.float32, device="cuda")
         ml2.l2_gluon_decode(h, w2, counts, srt, wts.reshape(-1), y, topk=k, ks=k, max_tiles=mt,
-                            load=load, **kw)
+                            load=load, bt=bt, **kw)
         outs.append(y)
     torch.cuda.synchronize()
     asm, arith, pre = outs
@@ -326,7 +338,7 @@ def test_launcher_checks():
     out = torch.zeros(T * k, d)
     bad = [dict(h=h.float()), dict(h=torch.zeros(T * k, F - 128, dtype=torch.float16)),
            dict(ks=1), dict(out=torch.zeros(T * k - 1, d)), dict(out=out.to(torch.int32)),
-           dict(c_idx=srt.long())]
+           dict(c_idx=srt.long()), dict(bt=48)]
     for kw in bad:
         args = dict(h=h, w2=w2, counts=counts, c_idx=srt, row_w=wts, out=out, ks=k)
         args.update(kw)
@@ -472,12 +484,13 @@ def test_routed_experts_decode_uses_gluon_l2(gluon, load, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("bt", ml2.BTS)
 @pytest.mark.parametrize("load", ml2.LOADS)
 @pytest.mark.parametrize("T,E,d,F", [(2, 1, 64, 256), (64, 64, 1024, 640)])
-def test_l2_decode_bit_stable(T, E, d, F, load):
+def test_l2_decode_bit_stable(T, E, d, F, load, bt):
     """20 launches of one call give the same bits, and the first matches the fp32 math: one
     program (one expert, <= 16 rows, one 64-row block) and a multi-program decode grid
-    (test_moe_gluon_decode's twin)."""
+    (test_moe_gluon_decode's twin); at every token tile bt."""
     k = min(6, E)
     h, w2, counts, srt, wts = l2_case(T, E, d, F, k, seed=17)
     P = T * k
@@ -485,7 +498,7 @@ def test_l2_decode_bit_stable(T, E, d, F, load):
     for _ in range(20):
         y = torch.full((T * (k + 1), d), float("nan"), dtype=torch.float32, device="cuda")
         ml2.l2_gluon_decode(h, w2, counts, srt, wts.reshape(-1), y, topk=k, ks=k + 1,
-                            max_tiles=_max_tiles(P, E), load=load)
+                            max_tiles=_max_tiles(P, E, bt), load=load, bt=bt)
         if first is None:
             first = y
         else:
@@ -597,14 +610,21 @@ def test_l2_decode_tma_repeat_and_graph():
 
 
 def test_l2_decode_load_args():
-    """The launcher's load / stages checks (plain Python, before any launch): the default is
-    the module's LOAD with TMA_STAGES; unknown loads, stages without load='tma' and rings
-    under 3 stages are refused."""
+    """The launcher's load / stages / bt checks (plain Python, before any launch): the default
+    is the module's LOAD with TMA_STAGES and the decode tile BT = 16; unknown loads, stages
+    without load='tma', rings under 3 stages and token tiles outside BTS are refused."""
+    from megagraph.kernels.triton.gluon_common import token_tile
+
     assert ml2._load_and_stages(None, None) == (ml2.LOAD, ml2.TMA_STAGES)
     assert ml2._load_and_stages("tma", 6) == ("tma", 6)
     for load, stages in (("tma2", None), ("cp.async", 4), ("tma", 2)):
         with pytest.raises(ValueError):
             ml2._load_and_stages(load, stages)
+    assert ml2.BT == 16 and token_tile(None, ml2.BT, ml2.BTS) == 16
+    assert [token_tile(bt, ml2.BT, ml2.BTS) for bt in ml2.BTS] == [16, 32, 64, 128]
+    for bt in (8, 48, 256):
+        with pytest.raises(ValueError):
+            token_tile(bt, ml2.BT, ml2.BTS)
 
 
 @pytest.mark.skipif(not ml2._IMPORT_OK,
@@ -713,4 +733,130 @@ def test_l2_decode_tma_sm90_build_stages(stages):
           f"{len(body)} instructions ({len(body) / stages:.0f} per chunk)")
     per_chunk = dict(TMA_PER_CHUNK, HGMMA=8, PRMT=64, LDS128=2)
     assert {n: c[n] for n in per_chunk} == {n: v * stages for n, v in per_chunk.items()}, c
+    assert proxy_fence_problems(body, stages) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# wider token tiles (bt = 32 / 64 / 128: prefill sizes)
+# ---------------------------------------------------------------------------------------------
+
+def _bt_rows(bt):
+    """Rows per expert for the token tile bt: every tile size 1..bt (one expert each), experts
+    of bt + 1, 2 bt + 7 and 3 bt rows (2-3 tiles, the last partial or full) and 5 rows between
+    empty experts (test_moe_gluon_decode's)."""
+    return list(range(1, bt + 1)) + [0, bt + 1, 2 * bt + 7, 0, 3 * bt, 5, 0]
+
+
+@gpu
+@pytest.mark.parametrize("F", [256, 640])
+@pytest.mark.parametrize("bt", ml2.BTS)
+def test_l2_decode_bt_rows(bt, F):
+    """The token tile bt on _bt_rows (an odd token count, top-3 into 4 slots per token; K of 2
+    chunks - fewer than the stages - and of 5), into NaN-poisoned fp32 y: exactly the slots of
+    the pairs written (finite; the others stay NaN), within 2e-3 of the fp32 math; cp.async and
+    TMA at 3 and 4 stages give the same bits at one bt (one math code path); against the
+    bt = 16 output only within the bound (other bits allowed: the wgmma's n sets the tensor
+    core's sum order)."""
+    rows, k, ks, d = _bt_rows(bt), 3, 4, 128
+    P = sum(rows)
+    T = (P // k + 8) | 1  # odd
+    h, w2, counts, c_idx, wts = _rows_case(rows, T, k, d, F, seed=bt + F)
+    ref = l2_reference(h, w2, counts, c_idx, wts, ks).view(T * ks, d)
+    routed = torch.isfinite(ref[:, 0])
+    outs = {}
+    for tile, load, ns in ((bt, "cp.async", None), (bt, "tma", 3), (bt, "tma", 4),
+                           (16, "cp.async", None)):
+        y = torch.full((T * ks, d), float("nan"), dtype=torch.float32, device="cuda")
+        ml2.l2_gluon_decode(h, w2, counts, c_idx, wts.reshape(-1), y, topk=k, ks=ks,
+                            max_tiles=_max_tiles(P, len(rows), tile), load=load, stages=ns,
+                            bt=tile)
+        torch.cuda.synchronize()
+        name = f"bt {tile} {load} {ns}"
+        assert torch.isfinite(y[routed]).all(), f"{name}: a pair's slot not written / not finite"
+        assert torch.isnan(y[~routed]).all(), f"{name}: a slot of no pair was written"
+        err = rel(y[routed], ref[routed])
+        assert err < 2e-3, f"{name} vs fp32 math: {err:.3e}"
+        outs[name] = y
+    want = outs[f"bt {bt} cp.async None"]
+    for name in (f"bt {bt} tma 3", f"bt {bt} tma 4"):
+        assert torch.equal(_bits(outs[name]), _bits(want)), \
+            f"{name} vs cp.async: rel {rel(outs[name][routed], want[routed]):.3e}"
+    assert rel(want[routed], outs["bt 16 cp.async None"][routed]) < 2e-3
+
+
+@gpu
+@pytest.mark.parametrize("load", ml2.LOADS)
+@pytest.mark.parametrize("bt", [32, 64, 128])
+def test_l2_decode_bt_repeat_and_graph(bt, load):
+    """At bt 32 / 64 / 128 (each load at its default stages): 20 eager launches give the same
+    bits, and the launch captured in a CUDA graph (tile list of bt rows built inside the
+    capture) replays them into a re-poisoned y."""
+    rows, k, ks, d, F = [5, 0, bt, 2 * bt + 3, 1, 2, 0, 7], 3, 4, 256, 640
+    T = (sum(rows) // k + 5) | 1
+    h, w2, counts, c_idx, wts = _rows_case(rows, T, k, d, F, seed=bt)
+    P = sum(rows)
+
+    def launch(y):
+        ml2.l2_gluon_decode(h, w2, counts, c_idx, wts.reshape(-1), y, topk=k, ks=ks,
+                            max_tiles=_max_tiles(P, len(rows), bt), load=load, bt=bt)
+
+    want = torch.full((T * ks, d), float("nan"), dtype=torch.float32, device="cuda")
+    launch(want)
+    torch.cuda.synchronize()
+    ref = l2_reference(h, w2, counts, c_idx, wts, ks).view(T * ks, d)
+    routed = torch.isfinite(ref[:, 0])
+    assert torch.isfinite(want[routed]).all() and torch.isnan(want[~routed]).all()
+    assert rel(want[routed], ref[routed]) < 2e-3, \
+        f"vs fp32 math: {rel(want[routed], ref[routed]):.3e}"
+    y = torch.full_like(want, float("nan"))
+    for _ in range(20):
+        y.fill_(float("nan"))
+        launch(y)
+        torch.cuda.synchronize()
+        assert torch.equal(_bits(y), _bits(want)), "launch differs"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch asks
+        launch(y)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(y)
+    for _ in range(3):
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(_bits(y), _bits(want)), "graph replay differs"
+
+
+@pytest.mark.skipif(not ml2._IMPORT_OK,
+                    reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+@pytest.mark.parametrize("kernel,stages", [("tma", 3), ("tma", 4), ("cp.async", 4)])
+@pytest.mark.parametrize("bt", [32, 64, 128])
+def test_l2_decode_sm90_build_bt(bt, kernel, stages):
+    """The wider token tiles build: no stack / local memory (_build_stats), <= 255 registers,
+    and per K chunk the BT = 16 chunk with the wgmma at n = bt (8 HGMMA 64xbtx16), the same
+    upcast (64 PRMT, 2 LDS.128, no STS), barriers (2 BAR.SYNC: the H copy is one cp.async op
+    per stage, so Triton's membar adds none), fence order and W2 copies (TMA: 1 UTMALDG,
+    1 try-wait, 1 expect; cp.async: 2 LDGSTS.128), and bt / 2 + 1 4-byte LDGSTS (H: 4 bytes
+    per thread, row and 64-column half; the exponents). Registers, shared memory and CTAs per
+    SM printed (when written: bt 32 107 / 116 / 113 registers at tma 3 / tma 4 / cp.async 4;
+    bt 64 147 / 156 / 153; bt 128 232 / 237 / 236, 2 / 1 / 1 CTAs per SM)."""
+    consts = dict(TOPK=6, KS=6, USE_ASM=True, BW=ml2.BW, BT=bt, BK=ml2.BK, NW=ml2.NUM_WARPS,
+                  NS=stages)
+    if kernel == "tma":
+        regs, shared, body, c = _build_stats(ml2.l2_decode_tma_kernel, _tma_types(), consts)
+        copies = dict(UTMALDG=1, TRYWAIT=1, EXPECT=1, LDGSTS128=0)
+    else:
+        regs, shared, body, c = _build_stats(ml2.l2_decode_kernel, TYPES, consts)
+        copies = dict(UTMALDG=0, TRYWAIT=0, EXPECT=0, LDGSTS128=2)
+    print(f"\nsm_90 {kernel} bt {bt} ({stages} stages): {regs} registers, {shared} B shared, "
+          f"{_ctas_per_sm(regs, shared)} CTAs per SM, K loop {len(body)} instructions "
+          f"({len(body) / stages:.0f} per chunk)")
+    assert regs <= 255, regs
+    hgmma = _count(body, rf"\bHGMMA\.64x{bt}x16\.F32\b")
+    per_chunk = dict(HGMMA=8, ARRIVE=1, WG_DEPBAR=1, BAR_SYNC=2, DEPBAR=1, LDS128=2, STS=0,
+                     PRMT=64, FENCE=1, LDGSTS=bt // 2 + 1, **copies)
+    got = dict({n: c[n] for n in per_chunk}, HGMMA=hgmma)
+    assert got == {n: v * stages for n, v in per_chunk.items()}, got
     assert proxy_fence_problems(body, stages) == []
