@@ -81,7 +81,7 @@ import torch
 
 from .gluon_common import IMPORT_OK as _IMPORT_OK
 from .gluon_common import available  # noqa: F401  (moe._gluon_l1 and the tests call it here)
-from .gluon_common import check_rows, load_and_stages, tile_list
+from .gluon_common import check_rows, load_and_stages, tile_list, token_tile
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     from .gluon_common import TensorDescriptor, async_copy, fence_async_shared, gluon
@@ -580,12 +580,8 @@ def _load_and_stages(load: str | None, stages: int | None) -> tuple[str, int]:
 
 
 def _token_tile(bt: int | None) -> int:
-    """The call's token tile (default BT, the decode tile), checked: one of BTS, the n the
-    kernels' wgmma is built at."""
-    bt = BT if bt is None else int(bt)
-    if bt not in BTS:
-        raise ValueError(f"bt {bt}: one of {BTS}")
-    return bt
+    """gluon_common.token_tile with this module's BT / BTS."""
+    return token_tile(bt, BT, BTS)
 
 
 def _tma_fits(bank) -> bool:
