@@ -68,6 +68,10 @@ __all__ = [
     "ttgl",
     "warpgroup_mma",
     "warpgroup_mma_wait",
+    "wgmma_a",
+    "wgmma_acc",
+    "wgmma_cols",
+    "wgmma_rows",
 ]
 
 
@@ -88,6 +92,30 @@ def available(device: torch.device | None = None) -> bool:
 
 
 if IMPORT_OK:
+
+    # the swapped decode kernels' wgmma layouts as functions of the token tile BT (the wgmma's
+    # n: m64nBTkK, one warpgroup), K = 32 (E4M3, the L1) or 16 (fp16, the L2); at BT = 16 they
+    # are the objects the kernels were written with
+    @gluon.constexpr_function
+    def wgmma_acc(BT, K):
+        """The accumulator layout of the m64nBTkK wgmma (one warpgroup of 4 warps)."""
+        return ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                           instr_shape=[16, BT, K])
+
+    @gluon.constexpr_function
+    def wgmma_a(BT, K, KW):
+        """The register A operand (the upcast weights, k_width KW) of that wgmma."""
+        return ttgl.DotOperandLayout(operand_index=0, parent=wgmma_acc(BT, K), k_width=KW)
+
+    @gluon.constexpr_function
+    def wgmma_rows(BT, K):
+        """Per weight row (the accumulator's dim 0): promotion scales, output columns."""
+        return ttgl.SliceLayout(1, wgmma_acc(BT, K))
+
+    @gluon.constexpr_function
+    def wgmma_cols(BT, K):
+        """Per token (dim 1): A scales / pair weights, output rows."""
+        return ttgl.SliceLayout(0, wgmma_acc(BT, K))
 
     @gluon.jit
     def e2m1_e4m3_bits(c, rel):

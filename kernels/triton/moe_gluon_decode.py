@@ -88,6 +88,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     from .gluon_common import issue_chunk, issue_side, mbarrier, swiglu, tile_entry, tma, ttgl
     from .gluon_common import e2m1_e4m3_bits as _e2m1_e4m3_bits
     from .gluon_common import warpgroup_mma, warpgroup_mma_wait
+    from .gluon_common import wgmma_a, wgmma_acc, wgmma_cols, wgmma_rows
 
 BW, BT, BK, NS, NUM_WARPS = 64, 16, 128, 4, 4
 # the token tiles both kernels build at (the launcher's bt=, the wgmma's n): BT = 16 for decode,
@@ -138,28 +139,8 @@ if _IMPORT_OK:
 
     # ---- layouts, shared by both loads (BW = 64 weight rows, one warpgroup: the kernels
     # assert these sizes) ----------------------------------------------------------------------
-    # the wgmma's and its operands' / slices' layouts are functions of the token tile BT (the
-    # wgmma's n: m64nBTk32); at BT = 16 they are the objects the kernels were written with
-    @gluon.constexpr_function
-    def _mma(BT):
-        """The accumulator layout of the m64nBTk32 wgmma (one warpgroup)."""
-        return ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                           instr_shape=[16, BT, 32])
-
-    @gluon.constexpr_function
-    def _a_dot(BT):
-        """The register A operand (upcast E4M3 weights) of that wgmma."""
-        return ttgl.DotOperandLayout(operand_index=0, parent=_mma(BT), k_width=4)
-
-    @gluon.constexpr_function
-    def _row_l(BT):
-        """Per weight row (the accumulator's dim 0): promotion scales sb, output columns."""
-        return ttgl.SliceLayout(1, _mma(BT))
-
-    @gluon.constexpr_function
-    def _col_l(BT):
-        """Per token (dim 1): A scales sa, output rows."""
-        return ttgl.SliceLayout(0, _mma(BT))
+    # the wgmma's and its operands' / slices' layouts: gluon_common.wgmma_acc / wgmma_a /
+    # wgmma_rows / wgmma_cols at (BT, K = 32), A k_width 4 (m64nBTk32 on E4M3)
 
     # packed bytes [row, 64 bytes]: byte 16 t + 4 kk + b of row 16 w + 8 r + g in lane 4 g + t
     # of warp w, registers (b, kk, r): rows as the wgmma A fragment / accumulator
@@ -186,8 +167,8 @@ if _IMPORT_OK:
                 BT: ttgl.constexpr):
         """One matrix's BW weight rows of the stage (packed bytes w_t [BW, 64], their exponents
         rows ROW0 .. ROW0 + BW - 1 of e_st [2 BW, 4]) -> the wgmma A operand (E4M3 [BW, 128] in
-        _a_dot(BT), k permuted as the module docstring says) and the rows' promotion scales
-        2^(S - 127) (_row_l(BT)). w_t's shared layout is the load's (flat for cp.async, NVMMA
+        wgmma_a(BT, 32, 4), k permuted as the module docstring says) and the rows' promotion scales
+        2^(S - 127) (wgmma_rows(BT, 32)). w_t's shared layout is the load's (flat for cp.async, NVMMA
         64-byte swizzle for TMA): the LDS.128 of group t per row reads 16 contiguous bytes
         either way."""
         e_l: ttgl.constexpr = ttgl.SliceLayout(2, ttgl.SliceLayout(3, P_L))
@@ -219,9 +200,9 @@ if _IMPORT_OK:
         # [row, t, kk, i] x h -> [row, kk, h, t, i] = k position 32 kk + 16 h + 4 t + i
         a = ttgl.permute(ttgl.join(r0, r1), (0, 2, 4, 1, 3))
         a = ttgl.reshape(a, [BW, 128]).to(ttgl.float8e4nv, bitcast=True)
-        a = ttgl.convert_layout(a, _a_dot(BT))
+        a = ttgl.convert_layout(a, wgmma_a(BT, 32, 4))
         sb = (S << 23).to(ttgl.float32, bitcast=True)  # S >= 1: 2^(S - 127), normal
-        return a, ttgl.convert_layout(sb, _row_l(BT))
+        return a, ttgl.convert_layout(sb, wgmma_rows(BT, 32))
 
     @gluon.jit
     def _mma_chunk(i, w1_cur, w3_cur, e_cur, x_cur, sa_s, acc1, acc3, USE_ASM: ttgl.constexpr,
@@ -231,13 +212,13 @@ if _IMPORT_OK:
         wgmma (async), W3 upcast -> wgmma (runs while the W1 wgmma runs), then the per-chunk
         promotion acc += part * (sb x sa) of each. Both loads' kernels end their chunk with it,
         so their numerics are one code path."""
-        zero = ttgl.zeros([BW, BT], ttgl.float32, _mma(BT))
+        zero = ttgl.zeros([BW, BT], ttgl.float32, wgmma_acc(BT, 32))
         xT = x_cur.permute((1, 0))  # [BK, BT]: the K-major [BT, BK] stage
         a1, sb1 = _upcast(w1_cur, e_cur, 0, USE_ASM, BW, BT)
         t1 = warpgroup_mma(a1, xT, zero, use_acc=False, is_async=True)
         a3, sb3 = _upcast(w3_cur, e_cur, BW, USE_ASM, BW, BT)
         t3 = warpgroup_mma(a3, xT, zero, use_acc=False, is_async=True)
-        sa = sa_s.index(i).load(_col_l(BT))
+        sa = sa_s.index(i).load(wgmma_cols(BT, 32))
         t1 = warpgroup_mma_wait(1, deps=[t1])
         acc1 += t1 * (ttgl.expand_dims(sb1, 1) * ttgl.expand_dims(sa, 0))
         t3 = warpgroup_mma_wait(0, deps=[t3])
@@ -301,8 +282,8 @@ if _IMPORT_OK:
         """The epilogue both loads share: moe_jit.swiglu_act, out[row0 + token, n0 + weight
         row] for the tile's rows."""
         h = swiglu(acc1, acc3, limit, HAS_LIMIT)
-        rn = n0 + ttgl.arange(0, BW, layout=_row_l(BT))
-        tk = ttgl.arange(0, BT, layout=_col_l(BT))
+        rn = n0 + ttgl.arange(0, BW, layout=wgmma_rows(BT, 32))
+        tk = ttgl.arange(0, BT, layout=wgmma_cols(BT, 32))
         c_ptrs = c_ptr + ((row0 + tk).to(ttgl.int64) * stride_cm)[None, :] + rn[:, None]
         ttgl.store(c_ptrs, h.to(c_ptr.dtype.element_ty),
                    mask=(tk < nrows)[None, :] & (rn < N)[:, None])
@@ -366,8 +347,8 @@ if _IMPORT_OK:
 
         # the same bytes as a ring of [BT] rows (.index(i): a rank-1 layout), for the reads
         sa_r = sa_s._reinterpret(ttgl.float32, [NKP, BT], FLAT1)
-        acc1 = ttgl.zeros([BW, BT], ttgl.float32, _mma(BT))
-        acc3 = ttgl.zeros([BW, BT], ttgl.float32, _mma(BT))
+        acc1 = ttgl.zeros([BW, BT], ttgl.float32, wgmma_acc(BT, 32))
+        acc3 = ttgl.zeros([BW, BT], ttgl.float32, wgmma_acc(BT, 32))
         for i in range(0, n_k, NS):
             acc1, acc3 = _chunk(i, n_k, w0, e0, x0, w3, e3, x3, sa_r, acc1, acc3, w_ptrs, e_ptrs,
                                 x_ptrs, x_mask, USE_ASM, NS, BW, BT, BK)
@@ -487,8 +468,8 @@ if _IMPORT_OK:
             issue_side(e_r[s], x_r[s], e_ptrs, x_ptrs, x_mask, s, n_k, BK)
 
         sa_r = sa_s._reinterpret(ttgl.float32, [NKP, BT], FLAT1)
-        acc1 = ttgl.zeros([BW, BT], ttgl.float32, _mma(BT))
-        acc3 = ttgl.zeros([BW, BT], ttgl.float32, _mma(BT))
+        acc1 = ttgl.zeros([BW, BT], ttgl.float32, wgmma_acc(BT, 32))
+        acc3 = ttgl.zeros([BW, BT], ttgl.float32, wgmma_acc(BT, 32))
         for i in range(0, n_k, NS):
             phase = (i // NS) & 1  # phases of each stage's barrier completed so far, mod 2
             for s in ttgl.static_range(NS):

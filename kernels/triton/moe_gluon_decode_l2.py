@@ -172,6 +172,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     from .gluon_common import async_copy, fence_async_shared, fp16x2_regs, gluon, halves
     from .gluon_common import mbarrier, tile_entry, ttgl
     from .gluon_common import warpgroup_mma, warpgroup_mma_wait
+    from .gluon_common import wgmma_a, wgmma_acc, wgmma_cols, wgmma_rows
     from .moe_gluon_decode import W_TMA_LAYOUT, _tma_rows  # noqa: F401  (W_TMA_LAYOUT: the tests)
 
     FP16_TABLE_ASM = ttgl.constexpr(FP16_TABLE_ASM_TEXT)
@@ -184,29 +185,8 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
 
     # ---- layouts, shared by both loads (BW = 64 weight rows, one warpgroup: the kernels
     # assert these sizes) ----------------------------------------------------------------------
-    # the wgmma's and its operands' / slices' layouts are functions of the token tile BT (the
-    # wgmma's n: m64nBTk16, as the decode L1's _mma .. _col_l); at BT = 16 they are the objects
-    # the kernels were written with
-    @gluon.constexpr_function
-    def _mma(BT):
-        """The accumulator layout of the m64nBTk16 wgmma (one warpgroup)."""
-        return ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                           instr_shape=[16, BT, 16])
-
-    @gluon.constexpr_function
-    def _a_dot(BT):
-        """The register A operand (upcast fp16 W2) of that wgmma."""
-        return ttgl.DotOperandLayout(operand_index=0, parent=_mma(BT), k_width=2)
-
-    @gluon.constexpr_function
-    def _row_l(BT):
-        """Per weight row (the accumulator's dim 0): promotion scales sb, output columns."""
-        return ttgl.SliceLayout(1, _mma(BT))
-
-    @gluon.constexpr_function
-    def _col_l(BT):
-        """Per token (dim 1): pair indices and weights, output rows."""
-        return ttgl.SliceLayout(0, _mma(BT))
+    # the wgmma's and its operands' / slices' layouts: gluon_common.wgmma_acc / wgmma_a /
+    # wgmma_rows / wgmma_cols at (BT, K = 16), A k_width 2 (m64nBTk16 on fp16)
 
     # packed words [row, 16 words]: word 4 t + kk of row 16 w + 8 r + g in lane 4 g + t of
     # warp w, registers (kk, r): rows as the wgmma A fragment / accumulator
@@ -253,8 +233,8 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                 BT: ttgl.constexpr):
         """The stage's packed rows (w_words: the [BW, 64] bytes as [BW, 16] int32 words in the
         load's shared layout; e_st [BW, 4] exponents) -> the wgmma A operand (fp16 [BW, 128] in
-        _a_dot(BT), k permuted as the module docstring says) and the rows' promotion scales
-        2^(S - 127) (_row_l(BT))."""
+        wgmma_a(BT, 16, 2), k permuted as the module docstring says) and the rows' promotion scales
+        2^(S - 127) (wgmma_rows(BT, 16))."""
         e_l: ttgl.constexpr = ttgl.SliceLayout(2, W_L)
         w = w_words.load(W2_L)  # LDS.128 of group t
         w = ttgl.convert_layout(ttgl.reshape(w, [BW, 4, 4]), W_L, assert_trivial=True)
@@ -272,9 +252,9 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         hi = ttgl.join(halves(r2), halves(r3))
         a = ttgl.permute(ttgl.join(lo, hi), _A_ORDER.value)
         a = ttgl.reshape(a, [BW, 128]).to(ttgl.float16, bitcast=True)
-        a = ttgl.convert_layout(a, _a_dot(BT), assert_trivial=True)
+        a = ttgl.convert_layout(a, wgmma_a(BT, 16, 2), assert_trivial=True)
         sb = (S << 23).to(ttgl.float32, bitcast=True)  # S >= 1: 2^(S - 127), normal
-        return a, ttgl.convert_layout(sb, _row_l(BT), assert_trivial=True)
+        return a, ttgl.convert_layout(sb, wgmma_rows(BT, 16), assert_trivial=True)
 
     @gluon.jit
     def _mma_chunk(w_words, e_cur, x_cur, acc, USE_ASM: ttgl.constexpr, BW: ttgl.constexpr,
@@ -283,7 +263,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         upcast -> wgmma (async) -> wait, then acc += part * sb. Both loads' kernels end their
         chunk with it, so their numerics are one code path."""
         a, sb = _upcast(w_words, e_cur, USE_ASM, BW, BT)
-        zero = ttgl.zeros([BW, BT], ttgl.float32, _mma(BT))
+        zero = ttgl.zeros([BW, BT], ttgl.float32, wgmma_acc(BT, 16))
         t = warpgroup_mma(a, x_cur.permute((1, 0)), zero, use_acc=False, is_async=True)
         t = warpgroup_mma_wait(0, deps=[t])
         return acc + t * ttgl.expand_dims(sb, 1)
@@ -360,8 +340,8 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                  BT: ttgl.constexpr):
         """The epilogue both loads share: out[(p // TOPK) * KS + p % TOPK, n0 + weight row] =
         acc * row_w[p] for the tile's rows (p = c_idx[row])."""
-        rn = n0 + ttgl.arange(0, BW, layout=_row_l(BT))
-        tk = ttgl.arange(0, BT, layout=_col_l(BT))
+        rn = n0 + ttgl.arange(0, BW, layout=wgmma_rows(BT, 16))
+        tk = ttgl.arange(0, BT, layout=wgmma_cols(BT, 16))
         tmask = tk < nrows
         pair = ttgl.load(cidx_ptr + row0 + tk, mask=tmask, other=0)
         crow = ((pair // TOPK) * KS + pair % TOPK).to(ttgl.int64)
@@ -422,7 +402,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         _issue_chunk(w1, e1, x1, w_ptrs, e_ptrs, x_src, 1, n_k, BK)
         _issue_chunk(w2, e2, x2, w_ptrs, e_ptrs, x_src, 2, n_k, BK)
 
-        acc = ttgl.zeros([BW, BT], ttgl.float32, _mma(BT))
+        acc = ttgl.zeros([BW, BT], ttgl.float32, wgmma_acc(BT, 16))
         for i in range(0, n_k, NS):
             acc = _chunk(i, n_k, w0, e0, x0, w3, e3, x3, acc, w_ptrs, e_ptrs, x_src, USE_ASM,
                          NS, BW, BT, BK)
@@ -524,7 +504,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
             _tma_rows(w_desc, wrow, s, bars[s], w_r[s], n_k, BK)
             _issue_side(e_r[s], x_r[s], e_ptrs, x_src, s, n_k, BK)
 
-        acc = ttgl.zeros([BW, BT], ttgl.float32, _mma(BT))
+        acc = ttgl.zeros([BW, BT], ttgl.float32, wgmma_acc(BT, 16))
         for i in range(0, n_k, NS):
             phase = (i // NS) & 1  # phases of each stage's barrier completed so far, mod 2
             for s in ttgl.static_range(NS):
