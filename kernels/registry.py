@@ -70,6 +70,10 @@ KERNELS: dict[str, list[KernelImpl]] = {
                          "before capture"),
                  _k("triton.mega_moe", "sm_90 triton", "available",
                     note=f"{TRITON_MOE}; router, permutation, shared expert, combine + expand")],
+    "linear": [_k("cublas.linear_split", "cuda", "unvalidated",
+                  note="kernels/cublas_dense.py: dense bf16 / fp16 weights on the half-precision "
+                       "GEMM with fp32 accumulation (fp32 x split exactly in three bf16 pieces, "
+                       "one GEMM); the LM head without a per-call fp32 weight copy")],
     "hc_mixer": [_k("deepgemm.tf32_hc_prenorm_gemm+triton.sinkhorn", "cuda deepgemm triton")],
     "hc_expand": [_k("triton.hc_expand", "sm_90 triton", "available",
                      note="kernels/triton/mhc.py: mega_moe's combine kernel with one slot (the "
@@ -123,7 +127,8 @@ KERNELS: dict[str, list[KernelImpl]] = {
                       note="torch.distributed over static worst-case blocks; capturable")],
 }
 # available implementations other than the reference: name -> module defining a function per op
-LOADABLE: dict[str, str] = {"torch.ep_place": "megagraph.kernels.reference.parallel",
+LOADABLE: dict[str, str] = {"cublas.linear_split": "megagraph.kernels.cublas_dense",
+                            "torch.ep_place": "megagraph.kernels.reference.parallel",
                             "nccl.all_to_all_single": "megagraph.kernels.reference.parallel"}
 # CSA2 attention path in Triton (Hopper; each falls back to kernels/capturable off the GPU).
 # State ops (compressor, ring copies) are functional here; `inplace=True` updates the state inputs.
