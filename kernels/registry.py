@@ -74,6 +74,9 @@ KERNELS: dict[str, list[KernelImpl]] = {
                   note="kernels/cublas_dense.py: dense bf16 / fp16 weights on the half-precision "
                        "GEMM with fp32 accumulation (fp32 x split exactly in three bf16 pieces, "
                        "one GEMM); the LM head without a per-call fp32 weight copy")],
+    "rms_norm": [_k("triton.rms_norm", "sm_90 triton", "unvalidated",
+                    note="kernels/triton/norm.py: one program per row (the q / kv latent and final "
+                         "norms; the sites' norms are inside mega_mhc)")],
     "hc_mixer": [_k("deepgemm.tf32_hc_prenorm_gemm+triton.sinkhorn", "cuda deepgemm triton")],
     "hc_expand": [_k("triton.hc_expand", "sm_90 triton", "available",
                      note="kernels/triton/mhc.py: mega_moe's combine kernel with one slot (the "
@@ -152,6 +155,7 @@ LOADABLE.update({
     "triton.grouped_fp8_gemm": "megagraph.kernels.triton.moe",
     "triton.mega_mhc": "megagraph.kernels.triton.mhc",
     "triton.hc_expand": "megagraph.kernels.triton.mhc",
+    "triton.rms_norm": "megagraph.kernels.triton.norm",
     "triton.quantize_act": "megagraph.kernels.triton.quant",
     "triton.fake_quant": "megagraph.kernels.triton.quant",
     "triton.rope": "megagraph.kernels.triton.rope",
