@@ -1,0 +1,215 @@
+"""Times the warp-specialized Gluon prefill L1 (kernels/triton/moe_gluon_ws.py: loader / upcast /
+two MMA warpgroups on mbarrier rings, 128 rows x 64 columns of W1 and W3 per CTA) against the
+Triton L1 launch that routed_experts makes for the same rows per expert (moe.gemm role "l1") and
+the Gluon decode L1 at 64-token tiles with the TMA weight ring (moe_gluon_decode.l1_gluon_decode
+bt=64, load="tma": the best L1 before it, 8.30 ms at 8192 tokens), at V4.1-Flash dims (d = 5120,
+384 experts x F = 2304, MXFP4 + E8M0 per 32, top-6), 8192 tokens by default (~128 rows per
+expert). Random weights made on the device; each launch timed as CUDA-graph replays (events,
+median of batches); TFLOP/s of 2 P 2F d per call and % of the H200's 1979 dense FP8 peak.
+
+    python benchmarks/moe_gluon_ws_probe.py --tokens 8192 --out /tmp/ws          # H200
+    python benchmarks/moe_gluon_ws_probe.py --rings 4:2,6:3,3:2 --out /tmp/ws
+    python benchmarks/moe_gluon_ws_probe.py --smoke                              # small dims
+
+Order: the Triton L1 is timed first (its row survives whatever a Gluon kernel does), the JSON /
+md written after every row; then each Gluon item - "decode64" and one "ws NS:NU" per --rings
+item (raw ring NS stages, B ring NU) - is checked in a child process (gluon_probe_common.
+check_cases_in_child: CUDA_LAUNCH_BLOCKING=1; small dims at up to 1024 tokens, then these
+dims: poisoned output, every row written, rel. error vs the fp32 math of the first 8 non-empty
+experts' rows < 2e-3, and for ws 3 launches giving the same bits), and timed only if both
+checks pass; a faulting kernel kills only its child. Needs CUDA sm_90 and Triton 3.6
+(moe_gluon_ws.available()); elsewhere it says so and exits 0. A few minutes at 8192 tokens.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+# the shared inputs, timing, child checks and report (after the sys.path entry: E402)
+from gluon_probe_common import V41_FLASH as REAL  # noqa: E402
+from gluon_probe_common import (  # noqa: E402
+    build,
+    check_cases_in_child,
+    check_lines,
+    finish,
+    flop_rates,
+    probe_parser,
+    reference_rows,
+    rel,
+    run_checks,
+    skipped,
+    table,
+    time_triton_l1,
+    timed_row,
+    write_report,
+)
+
+PEAK_TFLOPS = 1979.0  # H200 dense FP8
+SMOKE = dict(d=1024, F=256, E=64, k=6)
+SMOKE_TOKENS = 1024
+
+
+def _parse_item(item: str) -> tuple[str, int | None, int | None]:
+    """A Gluon item: "decode64" or "ws NS:NU" -> (kind, NS, NU)."""
+    if item == "decode64":
+        return "decode64", None, None
+    ns, _, nu = item.removeprefix("ws ").partition(":")
+    return "ws", int(ns), int(nu or 2)
+
+
+def _launcher(item: str, inputs, out, k: int, limit: float, tiles=None):
+    """A no-argument launch of item on inputs = build(...) into out (its own tile list unless
+    `tiles` is given: the list at its row tile)."""
+    from megagraph.kernels.triton import moe_gluon_decode as md
+    from megagraph.kernels.triton import moe_gluon_ws as mw
+
+    xq, xs, w1, w3, counts, srt = inputs
+    P, E = srt.numel(), counts.numel()
+    kind, ns, nu = _parse_item(item)
+    if kind == "decode64":
+        return lambda: md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, out, topk=k,
+                                          max_tiles=min(P, P // 64 + E), limit=limit,
+                                          load="tma", bt=64, tiles=tiles)
+    return lambda: mw.l1_gluon_ws(xq, xs, srt, w1, w3, counts, out, topk=k,
+                                  max_tiles=min(P, P // mw.BM + E), limit=limit, tiles=tiles,
+                                  stages=ns, bstages=nu)
+
+
+def check(T: int, dims: dict, limit: float, item: str, routing: str) -> dict:
+    """One call of item into a poisoned fp16 H against the fp32 math of the first 8 non-empty
+    experts' rows; ws also relaunched twice for the same bits. For a child process."""
+    d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
+    inputs = build(T, d, F, E, k, seed=1, routing=routing)
+    P = T * k
+    h = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
+    launch = _launcher(item, inputs, h, k, limit)
+    launch()
+    torch.cuda.synchronize()
+    first = h.clone()
+    same = True
+    if item != "decode64":
+        for _ in range(2):
+            h.fill_(float("nan"))
+            launch()
+            torch.cuda.synchronize()
+            same = same and bool(torch.equal(h, first))
+    ref, n = reference_rows(*inputs, k, limit, experts=8, nonempty=True)
+    err = rel(first[:n].nan_to_num(0.0, 0.0, 0.0), ref)
+    written = bool(torch.isfinite(first).all())
+    return dict(tokens=T, dims=dims, item=item, all_written=written, rel_err_vs_fp32=err,
+                same_bits_repeated=same, ok=written and err < 2e-3 and same)
+
+
+def time_item(res, write, rates, item, inputs, T, dims, k, limit, routing, h_tr, ref, n):
+    """item's child checks (small dims, then these dims), then - only if both pass - its row
+    (CUDA graph of the launch with a prebuilt tile list) and its errors vs the Triton L1 and the
+    fp32 math."""
+    from megagraph.kernels.triton import moe
+    from megagraph.kernels.triton import moe_gluon_ws as mw
+
+    cases = [dict(tokens=min(T, SMOKE_TOKENS), dims=SMOKE, limit=limit, item=item,
+                  routing=routing), dict(tokens=T, dims=dims, limit=limit, item=item,
+                                         routing=routing)]
+    checks = check_cases_in_child(__file__, cases, 600.0)
+    res["gluon_checks"] += checks
+    print(json.dumps(checks), flush=True)
+    write()
+    name = f"gluon {item}"
+    if len(checks) < 2 or not all(c.get("ok") for c in checks):
+        res["rows"].append(dict(name=name, error="wrong or crashed in the child check: not "
+                                "timed (gluon_checks)"))
+        print(res["rows"][-1], flush=True)
+        write()
+        return
+    counts, srt = inputs[4], inputs[5]
+    P, E, F = srt.numel(), counts.numel(), h_tr.shape[1]
+    bm = 64 if item == "decode64" else mw.BM
+    tiles = moe.tile_list(counts, bm, min(P, P // bm + E))
+    h = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
+    launch = _launcher(item, inputs, h, k, limit, tiles)
+    if timed_row(res, write, name, launch, dict(item=item, bm=bm), rates):
+        h.fill_(float("nan"))
+        launch()
+        torch.cuda.synchronize()
+        res.setdefault("rel_err_vs_triton", {})[item] = rel(h, h_tr)
+        res.setdefault("rel_err_vs_fp32", {})[item] = rel(h[:n], ref)
+        write()
+
+
+def main() -> None:
+    ap = probe_parser(__doc__, 8192, "tokens (rows = tokens * 6)",
+                      "small dims (d 1024, F 256, 64 experts)", "moe_gluon_ws_probe",
+                      extra=[("--rings", dict(default="4:2,6:3",
+                                              help="comma-separated ws ring depths NS:NU")),
+                             ("--routing", dict(default="random",
+                                                help="balanced, poisson or random")),
+                             ("--no-decode", dict(action="store_true",
+                                                  help="skip the decode64 baseline"))])
+    args = ap.parse_args()
+
+    def write():
+        _write(args.out, res)
+
+    if args.check_json:  # child process of check_cases_in_child
+        run_checks(args.check_json, lambda c: check(c["tokens"], c["dims"], c["limit"],
+                                                    c["item"], c["routing"]))
+        return
+
+    from megagraph.kernels.triton import moe_gluon_ws as mw
+
+    rings = [f"ws {x.strip()}" for x in args.rings.split(",") if x.strip()]
+    items = ([] if args.no_decode else ["decode64"]) + rings
+    for item in items:  # a typo fails here, before any child or timing
+        _parse_item(item)
+    dims = SMOKE if args.smoke else REAL
+    T = args.tokens
+    res = dict(tokens=T, dims=dims, routing=args.routing, peak_tflops=PEAK_TFLOPS, items=items,
+               rows=[], gluon_checks=[])
+    if skipped(res, mw.available(), "moe_gluon_ws.available()", write):
+        return
+    t_start = time.perf_counter()
+    d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
+    inputs = build(T, d, F, E, k, routing=args.routing)
+    P = T * k
+    res["max_rows_per_expert"] = int(inputs[4].max())
+    rates = flop_rates(2.0 * P * 2 * F * d, PEAK_TFLOPS)
+    h_tr, ref, n = time_triton_l1(res, write, rates, inputs, P, F, E, k, args.limit, experts=8,
+                                  nonempty=True)
+    for item in items:
+        time_item(res, write, rates, item, inputs, T, dims, k, args.limit, args.routing, h_tr,
+                  ref, n)
+    finish(res, t_start, write)
+
+
+def _write(out, res) -> None:
+    if not out:
+        return
+    lines = [f"# Gluon warp-specialized L1 probe, {res['tokens']} tokens ({res['routing']}), "
+             f"dims {res['dims']}", ""]
+    if "skipped" in res:
+        lines.append(f"skipped: {res['skipped']}")
+    else:
+        lines.append(f"max rows per expert {res.get('max_rows_per_expert')}")
+        lines += [""] + table(res["rows"], "| launch | ms | TFLOP/s | % of 1979 |",
+                              lambda r: [f"{r['ms']:.3f}", f"{r['tflops']:.0f}",
+                                         f"{r['pct_peak']:.1f}"])
+        err = res.get("rel_err_triton_vs_fp32")
+        lines += ["", f"triton vs fp32 math (first 8 experts): {err}"]
+        for item, err in res.get("rel_err_vs_triton", {}).items():
+            lines.append(f"gluon {item}: rel err vs triton {err:.2e}, vs fp32 math "
+                         f"{res['rel_err_vs_fp32'][item]:.2e}")
+        for c in res.get("gluon_checks", []):
+            lines += check_lines(f"gluon {c.get('item')}", [c])
+    write_report(out, "moe_gluon_ws_probe", res, lines)
+
+
+if __name__ == "__main__":
+    main()

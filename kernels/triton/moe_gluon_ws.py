@@ -1,0 +1,426 @@
+"""Warp-specialized Gluon (Triton 3.6, sm_90) kernel for the PREFILL routed-expert L1:
+H[r, :] = swiglu(clamp(A_r W1_e^T), A_r W3_e^T) for the expert-sorted rows r of each expert e, MXFP4
+weights (E2M1 + E8M0 per 32 columns), E4M3 activations with one f32 scale per (token, 128 columns),
+rows gathered through a_idx (row r reads token a_idx[r] // topk).
+
+Why: the decode kernel at 64-token tiles (moe_gluon_decode, bt=64) upcasts the weights in the same
+registers the wgmma accumulates in (247 registers, 2 CTAs of 4 warps per SM) and is latency-bound at
+~280 TFLOP/s; moe_gluon.py overlaps upcast and wgmma by hand inside one set of warps and was
+nondeterministic on the H200 in some variants. Here every job has its own warps (CUTLASS / DeepGEMM
+style), synchronized only by mbarriers:
+
+  loader  (worker, 4 warps): per K chunk c into ring stage s = c % NS - TMA of the packed W1 / W3
+          rows [BN, BK / 2] bytes (moe_gluon_decode's host descriptors), cp.async of the gathered
+          A rows [BM, BK] E4M3 (16 bytes per copy, NVMMA 128-byte swizzle), their A scales [BM]
+          and the W1 / W3 exponents [2 BN, 4]; the cp.async group of chunk c is waited for one
+          chunk later, fenced (fence.proxy.async: the wgmma reads A through the async proxy) by
+          every loader thread, then r_ready[s] is arrived (count 2: this arrive + the TMA's
+          expect-tx arrive).
+  upcast  (worker, 4 warps): per chunk, once r_ready[s] and b_free[u] (u = c % NU): the packed
+          bytes + exponents -> E4M3 [BN, BK] (K-major, NVMMA 128-byte swizzle: the wgmma's B
+          operand) per matrix into stage u of the B ring and the rows' promotion scales into
+          sb[u]; fence.proxy.async (the writer-side order: every thread fences its own st.shared,
+          then the partition barrier inside arrive); arrive r_free[s] (raw W / exponents read)
+          and b_ready[u].
+  MMA     (default partition = rows 0..63, one worker = rows 64..127: one warpgroup each, so
+          each runs at its own pace and the tensor cores can run one while the other promotes):
+          per chunk, once r_ready[s] and b_ready[u]: wgmma m64n64k32 x 4 per matrix (A = its 64
+          rows of the A stage, B = the upcast tile), a fresh fp32 partial per matrix, promoted
+          acc += part * (sa x sb) after its wait; arrive r_free[s], b_free[u].
+  epilogue (MMA warpgroups): moe_jit.swiglu_act (gluon_common.swiglu), out's dtype (fp16 in
+          routed_experts) at the expert-sorted rows.
+
+Barriers (mbarrier, one per stage): r_ready [NS] count 2, r_free [NS] count 3 (both MMA warpgroups
++ the upcast warps), b_ready [NU] count 1, b_free [NU] count 2. Gluon lowers mbarrier.arrive to
+one elected thread's arrive, so each partition's release runs a barrier of its own warps first
+(_release: every thread's waited copies / wgmmas, fenced stores, before the arrive). Producers
+wait for "free" at phase ^ 1: a fresh barrier counts as having completed the phase before its
+first (the ring starts empty).
+
+Numerics == moe_gluon_decode (and moe_acc with MMA fp8): per chunk and weight row S = max(max(e) -
+6, 1) over the row's 4 exponents of the chunk, codes upcast to E4M3 as e2m1 * 2^(e - S) (flushed
+for e - S < -5) by the same PTX table (moe_gluon_decode.FP4_TABLE_ASM, or the integer twin
+gluon_common.e2m1_e4m3_bits with use_asm=False: the same codes), fp32 partial per chunk promoted
+acc += part * (sa x sb) with sb = 2^(S - 127). Only the tensor core's sum order inside a chunk
+differs from the other kernels (m64n64k32 here): the same bound against the fp32 math, not their
+bits. Unlike the decode kernel the upcast tile is stored in the natural column order (a pack of 4
+bytes gives its 8 columns in order: FP4_TABLE_ASM's $0 = columns 0..3, $1 = 4..7), so A is copied
+unpermuted in 16-byte pieces.
+
+Tile: BM = 128 expert-sorted rows (moe.tile_list at 128 rows) x BN = 64 columns of F for W1 and W3,
+BK = 128-column chunks (K % 128 == 0, any chunk count). 16 warps: setmaxnreg gives the MMA
+warpgroups the registers the producers do not take (REGS: launch maxnreg 128 = 64K registers per
+CTA, one CTA per SM). Shared memory per ring stage 25 KB (A 16 KB, W1 + W3 8 KB, exponents,
+scales) and per B stage 16.5 KB: NS = 4, NU = 2 by default (~134 KB).
+
+Triton 3.6 sm_90 build (tests/kernels/test_moe_gluon_ws.py, not yet run on a GPU): no stack, no
+spills, setmaxnreg 200 / 200 / 64 / 48, 136636 B shared (NS 6 / NU 3 fits too); per chunk the MMA
+loop is 217 instructions (8 QGMMA 64x64x32, 64 FMUL + 64 FFMA of promotion), the upcast loop 306
+(64 PRMT, 4 LDS.128, 8 STS.128), the loader loop 125 (2 UTMALDG, 10 LDGSTS). Not persistent: one
+tile per CTA, so each CTA pays its ring's fill and the epilogue unhidden (~40 chunks per tile at
+K = 5120).
+"""
+from __future__ import annotations
+
+import torch
+
+from .gluon_common import IMPORT_OK as _IMPORT_OK
+from .gluon_common import (
+    available,  # noqa: F401  (the tests and the probe call it here)
+    check_rows,
+    tile_list,
+)
+
+if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
+    from .gluon_common import (
+        async_copy,
+        fence_async_shared,
+        gluon,
+        mbarrier,
+        swiglu,
+        tile_entry,
+        tma,
+        ttgl,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from .gluon_common import e2m1_e4m3_bits as _e2m1_e4m3_bits
+    from .moe_gluon_decode import FP4_TABLE_ASM
+
+BM, BN, BK = 128, 64, 128
+NS, NU = 4, 2  # default depths of the raw ring (A, packed W, exponents, scales) and the B ring
+NUM_WARPS = 4  # the default partition (MMA rows 0..63); 3 workers of 4 warps: 16 warps in all
+MAXNREG = 128  # launch register cap: 16 warps x 32 x 128 = the SM's 64K registers
+# setmaxnreg of the workers (MMA rows 64..127, upcast, loader); the default partition gets the
+# rest of the 4 x 128 per thread: 512 - 200 - 64 - 48 = 200
+REGS = (200, 64, 48)
+
+if _IMPORT_OK:
+    # ---- layouts (every partition is 4 warps) -------------------------------------------------
+    # the MMA warpgroup's m64n64k32 accumulator, its rows (A scales, output rows) and columns
+    MMA_L = ttgl.constexpr(ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BN, 32]))
+    ROW_L = ttgl.constexpr(ttgl.SliceLayout(1, MMA_L))
+    COL_L = ttgl.constexpr(ttgl.SliceLayout(0, MMA_L))
+    # packed bytes [BN rows, 64 bytes]: 16 bytes (= one 32-column group t) of one row per thread,
+    # lanes (t, t, row, row, row), warps rows 8 / 16, register rows 32
+    P2_L = ttgl.constexpr(ttgl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
+    # the same as [row, t, kk, b] (byte 16 t + 4 kk + b): an asm pack of 4 = the b of one (row,
+    # t, kk), one PRMT table per (row, t)
+    P_L = ttgl.constexpr(ttgl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 1, 0], [0, 0, 2, 0], [32, 0, 0, 0]],
+        lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[8, 0, 0, 0], [16, 0, 0, 0]], block_bases=[], shape=[BN, 4, 4, 4]))
+    # the upcast tile [BN, BK] E4M3: the thread's 32 columns 32 t .. 32 t + 31 of its rows, in
+    # register order (two 16-byte st.shared per row)
+    B_L = ttgl.constexpr(ttgl.BlockedLayout([1, 32], [8, 4], [4, 1], [1, 0]))
+    # loader copies: A 16 bytes, exponents 4, A scales 4
+    A_CP_L = ttgl.constexpr(ttgl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
+    E_CP_L = ttgl.constexpr(ttgl.BlockedLayout([1, 4], [32, 1], [4, 1], [1, 0]))
+    S_CP_L = ttgl.constexpr(ttgl.BlockedLayout([1], [32], [4], [0]))
+    # shared: the fp8 tiles (A [BM, BK], B [BN, BK]: 128-byte rows), flat exponents / scales
+    F8_SMEM = ttgl.constexpr(ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
+                                                    rank=2))
+    FLAT = ttgl.constexpr(ttgl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    FLAT1 = ttgl.constexpr(ttgl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+    @gluon.jit
+    def _stage(c, NS: ttgl.constexpr):
+        """Ring stage and barrier phase (parity) of chunk c in a ring of NS stages."""
+        return c % NS, (c // NS) & 1
+
+    @gluon.jit
+    def _release(bars, c, NS: ttgl.constexpr):
+        """The partition's arrival on bars[stage of chunk c] for ALL its threads: Gluon lowers
+        mbarrier.arrive to one elected thread's arrive, with no barrier of its own (Triton's
+        membar pass adds one only where it sees a shared-memory hazard: not after a fence), so
+        the partition barrier here orders every thread's prior work (its waited copies or
+        wgmmas, its fenced stores) before that arrive. A second arrive right after it (the B
+        ring's) is covered by the same barrier."""
+        ttgl.thread_barrier()
+        s, _ = _stage(c, NS)
+        mbarrier.arrive(bars.index(s), count=1)
+
+    # ---- loader ----------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _loader(a_ptr, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr, ring, bars, g, row0,
+                nrows, n0, wrow, K, stride_am, stride_as, stride_bsg, stride_bsn,
+                TOPK: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
+                BK: ttgl.constexpr, NS: ttgl.constexpr):
+        """Fill the raw ring, chunk by chunk (see the module docstring). A chunk's cp.async group
+        is waited for while the next chunk's copies are in flight (wait_group(1)), so the loader
+        keeps up to two chunks of copies going and never waits on the chunk it just issued."""
+        a_r, w1_r, w3_r, e_r, sa_r = ring
+        r_ready, r_free = bars
+        # gathered A rows (masked past the tile: zero-filled, their outputs never stored)
+        ra = ttgl.arange(0, BM, layout=ttgl.SliceLayout(1, A_CP_L))
+        ka = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, A_CP_L))
+        tok = ttgl.load(aidx_ptr + row0 + ra, mask=ra < nrows, other=0) // TOPK
+        a_ptrs = a_ptr + (tok.to(ttgl.int64) * stride_am)[:, None] + ka[None, :]
+        a_mask = (ra < nrows)[:, None] & (ka < BK)[None, :]
+        rs = ttgl.arange(0, BM, layout=S_CP_L)
+        tok_s = ttgl.load(aidx_ptr + row0 + rs, mask=rs < nrows, other=0) // TOPK
+        s_ptrs = as_ptr + tok_s.to(ttgl.int64) * stride_as
+        # exponent rows: 0..BN-1 of W1, BN..2BN-1 of W3 (rows n0.. of expert g); row strides of
+        # 4-byte multiples written as 4 x (stride / 4) so the 4-byte cp.async is provably aligned
+        re = ttgl.arange(0, 2 * BN, layout=ttgl.SliceLayout(1, E_CP_L))
+        ce = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, E_CP_L))
+        eofs = g * stride_bsg + \
+            ((n0 + re % BN).to(ttgl.int64) * (stride_bsn // 4) * 4)[:, None] + ce[None, :]
+        e_ptrs = ttgl.where((re < BN)[:, None], bs1_ptr + eofs, bs2_ptr + eofs)
+
+        n_k = K // BK
+        for c in range(n_k):
+            s, ph = _stage(c, NS)
+            mbarrier.wait(r_free.index(s), ph ^ 1)  # the consumers of chunk c - NS are done
+            bar = r_ready.index(s)
+            mbarrier.expect(bar, 2 * BN * (BK // 2))
+            tma.async_copy_global_to_shared(w1_desc, [wrow, c * (BK // 2)], bar, w1_r.index(s))
+            tma.async_copy_global_to_shared(w3_desc, [wrow, c * (BK // 2)], bar, w3_r.index(s))
+            async_copy.async_copy_global_to_shared(a_r.index(s), a_ptrs + c * BK, mask=a_mask)
+            async_copy.async_copy_global_to_shared(sa_r.index(s), s_ptrs + c, mask=rs < nrows)
+            async_copy.async_copy_global_to_shared(e_r.index(s), e_ptrs + c * (BK // 32))
+            async_copy.commit_group()
+            if c > 0:
+                _publish(r_ready, c - 1, 1, NS)
+        _publish(r_ready, n_k - 1, 0, NS)
+
+    @gluon.jit
+    def _publish(r_ready, c, PENDING: ttgl.constexpr, NS: ttgl.constexpr):
+        """Chunk c's cp.async bytes are in (this thread's groups but the PENDING newest), fenced
+        by every loader thread for the wgmma's async proxy (writer-side, before the partition
+        barrier inside arrive), then r_ready of its stage gets the loader's arrival."""
+        async_copy.wait_group(PENDING)
+        fence_async_shared()
+        _release(r_ready, c, NS)
+
+    # ---- upcast ------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _upcast_store(w_s, e_s, ROW0: ttgl.constexpr, b_dst, sb_dst, USE_ASM: ttgl.constexpr,
+                      BN: ttgl.constexpr, BK: ttgl.constexpr):
+        """One matrix's BN packed rows (w_s [BN, BK / 2] bytes, NVMMA 64-byte swizzle as TMA
+        wrote them; exponents rows ROW0.. of e_s [2 BN, 4]) -> E4M3 [BN, BK] in column order into
+        b_dst and the rows' promotion scales 2^(S - 127) into sb_dst [BN]. The per-(row, group)
+        table and its proof are moe_gluon_decode._upcast's; only the output order differs
+        (natural columns: pack kk of group t -> columns 32 t + 8 kk + 4 h + b)."""
+        e_l: ttgl.constexpr = ttgl.SliceLayout(2, ttgl.SliceLayout(3, P_L))
+        p = w_s.load(P2_L)  # [BN, 64] uint8: 16 contiguous bytes (one group) per thread
+        p = ttgl.convert_layout(ttgl.reshape(p, [BN, 4, 4, 4]), P_L, assert_trivial=True)
+        e = e_s.slice(ROW0, BN).load(e_l).to(ttgl.int32)  # [BN, 4]
+        S = ttgl.maximum(ttgl.max(e, axis=1) - 6, 1)
+        rel = e - ttgl.expand_dims(S, 1)
+        if USE_ASM:
+            flush = rel < -5
+            ta = ttgl.where(flush, 0, 0x3C383000 + rel * 0x08080800)
+            tb = ttgl.where(flush, 0, 0x4C484440 + rel * 0x08080808)
+            ta = ttgl.broadcast(ttgl.expand_dims(ttgl.expand_dims(ta, 2), 3), p)[0]
+            tb = ttgl.broadcast(ttgl.expand_dims(ttgl.expand_dims(tb, 2), 3), p)[0]
+            r0, r1 = ttgl.inline_asm_elementwise(FP4_TABLE_ASM, "=r,=r,r,r,r,r,r,r,r,r,r",
+                                                 [p, ta, tb], dtype=(ttgl.uint8, ttgl.uint8),
+                                                 is_pure=True, pack=4)
+        else:
+            rel_b = ttgl.broadcast(ttgl.expand_dims(ttgl.expand_dims(rel, 2), 3), p)[0]
+            pi = p.to(ttgl.int32)
+            lo = _e2m1_e4m3_bits(pi & 0xF, rel_b).to(ttgl.uint8)
+            hi = _e2m1_e4m3_bits(pi >> 4, rel_b).to(ttgl.uint8)
+            # byte b -> columns 2b (lo), 2b + 1 (hi); r0 = columns 0..3 of the pack, r1 = 4..7
+            j = ttgl.reshape(ttgl.join(lo, hi), [BN, 4, 4, 2, 4])
+            r0, r1 = ttgl.split(ttgl.permute(j, (0, 1, 2, 4, 3)))
+            r0 = ttgl.convert_layout(r0, P_L)
+            r1 = ttgl.convert_layout(r1, P_L)
+        # [row, t, kk, b] x h -> [row, t, kk, h, b] = column 32 t + 8 kk + 4 h + b
+        b = ttgl.permute(ttgl.join(r0, r1), (0, 1, 2, 4, 3))
+        b = ttgl.reshape(b, [BN, BK]).to(ttgl.float8e4nv, bitcast=True)
+        b_dst.store(ttgl.convert_layout(b, B_L))
+        sb_dst.store((S << 23).to(ttgl.float32, bitcast=True))  # S >= 1: 2^(S - 127), normal
+
+    @gluon.jit
+    def _upcaster(ring, bars, bring, K, USE_ASM: ttgl.constexpr, BN: ttgl.constexpr,
+                  BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr):
+        """Raw ring stage -> B ring stage, chunk by chunk (see the module docstring). One proxy
+        fence per chunk covers both directions: this partition's st.shared of the B stage before
+        the wgmma reads it, and its ld.shared of the raw stage before the next TMA writes it."""
+        _, w1_r, w3_r, e_r, _ = ring
+        r_ready, r_free, b_ready, b_free = bars
+        b1_r, b3_r, sb_r = bring
+        for c in range(K // BK):
+            s, ph = _stage(c, NS)
+            u, phu = _stage(c, NU)
+            mbarrier.wait(r_ready.index(s), ph)
+            mbarrier.wait(b_free.index(u), phu ^ 1)
+            sb = sb_r.index(u)
+            _upcast_store(w1_r.index(s), e_r.index(s), 0, b1_r.index(u), sb.slice(0, BN),
+                          USE_ASM, BN, BK)
+            _upcast_store(w3_r.index(s), e_r.index(s), BN, b3_r.index(u), sb.slice(BN, BN),
+                          USE_ASM, BN, BK)
+            fence_async_shared()
+            _release(r_free, c, NS)
+            mbarrier.arrive(b_ready.index(u), count=1)
+
+    # ---- MMA + epilogue ------------------------------------------------------------------------
+
+    @gluon.jit
+    def _mma(ring, bars, bring, c_ptr, row0, nrows, n0, N, K, limit, stride_cm,
+             M0: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr, BN: ttgl.constexpr,
+             BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr):
+        """Rows M0 .. M0 + 63 of the tile: per chunk the W1 and W3 wgmmas (fresh partials; W3's
+        issued before W1's is waited for), the per-chunk promotion, the stages released; then
+        the SwiGLU epilogue into out."""
+        a_r, _, _, _, sa_r = ring
+        r_ready, r_free, b_ready, b_free = bars
+        b1_r, b3_r, sb_r = bring
+        zero = ttgl.zeros([64, BN], ttgl.float32, MMA_L)
+        acc1 = ttgl.zeros([64, BN], ttgl.float32, MMA_L)
+        acc3 = ttgl.zeros([64, BN], ttgl.float32, MMA_L)
+        for c in range(K // BK):
+            s, ph = _stage(c, NS)
+            u, phu = _stage(c, NU)
+            mbarrier.wait(r_ready.index(s), ph)
+            mbarrier.wait(b_ready.index(u), phu)
+            a_s = a_r.index(s).slice(M0, 64)
+            t1 = warpgroup_mma(a_s, b1_r.index(u).permute((1, 0)), zero, use_acc=False,
+                               is_async=True)
+            t3 = warpgroup_mma(a_s, b3_r.index(u).permute((1, 0)), zero, use_acc=False,
+                               is_async=True)
+            sa = sa_r.index(s).slice(M0, 64).load(ROW_L)
+            sb = sb_r.index(u)
+            sb1 = sb.slice(0, BN).load(COL_L)
+            sb3 = sb.slice(BN, BN).load(COL_L)
+            t1 = warpgroup_mma_wait(1, deps=[t1])
+            acc1 += t1 * (ttgl.expand_dims(sa, 1) * ttgl.expand_dims(sb1, 0))
+            t3 = warpgroup_mma_wait(0, deps=[t3])
+            acc3 += t3 * (ttgl.expand_dims(sa, 1) * ttgl.expand_dims(sb3, 0))
+            _release(r_free, c, NS)
+            mbarrier.arrive(b_free.index(u), count=1)
+        h = swiglu(acc1, acc3, limit, HAS_LIMIT)
+        rm = M0 + ttgl.arange(0, 64, layout=ROW_L)
+        rn = n0 + ttgl.arange(0, BN, layout=COL_L)
+        c_ptrs = c_ptr + ((row0 + rm).to(ttgl.int64) * stride_cm)[:, None] + rn[None, :]
+        ttgl.store(c_ptrs, h.to(c_ptr.dtype.element_ty),
+                   mask=(rm < nrows)[:, None] & (rn < N)[None, :])
+
+    # ---- the kernel ----------------------------------------------------------------------------
+
+    @gluon.jit
+    def l1_ws_kernel(a_ptr, as_ptr, aidx_ptr, w1_desc, bs1_ptr, w3_desc, bs2_ptr, c_ptr, work_ptr,
+                     MT, N, K, G, P, limit, stride_am, stride_as, stride_bsg, stride_bsn,
+                     stride_cm, TOPK: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr,
+                     USE_ASM: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
+                     BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
+                     R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr, R_LD: ttgl.constexpr):
+        """Program pid: row tile pid // (N / BN) of moe.tile_list at BM rows, columns
+        (pid % (N / BN)) * BN of W1 and W3 (w1_desc / w3_desc: the banks as [G N, K / 2] bytes,
+        boxes [BN, BK / 2]). N % BN == 0, K % BK == 0 (the launcher checks); out-of-range list
+        entries exit before any pointer is formed or any warp is specialized."""
+        ttgl.static_assert(BM == 128, "two MMA warpgroups of 64 rows")
+        ttgl.static_assert(BN == 64, "64 columns of W1 and W3 (the wgmma's n, the TMA box)")
+        ttgl.static_assert(BK == 128, "128-column chunks (one A scale per chunk)")
+        ttgl.static_assert((NS >= 2) & (NU >= 2), "double-buffered rings at least")
+
+        skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BN, MT, G,
+                                                 P, BM)
+        if skip:
+            return
+        n0 = pid_n * BN
+        wrow = g.to(ttgl.int32) * N + n0  # < G N: the launcher checks that it fits int32
+
+        a_r = ttgl.allocate_shared_memory(ttgl.float8e4nv, [NS, BM, BK], F8_SMEM)
+        w1_r = ttgl.allocate_shared_memory(ttgl.uint8, [NS, BN, BK // 2], w1_desc.layout)
+        w3_r = ttgl.allocate_shared_memory(ttgl.uint8, [NS, BN, BK // 2], w3_desc.layout)
+        e_r = ttgl.allocate_shared_memory(ttgl.uint8, [NS, 2 * BN, 4], FLAT)
+        sa_r = ttgl.allocate_shared_memory(ttgl.float32, [NS, BM], FLAT1)
+        b1_r = ttgl.allocate_shared_memory(ttgl.float8e4nv, [NU, BN, BK], F8_SMEM)
+        b3_r = ttgl.allocate_shared_memory(ttgl.float8e4nv, [NU, BN, BK], F8_SMEM)
+        sb_r = ttgl.allocate_shared_memory(ttgl.float32, [NU, 2 * BN], FLAT1)
+        r_ready = ttgl.allocate_shared_memory(ttgl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        r_free = ttgl.allocate_shared_memory(ttgl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        b_ready = ttgl.allocate_shared_memory(ttgl.int64, [NU, 1], mbarrier.MBarrierLayout())
+        b_free = ttgl.allocate_shared_memory(ttgl.int64, [NU, 1], mbarrier.MBarrierLayout())
+        for s in ttgl.static_range(NS):
+            mbarrier.init(r_ready.index(s), count=2)  # the TMA's expect + the loader's arrive
+            mbarrier.init(r_free.index(s), count=3)  # 2 MMA warpgroups + the upcast warps
+        for u in ttgl.static_range(NU):
+            mbarrier.init(b_ready.index(u), count=1)
+            mbarrier.init(b_free.index(u), count=2)
+        fence_async_shared()  # the initialized barriers, before the TMA unit signals them
+
+        ring = (a_r, w1_r, w3_r, e_r, sa_r)
+        bring = (b1_r, b3_r, sb_r)
+        bars = (r_ready, r_free, b_ready, b_free)
+        ttgl.warp_specialize([
+            (_mma, (ring, bars, bring, c_ptr, row0, nrows, n0, N, K, limit, stride_cm, 0,
+                    HAS_LIMIT, BN, BK, NS, NU)),
+            (_mma, (ring, bars, bring, c_ptr, row0, nrows, n0, N, K, limit, stride_cm, 64,
+                    HAS_LIMIT, BN, BK, NS, NU)),
+            (_upcaster, (ring, bars, bring, K, USE_ASM, BN, BK, NS, NU)),
+            (_loader, (a_ptr, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr, ring,
+                       (r_ready, r_free), g, row0, nrows, n0, wrow, K, stride_am, stride_as,
+                       stride_bsg, stride_bsn, TOPK, BM, BN, BK, NS)),
+        ], [4, 4, 4], [R_MMA, R_UP, R_LD])
+
+
+def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True, stages: int = NS,
+                  bstages: int = NU, regs: tuple[int, int, int] = REGS) -> dict:
+    """l1_ws_kernel's constexprs (the launcher's and the ahead-of-time build test's)."""
+    r_mma, r_up, r_ld = regs
+    return dict(TOPK=topk, HAS_LIMIT=has_limit, USE_ASM=use_asm, BM=BM, BN=BN, BK=BK, NS=stages,
+                NU=bstages, R_MMA=r_mma, R_UP=r_up, R_LD=r_ld)
+
+
+def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tiles: int,
+                limit: float | None = None, tiles: torch.Tensor | None = None,
+                use_asm: bool | None = None, stages: int | None = None,
+                bstages: int | None = None) -> torch.Tensor:
+    """out [P, F] (expert-sorted rows; fp16 in routed_experts, fp32 / bf16 fine; a row-strided
+    view is fine) = swiglu(A W1^T, A W3^T) per expert, A row of sorted row r = a_q[a_idx[r] //
+    topk] (E4M3 [T, d] with 16-byte aligned rows, a_scale [T, d / 128] f32); w1 / w3: moe.Bank
+    MXFP4 [E, F, d / 2] (expert rows one stride apart: the TMA descriptor) with E8M0 [E, F, d / 32];
+    counts [E] int32 rows per expert. Row tiles of BM = 128 rows: max_tiles bounds them
+    (min(P, P // 128 + E)); tiles: moe.tile_list(counts, 128, max_tiles) if already built (else
+    built here: one tiny launch, no host sync, CUDA-graph capturable). use_asm: the PRMT table
+    upcast (default) or its integer twin (the same bits). stages / bstages: the raw / B ring
+    depths (default NS / NU)."""
+    from .moe_gluon_decode import _tma_fits, _weight_desc
+
+    if not _IMPORT_OK:
+        raise RuntimeError("l1_gluon_ws needs Triton 3.6 Gluon")
+    if not (w1.wfmt == 0 and w3.wfmt == 0 and w1.bk == 32 and w1.bn == 1 and w3.bk == 32
+            and w3.bn == 1):
+        raise ValueError("l1_gluon_ws takes MXFP4 banks (E8M0 per 32 columns)")
+    if a_q.dtype != torch.float8_e4m3fn or a_scale is None:
+        raise ValueError("l1_gluon_ws takes E4M3 activations with fp8_1x128 scales")
+    N, K = w1.n, w1.k
+    if N % BN or K % BK or w3.n != N or w3.k != K:
+        raise ValueError(f"N {N} / K {K} do not fit the {BN}-column tile / {BK}-column chunk")
+    if w1.w.stride() != w3.w.stride() or w1.s.stride() != w3.s.stride():
+        raise ValueError("W1 and W3 banks need the same strides")
+    if not (_tma_fits(w1) and _tma_fits(w3)):
+        raise ValueError("the TMA weight stream needs expert rows one stride apart, G N < 2^31")
+    if w1.w.stride(1) % 16 or w1.w.data_ptr() % 16 or w3.w.data_ptr() % 16 or \
+            w1.s.stride(1) % 4 or w1.s.data_ptr() % 4 or w3.s.data_ptr() % 4:
+        raise ValueError("weight rows must be 16-byte, exponent rows 4-byte aligned")
+    if w1.groups != w3.groups or counts.numel() > w1.groups:
+        raise ValueError("counts has more experts than the banks")
+    if a_q.stride(1) != 1 or a_q.stride(0) % 16 or a_q.data_ptr() % 16 or out.stride(1) != 1:
+        raise ValueError("a_q rows contiguous and 16-byte aligned (16-byte cp.async), out rows "
+                         "contiguous")
+    ns = NS if stages is None else int(stages)
+    nu = NU if bstages is None else int(bstages)
+    if ns < 2 or nu < 2:
+        raise ValueError(f"stages {ns} / bstages {nu}: at least 2 each")
+    P = check_rows(a_scale, a_idx, out, N, K)
+    if max_tiles == 0 or P == 0:
+        return out
+    tiles = tile_list(counts, BM, max_tiles, tiles)
+    consts = kernel_consts(topk=topk, has_limit=limit is not None and limit > 0,
+                           use_asm=True if use_asm is None else bool(use_asm), stages=ns,
+                           bstages=nu)
+    grid = (max_tiles * (N // BN),)
+    l1_ws_kernel[grid](
+        a_q, a_scale, a_idx, _weight_desc(w1), w1.s, _weight_desc(w3), w3.s, out, tiles,
+        max_tiles, N, K, counts.numel(), P, float(limit or 0.0), a_q.stride(0),
+        a_scale.stride(0), w1.s.stride(0), w1.s.stride(1), out.stride(0), **consts,
+        num_warps=NUM_WARPS, maxnreg=MAXNREG)
+    return out

@@ -1,0 +1,371 @@
+"""The warp-specialized Gluon prefill L1 (kernels/triton/moe_gluon_ws.py): loader / upcast / two
+MMA warpgroups on mbarrier rings, BM = 128 expert-sorted rows x BN = 64 columns of W1 and W3.
+
+GPU (CUDA sm_90 + Triton 3.6 Gluon, else skipped): against the fp32 math of the same quantized
+operands (gluon_cases.reference) and the Triton L1 launch of routed_experts (moe.gemm role "l1")
+within 2e-3 relative (the decode tests' bound and argument: exact E4M3 weight codes, exact fp8
+products, fp16 H rounding + fp32 sum order); explicit rows per expert (tiles of 1..128 rows,
+experts of > 128 rows, empty experts, odd token counts) into poisoned outputs; PTX upcast vs its
+integer twin bit for bit (20-wide exponent spread: flushed weights); 20 launches giving the same
+bits; CUDA-graph capture.
+
+CPU: the kernel compiled ahead of time for sm_90 (Triton 3.6, make sm90-h200): no stack / local
+memory, the partitions' setmaxnreg values, shared memory within 227 KB at >= 3 raw stages, per
+partition K loop (one chunk each: the loops are not unrolled) the pinned instruction counts and
+the proxy-fence / barrier order before every arrive (ws_order_problems).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from gluon_cases import TYPES, case, reference, rel
+from megagraph.kernels.triton import moe_gluon_ws as mw
+from poisoned_alloc import poisoned
+from sm90_build import gluon_sm90, usage_and_sass
+
+GPU_OK = mw.available()
+gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and Triton 3.6 Gluon")
+build = pytest.mark.skipif(not mw._IMPORT_OK, reason="needs Triton 3.6 with Gluon "
+                           "(PYTHONPATH=.cache/triton36)")
+
+
+def _max_tiles(P, E):
+    """routed_experts' bound on the row tiles of 128 rows."""
+    return min(P, P // mw.BM + E)
+
+
+def _rows_case(rows, T, k, d, F, seed, exps=(119, 125)):
+    """case()'s data with EXPLICIT rows per expert (zeros = empty experts): sorted row r gathers
+    A row a_idx[r] // k, a_idx a random choice of distinct pairs of T tokens x top-k."""
+    P = sum(rows)
+    assert P <= T * k
+    xq, xs, w1, w3, _, _ = case(T, len(rows), d, F, k, seed=seed, exps=exps)
+    g = torch.Generator().manual_seed(seed + 1)
+    a_idx = torch.randperm(T * k, generator=g)[:P].to(torch.int32).cuda()
+    counts = torch.tensor(rows, dtype=torch.int32, device="cuda")
+    return xq, xs, w1, w3, counts, a_idx
+
+
+# (rows per expert, tokens, top-k, d, F, exponent range, limit)
+CASES = {
+    # tile sizes 1..128 (one partial tile per expert), empty experts; 331 tokens (odd)
+    "tiles_1_128": ([1, 2, 0, 3, 7, 16, 31, 33, 64, 65, 0, 100, 127, 128], 331, 3, 1024, 256,
+                    (119, 125), 10.0),
+    # experts of > 128 rows (2-3 tiles, the last partial) between empty ones; 257 tokens
+    "big_experts": ([0, 129, 300, 0, 256, 5, 0], 257, 3, 1024, 128, (119, 125), 10.0),
+    # K = 256 (2 chunks, fewer than the ring's stages), no clamp, a 20-wide exponent range
+    "short_k_wide_exps": ([3, 0, 130, 1, 9], 77, 3, 256, 64, (108, 128), None),
+}
+
+
+def _launch(xq, xs, a_idx, w1, w3, counts, out, k, limit, **kw):
+    P = a_idx.numel()
+    mw.l1_gluon_ws(xq, xs, a_idx, w1, w3, counts, out, topk=k,
+                   max_tiles=_max_tiles(P, counts.numel()), limit=limit, **kw)
+
+
+def _triton_l1(xq, xs, a_idx, w1, w3, counts, k, limit, F):
+    """The Triton L1 as routed_experts launches it at prefill sizes."""
+    from megagraph.kernels.triton import moe
+
+    P, E = a_idx.numel(), counts.numel()
+    h = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
+    rpg = P / max(1, min(E, P))
+    mt = min(P, P // moe.pick_config("l1", rpg).bm + E)
+    moe.gemm(xq, xs, w1, h, b2=w3, role="l1", rows_per_group=rpg, counts=counts, a_idx=a_idx,
+             topk=k, max_tiles=mt, limit=limit)
+    return h
+
+
+@gpu
+@pytest.mark.parametrize("stages,bstages", [(None, None), (3, 2), (6, 3)])
+@pytest.mark.parametrize("name", list(CASES))
+def test_l1_ws_matches(name, stages, bstages):
+    """Into a poisoned output (torch.empty under poisoned(): NaN): every valid row written and
+    finite, within 2e-3 of the fp32 math and of the Triton L1; ring depths only move the
+    schedule, never the bits."""
+    rows, T, k, d, F, exps, limit = CASES[name]
+    xq, xs, w1, w3, counts, a_idx = _rows_case(rows, T, k, d, F, seed=len(name), exps=exps)
+    with poisoned():
+        out = torch.empty((sum(rows), F), dtype=torch.float16, device="cuda")
+    _launch(xq, xs, a_idx, w1, w3, counts, out, k, limit, stages=stages, bstages=bstages)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), "an output element was not written (or is not finite)"
+    lim = float("inf") if limit is None else limit
+    ref = reference(xq, xs, w1, w3, counts, a_idx, k, lim)
+    assert rel(out, ref) < 2e-3, f"vs fp32 math: {rel(out, ref):.3e}"
+    h = _triton_l1(xq, xs, a_idx, w1, w3, counts, k, limit, F)
+    torch.cuda.synchronize()
+    assert rel(out, h) < 2e-3, f"vs the Triton L1: {rel(out, h):.3e}"
+    base = torch.full_like(out, float("nan"))
+    _launch(xq, xs, a_idx, w1, w3, counts, base, k, limit)
+    assert torch.equal(out, base), "another ring depth gave other bits"
+
+
+@gpu
+def test_l1_ws_balanced_case():
+    """gluon_cases.case routing (every token top-k over 16 experts, ~110 rows each), fp32 and
+    bf16 outputs besides fp16, and a prebuilt tile list."""
+    from megagraph.kernels.triton import moe
+
+    T, E, d, F, k = 293, 16, 512, 192, 6
+    xq, xs, w1, w3, counts, srt = case(T, E, d, F, k, seed=3, distinct=True)
+    P = T * k
+    ref = reference(xq, xs, w1, w3, counts, srt, k, 10.0)
+    for dt in (torch.float16, torch.bfloat16, torch.float32):
+        out = torch.full((P, F), float("nan"), dtype=dt, device="cuda")
+        _launch(xq, xs, srt, w1, w3, counts, out, k, 10.0)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all() and rel(out.float(), ref) < 2e-3, dt
+    o1 = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
+    o2 = torch.full_like(o1, float("nan"))
+    mt = _max_tiles(P, E)
+    _launch(xq, xs, srt, w1, w3, counts, o1, k, 10.0)
+    _launch(xq, xs, srt, w1, w3, counts, o2, k, 10.0, tiles=moe.tile_list(counts, mw.BM, mt))
+    assert torch.equal(o1, o2), "prebuilt tile list differs"
+
+
+@gpu
+def test_l1_ws_asm_vs_arith():
+    """Exponents 108 .. 127 (every table offset, flushed weights), no clamp: the PTX table
+    upcast and its integer twin give the same bits."""
+    rows, T, k, d, F = [0, 77, 129, 3], 101, 3, 512, 128
+    xq, xs, w1, w3, counts, a_idx = _rows_case(rows, T, k, d, F, seed=9, exps=(108, 128))
+    outs = []
+    for use_asm in (True, False):
+        out = torch.full((sum(rows), F), float("nan"), dtype=torch.float16, device="cuda")
+        _launch(xq, xs, a_idx, w1, w3, counts, out, k, None, use_asm=use_asm)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]), f"PTX vs arithmetic upcast: {rel(*outs):.3e}"
+    ref = reference(xq, xs, w1, w3, counts, a_idx, k, float("inf"))
+    assert rel(outs[0], ref) < 2e-3, f"vs fp32 math: {rel(outs[0], ref):.3e}"
+
+
+@gpu
+def test_l1_ws_repeat_and_graph():
+    """20 eager launches give the same bits (earlier Gluon prefill variants did not), and the
+    launch captured in a CUDA graph (tile list built inside the capture, host TMA descriptors
+    filled at capture) replays them into a re-poisoned output."""
+    rows, T, k, d, F = [5, 0, 128, 231, 1, 64, 0, 77], 199, 3, 1024, 256
+    xq, xs, w1, w3, counts, a_idx = _rows_case(rows, T, k, d, F, seed=77)
+    P = sum(rows)
+
+    def launch(out):
+        _launch(xq, xs, a_idx, w1, w3, counts, out, k, 10.0)
+
+    want = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
+    launch(want)
+    torch.cuda.synchronize()
+    assert torch.isfinite(want).all()
+    out = torch.full_like(want, float("nan"))
+    for i in range(20):
+        out.fill_(float("nan"))
+        launch(out)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"launch {i} differs: rel {rel(out, want):.3e}"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch asks
+        launch(out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(out)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"graph replay differs: rel {rel(out, want):.3e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: launcher checks, the ahead-of-time sm_90 build
+# ---------------------------------------------------------------------------------------------
+
+def test_l1_ws_args():
+    """The launcher's checks run before any launch (CPU tensors): ring depths >= 2, K / N that
+    fit the tile, E4M3 activations."""
+    from megagraph.kernels.triton import moe
+
+    if not mw._IMPORT_OK:
+        with pytest.raises(RuntimeError):
+            mw.l1_gluon_ws(None, None, None, None, None, None, None, topk=1, max_tiles=1)
+        return
+    E, F, d, T, k = 2, 64, 256, 3, 1
+    w = torch.zeros(E, F, d // 2, dtype=torch.int8)
+    s = torch.full((E, F, d // 32), 127, dtype=torch.uint8)
+    s = s.view(torch.float8_e8m0fnu)
+    bank = moe.bank(w, s, "mxfp4")
+    xq = torch.zeros(T, d, dtype=torch.float8_e4m3fn)
+    xs = torch.ones(T, d // 128)
+    a_idx = torch.arange(T, dtype=torch.int32)
+    counts = torch.tensor([T, 0], dtype=torch.int32)
+    out = torch.empty(T, F, dtype=torch.float16)
+    with pytest.raises(ValueError, match="stages"):
+        mw.l1_gluon_ws(xq, xs, a_idx, bank, bank, counts, out, topk=k, max_tiles=2, stages=1)
+    with pytest.raises(ValueError, match="E4M3"):
+        mw.l1_gluon_ws(xq.float(), xs, a_idx, bank, bank, counts, out, topk=k, max_tiles=2)
+    narrow = moe.bank(w[:, :32].contiguous(), s[:, :32].contiguous(), "mxfp4")
+    with pytest.raises(ValueError, match="do not fit"):
+        mw.l1_gluon_ws(xq, xs, a_idx, narrow, narrow, counts, out[:, :32], topk=k, max_tiles=2)
+    # max_tiles == 0: checked, then nothing launched
+    assert mw.l1_gluon_ws(xq, xs, a_idx, bank, bank, counts, out, topk=k, max_tiles=0) is out
+
+
+def _types():
+    """TYPES with the TMA descriptors in place of the weight pointers and their strides."""
+    from megagraph.kernels.triton import moe_gluon_decode as md
+
+    desc = f"tensordesc<u8[{mw.BN}, {mw.BK // 2}],{md.W_TMA_LAYOUT!r}>"
+    types = {n: t for n, t in TYPES.items()
+             if n not in ("b1_ptr", "b2_ptr", "stride_bg", "stride_bn")}
+    return dict(types, w1_desc=desc, w3_desc=desc)
+
+
+def _compile(**kw):
+    consts = mw.kernel_consts(topk=6, has_limit=True, **kw)
+    return gluon_sm90(mw.l1_ws_kernel, _types(), consts, num_warps=mw.NUM_WARPS,
+                      maxnreg=mw.MAXNREG)
+
+
+def partition_loops(sass: str) -> dict:
+    """The K loop of each partition (SASS text up to ';', one instruction a list item), by what
+    only it runs: "mma" (both MMA warpgroups: QGMMA), "upcast" (PRMT), "loader" (UTMALDG). A
+    loop = the body of a conditional backward branch longer than 16 instructions (the mbarrier
+    try-wait retries ptxas moves out of line are 2-3)."""
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = {"mma": [], "upcast": [], "loader": []}
+    for addr, text in ins:
+        m = re.search(r"^@!?U?P\w+\s+BRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        if not m or int(m.group(1), 16) >= addr - 16 * 16:
+            continue
+        body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+        kind = next((n for n, p in (("mma", "QGMMA"), ("upcast", r"\bPRMT\b"),
+                                    ("loader", "UTMALDG")) if any(re.search(p, t) for t in body)),
+                    None)
+        if kind:
+            loops[kind].append(body)
+    return loops
+
+
+def ws_order_problems(loops: dict) -> list[str]:
+    """The order every release needs (the module docstring): before each partition's first
+    mbarrier arrive of a chunk (SYNCS.ARRIVE.TRANS64.A1T0) a BAR.SYNC of the partition that
+    follows - loader: its cp.async wait (DEPBAR.LE SB0) and then its proxy fence
+    (FENCE.VIEW.ASYNC.S: writer-side, before the barrier); upcast: its last st.shared and then its
+    proxy fence; MMA: its last wgmma wait (WARPGROUP.DEPBAR.LE gsb0, 0x0). [] when right."""
+    probs = []
+    need = {"loader": (r"^(@\S+\s+)?DEPBAR\.LE\s+SB0", r"FENCE\.VIEW\.ASYNC\.S"),
+            "upcast": (r"\bSTS", r"FENCE\.VIEW\.ASYNC\.S"),
+            "mma": (r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0", None)}
+    for kind, bodies in loops.items():
+        last_write, fence = need[kind]
+        for body in bodies:
+            arr = next((i for i, t in enumerate(body) if "SYNCS.ARRIVE.TRANS64.A1T0" in t), None)
+            if arr is None:
+                probs.append(f"{kind}: no arrive in the loop")
+                continue
+            w = max((i for i in range(arr) if re.search(last_write, body[i])), default=None)
+            f = max((i for i in range(arr) if fence and re.search(fence, body[i])), default=None)
+            b = max((i for i in range(arr) if re.search(r"\bBAR\.SYNC\b", body[i])), default=None)
+            if w is None or b is None or b < w:
+                probs.append(f"{kind}: no partition barrier between {last_write} and the arrive")
+            if fence and (f is None or not (w is not None and w < f < b)):
+                probs.append(f"{kind}: the proxy fence is not between {last_write} and the "
+                             "barrier before the arrive (writer-side)")
+    return probs
+
+
+def _count(body, pat):
+    return sum(1 for t in body if re.search(pat, t))
+
+
+LOOP_COUNTS = {  # per chunk (each partition's loop holds one chunk)
+    "mma": dict(QGMMA=(r"\bQGMMA\.64x64x32\.F32\.E4M3\.E4M3\b", 8),
+                WG_ARRIVE=(r"WARPGROUP\.ARRIVE", 2), WG_DEPBAR=(r"WARPGROUP\.DEPBAR", 2),
+                FFMA=(r"\bFFMA\b", 64), FMUL=(r"\bFMUL\b", 64), TRYWAIT=(r"SYNCS\.PHASECHK", 2),
+                ARRIVE=(r"SYNCS\.ARRIVE\.TRANS64\.A1T0", 2), STS=(r"\bSTS", 0),
+                FENCE=(r"FENCE\.VIEW", 0)),
+    "upcast": dict(PRMT=(r"\bPRMT\b", 64), LDS128=(r"\bLDS\.128\b", 4),
+                   STS128=(r"\bSTS\.128\b", 8), TRYWAIT=(r"SYNCS\.PHASECHK", 2),
+                   ARRIVE=(r"SYNCS\.ARRIVE\.TRANS64\.A1T0", 2), FENCE=(r"FENCE\.VIEW", 1),
+                   QGMMA=(r"GMMA", 0)),
+    "loader": dict(UTMALDG=(r"\bUTMALDG\b", 2), LDGSTS128=(r"\bLDGSTS\.E\.BYPASS\.128\b", 8),
+                   LDGSTS4=(r"\bLDGSTS\.E\s", 2), DEPBAR=(r"^(@\S+\s+)?DEPBAR\.LE\s+SB0", 1),
+                   EXPECT=(r"SYNCS\.ARRIVE\.TRANS64\s", 1),
+                   ARRIVE=(r"SYNCS\.ARRIVE\.TRANS64\.A1T0", 1), TRYWAIT=(r"SYNCS\.PHASECHK", 1),
+                   FENCE=(r"FENCE\.VIEW", 1)),
+}
+# each loop's instruction count when written (+- 10%): the upcast's is the work per chunk that
+# the MMA warpgroups' must hide (2 x 64 rows x 64 packed bytes for 128 threads)
+LOOP_SIZES = {"mma": 217, "upcast": 306, "loader": 125}
+
+
+@build
+def test_l1_ws_sm90_build():
+    """Triton 3.6 sm_90 build at the defaults (NS = 4, NU = 2): no stack / local memory, REG =
+    the launch cap (128: 16 warps fill the SM's 64K), the partitions' setmaxnreg (200 for the
+    default MMA warpgroup, REGS for the workers), <= 227 KB of shared memory (one CTA per SM),
+    the per-partition K-loop counts (LOOP_COUNTS, LOOP_SIZES) and release order."""
+    k = _compile()
+    usage, sass = usage_and_sass(k)
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
+    assert int(re.search(r"REG:(\d+)", usage).group(1)) == mw.MAXNREG, usage
+    ptx_regs = {int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                           k.asm["ptx"])}
+    default = 4 * mw.MAXNREG - sum(mw.REGS)
+    assert {default, *mw.REGS} <= ptx_regs, ptx_regs
+    shared = k.metadata.shared
+    assert shared <= 227 * 1024, shared
+    loops = partition_loops(sass)
+    assert [len(loops[n]) for n in ("mma", "upcast", "loader")] == [2, 1, 1], \
+        {n: len(v) for n, v in loops.items()}
+    stats = {}
+    for kind, pats in LOOP_COUNTS.items():
+        for body in loops[kind]:
+            got = {n: _count(body, p) for n, (p, _) in pats.items()}
+            stats[kind] = (len(body), got)
+            assert got == {n: v for n, (_, v) in pats.items()}, (kind, got)
+            assert abs(len(body) - LOOP_SIZES[kind]) <= 0.1 * LOOP_SIZES[kind], (kind, len(body))
+    print(f"\nsm_90 ws build: {shared} B shared, setmaxnreg {sorted(ptx_regs)}, "
+          f"loops per chunk {stats}")
+    assert ws_order_problems(loops) == []
+
+
+@build
+@pytest.mark.parametrize("stages,bstages,use_asm", [(3, 2, True), (6, 3, True), (4, 2, False)])
+def test_l1_ws_sm90_build_variants(stages, bstages, use_asm):
+    """Other ring depths and the integer upcast: no stack / spills, within 227 KB, the same
+    release order. (6, 3): the deepest default-tile ring that fits."""
+    k = _compile(stages=stages, bstages=bstages, use_asm=use_asm)
+    usage, sass = usage_and_sass(k)
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
+    assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+    assert ws_order_problems(partition_loops(sass)) == []
+
+
+def test_ws_order_problems():
+    """The order check on hand-written loops: the right order passes; a fence after the
+    barrier (reader-side) and a missing barrier fail."""
+    good = {"loader": [["DEPBAR.LE SB0, 0x1", "BAR.SYNC.DEFER_BLOCKING 0x4, 0x80",
+                        "FENCE.VIEW.ASYNC.S", "BAR.SYNC.DEFER_BLOCKING 0x4, 0x80",
+                        "@!P5 SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR8+0x21550], RZ"]],
+            "upcast": [["STS.128 [R5], R20", "FENCE.VIEW.ASYNC.S", "BAR.SYNC 0x3, 0x80",
+                        "@!P0 SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR11], RZ"]],
+            "mma": [["WARPGROUP.DEPBAR.LE gsb0, 0x0", "BAR.SYNC 0x0, 0x80",
+                     "@!P1 SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR32], RZ"]]}
+    assert ws_order_problems(good) == []
+    reader = dict(good, loader=[["DEPBAR.LE SB0, 0x1", "BAR.SYNC 0x4, 0x80",
+                                 "FENCE.VIEW.ASYNC.S",
+                                 "@!P5 SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR8], RZ"]])
+    assert ws_order_problems(reader)
+    unsynced = dict(good, mma=[["WARPGROUP.DEPBAR.LE gsb0, 0x0",
+                                "@!P1 SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR32], RZ"]])
+    assert ws_order_problems(unsynced)
