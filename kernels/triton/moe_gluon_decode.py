@@ -165,18 +165,13 @@ if _IMPORT_OK:
     FLAT1 = ttgl.constexpr(ttgl.SwizzledSharedLayout(1, 1, 1, [0]))  # [NKP, BT], .index(i)
 
     @gluon.jit
-    def _upcast(w_t, e_st, ROW0: ttgl.constexpr, USE_ASM: ttgl.constexpr, BW: ttgl.constexpr,
-                BT: ttgl.constexpr):
-        """One matrix's BW weight rows of the stage (packed bytes w_t [BW, 64], their exponents
-        rows ROW0 .. ROW0 + BW - 1 of e_st [2 BW, 4]) -> the wgmma A operand (E4M3 [BW, 128] in
-        wgmma_a(BT, 32, 4), k permuted as the module docstring says) and the rows' promotion scales
-        2^(S - 127) (wgmma_rows(BT, 32)). w_t's shared layout is the load's (flat for cp.async, NVMMA
-        64-byte swizzle for TMA): the LDS.128 of group t per row reads 16 contiguous bytes
-        either way."""
-        e_l: ttgl.constexpr = ttgl.SliceLayout(2, ttgl.SliceLayout(3, P_L))
-        p = w_t.load(P2_L)  # [BW, 64] uint8: LDS.128 of group t per row
-        p = ttgl.convert_layout(ttgl.reshape(p, [BW, 4, 4, 4]), P_L, assert_trivial=True)
-        e = e_st.slice(ROW0, BW).load(e_l).to(ttgl.int32)  # [BW, 4]: thread t: group t
+    def upcast_packs(p, e, USE_ASM: ttgl.constexpr, BW: ttgl.constexpr, P_L: ttgl.constexpr):
+        """The E4M3 codes of BW packed rows p ([BW, 4 groups, 4 packs, 4 bytes] uint8 in P_L)
+        with their exponents e ([BW, 4] int32, one per group): (r0, r1, S) - r0 the columns
+        0..3 and r1 the columns 4..7 of each pack ([BW, 4, 4, 4] in P_L), S the row's frame
+        (module docstring: the table per (row, group), its exactness). USE_ASM: the PRMT table,
+        else the integer-arithmetic twin (the same codes). Shared with moe_gluon_ws, whose
+        upcast stores the same codes in column order."""
         S = ttgl.maximum(ttgl.max(e, axis=1) - 6, 1)
         rel = e - ttgl.expand_dims(S, 1)
         if USE_ASM:
@@ -199,6 +194,22 @@ if _IMPORT_OK:
             r0, r1 = ttgl.split(ttgl.permute(j, (0, 1, 2, 4, 3)))
             r0 = ttgl.convert_layout(r0, P_L)
             r1 = ttgl.convert_layout(r1, P_L)
+        return r0, r1, S
+
+    @gluon.jit
+    def _upcast(w_t, e_st, ROW0: ttgl.constexpr, USE_ASM: ttgl.constexpr, BW: ttgl.constexpr,
+                BT: ttgl.constexpr):
+        """One matrix's BW weight rows of the stage (packed bytes w_t [BW, 64], their exponents
+        rows ROW0 .. ROW0 + BW - 1 of e_st [2 BW, 4]) -> the wgmma A operand (E4M3 [BW, 128] in
+        wgmma_a(BT, 32, 4), k permuted as the module docstring says) and the rows' promotion scales
+        2^(S - 127) (wgmma_rows(BT, 32)). w_t's shared layout is the load's (flat for cp.async, NVMMA
+        64-byte swizzle for TMA): the LDS.128 of group t per row reads 16 contiguous bytes
+        either way."""
+        e_l: ttgl.constexpr = ttgl.SliceLayout(2, ttgl.SliceLayout(3, P_L))
+        p = w_t.load(P2_L)  # [BW, 64] uint8: LDS.128 of group t per row
+        p = ttgl.convert_layout(ttgl.reshape(p, [BW, 4, 4, 4]), P_L, assert_trivial=True)
+        e = e_st.slice(ROW0, BW).load(e_l).to(ttgl.int32)  # [BW, 4]: thread t: group t
+        r0, r1, S = upcast_packs(p, e, USE_ASM, BW, P_L)
         # [row, t, kk, i] x h -> [row, kk, h, t, i] = k position 32 kk + 16 h + 4 t + i
         a = ttgl.permute(ttgl.join(r0, r1), (0, 2, 4, 1, 3))
         a = ttgl.reshape(a, [BW, 128]).to(ttgl.float8e4nv, bitcast=True)

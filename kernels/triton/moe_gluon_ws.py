@@ -84,8 +84,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from .gluon_common import e2m1_e4m3_bits as _e2m1_e4m3_bits
-    from .moe_gluon_decode import FP4_TABLE_ASM
+    from .moe_gluon_decode import upcast_packs
 
 BM, BN, BK = 128, 64, 128
 NS, NU = 4, 2  # default depths of the raw ring (A, packed W, exponents, scales) and the B ring
@@ -203,33 +202,13 @@ if _IMPORT_OK:
         """One matrix's BN packed rows (w_s [BN, BK / 2] bytes, NVMMA 64-byte swizzle as TMA
         wrote them; exponents rows ROW0.. of e_s [2 BN, 4]) -> E4M3 [BN, BK] in column order into
         b_dst and the rows' promotion scales 2^(S - 127) into sb_dst [BN]. The per-(row, group)
-        table and its proof are moe_gluon_decode._upcast's; only the output order differs
+        table and its proof are moe_gluon_decode.upcast_packs's; only the output order differs
         (natural columns: pack kk of group t -> columns 32 t + 8 kk + 4 h + b)."""
         e_l: ttgl.constexpr = ttgl.SliceLayout(2, ttgl.SliceLayout(3, P_L))
         p = w_s.load(P2_L)  # [BN, 64] uint8: 16 contiguous bytes (one group) per thread
         p = ttgl.convert_layout(ttgl.reshape(p, [BN, 4, 4, 4]), P_L, assert_trivial=True)
         e = e_s.slice(ROW0, BN).load(e_l).to(ttgl.int32)  # [BN, 4]
-        S = ttgl.maximum(ttgl.max(e, axis=1) - 6, 1)
-        rel = e - ttgl.expand_dims(S, 1)
-        if USE_ASM:
-            flush = rel < -5
-            ta = ttgl.where(flush, 0, 0x3C383000 + rel * 0x08080800)
-            tb = ttgl.where(flush, 0, 0x4C484440 + rel * 0x08080808)
-            ta = ttgl.broadcast(ttgl.expand_dims(ttgl.expand_dims(ta, 2), 3), p)[0]
-            tb = ttgl.broadcast(ttgl.expand_dims(ttgl.expand_dims(tb, 2), 3), p)[0]
-            r0, r1 = ttgl.inline_asm_elementwise(FP4_TABLE_ASM, "=r,=r,r,r,r,r,r,r,r,r,r",
-                                                 [p, ta, tb], dtype=(ttgl.uint8, ttgl.uint8),
-                                                 is_pure=True, pack=4)
-        else:
-            rel_b = ttgl.broadcast(ttgl.expand_dims(ttgl.expand_dims(rel, 2), 3), p)[0]
-            pi = p.to(ttgl.int32)
-            lo = _e2m1_e4m3_bits(pi & 0xF, rel_b).to(ttgl.uint8)
-            hi = _e2m1_e4m3_bits(pi >> 4, rel_b).to(ttgl.uint8)
-            # byte b -> columns 2b (lo), 2b + 1 (hi); r0 = columns 0..3 of the pack, r1 = 4..7
-            j = ttgl.reshape(ttgl.join(lo, hi), [BN, 4, 4, 2, 4])
-            r0, r1 = ttgl.split(ttgl.permute(j, (0, 1, 2, 4, 3)))
-            r0 = ttgl.convert_layout(r0, P_L)
-            r1 = ttgl.convert_layout(r1, P_L)
+        r0, r1, S = upcast_packs(p, e, USE_ASM, BN, P_L)
         # [row, t, kk, b] x h -> [row, t, kk, h, b] = column 32 t + 8 kk + 4 h + b
         b = ttgl.permute(ttgl.join(r0, r1), (0, 1, 2, 4, 3))
         b = ttgl.reshape(b, [BN, BK]).to(ttgl.float8e4nv, bitcast=True)
