@@ -93,3 +93,32 @@ def gluon_sm90(fn, types: dict, consts: dict, **options):
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
     return triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", 90, 128), options=options)
+
+
+def count(body, pat: str) -> int:
+    """How many instructions of `body` (a list of SASS lines) match the regex `pat`."""
+    return sum(1 for t in body if re.search(pat, t))
+
+
+# the synchronization / copy / upcast patterns the Gluon decode kernels' build tests count per
+# K chunk (each test adds its wgmma's own pattern)
+SYNC_COUNTS = [
+    ("ARRIVE", r"WARPGROUP\.ARRIVE"), ("WG_DEPBAR", r"WARPGROUP\.DEPBAR"),
+    ("BAR_SYNC", r"\bBAR\.SYNC"), ("DEPBAR", r"^(@\S+\s+)?DEPBAR"),
+    ("LDGSTS128", r"\bLDGSTS\.E\.BYPASS\.128\b"), ("LDGSTS", r"\bLDGSTS\.E\s"),
+    ("LDS128", r"\bLDS\.128\b"), ("STS", r"\bSTS"), ("PRMT", r"\bPRMT\b"),
+    ("UTMALDG", r"\bUTMALDG\b"), ("TRYWAIT", r"SYNCS\.PHASECHK"),
+    ("EXPECT", r"SYNCS\.ARRIVE\.TRANS64"), ("FENCE", r"\bFENCE\.VIEW\.ASYNC\.S\b")]
+
+
+def build_stats(kernel, types: dict, consts: dict, counts, num_warps: int):
+    """(registers, shared bytes, K-loop instructions, {name: count} of `counts` patterns) of an
+    sm_90 build of a Gluon kernel, with no stack and no local memory (spills) asserted. The K
+    loop is outer_loop_instructions' (the mbarrier retry loops sit after the function end)."""
+    k = gluon_sm90(kernel, types, consts, num_warps=num_warps)
+    usage, sass = usage_and_sass(k)
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
+    body = [t.strip() for t in outer_loop_instructions(sass)]
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    return regs, k.metadata.shared, body, {n: count(body, p) for n, p in counts}

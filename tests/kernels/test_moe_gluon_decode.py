@@ -40,7 +40,8 @@ import pytest
 import torch
 from gluon_cases import TYPES, case, debug_cases, diagnose, reference, rel
 from megagraph.kernels.triton import moe_gluon_decode as md
-from sm90_build import gluon_sm90, loop_instructions, outer_loop_instructions, usage_and_sass
+from sm90_build import (SYNC_COUNTS, build_stats, count, gluon_sm90, loop_instructions,
+                        usage_and_sass)
 from test_moe_gluon import proxy_fence_problems
 from test_triton_moe import ACT, check_routed, routed_case
 
@@ -203,8 +204,6 @@ def test_l1_decode_debug_pieces(load):
 # ahead-of-time sm_90 build (CPU)
 # ---------------------------------------------------------------------------------------------
 
-def _count(body, pat):
-    return sum(1 for t in body if re.search(pat, t))
 
 
 @pytest.mark.skipif(not md._IMPORT_OK, reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
@@ -230,7 +229,7 @@ def test_l1_decode_sm90_build():
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
     body = [t.strip() for t in loop_instructions(sass)]
     ns = md.NS
-    counts = {name: _count(body, pat) for name, pat in [
+    counts = {name: count(body, pat) for name, pat in [
         ("QGMMA", r"\bQGMMA\.64x16x32\.F32\.E4M3\.E4M3\b"), ("ARRIVE", r"WARPGROUP\.ARRIVE"),
         ("WG_DEPBAR", r"WARPGROUP\.DEPBAR"), ("BAR_SYNC", r"\bBAR\.SYNC"),
         ("DEPBAR", r"^(@\S+\s+)?DEPBAR"), ("LDGSTS128", r"\bLDGSTS\.E\.BYPASS\.128\b"),
@@ -418,25 +417,12 @@ def _tma_types():
     return dict(types, w1_desc=desc, w3_desc=desc)
 
 
-SASS_COUNTS = [
-    ("QGMMA", r"\bQGMMA\.64x16x32\.F32\.E4M3\.E4M3\b"), ("ARRIVE", r"WARPGROUP\.ARRIVE"),
-    ("WG_DEPBAR", r"WARPGROUP\.DEPBAR"), ("BAR_SYNC", r"\bBAR\.SYNC"),
-    ("DEPBAR", r"^(@\S+\s+)?DEPBAR"), ("LDGSTS128", r"\bLDGSTS\.E\.BYPASS\.128\b"),
-    ("LDGSTS", r"\bLDGSTS\.E\s"), ("LDS128", r"\bLDS\.128\b"), ("STS", r"\bSTS"),
-    ("PRMT", r"\bPRMT\b"), ("UTMALDG", r"\bUTMALDG\b"), ("TRYWAIT", r"SYNCS\.PHASECHK"),
-    ("EXPECT", r"SYNCS\.ARRIVE\.TRANS64"), ("FENCE", r"\bFENCE\.VIEW\.ASYNC\.S\b")]
+SASS_COUNTS = [("QGMMA", r"\bQGMMA\.64x16x32\.F32\.E4M3\.E4M3\b")] + SYNC_COUNTS
 
 
 def _build_stats(kernel, types, consts):
-    """(registers, shared bytes, K-loop instructions, per-pattern counts) of an sm_90 build,
-    with no stack and no local memory asserted."""
-    k = gluon_sm90(kernel, types, consts, num_warps=md.NUM_WARPS)
-    usage, sass = usage_and_sass(k)
-    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
-    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
-    body = [t.strip() for t in outer_loop_instructions(sass)]
-    regs = int(re.search(r"REG:(\d+)", usage).group(1))
-    return regs, k.metadata.shared, body, {n: _count(body, p) for n, p in SASS_COUNTS}
+    """sm90_build.build_stats with this kernel family's patterns and warps."""
+    return build_stats(kernel, types, consts, SASS_COUNTS, md.NUM_WARPS)
 
 
 @pytest.mark.skipif(not md._IMPORT_OK, reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
@@ -602,7 +588,7 @@ def test_l1_decode_sm90_build_bt(bt, kernel, stages):
           f"{_ctas_per_sm(regs, shared)} CTAs per SM, K loop {len(body)} instructions "
           f"({len(body) / stages:.0f} per chunk)")
     assert regs <= 255, regs
-    qgmma = _count(body, rf"\bQGMMA\.64x{bt}x32\.F32\.E4M3\.E4M3\b")
+    qgmma = count(body, rf"\bQGMMA\.64x{bt}x32\.F32\.E4M3\.E4M3\b")
     per_chunk = dict(QGMMA=8, ARRIVE=2, WG_DEPBAR=2, BAR_SYNC=2, DEPBAR=1, LDS128=4, STS=0,
                      PRMT=64, FENCE=1, LDGSTS=bt // 4 + 1, **copies)
     got = dict({n: c[n] for n in per_chunk}, QGMMA=qgmma)

@@ -53,7 +53,8 @@ from gluon_cases import (
     rel,
 )
 from megagraph.kernels.triton import moe_gluon_decode_l2 as ml2
-from sm90_build import gluon_sm90, loop_instructions, outer_loop_instructions, usage_and_sass
+from sm90_build import (SYNC_COUNTS, build_stats, count, gluon_sm90, loop_instructions,
+                        usage_and_sass)
 from test_moe_gluon import proxy_fence_problems
 from test_moe_gluon_decode import _ctas_per_sm
 from test_triton_moe import ACT, _prmt, check_routed, routed_case
@@ -357,8 +358,6 @@ TYPES = dict(h_ptr="*fp16", b_ptr="*i8", bs_ptr="*u8", c_ptr="*fp32", cidx_ptr="
              stride_bsn="i32", stride_cm="i32")
 
 
-def _count(body, pat):
-    return sum(1 for t in body if re.search(pat, t))
 
 
 @pytest.mark.skipif(not ml2._IMPORT_OK,
@@ -386,7 +385,7 @@ def test_l2_decode_sm90_build(use_asm):
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
     body = [t.strip() for t in loop_instructions(sass)]
     ns = ml2.NS
-    counts = {name: _count(body, pat) for name, pat in [
+    counts = {name: count(body, pat) for name, pat in [
         ("HGMMA", r"\bHGMMA\.64x16x16\.F32\b"), ("ARRIVE", r"WARPGROUP\.ARRIVE"),
         ("WG_DEPBAR", r"WARPGROUP\.DEPBAR"), ("BAR_SYNC", r"\bBAR\.SYNC"),
         ("DEPBAR", r"^(@\S+\s+)?DEPBAR"), ("LDGSTS128", r"\bLDGSTS\.E\.BYPASS\.128\b"),
@@ -657,25 +656,12 @@ def _tma_types():
     return dict(types, w_desc=desc)
 
 
-SASS_COUNTS = [
-    ("HGMMA", r"\bHGMMA\.64x16x16\.F32\b"), ("ARRIVE", r"WARPGROUP\.ARRIVE"),
-    ("WG_DEPBAR", r"WARPGROUP\.DEPBAR"), ("BAR_SYNC", r"\bBAR\.SYNC"),
-    ("DEPBAR", r"^(@\S+\s+)?DEPBAR"), ("LDGSTS128", r"\bLDGSTS\.E\.BYPASS\.128\b"),
-    ("LDGSTS", r"\bLDGSTS\.E\s"), ("LDS128", r"\bLDS\.128\b"), ("STS", r"\bSTS"),
-    ("PRMT", r"\bPRMT\b"), ("UTMALDG", r"\bUTMALDG\b"), ("TRYWAIT", r"SYNCS\.PHASECHK"),
-    ("EXPECT", r"SYNCS\.ARRIVE\.TRANS64"), ("FENCE", r"\bFENCE\.VIEW\.ASYNC\.S\b")]
+SASS_COUNTS = [("HGMMA", r"\bHGMMA\.64x16x16\.F32\b")] + SYNC_COUNTS
 
 
 def _build_stats(kernel, types, consts):
-    """(registers, shared bytes, K-loop instructions, per-pattern counts) of an sm_90 build,
-    with no stack and no local memory asserted."""
-    k = gluon_sm90(kernel, types, consts, num_warps=ml2.NUM_WARPS)
-    usage, sass = usage_and_sass(k)
-    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
-    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
-    body = [t.strip() for t in outer_loop_instructions(sass)]
-    regs = int(re.search(r"REG:(\d+)", usage).group(1))
-    return regs, k.metadata.shared, body, {n: _count(body, p) for n, p in SASS_COUNTS}
+    """sm90_build.build_stats with this kernel family's patterns and warps."""
+    return build_stats(kernel, types, consts, SASS_COUNTS, ml2.NUM_WARPS)
 
 
 # per K chunk of the TMA kernel, besides the cp.async kernel's math: 2 BAR.SYNC (A: stage
@@ -854,7 +840,7 @@ def test_l2_decode_sm90_build_bt(bt, kernel, stages):
           f"{_ctas_per_sm(regs, shared)} CTAs per SM, K loop {len(body)} instructions "
           f"({len(body) / stages:.0f} per chunk)")
     assert regs <= 255, regs
-    hgmma = _count(body, rf"\bHGMMA\.64x{bt}x16\.F32\b")
+    hgmma = count(body, rf"\bHGMMA\.64x{bt}x16\.F32\b")
     per_chunk = dict(HGMMA=8, ARRIVE=1, WG_DEPBAR=1, BAR_SYNC=2, DEPBAR=1, LDS128=2, STS=0,
                      PRMT=64, FENCE=1, LDGSTS=bt // 2 + 1, **copies)
     got = dict({n: c[n] for n in per_chunk}, HGMMA=hgmma)

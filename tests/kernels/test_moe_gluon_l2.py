@@ -44,7 +44,7 @@ from gluon_cases import (
     rel,
 )
 from megagraph.kernels.triton import moe_gluon_l2 as mgl
-from sm90_build import gluon_sm90, loop_instructions, usage_and_sass
+from sm90_build import count, gluon_sm90, loop_instructions, usage_and_sass
 from test_moe_gluon import proxy_fence_problems
 from test_moe_gluon_decode_l2 import _parse, _run, check_table_lanes, fp16_ref
 
@@ -277,8 +277,6 @@ TYPES = dict(h_ptr="*fp16", b_ptr="*i8", bs_ptr="*u8", c_ptr="*bf16", cidx_ptr="
 LOOP_PIN = 337
 
 
-def _count(body, pat):
-    return sum(1 for t in body if re.search(pat, t))
 
 
 def sm90_build(use_asm: bool = True, out: str = "*bf16"):
@@ -314,7 +312,7 @@ def sass_stats(use_asm: bool = True, out: str = "*bf16") -> dict:
                 local=len(re.findall(r"\b(LDL|STL)\b", sass)), loop_instructions=len(body),
                 chunks=mgl.NS, kernel_instructions=len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+\S",
                                                                   sass)),
-                **{n: _count(body, p) for n, p in LOOP_PATTERNS},
+                **{n: count(body, p) for n, p in LOOP_PATTERNS},
                 fence_problems=proxy_fence_problems(body, mgl.NS))
 
 
@@ -338,7 +336,7 @@ def test_l2_gluon_sm90_build(use_asm):
     k, regs, stack, sass, body = sm90_build(use_asm)
     assert stack == 0 and not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills)"
     ns = mgl.NS
-    c = {n: _count(body, p) for n, p in LOOP_PATTERNS}
+    c = {n: count(body, p) for n, p in LOOP_PATTERNS}
     print(f"\nsm_90 build ({'asm' if use_asm else 'arith'}): {regs} registers, "
           f"{k.metadata.shared} B shared, K loop {len(body)} instructions for {ns} chunks "
           f"({len(body) / ns:.0f} per chunk): {c}")

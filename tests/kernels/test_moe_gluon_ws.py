@@ -23,7 +23,7 @@ import torch
 from gluon_cases import TYPES, case, reference, rel
 from megagraph.kernels.triton import moe_gluon_ws as mw
 from poisoned_alloc import poisoned
-from sm90_build import gluon_sm90, usage_and_sass
+from sm90_build import count, gluon_sm90, usage_and_sass
 
 GPU_OK = mw.available()
 gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and Triton 3.6 Gluon")
@@ -281,8 +281,6 @@ def ws_order_problems(loops: dict) -> list[str]:
     return probs
 
 
-def _count(body, pat):
-    return sum(1 for t in body if re.search(pat, t))
 
 
 LOOP_COUNTS = {  # per chunk (each partition's loop holds one chunk)
@@ -329,7 +327,7 @@ def test_l1_ws_sm90_build():
     stats = {}
     for kind, pats in LOOP_COUNTS.items():
         for body in loops[kind]:
-            got = {n: _count(body, p) for n, (p, _) in pats.items()}
+            got = {n: count(body, p) for n, (p, _) in pats.items()}
             stats[kind] = (len(body), got)
             assert got == {n: v for n, (_, v) in pats.items()}, (kind, got)
             assert abs(len(body) - LOOP_SIZES[kind]) <= 0.1 * LOOP_SIZES[kind], (kind, len(body))
