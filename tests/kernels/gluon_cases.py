@@ -266,3 +266,29 @@ def debug_cases(T: int, eye_step: int, partial: int, gathered: int, ramp: bool =
                   dict(topk=2, a_idx=perm, limit=10.0)))
     return [(name, kw.get("topk", 1), kw.get("limit"), dbg_case(*args, **kw))
             for name, *args, kw in cases]
+
+
+def check_repeats_and_graph(launch, out, want, same, why=lambda o, w: "", launches: int = 20,
+                            replays: int = 3) -> None:
+    """`launch(out)` `launches` times into a NaN-refilled `out`, then captured in a CUDA graph
+    (warmed up on a side stream, as torch asks) and replayed `replays` times: `same(out, want)`
+    after every one (the Gluon kernels' run-to-run bit stability and capture; why(out, want)
+    adds to the failure message)."""
+    for i in range(launches):
+        out.fill_(float("nan"))
+        launch(out)
+        torch.cuda.synchronize()
+        assert same(out, want), f"launch {i} differs {why(out, want)}"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        launch(out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(out)
+    for j in range(replays):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert same(out, want), f"graph replay {j} differs {why(out, want)}"

@@ -38,7 +38,7 @@ import re
 
 import pytest
 import torch
-from gluon_cases import TYPES, case, debug_cases, diagnose, reference, rel
+from gluon_cases import TYPES, case, check_repeats_and_graph, debug_cases, diagnose, reference, rel
 from megagraph.kernels.triton import moe_gluon_decode as md
 from sm90_build import (SYNC_COUNTS, build_stats, count, gluon_sm90, loop_instructions,
                         usage_and_sass)
@@ -351,25 +351,8 @@ def test_l1_decode_tma_repeat_and_graph():
 
     want = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
     launch(want, "cp.async")
-    out = torch.full_like(want, float("nan"))
-    for _ in range(20):
-        out.fill_(float("nan"))
-        launch(out, "tma")
-        torch.cuda.synchronize()
-        assert torch.equal(out, want), f"tma launch differs: rel {rel(out, want):.3e}"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the default stream, as torch asks
-        launch(out, "tma")
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch(out, "tma")
-    for _ in range(3):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want), f"graph replay differs: rel {rel(out, want):.3e}"
+    check_repeats_and_graph(lambda out: launch(out, "tma"), torch.full_like(want, float("nan")),
+                            want, torch.equal, lambda o, w: f"rel {rel(o, w):.3e}")
 
 
 def test_l1_decode_load_args():
@@ -538,25 +521,8 @@ def test_l1_decode_bt_repeat_and_graph(bt):
     assert torch.isfinite(want).all()
     ref = reference(xq, xs, w1, w3, counts, a_idx, k, 10.0)
     assert rel(want, ref) < 2e-3, f"vs fp32 math: {rel(want, ref):.3e}"
-    out = torch.full_like(want, float("nan"))
-    for _ in range(20):
-        out.fill_(float("nan"))
-        launch(out)
-        torch.cuda.synchronize()
-        assert torch.equal(out, want), f"launch differs: rel {rel(out, want):.3e}"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the default stream, as torch asks
-        launch(out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch(out)
-    for _ in range(3):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want), f"graph replay differs: rel {rel(out, want):.3e}"
+    check_repeats_and_graph(launch, torch.full_like(want, float("nan")), want, torch.equal,
+                            lambda o, w: f"rel {rel(o, w):.3e}")
 
 
 def _ctas_per_sm(regs: int, shared: int) -> int:

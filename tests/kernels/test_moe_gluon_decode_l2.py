@@ -46,6 +46,7 @@ import torch
 from gluon_cases import (
     E2M1,
     check_l2_out,
+    check_repeats_and_graph,
     dbg_l2_case,
     diagnose,
     l2_case,
@@ -587,25 +588,8 @@ def test_l2_decode_tma_repeat_and_graph():
 
     want = torch.full((T * ks, d), float("nan"), dtype=torch.float32, device="cuda")
     launch(want, "cp.async")
-    y = torch.full_like(want, float("nan"))
-    for _ in range(20):
-        y.fill_(float("nan"))
-        launch(y, "tma")
-        torch.cuda.synchronize()
-        assert torch.equal(_bits(y), _bits(want)), "tma launch differs"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the default stream, as torch asks
-        launch(y, "tma")
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch(y, "tma")
-    for _ in range(3):
-        y.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(_bits(y), _bits(want)), "graph replay differs"
+    check_repeats_and_graph(lambda y: launch(y, "tma"), torch.full_like(want, float("nan")),
+                            want, lambda a, b: torch.equal(_bits(a), _bits(b)))
 
 
 def test_l2_decode_load_args():
@@ -794,25 +778,8 @@ def test_l2_decode_bt_repeat_and_graph(bt, load):
     assert torch.isfinite(want[routed]).all() and torch.isnan(want[~routed]).all()
     assert rel(want[routed], ref[routed]) < 2e-3, \
         f"vs fp32 math: {rel(want[routed], ref[routed]):.3e}"
-    y = torch.full_like(want, float("nan"))
-    for _ in range(20):
-        y.fill_(float("nan"))
-        launch(y)
-        torch.cuda.synchronize()
-        assert torch.equal(_bits(y), _bits(want)), "launch differs"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the default stream, as torch asks
-        launch(y)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch(y)
-    for _ in range(3):
-        y.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(_bits(y), _bits(want)), "graph replay differs"
+    check_repeats_and_graph(launch, torch.full_like(want, float("nan")), want,
+                            lambda a, b: torch.equal(_bits(a), _bits(b)))
 
 
 @pytest.mark.skipif(not ml2._IMPORT_OK,

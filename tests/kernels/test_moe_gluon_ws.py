@@ -20,7 +20,7 @@ import re
 
 import pytest
 import torch
-from gluon_cases import TYPES, case, reference, rel
+from gluon_cases import TYPES, case, check_repeats_and_graph, reference, rel
 from megagraph.kernels.triton import moe_gluon_ws as mw
 from poisoned_alloc import poisoned
 from sm90_build import count, gluon_sm90, usage_and_sass
@@ -161,25 +161,8 @@ def test_l1_ws_repeat_and_graph():
     launch(want)
     torch.cuda.synchronize()
     assert torch.isfinite(want).all()
-    out = torch.full_like(want, float("nan"))
-    for i in range(20):
-        out.fill_(float("nan"))
-        launch(out)
-        torch.cuda.synchronize()
-        assert torch.equal(out, want), f"launch {i} differs: rel {rel(out, want):.3e}"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the default stream, as torch asks
-        launch(out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch(out)
-    for _ in range(3):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want), f"graph replay differs: rel {rel(out, want):.3e}"
+    check_repeats_and_graph(launch, torch.full_like(want, float("nan")), want, torch.equal,
+                            lambda o, w: f"rel {rel(o, w):.3e}")
 
 
 # ---------------------------------------------------------------------------------------------
