@@ -86,6 +86,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .moe_grouped_cublas import MIN_ROWS_PER_EXPERT
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # PTX upcast: "1" on, "0" off, unset = on where a one-time device check (asm_ok) passes
 _ASM_ENV = os.environ.get("MEGAGRAPH_FP4_ASM", "")
@@ -138,9 +140,10 @@ CUBLAS_GROUPED_MIN_ROWS = int(os.environ.get("MEGAGRAPH_CUBLAS_FP8_GROUPED_MIN_R
 # tiles (moe_gluon_decode, bt=64, weights by TMA): on the H200 at 8192 tokens (~128 rows per
 # expert) 8.30 ms against the cuBLAS grouped L1's 9.20 and the Triton L1's 10.42, the same error
 # to fp32 math as the Triton L1 (benchmarks/moe_gluon_decode_probe.py --tokens 8192 --bt 32,64,
-# ninth session). Only where it was timed against what it replaces (the cuBLAS L1's range):
-# between 48 and 100 rows per expert it was not timed against the Triton L1, which stays there
-WIDE_L1_MIN_ROWS = 100
+# ninth session). Only where it was timed against what it replaces - the cuBLAS L1's range, so
+# its threshold is the cuBLAS L1's: between 48 and 100 rows per expert it was not timed against
+# the Triton L1, which stays there
+WIDE_L1_MIN_ROWS = MIN_ROWS_PER_EXPERT
 GLUON_WIDE_L1 = os.environ.get("MEGAGRAPH_MOE_GLUON_WIDE_L1", "1") == "1"
 WIDE_BT = 64
 # The decode L2 (moe_gluon_decode_l2, <= 12 rows per expert; MEGAGRAPH_MOE_GLUON turns it off too)
