@@ -22,7 +22,9 @@ kernel runs); half-precision x with fp16 weights uses the plain GEMM.
 
 The device check (``supported``) compares the call with fp32 math on random inputs once per
 device; where it fails or ``torch.mm`` has no ``out_dtype`` (older torch), the capturable kernel
-runs. Registry status "unvalidated" until it has run on the H200 (MEGAGRAPH_UNVALIDATED_KERNELS=1).
+runs. Registry status "available" on sm_90 since its tests passed on the H200 (session 10:
+tests/kernels/test_cublas_dense.py, benchmarks/results/h200-kernel-tests.md); "unvalidated" on
+other CUDA devices (MEGAGRAPH_UNVALIDATED_KERNELS=1).
 """
 from __future__ import annotations
 
