@@ -57,12 +57,28 @@ SMOKE = dict(d=1024, F=256, E=64, k=6)
 SMOKE_TOKENS = 1024
 
 
-def _parse_item(item: str) -> tuple[str, int | None, int | None]:
-    """A Gluon item: "decode64" or "ws NS:NU" -> (kind, NS, NU)."""
-    if item == "decode64":
-        return "decode64", None, None
-    ns, _, nu = item.removeprefix("ws ").partition(":")
-    return "ws", int(ns), int(nu or 2)
+def _parse_item(item: str) -> dict:
+    """A Gluon item -> its launch arguments:
+      "decode64" / "decode64:S"   the decode L1 at 64-token tiles, TMA ring of S stages (default);
+      "ws NS:NU" / "ws NS:NU:LAG" the ws kernel, raw ring NS, B ring NU, loader lag LAG;
+      "diag NS:NU:LAG:WHAT"       the ws kernel with parts skipped (WHAT: "+"-joined names of
+                                  moe_gluon_ws.DIAG_BITS - upcast, mma, a): WRONG results by
+                                  design, timed without checks, to see which part bounds it."""
+    from megagraph.kernels.triton import moe_gluon_ws as mw
+
+    if item.startswith("decode64"):
+        _, _, st = item.partition(":")
+        return dict(kind="decode64", stages=int(st) if st else None)
+    kind, _, spec = item.partition(" ")
+    parts = spec.split(":")
+    if kind not in ("ws", "diag") or not 2 <= len(parts) <= 4 or (kind == "diag") != (
+            len(parts) == 4):
+        raise ValueError(f"item {item!r}: decode64[:S], ws NS:NU[:LAG] or diag NS:NU:LAG:WHAT")
+    diag = 0
+    if kind == "diag":
+        diag = sum(mw.DIAG_BITS[w] for w in parts[3].split("+"))  # KeyError: a typo
+    return dict(kind=kind, stages=int(parts[0]), bstages=int(parts[1]),
+                lag=int(parts[2]) if len(parts) > 2 else None, diag=diag)
 
 
 def _launcher(item: str, inputs, out, k: int, limit: float, tiles=None):
@@ -73,14 +89,15 @@ def _launcher(item: str, inputs, out, k: int, limit: float, tiles=None):
 
     xq, xs, w1, w3, counts, srt = inputs
     P, E = srt.numel(), counts.numel()
-    kind, ns, nu = _parse_item(item)
-    if kind == "decode64":
+    it = _parse_item(item)
+    if it["kind"] == "decode64":
         return lambda: md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, out, topk=k,
                                           max_tiles=min(P, P // 64 + E), limit=limit,
-                                          load="tma", bt=64, tiles=tiles)
+                                          load="tma", bt=64, tiles=tiles, stages=it["stages"])
     return lambda: mw.l1_gluon_ws(xq, xs, srt, w1, w3, counts, out, topk=k,
                                   max_tiles=min(P, P // mw.BM + E), limit=limit, tiles=tiles,
-                                  stages=ns, bstages=nu)
+                                  stages=it["stages"], bstages=it["bstages"], lag=it["lag"],
+                                  diag=it["diag"])
 
 
 def check(T: int, dims: dict, limit: float, item: str, routing: str) -> dict:
@@ -95,7 +112,7 @@ def check(T: int, dims: dict, limit: float, item: str, routing: str) -> dict:
     torch.cuda.synchronize()
     first = h.clone()
     same = True
-    if item != "decode64":
+    if not item.startswith("decode64"):
         for _ in range(2):
             h.fill_(float("nan"))
             launch()
@@ -115,15 +132,19 @@ def time_item(res, write, rates, item, inputs, T, dims, k, limit, routing, h_tr,
     from megagraph.kernels.triton import moe
     from megagraph.kernels.triton import moe_gluon_ws as mw
 
-    cases = [dict(tokens=min(T, SMOKE_TOKENS), dims=SMOKE, limit=limit, item=item,
-                  routing=routing), dict(tokens=T, dims=dims, limit=limit, item=item,
-                                         routing=routing)]
-    checks = check_cases_in_child(__file__, cases, 600.0)
-    res["gluon_checks"] += checks
-    print(json.dumps(checks), flush=True)
-    write()
     name = f"gluon {item}"
-    if len(checks) < 2 or not all(c.get("ok") for c in checks):
+    diag = _parse_item(item)["kind"] == "diag"
+    if diag:  # wrong by design: no checks (the ws items' checks cover the same kernel)
+        checks = []
+    else:
+        cases = [dict(tokens=min(T, SMOKE_TOKENS), dims=SMOKE, limit=limit, item=item,
+                      routing=routing), dict(tokens=T, dims=dims, limit=limit, item=item,
+                                             routing=routing)]
+        checks = check_cases_in_child(__file__, cases, 600.0)
+        res["gluon_checks"] += checks
+        print(json.dumps(checks), flush=True)
+        write()
+    if not diag and (len(checks) < 2 or not all(c.get("ok") for c in checks)):
         res["rows"].append(dict(name=name, error="wrong or crashed in the child check: not "
                                 "timed (gluon_checks)"))
         print(res["rows"][-1], flush=True)
@@ -131,11 +152,11 @@ def time_item(res, write, rates, item, inputs, T, dims, k, limit, routing, h_tr,
         return
     counts, srt = inputs[4], inputs[5]
     P, E, F = srt.numel(), counts.numel(), h_tr.shape[1]
-    bm = 64 if item == "decode64" else mw.BM
+    bm = 64 if item.startswith("decode64") else mw.BM
     tiles = moe.tile_list(counts, bm, min(P, P // bm + E))
     h = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
     launch = _launcher(item, inputs, h, k, limit, tiles)
-    if timed_row(res, write, name, launch, dict(item=item, bm=bm), rates):
+    if timed_row(res, write, name, launch, dict(item=item, bm=bm), rates) and not diag:
         h.fill_(float("nan"))
         launch()
         torch.cuda.synchronize()
@@ -148,7 +169,12 @@ def main() -> None:
     ap = probe_parser(__doc__, 8192, "tokens (rows = tokens * 6)",
                       "small dims (d 1024, F 256, 64 experts)", "moe_gluon_ws_probe",
                       extra=[("--rings", dict(default="4:2,6:3",
-                                              help="comma-separated ws ring depths NS:NU")),
+                                              help="comma-separated ws items: NS:NU[:LAG] "
+                                                   "(ring depths, loader lag) or diag "
+                                                   "NS:NU:LAG:WHAT (_parse_item)")),
+                             ("--decode", dict(default="",
+                                               help="comma-separated extra decode64 TMA ring "
+                                                    "depths (decode64:S items)")),
                              ("--routing", dict(default="random",
                                                 help="balanced, poisson or random")),
                              ("--no-decode", dict(action="store_true",
@@ -165,8 +191,10 @@ def main() -> None:
 
     from megagraph.kernels.triton import moe_gluon_ws as mw
 
-    rings = [f"ws {x.strip()}" for x in args.rings.split(",") if x.strip()]
-    items = ([] if args.no_decode else ["decode64"]) + rings
+    rings = [x.strip() if x.strip().startswith("diag ") else f"ws {x.strip()}"
+             for x in args.rings.split(",") if x.strip()]
+    extra = [f"decode64:{x.strip()}" for x in args.decode.split(",") if x.strip()]
+    items = ([] if args.no_decode else ["decode64"]) + extra + rings
     for item in items:  # a typo fails here, before any child or timing
         _parse_item(item)
     dims = SMOKE if args.smoke else REAL

@@ -88,6 +88,9 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
 
 BM, BN, BK = 128, 64, 128
 NS, NU = 4, 2  # default depths of the raw ring (A, packed W, exponents, scales) and the B ring
+LAG = 1  # chunks of gathered A copies the loader keeps in flight beyond the one it waits for
+# DIAG bits (timing diagnosis only, WRONG results): 1 no upcast, 2 no wgmma, 4 no A copies
+DIAG_BITS = {"upcast": 1, "mma": 2, "a": 4}
 NUM_WARPS = 4  # the default partition (MMA rows 0..63); 3 workers of 4 warps: 16 warps in all
 MAXNREG = 128  # launch register cap: 16 warps x 32 x 128 = the SM's 64K registers
 # setmaxnreg of the workers (MMA rows 64..127, upcast, loader); the default partition gets the
@@ -146,10 +149,13 @@ if _IMPORT_OK:
     def _loader(a_ptr, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr, ring, bars, g, row0,
                 nrows, n0, wrow, K, stride_am, stride_as, stride_bsg, stride_bsn,
                 TOPK: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
-                BK: ttgl.constexpr, NS: ttgl.constexpr):
-        """Fill the raw ring, chunk by chunk (see the module docstring). A chunk's cp.async group
-        is waited for while the next chunk's copies are in flight (wait_group(1)), so the loader
-        keeps up to two chunks of copies going and never waits on the chunk it just issued."""
+                BK: ttgl.constexpr, NS: ttgl.constexpr, LAG: ttgl.constexpr,
+                DIAG: ttgl.constexpr):
+        """Fill the raw ring, chunk by chunk (see the module docstring). Chunk c's cp.async
+        group is waited for after chunk c + LAG's copies are issued (wait_group(LAG)), so the
+        loader keeps up to LAG + 1 chunks of gathered copies in flight: LAG = 1 kept two, which
+        bounds the gather by its latency; LAG <= NS - 1 (chunk c + LAG's stage must not wait for
+        chunk c's consumers). DIAG & 4: no A / A-scale copies (timing diagnosis only)."""
         a_r, w1_r, w3_r, e_r, sa_r = ring
         r_ready, r_free = bars
         # gathered A rows (masked past the tile: zero-filled, their outputs never stored)
@@ -177,13 +183,18 @@ if _IMPORT_OK:
             mbarrier.expect(bar, 2 * BN * (BK // 2))
             tma.async_copy_global_to_shared(w1_desc, [wrow, c * (BK // 2)], bar, w1_r.index(s))
             tma.async_copy_global_to_shared(w3_desc, [wrow, c * (BK // 2)], bar, w3_r.index(s))
-            async_copy.async_copy_global_to_shared(a_r.index(s), a_ptrs + c * BK, mask=a_mask)
-            async_copy.async_copy_global_to_shared(sa_r.index(s), s_ptrs + c, mask=rs < nrows)
+            if (DIAG & 4) == 0:
+                async_copy.async_copy_global_to_shared(a_r.index(s), a_ptrs + c * BK,
+                                                       mask=a_mask)
+                async_copy.async_copy_global_to_shared(sa_r.index(s), s_ptrs + c,
+                                                       mask=rs < nrows)
             async_copy.async_copy_global_to_shared(e_r.index(s), e_ptrs + c * (BK // 32))
             async_copy.commit_group()
-            if c > 0:
-                _publish(r_ready, c - 1, 1, NS)
-        _publish(r_ready, n_k - 1, 0, NS)
+            if c >= LAG:
+                _publish(r_ready, c - LAG, LAG, NS)
+        for j in ttgl.static_range(LAG):  # the last LAG chunks, oldest first
+            if n_k - LAG + j >= 0:
+                _publish(r_ready, n_k - LAG + j, LAG - 1 - j, NS)
 
     @gluon.jit
     def _publish(r_ready, c, PENDING: ttgl.constexpr, NS: ttgl.constexpr):
@@ -217,10 +228,12 @@ if _IMPORT_OK:
 
     @gluon.jit
     def _upcaster(ring, bars, bring, K, USE_ASM: ttgl.constexpr, BN: ttgl.constexpr,
-                  BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr):
+                  BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
+                  DIAG: ttgl.constexpr):
         """Raw ring stage -> B ring stage, chunk by chunk (see the module docstring). One proxy
         fence per chunk covers both directions: this partition's st.shared of the B stage before
-        the wgmma reads it, and its ld.shared of the raw stage before the next TMA writes it."""
+        the wgmma reads it, and its ld.shared of the raw stage before the next TMA writes it.
+        DIAG & 1: no upcast, only the handshakes (timing diagnosis only)."""
         _, w1_r, w3_r, e_r, _ = ring
         r_ready, r_free, b_ready, b_free = bars
         b1_r, b3_r, sb_r = bring
@@ -230,10 +243,11 @@ if _IMPORT_OK:
             mbarrier.wait(r_ready.index(s), ph)
             mbarrier.wait(b_free.index(u), phu ^ 1)
             sb = sb_r.index(u)
-            _upcast_store(w1_r.index(s), e_r.index(s), 0, b1_r.index(u), sb.slice(0, BN),
-                          USE_ASM, BN, BK)
-            _upcast_store(w3_r.index(s), e_r.index(s), BN, b3_r.index(u), sb.slice(BN, BN),
-                          USE_ASM, BN, BK)
+            if (DIAG & 1) == 0:
+                _upcast_store(w1_r.index(s), e_r.index(s), 0, b1_r.index(u), sb.slice(0, BN),
+                              USE_ASM, BN, BK)
+                _upcast_store(w3_r.index(s), e_r.index(s), BN, b3_r.index(u), sb.slice(BN, BN),
+                              USE_ASM, BN, BK)
             fence_async_shared()
             _release(r_free, c, NS)
             mbarrier.arrive(b_ready.index(u), count=1)
@@ -243,10 +257,11 @@ if _IMPORT_OK:
     @gluon.jit
     def _mma(ring, bars, bring, c_ptr, row0, nrows, n0, N, K, limit, stride_cm,
              M0: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr, BN: ttgl.constexpr,
-             BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr):
+             BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr, DIAG: ttgl.constexpr):
         """Rows M0 .. M0 + 63 of the tile: per chunk the W1 and W3 wgmmas (fresh partials; W3's
         issued before W1's is waited for), the per-chunk promotion, the stages released; then
-        the SwiGLU epilogue into out."""
+        the SwiGLU epilogue into out. DIAG & 2: no wgmma / promotion, only the handshakes
+        (timing diagnosis only)."""
         a_r, _, _, _, sa_r = ring
         r_ready, r_free, b_ready, b_free = bars
         b1_r, b3_r, sb_r = bring
@@ -258,19 +273,20 @@ if _IMPORT_OK:
             u, phu = _stage(c, NU)
             mbarrier.wait(r_ready.index(s), ph)
             mbarrier.wait(b_ready.index(u), phu)
-            a_s = a_r.index(s).slice(M0, 64)
-            t1 = warpgroup_mma(a_s, b1_r.index(u).permute((1, 0)), zero, use_acc=False,
-                               is_async=True)
-            t3 = warpgroup_mma(a_s, b3_r.index(u).permute((1, 0)), zero, use_acc=False,
-                               is_async=True)
-            sa = sa_r.index(s).slice(M0, 64).load(ROW_L)
-            sb = sb_r.index(u)
-            sb1 = sb.slice(0, BN).load(COL_L)
-            sb3 = sb.slice(BN, BN).load(COL_L)
-            t1 = warpgroup_mma_wait(1, deps=[t1])
-            acc1 += t1 * (ttgl.expand_dims(sa, 1) * ttgl.expand_dims(sb1, 0))
-            t3 = warpgroup_mma_wait(0, deps=[t3])
-            acc3 += t3 * (ttgl.expand_dims(sa, 1) * ttgl.expand_dims(sb3, 0))
+            if (DIAG & 2) == 0:
+                a_s = a_r.index(s).slice(M0, 64)
+                t1 = warpgroup_mma(a_s, b1_r.index(u).permute((1, 0)), zero, use_acc=False,
+                                   is_async=True)
+                t3 = warpgroup_mma(a_s, b3_r.index(u).permute((1, 0)), zero, use_acc=False,
+                                   is_async=True)
+                sa = sa_r.index(s).slice(M0, 64).load(ROW_L)
+                sb = sb_r.index(u)
+                sb1 = sb.slice(0, BN).load(COL_L)
+                sb3 = sb.slice(BN, BN).load(COL_L)
+                t1 = warpgroup_mma_wait(1, deps=[t1])
+                acc1 += t1 * (ttgl.expand_dims(sa, 1) * ttgl.expand_dims(sb1, 0))
+                t3 = warpgroup_mma_wait(0, deps=[t3])
+                acc3 += t3 * (ttgl.expand_dims(sa, 1) * ttgl.expand_dims(sb3, 0))
             _release(r_free, c, NS)
             mbarrier.arrive(b_free.index(u), count=1)
         h = swiglu(acc1, acc3, limit, HAS_LIMIT)
@@ -288,7 +304,8 @@ if _IMPORT_OK:
                      stride_cm, TOPK: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr,
                      USE_ASM: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
                      BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
-                     R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr, R_LD: ttgl.constexpr):
+                     LAG: ttgl.constexpr, DIAG: ttgl.constexpr, R_MMA: ttgl.constexpr,
+                     R_UP: ttgl.constexpr, R_LD: ttgl.constexpr):
         """Program pid: row tile pid // (N / BN) of moe.tile_list at BM rows, columns
         (pid % (N / BN)) * BN of W1 and W3 (w1_desc / w3_desc: the banks as [G N, K / 2] bytes,
         boxes [BN, BK / 2]). N % BN == 0, K % BK == 0 (the launcher checks); out-of-range list
@@ -297,6 +314,7 @@ if _IMPORT_OK:
         ttgl.static_assert(BN == 64, "64 columns of W1 and W3 (the wgmma's n, the TMA box)")
         ttgl.static_assert(BK == 128, "128-column chunks (one A scale per chunk)")
         ttgl.static_assert((NS >= 2) & (NU >= 2), "double-buffered rings at least")
+        ttgl.static_assert((LAG >= 1) & (LAG < NS), "1 <= LAG <= NS - 1 (the loader's lag)")
 
         skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BN, MT, G,
                                                  P, BM)
@@ -330,28 +348,32 @@ if _IMPORT_OK:
         bars = (r_ready, r_free, b_ready, b_free)
         ttgl.warp_specialize([
             (_mma, (ring, bars, bring, c_ptr, row0, nrows, n0, N, K, limit, stride_cm, 0,
-                    HAS_LIMIT, BN, BK, NS, NU)),
+                    HAS_LIMIT, BN, BK, NS, NU, DIAG)),
             (_mma, (ring, bars, bring, c_ptr, row0, nrows, n0, N, K, limit, stride_cm, 64,
-                    HAS_LIMIT, BN, BK, NS, NU)),
-            (_upcaster, (ring, bars, bring, K, USE_ASM, BN, BK, NS, NU)),
+                    HAS_LIMIT, BN, BK, NS, NU, DIAG)),
+            (_upcaster, (ring, bars, bring, K, USE_ASM, BN, BK, NS, NU, DIAG)),
             (_loader, (a_ptr, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr, ring,
                        (r_ready, r_free), g, row0, nrows, n0, wrow, K, stride_am, stride_as,
-                       stride_bsg, stride_bsn, TOPK, BM, BN, BK, NS)),
+                       stride_bsg, stride_bsn, TOPK, BM, BN, BK, NS, LAG, DIAG)),
         ], [4, 4, 4], [R_MMA, R_UP, R_LD])
 
 
 def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True, stages: int = NS,
-                  bstages: int = NU, regs: tuple[int, int, int] = REGS) -> dict:
-    """l1_ws_kernel's constexprs (the launcher's and the ahead-of-time build test's)."""
+                  bstages: int = NU, lag: int | None = None, diag: int = 0,
+                  regs: tuple[int, int, int] = REGS) -> dict:
+    """l1_ws_kernel's constexprs (the launcher's and the ahead-of-time build test's); lag None:
+    LAG (clamped to stages - 1)."""
     r_mma, r_up, r_ld = regs
+    lag = min(LAG, stages - 1) if lag is None else int(lag)
     return dict(TOPK=topk, HAS_LIMIT=has_limit, USE_ASM=use_asm, BM=BM, BN=BN, BK=BK, NS=stages,
-                NU=bstages, R_MMA=r_mma, R_UP=r_up, R_LD=r_ld)
+                NU=bstages, LAG=lag, DIAG=int(diag), R_MMA=r_mma, R_UP=r_up, R_LD=r_ld)
 
 
 def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tiles: int,
                 limit: float | None = None, tiles: torch.Tensor | None = None,
                 use_asm: bool | None = None, stages: int | None = None,
-                bstages: int | None = None) -> torch.Tensor:
+                bstages: int | None = None, lag: int | None = None,
+                diag: int = 0) -> torch.Tensor:
     """out [P, F] (expert-sorted rows; fp16 in routed_experts, fp32 / bf16 fine; a row-strided
     view is fine) = swiglu(A W1^T, A W3^T) per expert, A row of sorted row r = a_q[a_idx[r] //
     topk] (E4M3 [T, d] with 16-byte aligned rows, a_scale [T, d / 128] f32); w1 / w3: moe.Bank
@@ -360,7 +382,8 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     (min(P, P // 128 + E)); tiles: moe.tile_list(counts, 128, max_tiles) if already built (else
     built here: one tiny launch, no host sync, CUDA-graph capturable). use_asm: the PRMT table
     upcast (default) or its integer twin (the same bits). stages / bstages: the raw / B ring
-    depths (default NS / NU)."""
+    depths (default NS / NU); lag: the loader's lag (1 <= lag < stages; default LAG clamped);
+    diag: DIAG bits - skips work and gives WRONG results, for timing diagnosis only."""
     from .moe_gluon_decode import _tma_fits, _weight_desc
 
     if not _IMPORT_OK:
@@ -389,13 +412,15 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     nu = NU if bstages is None else int(bstages)
     if ns < 2 or nu < 2:
         raise ValueError(f"stages {ns} / bstages {nu}: at least 2 each")
+    if lag is not None and not 1 <= int(lag) < ns:
+        raise ValueError(f"lag {lag}: 1 <= lag < stages ({ns})")
     P = check_rows(a_scale, a_idx, out, N, K)
     if max_tiles == 0 or P == 0:
         return out
     tiles = tile_list(counts, BM, max_tiles, tiles)
     consts = kernel_consts(topk=topk, has_limit=limit is not None and limit > 0,
                            use_asm=True if use_asm is None else bool(use_asm), stages=ns,
-                           bstages=nu)
+                           bstages=nu, lag=lag, diag=diag)
     grid = (max_tiles * (N // BN),)
     l1_ws_kernel[grid](
         a_q, a_scale, a_idx, _weight_desc(w1), w1.s, _weight_desc(w3), w3.s, out, tiles,

@@ -80,17 +80,19 @@ def _triton_l1(xq, xs, a_idx, w1, w3, counts, k, limit, F):
 
 
 @gpu
-@pytest.mark.parametrize("stages,bstages", [(None, None), (3, 2), (6, 3)])
+@pytest.mark.parametrize("stages,bstages,lag", [(None, None, None), (3, 2, None), (6, 3, None),
+                                               (4, 2, 3), (6, 3, 5), (3, 2, 2)])
 @pytest.mark.parametrize("name", list(CASES))
-def test_l1_ws_matches(name, stages, bstages):
+def test_l1_ws_matches(name, stages, bstages, lag):
     """Into a poisoned output (torch.empty under poisoned(): NaN): every valid row written and
-    finite, within 2e-3 of the fp32 math and of the Triton L1; ring depths only move the
-    schedule, never the bits."""
+    finite, within 2e-3 of the fp32 math and of the Triton L1; ring depths and the loader's lag
+    only move the schedule, never the bits (the 2-chunk case has fewer chunks than the lag)."""
     rows, T, k, d, F, exps, limit = CASES[name]
     xq, xs, w1, w3, counts, a_idx = _rows_case(rows, T, k, d, F, seed=len(name), exps=exps)
     with poisoned():
         out = torch.empty((sum(rows), F), dtype=torch.float16, device="cuda")
-    _launch(xq, xs, a_idx, w1, w3, counts, out, k, limit, stages=stages, bstages=bstages)
+    _launch(xq, xs, a_idx, w1, w3, counts, out, k, limit, stages=stages, bstages=bstages,
+            lag=lag)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "an output element was not written (or is not finite)"
     lim = float("inf") if limit is None else limit
@@ -190,6 +192,10 @@ def test_l1_ws_args():
     out = torch.empty(T, F, dtype=torch.float16)
     with pytest.raises(ValueError, match="stages"):
         mw.l1_gluon_ws(xq, xs, a_idx, bank, bank, counts, out, topk=k, max_tiles=2, stages=1)
+    for lag in (0, 4):  # 1 <= lag < stages (4)
+        with pytest.raises(ValueError, match="lag"):
+            mw.l1_gluon_ws(xq, xs, a_idx, bank, bank, counts, out, topk=k, max_tiles=2,
+                           stages=4, lag=lag)
     with pytest.raises(ValueError, match="E4M3"):
         mw.l1_gluon_ws(xq.float(), xs, a_idx, bank, bank, counts, out, topk=k, max_tiles=2)
     narrow = moe.bank(w[:, :32].contiguous(), s[:, :32].contiguous(), "mxfp4")
@@ -320,11 +326,13 @@ def test_l1_ws_sm90_build():
 
 
 @build
-@pytest.mark.parametrize("stages,bstages,use_asm", [(3, 2, True), (6, 3, True), (4, 2, False)])
-def test_l1_ws_sm90_build_variants(stages, bstages, use_asm):
-    """Other ring depths and the integer upcast: no stack / spills, within 227 KB, the same
-    release order. (6, 3): the deepest default-tile ring that fits."""
-    k = _compile(stages=stages, bstages=bstages, use_asm=use_asm)
+@pytest.mark.parametrize("stages,bstages,use_asm,lag", [(3, 2, True, None), (6, 3, True, None),
+                                                       (4, 2, False, None), (4, 2, True, 3),
+                                                       (6, 3, True, 5)])
+def test_l1_ws_sm90_build_variants(stages, bstages, use_asm, lag):
+    """Other ring depths, loader lags and the integer upcast: no stack / spills, within 227 KB,
+    the same release order. (6, 3): the deepest default-tile ring that fits."""
+    k = _compile(stages=stages, bstages=bstages, use_asm=use_asm, lag=lag)
     usage, sass = usage_and_sass(k)
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
