@@ -63,22 +63,26 @@ def _parse_item(item: str) -> dict:
       "ws NS:NU" / "ws NS:NU:LAG" the ws kernel, raw ring NS, B ring NU, loader lag LAG;
       "diag NS:NU:LAG:WHAT"       the ws kernel with parts skipped (WHAT: "+"-joined names of
                                   moe_gluon_ws.DIAG_BITS - upcast, mma, a): WRONG results by
-                                  design, timed without checks, to see which part bounds it."""
+                                  design, timed without checks, to see which part bounds it;
+      "pws ..." / "pdiag ..."     the same with persistent CTAs (one per SM)."""
     from megagraph.kernels.triton import moe_gluon_ws as mw
 
     if item.startswith("decode64"):
         _, _, st = item.partition(":")
         return dict(kind="decode64", stages=int(st) if st else None)
     kind, _, spec = item.partition(" ")
+    persist = kind in ("pws", "pdiag")
+    kind = kind.removeprefix("p")
     parts = spec.split(":")
     if kind not in ("ws", "diag") or not 2 <= len(parts) <= 4 or (kind == "diag") != (
             len(parts) == 4):
-        raise ValueError(f"item {item!r}: decode64[:S], ws NS:NU[:LAG] or diag NS:NU:LAG:WHAT")
+        raise ValueError(f"item {item!r}: decode64[:S], [p]ws NS:NU[:LAG] or [p]diag "
+                         "NS:NU:LAG:WHAT")
     diag = 0
     if kind == "diag":
         diag = sum(mw.DIAG_BITS[w] for w in parts[3].split("+"))  # KeyError: a typo
     return dict(kind=kind, stages=int(parts[0]), bstages=int(parts[1]),
-                lag=int(parts[2]) if len(parts) > 2 else None, diag=diag)
+                lag=int(parts[2]) if len(parts) > 2 else None, diag=diag, persist=persist)
 
 
 def _launcher(item: str, inputs, out, k: int, limit: float, tiles=None):
@@ -97,7 +101,7 @@ def _launcher(item: str, inputs, out, k: int, limit: float, tiles=None):
     return lambda: mw.l1_gluon_ws(xq, xs, srt, w1, w3, counts, out, topk=k,
                                   max_tiles=min(P, P // mw.BM + E), limit=limit, tiles=tiles,
                                   stages=it["stages"], bstages=it["bstages"], lag=it["lag"],
-                                  diag=it["diag"])
+                                  diag=it["diag"], persist=it["persist"])
 
 
 def check(T: int, dims: dict, limit: float, item: str, routing: str) -> dict:
@@ -191,7 +195,7 @@ def main() -> None:
 
     from megagraph.kernels.triton import moe_gluon_ws as mw
 
-    rings = [x.strip() if x.strip().startswith("diag ") else f"ws {x.strip()}"
+    rings = [x.strip() if x.strip()[:1].isalpha() else f"ws {x.strip()}"
              for x in args.rings.split(",") if x.strip()]
     extra = [f"decode64:{x.strip()}" for x in args.decode.split(",") if x.strip()]
     items = ([] if args.no_decode else ["decode64"]) + extra + rings

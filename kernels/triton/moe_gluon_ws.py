@@ -91,6 +91,9 @@ NS, NU = 4, 2  # default depths of the raw ring (A, packed W, exponents, scales)
 LAG = 1  # chunks of gathered A copies the loader keeps in flight beyond the one it waits for
 # DIAG bits (timing diagnosis only, WRONG results): 1 no upcast, 2 no wgmma, 4 no A copies
 DIAG_BITS = {"upcast": 1, "mma": 2, "a": 4}
+# persistent CTAs: one per SM, each walking tiles pid, pid + grid, ... with its rings' chunk count
+# running on (the loader fills the next tile's stages during the MMA warpgroups' epilogue)
+PERSIST = False
 NUM_WARPS = 4  # the default partition (MMA rows 0..63); 3 workers of 4 warps: 16 warps in all
 MAXNREG = 128  # launch register cap: 16 warps x 32 x 128 = the SM's 64K registers
 # setmaxnreg of the workers (MMA rows 64..127, upcast, loader); the default partition gets the
@@ -146,16 +149,19 @@ if _IMPORT_OK:
     # ---- loader ----------------------------------------------------------------------------------
 
     @gluon.jit
-    def _loader(a_ptr, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr, ring, bars, g, row0,
-                nrows, n0, wrow, K, stride_am, stride_as, stride_bsg, stride_bsn,
-                TOPK: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
-                BK: ttgl.constexpr, NS: ttgl.constexpr, LAG: ttgl.constexpr,
-                DIAG: ttgl.constexpr):
-        """Fill the raw ring, chunk by chunk (see the module docstring). Chunk c's cp.async
-        group is waited for after chunk c + LAG's copies are issued (wait_group(LAG)), so the
-        loader keeps up to LAG + 1 chunks of gathered copies in flight: LAG = 1 kept two, which
-        bounds the gather by its latency; LAG <= NS - 1 (chunk c + LAG's stage must not wait for
-        chunk c's consumers). DIAG & 4: no A / A-scale copies (timing diagnosis only)."""
+    def _loader_tile(a_ptr, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr, ring, bars, g,
+                     row0, nrows, n0, wrow, K, c0, stride_am, stride_as, stride_bsg, stride_bsn,
+                     TOPK: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
+                     BK: ttgl.constexpr, NS: ttgl.constexpr, LAG: ttgl.constexpr,
+                     DIAG: ttgl.constexpr):
+        """Fill the raw ring with one tile's chunks, global chunk numbers c0 .. c0 + K / BK - 1
+        (see the module docstring). Chunk c's cp.async group is waited for after chunk c + LAG's
+        copies are issued (wait_group(LAG)), so the loader keeps up to LAG + 1 chunks of
+        gathered copies in flight; the count runs on across tiles (persistent CTAs): the last
+        LAG chunks of a tile are published while the next tile's copies are in flight, and
+        only _loader's tail waits for the very last ones. LAG <= NS - 1 (chunk c + LAG's stage
+        must not wait for chunk c's consumers). DIAG & 4: no A / A-scale copies (timing
+        diagnosis only). Returns the next chunk number."""
         a_r, w1_r, w3_r, e_r, sa_r = ring
         r_ready, r_free = bars
         # gathered A rows (masked past the tile: zero-filled, their outputs never stored)
@@ -176,25 +182,53 @@ if _IMPORT_OK:
         e_ptrs = ttgl.where((re < BN)[:, None], bs1_ptr + eofs, bs2_ptr + eofs)
 
         n_k = K // BK
-        for c in range(n_k):
+        for i in range(n_k):
+            c = c0 + i
             s, ph = _stage(c, NS)
             mbarrier.wait(r_free.index(s), ph ^ 1)  # the consumers of chunk c - NS are done
             bar = r_ready.index(s)
             mbarrier.expect(bar, 2 * BN * (BK // 2))
-            tma.async_copy_global_to_shared(w1_desc, [wrow, c * (BK // 2)], bar, w1_r.index(s))
-            tma.async_copy_global_to_shared(w3_desc, [wrow, c * (BK // 2)], bar, w3_r.index(s))
+            tma.async_copy_global_to_shared(w1_desc, [wrow, i * (BK // 2)], bar, w1_r.index(s))
+            tma.async_copy_global_to_shared(w3_desc, [wrow, i * (BK // 2)], bar, w3_r.index(s))
             if (DIAG & 4) == 0:
-                async_copy.async_copy_global_to_shared(a_r.index(s), a_ptrs + c * BK,
+                async_copy.async_copy_global_to_shared(a_r.index(s), a_ptrs + i * BK,
                                                        mask=a_mask)
-                async_copy.async_copy_global_to_shared(sa_r.index(s), s_ptrs + c,
+                async_copy.async_copy_global_to_shared(sa_r.index(s), s_ptrs + i,
                                                        mask=rs < nrows)
-            async_copy.async_copy_global_to_shared(e_r.index(s), e_ptrs + c * (BK // 32))
+            async_copy.async_copy_global_to_shared(e_r.index(s), e_ptrs + i * (BK // 32))
             async_copy.commit_group()
             if c >= LAG:
                 _publish(r_ready, c - LAG, LAG, NS)
+        return c0 + n_k
+
+    @gluon.jit
+    def _loader(a_ptr, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr, ring, bars,
+                work_ptr, tile, MT, G, P, N, K, stride_am, stride_as, stride_bsg, stride_bsn,
+                TOPK: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
+                BK: ttgl.constexpr, NS: ttgl.constexpr, LAG: ttgl.constexpr,
+                DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr):
+        """The loader partition: this CTA's tiles (_tiles), then the last LAG chunks published
+        (oldest first: wait_group(LAG - 1 - j) leaves exactly the newer ones pending)."""
+        c = 0
+        if PERSIST:
+            for t in range(tile, ttgl.load(work_ptr) * (N // BN), ttgl.num_programs(0)):
+                skip, g, row0, nrows, pid_n = tile_entry(work_ptr, t, N // BN, MT, G, P, BM)
+                if not skip:
+                    c = _loader_tile(a_ptr, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr,
+                                     bs2_ptr, ring, bars, g, row0, nrows, pid_n * BN,
+                                     g.to(ttgl.int32) * N + pid_n * BN, K, c, stride_am,
+                                     stride_as, stride_bsg, stride_bsn, TOPK, BM, BN, BK, NS,
+                                     LAG, DIAG)
+        else:
+            _, g, row0, nrows, pid_n = tile_entry(work_ptr, tile, N // BN, MT, G, P, BM)
+            c = _loader_tile(a_ptr, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr, ring,
+                             bars, g, row0, nrows, pid_n * BN, g.to(ttgl.int32) * N + pid_n * BN,
+                             K, c, stride_am, stride_as, stride_bsg, stride_bsn, TOPK, BM, BN,
+                             BK, NS, LAG, DIAG)
+        r_ready, _ = bars
         for j in ttgl.static_range(LAG):  # the last LAG chunks, oldest first
-            if n_k - LAG + j >= 0:
-                _publish(r_ready, n_k - LAG + j, LAG - 1 - j, NS)
+            if c - LAG + j >= 0:
+                _publish(r_ready, c - LAG + j, LAG - 1 - j, NS)
 
     @gluon.jit
     def _publish(r_ready, c, PENDING: ttgl.constexpr, NS: ttgl.constexpr):
@@ -227,17 +261,19 @@ if _IMPORT_OK:
         sb_dst.store((S << 23).to(ttgl.float32, bitcast=True))  # S >= 1: 2^(S - 127), normal
 
     @gluon.jit
-    def _upcaster(ring, bars, bring, K, USE_ASM: ttgl.constexpr, BN: ttgl.constexpr,
-                  BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
-                  DIAG: ttgl.constexpr):
+    def _upcaster(ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM: ttgl.constexpr,
+                  BM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
+                  NS: ttgl.constexpr, NU: ttgl.constexpr, DIAG: ttgl.constexpr,
+                  PERSIST: ttgl.constexpr):
         """Raw ring stage -> B ring stage, chunk by chunk (see the module docstring). One proxy
         fence per chunk covers both directions: this partition's st.shared of the B stage before
         the wgmma reads it, and its ld.shared of the raw stage before the next TMA writes it.
-        DIAG & 1: no upcast, only the handshakes (timing diagnosis only)."""
+        DIAG & 1: no upcast, only the handshakes (timing diagnosis only). The upcast needs no
+        tile coordinates: only how many chunks this CTA's tiles hold (_tile_chunks)."""
         _, w1_r, w3_r, e_r, _ = ring
         r_ready, r_free, b_ready, b_free = bars
         b1_r, b3_r, sb_r = bring
-        for c in range(K // BK):
+        for c in range(_tile_chunks(work_ptr, tile, MT, G, P, N, K, BM, BN, BK, PERSIST)):
             s, ph = _stage(c, NS)
             u, phu = _stage(c, NU)
             mbarrier.wait(r_ready.index(s), ph)
@@ -255,20 +291,22 @@ if _IMPORT_OK:
     # ---- MMA + epilogue ------------------------------------------------------------------------
 
     @gluon.jit
-    def _mma(ring, bars, bring, c_ptr, row0, nrows, n0, N, K, limit, stride_cm,
-             M0: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr, BN: ttgl.constexpr,
-             BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr, DIAG: ttgl.constexpr):
+    def _mma_tile(ring, bars, bring, c_ptr, row0, nrows, n0, N, K, c0, limit, stride_cm,
+                  M0: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr, BN: ttgl.constexpr,
+                  BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
+                  DIAG: ttgl.constexpr):
         """Rows M0 .. M0 + 63 of the tile: per chunk the W1 and W3 wgmmas (fresh partials; W3's
         issued before W1's is waited for), the per-chunk promotion, the stages released; then
         the SwiGLU epilogue into out. DIAG & 2: no wgmma / promotion, only the handshakes
-        (timing diagnosis only)."""
+        (timing diagnosis only). Global chunk numbers c0 ..; returns the next one."""
         a_r, _, _, _, sa_r = ring
         r_ready, r_free, b_ready, b_free = bars
         b1_r, b3_r, sb_r = bring
         zero = ttgl.zeros([64, BN], ttgl.float32, MMA_L)
         acc1 = ttgl.zeros([64, BN], ttgl.float32, MMA_L)
         acc3 = ttgl.zeros([64, BN], ttgl.float32, MMA_L)
-        for c in range(K // BK):
+        for i in range(K // BK):
+            c = c0 + i
             s, ph = _stage(c, NS)
             u, phu = _stage(c, NU)
             mbarrier.wait(r_ready.index(s), ph)
@@ -295,6 +333,41 @@ if _IMPORT_OK:
         c_ptrs = c_ptr + ((row0 + rm).to(ttgl.int64) * stride_cm)[:, None] + rn[None, :]
         ttgl.store(c_ptrs, h.to(c_ptr.dtype.element_ty),
                    mask=(rm < nrows)[:, None] & (rn < N)[None, :])
+        return c0 + K // BK
+
+    @gluon.jit
+    def _mma(ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit, stride_cm,
+             M0: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr, BM: ttgl.constexpr,
+             BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
+             DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr):
+        """An MMA warpgroup (rows M0 .. M0 + 63 of each tile) over this CTA's tiles."""
+        c = 0
+        if PERSIST:
+            for t in range(tile, ttgl.load(work_ptr) * (N // BN), ttgl.num_programs(0)):
+                skip, g, row0, nrows, pid_n = tile_entry(work_ptr, t, N // BN, MT, G, P, BM)
+                if not skip:
+                    c = _mma_tile(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N, K, c,
+                                  limit, stride_cm, M0, HAS_LIMIT, BN, BK, NS, NU, DIAG)
+        else:
+            _, g, row0, nrows, pid_n = tile_entry(work_ptr, tile, N // BN, MT, G, P, BM)
+            _mma_tile(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N, K, c, limit,
+                      stride_cm, M0, HAS_LIMIT, BN, BK, NS, NU, DIAG)
+
+    @gluon.jit
+    def _tile_chunks(work_ptr, tile, MT, G, P, N, K, BM: ttgl.constexpr, BN: ttgl.constexpr,
+                     BK: ttgl.constexpr, PERSIST: ttgl.constexpr):
+        """How many chunks this CTA's tiles hold: K / BK per tile that tile_entry does not skip
+        (every partition walks the same tiles and skips the same ones, so their global chunk
+        numbers - the rings' stages and phases - agree)."""
+        n = K // BK
+        if PERSIST:
+            total = 0
+            for t in range(tile, ttgl.load(work_ptr) * (N // BN), ttgl.num_programs(0)):
+                skip, _, _, _, _ = tile_entry(work_ptr, t, N // BN, MT, G, P, BM)
+                total += ttgl.where(skip, 0, n)
+            n = total
+        return n
+
 
     # ---- the kernel ----------------------------------------------------------------------------
 
@@ -304,8 +377,8 @@ if _IMPORT_OK:
                      stride_cm, TOPK: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr,
                      USE_ASM: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
                      BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
-                     LAG: ttgl.constexpr, DIAG: ttgl.constexpr, R_MMA: ttgl.constexpr,
-                     R_UP: ttgl.constexpr, R_LD: ttgl.constexpr):
+                     LAG: ttgl.constexpr, DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr,
+                     R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr, R_LD: ttgl.constexpr):
         """Program pid: row tile pid // (N / BN) of moe.tile_list at BM rows, columns
         (pid % (N / BN)) * BN of W1 and W3 (w1_desc / w3_desc: the banks as [G N, K / 2] bytes,
         boxes [BN, BK / 2]). N % BN == 0, K % BK == 0 (the launcher checks); out-of-range list
@@ -316,12 +389,11 @@ if _IMPORT_OK:
         ttgl.static_assert((NS >= 2) & (NU >= 2), "double-buffered rings at least")
         ttgl.static_assert((LAG >= 1) & (LAG < NS), "1 <= LAG <= NS - 1 (the loader's lag)")
 
-        skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BN, MT, G,
-                                                 P, BM)
-        if skip:
-            return
-        n0 = pid_n * BN
-        wrow = g.to(ttgl.int32) * N + n0  # < G N: the launcher checks that it fits int32
+        tile = ttgl.program_id(0)
+        if not PERSIST:
+            skip, _, _, _, _ = tile_entry(work_ptr, tile, N // BN, MT, G, P, BM)
+            if skip:
+                return
 
         a_r = ttgl.allocate_shared_memory(ttgl.float8e4nv, [NS, BM, BK], F8_SMEM)
         w1_r = ttgl.allocate_shared_memory(ttgl.uint8, [NS, BN, BK // 2], w1_desc.layout)
@@ -347,33 +419,37 @@ if _IMPORT_OK:
         bring = (b1_r, b3_r, sb_r)
         bars = (r_ready, r_free, b_ready, b_free)
         ttgl.warp_specialize([
-            (_mma, (ring, bars, bring, c_ptr, row0, nrows, n0, N, K, limit, stride_cm, 0,
-                    HAS_LIMIT, BN, BK, NS, NU, DIAG)),
-            (_mma, (ring, bars, bring, c_ptr, row0, nrows, n0, N, K, limit, stride_cm, 64,
-                    HAS_LIMIT, BN, BK, NS, NU, DIAG)),
-            (_upcaster, (ring, bars, bring, K, USE_ASM, BN, BK, NS, NU, DIAG)),
+            (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit, stride_cm,
+                    0, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST)),
+            (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit, stride_cm,
+                    64, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST)),
+            (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN, BK,
+                         NS, NU, DIAG, PERSIST)),
             (_loader, (a_ptr, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr, ring,
-                       (r_ready, r_free), g, row0, nrows, n0, wrow, K, stride_am, stride_as,
-                       stride_bsg, stride_bsn, TOPK, BM, BN, BK, NS, LAG, DIAG)),
+                       (r_ready, r_free), work_ptr, tile, MT, G, P, N, K, stride_am, stride_as,
+                       stride_bsg, stride_bsn, TOPK, BM, BN, BK, NS, LAG, DIAG, PERSIST)),
         ], [4, 4, 4], [R_MMA, R_UP, R_LD])
 
 
 def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True, stages: int = NS,
                   bstages: int = NU, lag: int | None = None, diag: int = 0,
-                  regs: tuple[int, int, int] = REGS) -> dict:
+                  persist: bool | None = None, regs: tuple[int, int, int] = REGS) -> dict:
     """l1_ws_kernel's constexprs (the launcher's and the ahead-of-time build test's); lag None:
     LAG (clamped to stages - 1)."""
     r_mma, r_up, r_ld = regs
     lag = min(LAG, stages - 1) if lag is None else int(lag)
+    persist = PERSIST if persist is None else bool(persist)
     return dict(TOPK=topk, HAS_LIMIT=has_limit, USE_ASM=use_asm, BM=BM, BN=BN, BK=BK, NS=stages,
-                NU=bstages, LAG=lag, DIAG=int(diag), R_MMA=r_mma, R_UP=r_up, R_LD=r_ld)
+                NU=bstages, LAG=lag, DIAG=int(diag), PERSIST=persist, R_MMA=r_mma, R_UP=r_up,
+                R_LD=r_ld)
 
 
 def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tiles: int,
                 limit: float | None = None, tiles: torch.Tensor | None = None,
                 use_asm: bool | None = None, stages: int | None = None,
                 bstages: int | None = None, lag: int | None = None,
-                diag: int = 0) -> torch.Tensor:
+                diag: int = 0, persist: bool | None = None,
+                ctas: int | None = None) -> torch.Tensor:
     """out [P, F] (expert-sorted rows; fp16 in routed_experts, fp32 / bf16 fine; a row-strided
     view is fine) = swiglu(A W1^T, A W3^T) per expert, A row of sorted row r = a_q[a_idx[r] //
     topk] (E4M3 [T, d] with 16-byte aligned rows, a_scale [T, d / 128] f32); w1 / w3: moe.Bank
@@ -383,7 +459,9 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     built here: one tiny launch, no host sync, CUDA-graph capturable). use_asm: the PRMT table
     upcast (default) or its integer twin (the same bits). stages / bstages: the raw / B ring
     depths (default NS / NU); lag: the loader's lag (1 <= lag < stages; default LAG clamped);
-    diag: DIAG bits - skips work and gives WRONG results, for timing diagnosis only."""
+    diag: DIAG bits - skips work and gives WRONG results, for timing diagnosis only; persist:
+    one CTA per SM over all tiles (default PERSIST); ctas: the persistent grid instead of the SM
+    count (the tests walk many tiles per CTA at small sizes)."""
     from .moe_gluon_decode import _tma_fits, _weight_desc
 
     if not _IMPORT_OK:
@@ -420,11 +498,25 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     tiles = tile_list(counts, BM, max_tiles, tiles)
     consts = kernel_consts(topk=topk, has_limit=limit is not None and limit > 0,
                            use_asm=True if use_asm is None else bool(use_asm), stages=ns,
-                           bstages=nu, lag=lag, diag=diag)
-    grid = (max_tiles * (N // BN),)
+                           bstages=nu, lag=lag, diag=diag, persist=persist)
+    grid = max_tiles * (N // BN)
+    if consts["PERSIST"]:
+        grid = min(grid, int(ctas) if ctas else _sm_count(out.device))
+    grid = (grid,)
     l1_ws_kernel[grid](
         a_q, a_scale, a_idx, _weight_desc(w1), w1.s, _weight_desc(w3), w3.s, out, tiles,
         max_tiles, N, K, counts.numel(), P, float(limit or 0.0), a_q.stride(0),
         a_scale.stride(0), w1.s.stride(0), w1.s.stride(1), out.stride(0), **consts,
         num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return out
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device) -> int:
+    """The device's SM count (cached: the persistent grid; a CUDA-graph replay keeps it)."""
+    index = torch.device(device).index or 0
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]

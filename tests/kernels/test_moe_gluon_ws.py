@@ -80,19 +80,23 @@ def _triton_l1(xq, xs, a_idx, w1, w3, counts, k, limit, F):
 
 
 @gpu
-@pytest.mark.parametrize("stages,bstages,lag", [(None, None, None), (3, 2, None), (6, 3, None),
-                                               (4, 2, 3), (6, 3, 5), (3, 2, 2)])
+@pytest.mark.parametrize("stages,bstages,lag,persist", [
+    (None, None, None, None), (3, 2, None, None), (6, 3, None, None), (4, 2, 3, None),
+    (6, 3, 5, None), (3, 2, 2, None), (4, 2, 1, True), (4, 2, 3, True), (6, 3, 2, True),
+    (2, 2, 1, True)])
 @pytest.mark.parametrize("name", list(CASES))
-def test_l1_ws_matches(name, stages, bstages, lag):
+def test_l1_ws_matches(name, stages, bstages, lag, persist):
     """Into a poisoned output (torch.empty under poisoned(): NaN): every valid row written and
-    finite, within 2e-3 of the fp32 math and of the Triton L1; ring depths and the loader's lag
-    only move the schedule, never the bits (the 2-chunk case has fewer chunks than the lag)."""
+    finite, within 2e-3 of the fp32 math and of the Triton L1; ring depths, the loader's lag and
+    persistent CTAs (each walking many tiles, ring phases running on across them) only move the
+    schedule, never the bits (the 2-chunk case has fewer chunks than the lag)."""
     rows, T, k, d, F, exps, limit = CASES[name]
     xq, xs, w1, w3, counts, a_idx = _rows_case(rows, T, k, d, F, seed=len(name), exps=exps)
     with poisoned():
         out = torch.empty((sum(rows), F), dtype=torch.float16, device="cuda")
+    # persistent: 3 CTAs, so each walks many tiles (its rings' phases running on)
     _launch(xq, xs, a_idx, w1, w3, counts, out, k, limit, stages=stages, bstages=bstages,
-            lag=lag)
+            lag=lag, persist=persist, ctas=3 if persist else None)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "an output element was not written (or is not finite)"
     lim = float("inf") if limit is None else limit
@@ -148,16 +152,19 @@ def test_l1_ws_asm_vs_arith():
 
 
 @gpu
-def test_l1_ws_repeat_and_graph():
+@pytest.mark.parametrize("persist", [False, True])
+def test_l1_ws_repeat_and_graph(persist):
     """20 eager launches give the same bits (earlier Gluon prefill variants did not), and the
     launch captured in a CUDA graph (tile list built inside the capture, host TMA descriptors
-    filled at capture) replays them into a re-poisoned output."""
+    filled at capture) replays them into a re-poisoned output; persistent: 2 CTAs over every
+    tile."""
     rows, T, k, d, F = [5, 0, 128, 231, 1, 64, 0, 77], 199, 3, 1024, 256
     xq, xs, w1, w3, counts, a_idx = _rows_case(rows, T, k, d, F, seed=77)
     P = sum(rows)
 
     def launch(out):
-        _launch(xq, xs, a_idx, w1, w3, counts, out, k, 10.0)
+        _launch(xq, xs, a_idx, w1, w3, counts, out, k, 10.0, persist=persist,
+                ctas=2 if persist else None)
 
     want = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
     launch(want)
@@ -326,13 +333,15 @@ def test_l1_ws_sm90_build():
 
 
 @build
-@pytest.mark.parametrize("stages,bstages,use_asm,lag", [(3, 2, True, None), (6, 3, True, None),
-                                                       (4, 2, False, None), (4, 2, True, 3),
-                                                       (6, 3, True, 5)])
-def test_l1_ws_sm90_build_variants(stages, bstages, use_asm, lag):
-    """Other ring depths, loader lags and the integer upcast: no stack / spills, within 227 KB,
-    the same release order. (6, 3): the deepest default-tile ring that fits."""
-    k = _compile(stages=stages, bstages=bstages, use_asm=use_asm, lag=lag)
+@pytest.mark.parametrize("stages,bstages,use_asm,lag,persist", [
+    (3, 2, True, None, False), (6, 3, True, None, False), (4, 2, False, None, False),
+    (4, 2, True, 3, False), (6, 3, True, 5, False), (4, 2, True, 1, True),
+    (6, 3, True, 3, True)])
+def test_l1_ws_sm90_build_variants(stages, bstages, use_asm, lag, persist):
+    """Other ring depths, loader lags, persistent CTAs and the integer upcast: no stack /
+    spills, within 227 KB, the same release order. (6, 3): the deepest default-tile ring that
+    fits."""
+    k = _compile(stages=stages, bstages=bstages, use_asm=use_asm, lag=lag, persist=persist)
     usage, sass = usage_and_sass(k)
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
