@@ -146,6 +146,12 @@ CUBLAS_GROUPED_MIN_ROWS = int(os.environ.get("MEGAGRAPH_CUBLAS_FP8_GROUPED_MIN_R
 WIDE_L1_MIN_ROWS = MIN_ROWS_PER_EXPERT
 GLUON_WIDE_L1 = os.environ.get("MEGAGRAPH_MOE_GLUON_WIDE_L1", "1") == "1"
 WIDE_BT = 64
+# ... and, first, the warp-specialized L1 with persistent CTAs (moe_gluon_ws, 6-stage raw ring,
+# 3-stage upcast ring): 7.90 ms at 8192 tokens against the wide decode kernel's 8.26 in the same
+# H200 call (benchmarks/moe_gluon_ws_probe.py, tenth session; its 128-row tiles are the Gluon
+# prefill L2's, so the two share one tile list)
+GLUON_WS_L1 = os.environ.get("MEGAGRAPH_MOE_GLUON_WS_L1", "1") == "1"
+WS_STAGES, WS_BSTAGES = 6, 3
 # The decode L2 (moe_gluon_decode_l2, <= 12 rows per expert; MEGAGRAPH_MOE_GLUON turns it off too)
 GLUON_DECODE_L2 = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE_L2", "1") == "1"
 # The prefill L2 (moe_gluon_l2, > 48 rows per expert): on by default from the ninth session (H200,
@@ -692,8 +698,9 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
               role: str, rows_per_group: float):
     """(launch, row tile) of the Gluon kernel that runs routed_experts' L1 instead of moe_gemm,
     or None.
-    Prefill (> WIDE_L1_MIN_ROWS = 100 rows per expert): the decode kernel with 64-token tiles and
-    its weights by TMA (GLUON_WIDE_L1, default: 8.30 ms at 8192 tokens on the H200 against the
+    Prefill (> WIDE_L1_MIN_ROWS = 100 rows per expert): the warp-specialized kernel with
+    persistent CTAs (GLUON_WS_L1, default: 7.90 ms at 8192 tokens on the H200), else the decode
+    kernel with 64-token tiles and its weights by TMA (GLUON_WIDE_L1, default: 8.30 ms against the
     cuBLAS grouped L1's 9.20); above 48 rows with GLUON_PREFILL (opt-in, first): moe_gluon, the
     hand-pipelined
     128 x 64 tile (timed on the H200 at ~128 rows, sixth session: 8.54 -> 7.31 ms at 8192
@@ -716,6 +723,12 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
 
         ok = w1.n % mod.BN == 0 and w1.k % (2 * mod.BK) == 0
         pick = (mod.l1_gluon, mod.BM)
+    elif rows_per_group > WIDE_L1_MIN_ROWS and GLUON_WS_L1 and _ws_fits(x_q, w1, w3, h):
+        from . import moe_gluon_ws as mod
+
+        ok = True
+        pick = (functools.partial(mod.l1_gluon_ws, persist=True, stages=WS_STAGES,
+                                  bstages=WS_BSTAGES), mod.BM)
     elif rows_per_group > WIDE_L1_MIN_ROWS and GLUON_WIDE_L1:
         from . import moe_gluon_decode as mod
 
@@ -730,6 +743,22 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
     else:
         return None
     return pick if ok and mod.available(x_q.device) else None
+
+
+def _ws_fits(x_q: Tensor, w1: Bank, w3: Bank, h: Tensor) -> bool:
+    """What l1_gluon_ws checks beyond what _gluon_l1 did (its tile, the TMA stream, 16-byte A
+    rows, equal bank strides) and that it can run here: False falls through to the wide decode
+    L1 instead of an error at launch."""
+    from . import moe_gluon_ws as mw
+    from .moe_gluon_decode import _tma_fits
+
+    return (mw.available(x_q.device) and w1.n % mw.BN == 0 and w1.k % mw.BK == 0
+            and x_q.stride(1) == 1 and x_q.stride(0) % 16 == 0 and x_q.data_ptr() % 16 == 0
+            and h.stride(1) == 1 and w1.w.stride() == w3.w.stride() and w1.s.stride() == w3.s.stride()
+            and _tma_fits(w1) and _tma_fits(w3) and w1.w.stride(1) % 16 == 0
+            and w1.w.data_ptr() % 16 == 0 and w3.w.data_ptr() % 16 == 0
+            and w1.s.stride(1) % 4 == 0 and w1.s.data_ptr() % 4 == 0
+            and w3.s.data_ptr() % 4 == 0 and w1.groups == w3.groups)
 
 
 def _cublas_prefill(x_q: Tensor, w1: Bank, w3: Bank, h: Tensor, role: str,

@@ -146,10 +146,11 @@ def test_routed_experts_prefill_uses_wide_tiles(wide, monkeypatch):
     """routed_experts at a prefill size (600 tokens, top-2 of 8 experts: 150 rows per expert)
     runs its L1 on l1_gluon_decode with 64-token tiles by TMA when GLUON_WIDE_L1 is on (the
     default; once) and not when off (the cuBLAS / Triton L1); both against the reference op
-    within test_triton_moe's bound (fp32 output). NOT yet run on a GPU."""
+    within test_triton_moe's bound (fp32 output). Passed on the H200 (tenth session)."""
     from megagraph.kernels.triton import moe
 
     monkeypatch.setattr(moe, "GLUON_WIDE_L1", wide)
+    monkeypatch.setattr(moe, "GLUON_WS_L1", False)  # the warp-specialized L1 goes first
     monkeypatch.setattr(moe, "GLUON_PREFILL", False)
     monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
     calls = []

@@ -174,6 +174,29 @@ def test_l1_ws_repeat_and_graph(persist):
                             lambda o, w: f"rel {rel(o, w):.3e}")
 
 
+@gpu
+@pytest.mark.parametrize("ws", [True, False])
+def test_routed_experts_prefill_uses_ws(ws, monkeypatch):
+    """routed_experts at a prefill size (600 tokens, top-2 of 8 experts: 150 rows per expert)
+    runs its L1 on l1_gluon_ws (persistent, moe.WS_STAGES / WS_BSTAGES) when GLUON_WS_L1 is on
+    (the default; once) and not when off (the wide decode L1 then); both against the reference
+    op within test_triton_moe's bound (fp32 output)."""
+    from megagraph.kernels.triton import moe
+    from test_triton_moe import ACT, check_routed, routed_case
+
+    monkeypatch.setattr(moe, "GLUON_WS_L1", ws)
+    monkeypatch.setattr(moe, "GLUON_PREFILL", False)
+    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
+    calls = []
+    real = mw.l1_gluon_ws
+    monkeypatch.setattr(mw, "l1_gluon_ws", lambda *a, **k: calls.append(
+        (k.get("persist"), k.get("stages"), k.get("bstages"))) or real(*a, **k))
+    xq, xs, ids, wts, bank = routed_case(600, 8, 256, 128, 2, seed=78)
+    check_routed(xq, xs, ids, wts, bank, dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT,
+                                              out_dtype="f32"))
+    assert calls == ([(True, moe.WS_STAGES, moe.WS_BSTAGES)] if ws else [])
+
+
 # ---------------------------------------------------------------------------------------------
 # CPU: launcher checks, the ahead-of-time sm_90 build
 # ---------------------------------------------------------------------------------------------
