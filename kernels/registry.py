@@ -97,7 +97,9 @@ KERNELS: dict[str, list[KernelImpl]] = {
                         note="kernels/triton/indexer.py: request tiles, tf32x3 products "
                               "(bf16 where the node says products=bf16)")],
     "candidate_mask": [_k("capturable", "sm_90", "available", note="device torch, no host sync")],
-    "topk_select": [_k("capturable", "sm_90", "available", note="device torch.topk + sort")],
+    "topk_select": [_k("triton.topk_select", "sm_90 triton", "unvalidated",
+                       note="kernels/triton/topk.py: radix select per row, bitwise the reference"),
+                    _k("capturable", "sm_90", "available", note="device torch.topk + sort")],
     "quantize_act": [_k("triton.quantize_act", "sm_90 triton", "available",
                         note="kernels/triton/quant.py: one pass per row, bitwise the reference "
                              "(22 cases on the H200, tests/kernels/test_triton_quant.py)"),
@@ -160,6 +162,7 @@ LOADABLE.update({
     "triton.mega_mhc": "megagraph.kernels.triton.mhc",
     "triton.hc_expand": "megagraph.kernels.triton.mhc",
     "triton.rms_norm": "megagraph.kernels.triton.norm",
+    "triton.topk_select": "megagraph.kernels.triton.topk",
     "triton.quantize_act": "megagraph.kernels.triton.quant",
     "triton.fake_quant": "megagraph.kernels.triton.quant",
     "triton.rope": "megagraph.kernels.triton.rope",

@@ -1,0 +1,79 @@
+"""The sparse-attention indexer's top-k selection on the GPU (Triton): kernels.reference.indexer
+.topk_select in one launch, one program per row.
+
+Why: on the H200, a prefill step of the 5-layer V4.1-Flash slice at 8192 tokens spent 188 ms of
+462 ms (41%) in topk_select (benchmarks/results/h200-prefill-8.md, "Top ops"): the reference (also
+the capturable kernel) runs torch.topk, an int32 cumulative sum over the whole [T, C] score matrix
+(up to ~35K compressed entries per token), a batched searchsorted and a sort, for top-512 rows.
+
+Design (kernels/triton/topk_jit.py): scores become order-preserving uint32 keys (-0.0 as +0.0,
+unselectable entries - masked out, -inf, columns past C - as key 0, below every selectable key).
+Four radix-select passes of 8-bit digit histograms (tl.histogram, 256 bins) over the row find the
+KK-th largest key (KK = min(k, C)) and how many entries equal to it are needed; a fifth pass in
+column order writes the selected columns to consecutive slots (running count + in-block cumsum),
+then -1 up to k. Each pass re-reads the row from global memory (L2-resident for the rows in
+flight); BLOCK columns per step, NUM_WARPS warps.
+
+Exactness: the output is integer, so it must be bitwise the reference's, and it is by
+construction, not by tolerance: the keys order the scores exactly as fp32 comparisons do (-0.0 ==
++0.0 folded), the radix select is an exact integer count, and the selection it yields is the
+reference's set - every selectable entry when there are at most KK of them (the reference drops
+its -inf picks), else the entries above the KK-th value plus the lowest-column entries equal to it
+- written in ascending column order, as the reference's final sort leaves them. bf16 / fp16 scores
+are widened to fp32 (exact, the reference's `.float()`). NaN scores are outside the contract (here
+never selected; torch.topk ranks NaN above everything).
+
+No host synchronization, output shape [T, k] from the arguments' shapes: CUDA-graph capturable.
+The capturable kernel (the reference's code) serves: CPU tensors outside the Triton interpreter,
+scores other than 2-D fp32 / bf16 / fp16, masks that are not bool, on another device or of more
+than 2 dims (a [C] or [1, C] mask is broadcast over the rows, as the reference's masked_fill),
+k <= 0, and empty inputs (T == 0 or C == 0).
+Registry status "unvalidated": tests/kernels/test_triton_topk.py passes under the interpreter and
+the kernel builds for sm_90 ahead of time (61-64 registers at 4 warps, no stack, no local memory);
+not yet run on the H200.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .attention import INTERPRET, _on_device, available
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BLOCK = 1024  # columns per step of a pass (8 per thread at 4 warps)
+BLOCK_K = 512  # output slots per step of the -1 padding loop
+NUM_WARPS = 4
+
+
+def topk_select(scores: Tensor, mask: Tensor | None = None, *, k: int) -> Tensor:
+    """kernels.reference.indexer.topk_select: i64[T, k], per row the columns of the top min(k, C)
+    scores (mask False / -inf never selected, ties at the k-th value toward the lower column) in
+    ascending order, then -1. NaN scores: outside the contract."""
+    ok = (available() and _on_device(scores) and scores.dim() == 2 and scores.dtype in DTYPES
+          and k > 0 and scores.shape[0] > 0 and 0 < scores.shape[1] < 2**31 - BLOCK
+          and (mask is None or (mask.dtype == torch.bool and mask.device == scores.device
+                                and mask.dim() <= 2)))
+    if not ok:
+        from megagraph.kernels.capturable.indexer import topk_select as fallback
+
+        return fallback(scores, mask, k=k)
+    from .topk_jit import topk_select_rows
+
+    T, C = scores.shape
+    s = scores if scores.stride(-1) == 1 else scores.contiguous()
+    m = None
+    if mask is not None:
+        m = mask.expand(T, C)  # a broadcast mask keeps its zero strides (no copy)
+        if m.stride(-1) != 1:
+            m = m.contiguous()
+        m = m.view(torch.uint8)
+    out = torch.empty(T, k, dtype=torch.int64, device=scores.device)
+    topk_select_rows[(T,)](
+        s, m if m is not None else s, out, C, k, min(k, C), s.stride(0),
+        m.stride(0) if m is not None else 0, out.stride(0),
+        HAS_MASK=m is not None, BLOCK=BLOCK, BLOCK_K=BLOCK_K,
+        num_warps=1 if INTERPRET else NUM_WARPS)
+    return out
+
+
+topk_select.capturable = True

@@ -1,0 +1,107 @@
+"""Triton code of the indexer's top-k selection (imported by kernels/triton/topk.py).
+
+One program per row: four 8-bit radix-select passes find the KK-th largest key of the row (KK =
+min(k, C)), one last pass in column order writes the selected columns, then -1 up to k. Every pass
+re-reads the row (scores, and the mask where there is one) from global memory: a row is up to
+hundreds of thousands of entries and does not fit in registers.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+SIGN = tl.constexpr(0x80000000)  # the sign bit of an fp32 (and of the uint32 keys)
+
+
+@triton.jit
+def row_keys(s_ptr, m_ptr, row_s, row_m, c, C, HAS_MASK: tl.constexpr):
+    """uint32 keys of the columns c of a row, ordered as the fp32 scores (key(a) > key(b) <=>
+    a > b), and 0 for the columns that can never be selected (c >= C, masked out, -inf; NaN too).
+
+    Why 0 for those: every selectable score is > -inf, whose key is 0x007FFFFF, so 0 is below
+    every selectable key and the radix select needs no mask (kernel docstring)."""
+    inb = c < C
+    x = tl.load(s_ptr + row_s + c, mask=inb, other=float("-inf")).to(tl.float32)
+    ok = inb & (x > float("-inf"))
+    if HAS_MASK:
+        ok = ok & (tl.load(m_ptr + row_m + c, mask=inb, other=0) != 0)
+    b = x.to(tl.uint32, bitcast=True)
+    # -0.0 -> +0.0: the reference compares values (-0.0 == +0.0 is a tie, decided by column),
+    # while their bit patterns would order -0.0 below +0.0. Done on the bits, not as x + 0.0,
+    # which a compiler allowed to ignore signed zeros could drop.
+    b = tl.where(b == SIGN, 0, b)
+    # negative: flip every bit (larger magnitude -> smaller key); positive: set the sign bit
+    # (above every negative). Monotone over all non-NaN fp32 values, +-inf included.
+    key = tl.where((b & SIGN) != 0, ~b, b | SIGN)
+    return tl.where(ok, key, 0)
+
+
+@triton.jit
+def topk_select_rows(s_ptr, m_ptr, out_ptr, C, K, KK, stride_s, stride_m, stride_o,
+                     HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Row program_id(0) of kernels.reference.indexer.topk_select: out[row, :] = the columns of
+    the KK largest selectable scores in ascending column order (ties at the KK-th value: the
+    lowest columns), -1 after them up to K columns.
+
+    Radix select over the row's C keys (row_keys: unselectable columns have key 0): pass p builds
+    the 256-bin histogram of digit p (bits 31-24, 23-16, 15-8, 7-0) of the keys whose higher
+    digits equal the prefix chosen so far, and picks the digit of the `need`-th largest of them.
+    After four passes `kth` is the KK-th largest key of the row, `need` how many of the entries
+    equal to it the selection takes (the rest of the KK are the entries above it).
+    kth == 0 means fewer than KK selectable entries: every selectable entry (key > 0) is taken and
+    none of the key-0 ones, as the reference drops its -inf picks.
+    """
+    r = tl.program_id(0).to(tl.int64)
+    row_s = r * stride_s
+    row_m = r * stride_m
+    row_o = r * stride_o
+    cols = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 256)
+    nblocks = tl.cdiv(C, BLOCK)
+    padded = nblocks * BLOCK
+    prefix = tl.full([], 0, tl.uint32)  # the digits of kth chosen so far
+    need = KK  # rank of kth among the entries matching the prefix (1 = the largest)
+    cnt = C  # entries matching the prefix (pass 0: the whole row)
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p  # constexpr: p is static
+        hist = tl.zeros([256], dtype=tl.int32)
+        for b in range(nblocks):
+            key = row_keys(s_ptr, m_ptr, row_s, row_m, b * BLOCK + cols, C, HAS_MASK)
+            digit = ((key >> shift) & 0xFF).to(tl.int32)
+            if p > 0:
+                # entries off the prefix go to bin 0 and are taken out of it below (one
+                # subtraction instead of a histogram mask)
+                digit = tl.where((key >> (shift + 8)) == prefix, digit, 0)
+            hist += tl.histogram(digit, 256)
+        # bin 0 also counted the padded columns c >= C (key 0) and the entries off the prefix:
+        # padded - cnt of them, so the histogram counts exactly the cnt matching entries
+        hist -= tl.where(bins == 0, padded - cnt, 0)
+        # digit d of the need-th largest: the largest d with sum(hist[d:]) >= need (suffix
+        # sums are non-increasing in d, so d + 1 is how many of them reach need)
+        suffix = cnt - tl.cumsum(hist, 0) + hist
+        d = tl.sum((suffix >= need).to(tl.int32), 0) - 1
+        gt = tl.sum(tl.where(bins > d, hist, 0), 0)  # matching entries above digit d
+        need -= gt
+        cnt = tl.sum(tl.where(bins == d, hist, 0), 0)
+        prefix = (prefix << 8) | d.to(tl.uint32)
+    kth = prefix
+    need = tl.where(kth == 0, 0, need)
+    # column order: entry c is selected if key > kth, or key == kth and it is one of the first
+    # `need` such entries (the lowest columns: the reference's tie rule); its output slot is the
+    # number of selected entries before it (a running count + an in-block inclusive cumsum)
+    base = tl.zeros([], dtype=tl.int32)  # selected entries written so far
+    ties = tl.zeros([], dtype=tl.int32)  # entries equal to kth seen so far
+    for b in range(nblocks):
+        c = b * BLOCK + cols
+        key = row_keys(s_ptr, m_ptr, row_s, row_m, c, C, HAS_MASK)
+        eq = (key == kth).to(tl.int32)
+        sel = (key > kth) | ((eq != 0) & (ties + tl.cumsum(eq, 0) <= need))
+        seli = sel.to(tl.int32)
+        pos = base + tl.cumsum(seli, 0) - 1
+        tl.store(out_ptr + row_o + pos, c.to(tl.int64), mask=sel)
+        base += tl.sum(seli, 0)
+        ties += tl.sum(eq, 0)
+    # -1 in the slots after the selection, up to K (every output element written once)
+    for j0 in range(0, K, BLOCK_K):
+        j = j0 + tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + row_o + j, tl.full([BLOCK_K], -1, tl.int64), mask=(j >= base) & (j < K))
