@@ -96,7 +96,10 @@ KERNELS: dict[str, list[KernelImpl]] = {
                      _k("triton.index_scores", "sm_90 triton", "available",
                         note="kernels/triton/indexer.py: request tiles, tf32x3 products "
                               "(bf16 where the node says products=bf16)")],
-    "candidate_mask": [_k("capturable", "sm_90", "available", note="device torch, no host sync")],
+    "candidate_mask": [_k("triton.candidate_mask", "sm_90 triton", "unvalidated",
+                          note="kernels/triton/topk.py: radix select over the block maxima per row, "
+                               "bitwise the reference"),
+                       _k("capturable", "sm_90", "available", note="device torch, no host sync")],
     "topk_select": [_k("triton.topk_select", "sm_90 triton", "unvalidated",
                        note="kernels/triton/topk.py: radix select per row, bitwise the reference"),
                     _k("capturable", "sm_90", "available", note="device torch.topk + sort")],
@@ -163,6 +166,7 @@ LOADABLE.update({
     "triton.hc_expand": "megagraph.kernels.triton.mhc",
     "triton.rms_norm": "megagraph.kernels.triton.norm",
     "triton.topk_select": "megagraph.kernels.triton.topk",
+    "triton.candidate_mask": "megagraph.kernels.triton.topk",
     "triton.quantize_act": "megagraph.kernels.triton.quant",
     "triton.fake_quant": "megagraph.kernels.triton.quant",
     "triton.rope": "megagraph.kernels.triton.rope",

@@ -1,5 +1,5 @@
 """The sparse-attention indexer's top-k selection on the GPU (Triton): kernels.reference.indexer
-.topk_select in one launch, one program per row.
+.topk_select in one launch, one program per row (and the two-level candidate_mask, below).
 
 Why: on the H200, a prefill step of the 5-layer V4.1-Flash slice at 8192 tokens spent 188 ms of
 462 ms (41%) in topk_select (benchmarks/results/h200-prefill-8.md, "Top ops"): the reference (also
@@ -28,9 +28,9 @@ The capturable kernel (the reference's code) serves: CPU tensors outside the Tri
 scores other than 2-D fp32 / bf16 / fp16, masks that are not bool, on another device or of more
 than 2 dims (a [C] or [1, C] mask is broadcast over the rows, as the reference's masked_fill),
 k <= 0, and empty inputs (T == 0 or C == 0).
-Registry status "unvalidated": tests/kernels/test_triton_topk.py passes under the interpreter and
-the kernel builds for sm_90 ahead of time (61-64 registers at 4 warps, no stack, no local memory);
-not yet run on the H200.
+Registry status "unvalidated" (both ops): tests/kernels/test_triton_topk.py passes under the
+interpreter and both kernels build for sm_90 ahead of time (4 warps: topk_select 61-64 registers,
+candidate_mask 79, no stack, no local memory); not yet run on the H200.
 """
 from __future__ import annotations
 
@@ -77,3 +77,46 @@ def topk_select(scores: Tensor, mask: Tensor | None = None, *, k: int) -> Tensor
 
 
 topk_select.capturable = True
+
+
+CAND_ELEMS = 1024  # entries per step of candidate_mask (NBB blocks x next_pow2(block) columns)
+
+
+def candidate_mask(scores: Tensor, *, block: int, topk_blocks: int) -> Tensor:
+    """kernels.reference.indexer.candidate_mask in one launch, one program per row: bool[T, C],
+    entry c kept if its block of `block` entries is among the top min(topk_blocks, n_blocks) by
+    block max (the block of entry n_visible - 1 forced to +inf, blocks without a visible entry
+    never kept, ties toward the older block) and its score is > -inf. NaN: outside the contract.
+
+    Why: 27 ms of the same 462 ms 8K-token prefill step (V4.1-Flash: blocks of 8, 2048 of them
+    kept, of ~4.4K per row); the reference pads, reduces, scatters, runs torch.topk and a
+    cumulative sum over the [T, n_blocks] block scores, then expands to [T, C].
+    Design: topk_select's radix select over the row's block keys (kernels/triton/topk_jit.py,
+    candidate_mask_rows), each of its five passes recomputing the block maxima from the scores,
+    the last one writing every entry of the row once. Integer output: bitwise the reference, by
+    the same argument as topk_select's (exact key order, exact counts, the reference's tie rule).
+    The capturable kernel serves what topk_select's fallback serves, and block <= 0 or
+    topk_blocks <= 0."""
+    ok = (available() and _on_device(scores) and scores.dim() == 2 and scores.dtype in DTYPES
+          and block > 0 and topk_blocks > 0 and scores.shape[0] > 0
+          and 0 < scores.shape[1] < 2**31 - CAND_ELEMS)
+    if not ok:
+        from megagraph.kernels.capturable.indexer import candidate_mask as fallback
+
+        return fallback(scores, block=block, topk_blocks=topk_blocks)
+    import triton
+
+    from .topk_jit import candidate_mask_rows
+
+    T, C = scores.shape
+    s = scores if scores.stride(-1) == 1 else scores.contiguous()
+    nb = triton.cdiv(C, block)
+    blk = triton.next_power_of_2(block)
+    out = torch.empty(T, C, dtype=torch.uint8, device=scores.device)  # (bytes 0 / 1)
+    candidate_mask_rows[(T,)](
+        s, out, C, nb, block, min(topk_blocks, nb), s.stride(0), out.stride(0),
+        NBB=max(1, CAND_ELEMS // blk), BLK=blk, num_warps=1 if INTERPRET else NUM_WARPS)
+    return out.view(torch.bool)
+
+
+candidate_mask.capturable = True

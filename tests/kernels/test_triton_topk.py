@@ -1,12 +1,16 @@
-"""kernels/triton/topk.py (the indexer's top-k selection, radix select per row) vs the reference
-kernels.reference.indexer.topk_select: torch.equal on every case (integer output, so bitwise).
+"""kernels/triton/topk.py (the indexer's top-k selection and two-level candidate mask, radix
+select per row) vs the reference kernels.reference.indexer.topk_select / candidate_mask:
+torch.equal on every case (integer / bool output, so bitwise).
 
 Cases: k above C, fewer selectable entries than k (rows fully -inf, -inf suffixes as the indexer
 produces them, -inf at random places), a mask (also broadcast), heavy ties at the k-th value (a few
 distinct values: the lowest-column rule), -0.0 / +0.0 mixed, +inf scores, C not a multiple of the
 kernel's block, T = 1 and a few hundred rows, bf16 / fp16 scores, strided scores; every output
 element written (poisoned outputs); the fallbacks; on CUDA a graph replay equal to eager and the
-real prefill size (T = 512, C = 34816, k = 512 and 2048).
+real prefill size (T = 512, C = 34816, k = 512 and 2048). candidate_mask: visible prefixes and
+-inf at random places (the forced block is the one of entry n_visible - 1), block sizes 2 / 3 /
+8 / 16, more blocks wanted than exist, +inf ties with the forced block, bf16, topk_blocks = 0,
+its output feeding topk_select; on CUDA the V4.1 size (blocks of 8, 2048 kept) and a graph replay.
 
 CUDA GPU, or the CPU under TRITON_INTERPRET=1 (tests/kernels/test_triton_interp.py runs this file
 that way); skipped otherwise. NOT yet run on the H200 (registry status "unvalidated")."""
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from megagraph.kernels.reference.indexer import candidate_mask as ref_candidate_mask
 from megagraph.kernels.reference.indexer import topk_select as ref_topk_select
 from megagraph.kernels.triton import topk as tk
 from poisoned_alloc import poisoned
@@ -167,3 +172,76 @@ def test_topk_select_captures_in_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
     assert torch.equal(out, ref_topk_select(s, k=512))
+
+
+# candidate_mask (the two-level candidate blocks; same module)
+
+def check_cand(s, *, block, topk_blocks):
+    with poisoned():
+        got = tk.candidate_mask(s, block=block, topk_blocks=topk_blocks)
+    want = ref_candidate_mask(s, block=block, topk_blocks=topk_blocks)
+    assert got.dtype == torch.bool and got.shape == want.shape == s.shape
+    assert bool((got.view(torch.uint8) <= 1).all()), "an element was not written"
+    assert torch.equal(got, want), (got != want).nonzero()[:8].tolist()
+    return got
+
+
+@pytest.mark.parametrize("T,C,block,kb", [(1, 100, 8, 5), (7, 1024, 8, 64), (5, 3000, 8, 200),
+                                          (64, 700, 8, 30), (3, 2049, 2, 600), (4, 500, 16, 1000),
+                                          (6, 999, 3, 40), (2, 1, 8, 4), (5, 300, 8, 1)])
+@pytest.mark.parametrize("kind", ["randn", "few", "relu"])
+def test_candidate_mask_matches_reference(T, C, block, kb, kind):
+    """Visible prefixes (first row none, last row all), block sizes 2 / 3 / 8 / 16 (C not a
+    multiple of them), more blocks wanted than there are, a single block."""
+    s = suffix_inf(scores(T, C, seed=T * 31 + C + block * 7 + kb, kind=kind), seed=C)
+    check_cand(s, block=block, topk_blocks=kb)
+
+
+@pytest.mark.parametrize("kind", ["randn", "few", "zeros"])
+def test_candidate_mask_corners(kind):
+    """-inf at random places (the newest block is then the one of entry n_visible - 1, as the
+    reference computes it, even where that block holds no visible entry), +inf scores tied with
+    the forced block, signed zeros, bf16 scores, all rows -inf, topk_blocks = 0."""
+    T, C = 9, 1500
+    s = suffix_inf(scores(T, C, seed=81, kind=kind), seed=82)
+    check_cand(random_inf(s, seed=83), block=8, topk_blocks=50)
+    check_cand(random_inf(s, seed=84, frac=0.98), block=8, topk_blocks=50)
+    g = torch.Generator().manual_seed(85)
+    hot = (torch.rand(T, C, generator=g) < 0.01).to(DEV)
+    check_cand(torch.where(hot, torch.full_like(s, float("inf")), s), block=8, topk_blocks=20)
+    check_cand(s.bfloat16(), block=8, topk_blocks=50)
+    check_cand(torch.full_like(s, NINF), block=8, topk_blocks=50)
+    assert torch.equal(tk.candidate_mask(s, block=8, topk_blocks=0),
+                       ref_candidate_mask(s, block=8, topk_blocks=0))
+
+
+def test_candidate_mask_feeds_topk_select():
+    """The V4.1 chain at a small size: candidates from the scores, then topk_select under them."""
+    s = suffix_inf(scores(16, 2000, seed=91, kind="relu"), seed=92)
+    cand = check_cand(s, block=8, topk_blocks=64)
+    check(s, cand, k=128)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (the interpreter case stays small)")
+@pytest.mark.parametrize("kind", ["randn", "relu", "few"])
+def test_candidate_mask_prefill_size(kind):
+    """V4.1-Flash's candidate blocks at the prefill size: 512 tokens over 34816 entries, blocks of
+    8, 2048 blocks kept."""
+    s = suffix_inf(scores(512, 34816, seed=95, kind=kind), seed=96)
+    check_cand(s, block=8, topk_blocks=2048)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_candidate_mask_captures_in_cuda_graph():
+    s = suffix_inf(scores(256, 8192, seed=97, kind="relu"), seed=98)
+    eager = tk.candidate_mask(s, block=8, topk_blocks=256)
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(st), torch.cuda.graph(g):
+        out = tk.candidate_mask(s, block=8, topk_blocks=256)
+    torch.cuda.current_stream().wait_stream(st)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    assert torch.equal(out, ref_candidate_mask(s, block=8, topk_blocks=256))
