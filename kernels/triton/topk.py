@@ -34,6 +34,8 @@ candidate_mask 79, no stack, no local memory); not yet run on the H200.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -41,6 +43,10 @@ from .attention import INTERPRET, _on_device, available
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK = 1024  # columns per step of a pass (8 per thread at 4 warps)
+# topk_select's radix digit: 4 bits counted by comparison (no atomics) or 8 bits by tl.histogram
+# (topk_jit.topk_select_rows); CBLOCK: the columns per step at 4 bits ([CBLOCK, 16] compares)
+RADIX_BITS = int(os.environ.get("MEGAGRAPH_TOPK_RADIX_BITS", "4"))
+CBLOCK = 256
 BLOCK_K = 512  # output slots per step of the -1 padding loop
 NUM_WARPS = 4
 
@@ -71,8 +77,8 @@ def topk_select(scores: Tensor, mask: Tensor | None = None, *, k: int) -> Tensor
     topk_select_rows[(T,)](
         s, m if m is not None else s, out, C, k, min(k, C), s.stride(0),
         m.stride(0) if m is not None else 0, out.stride(0),
-        HAS_MASK=m is not None, BLOCK=BLOCK, BLOCK_K=BLOCK_K,
-        num_warps=1 if INTERPRET else NUM_WARPS)
+        HAS_MASK=m is not None, BLOCK=BLOCK if RADIX_BITS == 8 else CBLOCK, BLOCK_K=BLOCK_K,
+        RB=RADIX_BITS, num_warps=1 if INTERPRET else NUM_WARPS)
     return out
 
 

@@ -31,7 +31,7 @@ def f32_key(x):
 
 @triton.jit
 def pick_digit(hist, bins, cnt, need):
-    """One radix-select step: hist [256] counts the cnt keys matching the prefix by their next
+    """One radix-select step: hist [NBINS] counts the cnt keys matching the prefix by their next
     digit; the need-th largest of them has digit d = the largest d with sum(hist[d:]) >= need
     (suffix sums are non-increasing in d, so d + 1 is how many of them reach need).
     Returns (d, its rank among the keys with that digit, how many keys have it)."""
@@ -58,7 +58,8 @@ def row_keys(s_ptr, m_ptr, row_s, row_m, c, C, HAS_MASK: tl.constexpr):
 
 @triton.jit
 def topk_select_rows(s_ptr, m_ptr, out_ptr, C, K, KK, stride_s, stride_m, stride_o,
-                     HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+                     HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+                     RB: tl.constexpr):
     """Row program_id(0) of kernels.reference.indexer.topk_select: out[row, :] = the columns of
     the KK largest selectable scores in ascending column order (ties at the KK-th value: the
     lowest columns), -1 after them up to K columns.
@@ -70,34 +71,49 @@ def topk_select_rows(s_ptr, m_ptr, out_ptr, C, K, KK, stride_s, stride_m, stride
     equal to it the selection takes (the rest of the KK are the entries above it).
     kth == 0 means fewer than KK selectable entries: every selectable entry (key > 0) is taken and
     none of the key-0 ones, as the reference drops its -inf picks.
+
+    RB: the digit's bits. 8: four passes of tl.histogram (shared-memory atomics - on the H200
+    nearly every key of a pass lands in one bin: the common top digit, or bin 0 for the keys off
+    the prefix, so the atomics serialize); 4: eight passes counting the 16 digits by comparison
+    and reduction (no atomics, 16 compares per key and pass): the same kth, need, selection.
     """
     r = tl.program_id(0).to(tl.int64)
     row_s = r * stride_s
     row_m = r * stride_m
     row_o = r * stride_o
     cols = tl.arange(0, BLOCK)
-    bins = tl.arange(0, 256)
+    NBINS: tl.constexpr = 1 << RB
+    bins = tl.arange(0, NBINS)
     nblocks = tl.cdiv(C, BLOCK)
     padded = nblocks * BLOCK
     prefix = tl.full([], 0, tl.uint32)  # the digits of kth chosen so far
     need = KK  # rank of kth among the entries matching the prefix (1 = the largest)
     cnt = C  # entries matching the prefix (pass 0: the whole row)
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p  # constexpr: p is static
-        hist = tl.zeros([256], dtype=tl.int32)
+    for p in tl.static_range(32 // RB):
+        shift = 32 - RB * (p + 1)  # constexpr: p is static
+        hist = tl.zeros([NBINS], dtype=tl.int32)
         for b in range(nblocks):
-            key = row_keys(s_ptr, m_ptr, row_s, row_m, b * BLOCK + cols, C, HAS_MASK)
-            digit = ((key >> shift) & 0xFF).to(tl.int32)
-            if p > 0:
-                # entries off the prefix go to bin 0 and are taken out of it below (one
-                # subtraction instead of a histogram mask)
-                digit = tl.where((key >> (shift + 8)) == prefix, digit, 0)
-            hist += tl.histogram(digit, 256)
-        # bin 0 also counted the padded columns c >= C (key 0) and the entries off the prefix:
-        # padded - cnt of them, so the histogram counts exactly the cnt matching entries
-        hist -= tl.where(bins == 0, padded - cnt, 0)
+            c = b * BLOCK + cols
+            key = row_keys(s_ptr, m_ptr, row_s, row_m, c, C, HAS_MASK)
+            digit = ((key >> shift) & (NBINS - 1)).to(tl.int32)
+            if RB == 8:
+                if p > 0:
+                    # entries off the prefix go to bin 0 and are taken out of it below (one
+                    # subtraction instead of a histogram mask)
+                    digit = tl.where((key >> (shift + RB)) == prefix, digit, 0)
+                hist += tl.histogram(digit, NBINS)
+            else:
+                on = c < C
+                if p > 0:
+                    on = on & ((key >> (shift + RB)) == prefix)
+                hit = (digit[:, None] == bins[None, :]) & on[:, None]
+                hist += tl.sum(hit.to(tl.int32), 0)
+        if RB == 8:
+            # bin 0 also counted the padded columns c >= C (key 0) and the entries off the
+            # prefix: padded - cnt of them, so the histogram counts exactly the cnt matching ones
+            hist -= tl.where(bins == 0, padded - cnt, 0)
         d, need, cnt = pick_digit(hist, bins, cnt, need)
-        prefix = (prefix << 8) | d.to(tl.uint32)
+        prefix = (prefix << RB) | d.to(tl.uint32)
     kth = prefix
     need = tl.where(kth == 0, 0, need)
     # column order: entry c is selected if key > kth, or key == kth and it is one of the first

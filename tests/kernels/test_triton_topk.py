@@ -81,6 +81,18 @@ def test_topk_select_matches_reference(T, C, k, kind):
     check(scores(T, C, seed=T * 1009 + C * 7 + k, kind=kind), k=k)
 
 
+@pytest.mark.parametrize("kind", ["randn", "few", "zeros"])
+def test_topk_select_histogram_digits(kind, monkeypatch):
+    """The 8-bit tl.histogram radix (RADIX_BITS = 8, the first version; the default counts 4-bit
+    digits by comparison): the same outputs, ties, -inf suffixes and masks included."""
+    monkeypatch.setattr(tk, "RADIX_BITS", 8)
+    base = scores(6, 2100, seed=41, kind=kind)
+    check(base, k=300)
+    check(suffix_inf(base, seed=4), k=300)
+    check(base, torch.rand(base.shape, generator=torch.Generator().manual_seed(5)).to(DEV) < 0.5,
+          k=64)
+
+
 @pytest.mark.parametrize("kind", ["randn", "few", "relu"])
 @pytest.mark.parametrize("T,C,k", [(16, 1300, 256), (5, 300, 600), (8, 2500, 32)])
 def test_topk_select_fewer_selectable_than_k(T, C, k, kind):
