@@ -43,9 +43,12 @@ from .attention import INTERPRET, _on_device, available
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK = 1024  # columns per step of a pass (8 per thread at 4 warps)
-# topk_select's radix digit: 4 bits counted by comparison (no atomics) or 8 bits by tl.histogram
-# (topk_jit.topk_select_rows); CBLOCK: the columns per step at 4 bits ([CBLOCK, 16] compares)
-RADIX_BITS = int(os.environ.get("MEGAGRAPH_TOPK_RADIX_BITS", "4"))
+# topk_select's radix digit: 8 bits by tl.histogram or 4 bits counted by comparison
+# (topk_jit.topk_select_rows). 8 on the H200 (benchmarks/topk_probe.py, tenth session, one call):
+# 5.55 ms at 8192 x 34816 (top-512) against 14.62 ms at 4 bits and 8.30 ms for the capturable
+# torch kernel; 0.094 / 0.181 / 0.788 ms at 64 x 8192. CBLOCK: the columns per step at 4 bits
+# ([CBLOCK, 16] compares)
+RADIX_BITS = int(os.environ.get("MEGAGRAPH_TOPK_RADIX_BITS", "8"))
 CBLOCK = 256
 BLOCK_K = 512  # output slots per step of the -1 padding loop
 NUM_WARPS = 4

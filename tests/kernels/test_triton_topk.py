@@ -82,10 +82,10 @@ def test_topk_select_matches_reference(T, C, k, kind):
 
 
 @pytest.mark.parametrize("kind", ["randn", "few", "zeros"])
-def test_topk_select_histogram_digits(kind, monkeypatch):
-    """The 8-bit tl.histogram radix (RADIX_BITS = 8, the first version; the default counts 4-bit
-    digits by comparison): the same outputs, ties, -inf suffixes and masks included."""
-    monkeypatch.setattr(tk, "RADIX_BITS", 8)
+def test_topk_select_compare_digits(kind, monkeypatch):
+    """The 4-bit radix counted by comparison (RADIX_BITS = 4; the default is 8, tl.histogram):
+    the same outputs, ties, -inf suffixes and masks included."""
+    monkeypatch.setattr(tk, "RADIX_BITS", 4)
     base = scores(6, 2100, seed=41, kind=kind)
     check(base, k=300)
     check(suffix_inf(base, seed=4), k=300)
