@@ -28,9 +28,14 @@ The capturable kernel (the reference's code) serves: CPU tensors outside the Tri
 scores other than 2-D fp32 / bf16 / fp16, masks that are not bool, on another device or of more
 than 2 dims (a [C] or [1, C] mask is broadcast over the rows, as the reference's masked_fill),
 k <= 0, and empty inputs (T == 0 or C == 0).
-Registry status "unvalidated" (both ops): tests/kernels/test_triton_topk.py passes under the
-interpreter and both kernels build for sm_90 ahead of time (4 warps: topk_select 61-64 registers,
-candidate_mask 79, no stack, no local memory); not yet run on the H200.
+Registry status "available" on sm_90 (both ops) since tests/kernels/test_triton_topk.py passed on
+the H200 (93 cases, tenth session). Measured there (benchmarks/topk_probe.py, one call):
+topk_select 5.55 ms against the capturable kernel's 8.30 at 8192 x 34816 (top-512), 0.094 vs
+0.788 ms at 64 x 8192; candidate_mask (blocks of 8, top-2048 blocks) 7.0 vs 7.4 and 0.13 vs 0.69
+ms. The prefill step of the 5-layer slice: 407.5 -> 387.8 ms at 8192 tokens, 217.2 -> 202.5 ms
+at 4096 (benchmarks/results/h200-prefill-10-base.md, -topk.json); the decode step did not move (14.04 vs 14.02
+ms at B = 64). The 188 ms above was the eager split's attribution (CUDA events around each node,
+with launch gaps), not the graph step's.
 """
 from __future__ import annotations
 
