@@ -64,15 +64,19 @@ def _parse_item(item: str) -> dict:
       "diag NS:NU:LAG:WHAT"       the ws kernel with parts skipped (WHAT: "+"-joined names of
                                   moe_gluon_ws.DIAG_BITS - upcast, mma, a): WRONG results by
                                   design, timed without checks, to see which part bounds it;
-      "pws ..." / "pdiag ..."     the same with persistent CTAs (one per SM)."""
+      "pws ..." / "pdiag ..."     the same with persistent CTAs (one per SM);
+      "tws ..." / "ptws ..."      ... with A by TMA from an expert-sorted copy (made per call,
+                                  inside the timed launch)."""
     from megagraph.kernels.triton import moe_gluon_ws as mw
 
     if item.startswith("decode64"):
         _, _, st = item.partition(":")
         return dict(kind="decode64", stages=int(st) if st else None)
     kind, _, spec = item.partition(" ")
-    persist = kind in ("pws", "pdiag")
-    kind = kind.removeprefix("p")
+    flags, kind = (kind[:-2], "ws") if kind.endswith("ws") else (kind[:-4], kind[-4:])
+    persist, a_tma = "p" in flags, "t" in flags
+    if set(flags) - {"p", "t"}:
+        raise ValueError(f"item {item!r}: prefixes p (persistent) and t (A by TMA) only")
     parts = spec.split(":")
     if kind not in ("ws", "diag") or not 2 <= len(parts) <= 4 or (kind == "diag") != (
             len(parts) == 4):
@@ -82,7 +86,8 @@ def _parse_item(item: str) -> dict:
     if kind == "diag":
         diag = sum(mw.DIAG_BITS[w] for w in parts[3].split("+"))  # KeyError: a typo
     return dict(kind=kind, stages=int(parts[0]), bstages=int(parts[1]),
-                lag=int(parts[2]) if len(parts) > 2 else None, diag=diag, persist=persist)
+                lag=int(parts[2]) if len(parts) > 2 else None, diag=diag, persist=persist,
+                a_tma=a_tma)
 
 
 def _launcher(item: str, inputs, out, k: int, limit: float, tiles=None):
@@ -101,7 +106,7 @@ def _launcher(item: str, inputs, out, k: int, limit: float, tiles=None):
     return lambda: mw.l1_gluon_ws(xq, xs, srt, w1, w3, counts, out, topk=k,
                                   max_tiles=min(P, P // mw.BM + E), limit=limit, tiles=tiles,
                                   stages=it["stages"], bstages=it["bstages"], lag=it["lag"],
-                                  diag=it["diag"], persist=it["persist"])
+                                  diag=it["diag"], persist=it["persist"], a_tma=it["a_tma"])
 
 
 def check(T: int, dims: dict, limit: float, item: str, routing: str) -> dict:

@@ -152,6 +152,8 @@ WIDE_BT = 64
 # prefill L2's, so the two share one tile list)
 GLUON_WS_L1 = os.environ.get("MEGAGRAPH_MOE_GLUON_WS_L1", "1") == "1"
 WS_STAGES, WS_BSTAGES = 6, 3
+# its A rows by TMA from an expert-sorted copy made per call (moe_gluon_ws.A_TMA)
+WS_A_TMA = os.environ.get("MEGAGRAPH_MOE_GLUON_WS_A_TMA", "0") == "1"
 # The decode L2 (moe_gluon_decode_l2, <= 12 rows per expert; MEGAGRAPH_MOE_GLUON turns it off too)
 GLUON_DECODE_L2 = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE_L2", "1") == "1"
 # The prefill L2 (moe_gluon_l2, > 48 rows per expert): on by default from the ninth session (H200,
@@ -728,7 +730,7 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
 
         ok = True
         pick = (functools.partial(mod.l1_gluon_ws, persist=True, stages=WS_STAGES,
-                                  bstages=WS_BSTAGES), mod.BM)
+                                  bstages=WS_BSTAGES, a_tma=WS_A_TMA), mod.BM)
     elif rows_per_group > WIDE_L1_MIN_ROWS and GLUON_WIDE_L1:
         from . import moe_gluon_decode as mod
 

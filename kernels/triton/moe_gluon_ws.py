@@ -94,6 +94,11 @@ DIAG_BITS = {"upcast": 1, "mma": 2, "a": 4}
 # persistent CTAs: one per SM, each walking tiles pid, pid + grid, ... with its rings' chunk count
 # running on (the loader fills the next tile's stages during the MMA warpgroups' epilogue)
 PERSIST = False
+# A by TMA: the gathered rows copied once into expert-sorted order (a_q[a_idx // topk], P x K
+# E4M3), then [BM, BK] boxes on the stages' barriers: no gathered cp.async of A in the loader
+A_TMA = False
+if _IMPORT_OK:
+    A_TMA_LAYOUT = ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 NUM_WARPS = 4  # the default partition (MMA rows 0..63); 3 workers of 4 warps: 16 warps in all
 MAXNREG = 128  # launch register cap: 16 warps x 32 x 128 = the SM's 64K registers
 # setmaxnreg of the workers (MMA rows 64..127, upcast, loader); the default partition gets the
@@ -149,11 +154,11 @@ if _IMPORT_OK:
     # ---- loader ----------------------------------------------------------------------------------
 
     @gluon.jit
-    def _loader_tile(a_ptr, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr, ring, bars, g,
-                     row0, nrows, n0, wrow, K, c0, stride_am, stride_as, stride_bsg, stride_bsn,
-                     TOPK: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
+    def _loader_tile(a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr, ring,
+                     bars, g, row0, nrows, n0, wrow, K, c0, stride_am, stride_as, stride_bsg,
+                     stride_bsn, TOPK: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
                      BK: ttgl.constexpr, NS: ttgl.constexpr, LAG: ttgl.constexpr,
-                     DIAG: ttgl.constexpr):
+                     DIAG: ttgl.constexpr, A_TMA: ttgl.constexpr):
         """Fill the raw ring with one tile's chunks, global chunk numbers c0 .. c0 + K / BK - 1
         (see the module docstring). Chunk c's cp.async group is waited for after chunk c + LAG's
         copies are issued (wait_group(LAG)), so the loader keeps up to LAG + 1 chunks of
@@ -161,7 +166,9 @@ if _IMPORT_OK:
         LAG chunks of a tile are published while the next tile's copies are in flight, and
         only _loader's tail waits for the very last ones. LAG <= NS - 1 (chunk c + LAG's stage
         must not wait for chunk c's consumers). DIAG & 4: no A / A-scale copies (timing
-        diagnosis only). Returns the next chunk number."""
+        diagnosis only). A_TMA: A's [BM, BK] box by TMA from the expert-sorted copy of the rows
+        (a_desc; rows past P zero-filled by the TMA unit), on the stage's barrier with the
+        weights; the A scales and exponents stay on cp.async. Returns the next chunk number."""
         a_r, w1_r, w3_r, e_r, sa_r = ring
         r_ready, r_free = bars
         # gathered A rows (masked past the tile: zero-filled, their outputs never stored)
@@ -169,6 +176,7 @@ if _IMPORT_OK:
         ka = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, A_CP_L))
         tok = ttgl.load(aidx_ptr + row0 + ra, mask=ra < nrows, other=0) // TOPK
         a_ptrs = a_ptr + (tok.to(ttgl.int64) * stride_am)[:, None] + ka[None, :]
+        A_BYTES: ttgl.constexpr = BM * BK if (A_TMA and (DIAG & 4) == 0) else 0
         a_mask = (ra < nrows)[:, None] & (ka < BK)[None, :]
         rs = ttgl.arange(0, BM, layout=S_CP_L)
         tok_s = ttgl.load(aidx_ptr + row0 + rs, mask=rs < nrows, other=0) // TOPK
@@ -187,12 +195,15 @@ if _IMPORT_OK:
             s, ph = _stage(c, NS)
             mbarrier.wait(r_free.index(s), ph ^ 1)  # the consumers of chunk c - NS are done
             bar = r_ready.index(s)
-            mbarrier.expect(bar, 2 * BN * (BK // 2))
+            mbarrier.expect(bar, 2 * BN * (BK // 2) + A_BYTES)
             tma.async_copy_global_to_shared(w1_desc, [wrow, i * (BK // 2)], bar, w1_r.index(s))
             tma.async_copy_global_to_shared(w3_desc, [wrow, i * (BK // 2)], bar, w3_r.index(s))
+            if A_BYTES > 0:
+                tma.async_copy_global_to_shared(a_desc, [row0, i * BK], bar, a_r.index(s))
             if (DIAG & 4) == 0:
-                async_copy.async_copy_global_to_shared(a_r.index(s), a_ptrs + i * BK,
-                                                       mask=a_mask)
+                if not A_TMA:
+                    async_copy.async_copy_global_to_shared(a_r.index(s), a_ptrs + i * BK,
+                                                           mask=a_mask)
                 async_copy.async_copy_global_to_shared(sa_r.index(s), s_ptrs + i,
                                                        mask=rs < nrows)
             async_copy.async_copy_global_to_shared(e_r.index(s), e_ptrs + i * (BK // 32))
@@ -202,11 +213,11 @@ if _IMPORT_OK:
         return c0 + n_k
 
     @gluon.jit
-    def _loader(a_ptr, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr, ring, bars,
+    def _loader(a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr, ring, bars,
                 work_ptr, tile, MT, G, P, N, K, stride_am, stride_as, stride_bsg, stride_bsn,
                 TOPK: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
                 BK: ttgl.constexpr, NS: ttgl.constexpr, LAG: ttgl.constexpr,
-                DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr):
+                DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr, A_TMA: ttgl.constexpr):
         """The loader partition: this CTA's tiles (_tiles), then the last LAG chunks published
         (oldest first: wait_group(LAG - 1 - j) leaves exactly the newer ones pending)."""
         c = 0
@@ -214,17 +225,17 @@ if _IMPORT_OK:
             for t in range(tile, ttgl.load(work_ptr) * (N // BN), ttgl.num_programs(0)):
                 skip, g, row0, nrows, pid_n = tile_entry(work_ptr, t, N // BN, MT, G, P, BM)
                 if not skip:
-                    c = _loader_tile(a_ptr, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr,
-                                     bs2_ptr, ring, bars, g, row0, nrows, pid_n * BN,
+                    c = _loader_tile(a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc,
+                                     bs1_ptr, bs2_ptr, ring, bars, g, row0, nrows, pid_n * BN,
                                      g.to(ttgl.int32) * N + pid_n * BN, K, c, stride_am,
                                      stride_as, stride_bsg, stride_bsn, TOPK, BM, BN, BK, NS,
-                                     LAG, DIAG)
+                                     LAG, DIAG, A_TMA)
         else:
             _, g, row0, nrows, pid_n = tile_entry(work_ptr, tile, N // BN, MT, G, P, BM)
-            c = _loader_tile(a_ptr, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr, ring,
-                             bars, g, row0, nrows, pid_n * BN, g.to(ttgl.int32) * N + pid_n * BN,
-                             K, c, stride_am, stride_as, stride_bsg, stride_bsn, TOPK, BM, BN,
-                             BK, NS, LAG, DIAG)
+            c = _loader_tile(a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr,
+                             bs2_ptr, ring, bars, g, row0, nrows, pid_n * BN,
+                             g.to(ttgl.int32) * N + pid_n * BN, K, c, stride_am, stride_as,
+                             stride_bsg, stride_bsn, TOPK, BM, BN, BK, NS, LAG, DIAG, A_TMA)
         r_ready, _ = bars
         for j in ttgl.static_range(LAG):  # the last LAG chunks, oldest first
             if c - LAG + j >= 0:
@@ -372,13 +383,15 @@ if _IMPORT_OK:
     # ---- the kernel ----------------------------------------------------------------------------
 
     @gluon.jit
-    def l1_ws_kernel(a_ptr, as_ptr, aidx_ptr, w1_desc, bs1_ptr, w3_desc, bs2_ptr, c_ptr, work_ptr,
+    def l1_ws_kernel(a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, bs1_ptr, w3_desc, bs2_ptr, c_ptr,
+                     work_ptr,
                      MT, N, K, G, P, limit, stride_am, stride_as, stride_bsg, stride_bsn,
                      stride_cm, TOPK: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr,
                      USE_ASM: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
                      BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
                      LAG: ttgl.constexpr, DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr,
-                     R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr, R_LD: ttgl.constexpr):
+                     A_TMA: ttgl.constexpr, R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr,
+                     R_LD: ttgl.constexpr):
         """Program pid: row tile pid // (N / BN) of moe.tile_list at BM rows, columns
         (pid % (N / BN)) * BN of W1 and W3 (w1_desc / w3_desc: the banks as [G N, K / 2] bytes,
         boxes [BN, BK / 2]). N % BN == 0, K % BK == 0 (the launcher checks); out-of-range list
@@ -425,23 +438,26 @@ if _IMPORT_OK:
                     64, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST)),
             (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN, BK,
                          NS, NU, DIAG, PERSIST)),
-            (_loader, (a_ptr, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr, ring,
+            (_loader, (a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr, ring,
                        (r_ready, r_free), work_ptr, tile, MT, G, P, N, K, stride_am, stride_as,
-                       stride_bsg, stride_bsn, TOPK, BM, BN, BK, NS, LAG, DIAG, PERSIST)),
+                       stride_bsg, stride_bsn, TOPK, BM, BN, BK, NS, LAG, DIAG, PERSIST,
+                       A_TMA)),
         ], [4, 4, 4], [R_MMA, R_UP, R_LD])
 
 
 def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True, stages: int = NS,
                   bstages: int = NU, lag: int | None = None, diag: int = 0,
-                  persist: bool | None = None, regs: tuple[int, int, int] = REGS) -> dict:
+                  persist: bool | None = None, a_tma: bool | None = None,
+                  regs: tuple[int, int, int] = REGS) -> dict:
     """l1_ws_kernel's constexprs (the launcher's and the ahead-of-time build test's); lag None:
     LAG (clamped to stages - 1)."""
     r_mma, r_up, r_ld = regs
     lag = min(LAG, stages - 1) if lag is None else int(lag)
     persist = PERSIST if persist is None else bool(persist)
+    a_tma = A_TMA if a_tma is None else bool(a_tma)
     return dict(TOPK=topk, HAS_LIMIT=has_limit, USE_ASM=use_asm, BM=BM, BN=BN, BK=BK, NS=stages,
-                NU=bstages, LAG=lag, DIAG=int(diag), PERSIST=persist, R_MMA=r_mma, R_UP=r_up,
-                R_LD=r_ld)
+                NU=bstages, LAG=lag, DIAG=int(diag), PERSIST=persist, A_TMA=a_tma, R_MMA=r_mma,
+                R_UP=r_up, R_LD=r_ld)
 
 
 def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tiles: int,
@@ -449,7 +465,7 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
                 use_asm: bool | None = None, stages: int | None = None,
                 bstages: int | None = None, lag: int | None = None,
                 diag: int = 0, persist: bool | None = None,
-                ctas: int | None = None) -> torch.Tensor:
+                ctas: int | None = None, a_tma: bool | None = None) -> torch.Tensor:
     """out [P, F] (expert-sorted rows; fp16 in routed_experts, fp32 / bf16 fine; a row-strided
     view is fine) = swiglu(A W1^T, A W3^T) per expert, A row of sorted row r = a_q[a_idx[r] //
     topk] (E4M3 [T, d] with 16-byte aligned rows, a_scale [T, d / 128] f32); w1 / w3: moe.Bank
@@ -461,7 +477,9 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     depths (default NS / NU); lag: the loader's lag (1 <= lag < stages; default LAG clamped);
     diag: DIAG bits - skips work and gives WRONG results, for timing diagnosis only; persist:
     one CTA per SM over all tiles (default PERSIST); ctas: the persistent grid instead of the SM
-    count (the tests walk many tiles per CTA at small sizes)."""
+    count (the tests walk many tiles per CTA at small sizes); a_tma: A by TMA from an
+    expert-sorted copy of its rows made here (default A_TMA)."""
+    from .gluon_common import TensorDescriptor
     from .moe_gluon_decode import _tma_fits, _weight_desc
 
     if not _IMPORT_OK:
@@ -498,13 +516,18 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     tiles = tile_list(counts, BM, max_tiles, tiles)
     consts = kernel_consts(topk=topk, has_limit=limit is not None and limit > 0,
                            use_asm=True if use_asm is None else bool(use_asm), stages=ns,
-                           bstages=nu, lag=lag, diag=diag, persist=persist)
+                           bstages=nu, lag=lag, diag=diag, persist=persist, a_tma=a_tma)
     grid = max_tiles * (N // BN)
     if consts["PERSIST"]:
         grid = min(grid, int(ctas) if ctas else _sm_count(out.device))
     grid = (grid,)
+    a_desc = _weight_desc(w1)  # a placeholder of the right kind where A_TMA is off (never read)
+    if consts["A_TMA"]:
+        a_sorted = a_q.index_select(0, torch.div(a_idx, topk, rounding_mode="floor"))
+        a_desc = TensorDescriptor(a_sorted, [P, K], [a_sorted.stride(0), 1], [BM, BK],
+                                  A_TMA_LAYOUT)
     l1_ws_kernel[grid](
-        a_q, a_scale, a_idx, _weight_desc(w1), w1.s, _weight_desc(w3), w3.s, out, tiles,
+        a_q, a_desc, a_scale, a_idx, _weight_desc(w1), w1.s, _weight_desc(w3), w3.s, out, tiles,
         max_tiles, N, K, counts.numel(), P, float(limit or 0.0), a_q.stride(0),
         a_scale.stride(0), w1.s.stride(0), w1.s.stride(1), out.stride(0), **consts,
         num_warps=NUM_WARPS, maxnreg=MAXNREG)

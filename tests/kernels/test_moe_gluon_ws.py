@@ -80,23 +80,25 @@ def _triton_l1(xq, xs, a_idx, w1, w3, counts, k, limit, F):
 
 
 @gpu
-@pytest.mark.parametrize("stages,bstages,lag,persist", [
-    (None, None, None, None), (3, 2, None, None), (6, 3, None, None), (4, 2, 3, None),
-    (6, 3, 5, None), (3, 2, 2, None), (4, 2, 1, True), (4, 2, 3, True), (6, 3, 2, True),
-    (2, 2, 1, True)])
+@pytest.mark.parametrize("stages,bstages,lag,persist,a_tma", [
+    (None, None, None, None, None), (3, 2, None, None, None), (6, 3, None, None, None),
+    (4, 2, 3, None, None), (6, 3, 5, None, None), (3, 2, 2, None, None), (4, 2, 1, True, None),
+    (4, 2, 3, True, None), (6, 3, 2, True, None), (2, 2, 1, True, None), (4, 2, 1, None, True),
+    (6, 3, 1, True, True), (6, 3, 3, True, True)])
 @pytest.mark.parametrize("name", list(CASES))
-def test_l1_ws_matches(name, stages, bstages, lag, persist):
+def test_l1_ws_matches(name, stages, bstages, lag, persist, a_tma):
     """Into a poisoned output (torch.empty under poisoned(): NaN): every valid row written and
     finite, within 2e-3 of the fp32 math and of the Triton L1; ring depths, the loader's lag and
     persistent CTAs (each walking many tiles, ring phases running on across them) only move the
-    schedule, never the bits (the 2-chunk case has fewer chunks than the lag)."""
+    schedule, never the bits (the 2-chunk case has fewer chunks than the lag); A by TMA from the
+    expert-sorted copy too (rows past P zero-filled by the TMA unit)."""
     rows, T, k, d, F, exps, limit = CASES[name]
     xq, xs, w1, w3, counts, a_idx = _rows_case(rows, T, k, d, F, seed=len(name), exps=exps)
     with poisoned():
         out = torch.empty((sum(rows), F), dtype=torch.float16, device="cuda")
     # persistent: 3 CTAs, so each walks many tiles (its rings' phases running on)
     _launch(xq, xs, a_idx, w1, w3, counts, out, k, limit, stages=stages, bstages=bstages,
-            lag=lag, persist=persist, ctas=3 if persist else None)
+            lag=lag, persist=persist, ctas=3 if persist else None, a_tma=a_tma)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "an output element was not written (or is not finite)"
     lim = float("inf") if limit is None else limit
@@ -152,8 +154,8 @@ def test_l1_ws_asm_vs_arith():
 
 
 @gpu
-@pytest.mark.parametrize("persist", [False, True])
-def test_l1_ws_repeat_and_graph(persist):
+@pytest.mark.parametrize("persist,a_tma", [(False, False), (True, False), (True, True)])
+def test_l1_ws_repeat_and_graph(persist, a_tma):
     """20 eager launches give the same bits (earlier Gluon prefill variants did not), and the
     launch captured in a CUDA graph (tile list built inside the capture, host TMA descriptors
     filled at capture) replays them into a re-poisoned output; persistent: 2 CTAs over every
@@ -164,7 +166,7 @@ def test_l1_ws_repeat_and_graph(persist):
 
     def launch(out):
         _launch(xq, xs, a_idx, w1, w3, counts, out, k, 10.0, persist=persist,
-                ctas=2 if persist else None)
+                ctas=2 if persist else None, a_tma=a_tma)
 
     want = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
     launch(want)
@@ -235,19 +237,21 @@ def test_l1_ws_args():
     assert mw.l1_gluon_ws(xq, xs, a_idx, bank, bank, counts, out, topk=k, max_tiles=0) is out
 
 
-def _types():
-    """TYPES with the TMA descriptors in place of the weight pointers and their strides."""
+def _types(a_tma: bool = False):
+    """TYPES with the TMA descriptors in place of the weight pointers and their strides (and A's
+    for a_tma; else the placeholder the launcher passes)."""
     from megagraph.kernels.triton import moe_gluon_decode as md
 
     desc = f"tensordesc<u8[{mw.BN}, {mw.BK // 2}],{md.W_TMA_LAYOUT!r}>"
     types = {n: t for n, t in TYPES.items()
              if n not in ("b1_ptr", "b2_ptr", "stride_bg", "stride_bn")}
-    return dict(types, w1_desc=desc, w3_desc=desc)
+    a_desc = desc if not a_tma else f"tensordesc<fp8e4nv[{mw.BM}, {mw.BK}],{mw.A_TMA_LAYOUT!r}>"
+    return dict(types, w1_desc=desc, w3_desc=desc, a_desc=a_desc)
 
 
 def _compile(**kw):
     consts = mw.kernel_consts(topk=6, has_limit=True, **kw)
-    return gluon_sm90(mw.l1_ws_kernel, _types(), consts, num_warps=mw.NUM_WARPS,
+    return gluon_sm90(mw.l1_ws_kernel, _types(consts["A_TMA"]), consts, num_warps=mw.NUM_WARPS,
                       maxnreg=mw.MAXNREG)
 
 
@@ -359,12 +363,13 @@ def test_l1_ws_sm90_build():
 @pytest.mark.parametrize("stages,bstages,use_asm,lag,persist", [
     (3, 2, True, None, False), (6, 3, True, None, False), (4, 2, False, None, False),
     (4, 2, True, 3, False), (6, 3, True, 5, False), (4, 2, True, 1, True),
-    (6, 3, True, 3, True)])
+    (6, 3, True, 3, True), (6, 3, True, 1, "a_tma")])
 def test_l1_ws_sm90_build_variants(stages, bstages, use_asm, lag, persist):
     """Other ring depths, loader lags, persistent CTAs and the integer upcast: no stack /
     spills, within 227 KB, the same release order. (6, 3): the deepest default-tile ring that
     fits."""
-    k = _compile(stages=stages, bstages=bstages, use_asm=use_asm, lag=lag, persist=persist)
+    kw = dict(persist=True, a_tma=True) if persist == "a_tma" else dict(persist=persist)
+    k = _compile(stages=stages, bstages=bstages, use_asm=use_asm, lag=lag, **kw)
     usage, sass = usage_and_sass(k)
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
