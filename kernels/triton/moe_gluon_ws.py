@@ -355,12 +355,12 @@ if _IMPORT_OK:
         c = 0
         if PERSIST:
             for t in range(tile, ttgl.load(work_ptr) * (N // BN), ttgl.num_programs(0)):
-                skip, g, row0, nrows, pid_n = tile_entry(work_ptr, t, N // BN, MT, G, P, BM)
+                skip, _, row0, nrows, pid_n = tile_entry(work_ptr, t, N // BN, MT, G, P, BM)
                 if not skip:
                     c = _mma_tile(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N, K, c,
                                   limit, stride_cm, M0, HAS_LIMIT, BN, BK, NS, NU, DIAG)
         else:
-            _, g, row0, nrows, pid_n = tile_entry(work_ptr, tile, N // BN, MT, G, P, BM)
+            _, _, row0, nrows, pid_n = tile_entry(work_ptr, tile, N // BN, MT, G, P, BM)
             _mma_tile(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N, K, c, limit,
                       stride_cm, M0, HAS_LIMIT, BN, BK, NS, NU, DIAG)
 
