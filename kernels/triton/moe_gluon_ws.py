@@ -479,7 +479,6 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     one CTA per SM over all tiles (default PERSIST); ctas: the persistent grid instead of the SM
     count (the tests walk many tiles per CTA at small sizes); a_tma: A by TMA from an
     expert-sorted copy of its rows made here (default A_TMA)."""
-    from .gluon_common import TensorDescriptor
     from .moe_gluon_decode import _tma_fits, _weight_desc
 
     if not _IMPORT_OK:
@@ -523,6 +522,8 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     grid = (grid,)
     a_desc = _weight_desc(w1)  # a placeholder of the right kind where A_TMA is off (never read)
     if consts["A_TMA"]:
+        from .gluon_common import TensorDescriptor
+
         a_sorted = a_q.index_select(0, torch.div(a_idx, topk, rounding_mode="floor"))
         a_desc = TensorDescriptor(a_sorted, [P, K], [a_sorted.stride(0), 1], [BM, BK],
                                   A_TMA_LAYOUT)
