@@ -62,7 +62,14 @@ def main() -> None:
         print("topk_probe: needs CUDA")
         return
     rows = [shape_row(name, T, C, k) for name, T, C, k in SHAPES]
-    res = dict(device=torch.cuda.get_device_name(), rows=rows)
+    import datetime
+
+    import triton
+
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+               triton=triton.__version__, command=" ".join(sys.argv),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               rows=rows)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
