@@ -10,6 +10,7 @@ on the device. Each launch is timed as CUDA-graph replays (events, median of bat
     python benchmarks/moe_gluon_l2_probe.py --routing poisson --out /tmp/gl2  # realistic routing
     python benchmarks/moe_gluon_l2_probe.py --y-dtype f32 --out /tmp/gl2
     python benchmarks/moe_gluon_l2_probe.py --smoke                           # small dims
+    python benchmarks/moe_gluon_l2_probe.py --diag "w,mma,a,w+mma" --out /tmp/gl2  # by parts
 
 --routing balanced: token t -> experts 6t .. 6t + 5 mod 384 (128 rows per expert at 8192 tokens:
 one 128-row tile each); poisson: top-6 of random router logits (rows per expert ~89 .. 183: an
@@ -92,7 +93,12 @@ def main() -> None:
                                                   "poisson: top-6 of random logits")),
                           ("--ks", dict(type=int, default=7, help="slots per token in y")),
                           ("--y-dtype", dict(choices=sorted(YDT), default="bf16",
-                                             help="y dtype"))])
+                                             help="y dtype")),
+                          ("--diag", dict(default="",
+                                          help="comma-separated '+'-joined DIAG_BITS names "
+                                               "(w, mma, a): the kernel with those parts of its "
+                                               "K loop skipped, timed after the checked rows - "
+                                               "WRONG results by design, to see what bounds it"))])
     args = ap.parse_args()
 
     def write():  # the JSON / md, after every row: a later crash loses nothing measured
@@ -148,9 +154,9 @@ def main() -> None:
     tiles = moe.tile_list(counts, mgl.BM, mtg)
     y_gl = torch.full_like(y_tr, float("nan"))
 
-    def gluon_l2(use_asm=True, prebuilt=True):
+    def gluon_l2(use_asm=True, prebuilt=True, diag=0):
         mgl.l2_gluon(h, w2, counts, srt, wts, y_gl, topk=k, ks=ks, max_tiles=mtg,
-                     tiles=tiles if prebuilt else None, use_asm=use_asm)
+                     tiles=tiles if prebuilt else None, use_asm=use_asm, diag=diag)
 
     tile = dict(bm=mgl.BM, bn=mgl.BN, bk=mgl.BK, ns=mgl.NS, warps=mgl.NUM_WARPS)
     if timed_row(res, write, name, gluon_l2, tile, rates):
@@ -169,6 +175,10 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001
             res["gluon_error"] = repr(exc)[:500]
         write()
+        for what in [x.strip() for x in args.diag.split(",") if x.strip()]:
+            bits = sum(mgl.DIAG_BITS[w] for w in what.split("+"))  # KeyError: a typo
+            timed_row(res, write, f"gluon l2 diag {what} (wrong by design)",
+                      lambda b=bits: gluon_l2(diag=b), dict(diag=bits), rates)
     finish(res, t_start, write)
 
 

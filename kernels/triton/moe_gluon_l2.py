@@ -83,11 +83,16 @@ REL_MIN, REL_MAX = -13, 13
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def kernel_consts(K: int, use_asm: bool = True) -> dict:
+# DIAG bits (timing diagnosis only, WRONG results; 0 builds the same machine code as without
+# them): 1 no W2 loads / upcast in the K loop, 2 no wgmma, 4 no A (H) copies in the K loop
+DIAG_BITS = {"w": 1, "mma": 2, "a": 4}
+
+
+def kernel_consts(K: int, use_asm: bool = True, diag: int = 0) -> dict:
     """The constexprs of l2_kernel for K columns of W2 (the launcher's and the ahead-of-time
     build test's): KGI = the 16-exponent pieces of a W2 row the frame scan reads (unrolled)."""
     return dict(KGI=-(-(K // 32) // 16), USE_ASM=bool(use_asm), BM=BM, BN=BN, BK=BK, NS=NS,
-                NW=NUM_WARPS)
+                NW=NUM_WARPS, DIAG=int(diag))
 
 
 def frame(e_max: int) -> int:
@@ -115,7 +120,16 @@ def tables(rel: int) -> tuple[int, int]:
 
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
-    from .gluon_common import async_copy, fp16x2_regs, gluon, halves, refill_a, tile_entry, ttgl
+    from .gluon_common import (
+        async_copy,
+        fence_async_shared,
+        fp16x2_regs,
+        gluon,
+        halves,
+        refill_a,
+        tile_entry,
+        ttgl,
+    )
     from .gluon_common import warpgroup_mma, warpgroup_mma_wait
     from .moe_gluon_decode_l2 import fp16_table_regs, fp16_tables
 
@@ -154,7 +168,8 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
 
     @gluon.jit
     def _chunk(i, n_k, a_cur, b_cur, a_nxt, b_nxt, acc, w, e, s0, a_ptrs, a_mask, w_ptrs,
-               e_ptrs, USE_ASM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr):
+               e_ptrs, USE_ASM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
+               DIAG: ttgl.constexpr):
         """K chunk i: A[i] in a_cur (cp.async issued one chunk ago), B[i] upcast in b_cur (one
         chunk ago); the words / exponents w, e of chunk i + 1 in registers. Returns acc (with
         wgmma(i) possibly still in flight) and chunk i + 2's words / exponents. Every prefetch
@@ -165,22 +180,29 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         # (gluon_common.refill_a): every thread's A[i] copies and B[i] stores are in and
         # fenced, every warpgroup waited for wgmma(i - 2) (wait(1) at the end of chunk i - 1),
         # so stage (i + 1) % 3, written from here on, has no reader left; A[i + 1] copied
-        refill_a(a_nxt, a_ptrs, a_mask, i, n_k, BK)
+        if (DIAG & 4) == 0:
+            refill_a(a_nxt, a_ptrs, a_mask, i, n_k, BK)
+        else:  # DIAG: the same fence and barrier, no copy
+            fence_async_shared()
+            ttgl.thread_barrier()
         # wgmma: A [BM, BK] (K-major smem) @ B [BK, BN]: the [BN, BK] K-major stage, permuted;
         # chained on acc (wgmma(i - 1) may still be running: the hardware orders them)
-        acc = warpgroup_mma(a_cur, b_cur.permute((1, 0)), acc, is_async=True)
+        if (DIAG & 2) == 0:
+            acc = warpgroup_mma(a_cur, b_cur.permute((1, 0)), acc, is_async=True)
         # while the tensor cores run chunks i - 1, i: upcast chunk i + 1 into its stage. No
         # fence here: the writer-side fence at the top of chunk i + 1 (after these stores in
         # each thread's program order, before the barrier wgmma(i + 1) waits at) orders them
         # for the async proxy, as it does the thread's cp.async bytes. (moe_gluon.py's L1 also
         # fences right after its stores, a remnant of its reader-side order; in its SASS ptxas
         # hoists the next chunk's global loads above that MEMBAR.ALL.CTA.)
-        _upcast_store(w, e, s0, b_nxt, USE_ASM, BN, BK)
-        # chunk i + 2's bytes: a whole chunk of latency to hide
-        k2 = ttgl.minimum(i + 2, n_k - 1) * BK
-        w, e = _load_w(w_ptrs, e_ptrs, k2)
-        # wgmma(i - 1) retired (its stage is refilled in chunk i + 1, after the barrier)
-        acc = warpgroup_mma_wait(1, deps=[acc])
+        if (DIAG & 1) == 0:
+            _upcast_store(w, e, s0, b_nxt, USE_ASM, BN, BK)
+            # chunk i + 2's bytes: a whole chunk of latency to hide
+            k2 = ttgl.minimum(i + 2, n_k - 1) * BK
+            w, e = _load_w(w_ptrs, e_ptrs, k2)
+        if (DIAG & 2) == 0:
+            # wgmma(i - 1) retired (its stage is refilled in chunk i + 1, after the barrier)
+            acc = warpgroup_mma_wait(1, deps=[acc])
         return acc, w, e
 
     @gluon.jit
@@ -188,7 +210,8 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                   stride_hm, stride_bg, stride_bn, stride_bsg, stride_bsn, stride_cm,
                   TOPK: ttgl.constexpr, KS: ttgl.constexpr, KGI: ttgl.constexpr,
                   USE_ASM: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
-                  BK: ttgl.constexpr, NS: ttgl.constexpr, NW: ttgl.constexpr):
+                  BK: ttgl.constexpr, NS: ttgl.constexpr, NW: ttgl.constexpr,
+                  DIAG: ttgl.constexpr):
         """Program pid: row tile pid // (N / BN) of the tile list (moe.tile_list at BM rows:
         [total, grp[MT], row0[MT], rend[MT]], rend the END OF THE GROUP), output columns
         (pid % (N / BN)) * BN. N % BN == 0, K % (NS * BK) == 0 (the launcher checks);
@@ -276,12 +299,13 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         # unrolled by 3: chunk i uses stage i % 3; n_k % 3 == 0 (the launcher checks)
         for i in range(0, n_k, 3):
             acc, w, e = _chunk(i, n_k, a0, b0, a1, b1, acc, w, e, s0, a_ptrs, a_mask, w_ptrs,
-                               e_ptrs, USE_ASM, BN, BK)
+                               e_ptrs, USE_ASM, BN, BK, DIAG)
             acc, w, e = _chunk(i + 1, n_k, a1, b1, a2, b2, acc, w, e, s0, a_ptrs, a_mask,
-                               w_ptrs, e_ptrs, USE_ASM, BN, BK)
+                               w_ptrs, e_ptrs, USE_ASM, BN, BK, DIAG)
             acc, w, e = _chunk(i + 2, n_k, a2, b2, a0, b0, acc, w, e, s0, a_ptrs, a_mask,
-                               w_ptrs, e_ptrs, USE_ASM, BN, BK)
-        acc = warpgroup_mma_wait(0, deps=[acc])
+                               w_ptrs, e_ptrs, USE_ASM, BN, BK, DIAG)
+        if (DIAG & 2) == 0:
+            acc = warpgroup_mma_wait(0, deps=[acc])
         async_copy.wait_group(0)  # the clamped re-copy of the last A chunk (never read)
 
         # ---- epilogue: y[(p // TOPK) * KS + p % TOPK, n0 + c] = acc 2^(S0 - 127) row_w[p] -----
@@ -335,7 +359,7 @@ def _check(h, w2, counts, c_idx, row_w, out, topk: int, ks: int) -> int:
 
 
 def l2_gluon(h, w2_bank, counts, srt, wts, y, *, topk: int, ks: int, max_tiles: int,
-             tiles: torch.Tensor | None = None, use_asm: bool = True):
+             tiles: torch.Tensor | None = None, use_asm: bool = True, diag: int = 0):
     """y[(p // topk) * ks + p % topk] = wts[p] * (H[r] @ W2[g]^T) for every expert-sorted row r
     of expert g, p = srt[r] (moe.gemm role "l2" as routed_experts launches it); slots no pair
     maps to are not written. h: fp16 [>= P, F] in sorted row order; w2_bank: moe.Bank MXFP4
@@ -344,7 +368,8 @@ def l2_gluon(h, w2_bank, counts, srt, wts, y, *, topk: int, ks: int, max_tiles: 
     [T * ks, d] view (a row-strided 2-D view is fine), fp32 / bf16 / fp16. Row tiles of BM = 128
     rows: max_tiles bounds them (routed_experts' formula: min(P, P // 128 + E)); tiles:
     moe.tile_list(counts, 128, max_tiles) if already built (else built here: one tiny launch,
-    no host sync). use_asm: the PRMT table upcast (default) or its integer-arithmetic twin."""
+    no host sync). use_asm: the PRMT table upcast (default) or its integer-arithmetic twin.
+    diag: DIAG_BITS - skips work and gives WRONG results, for timing diagnosis only."""
     if y.dim() == 3:
         y = y.view(-1, y.shape[-1])
     if wts.dim() != 1:
@@ -356,7 +381,7 @@ def l2_gluon(h, w2_bank, counts, srt, wts, y, *, topk: int, ks: int, max_tiles: 
         raise RuntimeError("l2_gluon needs Triton 3.6's Gluon (moe_gluon_l2.available())")
     tiles = tile_list(counts, BM, max_tiles, tiles)
     N, K = w2_bank.n, w2_bank.k
-    consts = kernel_consts(K, use_asm)
+    consts = kernel_consts(K, use_asm, diag)
     grid = (max_tiles * (N // BN),)
     l2_kernel[grid](
         h, w2_bank.w, w2_bank.s, y, srt, wts, tiles, max_tiles, N, K, counts.numel(), P,

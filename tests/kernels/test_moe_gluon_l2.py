@@ -222,7 +222,8 @@ def test_kernel_consts_and_launcher_checks():
     weight vector; y may be [T, ks, d] or its [T * ks, d] view; nothing to do (max_tiles 0)
     returns without a launch; where Gluon is missing a valid call raises RuntimeError."""
     assert mgl.kernel_consts(2304) == dict(KGI=5, USE_ASM=True, BM=128, BN=128, BK=64, NS=3,
-                                           NW=8)
+                                           NW=8, DIAG=0)
+    assert mgl.kernel_consts(2304, diag=mgl.DIAG_BITS["w"] | mgl.DIAG_BITS["a"])["DIAG"] == 5
     assert mgl.kernel_consts(384, False)["USE_ASM"] is False
     assert [mgl.kernel_consts(k)["KGI"] for k in (384, 512, 768, 1152)] == [1, 1, 2, 3]
     E, d, F, k, T = 2, 128, 384, 2, 3
@@ -289,6 +290,24 @@ def sm90_build(use_asm: bool = True, out: str = "*bf16"):
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     return k, regs, stack, sass, [t.strip() for t in loop_instructions(sass)]
+
+
+@pytest.mark.skipif(not mgl._IMPORT_OK, reason="needs Triton 3.6 with Gluon (make sm90-h200)")
+def test_l2_sm90_build_diag():
+    """The DIAG bits (timing diagnosis only) build without spills, and DIAG = 0 is exactly the
+    default kernel (the bits are constexpr-guarded: the same SASS)."""
+    base, _, _, sass, _ = sm90_build()
+    consts = dict(TOPK=6, KS=7, **mgl.kernel_consts(2304, True, diag=0))
+    k0 = gluon_sm90(mgl.l2_kernel, dict(TYPES, c_ptr="*bf16"), consts, num_warps=mgl.NUM_WARPS)
+    strip = lambda t: re.sub(r"/\*[0-9a-f]{4,}\*/", "", t)  # noqa: E731  (addresses)
+    assert strip(usage_and_sass(k0)[1]) == strip(sass)
+    for diag in (1, 2, 4, 7):
+        consts = dict(TOPK=6, KS=7, **mgl.kernel_consts(2304, True, diag=diag))
+        k = gluon_sm90(mgl.l2_kernel, dict(TYPES, c_ptr="*bf16"), consts,
+                       num_warps=mgl.NUM_WARPS)
+        usage, dsass = usage_and_sass(k)
+        assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, (diag, usage)
+        assert not re.search(r"\b(LDL|STL)\b", dsass), diag
 
 
 # what the build tests count in the K loop (one SASS instruction a line)
