@@ -241,6 +241,32 @@ def check_rows(a_scale, a_idx, out, N: int, K: int) -> int:
     return P
 
 
+def l1_format_problem(name: str, a_q, a_scale, w1, w3) -> str | None:
+    """Why a call does not fit the Gluon L1 kernels' formats, or None: MXFP4 banks (E8M0 per 32
+    columns) and E4M3 activations with fp8_1x128 scales (the first checks of both L1 launchers,
+    moe_gluon_decode and moe_gluon_ws)."""
+    if not (w1.wfmt == 0 and w3.wfmt == 0 and w1.bk == 32 and w1.bn == 1 and w3.bk == 32
+            and w3.bn == 1):
+        return f"{name} takes MXFP4 banks (E8M0 per 32 columns)"
+    if a_q.dtype != torch.float8_e4m3fn or a_scale is None:
+        return f"{name} takes E4M3 activations with fp8_1x128 scales"
+    return None
+
+
+def l1_bank_problem(w1, w3, counts=None) -> str | None:
+    """Why the W1 / W3 banks do not fit the Gluon L1 kernels' copies, or None: the same strides,
+    16-byte weight rows and 4-byte exponent rows (the kernels' 16- / 4-byte copies), as many
+    experts in both, at least counts' (None: not checked)."""
+    if w1.w.stride() != w3.w.stride() or w1.s.stride() != w3.s.stride():
+        return "W1 and W3 banks need the same strides"
+    if w1.w.stride(1) % 16 or w1.s.stride(1) % 4 or w1.w.data_ptr() % 16 or \
+            w3.w.data_ptr() % 16 or w1.s.data_ptr() % 4 or w3.s.data_ptr() % 4:
+        return "weight rows must be 16-byte, exponent rows 4-byte aligned"
+    if w1.groups != w3.groups or (counts is not None and counts.numel() > w1.groups):
+        return "counts has more experts than the banks"
+    return None
+
+
 def tile_list(counts, rows: int, max_tiles: int, tiles):
     """The device tile list of `rows`-row tiles: `tiles` if the caller built it (checked against
     max_tiles), else moe.tile_list(counts, rows, max_tiles) (one tiny launch, no host sync)."""

@@ -727,7 +727,8 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
 
         ok = w1.n % mod.BN == 0 and w1.k % (2 * mod.BK) == 0
         pick = (mod.l1_gluon, mod.BM)
-    elif rows_per_group > WIDE_L1_MIN_ROWS and GLUON_WS_L1 and _ws_fits(x_q, w1, w3, h):
+    elif (rows_per_group > WIDE_L1_MIN_ROWS and GLUON_WS_L1
+          and _ws_fits(x_q, x_scale, w1, w3, h)):
         from . import moe_gluon_ws as mod
 
         ok = True
@@ -749,20 +750,13 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
     return pick if ok and mod.available(x_q.device) else None
 
 
-def _ws_fits(x_q: Tensor, w1: Bank, w3: Bank, h: Tensor) -> bool:
-    """What l1_gluon_ws checks beyond what _gluon_l1 did (its tile, the TMA stream, 16-byte A
-    rows, equal bank strides) and that it can run here: False falls through to the wide decode
-    L1 instead of an error at launch."""
+def _ws_fits(x_q: Tensor, x_scale: Tensor, w1: Bank, w3: Bank, h: Tensor) -> bool:
+    """l1_gluon_ws can run here and takes these arguments (its own checks,
+    moe_gluon_ws.args_problem): False falls through to the wide decode L1 instead of an error
+    at launch."""
     from . import moe_gluon_ws as mw
-    from .moe_gluon_decode import _tma_fits
 
-    return (mw.available(x_q.device) and w1.n % mw.BN == 0 and w1.k % mw.BK == 0
-            and x_q.stride(1) == 1 and x_q.stride(0) % 16 == 0 and x_q.data_ptr() % 16 == 0
-            and h.stride(1) == 1 and w1.w.stride() == w3.w.stride() and w1.s.stride() == w3.s.stride()
-            and _tma_fits(w1) and _tma_fits(w3) and w1.w.stride(1) % 16 == 0
-            and w1.w.data_ptr() % 16 == 0 and w3.w.data_ptr() % 16 == 0
-            and w1.s.stride(1) % 4 == 0 and w1.s.data_ptr() % 4 == 0
-            and w3.s.data_ptr() % 4 == 0 and w1.groups == w3.groups)
+    return mw.available(x_q.device) and mw.args_problem(x_q, x_scale, w1, w3, None, h) is None
 
 
 def _cublas_prefill(x_q: Tensor, w1: Bank, w3: Bank, h: Tensor, role: str,

@@ -83,7 +83,14 @@ import torch
 
 from .gluon_common import IMPORT_OK as _IMPORT_OK
 from .gluon_common import available  # noqa: F401  (moe._gluon_l1 and the tests call it here)
-from .gluon_common import check_rows, load_and_stages, tile_list, token_tile
+from .gluon_common import (
+    check_rows,
+    l1_bank_problem,
+    l1_format_problem,
+    load_and_stages,
+    tile_list,
+    token_tile,
+)
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     from .gluon_common import TensorDescriptor, async_copy, fence_async_shared, gluon
@@ -524,11 +531,9 @@ def l1_gluon_decode(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_
         load = "cp.async"  # the default load on a bank TMA cannot describe
     load, ns = _load_and_stages(load, stages)
     bt = _token_tile(bt)
-    if not (w1.wfmt == 0 and w3.wfmt == 0 and w1.bk == 32 and w1.bn == 1 and w3.bk == 32
-            and w3.bn == 1):
-        raise ValueError("l1_gluon_decode takes MXFP4 banks (E8M0 per 32 columns)")
-    if a_q.dtype != torch.float8_e4m3fn or a_scale is None:
-        raise ValueError("l1_gluon_decode takes E4M3 activations with fp8_1x128 scales")
+    problem = l1_format_problem("l1_gluon_decode", a_q, a_scale, w1, w3)
+    if problem:
+        raise ValueError(problem)
     N, K = w1.n, w1.k
     if N % BW or K % BK or w3.n != N or w3.k != K:
         raise ValueError(f"N {N} / K {K} do not fit the {BW}-row block / {BK}-column chunk")
@@ -536,13 +541,9 @@ def l1_gluon_decode(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_
     nkp = max(16, _next_pow2(n_k))
     if nkp > 256:
         raise ValueError(f"K {K}: more than 256 chunks of A scales")
-    if w1.w.stride() != w3.w.stride() or w1.s.stride() != w3.s.stride():
-        raise ValueError("W1 and W3 banks need the same strides")
-    if w1.w.stride(1) % 16 or w1.s.stride(1) % 4 or w1.w.data_ptr() % 16 or \
-            w3.w.data_ptr() % 16 or w1.s.data_ptr() % 4 or w3.s.data_ptr() % 4:
-        raise ValueError("weight rows must be 16-byte, exponent rows 4-byte aligned")
-    if w1.groups != w3.groups or counts.numel() > w1.groups:
-        raise ValueError("counts has more experts than the banks")
+    problem = l1_bank_problem(w1, w3, counts)
+    if problem:
+        raise ValueError(problem)
     if a_q.stride(1) != 1 or a_q.stride(0) % 4 or a_q.data_ptr() % 4 or out.stride(1) != 1:
         raise ValueError("a_q rows contiguous and 4-byte aligned, out rows contiguous")
     P = check_rows(a_scale, a_idx, out, N, K)  # (K // 128 == n_k: K % BK == 0 checked)

@@ -68,6 +68,8 @@ from .gluon_common import IMPORT_OK as _IMPORT_OK
 from .gluon_common import (
     available,  # noqa: F401  (the tests and the probe call it here)
     check_rows,
+    l1_bank_problem,
+    l1_format_problem,
     tile_list,
 )
 
@@ -479,30 +481,14 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     one CTA per SM over all tiles (default PERSIST); ctas: the persistent grid instead of the SM
     count (the tests walk many tiles per CTA at small sizes); a_tma: A by TMA from an
     expert-sorted copy of its rows made here (default A_TMA)."""
-    from .moe_gluon_decode import _tma_fits, _weight_desc
+    from .moe_gluon_decode import _weight_desc
 
     if not _IMPORT_OK:
         raise RuntimeError("l1_gluon_ws needs Triton 3.6 Gluon")
-    if not (w1.wfmt == 0 and w3.wfmt == 0 and w1.bk == 32 and w1.bn == 1 and w3.bk == 32
-            and w3.bn == 1):
-        raise ValueError("l1_gluon_ws takes MXFP4 banks (E8M0 per 32 columns)")
-    if a_q.dtype != torch.float8_e4m3fn or a_scale is None:
-        raise ValueError("l1_gluon_ws takes E4M3 activations with fp8_1x128 scales")
+    problem = args_problem(a_q, a_scale, w1, w3, counts, out)
+    if problem:
+        raise ValueError(problem)
     N, K = w1.n, w1.k
-    if N % BN or K % BK or w3.n != N or w3.k != K:
-        raise ValueError(f"N {N} / K {K} do not fit the {BN}-column tile / {BK}-column chunk")
-    if w1.w.stride() != w3.w.stride() or w1.s.stride() != w3.s.stride():
-        raise ValueError("W1 and W3 banks need the same strides")
-    if not (_tma_fits(w1) and _tma_fits(w3)):
-        raise ValueError("the TMA weight stream needs expert rows one stride apart, G N < 2^31")
-    if w1.w.stride(1) % 16 or w1.w.data_ptr() % 16 or w3.w.data_ptr() % 16 or \
-            w1.s.stride(1) % 4 or w1.s.data_ptr() % 4 or w3.s.data_ptr() % 4:
-        raise ValueError("weight rows must be 16-byte, exponent rows 4-byte aligned")
-    if w1.groups != w3.groups or counts.numel() > w1.groups:
-        raise ValueError("counts has more experts than the banks")
-    if a_q.stride(1) != 1 or a_q.stride(0) % 16 or a_q.data_ptr() % 16 or out.stride(1) != 1:
-        raise ValueError("a_q rows contiguous and 16-byte aligned (16-byte cp.async), out rows "
-                         "contiguous")
     ns = NS if stages is None else int(stages)
     nu = NU if bstages is None else int(bstages)
     if ns < 2 or nu < 2:
@@ -520,7 +506,8 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     if consts["PERSIST"]:
         grid = min(grid, int(ctas) if ctas else _sm_count(out.device))
     grid = (grid,)
-    a_desc = _weight_desc(w1)  # a placeholder of the right kind where A_TMA is off (never read)
+    w1_desc = _weight_desc(w1)
+    a_desc = w1_desc  # a placeholder of the right kind where A_TMA is off (never read)
     if consts["A_TMA"]:
         from .gluon_common import TensorDescriptor
 
@@ -528,11 +515,34 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
         a_desc = TensorDescriptor(a_sorted, [P, K], [a_sorted.stride(0), 1], [BM, BK],
                                   A_TMA_LAYOUT)
     l1_ws_kernel[grid](
-        a_q, a_desc, a_scale, a_idx, _weight_desc(w1), w1.s, _weight_desc(w3), w3.s, out, tiles,
+        a_q, a_desc, a_scale, a_idx, w1_desc, w1.s, _weight_desc(w3), w3.s, out, tiles,
         max_tiles, N, K, counts.numel(), P, float(limit or 0.0), a_q.stride(0),
         a_scale.stride(0), w1.s.stride(0), w1.s.stride(1), out.stride(0), **consts,
         num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return out
+
+
+def args_problem(a_q, a_scale, w1, w3, counts, out) -> str | None:
+    """Why l1_gluon_ws cannot take these arguments, or None (its launcher raises it;
+    moe._gluon_l1 asks first and falls through to another L1): the formats, the tile, the
+    banks' copies, the TMA weight stream, 16-byte A rows and contiguous out rows. counts None:
+    not checked."""
+    from .moe_gluon_decode import _tma_fits
+
+    problem = l1_format_problem("l1_gluon_ws", a_q, a_scale, w1, w3)
+    if problem:
+        return problem
+    N, K = w1.n, w1.k
+    if N % BN or K % BK or w3.n != N or w3.k != K:
+        return f"N {N} / K {K} do not fit the {BN}-column tile / {BK}-column chunk"
+    problem = l1_bank_problem(w1, w3, counts)
+    if problem:
+        return problem
+    if not (_tma_fits(w1) and _tma_fits(w3)):
+        return "the TMA weight stream needs expert rows one stride apart, G N < 2^31"
+    if a_q.stride(1) != 1 or a_q.stride(0) % 16 or a_q.data_ptr() % 16 or out.stride(1) != 1:
+        return "a_q rows contiguous and 16-byte aligned (16-byte cp.async), out rows contiguous"
+    return None
 
 
 _SMS: dict[int, int] = {}
