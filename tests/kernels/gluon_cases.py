@@ -61,6 +61,25 @@ def case(T, E, d, F, k, seed, subset=None, exps=(119, 125), distinct=False):
     return xq, xs, w1, w3, counts, srt
 
 
+def explicit_rows(rows, T, k, seed):
+    """Sorted-row pairs for EXPLICIT rows per expert (`rows`, zeros = empty experts): sorted row
+    r is pair idx[r] of T tokens x top-k, a random choice of distinct pairs. On the GPU:
+    (idx int32 [sum(rows)], counts int32 [len(rows)])."""
+    P = sum(rows)
+    assert P <= T * k
+    g = torch.Generator().manual_seed(seed + 1)
+    idx = torch.randperm(T * k, generator=g)[:P].to(torch.int32).cuda()
+    return idx, torch.tensor(rows, dtype=torch.int32, device="cuda")
+
+
+def rows_case(rows, T, k, d, F, seed, exps=(119, 125)):
+    """case()'s data with explicit rows per expert (explicit_rows): sorted row r gathers A row
+    a_idx[r] // k. On the GPU: (xq, xs, w1, w3, counts, a_idx)."""
+    xq, xs, w1, w3, _, _ = case(T, len(rows), d, F, k, seed=seed, exps=exps)
+    a_idx, counts = explicit_rows(rows, T, k, seed)
+    return xq, xs, w1, w3, counts, a_idx
+
+
 def reference(xq, xs, w1, w3, counts, srt, topk, limit):
     """fp32 H of the sorted rows: swiglu(A W1^T, A W3^T) on the exactly dequantized operands."""
     a = (xq.float().view(xq.shape[0], -1, 128) * xs[..., None]).view(xq.shape[0], -1)

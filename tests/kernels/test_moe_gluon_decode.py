@@ -38,7 +38,16 @@ import re
 
 import pytest
 import torch
-from gluon_cases import TYPES, case, check_repeats_and_graph, debug_cases, diagnose, reference, rel
+from gluon_cases import (
+    TYPES,
+    case,
+    check_repeats_and_graph,
+    debug_cases,
+    diagnose,
+    reference,
+    rel,
+    rows_case,
+)
 from megagraph.kernels.triton import moe_gluon_decode as md
 from sm90_build import (SYNC_COUNTS, build_stats, count, gluon_sm90, loop_instructions,
                         usage_and_sass)
@@ -286,19 +295,6 @@ def test_l1_decode_bit_stable(T, E, d, F, load, bt):
 # the TMA load of the packed weights (load="tma")
 # ---------------------------------------------------------------------------------------------
 
-def _rows_case(rows, T, k, d, F, seed, exps=(119, 125)):
-    """case()'s data with EXPLICIT rows per expert (`rows`, zeros = empty experts): sorted row r
-    gathers A row a_idx[r] // k, a_idx a random choice of distinct pairs of T tokens x top-k.
-    On the GPU: (xq, xs, w1, w3, counts, a_idx)."""
-    P = sum(rows)
-    assert P <= T * k
-    xq, xs, w1, w3, _, _ = case(T, len(rows), d, F, k, seed=seed, exps=exps)
-    g = torch.Generator().manual_seed(seed + 1)
-    a_idx = torch.randperm(T * k, generator=g)[:P].to(torch.int32).cuda()
-    counts = torch.tensor(rows, dtype=torch.int32, device="cuda")
-    return xq, xs, w1, w3, counts, a_idx
-
-
 # (rows per expert, tokens, top-k, d, F, exponent range, limit)
 TMA_CASES = {
     # every tile size 1..16 (one tile per expert) and an empty expert; 47 tokens (odd)
@@ -318,7 +314,7 @@ def test_l1_decode_tma_same_bits(name, stages):
     """load="tma" (at 3, 4 and 6 stages) gives the cp.async kernel's bits into NaN-poisoned
     outputs (every valid row written, finite), and both match the fp32 math."""
     rows, T, k, d, F, exps, limit = TMA_CASES[name]
-    xq, xs, w1, w3, counts, a_idx = _rows_case(rows, T, k, d, F, seed=len(name) + stages,
+    xq, xs, w1, w3, counts, a_idx = rows_case(rows, T, k, d, F, seed=len(name) + stages,
                                                exps=exps)
     P = sum(rows)
     mt = _max_tiles(P, len(rows))
@@ -342,7 +338,7 @@ def test_l1_decode_tma_repeat_and_graph():
     captured in a CUDA graph (tile list built inside the capture, host descriptors filled at
     capture) replays the same bits into a re-poisoned output."""
     rows, T, k, d, F = [5, 0, 16, 23, 1, 2, 0, 7], 29, 3, 1024, 256
-    xq, xs, w1, w3, counts, a_idx = _rows_case(rows, T, k, d, F, seed=77)
+    xq, xs, w1, w3, counts, a_idx = rows_case(rows, T, k, d, F, seed=77)
     P = sum(rows)
     mt = _max_tiles(P, len(rows))
 
@@ -481,7 +477,7 @@ def test_l1_decode_bt_rows(bt, d):
     rows, k, F = _bt_rows(bt), 3, 128
     P = sum(rows)
     T = (P // k + 8) | 1  # odd
-    xq, xs, w1, w3, counts, a_idx = _rows_case(rows, T, k, d, F, seed=bt + d)
+    xq, xs, w1, w3, counts, a_idx = rows_case(rows, T, k, d, F, seed=bt + d)
     ref = reference(xq, xs, w1, w3, counts, a_idx, k, 10.0)
     outs = {}
     for tile, load, ns in ((bt, "cp.async", None), (bt, "tma", 3), (bt, "tma", 4),
@@ -508,7 +504,7 @@ def test_l1_decode_bt_repeat_and_graph(bt):
     launch captured in a CUDA graph (tile list of bt rows built inside the capture) replays
     them into a re-poisoned output."""
     rows, T, k, d, F = [5, 0, bt, 2 * bt + 3, 1, 2, 0, 7], 2 * bt + 11, 3, 1024, 256
-    xq, xs, w1, w3, counts, a_idx = _rows_case(rows, T, k, d, F, seed=bt)
+    xq, xs, w1, w3, counts, a_idx = rows_case(rows, T, k, d, F, seed=bt)
     P = sum(rows)
 
     def launch(out):

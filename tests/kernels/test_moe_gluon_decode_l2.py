@@ -49,6 +49,7 @@ from gluon_cases import (
     check_repeats_and_graph,
     dbg_l2_case,
     diagnose,
+    explicit_rows,
     l2_case,
     l2_reference,
     rel,
@@ -517,13 +518,9 @@ def _rows_case(rows, T, k, d, F, seed, exps=(119, 125)):
     """l2_case's data with EXPLICIT rows per expert (`rows`, zeros = empty experts): sorted row
     r is pair c_idx[r] of T tokens x top-k, c_idx a random choice of distinct pairs (the other
     pairs' slots stay unwritten). On the GPU: (h [P, F], w2, counts, c_idx, wts [T, k])."""
-    P = sum(rows)
-    assert P <= T * k
     h, w2, _, _, wts = l2_case(T, len(rows), d, F, k, seed=seed, exps=exps)
-    g = torch.Generator().manual_seed(seed + 1)
-    c_idx = torch.randperm(T * k, generator=g)[:P].to(torch.int32).cuda()
-    counts = torch.tensor(rows, dtype=torch.int32, device="cuda")
-    return h[:P], w2, counts, c_idx, wts
+    c_idx, counts = explicit_rows(rows, T, k, seed)
+    return h[:sum(rows)], w2, counts, c_idx, wts
 
 
 def _bits(y):

@@ -20,7 +20,7 @@ import re
 
 import pytest
 import torch
-from gluon_cases import TYPES, case, check_repeats_and_graph, reference, rel
+from gluon_cases import TYPES, case, check_repeats_and_graph, reference, rel, rows_case
 from megagraph.kernels.triton import moe_gluon_ws as mw
 from poisoned_alloc import poisoned
 from sm90_build import count, gluon_sm90, usage_and_sass
@@ -34,18 +34,6 @@ build = pytest.mark.skipif(not mw._IMPORT_OK, reason="needs Triton 3.6 with Gluo
 def _max_tiles(P, E):
     """routed_experts' bound on the row tiles of 128 rows."""
     return min(P, P // mw.BM + E)
-
-
-def _rows_case(rows, T, k, d, F, seed, exps=(119, 125)):
-    """case()'s data with EXPLICIT rows per expert (zeros = empty experts): sorted row r gathers
-    A row a_idx[r] // k, a_idx a random choice of distinct pairs of T tokens x top-k."""
-    P = sum(rows)
-    assert P <= T * k
-    xq, xs, w1, w3, _, _ = case(T, len(rows), d, F, k, seed=seed, exps=exps)
-    g = torch.Generator().manual_seed(seed + 1)
-    a_idx = torch.randperm(T * k, generator=g)[:P].to(torch.int32).cuda()
-    counts = torch.tensor(rows, dtype=torch.int32, device="cuda")
-    return xq, xs, w1, w3, counts, a_idx
 
 
 # (rows per expert, tokens, top-k, d, F, exponent range, limit)
@@ -93,7 +81,7 @@ def test_l1_ws_matches(name, stages, bstages, lag, persist, a_tma):
     schedule, never the bits (the 2-chunk case has fewer chunks than the lag); A by TMA from the
     expert-sorted copy too (rows past P zero-filled by the TMA unit)."""
     rows, T, k, d, F, exps, limit = CASES[name]
-    xq, xs, w1, w3, counts, a_idx = _rows_case(rows, T, k, d, F, seed=len(name), exps=exps)
+    xq, xs, w1, w3, counts, a_idx = rows_case(rows, T, k, d, F, seed=len(name), exps=exps)
     with poisoned():
         out = torch.empty((sum(rows), F), dtype=torch.float16, device="cuda")
     # persistent: 3 CTAs, so each walks many tiles (its rings' phases running on)
@@ -140,7 +128,7 @@ def test_l1_ws_asm_vs_arith():
     """Exponents 108 .. 127 (every table offset, flushed weights), no clamp: the PTX table
     upcast and its integer twin give the same bits."""
     rows, T, k, d, F = [0, 77, 129, 3], 101, 3, 512, 128
-    xq, xs, w1, w3, counts, a_idx = _rows_case(rows, T, k, d, F, seed=9, exps=(108, 128))
+    xq, xs, w1, w3, counts, a_idx = rows_case(rows, T, k, d, F, seed=9, exps=(108, 128))
     outs = []
     for use_asm in (True, False):
         out = torch.full((sum(rows), F), float("nan"), dtype=torch.float16, device="cuda")
@@ -161,7 +149,7 @@ def test_l1_ws_repeat_and_graph(persist, a_tma):
     filled at capture) replays them into a re-poisoned output; persistent: 2 CTAs over every
     tile."""
     rows, T, k, d, F = [5, 0, 128, 231, 1, 64, 0, 77], 199, 3, 1024, 256
-    xq, xs, w1, w3, counts, a_idx = _rows_case(rows, T, k, d, F, seed=77)
+    xq, xs, w1, w3, counts, a_idx = rows_case(rows, T, k, d, F, seed=77)
     P = sum(rows)
 
     def launch(out):
