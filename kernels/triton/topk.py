@@ -54,6 +54,8 @@ BLOCK = 1024  # columns per step of a pass (8 per thread at 4 warps)
 # torch kernel; 0.094 / 0.181 / 0.788 ms at 64 x 8192. CBLOCK: the columns per step at 4 bits
 # ([CBLOCK, 16] compares)
 RADIX_BITS = int(os.environ.get("MEGAGRAPH_TOPK_RADIX_BITS", "8"))
+if RADIX_BITS not in (4, 8):  # other widths would not tile the 32-bit key: a wrong selection
+    raise ValueError(f"MEGAGRAPH_TOPK_RADIX_BITS={RADIX_BITS}: 4 or 8")
 CBLOCK = 256
 BLOCK_K = 512  # output slots per step of the -1 padding loop
 NUM_WARPS = 4
