@@ -18,6 +18,9 @@ benchmarks/results/kernels-h200.md; exactness: tests/kernels/test_triton_indexer
 """
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -30,6 +33,64 @@ MAX_TOKEN_TILE = 4
 BLOCK_C = 64  # entries per program; with 8 warps no register spills in the sm_90 build
 
 
+@dataclass(frozen=True)
+class StreamConfig:
+    """A launch of index_scores_stream: bt tokens x bc entries per product, keys_m = the keys on
+    the MMA's M side, warps, stages of the key pipeline, span = entries one program walks."""
+    bt: int
+    bc: int
+    keys_m: bool
+    warps: int
+    stages: int
+    span: int
+
+
+# bf16 products: "stream" (queries stationary, index_scores_stream) or "tile" (index_scores_fwd: a
+# program per token tile x BLOCK_C entries, the queries reloaded per program); the probe A/Bs both
+VARIANT = os.environ.get("MEGAGRAPH_INDEX_KERNEL", "stream")
+if VARIANT not in ("stream", "tile"):
+    raise ValueError(f"MEGAGRAPH_INDEX_KERNEL={VARIANT!r}: expected 'stream' or 'tile'")
+SPAN_KEYS = 4096  # entries per program of the long class: 2 MB of f32 keys per slot stay in L2
+PROGRAMS_PER_SM = 4  # the grid is widened by shorter spans until it has this many per SM
+LONG_REQUEST = 8  # tokens in a request from which its tokens go 8 to a tile
+
+
+def _spans(C: int, bc: int, tiles: int, sms: int, span_keys: int | None) -> int:
+    """Entries per program: at most span_keys (L2 locality), fewer until the grid has
+    PROGRAMS_PER_SM programs per SM."""
+    nblk = -(-C // bc)
+    spans = min(nblk, max(-(-C // span_keys) if span_keys else 1,
+                          -(-PROGRAMS_PER_SM * sms // max(1, tiles))))
+    return -(-nblk // max(1, spans)) * bc
+
+
+def stream_configs(T: int, R: int, C: int, prec: str, sms: int) -> tuple[StreamConfig, StreamConfig]:
+    """The two launches of a step of T tokens in R requests against C entries: (long, short).
+
+    The token tile cannot follow the step's shape: a captured prefill bucket of B tokens has B
+    request rows (the real requests and padding), exactly like a decode bucket, so T / R says
+    nothing. Each request's tokens therefore go to one of two classes on the device: requests with
+    at least LONG_REQUEST tokens to tiles of 8 (keys read once per 8 tokens: the prefill products
+    are bound by the keys' L2 bytes at 4), the others to tiles of 1 (decode: memory-bound, no
+    padded rows in the products). Each launch's programs of the other class exit at once. Long
+    spans stay short for L2 locality; the short class's span is as long as the grid allows (its
+    requests share no keys). Shapes: the sm_90 builds without spills
+    (tests/kernels/test_triton_attention_sm90.py)."""
+    if prec == "bf16":
+        long_bt, long_keys_m, short_warps, short_stages = 8, True, 4, 3
+    else:  # fp32 queries in registers: 4 tokens with the queries on M, 8 warps for one token
+        long_bt, long_keys_m, short_warps, short_stages = 4, False, 8, 2
+    nt_long = min(T, T // long_bt + R)
+    long = StreamConfig(long_bt, 64, long_keys_m, 8, 2, _spans(C, 64, nt_long, sms, SPAN_KEYS))
+    short = StreamConfig(1, 64, True, short_warps, short_stages, _spans(C, 64, T, sms, None))
+    return long, short
+
+
+def _sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count \
+        if device.type == "cuda" else 1
+
+
 def supports(qi: Tensor, ikey: Tensor) -> bool:
     _, hi, di = qi.shape
     pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
@@ -40,10 +101,12 @@ def supports(qi: Tensor, ikey: Tensor) -> bool:
 def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_req: Tensor,
                  seq_slots: Tensor, *, ratio: int, weight_scale: float, products: str = "fp32",
                  precision: str | None = None, token_tile: int | None = None,
+                 variant: str | None = None, config: StreamConfig | None = None,
                  out: Tensor | None = None) -> Tensor:
     """kernels.reference.indexer.index_scores; `products="bf16"` (the node's attr: operands exact
-    in bf16) multiplies in bf16, else PRECISION; `precision` / `token_tile` override the defaults,
-    `out` is a preallocated f32[T, C] result (tests poison it)."""
+    in bf16) multiplies in bf16, else PRECISION; `precision` / `token_tile` / `variant` /
+    `config` (a stream launch) override the defaults, `out` is a preallocated f32[T, C] result
+    (tests poison it)."""
     if not supports(qi, ikey):
         from megagraph.kernels.capturable.indexer import index_scores as fallback
 
@@ -51,9 +114,9 @@ def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_r
                         weight_scale=weight_scale)
     import triton
 
-    from megagraph.kernels.capturable._common import segment_tiles
+    from megagraph.kernels.capturable._common import seg_counts, segment_tiles
 
-    from .indexer_jit import index_scores_fwd
+    from .indexer_jit import index_scores_fwd, index_scores_stream
 
     T, hi, di = qi.shape
     C = ikey.shape[1]
@@ -61,16 +124,39 @@ def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_r
     out = torch.empty(T, C, dtype=torch.float32, device=qi.device) if out is None else out
     if T == 0 or C == 0:
         return out.fill_(float("-inf"))
+    prec = "ieee" if INTERPRET else (precision or ("bf16" if products == "bf16" else PRECISION))
+    qi = qi if qi.stride(-1) == 1 else qi.contiguous()
+    ikey = ikey if ikey.stride(-1) == 1 else ikey.contiguous()
+    w = w.contiguous()
+    # the stream kernel is measured with bf16 products (V4.1's, benchmarks/index_probe.py); the
+    # fp32-product modes keep the tile kernel by default
+    if (variant or (VARIANT if prec == "bf16" else "tile")) == "stream":
+        if config is not None or token_tile:
+            cfg = config or stream_configs(T, R, C, prec, _sms(qi.device))[0]
+            cfg = StreamConfig(token_tile, cfg.bc, cfg.keys_m, cfg.warps, cfg.stages, cfg.span) \
+                if token_tile else cfg
+            launches = [(cfg, None)]
+        else:
+            long, short = stream_configs(T, R, C, prec, _sms(qi.device))
+            is_long = seg_counts(token_req, R) >= LONG_REQUEST
+            launches = [(long, is_long), (short, ~is_long)]
+        for cfg, run in launches:
+            tiles = segment_tiles(token_req, R, cfg.bt)
+            valid = tiles.item_valid if run is None else tiles.item_valid & run[tiles.seg][:, None]
+            index_scores_stream[(tiles.count, triton.cdiv(C, cfg.span))](
+                qi, w, ikey, out, positions, tiles.items.contiguous(), valid.to(torch.int8),
+                seq_slots[tiles.seg].contiguous(),
+                C, ratio, float(weight_scale), cfg.span, qi.stride(0), qi.stride(1), w.stride(0),
+                ikey.stride(0), ikey.stride(1), out.stride(0),
+                HI=hi, DI=di, BT=cfg.bt, BC=cfg.bc, PREC=prec, KEYS_M=cfg.keys_m,
+                STAGES=cfg.stages, num_warps=cfg.warps, num_stages=cfg.stages)
+        return out
     bt = token_tile or min(MAX_TOKEN_TILE, 1 << (max(1, T // max(1, R)).bit_length() - 1))
     tiles = segment_tiles(token_req, R, bt)
     items = tiles.items.contiguous()
     ivalid = tiles.item_valid.to(torch.int8)
     tslot = seq_slots[tiles.seg].contiguous()
-    qi = qi if qi.stride(-1) == 1 else qi.contiguous()
-    ikey = ikey if ikey.stride(-1) == 1 else ikey.contiguous()
-    w = w.contiguous()
     bc = BLOCK_C
-    prec = "ieee" if INTERPRET else (precision or ("bf16" if products == "bf16" else PRECISION))
     index_scores_fwd[(tiles.count, triton.cdiv(C, bc))](
         qi, w, ikey, out, positions, items, ivalid, tslot,
         C, ratio, float(weight_scale), qi.stride(0), qi.stride(1), w.stride(0),
@@ -81,4 +167,4 @@ def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_r
 
 index_scores.capturable = True
 
-__all__ = ["index_scores", "supports", "PRECISION"]
+__all__ = ["index_scores", "supports", "stream_configs", "StreamConfig", "PRECISION", "VARIANT"]

@@ -46,3 +46,68 @@ def index_scores_fwd(qi_ptr, w_ptr, ikey_ptr, out_ptr, pos_ptr, items_ptr, ivali
         sc = tl.full([BT, BC], float("-inf"), tl.float32)
     tl.store(out_ptr + tok.to(tl.int64)[:, None] * s_ot + cols[None, :], sc,
              mask=tv[:, None] & (cols < C)[None, :])
+
+
+@triton.jit
+def index_scores_stream(qi_ptr, w_ptr, ikey_ptr, out_ptr, pos_ptr, items_ptr, ivalid_ptr, tslot_ptr,
+                        C, ratio, weight_scale, span, s_qt, s_qh, s_wt, s_ks, s_kc, s_ot,
+                        HI: tl.constexpr, DI: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                        PREC: tl.constexpr, KEYS_M: tl.constexpr, STAGES: tl.constexpr):
+    """The same scores as index_scores_fwd, with the queries stationary: one program holds the
+    [BT*HI, DI] queries of BT tokens of one request (loaded and converted once) and walks the
+    entries [s*span, (s+1)*span) of its slot BC at a time. index_scores_fwd reloads the queries
+    (BT*HI*DI fp32, 64 KB at BT 4) for every 64 entries, ~5x the bytes of the keys it multiplies;
+    here they are read once per span, and the keys once per BT tokens.
+
+    Grid (token tiles, spans), token tiles the fast axis: the programs resident at one time work
+    on the same span, so a span's keys come from HBM about once per request and from L2 after.
+    KEYS_M puts the keys on the MMA's M side ([BC, BT*HI] products, the sum over heads along N,
+    inside a thread and its quad) instead of the queries ([BT*HI, BC], the sum across warps)."""
+    n = tl.program_id(0)
+    sp = tl.program_id(1)
+    bt = tl.arange(0, BT)
+    tok = tl.load(items_ptr + n * BT + bt)
+    tv = tl.load(ivalid_ptr + n * BT + bt) != 0
+    slot = tl.load(tslot_ptr + n).to(tl.int64)
+    p = tl.load(pos_ptr + tok)
+    vis = tl.where(tv, (p + 1) // ratio, 0)
+    c0 = sp * span
+    c1 = tl.minimum(c0 + span, C)
+    cv = tl.minimum(c1, tl.max(vis, axis=0))
+    if tl.max(tv.to(tl.int32), axis=0) != 0:  # tiles past the step's (padding) own no row
+        orow = tok.to(tl.int64)[:, None] * s_ot
+        if c0 < cv:
+            d = tl.arange(0, DI)
+            rows = tl.arange(0, BT * HI)
+            tok_r = tl.load(items_ptr + n * BT + rows // HI).to(tl.int64)
+            q = tl.load(qi_ptr + tok_r[:, None] * s_qt + (rows % HI)[:, None] * s_qh + d[None, :])
+            q = q.to(tl.bfloat16) if PREC == "bf16" else q.to(tl.float32)
+            w = tl.load(w_ptr + tok_r * s_wt + rows % HI).to(tl.float32) * weight_scale
+            kbase = ikey_ptr + slot * s_ks
+            for c in tl.range(c0, cv, BC, num_stages=STAGES):
+                cols = c + tl.arange(0, BC)
+                keys = tl.load(kbase + cols.to(tl.int64)[:, None] * s_kc + d[None, :],
+                               mask=(cols < cv)[:, None], other=0.0)
+                keys = keys.to(tl.bfloat16) if PREC == "bf16" else keys.to(tl.float32)
+                if KEYS_M:
+                    if PREC == "bf16":
+                        dots = tl.dot(keys, tl.trans(q))
+                    else:
+                        dots = tl.dot(keys, tl.trans(q), input_precision=PREC)
+                    sc = tl.maximum(dots, 0.0) * w[None, :]
+                    sc = tl.trans(tl.sum(tl.reshape(sc, (BC, BT, HI)), axis=2))
+                else:
+                    if PREC == "bf16":
+                        dots = tl.dot(q, tl.trans(keys))
+                    else:
+                        dots = tl.dot(q, tl.trans(keys), input_precision=PREC)
+                    sc = tl.maximum(dots, 0.0) * w[:, None]
+                    sc = tl.sum(tl.reshape(sc, (BT, HI, BC)), axis=1)
+                sc = tl.where(cols[None, :] < vis[:, None], sc, float("-inf"))
+                tl.store(out_ptr + orow + cols[None, :], sc, mask=tv[:, None] & (cols < c1)[None, :])
+        # the span's entries past every token's visible prefix (whole blocks after the loop's last)
+        start = c0 + tl.cdiv(tl.maximum(cv - c0, 0), BC) * BC
+        ninf = tl.full([BT, BC], float("-inf"), tl.float32)
+        for c in range(start, c1, BC):
+            cols = c + tl.arange(0, BC)
+            tl.store(out_ptr + orow + cols[None, :], ninf, mask=tv[:, None] & (cols < c1)[None, :])

@@ -29,6 +29,22 @@ ATTN_C = dict(W=128, D=512, K=512, NT_STEP=4, BLOCK_H=16, BLOCK_N=32, NS=1, HAS_
               DOT_F32=False)
 
 
+def stream_cases(idx: dict, I) -> dict:
+    """The query-stationary indexer kernel at the launches stream_configs picks for a prefill
+    bucket (long class) and decode (short class), bf16 and tf32x3 products."""
+    types = dict(idx, span="i32")
+    # 16-divisible pointers, strides and span, as at the real shapes (the launch specializes on it)
+    div = ("qi_ptr", "w_ptr", "ikey_ptr", "out_ptr", "s_qt", "s_qh", "s_ks", "s_kc", "s_ot", "span")
+    out = {}
+    for prec in ("bf16", "tf32x3"):
+        for cls, cfg in zip(("long", "short"), I.stream_configs(8192, 8192, 135168, prec, 132)):
+            consts = dict(HI=32, DI=128, BT=cfg.bt, BC=cfg.bc, PREC=prec, KEYS_M=cfg.keys_m,
+                          STAGES=cfg.stages)
+            out[f"index stream {cls} {prec}"] = ("indexer_jit", "index_scores_stream", types, consts,
+                                                 cfg.warps, "HGMMA", dict(stages=cfg.stages, div=div))
+    return out
+
+
 def cases():
     import triton.language as tl
 
@@ -64,6 +80,7 @@ def cases():
                          dict(HI=32, DI=128, BT=1, BC=I.BLOCK_C, PREC=I.PRECISION), 8, "HMMA"),
         "index prefill": ("indexer_jit", "index_scores_fwd", idx,
                           dict(HI=32, DI=128, BT=4, BC=I.BLOCK_C, PREC=I.PRECISION), 8, "HGMMA"),
+        **stream_cases(idx, I),
         "compressor gemm": ("compressor_jit", "proj_gemm", gemm,
                             dict(BM=64, BN=128, BK=64, DOT_F32=False), 8, "HGMMA"),
         "compressor gemm small": ("compressor_jit", "proj_gemm", gemm,
@@ -333,7 +350,8 @@ def moe_cases():
 
 
 NAMES = ["attn decode q-epilogue", "attn decode split", "attn plain", "attn combine", "index decode",
-         "index prefill", "compressor gemm", "compressor gemm small", "compressor rows r1",
+         "index prefill", "index stream long bf16", "index stream short bf16",
+         "index stream long tf32x3", "index stream short tf32x3", "compressor gemm", "compressor gemm small", "compressor rows r1",
          "compressor rows r2", "ring copy", "engram hash", "engram gate", "quantize act 1x128",
          "quantize act mxfp8", "moe persistent l1", "moe persistent l2", "moe tile list",
          "moe fp8h l1 prefill", "moe fp8h l2 prefill", "moe fp8h l1 decode persistent",

@@ -80,11 +80,55 @@ def cpu(args):
 @pytest.mark.parametrize("ratio", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("token_tile", [None, 1, 4])
-def test_index_scores_match_reference(ratio, dtype, token_tile):
-    g = torch.Generator().manual_seed(seed(ratio, dtype, token_tile))
+@pytest.mark.parametrize("variant", ["stream", "tile"])
+def test_index_scores_match_reference(ratio, dtype, token_tile, variant):
+    g = torch.Generator().manual_seed(seed(ratio, dtype, token_tile, variant))
     args, kw = case(g, PADDED, ratio, dtype)
-    got = run(args, kw, token_tile=token_tile)
+    got = run(args, kw, token_tile=token_tile, variant=variant)
     check_scores(got, ref_index_scores(*cpu(args), **kw))
+
+
+# (bt, bc, keys_m, span): spans shorter than a slot's entries, spans not a multiple of the block,
+# both MMA orientations, token tiles 1..8 (the long class's 8 included)
+STREAM_CONFIGS = [(1, 16, True, 16), (2, 16, False, 48), (4, 32, True, 40), (8, 16, False, 32),
+                  (8, 32, True, 1024)]
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+@pytest.mark.parametrize("bt,bc,keys_m,span", STREAM_CONFIGS)
+def test_stream_launches_match_reference(ratio, bt, bc, keys_m, span):
+    """The query-stationary kernel at explicit launches: several programs per slot (span), the
+    partial last block of a span and of the visible prefix, both orientations of the product."""
+    g = torch.Generator().manual_seed(seed("stream", ratio, bt, bc, keys_m, span))
+    reqs = [(0, 100, 40), (5, 0, 0), (1, 7, 1), (2, 0, 3), (5, 0, 0), (3, 130, 9)]
+    args, kw = case(g, reqs, ratio, torch.float32, cap=160)
+    cfg = tk().StreamConfig(bt, bc, keys_m, 4, 2, span)
+    got = run(args, kw, variant="stream", config=cfg)
+    check_scores(got, ref_index_scores(*cpu(args), **kw))
+
+
+def test_stream_classes_padded_bucket():
+    """The default launches on a captured-bucket layout: two long requests and a decode request
+    among many empty request rows (T / R says nothing of the requests' lengths): the long and
+    short classes together write every row, each exactly once."""
+    g = torch.Generator().manual_seed(seed("classes"))
+    reqs = [(0, 60, 24), (1, 3, 1)] + [(5, 0, 0)] * 20 + [(2, 90, 17), (3, 0, 7)]
+    args, kw = case(g, reqs, 1, torch.bfloat16, cap=128)
+    long, short = tk().stream_configs(args[0].shape[0], len(reqs), 128, "ieee", 1)
+    assert (long.bt, short.bt) == (4, 1)
+    check_scores(run(args, kw, variant="stream"), ref_index_scores(*cpu(args), **kw))
+
+
+def test_stream_configs_follow_precision_and_grid():
+    """bf16 products take 8-token tiles, others 4; spans never exceed SPAN_KEYS entries in the long
+    class and shrink until the grid has PROGRAMS_PER_SM programs per SM."""
+    I = tk()
+    long, short = I.stream_configs(8192, 8192, 135168, "bf16", 132)
+    assert long.bt == 8 and short.bt == 1 and long.span <= I.SPAN_KEYS
+    assert long.span % long.bc == 0 and short.span % short.bc == 0
+    _, short64 = I.stream_configs(64, 64, 32768, "bf16", 132)
+    assert 64 * -(-32768 // short64.span) >= I.PROGRAMS_PER_SM * 132
+    assert I.stream_configs(4096, 1, 65536, "tf32x3", 132)[0].bt == 4
 
 
 @pytest.mark.parametrize("ratio", [1, 2])
@@ -137,7 +181,8 @@ def long_case(g, ratio, contexts, prefill=0, cap=131072):
 @pytest.mark.parametrize("ratio", [1, 2])
 def test_real_dims_long_contexts(ratio):
     """V4.1 dims (32 heads x 128), contexts 1 token .. 128K at group boundaries, a 200-token
-    prefill chunk; vs the capturable kernel (fp32), then the top-512 selections."""
+    prefill chunk (the stream kernel's long class; the decode rows its short class); both
+    kernels vs the capturable kernel (fp32), then the top-512 selections."""
     from megagraph.kernels.capturable.indexer import index_scores as cap
 
     g = torch.Generator().manual_seed(ratio)
@@ -145,9 +190,11 @@ def test_real_dims_long_contexts(ratio):
     args, kw = long_case(g, ratio, ctx, prefill=200)
     want = cap(*[a.float() if a.is_floating_point() else a for a in args], **kw)
     for prec in ("tf32x3", "bf16", "ieee"):
-        got = run(args, kw, precision=prec)
-        check_scores(got, want)
-        check_selection(topk_select(got, k=512).cpu(), topk_select(want, k=512).cpu(), want.cpu())
+        for variant in ("stream", "tile"):
+            got = run(args, kw, precision=prec, variant=variant)
+            check_scores(got, want)
+            check_selection(topk_select(got, k=512).cpu(), topk_select(want, k=512).cpu(),
+                            want.cpu())
 
 
 @gpu
