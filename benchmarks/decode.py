@@ -142,9 +142,9 @@ def markdown(res: dict) -> str:
               "only as far as the routing touches them (model routing: E (1 - (1 - k/E)^B) "
               "distinct experts expected, balanced: min(E, B k)), per request the window ring of "
               "every attention layer, its top-k compressed rows and every visible index key of "
-              "every indexer, in the engine's storage dtypes (index keys are f32 rows of "
-              "fake-quantized MXFP4 values), and the LM head; Engram tables are host-resident "
-              "(not counted); activations are not counted.",
+              "every indexer, in the engine's storage dtypes (index keys are bf16 rows of "
+              "fake-quantized MXFP4 values, exact in bf16), and the LM head; Engram tables are "
+              "host-resident (not counted); activations are not counted.",
               "- Roofline FLOPs: as in prefill.py (GEMMs from the weight shapes, sparse attention "
               "over window + top-k keys, indexer over every visible index key)."]
     lines += wl.common_notes(res)

@@ -139,8 +139,9 @@ def attention(s: Step, role: LayerRole, x: str, published: dict) -> str:
 
 def compressor(s: Step, role: LayerRole, x: str, published: dict) -> None:
     """KV source (spec §3.4.3): pool `ratio` tokens (softmax-gated; ratio 1 = projection only),
-    norm, then index key (pre-RoPE latent -> wk -> k_norm -> RoPE -> MXFP4) and compressed KV
-    (RoPE -> NVFP4), both written into this owner's caches at the group's entry."""
+    norm, then index key (pre-RoPE latent -> wk -> k_norm -> RoPE -> MXFP4, stored bf16; f32
+    without quantize_kv) and compressed KV (RoPE -> NVFP4), both written into this owner's caches
+    at the group's entry."""
     cfg, b, i, r = s.cfg, s.b, role.layer, role.ratio
     pfx = f"layers.{i}.attn"
     dd, di = cfg.head_dim, cfg.index_head_dim
@@ -168,7 +169,10 @@ def compressor(s: Step, role: LayerRole, x: str, published: dict) -> None:
     ik = b.op("rope", ik, pos, **rope, name="ik_rot")
     if cfg.quantize_kv:
         ik = b.op("fake_quant", ik, fmt="mxfp4", block=32, name="ik")
-    ikey = s.state(f"L{i}.ikey", "S", cap, di, dtype="f32")
+    # MXFP4 keys (E2M1 x a power-of-two scale: at most 2 significant bits, within fp32's exponent
+    # range) are exact in bf16: the cache holds them in half the bytes, and cache_write's cast
+    # after the fake-quant is exact. Unquantized keys are not, so they stay f32.
+    ikey = s.state(f"L{i}.ikey", "S", cap, di, dtype="bf16" if cfg.quantize_kv else "f32")
     ikey = b.op("cache_write", ikey, ik, pos, req, slots, ratio=r, name="ikey.next")
     s.update(f"L{i}.ikey", ikey)
     c = b.op("rope", latent, pos, **rope, name="ckv_rot")

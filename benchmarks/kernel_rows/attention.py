@@ -96,7 +96,8 @@ def index_case(device, R, ctx, ratio, new=1):
     T = pos.shape[0]
     C = ctx // ratio
     qi = fake_quant(torch.randn(T, 32, 128, device=device), fmt="mxfp4", block=32).bfloat16()
-    ikey = torch.randn(R, C, 128, device=device)
+    # the engine's index-key cache: MXFP4 keys stored bf16 (exact; models/v41.py)
+    ikey = fake_quant(torch.randn(R, C, 128, device=device), fmt="mxfp4", block=32).bfloat16()
     w = torch.randn(T, 32, device=device, dtype=torch.bfloat16)
     return (qi, w, ikey, pos, req, slots), dict(ratio=ratio, weight_scale=128 ** -0.5 * 32 ** -0.5)
 
@@ -106,7 +107,8 @@ def _count_index(args, kw) -> tuple[int, int]:
     vis = ((pos + 1) // kw["ratio"]).clamp(max=ikey.shape[1])
     per_req = torch.zeros(slots.shape[0], dtype=torch.int64, device=pos.device).scatter_reduce(
         0, req, vis, reduce="amax")
-    byt = int(per_req.sum()) * 128 * 4 + qi.numel() * 2 + pos.shape[0] * ikey.shape[1] * 4
+    byt = (int(per_req.sum()) * 128 * ikey.element_size() + qi.numel() * 2
+           + pos.shape[0] * ikey.shape[1] * 4)
     return byt, 2 * 32 * 128 * int(vis.sum())
 
 
@@ -121,7 +123,7 @@ def compressor_case(device, R, ctx, ratio, new=1):
             rn(512, 5120, sc=5120 ** -0.5).to(bf) if ratio > 1 else None,
             rn(R, ratio, 512) if ratio > 1 else None, rn(R, ratio, 512) if ratio > 1 else None,
             rn(512) + 1, rn(128, 512, sc=512 ** -0.5).to(bf), rn(128) + 1,
-            rn(R, C, 128), rn(R, C, 512).to(bf), pos, req, slots)
+            rn(R, C, 128).to(bf), rn(R, C, 512).to(bf), pos, req, slots)  # ikey bf16 (V4.1)
     kw = dict(ratio=ratio, eps=1e-20, offset=1 - ratio, ikey_fmt="mxfp4", ckv_fmt="nvfp4", **ROPE)
     return args, kw
 
@@ -132,7 +134,7 @@ def _count_compressor(args, kw) -> tuple[int, int]:
     r = kw["ratio"]
     nproj = 2 if r > 1 else 1
     rows = T // r if T > 1 else T
-    byt = x.numel() * 2 + nproj * 512 * 5120 * 2 + 128 * 512 * 2 + rows * (512 * 2 + 128 * 4)
+    byt = x.numel() * 2 + nproj * 512 * 5120 * 2 + 128 * 512 * 2 + rows * (512 * 2 + 128 * 2)
     return byt, 2 * T * 5120 * 512 * nproj + 2 * rows * 512 * 128
 
 

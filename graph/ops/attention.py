@@ -59,7 +59,9 @@ def compress_pool(kv, gate, pend_kv, pend_gate, pos, req, slots, *, ratio):
     attrs={"ratio": REQUIRED}, cost="memory")
 def cache_write(cache, rows, pos, req, slots, *, ratio) -> TensorType:
     """Store the row of every token that completes a group ((p+1) % ratio == 0) at entry
-    (p+1)//ratio - 1 of its request's slot."""
+    (p+1)//ratio - 1 of its request's slot, converted to the cache's dtype (round to nearest even;
+    exact for fake-quantized rows in a narrower cache that holds the format, e.g. V4.1's MXFP4
+    index keys in a bf16 ikey cache)."""
     expect_meta(pos, req, slots)
     expect(cache.rank == 3 and cache.shape[2] == rows.shape[-1], f"cache must be [S, C, {rows.shape[-1]}], got {cache}")
     expect_rows(rows, pos, "rows")

@@ -192,7 +192,9 @@ def compressor(x, wkv, wgate, pend_kv, pend_gate, norm_w, wk, knorm_w, ikey, ckv
     """A KV source's whole compressor in one op: kv/gate projections (fp32), softmax-gated pooling
     of `ratio` tokens (pending rows of incomplete groups in state), norm, then the index key
     (wk, k_norm, RoPE, ikey_fmt fake-quant) and the compressed KV row (RoPE, ckv_fmt fake-quant),
-    each written into its cache at the group's entry. Returns (ikey', ckv'[, pend_kv', pend_gate'])."""
+    each written into its cache at the group's entry, converted to the cache's dtype after the
+    fake-quant (V4.1's bf16 ikey cache holds MXFP4 keys exactly). Returns (ikey', ckv'[, pend_kv',
+    pend_gate'])."""
     expect_meta(pos, req, slots)
     expect_rows(x, pos, "x")
     expect(wkv.rank == 2 and wkv.shape[1] == x.shape[-1], f"wkv must be [Dc, {x.shape[-1]}], got {wkv}")
