@@ -11,7 +11,7 @@ bf16 on MXFP4 inputs). Timing: gluon_probe_common.time_ms (CUDA-graph replays, m
 Roofline columns: FLOPs 2 x Hi x Di per visible (token, entry); bytes = the keys once per request +
 queries + the f32 scores written, against the profile's bf16 peak (989 TFLOP/s) and 4.8 TB/s.
 
-    python benchmarks/index_probe.py --out /tmp/idx [--configs "8,64,1,8,2;16,32,0,8,2"]
+    python benchmarks/index_probe.py --out /tmp/idx [--configs "8,64,1,8,2/16,32,0,8,2"]
 """
 from __future__ import annotations
 
@@ -62,9 +62,10 @@ def make_case(R: int, new: int, ctx: int, ratio: int, rows: int, ikey_dtype, see
 
 
 def parse_configs(spec: str) -> list[tuple]:
-    """ "bt,bc,keys_m,warps,stages[,span_keys]" items separated by ';'."""
+    """ "bt,bc,keys_m,warps,stages[,span_keys]" items separated by '/' (not ';': the device
+    script benchmarks/h200_check.sh splits its steps on ';')."""
     out = []
-    for item in filter(None, (s.strip() for s in spec.split(";"))):
+    for item in filter(None, (s.strip() for s in spec.replace(";", "/").split("/"))):
         v = [int(x) for x in item.split(",")]
         out.append((v[0], v[1], bool(v[2]), v[3], v[4], v[5] if len(v) > 5 else None))
     return out

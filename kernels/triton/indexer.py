@@ -1,20 +1,29 @@
 """Lightning indexer scores on the GPU (Triton), same semantics as
-kernels.reference.indexer.index_scores; candidate blocks and top-k stay the capturable torch
-versions (device-side torch.topk / sort, no host sync).
+kernels.reference.indexer.index_scores; candidate blocks and top-k are kernels/triton/topk.py.
 
-Tiles: each program takes BT tokens of one request (kernels.capturable._common.segment_tiles,
-built on the device) and BC compressed entries of its slot; the (token, head) rows form one
-[BT*Hi, Di] x [Di, BC] product, then ReLU, head weights and the sum over heads in registers.
-Decode steps (one token per request) get BT = 1; longer requests BT = 4, so index keys are read
-once per 4 tokens.
+Two kernels (kernels/triton/indexer_jit.py):
+- index_scores_stream (the default with bf16 products, V4.1's): queries stationary. A program
+  holds BT tokens' [BT*HI, DI] queries (one request's) and walks a span of its slot's entries,
+  BC at a time, keys on the MMA's M side: [BC, BT*HI] products, ReLU, head weights and the sum
+  over heads inside a thread and its quad. Requests with >= LONG_REQUEST tokens go 8 tokens to a
+  tile (keys read once per 8 tokens), the others 1 (decode); the class is decided on the device,
+  because a captured prefill bucket has as many request rows as tokens, like a decode bucket.
+  Spans of SPAN_KEYS entries, token tiles the grid's fast axis: the programs resident together
+  share a span's keys in L2. On the H200 (benchmarks/results/index-probe-11-h200.md), 8192 new
+  tokens after a 128K context at ratio 1: 153.5 ms -> 25.7 ms (348 TFLOP/s); decode, 64
+  requests at 128K: 1.31 -> 1.07 ms (84% of HBM bandwidth on the keys).
+- index_scores_fwd (the tile kernel; fp32 products, and MEGAGRAPH_INDEX_KERNEL=tile): a program
+  per BT tokens x BLOCK_C entries, the queries reloaded for every 64 entries (64 KB per program
+  at BT 4: about 5x the bytes of the keys it multiplies, which is what bounded it). Decode steps
+  get BT = 1, longer requests BT = 4.
 
 Precision: the reference multiplies in fp32. PRECISION = "tf32x3" (default) splits the fp32
 operands into tf32 pairs on the tensor cores (relative error ~1e-6 of sum |w·relu(q·k)|, below
 fp32 summation-order noise at these lengths); "ieee" is exact fp32 FMA (slower); "bf16" rounds
 both operands to bf16, exact only for inputs representable in bf16 — which MXFP4 fake-quantized
 index queries and keys (V4.1's quantize_kv) are: the indexer-products pass marks such nodes
-`products="bf16"` and this kernel then multiplies in bf16 (1.5-2.9x faster on the H200,
-benchmarks/results/kernels-h200.md; exactness: tests/kernels/test_triton_indexer.py).
+`products="bf16"` and the kernels then multiply in bf16 (exactness:
+tests/kernels/test_triton_indexer.py).
 """
 from __future__ import annotations
 
@@ -76,12 +85,13 @@ def stream_configs(T: int, R: int, C: int, prec: str, sms: int) -> tuple[StreamC
     spans stay short for L2 locality; the short class's span is as long as the grid allows (its
     requests share no keys). Shapes: the sm_90 builds without spills
     (tests/kernels/test_triton_attention_sm90.py)."""
-    if prec == "bf16":
-        long_bt, long_keys_m, short_warps, short_stages = 8, True, 4, 3
+    if prec == "bf16":  # the fastest of benchmarks/results/index-probe-11-h200.md's launches
+        long_bt, long_keys_m, long_stages, short_warps, short_stages = 8, True, 3, 4, 4
     else:  # fp32 queries in registers: 4 tokens with the queries on M, 8 warps for one token
-        long_bt, long_keys_m, short_warps, short_stages = 4, False, 8, 2
+        long_bt, long_keys_m, long_stages, short_warps, short_stages = 4, False, 2, 8, 2
     nt_long = min(T, T // long_bt + R)
-    long = StreamConfig(long_bt, 64, long_keys_m, 8, 2, _spans(C, 64, nt_long, sms, SPAN_KEYS))
+    long = StreamConfig(long_bt, 64, long_keys_m, 8, long_stages,
+                        _spans(C, 64, nt_long, sms, SPAN_KEYS))
     short = StreamConfig(1, 64, True, short_warps, short_stages, _spans(C, 64, T, sms, None))
     return long, short
 
