@@ -12,7 +12,7 @@ from ._common import I64, e8m0_ceil_div, e8m0_to_f32, seg_counts
 from .attention import ring_update, sparse_attn
 from .compressor import cache_write, compress_pool, v4_compress_pool
 from .dense import add, fake_quant, grouped_linear, hc_collapse, hc_expand, hc_mixer, linear, rms_norm, rope
-from .moe import moe_experts, route, swiglu_mlp
+from .moe import hash_route, moe_experts, route, swiglu_mlp
 
 FP8_MAX = 448.0
 ACT_BLOCKS = {"mxfp8": 32, "fp8_1x128": 128}
@@ -113,10 +113,17 @@ def _ir_dtype(dt: torch.dtype) -> str:
 
 
 def mega_moe(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_scale, w3, w3_scale,
-             w2, w2_scale, sw1, sw1_scale, sw3, sw3_scale, sw2, sw2_scale, *, topk, route_scale,
-             norm_topk, score_func, fmt, shared_fmt, swiglu_limit, act_fmt):
-    ids, wts = route(x, gate_w, gate_bias, topk=topk, route_scale=route_scale,
-                     norm_topk=norm_topk, score_func=score_func)
+             w2, w2_scale, sw1, sw1_scale, sw3, sw3_scale, sw2, sw2_scale, tid2eid=None,
+             token_ids=None, *, topk, route_scale, norm_topk, score_func, fmt, shared_fmt,
+             swiglu_limit, act_fmt):
+    """kernels.reference.fused.mega_moe: route (or, on hash-routed layers, hash_route by the
+    token ids) -> routed experts + shared expert -> hc_expand."""
+    if tid2eid is not None:
+        ids, wts = hash_route(x, gate_w, tid2eid, token_ids, topk=topk, route_scale=route_scale,
+                              score_func=score_func, norm_topk=norm_topk)
+    else:
+        ids, wts = route(x, gate_w, gate_bias, topk=topk, route_scale=route_scale,
+                         norm_topk=norm_topk, score_func=score_func)
     out_dtype = _ir_dtype(x.dtype)
     y = moe_experts_q(x_q, x_scale, ids, wts, w1, w1_scale, w3, w3_scale, w2, w2_scale, fmt=fmt,
                       swiglu_limit=swiglu_limit, act_fmt=act_fmt, out_dtype=out_dtype)

@@ -460,6 +460,13 @@ def _fused_cases():
         return args, dict(topk=2, route_scale=1.5, norm_topk=True, score_func="sqrtsoftplus", fmt="mxfp4",
                           shared_fmt="fp8_block", swiglu_limit=10.0, act_fmt="mxfp8")
 
+    def mega_moe_hash(g):
+        """a hash-routed layer: experts from tid2eid by token id (the graph passes 22 inputs)"""
+        args, kw = mega_moe(g)
+        T, E = args[0].shape[0], args[6].shape[0]
+        tid2eid = torch.randint(0, E, (50, kw["topk"]), generator=g)
+        return (*args, tid2eid, torch.randint(0, 50, (T,), generator=g)), kw
+
     def suffix_meta(g):
         m = meta(PADDED)
         keep_rows = torch.tensor([0, 1, 2, 5, 6, 9, 10, 11])
@@ -467,6 +474,7 @@ def _fused_cases():
 
     return {"linear_q": linear_q, "grouped_linear_q": grouped_linear_q, "moe_experts_q": moe_experts_q,
             "swiglu_mlp_q": swiglu_mlp_q, "mega_mhc": mega_mhc, "mega_moe": mega_moe,
+            "mega_moe/hash": mega_moe_hash,
             "quantize_act": lambda g: ((rnd(g, 5, 200, scale=3),), dict(act_fmt="fp8_1x128")),
             "suffix_meta": suffix_meta}
 
@@ -511,7 +519,7 @@ FUSED_META_CASES = {
     "v4_compressor/csa": ("v4_compressor", v4_compressor_case(4, True)),
     "v4_compressor/hca": ("v4_compressor", v4_compressor_case(8, False)),
 }
-FUSED_PLAIN_CASES = {name: (name, fn) for name, fn in _fused_cases().items()}
+FUSED_PLAIN_CASES = {name: (name.split("/")[0], fn) for name, fn in _fused_cases().items()}
 # cases of ops the reference table has (fused / DSpark reference kernels are written concurrently)
 ALL_META = {k: v for k, v in {**META_CASES, **FUSED_META_CASES}.items() if v[0] in REF}
 ALL_PLAIN = {k: v for k, v in {**PLAIN_CASES, **FUSED_PLAIN_CASES}.items() if v[0] in REF}
