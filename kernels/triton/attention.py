@@ -44,13 +44,15 @@ SORT_TOPK = True  # sort top-k rows first (exact duplicate handling for unsorted
 @dataclass(frozen=True)
 class AttnConfig:
     """Launch shape: heads per program, keys per tile, warps, pipeline stages, splits (0 = auto:
-    enough programs for two waves of the GPU, at most 8)."""
+    enough programs for two waves of the GPU, at most 8), pipe (the top-k loop without its skip of
+    empty tiles, so it is software-pipelined: attention_jit.sparse_attn_fwd's PIPE)."""
 
     block_h: int = 16
     block_n: int = 32
     num_warps: int = 8
     num_stages: int = 2
     splits: int = 0
+    pipe: bool = False
 
 
 # Launch shapes from the H200 timings (benchmarks/results/kernels-h200.md, Triton 3.6): 16 heads x
@@ -212,7 +214,7 @@ def launch(q: Tensor, kv: Tensor, ring: Tensor, ckv: Tensor | None, topk: Tensor
         ckv_t.stride(0), ckv_t.stride(1), topk_t.stride(0),
         W=W, D=D, K=K, NT_STEP=nt_step, BLOCK_H=bh, BLOCK_N=bn, NS=ns,
         HAS_COMP=has_comp, ALL_COMP=all_comp, MODE=mode, ROPE_DIM=rope_dim, QBLOCK=qb, E8M0=e8,
-        MANUAL_FP8=INTERPRET, DOT_F32=q.dtype == torch.float32 or INTERPRET,
+        MANUAL_FP8=INTERPRET, DOT_F32=q.dtype == torch.float32 or INTERPRET, PIPE=cfg.pipe,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if ns > 1:
         sparse_attn_combine[(T, triton.cdiv(H, COMBINE_HEADS))](

@@ -226,7 +226,11 @@ def sparse_attn_fwd(
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr,
         HAS_COMP: tl.constexpr, ALL_COMP: tl.constexpr, MODE: tl.constexpr,
         ROPE_DIM: tl.constexpr, QBLOCK: tl.constexpr, E8M0: tl.constexpr,
-        MANUAL_FP8: tl.constexpr, DOT_F32: tl.constexpr):
+        MANUAL_FP8: tl.constexpr, DOT_F32: tl.constexpr, PIPE: tl.constexpr = False):
+    """PIPE: the top-k tiles without the skip of empty tiles, so the loop is a straight
+    software-pipelined one (the gathered key loads of the next tiles in flight under this tile's
+    products); an empty tile then costs its products (scores all -inf, so alpha = 1 and p = 0:
+    m, l, acc unchanged - the same result)."""
     OUT_DT: tl.constexpr = q_ptr.dtype.element_ty
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -287,16 +291,27 @@ def sparse_attn_fwd(
         else:
             NT_COMP: tl.constexpr = (K + BLOCK_N - 1) // BLOCK_N
             trow = topk_ptr + t.to(tl.int64) * s_tt
-            for it in range(sid, NT_COMP, NS):
-                kk = it * BLOCK_N + offs
-                km = kk < K
-                idx = tl.load(trow + kk, mask=km, other=-1)
-                prev = tl.load(trow + kk - 1, mask=km & (kk > 0), other=-2)
-                valid = km & (idx >= 0) & (idx < nvis) & (idx != prev)
-                if tl.max(valid.to(tl.int32), axis=0) > 0:
+            if PIPE:
+                for it in range(sid, NT_COMP, NS):
+                    kk = it * BLOCK_N + offs
+                    km = kk < K
+                    idx = tl.load(trow + kk, mask=km, other=-1)
+                    prev = tl.load(trow + kk - 1, mask=km & (kk > 0), other=-2)
+                    valid = km & (idx >= 0) & (idx < nvis) & (idx != prev)
                     k = tl.load(ckv_ptr + slot * s_cs + tl.maximum(idx, 0)[:, None] * s_cc + d[None, :],
                                 mask=valid[:, None], other=0.0)
                     m_i, l_i, acc = _attend(q, k, valid, m_i, l_i, acc, scale_log2, DOT_F32)
+            else:
+                for it in range(sid, NT_COMP, NS):
+                    kk = it * BLOCK_N + offs
+                    km = kk < K
+                    idx = tl.load(trow + kk, mask=km, other=-1)
+                    prev = tl.load(trow + kk - 1, mask=km & (kk > 0), other=-2)
+                    valid = km & (idx >= 0) & (idx < nvis) & (idx != prev)
+                    if tl.max(valid.to(tl.int32), axis=0) > 0:
+                        k = tl.load(ckv_ptr + slot * s_cs + tl.maximum(idx, 0)[:, None] * s_cc + d[None, :],
+                                    mask=valid[:, None], other=0.0)
+                        m_i, l_i, acc = _attend(q, k, valid, m_i, l_i, acc, scale_log2, DOT_F32)
 
     if NS == 1:
         _finish(acc, m_i, l_i, heads, hmask, t, p, sink_ptr, freq_ptr, o_ptr, os_ptr, H, D,

@@ -78,7 +78,7 @@ def upcast(args):
     return tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
-def run(args, kw, *, quant=None, splits=0, act_fmt="fp8_1x128"):
+def run(args, kw, *, quant=None, splits=0, act_fmt="fp8_1x128", pipe=False):
     """Launch with NaN-poisoned outputs; returns the outputs (checked fully written)."""
     A = ta()
     q = args[0]
@@ -93,7 +93,7 @@ def run(args, kw, *, quant=None, splits=0, act_fmt="fp8_1x128"):
         out = (torch.full((T, h, d), float("nan"), dtype=q.dtype, device=DEV),)
     res = A.launch(*args, window=kw["window"], scale=kw["scale"], ratio=kw["ratio"],
                    attend_all=kw["attend_all_compressed"],
-                   quant=(act_fmt, ROPE) if quant else None, config=A.AttnConfig(splits=splits),
+                   quant=(act_fmt, ROPE) if quant else None, config=A.AttnConfig(splits=splits, pipe=pipe),
                    out=out)
     if quant:
         o, sc = res
@@ -138,10 +138,13 @@ def check_quant(o, sc, want_rot, dtype, act_fmt):
 @pytest.mark.parametrize("mode", ["window", "topk", "all"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_sparse_attn_matches_reference(mode, dtype, splits):
+@pytest.mark.parametrize("pipe", [False, True])
+def test_sparse_attn_matches_reference(mode, dtype, splits, pipe):
+    """pipe: the top-k loop without its empty-tile skip (AttnConfig.pipe); the cases' top-k rows
+    hold -1 and out-of-range entries, so whole empty tiles run through the products."""
     g = torch.Generator().manual_seed(seed(mode, dtype, splits))
     args, kw = make_inputs(g, PADDED, mode, dtype)
-    got = run(args, kw, splits=splits)
+    got = run(args, kw, splits=splits, pipe=pipe)
     want = ref_sparse_attn(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in upcast(args)], **kw)
     check_plain(got, want, dtype)
 
@@ -150,10 +153,11 @@ def test_sparse_attn_matches_reference(mode, dtype, splits):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("act_fmt", ["fp8_1x128", "mxfp8"])
 @pytest.mark.parametrize("splits", [1, 2])
-def test_sparse_attn_q_matches_reference(mode, dtype, act_fmt, splits):
+@pytest.mark.parametrize("pipe", [False, True])
+def test_sparse_attn_q_matches_reference(mode, dtype, act_fmt, splits, pipe):
     g = torch.Generator().manual_seed(seed(mode, dtype, act_fmt, splits))
     args, kw = make_inputs(g, PADDED, mode, dtype)
-    o, sc = run(args, kw, quant=True, splits=splits, act_fmt=act_fmt)
+    o, sc = run(args, kw, quant=True, splits=splits, act_fmt=act_fmt, pipe=pipe)
     cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in upcast(args)]
     want = ref_sparse_attn(*cpu, **kw)
     want_rot = ref_rope(want, cpu[6], inverse=True, **ROPE).reshape(want.shape[0], -1)
