@@ -11,6 +11,8 @@ on the device. Each launch is timed as CUDA-graph replays (events, median of bat
     python benchmarks/moe_gluon_l2_probe.py --y-dtype f32 --out /tmp/gl2
     python benchmarks/moe_gluon_l2_probe.py --smoke                           # small dims
     python benchmarks/moe_gluon_l2_probe.py --diag "w,mma,a,w+mma" --out /tmp/gl2  # by parts
+    python benchmarks/moe_gluon_l2_probe.py --ws 6:3,8:3,4:3 --out /tmp/gl2  # ws ring depths
+    python benchmarks/moe_gluon_l2_probe.py --ws none --out /tmp/gl2     # without the ws rows
 
 --routing balanced: token t -> experts 6t .. 6t + 5 mod 384 (128 rows per expert at 8192 tokens:
 one 128-row tile each); poisson: top-6 of random router logits (rows per expert ~89 .. 183: an
@@ -22,7 +24,12 @@ routing: NaN-poisoned y, every routed slot written and no other, 3 launches with
 rel. error vs the fp32 math of the first experts' rows < 2e-3 for f32 y, 1e-2 for bf16), so an
 illegal memory access cannot lose the Triton row; the Gluon L2 is timed only if both checks
 pass (else its row records the check results). Then its output is compared with the Triton
-L2's (rel. Frobenius error: sum order only at these exponents).
+L2's (rel. Frobenius error: sum order only at these exponents). Then the warp-specialized twin
+(moe_gluon_l2_ws.l2_gluon_ws, persistent CTAs; rows "gluon l2 ws NS:NU" for each --ws ring
+depth): checked in its own child process the same way (a deadlock ends there, at the child's
+timeout) plus bit for bit against the Gluon L2 (same_bits_as_gluon_l2), timed only if that
+passes, its output compared bit for bit with the Gluon L2's in this process too (the same
+numerics: the same bits expected).
 
 L2 FLOPs = 2 * rows * F * d (rows = tokens * top-k); % of peak against 989 TFLOP/s (H200 dense
 fp16). Needs CUDA sm_90 and Triton 3.6 (moe_gluon_l2.available()); elsewhere it says so and
@@ -30,6 +37,7 @@ exits 0 (with --out, a JSON that records the skip). About a minute on the H200.
 """
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -60,29 +68,54 @@ def build(T: int, d: int, F: int, E: int, k: int, seed: int = 0, routing: str = 
     return build_l2(T, d, F, E, k, seed=seed, routing=routing, wts_lo=0.25)
 
 
-def check(T: int, dims: dict, ks: int, ydt: str, routing: str) -> dict:
+def check(T: int, dims: dict, ks: int, ydt: str, routing: str, kernel: str = "gluon",
+          rings: str | None = None) -> dict:
     """Gluon L2 calls (NaN-poisoned y, 3 launches compared bit for bit) against the fp32 math
-    of the first experts' rows. Meant for the child process (--check-json)."""
+    of the first experts' rows; kernel "ws": the warp-specialized twin at ring depths `rings`
+    ("NS:NU"), also compared bit for bit with one Gluon L2 launch (same_bits_as_gluon_l2, part
+    of ok). Meant for the child process (--check-json)."""
     from megagraph.kernels.triton import moe_gluon_l2 as mgl
 
     d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
     h, w2, counts, srt, wts = build(T, d, F, E, k, seed=1, routing=routing)
     P = T * k
+    launch = mgl.l2_gluon
+    if kernel == "ws":
+        from megagraph.kernels.triton import moe_gluon_l2_ws as mlw
+
+        ns, nu = _rings(rings)
+        launch = functools.partial(mlw.l2_gluon_ws, stages=ns, bstages=nu)
     ys = []
     for _ in range(3):
         y = torch.full((T, ks, d), float("nan"), dtype=YDT[ydt], device="cuda")
-        mgl.l2_gluon(h, w2, counts, srt, wts, y, topk=k, ks=ks, max_tiles=min(P, P // mgl.BM + E))
+        launch(h, w2, counts, srt, wts, y, topk=k, ks=ks, max_tiles=min(P, P // mgl.BM + E))
         ys.append(y)
     torch.cuda.synchronize()
     same = all(torch.equal(ys[0].float().nan_to_num(7.0), o.float().nan_to_num(7.0))
                for o in ys[1:])
     idx, ref = reference_l2_slots(h, w2, counts, srt, wts, ks, experts=4)
-    res = dict(tokens=T, dims=dims, ks=ks, y_dtype=ydt, routing=routing, repeat_same_bits=same,
-               **slot_errors(ys[0], idx, ref, k))
+    res = dict(tokens=T, dims=dims, ks=ks, y_dtype=ydt, routing=routing, kernel=kernel,
+               rings=rings, repeat_same_bits=same, **slot_errors(ys[0], idx, ref, k))
     tol = 2e-3 if ydt == "f32" else 1e-2
     res["ok"] = bool(res["all_written"] and res["others_untouched"] and same and
                      res["rel_err_vs_fp32"] < tol)
+    if kernel == "ws":
+        y = torch.full_like(ys[0], float("nan"))
+        mgl.l2_gluon(h, w2, counts, srt, wts, y, topk=k, ks=ks, max_tiles=min(P, P // mgl.BM + E))
+        torch.cuda.synchronize()
+        res["same_bits_as_gluon_l2"] = bool(torch.equal(ys[0].float().nan_to_num(7.0),
+                                                        y.float().nan_to_num(7.0)))
+        res["rel_err_vs_gluon_l2"] = rel(ys[0][:, :k], y[:, :k])
+        res["ok"] = res["ok"] and res["same_bits_as_gluon_l2"]
     return res
+
+
+def _rings(spec: str | None) -> tuple[int | None, int | None]:
+    """'NS:NU' -> (stages, bstages) of l2_gluon_ws; None / '' -> its defaults."""
+    if not spec:
+        return None, None
+    ns, nu = spec.split(":")
+    return int(ns), int(nu)
 
 
 def main() -> None:
@@ -98,7 +131,11 @@ def main() -> None:
                                           help="comma-separated '+'-joined DIAG_BITS names "
                                                "(w, mma, a): the kernel with those parts of its "
                                                "K loop skipped, timed after the checked rows - "
-                                               "WRONG results by design, to see what bounds it"))])
+                                               "WRONG results by design, to see what bounds it")),
+                          ("--ws", dict(default="6:3,8:3,4:3",
+                                        help="ring depths NS:NU of the warp-specialized L2 "
+                                             "(moe_gluon_l2_ws), comma-separated, each checked "
+                                             "then timed as a row; 'none': no ws rows"))])
     args = ap.parse_args()
 
     def write():  # the JSON / md, after every row: a later crash loses nothing measured
@@ -106,7 +143,8 @@ def main() -> None:
 
     if args.check_json:  # child process of check_cases_in_child: one JSON line per case
         run_checks(args.check_json,
-                   lambda c: check(c["tokens"], c["dims"], c["ks"], c["ydt"], c["routing"]))
+                   lambda c: check(c["tokens"], c["dims"], c["ks"], c["ydt"], c["routing"],
+                                   c.get("kernel", "gluon"), c.get("rings")))
         return
 
     from megagraph.kernels.triton import moe
@@ -147,12 +185,29 @@ def main() -> None:
     res["gluon_checks"] = checks
     print(json.dumps(checks), flush=True)
     write()
-    if not_checked(res, write, name, checks, len(cases)):
-        finish(res, t_start, write)
-        return
     mtg = min(P, P // mgl.BM + E)
     tiles = moe.tile_list(counts, mgl.BM, mtg)
     y_gl = torch.full_like(y_tr, float("nan"))
+    inputs = (h, w2, counts, srt, wts)
+    if not_checked(res, write, name, checks, len(cases)):
+        y_gl = None
+    else:
+        y_gl = _gluon_rows(res, write, args, inputs, tiles, mtg, y_gl, idx, ref, y_tr, rates)
+    specs = [x.strip() for x in args.ws.split(",") if x.strip() and x.strip() != "none"]
+    if specs:
+        _ws_rows(res, write, specs, cases, inputs, tiles, mtg, y_gl, idx, ref, rates)
+    finish(res, t_start, write)
+
+
+def _gluon_rows(res, write, args, inputs, tiles, mtg, y_gl, idx, ref, y_tr, rates):
+    """The Gluon L2's rows (after its child check passed): timed, + tile_list, the arithmetic
+    upcast, its errors, the --diag rows. Returns y_gl holding its output (None where its timed
+    launch failed)."""
+    from megagraph.kernels.triton import moe_gluon_l2 as mgl
+
+    h, w2, counts, srt, wts = inputs
+    k, ks = wts.shape[1], res["ks"]
+    name = "gluon l2"
 
     def gluon_l2(use_asm=True, prebuilt=True, diag=0):
         mgl.l2_gluon(h, w2, counts, srt, wts, y_gl, topk=k, ks=ks, max_tiles=mtg,
@@ -179,7 +234,60 @@ def main() -> None:
             bits = sum(mgl.DIAG_BITS[w] for w in what.split("+"))  # KeyError: a typo
             timed_row(res, write, f"gluon l2 diag {what} (wrong by design)",
                       lambda b=bits: gluon_l2(diag=b), dict(diag=bits), rates)
-    finish(res, t_start, write)
+        y_gl.fill_(float("nan"))  # the plain launch's output for the ws comparison
+        gluon_l2()
+        torch.cuda.synchronize()
+        return y_gl
+    return None
+
+
+def _ws_rows(res, write, specs, cases, inputs, tiles, mtg, y_gl, idx, ref, rates) -> None:
+    """The warp-specialized L2 (moe_gluon_l2_ws) at each ring depth NS:NU in specs: checked in a
+    child process (the cases of the Gluon L2's check, + bit equality with it), timed if that
+    passes, its output compared with the fp32 rows and bit for bit with the Gluon L2's (y_gl;
+    None where that did not run)."""
+    from megagraph.kernels.triton import moe_gluon_l2_ws as mlw
+
+    h, w2, counts, srt, wts = inputs
+    k, ks = wts.shape[1], res["ks"]
+    res.setdefault("ws", {})
+    for spec in specs:
+        name = f"gluon l2 ws {spec}"
+        ns, nu = _rings(spec)
+        wcases = [dict(c, kernel="ws", rings=spec) for c in cases]
+        checks = check_cases_in_child(__file__, wcases, timeout=180.0)
+        res["ws"][spec] = dict(checks=checks)
+        print(json.dumps(checks), flush=True)
+        write()
+        if not_checked(res, write, name, checks, len(wcases)):
+            continue
+        y_ws = torch.full((wts.shape[0], ks, w2.n), float("nan"), dtype=YDT[res["y_dtype"]],
+                          device="cuda")
+
+        def ws_l2(prebuilt=True, ns=ns, nu=nu, y=y_ws):
+            mlw.l2_gluon_ws(h, w2, counts, srt, wts, y, topk=k, ks=ks, max_tiles=mtg,
+                            tiles=tiles if prebuilt else None, stages=ns, bstages=nu)
+
+        tile = dict(bm=mlw.BM, bn=mlw.BN, bk=mlw.BK, ns=ns or mlw.NS, nu=nu or mlw.NU,
+                    regs=mlw.REGS, persistent=True)
+        if timed_row(res, write, name, ws_l2, tile, rates):
+            if spec == specs[0]:
+                timed_row(res, write, f"{name} + tile_list", lambda: ws_l2(prebuilt=False),
+                          None, rates)
+            try:
+                y_ws.fill_(float("nan"))
+                ws_l2()
+                torch.cuda.synchronize()
+                out = dict(slot_errors(y_ws, idx, ref, k))
+                if y_gl is not None:
+                    out["same_bits_as_gluon_l2"] = bool(torch.equal(
+                        y_ws.float().nan_to_num(7.0), y_gl.float().nan_to_num(7.0)))
+                    out["rel_err_vs_gluon_l2"] = rel(y_ws[:, :k], y_gl[:, :k])
+                res["ws"][spec].update(out)
+                print({name: out}, flush=True)
+            except Exception as exc:  # noqa: BLE001
+                res["ws"][spec]["error"] = repr(exc)[:500]
+            write()
 
 
 def _write(out, res) -> None:
@@ -197,6 +305,14 @@ def _write(out, res) -> None:
                                   f"{r['pct_peak']:.1f}"])
         lines += l2_error_lines(res, experts=4)
         lines += check_lines("gluon l2", res.get("gluon_checks", []))
+        for spec, w in res.get("ws", {}).items():
+            lines += check_lines(f"gluon l2 ws {spec}", w.get("checks", []))
+            lines.append(f"gluon l2 ws {spec} at these dims: same bits as gluon l2 "
+                         f"{w.get('same_bits_as_gluon_l2')}, rel vs gluon l2 "
+                         f"{w.get('rel_err_vs_gluon_l2')}, rel vs fp32 "
+                         f"{w.get('rel_err_vs_fp32')}, all written {w.get('all_written')}, "
+                         f"others untouched {w.get('others_untouched')}"
+                         + (f", error {w['error'][:200]}" if "error" in w else ""))
     write_report(out, "moe_gluon_l2_probe", res, lines)
 
 

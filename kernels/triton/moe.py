@@ -163,6 +163,13 @@ GLUON_DECODE_L2 = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE_L2", "1") == "1"
 # benchmarks/moe_gluon_l2_probe.py; mega_moe 15.78 against 17.61 ms at 8192, 9.63 against 10.25
 # at 4096 tokens, benchmarks/moe_ab.py; its tests repeat launches and compare the bits)
 GLUON_PREFILL_L2 = os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL_L2", "1") == "1"
+# ... and, with MEGAGRAPH_MOE_GLUON_PREFILL_L2_WS=1 (opt-in, default OFF: built after the eleventh
+# session's device time, NOT yet run on a GPU), its warp-specialized twin moe_gluon_l2_ws
+# (loader / upcast / two MMA warpgroups on mbarrier rings, persistent CTAs; the same numerics,
+# the same bits expected) in its place wherever the prefill L2 runs and the call fits its TMA
+# streams (moe_gluon_l2_ws.args_problem), else moe_gluon_l2 as before. Ring depths WS_L2_RINGS.
+GLUON_PREFILL_L2_WS = os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL_L2_WS", "0") == "1"
+WS_L2_RINGS = None  # (stages, bstages) of l2_gluon_ws; None: its defaults (NS, NU)
 MMA_FP8, MMA_FP16, MMA_BF16, MMA_F32 = 0, 1, 2, 3
 WFMT = {"mxfp4": 0, "fp8_block": 1}
 RDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -793,7 +800,8 @@ def _gluon_l2(h: Tensor, w2: Bank, y: Tensor, role: str, rows_per_group: float):
     shape fits the tile (d % 64, F % 128), y fp32 / bf16 / fp16, MEGAGRAPH_MOE_GLUON and
     MEGAGRAPH_MOE_GLUON_DECODE_L2 on, no CONFIG_OVERRIDE for the role, available(). Above 48
     rows per expert with GLUON_PREFILL_L2 (opt-in): the prefill L2 (moe_gluon_l2.l2_gluon,
-    128 x 128 tiles, d % 128, F % 384)."""
+    128 x 128 tiles, d % 128, F % 384); with GLUON_PREFILL_L2_WS too (default off) its
+    warp-specialized twin moe_gluon_l2_ws.l2_gluon_ws where the call fits its TMA streams."""
     if not GLUON or role != "l2" or role in CONFIG_OVERRIDE:
         return None
     if h.dtype != torch.float16 or not _mxfp4_e8m0_32(w2):
@@ -803,6 +811,15 @@ def _gluon_l2(h: Tensor, w2: Bank, y: Tensor, role: str, rows_per_group: float):
 
         if w2.n % mod.BN or w2.k % (mod.NS * mod.BK) or y.dtype not in mod.OUT_DTYPES:
             return None
+        if GLUON_PREFILL_L2_WS:
+            from . import moe_gluon_l2_ws as mws
+
+            if mws.available(h.device) and mws.args_problem(h, w2, y) is None:
+                launch = mws.l2_gluon_ws
+                if WS_L2_RINGS:
+                    launch = functools.partial(launch, stages=WS_L2_RINGS[0],
+                                               bstages=WS_L2_RINGS[1])
+                return (launch, mws.BM)
         return (mod.l2_gluon, mod.BM) if mod.available(h.device) else None
     if rows_per_group > 12 or not GLUON_DECODE_L2:
         return None

@@ -1,0 +1,433 @@
+"""Warp-specialized Gluon (Triton 3.6, sm_90) kernel for the PREFILL routed-expert L2 GEMM (the
+down projection, > 48 rows per expert): Y = row_w x (H W2^T) on MXFP4 W2 with the fp16 H of the
+L1, scattered to the (token, slot) rows of y - the drop-in twin of moe_gluon_l2.l2_gluon (same
+arguments, same numerics, the same bits expected), with persistent CTAs and the W2 upcast in its
+own warps. NOT yet run on a GPU (built and checked ahead of time for sm_90 on the CPU:
+tests/kernels/test_moe_gluon_l2_ws.py).
+
+Why: the DIAG run of moe_gluon_l2 on the H200 (NOTES-moe.md, eleventh session) - everything 4.00
+ms at 8192 tokens, 2.76 without the W2 loads / upcast, 2.34 for the wgmma + epilogue alone: the
+W2 path (exponent loads, PRMT upcast, shared stores) serializes with the MMA chain in the one set
+of 8 warps that does everything. Here each job has its own warps (moe_gluon_ws's structure, which
+runs correctly on the H200), synchronized only by mbarriers:
+
+  loader  (worker, 4 warps; one elected thread issues): per K chunk c (global count, running on
+          across this CTA's tiles) into raw stage s = c % NS, once r_free[s] - TMA of the H box
+          [BM, BK] fp16 (rows row0 .. row0 + 127 of the expert-sorted H, 128-byte swizzle: the
+          wgmma's A operand as it lands; rows past P zero-filled by the TMA unit, rows of the next
+          expert inside the box are loaded but their accumulator rows are never stored) and of
+          the packed W2 rows [BN, BK / 8] int32 words (32 bytes a row), both on r_ready[s]
+          (mbarrier.expect of both boxes' bytes: count 1).
+  upcast  (worker, 4 warps): per tile, the rows' frames S0 = max(max_k e - 13, 1) from all K / 32
+          exponents of its BN W2 rows (moe_gluon_l2's prologue scan, global loads); per chunk,
+          once r_ready[s] and b_free[u] (u = c % NU): the stage's packed words (LDS.128 per (row,
+          32-column group)) and the chunk's exponents (global loads prefetched two chunks ahead,
+          as in moe_gluon_l2) -> exact fp16 e2m1 x 2^(e - S0) by the same PRMT table
+          (moe_gluon_l2._upcast_store: the same code, the same bits) into B stage u [BN, BK]
+          (K-major, 128-byte swizzle); at a tile's last chunk also the frame scales 2^(S0 - 127)
+          into sb[u]; fence.proxy.async (writer-side: this thread's st.shared before the wgmma's
+          async-proxy reads, its ld.shared of the raw stage before the next TMA write), the
+          partition barrier, then arrive r_free[s] and b_ready[u].
+  MMA     (the default partition = rows 0..63, one worker = rows 64..127; one warpgroup each):
+          per chunk, once r_ready[s] and b_ready[u]: wgmma m64n128k16 x 4 (fp16 -> fp32, async)
+          chained on ONE accumulator, then wait(1) - the chunk before has retired - and its stages
+          released (r_free, b_free). After the tile's last chunk: wait(0), the frame scales read
+          from sb[u] of that last stage, the stages released, the weighted scatter epilogue
+          y[(p // TOPK) * KS + p % TOPK, n] = (acc[r, n] x 2^(S0[n] - 127)) x row_w[p] (the pair
+          indices and weights are loaded at the tile's start, used at its end).
+
+Barriers (mbarrier, one per stage): r_ready [NS] count 1 (the expect-tx arrive; the TMA bytes
+complete it), r_free [NS] count 3 (both MMA warpgroups + the upcast), b_ready [NU] count 1,
+b_free [NU] count 2. Every release is moe_gluon_ws._release: a partition barrier, then one
+elected thread's arrive (Gluon's mbarrier.arrive has no barrier of its own). Producers wait for
+"free" at phase ^ 1 (a fresh barrier counts as having completed the phase before its first).
+The MMA warpgroups hold two chunks' stages (the running wgmma and the one queued behind it), so
+NS >= 3 and NU >= 3 keep the producers ahead (NU = 2 still runs: the upcast of chunk c + 1 then
+overlaps only wgmma(c)).
+
+Numerics: moe_gluon_l2's, exactly: the same per-row frame S0 over all of K, the same exact fp16
+weights (the same upcast function), the same wgmma (m64n128k16 fp16 -> fp32, 64 rows a warpgroup)
+in the same K order on one accumulator from zero, the same epilogue expression. The tensor core's
+sums are the same instruction sequence per output element, so y is expected to equal
+moe_gluon_l2's bit for bit (the GPU tests check that, and the fp32 math within its bound).
+
+Tile: BM = 128 expert-sorted rows (moe.tile_list at 128 rows: the same list as the L1's and
+moe_gluon_l2's) x BN = 128 output columns, BK = 64-column chunks (any K % 64 == 0; the launcher
+keeps moe_gluon_l2's acceptance, K % 192, so the two take the same calls). 16 warps, one CTA
+per SM (launch maxnreg 128 = the SM's 64K registers): setmaxnreg REGS for the workers (MMA rows
+64..127, upcast, loader), the default partition the rest of 4 x 128. Persistent: grid = min(the
+tile count, SMs) (or `ctas`), CTA i walks work items i, i + grid, ... of the row-tile-major
+order (row tile t // (N / BN), column tile t % (N / BN)), skipping the list's empty entries the
+same way in every partition so their chunk counts (stages, phases) agree. Shared memory: NS x
+(16 + 4) KB raw + NU x 16 KB B + NU x 512 B frames: NS = 6, NU = 3 by default (~169 KB); 8:3
+fits (~210 KB).
+
+Triton 3.6 sm_90 build (tests/kernels/test_moe_gluon_l2_ws.py::test_l2_ws_sm90_build): see
+NOTES-moe.md, twelfth session, for the numbers at the time of writing.
+"""
+from __future__ import annotations
+
+import torch
+
+from .gluon_common import IMPORT_OK as _IMPORT_OK
+from .gluon_common import (
+    available,  # noqa: F401  (the tests, the probe and moe call it here)
+    tile_list,
+)
+from .moe_gluon_l2 import BK, BM, BN, OUT_DTYPES, REL_MAX, REL_MIN, _check  # noqa: F401
+
+NS, NU = 6, 3  # default depths of the raw ring (H box + packed W2) and the B (upcast) ring
+NUM_WARPS = 4  # the default partition (MMA rows 0..63); 3 workers of 4 warps: 16 warps in all
+MAXNREG = 128  # launch register cap: 16 warps x 32 x 128 = the SM's 64K registers
+# setmaxnreg of the workers (MMA rows 64..127, upcast, loader); the default partition gets the
+# rest of the 4 x 128 per thread: 512 - 136 - 192 - 48 = 136. The MMA warpgroups need ~120 (a
+# 64 x 128 fp32 accumulator and the epilogue: no spills at 120 in the Triton 3.6 build), the
+# upcast 144 (more lets ptxas hoist more of the next chunk); the arithmetic twin's upcast (a
+# test aid) needs ~200: REGS_ARITH
+REGS = (136, 192, 48)
+REGS_ARITH = (136, 200, 40)
+MAX_SHARED = 227 * 1024  # the sm_90 per-block opt-in limit (232448 B)
+
+
+def shared_bytes(stages: int = NS, bstages: int = NU) -> int:
+    """The rings' shared memory (without the barriers' few bytes): what the launcher checks
+    against MAX_SHARED before a launch that could not start."""
+    return stages * (BM * BK * 2 + BN * BK // 2) + bstages * (BN * BK * 2 + BN * 4)
+
+
+def kernel_consts(K: int, use_asm: bool = True, stages: int = NS, bstages: int = NU,
+                  regs: tuple[int, int, int] | None = None) -> dict:
+    """The constexprs of l2_ws_kernel for K columns of W2 (the launcher's and the build test's):
+    KGI = the 16-exponent pieces of a W2 row the frame scan reads (moe_gluon_l2's); regs None:
+    REGS (REGS_ARITH for the arithmetic upcast)."""
+    r_mma, r_up, r_ld = regs or (REGS if use_asm else REGS_ARITH)
+    return dict(KGI=-(-(K // 32) // 16), USE_ASM=bool(use_asm), BM=BM, BN=BN, BK=BK,
+                NS=int(stages), NU=int(bstages), R_MMA=r_mma, R_UP=r_up, R_LD=r_ld)
+
+
+if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
+    from .gluon_common import (
+        fence_async_shared,
+        gluon,
+        mbarrier,
+        tile_entry,
+        tma,
+        ttgl,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from .moe_gluon_l2 import _upcast_store
+    from .moe_gluon_ws import _release, _stage
+
+    _RMAX = ttgl.constexpr(REL_MAX)
+
+    # ---- layouts (every partition is 4 warps) -------------------------------------------------
+    # the MMA warpgroup's m64n128k16 accumulator (moe_gluon_l2's instruction, 64 rows), its rows
+    # (pairs, weights, output rows) and columns (frames, output columns)
+    MMA_L = ttgl.constexpr(ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BN, 16]))
+    ROW_L = ttgl.constexpr(ttgl.SliceLayout(1, MMA_L))
+    COL_L = ttgl.constexpr(ttgl.SliceLayout(0, MMA_L))
+    # packed W2 words [BN, 2 groups, 4 words]: one (row, group) = 16 bytes per thread, rows
+    # 64 apart in its two registers sets (moe_gluon_l2's lw at 4 warps)
+    LW = ttgl.constexpr(ttgl.BlockedLayout([1, 1, 4], [16, 2, 1], [4, 1, 1], [2, 1, 0]))
+    LE = ttgl.constexpr(ttgl.SliceLayout(2, LW))
+    # the same words as the stage's [BN, 8] int32 rows (the LDS.128 of one group)
+    LW2 = ttgl.constexpr(ttgl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0]))
+    # the frame scan's exponent rows [BN, 16] (rows mapped to threads as in LW)
+    LX = ttgl.constexpr(ttgl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0]))
+    # shared: the fp16 tiles (H [BM, BK], B [BN, BK]: 128-byte rows, the wgmma's operands),
+    # the packed W2 rows [BN, 8] int32 (32-byte rows, as TMA writes them), the frames
+    F16_SMEM = ttgl.constexpr(ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                     rank=2))
+    W_SMEM = ttgl.constexpr(ttgl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=32,
+                                                   rank=2))
+    FLAT1 = ttgl.constexpr(ttgl.SwizzledSharedLayout(1, 1, 1, [0]))
+    H_TMA_LAYOUT = F16_SMEM.value
+    W_TMA_LAYOUT = W_SMEM.value
+
+    @gluon.jit
+    def _n_tiles(work_ptr, N, BN: ttgl.constexpr):
+        """The work items of the device tile list: its row tiles x the column tiles."""
+        return ttgl.load(work_ptr) * (N // BN)
+
+    # ---- loader ------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _loader(h_desc, w_desc, a_r, w_r, r_ready, r_free, work_ptr, MT, G, P, N, K,
+                BM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
+                NS: ttgl.constexpr):
+        """The raw ring's producer: per chunk of this CTA's tiles, the H box and the packed W2
+        rows by TMA on r_ready (module docstring)."""
+        n_k = K // BK
+        c = 0
+        for t in range(ttgl.program_id(0), _n_tiles(work_ptr, N, BN), ttgl.num_programs(0)):
+            skip, g, row0, nrows, pid_n = tile_entry(work_ptr, t, N // BN, MT, G, P, BM)
+            if not skip:
+                wrow = g.to(ttgl.int32) * N + pid_n * BN
+                for i in range(n_k):
+                    s, ph = _stage(c, NS)
+                    mbarrier.wait(r_free.index(s), ph ^ 1)  # chunk c - NS's readers are done
+                    bar = r_ready.index(s)
+                    mbarrier.expect(bar, BM * BK * 2 + BN * BK // 2)
+                    tma.async_copy_global_to_shared(h_desc, [row0, i * BK], bar, a_r.index(s))
+                    tma.async_copy_global_to_shared(w_desc, [wrow, i * (BK // 8)], bar,
+                                                    w_r.index(s))
+                    c += 1
+
+    # ---- upcast ------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _upcast_tile(w_r, b_r, sb_r, bars, bs_ptr, g, n0, K, c0, stride_bsg, stride_bsn,
+                     KGI: ttgl.constexpr, USE_ASM: ttgl.constexpr, BN: ttgl.constexpr,
+                     BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr):
+        """One tile's chunks c0 .. c0 + K / BK - 1: the frame scan, then raw stage -> B stage
+        per chunk (module docstring). Returns the next chunk number."""
+        r_ready, r_free, b_ready, b_free = bars
+        # ---- the rows' frames S0 = max(max e - REL_MAX, 1) over all K / 32 exponents
+        # (moe_gluon_l2's scan: KGI unrolled pieces of 16, masked past K / 32)
+        KG = K // 32
+        rn_x = n0 + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, LX))
+        cx = ttgl.arange(0, 16, layout=ttgl.SliceLayout(0, LX))
+        x_ptrs = bs_ptr + g * stride_bsg + (rn_x.to(ttgl.int64) * stride_bsn)[:, None] + \
+            cx[None, :]
+        # this tile's exponents of chunks 0 and 1 (e2: chunk 1, clamped) requested with the scan
+        rn_w = n0 + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, LE))
+        grp = ttgl.arange(0, 2, layout=ttgl.SliceLayout(0, LE))
+        e_ptrs = bs_ptr + g * stride_bsg + (rn_w.to(ttgl.int64) * stride_bsn)[:, None] + \
+            grp[None, :]
+        n_k = K // BK
+        e1 = ttgl.load(e_ptrs).to(ttgl.int32)
+        e2 = ttgl.load(e_ptrs + ttgl.minimum(1, n_k - 1) * (BK // 32)).to(ttgl.int32)
+        emax = ttgl.zeros([BN], ttgl.int32, ttgl.SliceLayout(1, LX))
+        for j in ttgl.static_range(KGI):
+            ex = ttgl.load(x_ptrs + 16 * j, mask=(16 * j + cx < KG)[None, :], other=0)
+            emax = ttgl.maximum(emax, ttgl.max(ex.to(ttgl.int32), axis=1))
+        s0x = ttgl.maximum(emax - _RMAX, 1)
+        s0 = ttgl.convert_layout(s0x, ttgl.SliceLayout(1, LE))
+        frame = (s0x << 23).to(ttgl.float32, bitcast=True)  # 2^(S0 - 127), S0 >= 1: normal
+
+        for i in range(n_k):
+            c = c0 + i
+            s, ph = _stage(c, NS)
+            u, phu = _stage(c, NU)
+            e = e1
+            e1 = e2
+            e2 = ttgl.load(e_ptrs + ttgl.minimum(i + 2, n_k - 1) * (BK // 32)).to(ttgl.int32)
+            mbarrier.wait(r_ready.index(s), ph)
+            mbarrier.wait(b_free.index(u), phu ^ 1)
+            w = w_r.index(s).load(LW2)  # [BN, 8] int32: one group's 16 bytes per thread
+            w = ttgl.convert_layout(ttgl.reshape(w, [BN, 2, 4]), LW, assert_trivial=True)
+            _upcast_store(w, e, s0, b_r.index(u), USE_ASM, BN, BK)
+            if i == n_k - 1:  # the epilogue's frames ride on the tile's last B stage
+                sb_r.index(u).store(frame)
+            # writer-side: this thread's st.shared (B, frames) and ld.shared (raw W) ordered
+            # against the async proxy (the wgmma's reads, the next TMA's writes), then the
+            # partition barrier inside _release, then the arrivals
+            fence_async_shared()
+            _release(r_free, c, NS)
+            mbarrier.arrive(b_ready.index(u), count=1)
+        return c0 + n_k
+
+    @gluon.jit
+    def _upcaster(w_r, b_r, sb_r, bars, bs_ptr, work_ptr, MT, G, P, N, K, stride_bsg,
+                  stride_bsn, KGI: ttgl.constexpr, USE_ASM: ttgl.constexpr, BM: ttgl.constexpr,
+                  BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr,
+                  NU: ttgl.constexpr):
+        """The upcast partition over this CTA's tiles (the loader's order and skips)."""
+        c = 0
+        for t in range(ttgl.program_id(0), _n_tiles(work_ptr, N, BN), ttgl.num_programs(0)):
+            skip, g, _, _, pid_n = tile_entry(work_ptr, t, N // BN, MT, G, P, BM)
+            if not skip:
+                c = _upcast_tile(w_r, b_r, sb_r, bars, bs_ptr, g, pid_n * BN, K, c, stride_bsg,
+                                 stride_bsn, KGI, USE_ASM, BN, BK, NS, NU)
+
+    # ---- MMA + epilogue ----------------------------------------------------------------------
+
+    @gluon.jit
+    def _mma_tile(a_r, b_r, sb_r, bars, c_ptr, cidx_ptr, w_ptr, row0, nrows, n0, N, K, c0,
+                  stride_cm, M0: ttgl.constexpr, TOPK: ttgl.constexpr, KS: ttgl.constexpr,
+                  BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr,
+                  NU: ttgl.constexpr):
+        """Rows M0 .. M0 + 63 of one tile: the chained wgmmas over chunks c0 .., the stages
+        released one chunk behind, then the weighted scatter. Returns the next chunk number."""
+        r_ready, r_free, b_ready, b_free = bars
+        # the epilogue's pairs and weights, requested now (their latency under the K loop)
+        rm = M0 + ttgl.arange(0, 64, layout=ROW_L)
+        rmask = rm < nrows
+        pair = ttgl.load(cidx_ptr + row0 + rm, mask=rmask, other=0)
+        rw = ttgl.load(w_ptr + pair, mask=rmask, other=0.0).to(ttgl.float32)
+        acc = ttgl.zeros([64, BN], ttgl.float32, MMA_L)
+        n_k = K // BK
+        for i in range(n_k):
+            c = c0 + i
+            s, ph = _stage(c, NS)
+            u, phu = _stage(c, NU)
+            mbarrier.wait(r_ready.index(s), ph)
+            mbarrier.wait(b_ready.index(u), phu)
+            # A: this warpgroup's 64 rows of the H box; B: the [BN, BK] K-major stage, permuted;
+            # chained on acc (wgmma(c - 1) may still be running: the hardware orders them)
+            acc = warpgroup_mma(a_r.index(s).slice(M0, 64), b_r.index(u).permute((1, 0)), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(1, deps=[acc])  # wgmma(c - 1) retired
+            if i > 0:
+                _release(r_free, c - 1, NS)
+                up, _ = _stage(c - 1, NU)
+                mbarrier.arrive(b_free.index(up), count=1)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        cl = c0 + n_k - 1
+        ul, _ = _stage(cl, NU)
+        sb = sb_r.index(ul).load(COL_L)  # the frames, before the stage is released
+        _release(r_free, cl, NS)
+        mbarrier.arrive(b_free.index(ul), count=1)
+        # ---- epilogue: y[(p // TOPK) * KS + p % TOPK, n0 + c] = acc 2^(S0 - 127) row_w[p]
+        crow = ((pair // TOPK) * KS + pair % TOPK).to(ttgl.int64)
+        out = (acc * sb[None, :]) * rw[:, None]
+        rn = n0 + ttgl.arange(0, BN, layout=COL_L)
+        c_ptrs = c_ptr + (crow * stride_cm)[:, None] + rn[None, :]
+        ttgl.store(c_ptrs, out.to(c_ptr.dtype.element_ty),
+                   mask=rmask[:, None] & (rn < N)[None, :])
+        return c0 + n_k
+
+    @gluon.jit
+    def _mma(a_r, b_r, sb_r, bars, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, G, P, N, K, stride_cm,
+             M0: ttgl.constexpr, TOPK: ttgl.constexpr, KS: ttgl.constexpr, BM: ttgl.constexpr,
+             BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr):
+        """An MMA warpgroup (rows M0 .. M0 + 63 of each tile) over this CTA's tiles."""
+        c = 0
+        for t in range(ttgl.program_id(0), _n_tiles(work_ptr, N, BN), ttgl.num_programs(0)):
+            skip, _, row0, nrows, pid_n = tile_entry(work_ptr, t, N // BN, MT, G, P, BM)
+            if not skip:
+                c = _mma_tile(a_r, b_r, sb_r, bars, c_ptr, cidx_ptr, w_ptr, row0, nrows,
+                              pid_n * BN, N, K, c, stride_cm, M0, TOPK, KS, BN, BK, NS, NU)
+
+    # ---- the kernel ----------------------------------------------------------------------------
+
+    @gluon.jit
+    def l2_ws_kernel(h_desc, w_desc, bs_ptr, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, N, K, G, P,
+                     stride_bsg, stride_bsn, stride_cm, TOPK: ttgl.constexpr,
+                     KS: ttgl.constexpr, KGI: ttgl.constexpr, USE_ASM: ttgl.constexpr,
+                     BM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
+                     NS: ttgl.constexpr, NU: ttgl.constexpr, R_MMA: ttgl.constexpr,
+                     R_UP: ttgl.constexpr, R_LD: ttgl.constexpr):
+        """Persistent CTAs over the work items of moe.tile_list at BM rows ([total, grp[MT],
+        row0[MT], rend[MT]]) x N / BN column tiles. h_desc: H as [P, K] fp16, boxes [BM, BK];
+        w_desc: the W2 bank's packed rows as [G N, K / 8] int32 words, boxes [BN, BK / 8]; bs_ptr
+        the E8M0 exponents [G, N, K / 32]. N % BN == 0, K % BK == 0 (the launcher checks)."""
+        ttgl.static_assert(BM == 128, "two MMA warpgroups of 64 rows")
+        ttgl.static_assert(BN == 128, "the m64n128k16 wgmma of moe_gluon_l2")
+        ttgl.static_assert(BK == 64, "64-column chunks: one 128-byte swizzle row of fp16")
+        ttgl.static_assert((NS >= 2) & (NU >= 2), "double-buffered rings at least")
+
+        a_r = ttgl.allocate_shared_memory(ttgl.float16, [NS, BM, BK], F16_SMEM)
+        w_r = ttgl.allocate_shared_memory(ttgl.int32, [NS, BN, BK // 8], W_SMEM)
+        b_r = ttgl.allocate_shared_memory(ttgl.float16, [NU, BN, BK], F16_SMEM)
+        sb_r = ttgl.allocate_shared_memory(ttgl.float32, [NU, BN], FLAT1)
+        r_ready = ttgl.allocate_shared_memory(ttgl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        r_free = ttgl.allocate_shared_memory(ttgl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        b_ready = ttgl.allocate_shared_memory(ttgl.int64, [NU, 1], mbarrier.MBarrierLayout())
+        b_free = ttgl.allocate_shared_memory(ttgl.int64, [NU, 1], mbarrier.MBarrierLayout())
+        for s in ttgl.static_range(NS):
+            mbarrier.init(r_ready.index(s), count=1)  # the loader's expect-tx arrive
+            mbarrier.init(r_free.index(s), count=3)  # 2 MMA warpgroups + the upcast warps
+        for u in ttgl.static_range(NU):
+            mbarrier.init(b_ready.index(u), count=1)
+            mbarrier.init(b_free.index(u), count=2)
+        fence_async_shared()  # the initialized barriers, before the TMA unit signals them
+
+        bars = (r_ready, r_free, b_ready, b_free)
+        ttgl.warp_specialize([
+            (_mma, (a_r, b_r, sb_r, bars, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, G, P, N, K,
+                    stride_cm, 0, TOPK, KS, BM, BN, BK, NS, NU)),
+            (_mma, (a_r, b_r, sb_r, bars, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, G, P, N, K,
+                    stride_cm, 64, TOPK, KS, BM, BN, BK, NS, NU)),
+            (_upcaster, (w_r, b_r, sb_r, bars, bs_ptr, work_ptr, MT, G, P, N, K, stride_bsg,
+                         stride_bsn, KGI, USE_ASM, BM, BN, BK, NS, NU)),
+            (_loader, (h_desc, w_desc, a_r, w_r, r_ready, r_free, work_ptr, MT, G, P, N, K, BM,
+                       BN, BK, NS)),
+        ], [4, 4, 4], [R_MMA, R_UP, R_LD])
+
+
+def args_problem(h, w2, y=None) -> str | None:
+    """Why l2_gluon_ws cannot take these arguments beyond moe_gluon_l2's own checks (its
+    launcher raises it; moe._gluon_l2 asks first and falls back to moe_gluon_l2), or None: the
+    TMA streams - W2's expert rows one stride apart (one [G N, K / 8] word matrix), G N < 2^31,
+    16-byte W2 / H rows (moe_gluon_l2 checks those too) - and y's dtype (None: not checked)."""
+    from .moe_gluon_decode import _tma_fits
+
+    if not (w2.wfmt == 0 and w2.bk == 32 and w2.bn == 1):
+        return "l2_gluon_ws takes an MXFP4 bank (E8M0 per 32 columns)"
+    if w2.n % BN or w2.k % BK:
+        return f"N {w2.n} / K {w2.k} do not fit the {BN}-column tile / {BK}-column chunk"
+    if not _tma_fits(w2):
+        return "the W2 TMA stream needs expert rows one stride apart, G N < 2^31"
+    if w2.w.stride(2) != 1 or w2.w.stride(1) % 16 or w2.w.data_ptr() % 16:
+        return "W2 rows contiguous and 16-byte aligned (TMA)"
+    if h.dim() != 2 or h.stride(1) != 1 or h.stride(0) % 8 or h.data_ptr() % 16:
+        return "h rows contiguous and 16-byte aligned (TMA)"
+    if y is not None and y.dtype not in OUT_DTYPES:
+        return f"y dtype {y.dtype}: one of {OUT_DTYPES}"
+    return None
+
+
+def descriptors(h, w2, P: int):
+    """The host TMA descriptors of a launch (built per call, passed by value: CUDA-graph
+    capturable): H's first P rows as [P, K] fp16 in [BM, BK] boxes (rows past P zero-filled),
+    the W2 bank's packed rows as one [G N, K / 8] int32 word matrix in [BN, BK / 8] boxes (row
+    g N + n = expert g's row n: args_problem checks they are one stride apart)."""
+    from .gluon_common import TensorDescriptor
+
+    K = w2.k
+    h_desc = TensorDescriptor(h, [P, K], [h.stride(0), 1], [BM, BK], H_TMA_LAYOUT)
+    wi = w2.w.view(torch.int32)  # [G, N, K / 8] words (16-byte rows: checked)
+    G, N = wi.shape[0], wi.shape[1]
+    w_desc = TensorDescriptor(wi, [G * N, K // 8], [wi.stride(1), 1], [BN, BK // 8],
+                              W_TMA_LAYOUT)
+    return h_desc, w_desc
+
+
+def l2_gluon_ws(h, w2_bank, counts, srt, wts, y, *, topk: int, ks: int, max_tiles: int,
+                tiles: torch.Tensor | None = None, use_asm: bool = True, diag: int = 0,
+                stages: int | None = None, bstages: int | None = None,
+                ctas: int | None = None):
+    """moe_gluon_l2.l2_gluon's call (the same arguments, checks and result, bit for bit
+    expected): y[(p // topk) * ks + p % topk] = wts[p] * (H[r] @ W2[g]^T) for every
+    expert-sorted row r of expert g, p = srt[r]; slots no pair maps to are not written. Extra:
+    stages / bstages - the raw / B ring depths (default NS / NU, >= 2 each, within the shared
+    memory); ctas - the persistent grid instead of the SM count (the tests walk many tiles per
+    CTA at small sizes). diag must be 0 (this kernel has no DIAG variants; the argument is
+    there so the two launchers take the same calls)."""
+    if diag:
+        raise ValueError("l2_gluon_ws has no DIAG variants (diag must be 0)")
+    if y.dim() == 3:
+        y = y.view(-1, y.shape[-1])
+    if wts.dim() != 1:
+        wts = wts.reshape(-1)
+    P = _check(h, w2_bank, counts, srt, wts, y, topk, ks)
+    problem = args_problem(h, w2_bank)
+    if problem:
+        raise ValueError(problem)
+    ns = NS if stages is None else int(stages)
+    nu = NU if bstages is None else int(bstages)
+    if ns < 2 or nu < 2:
+        raise ValueError(f"stages {ns} / bstages {nu}: at least 2 each")
+    if shared_bytes(ns, nu) > MAX_SHARED - 1024:
+        raise ValueError(f"stages {ns} / bstages {nu}: {shared_bytes(ns, nu)} B of shared "
+                         "memory, over the sm_90 limit")
+    if max_tiles == 0 or P == 0:
+        return y
+    if not _IMPORT_OK:
+        raise RuntimeError("l2_gluon_ws needs Triton 3.6's Gluon (moe_gluon_l2_ws.available())")
+    from .moe_gluon_ws import _sm_count
+
+    tiles = tile_list(counts, BM, max_tiles, tiles)
+    N, K = w2_bank.n, w2_bank.k
+    consts = kernel_consts(K, use_asm, ns, nu)
+    grid = max_tiles * (N // BN)
+    grid = (max(1, min(grid, int(ctas) if ctas else _sm_count(y.device))),)
+    h_desc, w_desc = descriptors(h, w2_bank, P)
+    l2_ws_kernel[grid](
+        h_desc, w_desc, w2_bank.s, y, srt, wts, tiles, max_tiles, N, K, counts.numel(), P,
+        w2_bank.s.stride(0), w2_bank.s.stride(1), y.stride(0), TOPK=topk, KS=ks, **consts,
+        num_warps=NUM_WARPS, maxnreg=MAXNREG)
+    return y

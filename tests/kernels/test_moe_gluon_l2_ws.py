@@ -1,0 +1,638 @@
+"""The warp-specialized Gluon prefill L2 (kernels/triton/moe_gluon_l2_ws.py): loader (TMA of the
+H box and the packed W2 rows) / upcast (the PRMT table into the fp16 B ring) / two MMA
+warpgroups (m64n128k16 chained on one accumulator), persistent CTAs; moe_gluon_l2's numerics
+and call.
+
+GPU (CUDA sm_90 + Triton 3.6 Gluon, else skipped): every output is compared BIT FOR BIT with
+moe_gluon_l2.l2_gluon on the same inputs (the same upcast, the same wgmma in the same K order on
+one accumulator, the same epilogue: the same bits are expected) and with the fp32 math within
+moe_gluon_l2's bounds (2e-3 relative for fp32 y, 1e-2 for bf16 / fp16); NaN-poisoned y (every
+routed slot written and finite, every other slot still NaN); H padded with NaN rows past P (the
+TMA box reads none of them: its shape ends at P); explicit rows per expert (tiles of 1..128 rows,
+experts of several tiles, empty experts, odd token counts), ring depths and persistent grids of
+1..3 CTAs (each walking many tiles, ring phases running on across them), the PTX upcast vs its
+integer twin, isolated debug pieces (frames at the clamp and the flush), repeated launches and a
+CUDA-graph capture, and routed_experts with the module flag on / off. A wrong mbarrier count
+deadlocks: every GPU wait here goes through _sync, which ends the process with a message after
+WATCHDOG_S seconds (a hung kernel leaves no usable CUDA context); run the file under `timeout`
+anyway.
+
+CPU: the launcher's checks; with Triton 3.6 (make sm90-h200) the kernel compiled ahead of time for
+sm_90: no stack / local memory, REG = the launch cap, the partitions' setmaxnreg, the shared
+memory (= shared_bytes + the barriers, within 227 KB), per partition K loop (one chunk each) the
+pinned counts - MMA: 4 HGMMA.64x128x16 per warpgroup, ONE wgmma wait that leaves one group in
+flight (gsb0, 0x1); upcast: 64 PRMT, 2 LDS.128, 8 STS.128, 2 exponent loads, one proxy fence;
+loader: 2 UTMALDG on one expect - and the release order before every arrive.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+import torch
+from gluon_cases import (
+    check_l2_out,
+    check_repeats_and_graph,
+    dbg_bank,
+    dbg_l2_case,
+    diagnose,
+    explicit_rows,
+    l2_case,
+    l2_reference,
+    rel,
+)
+from megagraph.kernels.triton import moe_gluon_l2 as mgl
+from megagraph.kernels.triton import moe_gluon_l2_ws as mlw
+from sm90_build import count, gluon_sm90, usage_and_sass
+
+GPU_OK = mlw.available()
+gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and Triton 3.6 Gluon")
+build = pytest.mark.skipif(not mlw._IMPORT_OK, reason="needs Triton 3.6 with Gluon "
+                           "(make sm90-h200)")
+# seconds a GPU wait may take before the process is ended (a deadlocked kernel never returns)
+WATCHDOG_S = float(os.environ.get("MEGAGRAPH_TEST_WATCHDOG_S", "60"))
+
+
+def _sync(what: str = "l2_gluon_ws"):
+    """torch.cuda.synchronize with a deadline: a launch that has not finished after WATCHDOG_S
+    (a wrong mbarrier count or phase deadlocks the persistent CTAs) ends the whole process with
+    a message (os._exit: the hung kernel keeps the device; every later test would hang too)."""
+    ev = torch.cuda.Event()
+    ev.record()
+    t0 = time.monotonic()
+    while not ev.query():
+        if time.monotonic() - t0 > WATCHDOG_S:
+            print(f"\nFATAL: {what} did not finish in {WATCHDOG_S:.0f} s (a deadlock: mbarrier "
+                  "counts / phases?); ending the test process", flush=True)
+            os._exit(3)
+        time.sleep(1e-3)
+    torch.cuda.synchronize()
+
+
+def _max_tiles(P, E):
+    """routed_experts' bound on the row tiles of 128 rows."""
+    return min(P, P // mlw.BM + E)
+
+
+def _bits(y):
+    """y's bits as integers (NaN poison included: torch.equal on floats says NaN != NaN)."""
+    return y.view({4: torch.int32, 2: torch.int16}[y.element_size()])
+
+
+def _run(fn, h, w2, counts, srt, wts, ks, dtype, **kw):
+    """fn (l2_gluon_ws or l2_gluon) into a NaN-poisoned y [T, ks, d] of dtype; waited for."""
+    T, k = wts.shape
+    y = torch.full((T, ks, w2.n), float("nan"), dtype=dtype, device="cuda")
+    fn(h, w2, counts, srt, wts, y, topk=k, ks=ks,
+       max_tiles=_max_tiles(srt.numel(), counts.numel()), **kw)
+    _sync(getattr(fn, "__name__", "launch"))
+    return y
+
+
+def _check_same_as_l2(h, w2, counts, srt, wts, ks, dtype, tol, routed=None, **kw):
+    """l2_gluon_ws (kw: rings, ctas, use_asm) against l2_gluon bit for bit and the fp32 math
+    within tol; the routed slots (`routed`: a [T, ks] mask, default the first k slots) finite,
+    every other slot still NaN. Returns y."""
+    T, k = wts.shape
+    y = _run(mlw.l2_gluon_ws, h, w2, counts, srt, wts, ks, dtype, **kw)
+    base = _run(mgl.l2_gluon, h, w2, counts, srt, wts, ks, dtype,
+                use_asm=kw.get("use_asm", True))
+    if routed is None:
+        routed = torch.zeros(T, ks, dtype=torch.bool, device=y.device)
+        routed[:, :k] = True
+    assert torch.isfinite(y[routed].float()).all(), "a routed slot was not written / not finite"
+    assert torch.isnan(y[~routed].float()).all(), "an unrouted slot was written"
+    same = torch.equal(_bits(y), _bits(base))
+    ref = l2_reference(h, w2, counts, srt, wts, ks)
+    err = rel(y[routed], ref[routed])
+    assert same, (f"other bits than l2_gluon: rel {rel(y[routed], base[routed]):.3e} to it, "
+                  f"{err:.3e} to the fp32 math")
+    assert err < tol, f"vs fp32 math: {err:.3e}"
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("T,E,k,subset,ks,dtype,d,F", [
+    (203, 8, 4, None, 4, torch.float32, 512, 384),
+    (77, 4, 3, None, 5, torch.float32, 256, 1152),
+    (515, 16, 6, [0, 3, 5, 6, 9, 12, 14], 7, torch.bfloat16, 512, 384),
+    (300, 8, 6, None, 6, torch.float16, 384, 768),
+    (1, 8, 6, None, 7, torch.float32, 256, 384),
+    (1024, 16, 6, None, 7, torch.bfloat16, 1024, 2304)])
+def test_l2_ws_matches(T, E, k, subset, ks, dtype, d, F):
+    """test_moe_gluon_l2's prefill cases (a partial tile; 6 loop trips of 3 chunks; 7 of 16
+    experts at 441 rows each into bf16 y with ks 7 > topk; fp16 y; one token; the real F = 2304,
+    36 chunks): the bits of l2_gluon, within its bounds of the fp32 math and the Triton L2
+    (check_l2_out), every routed slot written, no other."""
+    h, w2, counts, srt, wts = l2_case(T, E, d, F, k, seed=T + E + ks, subset=subset,
+                                      wts_lo=0.25)
+    tol = 2e-3 if dtype == torch.float32 else 1e-2
+    y = _check_same_as_l2(h, w2, counts, srt, wts, ks, dtype, tol)
+    check_l2_out(y, h, w2, counts, srt, wts, ks, tol)
+
+
+def _rows_case(rows, T, k, d, F, seed, exps=(119, 125), pad=64):
+    """l2_case's data with EXPLICIT rows per expert (`rows`, zeros = empty experts): sorted row r
+    is pair c_idx[r] of T tokens x top-k, a random choice of distinct pairs (the other pairs'
+    slots stay unwritten); H [P + pad, F] with NaN rows past P (no kernel may read them). On the
+    GPU: (h, w2, counts, c_idx, wts [T, k], the routed-slot mask [T, ks = k + 1])."""
+    P = sum(rows)
+    h, w2, _, _, wts = l2_case(T, len(rows), d, F, k, seed=seed, exps=exps, wts_lo=0.25)
+    c_idx, counts = explicit_rows(rows, T, k, seed)
+    hp = torch.full((P + pad, F), float("nan"), dtype=torch.float16, device="cuda")
+    hp[:P] = h[:P]
+    routed = torch.zeros(T * (k + 1), dtype=torch.bool, device="cuda")
+    p = c_idx.long()
+    routed[(p // k) * (k + 1) + p % k] = True
+    return hp, w2, counts, c_idx, wts, routed.view(T, k + 1)
+
+
+# (rows per expert, tokens, top-k, d, F, exponent range)
+ROWS_CASES = {
+    # every tile size 1..128 (one partial tile per expert), empty experts; 331 tokens (odd)
+    "tiles_1_128": ([1, 2, 0, 3, 7, 16, 31, 33, 64, 65, 0, 100, 127, 128], 331, 3, 256, 384,
+                    (119, 125)),
+    # experts of > 128 rows (2-3 tiles, the last partial) between empty ones; 257 tokens
+    "big_experts": ([0, 129, 300, 0, 256, 5, 0], 257, 3, 384, 768, (119, 125)),
+    # the last expert's last tile ends at P (the H box past P: zero-filled, the NaN pad unread);
+    # 20-binade exponent spreads (flushed weights: the frame)
+    "tail_wide_exps": ([40, 0, 200], 97, 3, 128, 1152, (100, 128)),
+}
+
+
+@gpu
+@pytest.mark.parametrize("stages,bstages,ctas", [
+    (None, None, None), (None, None, 1), (None, None, 3), (2, 2, 2), (3, 3, None), (8, 3, 3),
+    (4, 2, None), (5, 4, 2)])
+@pytest.mark.parametrize("name", list(ROWS_CASES))
+def test_l2_ws_rows(name, stages, bstages, ctas):
+    """Explicit rows per expert into NaN-poisoned y with ks = topk + 1 (only the chosen pairs'
+    slots written): the bits of l2_gluon at every ring depth and persistent grid (1..3 CTAs
+    walking every work item: ring phases running on across tiles and experts), within 2e-3 of
+    the fp32 math."""
+    rows, T, k, d, F, exps = ROWS_CASES[name]
+    h, w2, counts, c_idx, wts, routed = _rows_case(rows, T, k, d, F, seed=len(name), exps=exps)
+    _check_same_as_l2(h, w2, counts, c_idx, wts, k + 1, torch.float32, 2e-3, routed=routed,
+                      stages=stages, bstages=bstages, ctas=ctas)
+
+
+@gpu
+def test_l2_ws_asm_vs_arith_and_tiles():
+    """Exponents 108 .. 127 (rel over [-6, 13]): the PTX table upcast and the arithmetic twin
+    give the same bits (and l2_gluon's); a prebuilt tile list gives the bits of the one built in
+    the call."""
+    from megagraph.kernels.triton import moe
+
+    d, F, k, E, T = 256, 384, 3, 4, 171
+    h, w2, counts, srt, wts = l2_case(T, E, d, F, k, seed=5, exps=(108, 128), wts_lo=0.25)
+    asm = _check_same_as_l2(h, w2, counts, srt, wts, k, torch.float32, 2e-3, use_asm=True)
+    arith = _check_same_as_l2(h, w2, counts, srt, wts, k, torch.float32, 2e-3, use_asm=False)
+    assert torch.equal(asm, arith), f"PTX vs arithmetic upcast: rel {rel(asm, arith):.3e}"
+    P = T * k
+    pre = _run(mlw.l2_gluon_ws, h, w2, counts, srt, wts, k, torch.float32,
+               tiles=moe.tile_list(counts, mlw.BM, _max_tiles(P, E)))
+    assert torch.equal(asm, pre), "prebuilt tile list differs"
+
+
+@gpu
+@pytest.mark.parametrize("K", [384, 1152])
+def test_l2_ws_debug_pieces(K):
+    """One expert, d = 256 (two column tiles), fp32 y (test_moe_gluon_l2's debug pieces): each
+    against the fp32 math (diagnose: where and how it is off) and l2_gluon's bits; launched
+    into NaN-poisoned y with 1 and 2 CTAs.
+      ones       H = 1, W2 = 1, exponents 127: y = K (the frame: weights 2^13 in fp16)
+      onehot     H row r = e_(c(r)) (128 rows): y[r] = W2[:, c(r)] (B's order, the chunks)
+      exps_wide  exponents 108 .. 127 (the per-(row, group) tables)
+      exps_flush exponents 60 .. 127 (rel < -13 flushes, below 2^-26 of a row's largest)
+      frame_lo   exponents 2 .. 11 (S0 clamps at 1: the frame 2^-126; compared x 2^100)
+      rows_37    37 rows (a partial tile: the H box's rows past P zero-filled)
+      rows_300   300 rows (3 row tiles), topk 2, ks 3, shuffled pairs, random weights"""
+    d, F = 256, K
+    g = torch.Generator().manual_seed(7)
+
+    def codes():
+        return torch.randint(0, 256, (1, d, F // 2), generator=g)
+
+    def rexp(lo, hi):
+        return torch.randint(lo, hi, (1, d, F // 32), generator=g)
+
+    e127 = torch.full((1, d, F // 32), 127)
+    eye = torch.zeros(mlw.BM, F)
+    eye[torch.arange(mlw.BM), (torch.arange(mlw.BM) * (2 * K // 128 + 1)) % K] = 1.0
+    cases = [("ones", torch.ones(mlw.BM, F), torch.full((1, d, F // 2), 0x22), e127, 1, 1, None),
+             ("onehot", eye, codes(), e127, 1, 1, None),
+             ("exps_wide", torch.randn(mlw.BM, F, generator=g), codes(), rexp(108, 128), 1, 1,
+              None),
+             ("exps_flush", torch.randn(mlw.BM, F, generator=g), codes(), rexp(60, 128), 1, 1,
+              None),
+             ("frame_lo", torch.randn(64, F, generator=g) * 1024, codes(), rexp(2, 12), 1, 1,
+              None),
+             ("rows_37", torch.randn(37, F, generator=g), codes(), e127 - 6, 1, 1, None),
+             ("rows_300", torch.randn(300, F, generator=g), codes(), e127 - 4, 2, 3,
+              torch.randperm(300, generator=g))]
+    msgs = []
+    for name, x, c, e, k, ks, perm in cases:
+        h, w2, counts, srt, wts, ref = dbg_l2_case(x, c, e, k, ks, perm, g, "cuda")
+        routed = torch.isfinite(ref[:, 0])
+        base = _run(mgl.l2_gluon, h, w2, counts, srt, wts, ks, torch.float32).view(-1, d)
+        sc = 2.0 ** 100 if name == "frame_lo" else 1.0
+        for ctas in (1, 2):
+            tag = f"{name} (K {K}, {ctas} CTAs)"
+            try:
+                y = _run(mlw.l2_gluon_ws, h, w2, counts, srt, wts, ks, torch.float32,
+                         ctas=ctas).view(-1, d)
+            except Exception as exc:  # noqa: BLE001  (a launch error names the case)
+                msgs.append(f"{tag}: {exc!r}"[:400])
+                continue
+            msgs.append(diagnose(tag, y[routed] * sc, ref[routed] * sc))
+            if torch.isfinite(y[~routed]).any():
+                msgs.append(f"{tag}: an unrouted slot was written")
+            if not torch.equal(_bits(y), _bits(base)):
+                msgs.append(f"{tag}: other bits than l2_gluon (rel "
+                            f"{rel(y[routed], base[routed]):.3e})")
+    msgs = [m for m in msgs if m]
+    assert not msgs, "\n".join(msgs)
+
+
+@gpu
+@pytest.mark.parametrize("ctas", [None, 2])
+def test_l2_ws_repeat_and_graph(ctas):
+    """20 eager launches give the bits of l2_gluon, and the launch captured in a CUDA graph (tile
+    list built inside the capture, host TMA descriptors filled at capture) replays them into a
+    re-poisoned y; ctas 2: two persistent CTAs over every work item."""
+    rows, T, k, d, F = [5, 0, 128, 231, 1, 64, 0, 77], 199, 3, 256, 768
+    h, w2, counts, c_idx, wts, _ = _rows_case(rows, T, k, d, F, seed=77)
+    P = sum(rows)
+    want = _run(mgl.l2_gluon, h, w2, counts, c_idx, wts, k + 1, torch.bfloat16)
+
+    def launch(y):
+        mlw.l2_gluon_ws(h, w2, counts, c_idx, wts, y, topk=k, ks=k + 1,
+                        max_tiles=_max_tiles(P, len(rows)), ctas=ctas)
+
+    y = torch.full_like(want, float("nan"))
+    launch(y)
+    _sync()  # a deadlock shows here, before check_repeats_and_graph's plain synchronizes
+    assert torch.equal(_bits(y), _bits(want)), "other bits than l2_gluon"
+    check_repeats_and_graph(launch, y, want, lambda o, w: torch.equal(_bits(o), _bits(w)),
+                            lambda o, w: f"rel {rel(o.nan_to_num(0), w.nan_to_num(0)):.3e}")
+
+
+@gpu
+@pytest.mark.parametrize("on", [True, False])
+def test_routed_experts_prefill_uses_l2_ws(on, monkeypatch):
+    """routed_experts at a prefill size (300 tokens, top-2 of 8 experts: 75 rows per expert, d
+    256, F 384) runs its L2 on l2_gluon_ws when GLUON_PREFILL_L2_WS is on (once) and on l2_gluon
+    when off (the default); both within test_triton_moe's bound of the reference op."""
+    from megagraph.kernels.triton import moe
+    from test_triton_moe import ACT, check_routed, routed_case
+
+    monkeypatch.setattr(moe, "GLUON_PREFILL_L2", True)
+    monkeypatch.setattr(moe, "GLUON_PREFILL_L2_WS", on)
+    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
+    calls = []
+    real_ws, real = mlw.l2_gluon_ws, mgl.l2_gluon
+    monkeypatch.setattr(mlw, "l2_gluon_ws",
+                        lambda *a, **k: calls.append("ws") or real_ws(*a, **k))
+    monkeypatch.setattr(mgl, "l2_gluon", lambda *a, **k: calls.append("l2") or real(*a, **k))
+    xq, xs, ids, wts, bank = routed_case(300, 8, 256, 384, 2, seed=78)
+    check_routed(xq, xs, ids, wts, bank, dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT,
+                                              out_dtype="f32"))
+    _sync("routed_experts")
+    assert calls == (["ws"] if on else ["l2"])
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the launcher's checks, the wiring's choice, the ahead-of-time sm_90 build
+# ---------------------------------------------------------------------------------------------
+
+
+def test_l2_ws_consts_and_checks():
+    """kernel_consts; shared_bytes; the launcher runs moe_gluon_l2's checks (the same ValueErrors
+    for the same calls) and its own before any launch (CPU tensors suffice): diag must be 0,
+    rings >= 2 within the shared memory, W2's expert rows one stride apart (the TMA matrix);
+    nothing to do (max_tiles 0) returns without a launch; where Gluon is missing a valid call
+    raises RuntimeError."""
+    assert mlw.kernel_consts(2304) == dict(KGI=5, USE_ASM=True, BM=128, BN=128, BK=64, NS=mlw.NS,
+                                           NU=mlw.NU, R_MMA=mlw.REGS[0], R_UP=mlw.REGS[1],
+                                           R_LD=mlw.REGS[2])
+    assert mlw.kernel_consts(384, False, 8, 3)["NS"] == 8
+    assert mlw.shared_bytes(6, 3) == 6 * (16384 + 4096) + 3 * (16384 + 512)
+    assert mlw.shared_bytes(8, 4) <= mlw.MAX_SHARED - 1024 < mlw.shared_bytes(9, 3)
+    E, d, F, k, T = 2, 128, 384, 2, 3
+    w2 = dbg_bank(torch.zeros(E, d, F // 2), torch.full((E, d, F // 32), 127), "cpu")
+    counts = torch.tensor([T * k, 0], dtype=torch.int32)
+    srt = torch.arange(T * k, dtype=torch.int32)
+    wts = torch.ones(T, k)
+    h = torch.zeros(T * k, F, dtype=torch.float16)
+    y = torch.zeros(T, k, d)
+
+    def call(**kw):
+        args = dict(h=h, w2_bank=w2, counts=counts, srt=srt, wts=wts, y=y, topk=k, ks=k,
+                    max_tiles=_max_tiles(T * k, E))
+        args.update(kw)
+        return mlw.l2_gluon_ws(**args)
+
+    w2_k = dbg_bank(torch.zeros(E, d, 64), torch.full((E, d, 4), 127), "cpu")  # K = 128
+    w2_n = dbg_bank(torch.zeros(E, 64, F // 2), torch.full((E, 64, F // 32), 127), "cpu")
+    wide = torch.zeros(E, d, F // 2 + 8, dtype=torch.int8)  # rows of 200 bytes: not 16-aligned
+    w2_a = dbg_bank(wide[..., : F // 2], torch.full((E, d, F // 32), 127), "cpu")
+    # expert rows NOT one stride apart (a padded expert stride): no [G N, K / 8] TMA matrix
+    padded = torch.zeros(E, d + 16, F // 2, dtype=torch.int8)
+    w2_p = dbg_bank(padded[:, :d], torch.full((E, d, F // 32), 127), "cpu")
+    assert w2_p.w.stride(0) != d * w2_p.w.stride(1)
+    assert mlw.args_problem(h, w2) is None and mlw.args_problem(h, w2_p)
+    h_pad = torch.zeros(T * k, F + 4, dtype=torch.float16)[:, :F]  # row stride 388: not 16 B
+    bad = [dict(h=h.float()), dict(h=torch.zeros(T * k, F - 192, dtype=torch.float16)),
+           dict(h=h_pad), dict(h=h[: T * k - 1]), dict(w2_bank=w2_k, h=h[:, :128]),
+           dict(w2_bank=w2_n, y=y[..., :64]), dict(w2_bank=w2_a), dict(w2_bank=w2_p),
+           dict(ks=1), dict(y=torch.zeros(T * k - 1, d)), dict(y=y.to(torch.int32)),
+           dict(y=y.double()), dict(srt=srt.long()), dict(counts=counts.long()),
+           dict(wts=wts.reshape(-1)[:-1]), dict(wts=wts.to(torch.int32)),
+           dict(counts=torch.zeros(E + 1, dtype=torch.int32)), dict(diag=1),
+           dict(stages=1), dict(bstages=1), dict(stages=9), dict(stages=12)]
+    for kw in bad:
+        with pytest.raises(ValueError):
+            call(**kw)
+    assert call(max_tiles=0) is not None  # nothing to do: no launch, no Gluon needed
+    assert call(max_tiles=0).shape == (T * k, d)  # the [T * ks, d] view of y
+    if not mlw._IMPORT_OK:
+        with pytest.raises(RuntimeError):
+            call()
+
+
+@build
+def test_l2_ws_descriptors():
+    """The launcher's host TMA descriptors on CPU tensors (Triton 3.6's checks: 16-byte base and
+    strides): H [P, K] fp16 in [128, 64] boxes (a row-strided H view too), W2 as [G N, K / 8]
+    int32 words in [128, 8] boxes over the same bytes."""
+    E, d, F, P = 3, 256, 384, 37
+    g = torch.Generator().manual_seed(3)
+    w2 = dbg_bank(torch.randint(-128, 128, (E, d, F // 2), generator=g),
+                  torch.full((E, d, F // 32), 127), "cpu")
+    h = torch.zeros(P + 5, F + 64, dtype=torch.float16)[:, :F]
+    hd, wd = mlw.descriptors(h, w2, P)
+    assert list(hd.shape) == [P, F] and list(hd.strides) == [F + 64, 1]
+    assert list(hd.block_shape) == [mlw.BM, mlw.BK] and hd.layout == mlw.H_TMA_LAYOUT
+    assert list(wd.shape) == [E * d, F // 8] and list(wd.strides) == [F // 8, 1]
+    assert list(wd.block_shape) == [mlw.BN, mlw.BK // 8] and wd.layout == mlw.W_TMA_LAYOUT
+    assert wd.base.dtype == torch.int32 and wd.base.data_ptr() == w2.w.data_ptr()
+    # word j of W2 row r = its bytes 4 j .. 4 j + 3 (little-endian): the upcast's words
+    words = wd.base.reshape(E * d, F // 8)
+    b = w2.w.view(torch.uint8).reshape(E * d, F // 2).long()
+    assert torch.equal(words[5, 3].long() & 0xFFFFFFFF,
+                       b[5, 12] | (b[5, 13] << 8) | (b[5, 14] << 16) | (b[5, 15] << 24))
+
+
+def test_gluon_l2_ws_choice(monkeypatch):
+    """moe._gluon_l2 picks l2_gluon_ws instead of l2_gluon above 48 rows per expert exactly when
+    GLUON_PREFILL_L2_WS is on (default off) and the call fits it (args_problem: W2 rows one
+    stride apart); else l2_gluon as before (available() forced: the predicate's own logic, on
+    any machine); the same 128-row tile (one tile list with the L1)."""
+    from megagraph.kernels.triton import moe
+
+    assert moe.GLUON_PREFILL_L2_WS is (os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL_L2_WS", "0")
+                                       == "1")
+    monkeypatch.setattr(mgl, "available", lambda device=None: True)
+    monkeypatch.setattr(mlw, "available", lambda device=None: True)
+    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
+    monkeypatch.setattr(moe, "GLUON", True)
+    monkeypatch.setattr(moe, "GLUON_PREFILL_L2", True)
+    E, d, F = 4, 128, 384
+    w2 = dbg_bank(torch.zeros(E, d, F // 2), torch.full((E, d, F // 32), 127), "cpu")
+    padded = torch.zeros(E, d + 16, F // 2, dtype=torch.int8)
+    w2_p = dbg_bank(padded[:, :d], torch.full((E, d, F // 32), 127), "cpu")
+    h = torch.zeros(300, F, dtype=torch.float16)
+    y = torch.empty(50, 7, d)
+
+    def pick(w2, rpg=75.0, yy=y):
+        p = moe._gluon_l2(h, w2, yy, "l2", rpg)
+        return None if p is None else (p[0].__name__, p[1])
+
+    monkeypatch.setattr(moe, "GLUON_PREFILL_L2_WS", False)
+    assert pick(w2) == ("l2_gluon", mgl.BM)
+    monkeypatch.setattr(moe, "GLUON_PREFILL_L2_WS", True)
+    assert pick(w2) == ("l2_gluon_ws", mlw.BM) and mlw.BM == mgl.BM
+    assert pick(w2, yy=y.bfloat16()) == ("l2_gluon_ws", mlw.BM)
+    assert pick(w2_p) == ("l2_gluon", mgl.BM)  # no TMA matrix: the plain prefill L2
+    assert pick(w2, rpg=40.0) != ("l2_gluon_ws", mlw.BM)  # below the threshold: unchanged
+    monkeypatch.setattr(mlw, "available", lambda device=None: False)
+    assert pick(w2) == ("l2_gluon", mgl.BM)
+    monkeypatch.setattr(moe, "GLUON_PREFILL_L2", False)
+    monkeypatch.setattr(mlw, "available", lambda device=None: True)
+    assert pick(w2) is None  # a variant of the Gluon prefill L2: off with it
+
+
+TYPES = dict(bs_ptr="*u8", c_ptr="*bf16", cidx_ptr="*i32", w_ptr="*fp32", work_ptr="*i32",
+             MT="i32", N="i32", K="i32", G="i32", P="i32", stride_bsg="i32", stride_bsn="i32",
+             stride_cm="i32")
+
+
+def _types(out: str = "*bf16") -> dict:
+    """TYPES with the TMA descriptors (H boxes [BM, BK] fp16, W2 word boxes [BN, BK / 8])."""
+    return dict(TYPES, c_ptr=out,
+                h_desc=f"tensordesc<fp16[{mlw.BM}, {mlw.BK}],{mlw.H_TMA_LAYOUT!r}>",
+                w_desc=f"tensordesc<i32[{mlw.BN}, {mlw.BK // 8}],{mlw.W_TMA_LAYOUT!r}>")
+
+
+def _compile(out: str = "*bf16", **kw):
+    """l2_ws_kernel ahead of time for sm_90 at V4.1-Flash's F = 2304 (mega_moe's y: bf16, ks 7
+    slots of top-6)."""
+    consts = dict(TOPK=6, KS=7, **mlw.kernel_consts(2304, **kw))
+    return gluon_sm90(mlw.l2_ws_kernel, _types(out), consts, num_warps=mlw.NUM_WARPS,
+                      maxnreg=mlw.MAXNREG)
+
+
+def partition_loops(sass: str) -> dict:
+    """The K loop of each partition (SASS text up to ';', one instruction a list item), by what
+    only it runs: "mma" (both MMA warpgroups: HGMMA), "upcast" (PRMT), "loader" (UTMALDG). A
+    loop = the body of a conditional backward branch longer than 16 instructions (the mbarrier
+    try-wait retries ptxas moves out of line are 2-3), innermost only (the persistent tile
+    loops around the K loops contain them)."""
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    spans = []
+    for addr, text in ins:
+        m = re.search(r"^@!?U?P\w+\s+BRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr - 16 * 16:
+            spans.append((int(m.group(1), 16), addr))
+    inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1]
+                                         for o in spans)]
+    loops = {"mma": [], "upcast": [], "loader": []}
+    for lo, hi in inner:
+        body = [t for a, t in ins if lo <= a <= hi]
+        kind = next((n for n, p in (("mma", "HGMMA"), ("upcast", r"\bPRMT\b"),
+                                    ("loader", "UTMALDG")) if any(re.search(p, t) for t in body)),
+                    None)
+        if kind:
+            loops[kind].append(body)
+    return loops
+
+
+ARRIVE = r"SYNCS\.ARRIVE\.TRANS64\.A1T0"
+
+
+def order_problems(loops: dict) -> list[str]:
+    """The order every release needs (the module docstring), [] when right: upcast - its last
+    st.shared, then its proxy fence (writer-side), then a partition BAR.SYNC, then the first
+    arrive; MMA - the chunk's HGMMAs, then the wgmma wait that leaves one group (gsb0, 0x1), then
+    a BAR.SYNC, then the first arrive (the chunk before released only after it retired);
+    loader - the free-stage wait, the expect, then both TMA copies."""
+    probs = []
+    for body in loops["upcast"]:
+        arr = next((i for i, t in enumerate(body) if re.search(ARRIVE, t)), None)
+        if arr is None:
+            probs.append("upcast: no arrive")
+            continue
+        w = max((i for i in range(arr) if re.search(r"\bSTS", body[i])), default=None)
+        f = max((i for i in range(arr) if re.search(r"FENCE\.VIEW\.ASYNC\.S", body[i])),
+                default=None)
+        b = max((i for i in range(arr) if re.search(r"\bBAR\.SYNC\b", body[i])), default=None)
+        if None in (w, f, b) or not w < f < b:
+            probs.append(f"upcast: st.shared {w}, fence {f}, barrier {b}, arrive {arr}: not "
+                         "store < fence < barrier < arrive")
+    for body in loops["mma"]:
+        arr = next((i for i, t in enumerate(body) if re.search(ARRIVE, t)), None)
+        g = max((i for i, t in enumerate(body) if "HGMMA" in t), default=None)
+        dep = next((i for i, t in enumerate(body)
+                    if re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1\b", t)), None)
+        if None in (arr, g, dep):
+            probs.append(f"mma: arrive {arr}, HGMMA {g}, wait(1) {dep}")
+            continue
+        b = [i for i in range(dep, arr) if re.search(r"\bBAR\.SYNC\b", body[i])]
+        if not (g < dep < arr and b):
+            probs.append(f"mma: HGMMA {g}, wait(1) {dep}, barrier {b}, arrive {arr}")
+    for body in loops["loader"]:
+        wt = next((i for i, t in enumerate(body) if "SYNCS.PHASECHK" in t), None)
+        ex = next((i for i, t in enumerate(body) if re.search(r"SYNCS\.ARRIVE\.TRANS64\s", t)),
+                  None)
+        tm = [i for i, t in enumerate(body) if "UTMALDG" in t]
+        if None in (wt, ex) or len(tm) != 2 or not wt < ex < min(tm):
+            probs.append(f"loader: wait {wt}, expect {ex}, TMA {tm}")
+    return probs
+
+
+def _fits(got: int, want) -> bool:
+    """A pinned count: an int exactly, a (lo, hi) pair inclusive."""
+    return lo_hi[0] <= got <= lo_hi[1] if isinstance(lo_hi := want, tuple) else got == want
+
+
+# per chunk (each partition's K loop holds one chunk); the upcast's PRMT: 64 of the table upcast
+# and its halves (32 per (row, group), as in moe_gluon_l2) + a few moving the prefetched exponent
+# bytes between the loop's registers (3 in the Triton 3.6 build)
+LOOP_COUNTS = {
+    "mma": dict(HGMMA=(r"\bHGMMA\.64x128x16\.F32\b", 4), GMMA_any=(r"GMMA", 4),
+                WG_ARRIVE=(r"WARPGROUP\.ARRIVE", 1), WG_DEPBAR=(r"WARPGROUP\.DEPBAR", 1),
+                WG_DEPBAR_1=(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1\b", 1),
+                TRYWAIT=(r"SYNCS\.PHASECHK", 2), ARRIVE=(ARRIVE, 2), STS=(r"\bSTS", 0),
+                LDS=(r"\bLDS", 0), FENCE=(r"FENCE\.VIEW", 0), LDG=(r"\bLDG", 0),
+                STG=(r"\bSTG", 0)),
+    "upcast": dict(PRMT=(r"\bPRMT\b", (64, 68)), LDS128=(r"\bLDS\.128\b", 2), LDS=(r"\bLDS", 2),
+                   STS128=(r"\bSTS\.128\b", 8), LDG_U8=(r"\bLDG\.E\.U8\b", 2),
+                   LDG=(r"\bLDG", 2), TRYWAIT=(r"SYNCS\.PHASECHK", 2), ARRIVE=(ARRIVE, 2),
+                   FENCE=(r"FENCE\.VIEW", 1), GMMA=(r"GMMA", 0), SHFL=(r"\bSHFL", 0)),
+    "loader": dict(UTMALDG=(r"\bUTMALDG\b", 2), EXPECT=(r"SYNCS\.ARRIVE\.TRANS64\s", 1),
+                   TRYWAIT=(r"SYNCS\.PHASECHK", 1), LDGSTS=(r"\bLDGSTS", 0),
+                   ARRIVE=(ARRIVE, 0)),
+}
+# each K loop's instruction count when written (+- 10%): the upcast's is the work per chunk the
+# MMA warpgroups' 8 HGMMA.64x128x16 (~550 clocks at the fp16 peak) must hide
+LOOP_SIZES = {"mma": 65, "upcast": 182, "loader": 41}
+
+
+def build_report(k) -> tuple[dict, list]:
+    """(stats, problems) of a compiled l2_ws_kernel: registers, stack, local memory, shared,
+    setmaxnreg values, per partition K-loop sizes and counts."""
+    usage, sass = usage_and_sass(k)
+    loops = partition_loops(sass)
+    stats = dict(regs=int(re.search(r"REG:(\d+)", usage).group(1)),
+                 stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
+                 local=len(re.findall(r"\b(LDL|STL)\b", sass)), shared=k.metadata.shared,
+                 setmaxnreg=sorted({int(r) for r in re.findall(
+                     r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])}),
+                 loops={n: [len(b) for b in v] for n, v in loops.items()},
+                 counts={n: [{c: count(b, p) for c, (p, _) in LOOP_COUNTS[n].items()}
+                             for b in v] for n, v in loops.items()})
+    return stats, order_problems(loops)
+
+
+@build
+def test_l2_ws_sm90_build():
+    """Triton 3.6 sm_90 build at the defaults (NS = 6, NU = 3, bf16 y, F = 2304): no stack /
+    local memory, REG = the launch cap (128: 16 warps fill the SM's 64K), the partitions'
+    setmaxnreg (the default MMA warpgroup's 512 - sum(REGS) and REGS), the shared memory =
+    shared_bytes + the barriers (< 1 KB) within 227 KB (one CTA per SM), one K loop per MMA
+    warpgroup (2) / upcast / loader with the pinned per-chunk counts (LOOP_COUNTS: 4 HGMMA
+    64x128x16 per warpgroup and chunk, one wait leaving one group in flight) and sizes
+    (LOOP_SIZES), and the release order."""
+    k = _compile()
+    stats, probs = build_report(k)
+    print(f"\nsm_90 l2 ws build: {stats}")
+    assert stats["stack"] == 0 and stats["local"] == 0, stats
+    assert stats["regs"] == mlw.MAXNREG, stats
+    assert {4 * mlw.MAXNREG - sum(mlw.REGS), *mlw.REGS} <= set(stats["setmaxnreg"]), stats
+    assert 0 <= stats["shared"] - mlw.shared_bytes() < 1024, stats
+    assert stats["shared"] <= mlw.MAX_SHARED, stats
+    loops = partition_loops(usage_and_sass(k)[1])
+    assert [len(loops[n]) for n in ("mma", "upcast", "loader")] == [2, 1, 1], stats["loops"]
+    for kind, pats in LOOP_COUNTS.items():
+        for body in loops[kind]:
+            got = {n: count(body, p) for n, (p, _) in pats.items()}
+            assert all(_fits(got[n], v) for n, (_, v) in pats.items()), (kind, got)
+            assert abs(len(body) - LOOP_SIZES[kind]) <= 0.1 * LOOP_SIZES[kind], (kind, len(body))
+    assert probs == [], probs
+
+
+@build
+@pytest.mark.parametrize("out,use_asm,stages,bstages", [
+    ("*fp32", True, 6, 3), ("*fp16", True, 6, 3), ("*bf16", False, 6, 3),
+    ("*bf16", True, 8, 3), ("*bf16", True, 8, 4), ("*bf16", True, 2, 2),
+    ("*bf16", True, 5, 4)])
+def test_l2_ws_sm90_build_variants(out, use_asm, stages, bstages):
+    """The other y dtypes, the arithmetic upcast (a test aid) and other ring depths (8:3 and 8:4,
+    the deepest that fit; 2:2, the shallowest): no stack / spills, within 227 KB, the same MMA and
+    loader loops (the upcast's at use_asm only), the same release order."""
+    k = _compile(out, use_asm=use_asm, stages=stages, bstages=bstages)
+    stats, probs = build_report(k)
+    assert stats["stack"] == 0 and stats["local"] == 0, stats
+    assert stats["shared"] <= mlw.MAX_SHARED, stats
+    assert 0 <= stats["shared"] - mlw.shared_bytes(stages, bstages) < 1024, stats
+    assert stats["loops"]["mma"] and len(stats["loops"]["mma"]) == 2, stats
+    for c in stats["counts"]["mma"]:
+        assert c["HGMMA"] == 4 and c["WG_DEPBAR_1"] == 1, c
+    if use_asm:
+        assert _fits(stats["counts"]["upcast"][0]["PRMT"], (64, 68)), stats
+    assert probs == [], probs
+
+
+def test_order_problems():
+    """The order check on hand-written loops: the right order passes; a fence after the barrier
+    (reader-side), an MMA release before its wgmma wait and a TMA before the expect fail."""
+    good = {"upcast": [["STS.128 [R5], R20", "MEMBAR.ALL.CTA", "FENCE.VIEW.ASYNC.S",
+                        "BAR.SYNC.DEFER_BLOCKING 0x3, 0x80",
+                        "@!P6 SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR38+0x2a720], RZ"]],
+            "mma": [["HGMMA.64x128x16.F32 R24, gdesc[UR12], R24, gsb0",
+                     "WARPGROUP.DEPBAR.LE gsb0, 0x1", "BAR.SYNC.DEFER_BLOCKING 0x2, 0x80",
+                     "@!P0 SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR7+0x2a720], RZ"]],
+            "loader": [["SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR4], R6",
+                        "SYNCS.ARRIVE.TRANS64 RZ, [UR4], R4", "UTMALDG.2D [UR8], [UR6]",
+                        "UTMALDG.2D [UR16], [UR14]"]]}
+    assert order_problems(good) == []
+    reader = dict(good, upcast=[["STS.128 [R5], R20", "BAR.SYNC 0x3, 0x80",
+                                 "FENCE.VIEW.ASYNC.S", "@!P6 SYNCS.ARRIVE.TRANS64.A1T0 RZ"]])
+    assert order_problems(reader)
+    early = dict(good, mma=[["HGMMA.64x128x16.F32 R24, gdesc[UR12], R24, gsb0",
+                             "BAR.SYNC 0x2, 0x80", "@!P0 SYNCS.ARRIVE.TRANS64.A1T0 RZ",
+                             "WARPGROUP.DEPBAR.LE gsb0, 0x1"]])
+    assert order_problems(early)
+    tma_first = dict(good, loader=[["SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR4], R6",
+                                    "UTMALDG.2D [UR8], [UR6]",
+                                    "SYNCS.ARRIVE.TRANS64 RZ, [UR4], R4",
+                                    "UTMALDG.2D [UR16], [UR14]"]])
+    assert order_problems(tma_first)
