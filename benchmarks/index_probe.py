@@ -63,7 +63,8 @@ def make_case(R: int, new: int, ctx: int, ratio: int, rows: int, ikey_dtype, see
 
 def parse_configs(spec: str) -> list[tuple]:
     """ "bt,bc,keys_m,warps,stages[,span_keys]" items separated by '/' (not ';': the device
-    script benchmarks/h200_check.sh splits its steps on ';')."""
+    script benchmarks/h200_check.sh splits its steps on ';'); bt 1 sets the short class's launch
+    (decode requests), other bt the long class's (requests of >= LONG_REQUEST tokens)."""
     out = []
     for item in filter(None, (s.strip() for s in spec.replace(";", "/").split("/"))):
         v = [int(x) for x in item.split(",")]
@@ -84,11 +85,12 @@ def case_rows(name, R, new, ctx, ratio, rows, configs, ikey_dtype) -> list[dict]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     variants = [("tile", dict(variant="tile")), ("stream (default)", dict(variant="stream"))]
     for bt, bc, km, warps, stages, span_keys in configs:
-        nt = min(T, T // bt + rows)
+        nt = -(-T // bt)
         span = I._spans(C, bc, nt, sms, span_keys if span_keys else (I.SPAN_KEYS if bt > 1 else None))
         cfg = I.StreamConfig(bt, bc, km, warps, stages, span)
+        which = "short_config" if bt == 1 else "config"  # 1-token tiles: the short class
         variants.append((f"stream bt{bt} bc{bc} {'keysM' if km else 'qM'} w{warps} s{stages} "
-                         f"span{span}", dict(variant="stream", config=cfg)))
+                         f"span{span}", {"variant": "stream", which: cfg}))
     res = []
     for label, opt in variants:
         row = dict(case=name, T=T, C=C, requests=R, rows=rows, ratio=ratio, kernel=label)

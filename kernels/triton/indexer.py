@@ -81,15 +81,16 @@ def stream_configs(T: int, R: int, C: int, prec: str, sms: int) -> tuple[StreamC
     nothing. Each request's tokens therefore go to one of two classes on the device: requests with
     at least LONG_REQUEST tokens to tiles of 8 (keys read once per 8 tokens: the prefill products
     are bound by the keys' L2 bytes at 4), the others to tiles of 1 (decode: memory-bound, no
-    padded rows in the products). Each launch's programs of the other class exit at once. Long
-    spans stay short for L2 locality; the short class's span is as long as the grid allows (its
-    requests share no keys). Shapes: the sm_90 builds without spills
-    (tests/kernels/test_triton_attention_sm90.py)."""
+    padded rows in the products). Each launch's programs of the other class exit at once; no
+    tile list is built (a tile = BT consecutive tokens of the step: the decode step pays three
+    small torch kernels for the classes, not segment_tiles' thirty). Long spans stay short for L2
+    locality; the short class's span is as long as the grid allows (its requests share no keys).
+    Shapes: the sm_90 builds without spills (tests/kernels/test_triton_attention_sm90.py)."""
     if prec == "bf16":  # the fastest of benchmarks/results/index-probe-11-h200.md's launches
         long_bt, long_keys_m, long_stages, short_warps, short_stages = 8, True, 3, 4, 4
     else:  # fp32 queries in registers: 4 tokens with the queries on M, 8 warps for one token
         long_bt, long_keys_m, long_stages, short_warps, short_stages = 4, False, 2, 8, 2
-    nt_long = min(T, T // long_bt + R)
+    nt_long = -(-T // long_bt)
     long = StreamConfig(long_bt, 64, long_keys_m, 8, long_stages,
                         _spans(C, 64, nt_long, sms, SPAN_KEYS))
     short = StreamConfig(1, 64, True, short_warps, short_stages, _spans(C, 64, T, sms, None))
@@ -112,11 +113,11 @@ def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_r
                  seq_slots: Tensor, *, ratio: int, weight_scale: float, products: str = "fp32",
                  precision: str | None = None, token_tile: int | None = None,
                  variant: str | None = None, config: StreamConfig | None = None,
-                 out: Tensor | None = None) -> Tensor:
+                 short_config: StreamConfig | None = None, out: Tensor | None = None) -> Tensor:
     """kernels.reference.indexer.index_scores; `products="bf16"` (the node's attr: operands exact
     in bf16) multiplies in bf16, else PRECISION; `precision` / `token_tile` / `variant` /
-    `config` (a stream launch) override the defaults, `out` is a preallocated f32[T, C] result
-    (tests poison it)."""
+    `config` / `short_config` (the stream kernel's long / short class launches) override the
+    defaults, `out` is a preallocated f32[T, C] result (tests poison it)."""
     if not supports(qi, ikey):
         from megagraph.kernels.capturable.indexer import index_scores as fallback
 
@@ -141,25 +142,25 @@ def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_r
     # the stream kernel is measured with bf16 products (V4.1's, benchmarks/index_probe.py); the
     # fp32-product modes keep the tile kernel by default
     if (variant or (VARIANT if prec == "bf16" else "tile")) == "stream":
+        long, short = stream_configs(T, R, C, prec, _sms(qi.device))
+        short = short_config or short
+        if short.bt != 1:
+            raise ValueError(f"the short class takes 1-token tiles, not {short.bt}")
         if config is not None or token_tile:
-            cfg = config or stream_configs(T, R, C, prec, _sms(qi.device))[0]
-            cfg = StreamConfig(token_tile, cfg.bc, cfg.keys_m, cfg.warps, cfg.stages, cfg.span) \
-                if token_tile else cfg
-            launches = [(cfg, None)]
-        else:
-            long, short = stream_configs(T, R, C, prec, _sms(qi.device))
-            is_long = seg_counts(token_req, R) >= LONG_REQUEST
-            launches = [(long, is_long), (short, ~is_long)]
-        for cfg, run in launches:
-            tiles = segment_tiles(token_req, R, cfg.bt)
-            valid = tiles.item_valid if run is None else tiles.item_valid & run[tiles.seg][:, None]
-            index_scores_stream[(tiles.count, triton.cdiv(C, cfg.span))](
-                qi, w, ikey, out, positions, tiles.items.contiguous(), valid.to(torch.int8),
-                seq_slots[tiles.seg].contiguous(),
-                C, ratio, float(weight_scale), cfg.span, qi.stride(0), qi.stride(1), w.stride(0),
+            long = config or long
+            long = StreamConfig(token_tile, long.bc, long.keys_m, long.warps, long.stages,
+                                long.span) if token_tile else long
+            if long.bt > LONG_REQUEST:
+                raise ValueError(f"token tile {long.bt} > LONG_REQUEST {LONG_REQUEST}: a tile "
+                                 "could meet more than two requests")
+        cls = (seg_counts(token_req, R) >= LONG_REQUEST).to(torch.int8)
+        for cfg, which in ((long, 1), (short, 0)):
+            index_scores_stream[(triton.cdiv(T, cfg.bt), triton.cdiv(C, cfg.span))](
+                qi, w, ikey, out, positions, token_req, seq_slots, cls,
+                T, C, ratio, float(weight_scale), cfg.span, qi.stride(0), qi.stride(1), w.stride(0),
                 ikey.stride(0), ikey.stride(1), out.stride(0),
                 HI=hi, DI=di, BT=cfg.bt, BC=cfg.bc, PREC=prec, KEYS_M=cfg.keys_m,
-                STAGES=cfg.stages, num_warps=cfg.warps, num_stages=cfg.stages)
+                STAGES=cfg.stages, CLS=which, num_warps=cfg.warps, num_stages=cfg.stages)
         return out
     bt = token_tile or min(MAX_TOKEN_TILE, 1 << (max(1, T // max(1, R)).bit_length() - 1))
     tiles = segment_tiles(token_req, R, bt)

@@ -32,14 +32,15 @@ ATTN_C = dict(W=128, D=512, K=512, NT_STEP=4, BLOCK_H=16, BLOCK_N=32, NS=1, HAS_
 def stream_cases(idx: dict, I) -> dict:
     """The query-stationary indexer kernel at the launches stream_configs picks for a prefill
     bucket (long class) and decode (short class), bf16 and tf32x3 products."""
-    types = dict(idx, span="i32")
+    types = {k: v for k, v in idx.items() if k not in ("items_ptr", "ivalid_ptr", "tslot_ptr")}
+    types.update(req_ptr="*i64", slots_ptr="*i64", cls_ptr="*i8", T="i32", span="i32")
     # 16-divisible pointers, strides and span, as at the real shapes (the launch specializes on it)
     div = ("qi_ptr", "w_ptr", "ikey_ptr", "out_ptr", "s_qt", "s_qh", "s_ks", "s_kc", "s_ot", "span")
     out = {}
     for prec in ("bf16", "tf32x3"):
         for cls, cfg in zip(("long", "short"), I.stream_configs(8192, 8192, 135168, prec, 132)):
             consts = dict(HI=32, DI=128, BT=cfg.bt, BC=cfg.bc, PREC=prec, KEYS_M=cfg.keys_m,
-                          STAGES=cfg.stages)
+                          STAGES=cfg.stages, CLS=int(cls == "long"))
             out[f"index stream {cls} {prec}"] = ("indexer_jit", "index_scores_stream", types, consts,
                                                  cfg.warps, "HGMMA", dict(stages=cfg.stages, div=div))
     return out

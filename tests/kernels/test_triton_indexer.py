@@ -97,10 +97,13 @@ STREAM_CONFIGS = [(1, 16, True, 16), (2, 16, False, 48), (4, 32, True, 40), (8, 
 @pytest.mark.parametrize("ratio", [1, 2])
 @pytest.mark.parametrize("bt,bc,keys_m,span", STREAM_CONFIGS)
 def test_stream_launches_match_reference(ratio, bt, bc, keys_m, span):
-    """The query-stationary kernel at explicit launches: several programs per slot (span), the
-    partial last block of a span and of the visible prefix, both orientations of the product."""
+    """The query-stationary kernel at explicit launches of its long class (the short class at its
+    default): several programs per slot (span), the partial last block of a span and of the
+    visible prefix, both orientations of the product, two requests in one tile."""
     g = torch.Generator().manual_seed(seed("stream", ratio, bt, bc, keys_m, span))
-    reqs = [(0, 100, 40), (5, 0, 0), (1, 7, 1), (2, 0, 3), (5, 0, 0), (3, 130, 9)]
+    # long (>= 8 tokens) and short requests; requests 4 and 3 (13 and 9 tokens) meet inside one
+    # tile of 4 or 8 consecutive tokens (the kernel's second pass)
+    reqs = [(0, 100, 40), (5, 0, 0), (1, 7, 1), (2, 0, 3), (4, 60, 13), (3, 130, 9), (5, 0, 0)]
     args, kw = case(g, reqs, ratio, torch.float32, cap=160)
     cfg = tk().StreamConfig(bt, bc, keys_m, 4, 2, span)
     got = run(args, kw, variant="stream", config=cfg)
@@ -216,3 +219,10 @@ def test_captures_in_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, fn())
+
+
+def test_stream_token_tile_above_long_request_is_an_error():
+    g = torch.Generator().manual_seed(3)
+    args, kw = case(g, PADDED, 1, torch.float32)
+    with pytest.raises(ValueError, match="LONG_REQUEST"):
+        run(args, kw, variant="stream", token_tile=tk().LONG_REQUEST * 2)
