@@ -40,6 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="16,32,4,2,1", help="launches, see parse_configs")
     ap.add_argument("--ratios", default="1,2")
     ap.add_argument("--smoke", action="store_true", help="a small context")
+    ap.add_argument("--decode", action="store_true", help="also 64 decode requests at 32K")
     ap.add_argument("--out", default=None, help="directory for attn-probe.json / .md")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -49,8 +50,11 @@ def main(argv=None) -> int:
 
     rows = []
     new, ctx = (64, 2048) if args.smoke else (4096, 131072 + 4096)
-    for ratio in (int(r) for r in args.ratios.split(",")):
-        a, kw = attn_case("cuda", 2, ctx, ratio, new=new)
+    cases = [(ratio, 2, new, ctx, 1) for ratio in (int(r) for r in args.ratios.split(","))]
+    if args.decode:  # 64 requests x 1 token at 32K, the key list split (flash-decoding)
+        cases.append((1, 64, 1, 2048 if args.smoke else 32768, 0))
+    for ratio, R, new, ctx, splits in cases:
+        a, kw = attn_case("cuda", R, ctx, ratio, new=new)
         byt, fl = _count_attn(a, ratio)
         run = lambda cfg: A.launch(*a[:10], window=128, scale=kw["scale"], ratio=ratio,  # noqa: E731
                                    attend_all=False, quant=("fp8_1x128", ROPE), config=cfg)
@@ -59,9 +63,9 @@ def main(argv=None) -> int:
         launches = [("default " + str(A.pick_config(a[0].shape[0])), None)]
         for bh, bn, w, st, pipe in parse_configs(args.configs):
             launches.append((f"h{bh} n{bn} w{w} s{st} pipe{pipe}",
-                             A.AttnConfig(bh, bn, w, st, 1, bool(pipe))))
+                             A.AttnConfig(bh, bn, w, st, splits, bool(pipe))))
         for label, cfg in launches:
-            row = dict(ratio=ratio, T=a[0].shape[0], launch=label)
+            row = dict(ratio=ratio, T=a[0].shape[0], requests=R, launch=label)
             try:
                 err = float(((_deq(run(cfg)) - ref).abs() / scale).max())
                 ms = time_ms(lambda c=cfg: run(c))

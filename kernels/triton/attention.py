@@ -65,7 +65,9 @@ NO_SPILL = AttnConfig()
 DECODE = AttnConfig(16, 32, 4, 2)
 DECODE_WIDE = AttnConfig(64, 32, 8, 2)
 WIDE_TOKENS = 128  # from this many decode tokens on, DECODE_WIDE
-PREFILL = AttnConfig(16, 32, 4, 2, splits=1)
+# pipe: 11.41 -> 9.07 ms at the slice's 8K prefill step, ratio 1 (10.99 -> 8.99 at ratio 2), the
+# same output bits (benchmarks/results/attn-probe-11-h200.md)
+PREFILL = AttnConfig(16, 32, 4, 2, splits=1, pipe=True)
 COMBINE_HEADS = 16  # heads per program of the merge kernel (64 spills its 64 x 512 accumulator)
 PREFILL_TOKENS = 1024  # from this many tokens on, PREFILL (no split, fused epilogue)
 

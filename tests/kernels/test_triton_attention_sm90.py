@@ -72,6 +72,9 @@ def cases():
                                    dict(ATTN_C, BLOCK_H=a.block_h, BLOCK_N=a.block_n), a.num_warps, "HMMA"),
         "attn decode split": ("attention_jit", "sparse_attn_fwd", ATTN,
                               dict(ATTN_C, NS=4, BLOCK_H=a.block_h, BLOCK_N=a.block_n), a.num_warps, "HMMA"),
+        "attn prefill pipe": ("attention_jit", "sparse_attn_fwd", ATTN,
+                              dict(ATTN_C, BLOCK_H=A.PREFILL.block_h, BLOCK_N=A.PREFILL.block_n,
+                                   NS=1, PIPE=A.PREFILL.pipe), A.PREFILL.num_warps, "HMMA"),
         "attn plain": ("attention_jit", "sparse_attn_fwd", dict(ATTN, o_ptr="*bf16"),
                        dict(ATTN_C, MODE=0, BLOCK_H=a.block_h, BLOCK_N=a.block_n), a.num_warps, "HMMA"),
         "attn combine": ("attention_jit", "sparse_attn_combine", comb,
@@ -351,7 +354,7 @@ def moe_cases():
 
 
 NAMES = ["attn decode q-epilogue", "attn decode split", "attn plain", "attn combine", "index decode",
-         "index prefill", "index stream long bf16", "index stream short bf16",
+         "attn prefill pipe", "index prefill", "index stream long bf16", "index stream short bf16",
          "index stream long tf32x3", "index stream short tf32x3", "compressor gemm", "compressor gemm small", "compressor rows r1",
          "compressor rows r2", "ring copy", "engram hash", "engram gate", "quantize act 1x128",
          "quantize act mxfp8", "moe persistent l1", "moe persistent l2", "moe tile list",
