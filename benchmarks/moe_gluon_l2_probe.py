@@ -11,7 +11,7 @@ on the device. Each launch is timed as CUDA-graph replays (events, median of bat
     python benchmarks/moe_gluon_l2_probe.py --y-dtype f32 --out /tmp/gl2
     python benchmarks/moe_gluon_l2_probe.py --smoke                           # small dims
     python benchmarks/moe_gluon_l2_probe.py --diag "w,mma,a,w+mma" --out /tmp/gl2  # by parts
-    python benchmarks/moe_gluon_l2_probe.py --ws 6:3,8:3,4:3 --out /tmp/gl2  # ws ring depths
+    python benchmarks/moe_gluon_l2_probe.py --ws 6:3,8:3,4:3:256 --out /tmp/gl2  # ws rings[:bn]
     python benchmarks/moe_gluon_l2_probe.py --ws none --out /tmp/gl2     # without the ws rows
 
 --routing balanced: token t -> experts 6t .. 6t + 5 mod 384 (128 rows per expert at 8192 tokens:
@@ -72,7 +72,7 @@ def check(T: int, dims: dict, ks: int, ydt: str, routing: str, kernel: str = "gl
           rings: str | None = None) -> dict:
     """Gluon L2 calls (NaN-poisoned y, 3 launches compared bit for bit) against the fp32 math
     of the first experts' rows; kernel "ws": the warp-specialized twin at ring depths `rings`
-    ("NS:NU"), also compared bit for bit with one Gluon L2 launch (same_bits_as_gluon_l2, part
+    ("NS:NU[:BN]"), also compared bit for bit with one Gluon L2 launch (same_bits_as_gluon_l2, part
     of ok). Meant for the child process (--check-json)."""
     from megagraph.kernels.triton import moe_gluon_l2 as mgl
 
@@ -83,8 +83,8 @@ def check(T: int, dims: dict, ks: int, ydt: str, routing: str, kernel: str = "gl
     if kernel == "ws":
         from megagraph.kernels.triton import moe_gluon_l2_ws as mlw
 
-        ns, nu = _rings(rings)
-        launch = functools.partial(mlw.l2_gluon_ws, stages=ns, bstages=nu)
+        ns, nu, bn = _rings(rings)
+        launch = functools.partial(mlw.l2_gluon_ws, stages=ns, bstages=nu, bn=bn)
     ys = []
     for _ in range(3):
         y = torch.full((T, ks, d), float("nan"), dtype=YDT[ydt], device="cuda")
@@ -110,12 +110,13 @@ def check(T: int, dims: dict, ks: int, ydt: str, routing: str, kernel: str = "gl
     return res
 
 
-def _rings(spec: str | None) -> tuple[int | None, int | None]:
-    """'NS:NU' -> (stages, bstages) of l2_gluon_ws; None / '' -> its defaults."""
+def _rings(spec: str | None) -> tuple[int | None, int | None, int | None]:
+    """'NS:NU' or 'NS:NU:BN' -> (stages, bstages, bn) of l2_gluon_ws; None / '' -> its
+    defaults."""
     if not spec:
-        return None, None
-    ns, nu = spec.split(":")
-    return int(ns), int(nu)
+        return None, None, None
+    parts = [int(x) for x in spec.split(":")]
+    return parts[0], parts[1], (parts[2] if len(parts) > 2 else None)
 
 
 def main() -> None:
@@ -132,10 +133,12 @@ def main() -> None:
                                                "(w, mma, a): the kernel with those parts of its "
                                                "K loop skipped, timed after the checked rows - "
                                                "WRONG results by design, to see what bounds it")),
-                          ("--ws", dict(default="6:3,8:3,4:3",
-                                        help="ring depths NS:NU of the warp-specialized L2 "
-                                             "(moe_gluon_l2_ws), comma-separated, each checked "
-                                             "then timed as a row; 'none': no ws rows"))])
+                          ("--ws", dict(default="6:3,8:3,4:3,4:3:256,5:3:256",
+                                        help="ring depths NS:NU[:BN] of the warp-specialized "
+                                             "L2 (moe_gluon_l2_ws; BN the tile's output "
+                                             "columns, 128 or 256), comma-separated, each "
+                                             "checked then timed as a row; 'none': no ws "
+                                             "rows"))])
     args = ap.parse_args()
 
     def write():  # the JSON / md, after every row: a later crash loses nothing measured
@@ -253,7 +256,7 @@ def _ws_rows(res, write, specs, cases, inputs, tiles, mtg, y_gl, idx, ref, rates
     res.setdefault("ws", {})
     for spec in specs:
         name = f"gluon l2 ws {spec}"
-        ns, nu = _rings(spec)
+        ns, nu, bn = _rings(spec)
         wcases = [dict(c, kernel="ws", rings=spec) for c in cases]
         checks = check_cases_in_child(__file__, wcases, timeout=180.0)
         res["ws"][spec] = dict(checks=checks)
@@ -264,12 +267,13 @@ def _ws_rows(res, write, specs, cases, inputs, tiles, mtg, y_gl, idx, ref, rates
         y_ws = torch.full((wts.shape[0], ks, w2.n), float("nan"), dtype=YDT[res["y_dtype"]],
                           device="cuda")
 
-        def ws_l2(prebuilt=True, ns=ns, nu=nu, y=y_ws):
+        def ws_l2(prebuilt=True, ns=ns, nu=nu, bn=bn, y=y_ws):
             mlw.l2_gluon_ws(h, w2, counts, srt, wts, y, topk=k, ks=ks, max_tiles=mtg,
-                            tiles=tiles if prebuilt else None, stages=ns, bstages=nu)
+                            tiles=tiles if prebuilt else None, stages=ns, bstages=nu, bn=bn)
 
-        tile = dict(bm=mlw.BM, bn=mlw.BN, bk=mlw.BK, ns=ns or mlw.NS, nu=nu or mlw.NU,
-                    regs=mlw.REGS, persistent=True)
+        bn_ = bn or mlw.BN_TILE
+        tile = dict(bm=mlw.BM, bn=bn_, bk=mlw.BK, ns=ns or mlw.NS, nu=nu or mlw.NU,
+                    regs=mlw.REGS_256 if bn_ == 256 else mlw.REGS, persistent=True)
         if timed_row(res, write, name, ws_l2, tile, rates):
             if spec == specs[0]:
                 timed_row(res, write, f"{name} + tile_list", lambda: ws_l2(prebuilt=False),

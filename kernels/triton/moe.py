@@ -167,9 +167,11 @@ GLUON_PREFILL_L2 = os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL_L2", "1") == "1"
 # session's device time, NOT yet run on a GPU), its warp-specialized twin moe_gluon_l2_ws
 # (loader / upcast / two MMA warpgroups on mbarrier rings, persistent CTAs; the same numerics,
 # the same bits expected) in its place wherever the prefill L2 runs and the call fits its TMA
-# streams (moe_gluon_l2_ws.args_problem), else moe_gluon_l2 as before. Ring depths WS_L2_RINGS.
+# streams (moe_gluon_l2_ws.args_problem), else moe_gluon_l2 as before. Ring depths WS_L2_RINGS,
+# tile columns WS_L2_BN (128, or 256 where d % 256 == 0; None: its default).
 GLUON_PREFILL_L2_WS = os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL_L2_WS", "0") == "1"
 WS_L2_RINGS = None  # (stages, bstages) of l2_gluon_ws; None: its defaults (NS, NU)
+WS_L2_BN = None
 MMA_FP8, MMA_FP16, MMA_BF16, MMA_F32 = 0, 1, 2, 3
 WFMT = {"mxfp4": 0, "fp8_block": 1}
 RDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -814,11 +816,12 @@ def _gluon_l2(h: Tensor, w2: Bank, y: Tensor, role: str, rows_per_group: float):
         if GLUON_PREFILL_L2_WS:
             from . import moe_gluon_l2_ws as mws
 
-            if mws.available(h.device) and mws.args_problem(h, w2, y) is None:
+            bn = int(WS_L2_BN or mws.BN_TILE)  # int(): moe_ab.py sets knobs as strings
+            if mws.available(h.device) and mws.args_problem(h, w2, y, bn) is None:
                 launch = mws.l2_gluon_ws
-                if WS_L2_RINGS:
-                    launch = functools.partial(launch, stages=WS_L2_RINGS[0],
-                                               bstages=WS_L2_RINGS[1])
+                if WS_L2_RINGS or WS_L2_BN:
+                    ns, nu = WS_L2_RINGS or (None, None)
+                    launch = functools.partial(launch, stages=ns, bstages=nu, bn=bn)
                 return (launch, mws.BM)
         return (mod.l2_gluon, mod.BM) if mod.available(h.device) else None
     if rows_per_group > 12 or not GLUON_DECODE_L2:

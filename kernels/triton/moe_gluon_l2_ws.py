@@ -62,6 +62,13 @@ same way in every partition so their chunk counts (stages, phases) agree. Shared
 (16 + 4) KB raw + NU x 16 KB B + NU x 512 B frames: NS = 6, NU = 3 by default (~169 KB); 8:3
 fits (~210 KB).
 
+bn = 256 (opt-in, `bn=256`; d % 256): a tile of 128 rows x 256 output columns, each MMA warpgroup
+with two 64 x 128 accumulators chained on the same m64n128k16 wgmmas (the same instruction
+sequence per output element: the same bits), waiting with two groups in flight; the upcast does
+the two 128-row halves one after the other (frame scans looped, not unrolled: registers). Half
+the H bytes (TMA and shared-memory writes) per FLOP. Rings NS_256:NU_256 = 4:3 (~195 KB),
+setmaxnreg REGS_256.
+
 Triton 3.6 sm_90 build (tests/kernels/test_moe_gluon_l2_ws.py::test_l2_ws_sm90_build): see
 NOTES-moe.md, twelfth session, for the numbers at the time of writing.
 """
@@ -77,6 +84,7 @@ from .gluon_common import (
 from .moe_gluon_l2 import BK, BM, BN, OUT_DTYPES, REL_MAX, REL_MIN, _check  # noqa: F401
 
 NS, NU = 6, 3  # default depths of the raw ring (H box + packed W2) and the B (upcast) ring
+NS_256, NU_256 = 4, 3  # ... at bn 256 (24 KB raw, 33 KB B stages: 6:3 does not fit)
 NUM_WARPS = 4  # the default partition (MMA rows 0..63); 3 workers of 4 warps: 16 warps in all
 MAXNREG = 128  # launch register cap: 16 warps x 32 x 128 = the SM's 64K registers
 # setmaxnreg of the workers (MMA rows 64..127, upcast, loader); the default partition gets the
@@ -86,23 +94,40 @@ MAXNREG = 128  # launch register cap: 16 warps x 32 x 128 = the SM's 64K registe
 # test aid) needs ~200: REGS_ARITH
 REGS = (136, 192, 48)
 REGS_ARITH = (136, 200, 40)
+# bn 256: two 64 x 128 fp32 accumulators per MMA warpgroup (176: no spills at 176, spills at
+# 168), the upcast's two halves at 128 with its frame scans looped (UNROLL False)
+REGS_256 = (176, 128, 32)
+BN_TILE = 128  # the default tile's output columns (bn): 128 or 256
 MAX_SHARED = 227 * 1024  # the sm_90 per-block opt-in limit (232448 B)
 
 
-def shared_bytes(stages: int = NS, bstages: int = NU) -> int:
-    """The rings' shared memory (without the barriers' few bytes): what the launcher checks
-    against MAX_SHARED before a launch that could not start."""
-    return stages * (BM * BK * 2 + BN * BK // 2) + bstages * (BN * BK * 2 + BN * 4)
+def shared_bytes(stages: int = NS, bstages: int = NU, bn: int = BN) -> int:
+    """The rings' shared memory (without the barriers' few bytes) at a tile of bn output
+    columns: what the launcher checks against MAX_SHARED before a launch that could not
+    start."""
+    return stages * (BM * BK * 2 + bn * BK // 2) + bstages * (bn * BK * 2 + bn * 4)
+
+
+def _regs(use_asm: bool, bn: int) -> tuple[int, int, int]:
+    """The workers' setmaxnreg for a build: REGS, REGS_ARITH (arithmetic upcast), REGS_256
+    (bn 256: two accumulators a warpgroup)."""
+    if bn == 2 * BN:
+        return REGS_256
+    return REGS if use_asm else REGS_ARITH
 
 
 def kernel_consts(K: int, use_asm: bool = True, stages: int = NS, bstages: int = NU,
-                  regs: tuple[int, int, int] | None = None) -> dict:
+                  regs: tuple[int, int, int] | None = None, bn: int = BN) -> dict:
     """The constexprs of l2_ws_kernel for K columns of W2 (the launcher's and the build test's):
-    KGI = the 16-exponent pieces of a W2 row the frame scan reads (moe_gluon_l2's); regs None:
-    REGS (REGS_ARITH for the arithmetic upcast)."""
-    r_mma, r_up, r_ld = regs or (REGS if use_asm else REGS_ARITH)
+    KGI = the 16-exponent pieces of a W2 row the frame scan reads (moe_gluon_l2's); NB = bn /
+    128 (the output columns of a tile: 128, or 256 as two m64n128k16 accumulators); regs None:
+    _regs."""
+    if bn not in (BN, 2 * BN):
+        raise ValueError(f"bn {bn}: {BN} or {2 * BN}")
+    r_mma, r_up, r_ld = regs or _regs(use_asm, bn)
     return dict(KGI=-(-(K // 32) // 16), USE_ASM=bool(use_asm), BM=BM, BN=BN, BK=BK,
-                NS=int(stages), NU=int(bstages), R_MMA=r_mma, R_UP=r_up, R_LD=r_ld)
+                NS=int(stages), NU=int(bstages), NB=bn // BN, R_MMA=r_mma, R_UP=r_up,
+                R_LD=r_ld)
 
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
@@ -156,20 +181,21 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     @gluon.jit
     def _loader(h_desc, w_desc, a_r, w_r, r_ready, r_free, work_ptr, MT, G, P, N, K,
                 BM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
-                NS: ttgl.constexpr):
+                NS: ttgl.constexpr, NB: ttgl.constexpr):
         """The raw ring's producer: per chunk of this CTA's tiles, the H box and the packed W2
-        rows by TMA on r_ready (module docstring)."""
+        rows (NB x BN of them) by TMA on r_ready (module docstring)."""
+        TN: ttgl.constexpr = NB * BN
         n_k = K // BK
         c = 0
-        for t in range(ttgl.program_id(0), _n_tiles(work_ptr, N, BN), ttgl.num_programs(0)):
-            skip, g, row0, nrows, pid_n = tile_entry(work_ptr, t, N // BN, MT, G, P, BM)
+        for t in range(ttgl.program_id(0), _n_tiles(work_ptr, N, TN), ttgl.num_programs(0)):
+            skip, g, row0, nrows, pid_n = tile_entry(work_ptr, t, N // TN, MT, G, P, BM)
             if not skip:
-                wrow = g.to(ttgl.int32) * N + pid_n * BN
+                wrow = g.to(ttgl.int32) * N + pid_n * TN
                 for i in range(n_k):
                     s, ph = _stage(c, NS)
                     mbarrier.wait(r_free.index(s), ph ^ 1)  # chunk c - NS's readers are done
                     bar = r_ready.index(s)
-                    mbarrier.expect(bar, BM * BK * 2 + BN * BK // 2)
+                    mbarrier.expect(bar, BM * BK * 2 + TN * BK // 2)
                     tma.async_copy_global_to_shared(h_desc, [row0, i * BK], bar, a_r.index(s))
                     tma.async_copy_global_to_shared(w_desc, [wrow, i * (BK // 8)], bar,
                                                     w_r.index(s))
@@ -178,12 +204,13 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     # ---- upcast ------------------------------------------------------------------------------
 
     @gluon.jit
-    def _upcast_tile(w_r, b_r, sb_r, bars, bs_ptr, g, n0, K, c0, stride_bsg, stride_bsn,
-                     KGI: ttgl.constexpr, USE_ASM: ttgl.constexpr, BN: ttgl.constexpr,
-                     BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr):
-        """One tile's chunks c0 .. c0 + K / BK - 1: the frame scan, then raw stage -> B stage
-        per chunk (module docstring). Returns the next chunk number."""
-        r_ready, r_free, b_ready, b_free = bars
+    def _frames(bs_ptr, g, n0, K, stride_bsg, stride_bsn, KGI: ttgl.constexpr,
+                BN: ttgl.constexpr, BK: ttgl.constexpr, UNROLL: ttgl.constexpr):
+        """W2 rows n0 .. n0 + BN - 1 of expert g: (their exponent pointers [BN, 2 groups] in LE,
+        the exponents of chunks 0 and 1 (clamped), the frames S0 in LE's rows, the frame scales
+        2^(S0 - 127) in LX's rows). UNROLL: the scan's KGI pieces unrolled (their loads in flight
+        together: ~80 registers a thread at K = 2304), else a loop (one piece in flight: the
+        two-halves upcast of bn 256, which spills otherwise)."""
         # ---- the rows' frames S0 = max(max e - REL_MAX, 1) over all K / 32 exponents
         # (moe_gluon_l2's scan: KGI unrolled pieces of 16, masked past K / 32)
         KG = K // 32
@@ -200,13 +227,43 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         e1 = ttgl.load(e_ptrs).to(ttgl.int32)
         e2 = ttgl.load(e_ptrs + ttgl.minimum(1, n_k - 1) * (BK // 32)).to(ttgl.int32)
         emax = ttgl.zeros([BN], ttgl.int32, ttgl.SliceLayout(1, LX))
-        for j in ttgl.static_range(KGI):
-            ex = ttgl.load(x_ptrs + 16 * j, mask=(16 * j + cx < KG)[None, :], other=0)
-            emax = ttgl.maximum(emax, ttgl.max(ex.to(ttgl.int32), axis=1))
+        if UNROLL:
+            for j in ttgl.static_range(KGI):
+                ex = ttgl.load(x_ptrs + 16 * j, mask=(16 * j + cx < KG)[None, :], other=0)
+                emax = ttgl.maximum(emax, ttgl.max(ex.to(ttgl.int32), axis=1))
+        else:
+            for j in range(KGI):
+                ex = ttgl.load(x_ptrs + 16 * j, mask=(16 * j + cx < KG)[None, :], other=0)
+                emax = ttgl.maximum(emax, ttgl.max(ex.to(ttgl.int32), axis=1))
         s0x = ttgl.maximum(emax - _RMAX, 1)
         s0 = ttgl.convert_layout(s0x, ttgl.SliceLayout(1, LE))
         frame = (s0x << 23).to(ttgl.float32, bitcast=True)  # 2^(S0 - 127), S0 >= 1: normal
+        return e_ptrs, e1, e2, s0, frame
 
+    @gluon.jit
+    def _upcast_half(w_s, e, s0, b_dst, USE_ASM: ttgl.constexpr, BN: ttgl.constexpr,
+                     BK: ttgl.constexpr):
+        """BN packed W2 rows of a raw stage (w_s [BN, BK / 8] int32) -> exact fp16 [BN, BK] into
+        b_dst (moe_gluon_l2._upcast_store)."""
+        w = w_s.load(LW2)  # [BN, 8] int32: one group's 16 bytes per thread
+        w = ttgl.convert_layout(ttgl.reshape(w, [BN, 2, 4]), LW, assert_trivial=True)
+        _upcast_store(w, e, s0, b_dst, USE_ASM, BN, BK)
+
+    @gluon.jit
+    def _upcast_tile(w_r, b_r, sb_r, bars, bs_ptr, g, n0, K, c0, stride_bsg, stride_bsn,
+                     KGI: ttgl.constexpr, USE_ASM: ttgl.constexpr, BN: ttgl.constexpr,
+                     BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
+                     NB: ttgl.constexpr):
+        """One tile's chunks c0 .. c0 + K / BK - 1: the frame scan, then raw stage -> B stage
+        per chunk (module docstring); NB = 2: two halves of BN rows, one after the other.
+        Returns the next chunk number."""
+        r_ready, r_free, b_ready, b_free = bars
+        n_k = K // BK
+        e_ptrs, e1, e2, s0, frame = _frames(bs_ptr, g, n0, K, stride_bsg, stride_bsn, KGI, BN,
+                                            BK, NB == 1)
+        if NB == 2:
+            e_ptrs_b, e1_b, e2_b, s0_b, frame_b = _frames(bs_ptr, g, n0 + BN, K, stride_bsg,
+                                                          stride_bsn, KGI, BN, BK, False)
         for i in range(n_k):
             c = c0 + i
             s, ph = _stage(c, NS)
@@ -214,13 +271,25 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
             e = e1
             e1 = e2
             e2 = ttgl.load(e_ptrs + ttgl.minimum(i + 2, n_k - 1) * (BK // 32)).to(ttgl.int32)
+            if NB == 2:
+                e_b = e1_b
+                e1_b = e2_b
+                e2_b = ttgl.load(e_ptrs_b + ttgl.minimum(i + 2, n_k - 1) * (BK // 32)).to(
+                    ttgl.int32)
             mbarrier.wait(r_ready.index(s), ph)
             mbarrier.wait(b_free.index(u), phu ^ 1)
-            w = w_r.index(s).load(LW2)  # [BN, 8] int32: one group's 16 bytes per thread
-            w = ttgl.convert_layout(ttgl.reshape(w, [BN, 2, 4]), LW, assert_trivial=True)
-            _upcast_store(w, e, s0, b_r.index(u), USE_ASM, BN, BK)
-            if i == n_k - 1:  # the epilogue's frames ride on the tile's last B stage
-                sb_r.index(u).store(frame)
+            if NB == 1:
+                _upcast_half(w_r.index(s), e, s0, b_r.index(u), USE_ASM, BN, BK)
+                if i == n_k - 1:  # the epilogue's frames ride on the tile's last B stage
+                    sb_r.index(u).store(frame)
+            else:
+                _upcast_half(w_r.index(s).slice(0, BN), e, s0, b_r.index(u).slice(0, BN),
+                             USE_ASM, BN, BK)
+                _upcast_half(w_r.index(s).slice(BN, BN), e_b, s0_b,
+                             b_r.index(u).slice(BN, BN), USE_ASM, BN, BK)
+                if i == n_k - 1:
+                    sb_r.index(u).slice(0, BN).store(frame)
+                    sb_r.index(u).slice(BN, BN).store(frame_b)
             # writer-side: this thread's st.shared (B, frames) and ld.shared (raw W) ordered
             # against the async proxy (the wgmma's reads, the next TMA's writes), then the
             # partition barrier inside _release, then the arrivals
@@ -233,24 +302,39 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     def _upcaster(w_r, b_r, sb_r, bars, bs_ptr, work_ptr, MT, G, P, N, K, stride_bsg,
                   stride_bsn, KGI: ttgl.constexpr, USE_ASM: ttgl.constexpr, BM: ttgl.constexpr,
                   BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr,
-                  NU: ttgl.constexpr):
+                  NU: ttgl.constexpr, NB: ttgl.constexpr):
         """The upcast partition over this CTA's tiles (the loader's order and skips)."""
+        TN: ttgl.constexpr = NB * BN
         c = 0
-        for t in range(ttgl.program_id(0), _n_tiles(work_ptr, N, BN), ttgl.num_programs(0)):
-            skip, g, _, _, pid_n = tile_entry(work_ptr, t, N // BN, MT, G, P, BM)
+        for t in range(ttgl.program_id(0), _n_tiles(work_ptr, N, TN), ttgl.num_programs(0)):
+            skip, g, _, _, pid_n = tile_entry(work_ptr, t, N // TN, MT, G, P, BM)
             if not skip:
-                c = _upcast_tile(w_r, b_r, sb_r, bars, bs_ptr, g, pid_n * BN, K, c, stride_bsg,
-                                 stride_bsn, KGI, USE_ASM, BN, BK, NS, NU)
+                c = _upcast_tile(w_r, b_r, sb_r, bars, bs_ptr, g, pid_n * TN, K, c, stride_bsg,
+                                 stride_bsn, KGI, USE_ASM, BN, BK, NS, NU, NB)
 
     # ---- MMA + epilogue ----------------------------------------------------------------------
+
+    @gluon.jit
+    def _scatter(acc, sb, pair, rw, rmask, c_ptr, n0, N, stride_cm, TOPK: ttgl.constexpr,
+                 KS: ttgl.constexpr, BN: ttgl.constexpr):
+        """The epilogue of one [64, BN] accumulator (output columns n0 ..): y[(p // TOPK) * KS
+        + p % TOPK, n] = (acc[r, n] x 2^(S0[n] - 127)) x row_w[p] (moe_gluon_l2's expression)."""
+        crow = ((pair // TOPK) * KS + pair % TOPK).to(ttgl.int64)
+        out = (acc * sb[None, :]) * rw[:, None]
+        rn = n0 + ttgl.arange(0, BN, layout=COL_L)
+        c_ptrs = c_ptr + (crow * stride_cm)[:, None] + rn[None, :]
+        ttgl.store(c_ptrs, out.to(c_ptr.dtype.element_ty),
+                   mask=rmask[:, None] & (rn < N)[None, :])
 
     @gluon.jit
     def _mma_tile(a_r, b_r, sb_r, bars, c_ptr, cidx_ptr, w_ptr, row0, nrows, n0, N, K, c0,
                   stride_cm, M0: ttgl.constexpr, TOPK: ttgl.constexpr, KS: ttgl.constexpr,
                   BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr,
-                  NU: ttgl.constexpr):
+                  NU: ttgl.constexpr, NB: ttgl.constexpr):
         """Rows M0 .. M0 + 63 of one tile: the chained wgmmas over chunks c0 .., the stages
-        released one chunk behind, then the weighted scatter. Returns the next chunk number."""
+        released one chunk behind, then the weighted scatter. NB = 2: a second accumulator for
+        columns n0 + BN .., its own chain of the same m64n128k16 wgmmas (each output element's
+        sum is the same instruction sequence as at NB = 1). Returns the next chunk number."""
         r_ready, r_free, b_ready, b_free = bars
         # the epilogue's pairs and weights, requested now (their latency under the K loop)
         rm = M0 + ttgl.arange(0, 64, layout=ROW_L)
@@ -258,6 +342,8 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         pair = ttgl.load(cidx_ptr + row0 + rm, mask=rmask, other=0)
         rw = ttgl.load(w_ptr + pair, mask=rmask, other=0.0).to(ttgl.float32)
         acc = ttgl.zeros([64, BN], ttgl.float32, MMA_L)
+        if NB == 2:
+            acc_b = ttgl.zeros([64, BN], ttgl.float32, MMA_L)
         n_k = K // BK
         for i in range(n_k):
             c = c0 + i
@@ -267,39 +353,52 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
             mbarrier.wait(b_ready.index(u), phu)
             # A: this warpgroup's 64 rows of the H box; B: the [BN, BK] K-major stage, permuted;
             # chained on acc (wgmma(c - 1) may still be running: the hardware orders them)
-            acc = warpgroup_mma(a_r.index(s).slice(M0, 64), b_r.index(u).permute((1, 0)), acc,
-                                is_async=True)
-            acc = warpgroup_mma_wait(1, deps=[acc])  # wgmma(c - 1) retired
+            if NB == 1:
+                acc = warpgroup_mma(a_r.index(s).slice(M0, 64), b_r.index(u).permute((1, 0)),
+                                    acc, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=[acc])  # wgmma(c - 1) retired
+            else:
+                a_s = a_r.index(s).slice(M0, 64)
+                acc = warpgroup_mma(a_s, b_r.index(u).slice(0, BN).permute((1, 0)), acc,
+                                    is_async=True)
+                acc_b = warpgroup_mma(a_s, b_r.index(u).slice(BN, BN).permute((1, 0)), acc_b,
+                                      is_async=True)
+                # both of chunk c - 1's groups retired, chunk c's two may still run
+                acc, acc_b = warpgroup_mma_wait(2, deps=[acc, acc_b])
             if i > 0:
                 _release(r_free, c - 1, NS)
                 up, _ = _stage(c - 1, NU)
                 mbarrier.arrive(b_free.index(up), count=1)
-        acc = warpgroup_mma_wait(0, deps=[acc])
         cl = c0 + n_k - 1
         ul, _ = _stage(cl, NU)
-        sb = sb_r.index(ul).load(COL_L)  # the frames, before the stage is released
+        if NB == 1:
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            sb = sb_r.index(ul).load(COL_L)  # the frames, before the stage is released
+        else:
+            acc, acc_b = warpgroup_mma_wait(0, deps=[acc, acc_b])
+            sb = sb_r.index(ul).slice(0, BN).load(COL_L)
+            sb_b = sb_r.index(ul).slice(BN, BN).load(COL_L)
         _release(r_free, cl, NS)
         mbarrier.arrive(b_free.index(ul), count=1)
         # ---- epilogue: y[(p // TOPK) * KS + p % TOPK, n0 + c] = acc 2^(S0 - 127) row_w[p]
-        crow = ((pair // TOPK) * KS + pair % TOPK).to(ttgl.int64)
-        out = (acc * sb[None, :]) * rw[:, None]
-        rn = n0 + ttgl.arange(0, BN, layout=COL_L)
-        c_ptrs = c_ptr + (crow * stride_cm)[:, None] + rn[None, :]
-        ttgl.store(c_ptrs, out.to(c_ptr.dtype.element_ty),
-                   mask=rmask[:, None] & (rn < N)[None, :])
+        _scatter(acc, sb, pair, rw, rmask, c_ptr, n0, N, stride_cm, TOPK, KS, BN)
+        if NB == 2:
+            _scatter(acc_b, sb_b, pair, rw, rmask, c_ptr, n0 + BN, N, stride_cm, TOPK, KS, BN)
         return c0 + n_k
 
     @gluon.jit
     def _mma(a_r, b_r, sb_r, bars, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, G, P, N, K, stride_cm,
              M0: ttgl.constexpr, TOPK: ttgl.constexpr, KS: ttgl.constexpr, BM: ttgl.constexpr,
-             BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr):
+             BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
+             NB: ttgl.constexpr):
         """An MMA warpgroup (rows M0 .. M0 + 63 of each tile) over this CTA's tiles."""
+        TN: ttgl.constexpr = NB * BN
         c = 0
-        for t in range(ttgl.program_id(0), _n_tiles(work_ptr, N, BN), ttgl.num_programs(0)):
-            skip, _, row0, nrows, pid_n = tile_entry(work_ptr, t, N // BN, MT, G, P, BM)
+        for t in range(ttgl.program_id(0), _n_tiles(work_ptr, N, TN), ttgl.num_programs(0)):
+            skip, _, row0, nrows, pid_n = tile_entry(work_ptr, t, N // TN, MT, G, P, BM)
             if not skip:
                 c = _mma_tile(a_r, b_r, sb_r, bars, c_ptr, cidx_ptr, w_ptr, row0, nrows,
-                              pid_n * BN, N, K, c, stride_cm, M0, TOPK, KS, BN, BK, NS, NU)
+                              pid_n * TN, N, K, c, stride_cm, M0, TOPK, KS, BN, BK, NS, NU, NB)
 
     # ---- the kernel ----------------------------------------------------------------------------
 
@@ -308,21 +407,23 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                      stride_bsg, stride_bsn, stride_cm, TOPK: ttgl.constexpr,
                      KS: ttgl.constexpr, KGI: ttgl.constexpr, USE_ASM: ttgl.constexpr,
                      BM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
-                     NS: ttgl.constexpr, NU: ttgl.constexpr, R_MMA: ttgl.constexpr,
-                     R_UP: ttgl.constexpr, R_LD: ttgl.constexpr):
+                     NS: ttgl.constexpr, NU: ttgl.constexpr, NB: ttgl.constexpr,
+                     R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr, R_LD: ttgl.constexpr):
         """Persistent CTAs over the work items of moe.tile_list at BM rows ([total, grp[MT],
-        row0[MT], rend[MT]]) x N / BN column tiles. h_desc: H as [P, K] fp16, boxes [BM, BK];
-        w_desc: the W2 bank's packed rows as [G N, K / 8] int32 words, boxes [BN, BK / 8]; bs_ptr
-        the E8M0 exponents [G, N, K / 32]. N % BN == 0, K % BK == 0 (the launcher checks)."""
+        row0[MT], rend[MT]]) x N / (NB BN) column tiles. h_desc: H as [P, K] fp16, boxes [BM,
+        BK]; w_desc: the W2 bank's packed rows as [G N, K / 8] int32 words, boxes [NB BN, BK /
+        8]; bs_ptr the E8M0 exponents [G, N, K / 32]. N % (NB BN) == 0, K % BK == 0 (the
+        launcher checks)."""
         ttgl.static_assert(BM == 128, "two MMA warpgroups of 64 rows")
         ttgl.static_assert(BN == 128, "the m64n128k16 wgmma of moe_gluon_l2")
         ttgl.static_assert(BK == 64, "64-column chunks: one 128-byte swizzle row of fp16")
         ttgl.static_assert((NS >= 2) & (NU >= 2), "double-buffered rings at least")
+        ttgl.static_assert((NB == 1) | (NB == 2), "tiles of 128 or 256 output columns")
 
         a_r = ttgl.allocate_shared_memory(ttgl.float16, [NS, BM, BK], F16_SMEM)
-        w_r = ttgl.allocate_shared_memory(ttgl.int32, [NS, BN, BK // 8], W_SMEM)
-        b_r = ttgl.allocate_shared_memory(ttgl.float16, [NU, BN, BK], F16_SMEM)
-        sb_r = ttgl.allocate_shared_memory(ttgl.float32, [NU, BN], FLAT1)
+        w_r = ttgl.allocate_shared_memory(ttgl.int32, [NS, NB * BN, BK // 8], W_SMEM)
+        b_r = ttgl.allocate_shared_memory(ttgl.float16, [NU, NB * BN, BK], F16_SMEM)
+        sb_r = ttgl.allocate_shared_memory(ttgl.float32, [NU, NB * BN], FLAT1)
         r_ready = ttgl.allocate_shared_memory(ttgl.int64, [NS, 1], mbarrier.MBarrierLayout())
         r_free = ttgl.allocate_shared_memory(ttgl.int64, [NS, 1], mbarrier.MBarrierLayout())
         b_ready = ttgl.allocate_shared_memory(ttgl.int64, [NU, 1], mbarrier.MBarrierLayout())
@@ -338,27 +439,30 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         bars = (r_ready, r_free, b_ready, b_free)
         ttgl.warp_specialize([
             (_mma, (a_r, b_r, sb_r, bars, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, G, P, N, K,
-                    stride_cm, 0, TOPK, KS, BM, BN, BK, NS, NU)),
+                    stride_cm, 0, TOPK, KS, BM, BN, BK, NS, NU, NB)),
             (_mma, (a_r, b_r, sb_r, bars, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, G, P, N, K,
-                    stride_cm, 64, TOPK, KS, BM, BN, BK, NS, NU)),
+                    stride_cm, 64, TOPK, KS, BM, BN, BK, NS, NU, NB)),
             (_upcaster, (w_r, b_r, sb_r, bars, bs_ptr, work_ptr, MT, G, P, N, K, stride_bsg,
-                         stride_bsn, KGI, USE_ASM, BM, BN, BK, NS, NU)),
+                         stride_bsn, KGI, USE_ASM, BM, BN, BK, NS, NU, NB)),
             (_loader, (h_desc, w_desc, a_r, w_r, r_ready, r_free, work_ptr, MT, G, P, N, K, BM,
-                       BN, BK, NS)),
+                       BN, BK, NS, NB)),
         ], [4, 4, 4], [R_MMA, R_UP, R_LD])
 
 
-def args_problem(h, w2, y=None) -> str | None:
+def args_problem(h, w2, y=None, bn: int = BN) -> str | None:
     """Why l2_gluon_ws cannot take these arguments beyond moe_gluon_l2's own checks (its
     launcher raises it; moe._gluon_l2 asks first and falls back to moe_gluon_l2), or None: the
     TMA streams - W2's expert rows one stride apart (one [G N, K / 8] word matrix), G N < 2^31,
-    16-byte W2 / H rows (moe_gluon_l2 checks those too) - and y's dtype (None: not checked)."""
+    16-byte W2 / H rows (moe_gluon_l2 checks those too) - y's dtype (None: not checked) and the
+    tile's bn output columns (d % bn)."""
     from .moe_gluon_decode import _tma_fits
 
     if not (w2.wfmt == 0 and w2.bk == 32 and w2.bn == 1):
         return "l2_gluon_ws takes an MXFP4 bank (E8M0 per 32 columns)"
-    if w2.n % BN or w2.k % BK:
-        return f"N {w2.n} / K {w2.k} do not fit the {BN}-column tile / {BK}-column chunk"
+    if bn not in (BN, 2 * BN):
+        return f"bn {bn}: {BN} or {2 * BN}"
+    if w2.n % bn or w2.k % BK:
+        return f"N {w2.n} / K {w2.k} do not fit the {bn}-column tile / {BK}-column chunk"
     if not _tma_fits(w2):
         return "the W2 TMA stream needs expert rows one stride apart, G N < 2^31"
     if w2.w.stride(2) != 1 or w2.w.stride(1) % 16 or w2.w.data_ptr() % 16:
@@ -370,10 +474,10 @@ def args_problem(h, w2, y=None) -> str | None:
     return None
 
 
-def descriptors(h, w2, P: int):
+def descriptors(h, w2, P: int, bn: int = BN):
     """The host TMA descriptors of a launch (built per call, passed by value: CUDA-graph
     capturable): H's first P rows as [P, K] fp16 in [BM, BK] boxes (rows past P zero-filled),
-    the W2 bank's packed rows as one [G N, K / 8] int32 word matrix in [BN, BK / 8] boxes (row
+    the W2 bank's packed rows as one [G N, K / 8] int32 word matrix in [bn, BK / 8] boxes (row
     g N + n = expert g's row n: args_problem checks they are one stride apart)."""
     from .gluon_common import TensorDescriptor
 
@@ -381,7 +485,7 @@ def descriptors(h, w2, P: int):
     h_desc = TensorDescriptor(h, [P, K], [h.stride(0), 1], [BM, BK], H_TMA_LAYOUT)
     wi = w2.w.view(torch.int32)  # [G, N, K / 8] words (16-byte rows: checked)
     G, N = wi.shape[0], wi.shape[1]
-    w_desc = TensorDescriptor(wi, [G * N, K // 8], [wi.stride(1), 1], [BN, BK // 8],
+    w_desc = TensorDescriptor(wi, [G * N, K // 8], [wi.stride(1), 1], [bn, BK // 8],
                               W_TMA_LAYOUT)
     return h_desc, w_desc
 
@@ -389,14 +493,16 @@ def descriptors(h, w2, P: int):
 def l2_gluon_ws(h, w2_bank, counts, srt, wts, y, *, topk: int, ks: int, max_tiles: int,
                 tiles: torch.Tensor | None = None, use_asm: bool = True, diag: int = 0,
                 stages: int | None = None, bstages: int | None = None,
-                ctas: int | None = None):
+                ctas: int | None = None, bn: int | None = None):
     """moe_gluon_l2.l2_gluon's call (the same arguments, checks and result, bit for bit
     expected): y[(p // topk) * ks + p % topk] = wts[p] * (H[r] @ W2[g]^T) for every
     expert-sorted row r of expert g, p = srt[r]; slots no pair maps to are not written. Extra:
-    stages / bstages - the raw / B ring depths (default NS / NU, >= 2 each, within the shared
-    memory); ctas - the persistent grid instead of the SM count (the tests walk many tiles per
-    CTA at small sizes). diag must be 0 (this kernel has no DIAG variants; the argument is
-    there so the two launchers take the same calls)."""
+    stages / bstages - the raw / B ring depths (default NS / NU, NS_256 / NU_256 at bn 256; >= 2
+    each, within the shared memory); ctas - the persistent grid instead of the SM count (the
+    tests walk many tiles per CTA at small sizes); bn - the output columns of a tile: 128
+    (BN_TILE, the default) or 256 (two accumulators a warpgroup: half the H stream per FLOP;
+    d % 256). diag must be 0 (this kernel has no DIAG variants; the argument is there so the
+    two launchers take the same calls)."""
     if diag:
         raise ValueError("l2_gluon_ws has no DIAG variants (diag must be 0)")
     if y.dim() == 3:
@@ -404,16 +510,19 @@ def l2_gluon_ws(h, w2_bank, counts, srt, wts, y, *, topk: int, ks: int, max_tile
     if wts.dim() != 1:
         wts = wts.reshape(-1)
     P = _check(h, w2_bank, counts, srt, wts, y, topk, ks)
-    problem = args_problem(h, w2_bank)
+    bn = BN_TILE if bn is None else int(bn)
+    if bn not in (BN, 2 * BN):
+        raise ValueError(f"bn {bn}: {BN} or {2 * BN}")
+    problem = args_problem(h, w2_bank, bn=bn)
     if problem:
         raise ValueError(problem)
-    ns = NS if stages is None else int(stages)
-    nu = NU if bstages is None else int(bstages)
+    ns = (NS if bn == BN else NS_256) if stages is None else int(stages)
+    nu = (NU if bn == BN else NU_256) if bstages is None else int(bstages)
     if ns < 2 or nu < 2:
         raise ValueError(f"stages {ns} / bstages {nu}: at least 2 each")
-    if shared_bytes(ns, nu) > MAX_SHARED - 1024:
-        raise ValueError(f"stages {ns} / bstages {nu}: {shared_bytes(ns, nu)} B of shared "
-                         "memory, over the sm_90 limit")
+    if shared_bytes(ns, nu, bn) > MAX_SHARED - 1024:
+        raise ValueError(f"stages {ns} / bstages {nu} at bn {bn}: {shared_bytes(ns, nu, bn)} "
+                         "B of shared memory, over the sm_90 limit")
     if max_tiles == 0 or P == 0:
         return y
     if not _IMPORT_OK:
@@ -422,10 +531,10 @@ def l2_gluon_ws(h, w2_bank, counts, srt, wts, y, *, topk: int, ks: int, max_tile
 
     tiles = tile_list(counts, BM, max_tiles, tiles)
     N, K = w2_bank.n, w2_bank.k
-    consts = kernel_consts(K, use_asm, ns, nu)
-    grid = max_tiles * (N // BN)
+    consts = kernel_consts(K, use_asm, ns, nu, bn=bn)
+    grid = max_tiles * (N // bn)
     grid = (max(1, min(grid, int(ctas) if ctas else _sm_count(y.device))),)
-    h_desc, w_desc = descriptors(h, w2_bank, P)
+    h_desc, w_desc = descriptors(h, w2_bank, P, bn)
     l2_ws_kernel[grid](
         h_desc, w_desc, w2_bank.s, y, srt, wts, tiles, max_tiles, N, K, counts.numel(), P,
         w2_bank.s.stride(0), w2_bank.s.stride(1), y.stride(0), TOPK=topk, KS=ks, **consts,

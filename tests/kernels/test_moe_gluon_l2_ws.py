@@ -184,6 +184,31 @@ def test_l2_ws_rows(name, stages, bstages, ctas):
 
 
 @gpu
+@pytest.mark.parametrize("stages,bstages,ctas", [(None, None, None), (5, 3, 2), (2, 2, 3),
+                                                 (4, 3, 1)])
+@pytest.mark.parametrize("case", ["tiles_1_128", "big_experts", "matches_2304", "one_token"])
+def test_l2_ws_bn256(case, stages, bstages, ctas):
+    """bn = 256 (two m64n128k16 accumulators per MMA warpgroup, each the same instruction
+    sequence per output element as bn 128): the bits of l2_gluon, within 2e-3 / 1e-2 of the fp32
+    math, every routed slot written and no other, at several ring depths and persistent grids
+    (explicit rows 1..128 per expert and experts of 2-3 tiles; the real F = 2304 into bf16 y;
+    one token)."""
+    if case in ROWS_CASES:
+        rows, T, k, d, F, exps = ROWS_CASES[case]
+        h, w2, counts, c_idx, wts, routed = _rows_case(rows, T, k, 512, F, seed=len(case),
+                                                       exps=exps)
+        _check_same_as_l2(h, w2, counts, c_idx, wts, k + 1, torch.float32, 2e-3, routed=routed,
+                          stages=stages, bstages=bstages, ctas=ctas, bn=256)
+    else:
+        T, E, k, d, F, dtype = ((1024, 16, 6, 1024, 2304, torch.bfloat16) if case ==
+                                "matches_2304" else (1, 8, 6, 256, 384, torch.float32))
+        h, w2, counts, srt, wts = l2_case(T, E, d, F, k, seed=T + E, wts_lo=0.25)
+        _check_same_as_l2(h, w2, counts, srt, wts, 7, dtype,
+                          2e-3 if dtype == torch.float32 else 1e-2, stages=stages,
+                          bstages=bstages, ctas=ctas, bn=256)
+
+
+@gpu
 def test_l2_ws_asm_vs_arith_and_tiles():
     """Exponents 108 .. 127 (rel over [-6, 13]): the PTX table upcast and the arithmetic twin
     give the same bits (and l2_gluon's); a prebuilt tile list gives the bits of the one built in
@@ -262,11 +287,11 @@ def test_l2_ws_debug_pieces(K):
 
 
 @gpu
-@pytest.mark.parametrize("ctas", [None, 2])
-def test_l2_ws_repeat_and_graph(ctas):
+@pytest.mark.parametrize("ctas,bn", [(None, 128), (2, 128), (2, 256)])
+def test_l2_ws_repeat_and_graph(ctas, bn):
     """20 eager launches give the bits of l2_gluon, and the launch captured in a CUDA graph (tile
     list built inside the capture, host TMA descriptors filled at capture) replays them into a
-    re-poisoned y; ctas 2: two persistent CTAs over every work item."""
+    re-poisoned y; ctas 2: two persistent CTAs over every work item; bn 256 too."""
     rows, T, k, d, F = [5, 0, 128, 231, 1, 64, 0, 77], 199, 3, 256, 768
     h, w2, counts, c_idx, wts, _ = _rows_case(rows, T, k, d, F, seed=77)
     P = sum(rows)
@@ -274,7 +299,7 @@ def test_l2_ws_repeat_and_graph(ctas):
 
     def launch(y):
         mlw.l2_gluon_ws(h, w2, counts, c_idx, wts, y, topk=k, ks=k + 1,
-                        max_tiles=_max_tiles(P, len(rows)), ctas=ctas)
+                        max_tiles=_max_tiles(P, len(rows)), ctas=ctas, bn=bn)
 
     y = torch.full_like(want, float("nan"))
     launch(y)
@@ -320,9 +345,14 @@ def test_l2_ws_consts_and_checks():
     nothing to do (max_tiles 0) returns without a launch; where Gluon is missing a valid call
     raises RuntimeError."""
     assert mlw.kernel_consts(2304) == dict(KGI=5, USE_ASM=True, BM=128, BN=128, BK=64, NS=mlw.NS,
-                                           NU=mlw.NU, R_MMA=mlw.REGS[0], R_UP=mlw.REGS[1],
+                                           NU=mlw.NU, NB=1, R_MMA=mlw.REGS[0], R_UP=mlw.REGS[1],
                                            R_LD=mlw.REGS[2])
     assert mlw.kernel_consts(384, False, 8, 3)["NS"] == 8
+    c256 = mlw.kernel_consts(2304, bn=256)
+    assert c256["NB"] == 2 and (c256["R_MMA"], c256["R_UP"], c256["R_LD"]) == mlw.REGS_256
+    with pytest.raises(ValueError):
+        mlw.kernel_consts(2304, bn=192)
+    assert mlw.shared_bytes(5, 3, 256) <= mlw.MAX_SHARED - 1024 < mlw.shared_bytes(6, 3, 256)
     assert mlw.shared_bytes(6, 3) == 6 * (16384 + 4096) + 3 * (16384 + 512)
     assert mlw.shared_bytes(8, 4) <= mlw.MAX_SHARED - 1024 < mlw.shared_bytes(9, 3)
     E, d, F, k, T = 2, 128, 384, 2, 3
@@ -356,7 +386,8 @@ def test_l2_ws_consts_and_checks():
            dict(y=y.double()), dict(srt=srt.long()), dict(counts=counts.long()),
            dict(wts=wts.reshape(-1)[:-1]), dict(wts=wts.to(torch.int32)),
            dict(counts=torch.zeros(E + 1, dtype=torch.int32)), dict(diag=1),
-           dict(stages=1), dict(bstages=1), dict(stages=9), dict(stages=12)]
+           dict(stages=1), dict(bstages=1), dict(stages=9), dict(stages=12),
+           dict(bn=192), dict(bn=256), dict(bn=256, stages=6, bstages=3)]
     for kw in bad:
         with pytest.raises(ValueError):
             call(**kw)
@@ -413,7 +444,7 @@ def test_gluon_l2_ws_choice(monkeypatch):
 
     def pick(w2, rpg=75.0, yy=y):
         p = moe._gluon_l2(h, w2, yy, "l2", rpg)
-        return None if p is None else (p[0].__name__, p[1])
+        return None if p is None else (getattr(p[0], "func", p[0]).__name__, p[1])
 
     monkeypatch.setattr(moe, "GLUON_PREFILL_L2_WS", False)
     assert pick(w2) == ("l2_gluon", mgl.BM)
@@ -422,6 +453,14 @@ def test_gluon_l2_ws_choice(monkeypatch):
     assert pick(w2, yy=y.bfloat16()) == ("l2_gluon_ws", mlw.BM)
     assert pick(w2_p) == ("l2_gluon", mgl.BM)  # no TMA matrix: the plain prefill L2
     assert pick(w2, rpg=40.0) != ("l2_gluon_ws", mlw.BM)  # below the threshold: unchanged
+    monkeypatch.setattr(moe, "WS_L2_BN", "256")  # d 128: no 256-column tile, the plain L2
+    assert pick(w2) == ("l2_gluon", mgl.BM)  # (a string: as benchmarks/moe_ab.py sets knobs)
+    monkeypatch.setattr(moe, "WS_L2_BN", 128)
+    monkeypatch.setattr(moe, "WS_L2_RINGS", (8, 3))
+    p = moe._gluon_l2(h, w2, y, "l2", 75.0)
+    assert p[0].func is mlw.l2_gluon_ws and p[0].keywords == dict(stages=8, bstages=3, bn=128)
+    monkeypatch.setattr(moe, "WS_L2_BN", None)
+    monkeypatch.setattr(moe, "WS_L2_RINGS", None)
     monkeypatch.setattr(mlw, "available", lambda device=None: False)
     assert pick(w2) == ("l2_gluon", mgl.BM)
     monkeypatch.setattr(moe, "GLUON_PREFILL_L2", False)
@@ -434,24 +473,25 @@ TYPES = dict(bs_ptr="*u8", c_ptr="*bf16", cidx_ptr="*i32", w_ptr="*fp32", work_p
              stride_cm="i32")
 
 
-def _types(out: str = "*bf16") -> dict:
-    """TYPES with the TMA descriptors (H boxes [BM, BK] fp16, W2 word boxes [BN, BK / 8])."""
+def _types(out: str = "*bf16", bn: int = mlw.BN) -> dict:
+    """TYPES with the TMA descriptors (H boxes [BM, BK] fp16, W2 word boxes [bn, BK / 8])."""
     return dict(TYPES, c_ptr=out,
                 h_desc=f"tensordesc<fp16[{mlw.BM}, {mlw.BK}],{mlw.H_TMA_LAYOUT!r}>",
-                w_desc=f"tensordesc<i32[{mlw.BN}, {mlw.BK // 8}],{mlw.W_TMA_LAYOUT!r}>")
+                w_desc=f"tensordesc<i32[{bn}, {mlw.BK // 8}],{mlw.W_TMA_LAYOUT!r}>")
 
 
 def _compile(out: str = "*bf16", **kw):
     """l2_ws_kernel ahead of time for sm_90 at V4.1-Flash's F = 2304 (mega_moe's y: bf16, ks 7
     slots of top-6)."""
     consts = dict(TOPK=6, KS=7, **mlw.kernel_consts(2304, **kw))
-    return gluon_sm90(mlw.l2_ws_kernel, _types(out), consts, num_warps=mlw.NUM_WARPS,
-                      maxnreg=mlw.MAXNREG)
+    return gluon_sm90(mlw.l2_ws_kernel, _types(out, kw.get("bn", mlw.BN)), consts,
+                      num_warps=mlw.NUM_WARPS, maxnreg=mlw.MAXNREG)
 
 
 def partition_loops(sass: str) -> dict:
     """The K loop of each partition (SASS text up to ';', one instruction a list item), by what
-    only it runs: "mma" (both MMA warpgroups: HGMMA), "upcast" (PRMT), "loader" (UTMALDG). A
+    only it runs: "mma" (both MMA warpgroups: HGMMA), "upcast" (STS.128: its frame-scan loops
+    at bn 256 store nothing), "loader" (UTMALDG). A
     loop = the body of a conditional backward branch longer than 16 instructions (the mbarrier
     try-wait retries ptxas moves out of line are 2-3), innermost only (the persistent tile
     loops around the K loops contain them)."""
@@ -467,7 +507,7 @@ def partition_loops(sass: str) -> dict:
     loops = {"mma": [], "upcast": [], "loader": []}
     for lo, hi in inner:
         body = [t for a, t in ins if lo <= a <= hi]
-        kind = next((n for n, p in (("mma", "HGMMA"), ("upcast", r"\bPRMT\b"),
+        kind = next((n for n, p in (("mma", "HGMMA"), ("upcast", r"\bSTS\.128\b"),
                                     ("loader", "UTMALDG")) if any(re.search(p, t) for t in body)),
                     None)
         if kind:
@@ -478,11 +518,12 @@ def partition_loops(sass: str) -> dict:
 ARRIVE = r"SYNCS\.ARRIVE\.TRANS64\.A1T0"
 
 
-def order_problems(loops: dict) -> list[str]:
+def order_problems(loops: dict, nb: int = 1) -> list[str]:
     """The order every release needs (the module docstring), [] when right: upcast - its last
     st.shared, then its proxy fence (writer-side), then a partition BAR.SYNC, then the first
-    arrive; MMA - the chunk's HGMMAs, then the wgmma wait that leaves one group (gsb0, 0x1), then
-    a BAR.SYNC, then the first arrive (the chunk before released only after it retired);
+    arrive; MMA - the chunk's HGMMAs, then the wgmma wait that leaves nb groups (gsb0, 0x1 at bn
+    128; 0x2 at bn 256: the chunk's two), then a BAR.SYNC, then the first arrive (the chunk
+    before released only after it retired);
     loader - the free-stage wait, the expect, then both TMA copies."""
     probs = []
     for body in loops["upcast"]:
@@ -501,7 +542,7 @@ def order_problems(loops: dict) -> list[str]:
         arr = next((i for i, t in enumerate(body) if re.search(ARRIVE, t)), None)
         g = max((i for i, t in enumerate(body) if "HGMMA" in t), default=None)
         dep = next((i for i, t in enumerate(body)
-                    if re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1\b", t)), None)
+                    if re.search(rf"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x{nb}\b", t)), None)
         if None in (arr, g, dep):
             probs.append(f"mma: arrive {arr}, HGMMA {g}, wait(1) {dep}")
             continue
@@ -546,7 +587,7 @@ LOOP_COUNTS = {
 LOOP_SIZES = {"mma": 65, "upcast": 182, "loader": 41}
 
 
-def build_report(k) -> tuple[dict, list]:
+def build_report(k, nb: int = 1) -> tuple[dict, list]:
     """(stats, problems) of a compiled l2_ws_kernel: registers, stack, local memory, shared,
     setmaxnreg values, per partition K-loop sizes and counts."""
     usage, sass = usage_and_sass(k)
@@ -559,7 +600,7 @@ def build_report(k) -> tuple[dict, list]:
                  loops={n: [len(b) for b in v] for n, v in loops.items()},
                  counts={n: [{c: count(b, p) for c, (p, _) in LOOP_COUNTS[n].items()}
                              for b in v] for n, v in loops.items()})
-    return stats, order_problems(loops)
+    return stats, order_problems(loops, nb)
 
 
 @build
@@ -608,6 +649,32 @@ def test_l2_ws_sm90_build_variants(out, use_asm, stages, bstages):
         assert c["HGMMA"] == 4 and c["WG_DEPBAR_1"] == 1, c
     if use_asm:
         assert _fits(stats["counts"]["upcast"][0]["PRMT"], (64, 68)), stats
+    assert probs == [], probs
+
+
+@build
+@pytest.mark.parametrize("stages,bstages", [(4, 2), (5, 3), (4, 3)])
+def test_l2_ws_sm90_build_bn256(stages, bstages):
+    """bn = 256 (two m64n128k16 accumulators a warpgroup, REGS_256): no stack / spills at the
+    setmaxnreg of REGS_256, within 227 KB (= shared_bytes at bn 256), per MMA warpgroup and
+    chunk 8 HGMMA.64x128x16 (4 per accumulator) and ONE wait leaving the chunk's two groups in
+    flight (gsb0, 0x2), the upcast's K loop 128 PRMT-upcast words (2 halves) with 16 STS.128 and
+    4 LDS.128, the loader's 2 UTMALDG, the release order."""
+    k = _compile(stages=stages, bstages=bstages, bn=256)
+    stats, probs = build_report(k, nb=2)
+    print(f"\nsm_90 l2 ws bn 256 {stages}:{bstages}: {stats}")
+    assert stats["stack"] == 0 and stats["local"] == 0, stats
+    assert 0 <= stats["shared"] - mlw.shared_bytes(stages, bstages, 256) < 1024, stats
+    assert stats["shared"] <= mlw.MAX_SHARED, stats
+    assert {4 * mlw.MAXNREG - sum(mlw.REGS_256), *mlw.REGS_256} <= set(stats["setmaxnreg"])
+    assert [len(v) for v in stats["loops"].values()] == [2, 1, 1], stats["loops"]
+    for c in stats["counts"]["mma"]:
+        assert c["HGMMA"] == 8 and c["WG_ARRIVE"] == 2 and c["WG_DEPBAR"] == 1, c
+        assert c["LDS"] == c["STS"] == c["LDG"] == c["STG"] == 0, c
+    up = stats["counts"]["upcast"][0]
+    assert 128 <= up["PRMT"] <= 136 and up["STS128"] == 16 and up["LDS128"] == 4, up
+    assert up["LDG_U8"] == 4 and up["FENCE"] == 1 and up["ARRIVE"] == 2, up
+    assert stats["counts"]["loader"][0]["UTMALDG"] == 2, stats
     assert probs == [], probs
 
 
