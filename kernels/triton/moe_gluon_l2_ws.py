@@ -12,12 +12,13 @@ of 8 warps that does everything. Here each job has its own warps (moe_gluon_ws's
 runs correctly on the H200), synchronized only by mbarriers:
 
   loader  (worker, 4 warps; one elected thread issues): per K chunk c (global count, running on
-          across this CTA's tiles) into raw stage s = c % NS, once r_free[s] - TMA of the H box
-          [BM, BK] fp16 (rows row0 .. row0 + 127 of the expert-sorted H, 128-byte swizzle: the
-          wgmma's A operand as it lands; rows past P zero-filled by the TMA unit, rows of the next
-          expert inside the box are loaded but their accumulator rows are never stored) and of
-          the packed W2 rows [BN, BK / 8] int32 words (32 bytes a row), both on r_ready[s]
-          (mbarrier.expect of both boxes' bytes: count 1).
+          across this CTA's tiles) into raw stage s = c % NS, once r_free[s] - TMA of the H rows
+          row0 .. row0 + 127 of the expert-sorted H as two [64, BK] fp16 boxes, the second only
+          where the tile has more than 64 rows (128-byte swizzle: the wgmma's A operand as it
+          lands; rows past P zero-filled by the TMA unit, rows of the next expert inside a box
+          are loaded but their accumulator rows are never stored), and of the packed W2 rows
+          [BN, BK / 8] int32 words (32 bytes a row), all on r_ready[s] (one of two predicated
+          mbarrier.expects with the bytes issued: count 1).
   upcast  (worker, 4 warps): per tile, the rows' frames S0 = max(max_k e - 13, 1) from all K / 32
           exponents of its BN W2 rows (moe_gluon_l2's prologue scan, global loads); per chunk,
           once r_ready[s] and b_free[u] (u = c % NU): the stage's packed words (LDS.128 per (row,
@@ -31,8 +32,11 @@ runs correctly on the H200), synchronized only by mbarriers:
   MMA     (the default partition = rows 0..63, one worker = rows 64..127; one warpgroup each):
           per chunk, once r_ready[s] and b_ready[u]: wgmma m64n128k16 x 4 (fp16 -> fp32, async)
           chained on ONE accumulator, then wait(1) - the chunk before has retired - and its stages
-          released (r_free, b_free). After the tile's last chunk: wait(0), the frame scales read
-          from sb[u] of that last stage, the stages released, the weighted scatter epilogue
+          released (r_free, b_free). The rows 64..127 warpgroup skips its wgmmas on tiles of <= 64
+          rows (their second H box is not loaded; nothing of them is stored): at poisson routing
+          ~1 / 3 of the tiles (an expert's second tile) - less tensor work and H traffic.
+          After the tile's last chunk: wait(0), the frame scales read from sb[u] of that last
+          stage, the stages released, the weighted scatter epilogue
           y[(p // TOPK) * KS + p % TOPK, n] = (acc[r, n] x 2^(S0[n] - 127)) x row_w[p] (the pair
           indices and weights are loaded at the tile's start, used at its end).
 
@@ -83,6 +87,7 @@ from .gluon_common import (
 )
 from .moe_gluon_l2 import BK, BM, BN, OUT_DTYPES, REL_MAX, REL_MIN, _check  # noqa: F401
 
+H_BOX = BM // 2  # the H TMA box's rows (one MMA warpgroup's 64; the second box only where used)
 NS, NU = 6, 3  # default depths of the raw ring (H box + packed W2) and the B (upcast) ring
 NS_256, NU_256 = 4, 3  # ... at bn 256 (24 KB raw, 33 KB B stages: 6:3 does not fit)
 NUM_WARPS = 4  # the default partition (MMA rows 0..63); 3 workers of 4 warps: 16 warps in all
@@ -185,18 +190,27 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         """The raw ring's producer: per chunk of this CTA's tiles, the H box and the packed W2
         rows (NB x BN of them) by TMA on r_ready (module docstring)."""
         TN: ttgl.constexpr = NB * BN
+        HB: ttgl.constexpr = BM // 2  # the H box: one MMA warpgroup's 64 rows
         n_k = K // BK
         c = 0
         for t in range(ttgl.program_id(0), _n_tiles(work_ptr, N, TN), ttgl.num_programs(0)):
             skip, g, row0, nrows, pid_n = tile_entry(work_ptr, t, N // TN, MT, G, P, BM)
             if not skip:
                 wrow = g.to(ttgl.int32) * N + pid_n * TN
+                two = nrows > HB  # rows 64.. hold tile rows: their box too, else not loaded
                 for i in range(n_k):
                     s, ph = _stage(c, NS)
                     mbarrier.wait(r_free.index(s), ph ^ 1)  # chunk c - NS's readers are done
                     bar = r_ready.index(s)
-                    mbarrier.expect(bar, BM * BK * 2 + TN * BK // 2)
-                    tma.async_copy_global_to_shared(h_desc, [row0, i * BK], bar, a_r.index(s))
+                    # exactly one of the two expects (one arrival: r_ready's count 1) with the
+                    # bytes of the boxes issued below
+                    mbarrier.expect(bar, BM * BK * 2 + TN * BK // 2, pred=two)
+                    mbarrier.expect(bar, HB * BK * 2 + TN * BK // 2, pred=not two)
+                    a_s = a_r.index(s)
+                    tma.async_copy_global_to_shared(h_desc, [row0, i * BK], bar,
+                                                    a_s.slice(0, HB))
+                    tma.async_copy_global_to_shared(h_desc, [row0 + HB, i * BK], bar,
+                                                    a_s.slice(HB, HB), pred=two)
                     tma.async_copy_global_to_shared(w_desc, [wrow, i * (BK // 8)], bar,
                                                     w_r.index(s))
                     c += 1
@@ -339,6 +353,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         # the epilogue's pairs and weights, requested now (their latency under the K loop)
         rm = M0 + ttgl.arange(0, 64, layout=ROW_L)
         rmask = rm < nrows
+        active = nrows > M0
         pair = ttgl.load(cidx_ptr + row0 + rm, mask=rmask, other=0)
         rw = ttgl.load(w_ptr + pair, mask=rmask, other=0.0).to(ttgl.float32)
         acc = ttgl.zeros([64, BN], ttgl.float32, MMA_L)
@@ -352,19 +367,22 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
             mbarrier.wait(r_ready.index(s), ph)
             mbarrier.wait(b_ready.index(u), phu)
             # A: this warpgroup's 64 rows of the H box; B: the [BN, BK] K-major stage, permuted;
-            # chained on acc (wgmma(c - 1) may still be running: the hardware orders them)
-            if NB == 1:
-                acc = warpgroup_mma(a_r.index(s).slice(M0, 64), b_r.index(u).permute((1, 0)),
-                                    acc, is_async=True)
-                acc = warpgroup_mma_wait(1, deps=[acc])  # wgmma(c - 1) retired
-            else:
-                a_s = a_r.index(s).slice(M0, 64)
-                acc = warpgroup_mma(a_s, b_r.index(u).slice(0, BN).permute((1, 0)), acc,
-                                    is_async=True)
-                acc_b = warpgroup_mma(a_s, b_r.index(u).slice(BN, BN).permute((1, 0)), acc_b,
-                                      is_async=True)
-                # both of chunk c - 1's groups retired, chunk c's two may still run
-                acc, acc_b = warpgroup_mma_wait(2, deps=[acc, acc_b])
+            # chained on acc (wgmma(c - 1) may still be running: the hardware orders them).
+            # Not where the warpgroup's rows hold no tile row (rows 64.. of a tile of <= 64
+            # rows: their H box was not loaded, nothing of them is stored)
+            if active:
+                if NB == 1:
+                    acc = warpgroup_mma(a_r.index(s).slice(M0, 64),
+                                        b_r.index(u).permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma_wait(1, deps=[acc])  # wgmma(c - 1) retired
+                else:
+                    a_s = a_r.index(s).slice(M0, 64)
+                    acc = warpgroup_mma(a_s, b_r.index(u).slice(0, BN).permute((1, 0)), acc,
+                                        is_async=True)
+                    acc_b = warpgroup_mma(a_s, b_r.index(u).slice(BN, BN).permute((1, 0)),
+                                          acc_b, is_async=True)
+                    # both of chunk c - 1's groups retired, chunk c's two may still run
+                    acc, acc_b = warpgroup_mma_wait(2, deps=[acc, acc_b])
             if i > 0:
                 _release(r_free, c - 1, NS)
                 up, _ = _stage(c - 1, NU)
@@ -410,8 +428,8 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                      NS: ttgl.constexpr, NU: ttgl.constexpr, NB: ttgl.constexpr,
                      R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr, R_LD: ttgl.constexpr):
         """Persistent CTAs over the work items of moe.tile_list at BM rows ([total, grp[MT],
-        row0[MT], rend[MT]]) x N / (NB BN) column tiles. h_desc: H as [P, K] fp16, boxes [BM,
-        BK]; w_desc: the W2 bank's packed rows as [G N, K / 8] int32 words, boxes [NB BN, BK /
+        row0[MT], rend[MT]]) x N / (NB BN) column tiles. h_desc: H as [P, K] fp16, boxes [BM /
+        2, BK]; w_desc: the W2 bank's packed rows as [G N, K / 8] int32 words, boxes [NB BN, BK /
         8]; bs_ptr the E8M0 exponents [G, N, K / 32]. N % (NB BN) == 0, K % BK == 0 (the
         launcher checks)."""
         ttgl.static_assert(BM == 128, "two MMA warpgroups of 64 rows")
@@ -419,6 +437,10 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         ttgl.static_assert(BK == 64, "64-column chunks: one 128-byte swizzle row of fp16")
         ttgl.static_assert((NS >= 2) & (NU >= 2), "double-buffered rings at least")
         ttgl.static_assert((NB == 1) | (NB == 2), "tiles of 128 or 256 output columns")
+        ttgl.static_assert(h_desc.block_shape[0] == BM // 2, "H boxes of 64 rows")
+        ttgl.static_assert(h_desc.block_shape[1] == BK, "H boxes of BK columns")
+        ttgl.static_assert(w_desc.block_shape[0] == NB * BN, "W2 boxes of the tile's rows")
+        ttgl.static_assert(w_desc.block_shape[1] == BK // 8, "W2 boxes of a chunk's words")
 
         a_r = ttgl.allocate_shared_memory(ttgl.float16, [NS, BM, BK], F16_SMEM)
         w_r = ttgl.allocate_shared_memory(ttgl.int32, [NS, NB * BN, BK // 8], W_SMEM)
@@ -476,13 +498,14 @@ def args_problem(h, w2, y=None, bn: int = BN) -> str | None:
 
 def descriptors(h, w2, P: int, bn: int = BN):
     """The host TMA descriptors of a launch (built per call, passed by value: CUDA-graph
-    capturable): H's first P rows as [P, K] fp16 in [BM, BK] boxes (rows past P zero-filled),
+    capturable): H's first P rows as [P, K] fp16 in [H_BOX, BK] boxes (half a row tile: one
+    MMA warpgroup's rows; rows past P zero-filled),
     the W2 bank's packed rows as one [G N, K / 8] int32 word matrix in [bn, BK / 8] boxes (row
     g N + n = expert g's row n: args_problem checks they are one stride apart)."""
     from .gluon_common import TensorDescriptor
 
     K = w2.k
-    h_desc = TensorDescriptor(h, [P, K], [h.stride(0), 1], [BM, BK], H_TMA_LAYOUT)
+    h_desc = TensorDescriptor(h, [P, K], [h.stride(0), 1], [H_BOX, BK], H_TMA_LAYOUT)
     wi = w2.w.view(torch.int32)  # [G, N, K / 8] words (16-byte rows: checked)
     G, N = wi.shape[0], wi.shape[1]
     w_desc = TensorDescriptor(wi, [G * N, K // 8], [wi.stride(1), 1], [bn, BK // 8],
