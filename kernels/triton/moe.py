@@ -163,14 +163,16 @@ GLUON_DECODE_L2 = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE_L2", "1") == "1"
 # benchmarks/moe_gluon_l2_probe.py; mega_moe 15.78 against 17.61 ms at 8192, 9.63 against 10.25
 # at 4096 tokens, benchmarks/moe_ab.py; its tests repeat launches and compare the bits)
 GLUON_PREFILL_L2 = os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL_L2", "1") == "1"
-# ... and, with MEGAGRAPH_MOE_GLUON_PREFILL_L2_WS=1 (opt-in, default OFF: built after the eleventh
-# session's device time, NOT yet run on a GPU), its warp-specialized twin moe_gluon_l2_ws
-# (loader / upcast / two MMA warpgroups on mbarrier rings, persistent CTAs; the same numerics,
-# the same bits expected) in its place wherever the prefill L2 runs and the call fits its TMA
-# streams (moe_gluon_l2_ws.args_problem), else moe_gluon_l2 as before. Ring depths WS_L2_RINGS,
-# tile columns WS_L2_BN (128, or 256 where d % 256 == 0; None: its default).
-GLUON_PREFILL_L2_WS = os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL_L2_WS", "0") == "1"
-WS_L2_RINGS = None  # (stages, bstages) of l2_gluon_ws; None: its defaults (NS, NU)
+# ... and its warp-specialized twin moe_gluon_l2_ws (loader / upcast / two MMA warpgroups on
+# mbarrier rings, persistent CTAs; the same numerics: bit-equal to moe_gluon_l2 in its 69 GPU
+# tests) in its place wherever the prefill L2 runs and the call fits its TMA streams
+# (moe_gluon_l2_ws.args_problem), 256-column tiles where d % 256 == 0, else 128; else
+# moe_gluon_l2 as before. On by default from the eleventh session (H200, 8192 tokens, poisson
+# routing: 3.99 -> 3.45 ms at 256 columns / 4:3 rings, 3.56 at 128 / 8:3,
+# benchmarks/results/moe-gluon-l2-ws-h200.md). MEGAGRAPH_MOE_GLUON_PREFILL_L2_WS=0 turns it off.
+# Ring depths WS_L2_RINGS, tile columns WS_L2_BN (None: 256 where it fits, else 128).
+GLUON_PREFILL_L2_WS = os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL_L2_WS", "1") == "1"
+WS_L2_RINGS = None  # (stages, bstages) of l2_gluon_ws; None: its defaults for the tile
 WS_L2_BN = None
 MMA_FP8, MMA_FP16, MMA_BF16, MMA_F32 = 0, 1, 2, 3
 WFMT = {"mxfp4": 0, "fp8_block": 1}
@@ -802,8 +804,9 @@ def _gluon_l2(h: Tensor, w2: Bank, y: Tensor, role: str, rows_per_group: float):
     shape fits the tile (d % 64, F % 128), y fp32 / bf16 / fp16, MEGAGRAPH_MOE_GLUON and
     MEGAGRAPH_MOE_GLUON_DECODE_L2 on, no CONFIG_OVERRIDE for the role, available(). Above 48
     rows per expert with GLUON_PREFILL_L2 (opt-in): the prefill L2 (moe_gluon_l2.l2_gluon,
-    128 x 128 tiles, d % 128, F % 384); with GLUON_PREFILL_L2_WS too (default off) its
-    warp-specialized twin moe_gluon_l2_ws.l2_gluon_ws where the call fits its TMA streams."""
+    128 x 128 tiles, d % 128, F % 384); with GLUON_PREFILL_L2_WS too (default on) its
+    warp-specialized twin moe_gluon_l2_ws.l2_gluon_ws where the call fits its TMA streams
+    (256-column tiles where d % 256 == 0)."""
     if not GLUON or role != "l2" or role in CONFIG_OVERRIDE:
         return None
     if h.dtype != torch.float16 or not _mxfp4_e8m0_32(w2):
@@ -816,13 +819,12 @@ def _gluon_l2(h: Tensor, w2: Bank, y: Tensor, role: str, rows_per_group: float):
         if GLUON_PREFILL_L2_WS:
             from . import moe_gluon_l2_ws as mws
 
-            bn = int(WS_L2_BN or mws.BN_TILE)  # int(): moe_ab.py sets knobs as strings
-            if mws.available(h.device) and mws.args_problem(h, w2, y, bn) is None:
-                launch = mws.l2_gluon_ws
-                if WS_L2_RINGS or WS_L2_BN:
+            # int(): moe_ab.py sets knobs as strings
+            for bn in ([int(WS_L2_BN)] if WS_L2_BN else [2 * mws.BN, mws.BN]):
+                if mws.available(h.device) and mws.args_problem(h, w2, y, bn) is None:
                     ns, nu = WS_L2_RINGS or (None, None)
-                    launch = functools.partial(launch, stages=ns, bstages=nu, bn=bn)
-                return (launch, mws.BM)
+                    kw = dict(stages=ns, bstages=nu) if WS_L2_RINGS else {}
+                    return (functools.partial(mws.l2_gluon_ws, **kw, bn=bn), mws.BM)
         return (mod.l2_gluon, mod.BM) if mod.available(h.device) else None
     if rows_per_group > 12 or not GLUON_DECODE_L2:
         return None

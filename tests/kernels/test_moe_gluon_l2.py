@@ -580,6 +580,7 @@ def test_routed_experts_prefill_uses_gluon_l2(on, monkeypatch):
     from test_triton_moe import ACT, check_routed, routed_case
 
     monkeypatch.setattr(moe, "GLUON_PREFILL_L2", on)
+    monkeypatch.setattr(moe, "GLUON_PREFILL_L2_WS", False)  # its ws twin: test_moe_gluon_l2_ws
     monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
     calls = []
     real = mgl.l2_gluon

@@ -425,12 +425,12 @@ def test_l2_ws_descriptors():
 
 def test_gluon_l2_ws_choice(monkeypatch):
     """moe._gluon_l2 picks l2_gluon_ws instead of l2_gluon above 48 rows per expert exactly when
-    GLUON_PREFILL_L2_WS is on (default off) and the call fits it (args_problem: W2 rows one
+    GLUON_PREFILL_L2_WS is on (the default) and the call fits it (args_problem: W2 rows one
     stride apart); else l2_gluon as before (available() forced: the predicate's own logic, on
     any machine); the same 128-row tile (one tile list with the L1)."""
     from megagraph.kernels.triton import moe
 
-    assert moe.GLUON_PREFILL_L2_WS is (os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL_L2_WS", "0")
+    assert moe.GLUON_PREFILL_L2_WS is (os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL_L2_WS", "1")
                                        == "1")
     monkeypatch.setattr(mgl, "available", lambda device=None: True)
     monkeypatch.setattr(mlw, "available", lambda device=None: True)
