@@ -291,27 +291,17 @@ def sparse_attn_fwd(
         else:
             NT_COMP: tl.constexpr = (K + BLOCK_N - 1) // BLOCK_N
             trow = topk_ptr + t.to(tl.int64) * s_tt
-            if PIPE:
-                for it in range(sid, NT_COMP, NS):
-                    kk = it * BLOCK_N + offs
-                    km = kk < K
-                    idx = tl.load(trow + kk, mask=km, other=-1)
-                    prev = tl.load(trow + kk - 1, mask=km & (kk > 0), other=-2)
-                    valid = km & (idx >= 0) & (idx < nvis) & (idx != prev)
+            for it in range(sid, NT_COMP, NS):
+                kk = it * BLOCK_N + offs
+                km = kk < K
+                idx = tl.load(trow + kk, mask=km, other=-1)
+                prev = tl.load(trow + kk - 1, mask=km & (kk > 0), other=-2)
+                valid = km & (idx >= 0) & (idx < nvis) & (idx != prev)
+                # PIPE (constexpr): no branch in the loop, so the pipeliner overlaps the tiles
+                if PIPE or tl.max(valid.to(tl.int32), axis=0) > 0:
                     k = tl.load(ckv_ptr + slot * s_cs + tl.maximum(idx, 0)[:, None] * s_cc + d[None, :],
                                 mask=valid[:, None], other=0.0)
                     m_i, l_i, acc = _attend(q, k, valid, m_i, l_i, acc, scale_log2, DOT_F32)
-            else:
-                for it in range(sid, NT_COMP, NS):
-                    kk = it * BLOCK_N + offs
-                    km = kk < K
-                    idx = tl.load(trow + kk, mask=km, other=-1)
-                    prev = tl.load(trow + kk - 1, mask=km & (kk > 0), other=-2)
-                    valid = km & (idx >= 0) & (idx < nvis) & (idx != prev)
-                    if tl.max(valid.to(tl.int32), axis=0) > 0:
-                        k = tl.load(ckv_ptr + slot * s_cs + tl.maximum(idx, 0)[:, None] * s_cc + d[None, :],
-                                    mask=valid[:, None], other=0.0)
-                        m_i, l_i, acc = _attend(q, k, valid, m_i, l_i, acc, scale_log2, DOT_F32)
 
     if NS == 1:
         _finish(acc, m_i, l_i, heads, hmask, t, p, sink_ptr, freq_ptr, o_ptr, os_ptr, H, D,
