@@ -12,8 +12,18 @@ real prefill size (T = 512, C = 34816, k = 512 and 2048). candidate_mask: visibl
 8 / 16, more blocks wanted than exist, +inf ties with the forced block, bf16, topk_blocks = 0,
 its output feeding topk_select; on CUDA the V4.1 size (blocks of 8, 2048 kept) and a graph replay.
 
+Both kernel variants (topk.VARIANT: "radix", the default, and "stream", the streaming select
+over a candidate buffer) on the main cases (the `variant` fixture); the stream variant also with
+tiny steps / buffers (`stream_knobs`: every tightening path, the "whole bin" stops, several
+segments per row and their merge) on rows built to stress it: ascending rows (every entry enters
+the buffer), long runs of equal values and all-equal rows (the bin of the k-th value is the whole
+row), signed zeros, +-inf, -FLT_MAX, denormals, fewer selectable entries than k; a seeded fuzz
+over shapes x knobs x data; on CUDA the V4.1 ratio-1 sizes (512 x 135168 and 64 x 135168, top-512;
+candidate blocks of 8, 2048 kept), the radix and stream outputs equal, and graph replays.
+
 CUDA GPU, or the CPU under TRITON_INTERPRET=1 (tests/kernels/test_triton_interp.py runs this file
-that way); skipped otherwise. NOT yet run on the H200 (registry status "unvalidated")."""
+that way); skipped otherwise. The radix variant passed on the H200 (93 cases, tenth session); the
+stream variant's CUDA cases have not run on a GPU yet."""
 from __future__ import annotations
 
 import pytest
@@ -25,6 +35,37 @@ from poisoned_alloc import poisoned
 from test_triton_attention import CUDA, DEV, pytestmark  # noqa: F401
 
 NINF = float("-inf")
+FMAX = torch.finfo(torch.float32).max
+
+
+@pytest.fixture(params=tk.VARIANTS)
+def variant(request, monkeypatch):
+    """Runs the test with topk.VARIANT set to each kernel variant."""
+    monkeypatch.setattr(tk, "VARIANT", request.param)
+    return request.param
+
+
+# stream knob sets: (STREAM_BLOCK, STREAM_TB, STREAM_CAP, SEGMENTS, CAND_STREAM_ELEMS).
+# tight: the smallest buffer (cap = KK + one step, slack 0: every tightening exact, one after
+# nearly every step); slack: room for "whole bin" stops; segments: 3 per row (merge kernels);
+# the merges' tile = the select's (several steps per merge); default: the shipped knobs (one
+# segment and no tightening at these small sizes).
+STREAM_KNOBS = {"tight": (32, 32, 0, 1, 32), "slack": (64, 32, 400, 1, 64),
+                "segments": (32, 32, 0, 3, 32), "default": None}
+
+
+@pytest.fixture(params=list(STREAM_KNOBS))
+def stream_knobs(request, monkeypatch):
+    """The stream variant with each knob set of STREAM_KNOBS."""
+    monkeypatch.setattr(tk, "VARIANT", "stream")
+    knobs = STREAM_KNOBS[request.param]
+    if knobs is not None:
+        for name, v in zip(("STREAM_BLOCK", "STREAM_TB", "STREAM_CAP", "SEGMENTS",
+                            "CAND_STREAM_ELEMS"), knobs):
+            monkeypatch.setattr(tk, name, v)
+        monkeypatch.setattr(tk, "STREAM_MERGE_TB", knobs[1])  # (multi-step merges too)
+        monkeypatch.setattr(tk, "CAND_MERGE_TB", knobs[1])
+    return request.param
 
 
 def scores(T, C, seed, *, dtype=torch.float32, kind="randn"):
@@ -43,6 +84,18 @@ def scores(T, C, seed, *, dtype=torch.float32, kind="randn"):
         s = torch.where(other, torch.randn(T, C, generator=g), s)
     elif kind == "relu":
         s = torch.randn(T, C, generator=g).relu() * 3
+    elif kind == "asc":  # ascending rows: the stream's worst case (every entry enters the buffer)
+        s = torch.arange(C).float().repeat(T, 1) + torch.rand(T, C, generator=g)
+    elif kind == "ascties":  # ascending runs of 7 equal values
+        s = (torch.arange(C) // 7).float().repeat(T, 1) - C / 14
+    elif kind == "const":  # one value: the k-th value's bin is the whole row
+        s = torch.full((T, C), 1.5)
+    elif kind == "extreme":  # +-inf, +-FLT_MAX, +-denormal, -0.0 among normal values
+        s = torch.randn(T, C, generator=g)
+        p = torch.rand(T, C, generator=g)
+        for lo, v in ((0.0, float("inf")), (0.05, -FMAX), (0.1, FMAX), (0.15, 1e-45),
+                      (0.2, -1e-45), (0.25, -0.0), (0.3, NINF)):
+            s = torch.where((p >= lo) & (p < lo + 0.05), torch.full_like(s, v), s)
     else:
         raise ValueError(kind)
     return s.to(dtype).to(DEV)
@@ -77,7 +130,7 @@ def check(s, mask=None, *, k):
 @pytest.mark.parametrize("T,C,k", [(1, 100, 8), (7, 1024, 64), (5, 3000, 512), (64, 1500, 100),
                                    (3, 2049, 600), (9, 40, 64), (2, 1, 8), (4, 512, 512)])
 @pytest.mark.parametrize("kind", ["randn", "few", "zeros", "relu"])
-def test_topk_select_matches_reference(T, C, k, kind):
+def test_topk_select_matches_reference(T, C, k, kind, variant):
     check(scores(T, C, seed=T * 1009 + C * 7 + k, kind=kind), k=k)
 
 
@@ -95,7 +148,7 @@ def test_topk_select_compare_digits(kind, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["randn", "few", "relu"])
 @pytest.mark.parametrize("T,C,k", [(16, 1300, 256), (5, 300, 600), (8, 2500, 32)])
-def test_topk_select_fewer_selectable_than_k(T, C, k, kind):
+def test_topk_select_fewer_selectable_than_k(T, C, k, kind, variant):
     """-inf suffixes (the indexer's invisible entries; first row all -inf, last none), -inf at
     random places (dense and sparse): those are never selected, -1 pads instead."""
     base = scores(T, C, seed=C + k, kind=kind)
@@ -106,7 +159,7 @@ def test_topk_select_fewer_selectable_than_k(T, C, k, kind):
 
 
 @pytest.mark.parametrize("kind", ["randn", "few"])
-def test_topk_select_mask(kind):
+def test_topk_select_mask(kind, variant):
     """The mask argument: masked-out entries count as -inf, with -inf scores too; a [C] mask
     broadcast over the rows as the reference's masked_fill does."""
     T, C, k = 12, 1777, 200
@@ -119,7 +172,7 @@ def test_topk_select_mask(kind):
     check(s, (torch.rand(C, generator=g) < 0.5).to(DEV), k=k)
 
 
-def test_topk_select_infinities_and_signed_zeros():
+def test_topk_select_infinities_and_signed_zeros(variant):
     """+inf scores (selected first, tied among themselves), -0.0 == +0.0 as one tied value
     across the k-th position, -FLT_MAX (the smallest selectable key), all in one row set."""
     T, C = 6, 900
@@ -136,7 +189,7 @@ def test_topk_select_infinities_and_signed_zeros():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_topk_select_half_inputs(dtype):
+def test_topk_select_half_inputs(dtype, variant):
     """bf16 / fp16 scores are widened to fp32 as the reference's .float(): heavy ties from the
     coarse rounding too."""
     s = suffix_inf(scores(20, 2200, seed=31, dtype=dtype), seed=32)
@@ -144,7 +197,7 @@ def test_topk_select_half_inputs(dtype):
     check(scores(3, 700, seed=33, dtype=dtype, kind="zeros"), k=64)
 
 
-def test_topk_select_many_rows_and_strided():
+def test_topk_select_many_rows_and_strided(variant):
     """A few hundred rows; a row-strided view gives the reference's (and its copy's) result."""
     check(suffix_inf(scores(300, 200, seed=41, kind="relu"), seed=42), k=16)
     wide = scores(10, 2 * 777, seed=43, kind="few")
@@ -153,7 +206,7 @@ def test_topk_select_many_rows_and_strided():
     assert torch.equal(got, tk.topk_select(view.contiguous(), k=100))
 
 
-def test_topk_select_fallbacks():
+def test_topk_select_fallbacks(variant):
     """Empty rows / columns and k = 0 take the capturable kernel (same results)."""
     for T, C, k in ((0, 50, 8), (4, 0, 8), (3, 50, 0)):
         s = torch.randn(T, C).to(DEV)
@@ -163,7 +216,7 @@ def test_topk_select_fallbacks():
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (the interpreter case stays small)")
 @pytest.mark.parametrize("k", [512, 2048])
 @pytest.mark.parametrize("kind", ["randn", "relu", "few"])
-def test_topk_select_prefill_size(k, kind):
+def test_topk_select_prefill_size(k, kind, variant):
     """The real prefill size: 512 tokens over 34816 compressed entries, visible prefixes."""
     s = suffix_inf(scores(512, 34816, seed=61 + k, kind=kind), seed=62)
     check(s, k=k)
@@ -171,7 +224,7 @@ def test_topk_select_prefill_size(k, kind):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_topk_select_captures_in_cuda_graph():
+def test_topk_select_captures_in_cuda_graph(variant):
     s = suffix_inf(scores(256, 8192, seed=71, kind="relu"), seed=72)
     eager = tk.topk_select(s, k=512)
     st = torch.cuda.Stream()
@@ -202,7 +255,7 @@ def check_cand(s, *, block, topk_blocks):
                                           (64, 700, 8, 30), (3, 2049, 2, 600), (4, 500, 16, 1000),
                                           (6, 999, 3, 40), (2, 1, 8, 4), (5, 300, 8, 1)])
 @pytest.mark.parametrize("kind", ["randn", "few", "relu"])
-def test_candidate_mask_matches_reference(T, C, block, kb, kind):
+def test_candidate_mask_matches_reference(T, C, block, kb, kind, variant):
     """Visible prefixes (first row none, last row all), block sizes 2 / 3 / 8 / 16 (C not a
     multiple of them), more blocks wanted than there are, a single block."""
     s = suffix_inf(scores(T, C, seed=T * 31 + C + block * 7 + kb, kind=kind), seed=C)
@@ -210,7 +263,7 @@ def test_candidate_mask_matches_reference(T, C, block, kb, kind):
 
 
 @pytest.mark.parametrize("kind", ["randn", "few", "zeros"])
-def test_candidate_mask_corners(kind):
+def test_candidate_mask_corners(kind, variant):
     """-inf at random places (the newest block is then the one of entry n_visible - 1, as the
     reference computes it, even where that block holds no visible entry), +inf scores tied with
     the forced block, signed zeros, bf16 scores, all rows -inf, topk_blocks = 0."""
@@ -227,7 +280,7 @@ def test_candidate_mask_corners(kind):
                        ref_candidate_mask(s, block=8, topk_blocks=0))
 
 
-def test_candidate_mask_feeds_topk_select():
+def test_candidate_mask_feeds_topk_select(variant):
     """The V4.1 chain at a small size: candidates from the scores, then topk_select under them."""
     s = suffix_inf(scores(16, 2000, seed=91, kind="relu"), seed=92)
     cand = check_cand(s, block=8, topk_blocks=64)
@@ -236,7 +289,7 @@ def test_candidate_mask_feeds_topk_select():
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (the interpreter case stays small)")
 @pytest.mark.parametrize("kind", ["randn", "relu", "few"])
-def test_candidate_mask_prefill_size(kind):
+def test_candidate_mask_prefill_size(kind, variant):
     """V4.1-Flash's candidate blocks at the prefill size: 512 tokens over 34816 entries, blocks of
     8, 2048 blocks kept."""
     s = suffix_inf(scores(512, 34816, seed=95, kind=kind), seed=96)
@@ -244,7 +297,7 @@ def test_candidate_mask_prefill_size(kind):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_candidate_mask_captures_in_cuda_graph():
+def test_candidate_mask_captures_in_cuda_graph(variant):
     s = suffix_inf(scores(256, 8192, seed=97, kind="relu"), seed=98)
     eager = tk.candidate_mask(s, block=8, topk_blocks=256)
     st = torch.cuda.Stream()
@@ -257,3 +310,170 @@ def test_candidate_mask_captures_in_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
     assert torch.equal(out, ref_candidate_mask(s, block=8, topk_blocks=256))
+
+
+# the stream variant (topk.VARIANT "stream") at tiny knobs - every path of its candidate buffer -
+# and at the V4.1 ratio-1 sizes
+
+STRESS = ["randn", "few", "zeros", "relu", "asc", "ascties", "const", "extreme"]
+
+
+@pytest.mark.parametrize("kind", STRESS)
+@pytest.mark.parametrize("T,C,k", [(2, 1200, 64), (2, 500, 100), (3, 300, 600), (2, 1, 8)])
+def test_topk_select_stream(T, C, k, kind, stream_knobs):
+    """Rows that stress the stream: ascending (every entry enters the buffer, a tightening every
+    step at the tight knobs), runs of equal values and one value for the whole row (the k-th
+    value's bin is the row: the exact tie rule at every tightening), signed zeros, +-inf,
+    +-FLT_MAX, denormals; with -inf suffixes (some rows without a selectable entry)."""
+    base = scores(T, C, seed=5003 + T * 7 + C + k, kind=kind)
+    check(base, k=k)
+    check(suffix_inf(base, seed=C + 1), k=k)
+
+
+def test_topk_select_stream_masks_and_few_selectable(stream_knobs):
+    """Masks (dense, sparse, none selectable, broadcast), -inf at random places, all -inf, bf16."""
+    T, C, k = 3, 900, 120
+    g = torch.Generator().manual_seed(5101)
+    s = suffix_inf(scores(T, C, seed=5102, kind="relu"), seed=5103)
+    for frac in (0.1, 0.5, 0.97):
+        check(s, (torch.rand(T, C, generator=g) < frac).to(DEV), k=k)
+    check(s, torch.zeros(T, C, dtype=torch.bool, device=DEV), k=k)
+    check(s, (torch.rand(C, generator=g) < 0.3).to(DEV), k=k)
+    check(random_inf(s, seed=5104, frac=0.93), k=k)
+    check(torch.full_like(s, NINF), k=k)
+    check(scores(T, C, seed=5105, kind="few", dtype=torch.bfloat16), k=k)
+
+
+@pytest.mark.parametrize("kind", ["randn", "few", "zeros", "asc", "const", "extreme"])
+@pytest.mark.parametrize("T,C,block,kb", [(2, 1600, 8, 30), (2, 600, 3, 50), (3, 500, 16, 1000),
+                                          (2, 400, 1, 64), (2, 1500, 8, 2)])
+def test_candidate_mask_stream(T, C, block, kb, kind, stream_knobs):
+    """candidate_mask's stream variant on the same stress rows, visible prefixes and -inf at
+    random places (the forced block then may hold no visible entry)."""
+    s = suffix_inf(scores(T, C, seed=5201 + C + block * 3 + kb, kind=kind), seed=5202 + C)
+    check_cand(s, block=block, topk_blocks=kb)
+    check_cand(random_inf(s, seed=5203, frac=0.9), block=block, topk_blocks=kb)
+
+
+@pytest.mark.parametrize("kb", [1, 5, 6, 7, 8])
+def test_candidate_mask_stream_forced_block_ties(kb, stream_knobs):
+    """The forced block (of entry n_visible - 1) tied at +inf with lower +inf blocks: kept only
+    while it is among the kb lowest of them. Row 0: its own max is low (never buffered: the
+    merge's virtual entry); row 1: it holds a +inf itself (buffered, read as +inf); row 2: its
+    n_visible - 1 falls in block 64, whose entries are all -inf (visibility not a prefix: forced
+    without a visible entry)."""
+    C, block = 800, 8
+    s = scores(3, C, seed=5301, kind="randn").clone()
+    for r in range(3):
+        for b in (10, 20, 30, 40, 50, 60):
+            s[r, b * block + 3] = float("inf")
+        s[r, 65 * block:] = NINF
+    s[0, 65 * block: 65 * block + 3] = -50.0  # visible up to entry 522, block 65
+    s[1, 65 * block: 65 * block + 5] = float("inf")
+    s[2, 64 * block: 65 * block] = NINF
+    s[2, 66 * block - 1] = -1.0  # visible: 0..511 and 527, so n_visible - 1 = 512 (block 64)
+    check_cand(s, block=block, topk_blocks=kb)
+
+
+def test_stream_fuzz(monkeypatch):
+    """A seeded fuzz over shapes x knobs x data (both ops, masks, bf16): the stream variant equal
+    to the reference on every case."""
+    import random
+
+    rng = random.Random(20261201)
+    monkeypatch.setattr(tk, "VARIANT", "stream")
+    for i in range(40):
+        for name, v in (("STREAM_BLOCK", rng.choice([16, 32, 64, 1024])),
+                        ("STREAM_TB", rng.choice([16, 32, 256])),
+                        ("STREAM_MERGE_TB", rng.choice([16, 512])),
+                        ("CAND_MERGE_TB", rng.choice([16, 256])),
+                        ("STREAM_CAP", rng.choice([0, 100, 4096])),
+                        ("SEGMENTS", rng.choice([0, 1, 2, 5])),
+                        ("CAND_STREAM_ELEMS", rng.choice([16, 64, 2048]))):
+            monkeypatch.setattr(tk, name, v)
+        T, C = rng.choice([1, 2, 4]), rng.choice([1, 7, 100, 333, 1000, 2049])
+        s = scores(T, C, seed=5400 + i, kind=rng.choice(STRESS))
+        if rng.random() < 0.4:
+            s = suffix_inf(s, seed=5500 + i)
+        if rng.random() < 0.2:
+            s = s.bfloat16()
+        if i % 2:
+            mask = None
+            if rng.random() < 0.3:
+                g = torch.Generator().manual_seed(5600 + i)
+                mask = (torch.rand(T, C, generator=g) < rng.choice([0.1, 0.9])).to(DEV)
+            check(s, mask, k=rng.choice([1, 8, 64, 600]))
+        else:
+            check_cand(s, block=rng.choice([1, 3, 8]), topk_blocks=rng.choice([1, 20, 300]))
+
+
+def test_variant_argument():
+    """variant= picks the kernel per call (the same output); an unknown one is an error."""
+    s = suffix_inf(scores(4, 900, seed=5701, kind="few"), seed=5702)
+    want = ref_topk_select(s, k=50)
+    assert torch.equal(tk.topk_select(s, k=50, variant="radix"), want)
+    assert torch.equal(tk.topk_select(s, k=50, variant="stream"), want)
+    cand = ref_candidate_mask(s, block=8, topk_blocks=20)
+    assert torch.equal(tk.candidate_mask(s, block=8, topk_blocks=20, variant="stream"), cand)
+    with pytest.raises(ValueError):
+        tk.topk_select(s, k=50, variant="bitonic")
+
+
+RATIO1_C = 135168  # V4.1 ratio-1 layer at 8192 new tokens over a 131072-token context (prefill)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (the interpreter case stays small)")
+@pytest.mark.parametrize("T", [512, 64])
+@pytest.mark.parametrize("kind", ["randn", "relu", "few", "asc"])
+def test_topk_select_stream_ratio1_size(T, kind, monkeypatch):
+    """The stream variant at the ratio-1 row length (512 rows: one segment each; 64 rows: the
+    decode-like shape, several segments per row and the merge), visible prefixes, with and
+    without a candidate-density mask: equal to the reference and to the radix variant."""
+    monkeypatch.setattr(tk, "VARIANT", "stream")
+    s = suffix_inf(scores(T, RATIO1_C, seed=5801 + T, kind=kind), seed=5802)
+    got = check(s, k=512)
+    assert torch.equal(got, tk.topk_select(s, k=512, variant="radix"))
+    g = torch.Generator(device=DEV).manual_seed(5803)
+    check(s, torch.rand(T, RATIO1_C, device=DEV, generator=g) < 0.12, k=512)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (the interpreter case stays small)")
+@pytest.mark.parametrize("T", [512, 64])
+@pytest.mark.parametrize("kind", ["randn", "relu", "few"])
+def test_candidate_mask_stream_ratio1_size(T, kind, monkeypatch):
+    """candidate_mask's stream variant at the ratio-1 row length (blocks of 8, 2048 kept), then
+    topk_select under its mask (the V4.1 chain)."""
+    monkeypatch.setattr(tk, "VARIANT", "stream")
+    s = suffix_inf(scores(T, RATIO1_C, seed=5901 + T, kind=kind), seed=5902)
+    cand = check_cand(s, block=8, topk_blocks=2048)
+    assert torch.equal(cand, tk.candidate_mask(s, block=8, topk_blocks=2048, variant="radix"))
+    check(s, cand, k=512)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("T", [64, 512])
+def test_stream_captures_in_cuda_graph(T, monkeypatch):
+    """Both stream ops inside one CUDA graph at the ratio-1 row length (64 rows: segments and the
+    merge kernels; 512: one segment), replayed on new scores written into the same input."""
+    monkeypatch.setattr(tk, "VARIANT", "stream")
+    s = suffix_inf(scores(T, RATIO1_C, seed=6001 + T, kind="relu"), seed=6002)
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(st):
+        warm = tk.candidate_mask(s, block=8, topk_blocks=2048)  # (compiles outside the capture)
+        tk.topk_select(s, warm, k=512)
+        tk.topk_select(s, None, k=512)
+        with torch.cuda.graph(g):
+            cand = tk.candidate_mask(s, block=8, topk_blocks=2048)
+            top = tk.topk_select(s, cand, k=512)
+            top_nomask = tk.topk_select(s, None, k=512)
+    torch.cuda.current_stream().wait_stream(st)
+    for seed in (6003, 6004):
+        s.copy_(suffix_inf(scores(T, RATIO1_C, seed=seed, kind="randn"), seed=seed + 1))
+        g.replay()
+        torch.cuda.synchronize()
+        want_cand = ref_candidate_mask(s, block=8, topk_blocks=2048)
+        assert torch.equal(cand, want_cand)
+        assert torch.equal(top, ref_topk_select(s, want_cand, k=512))
+        assert torch.equal(top_nomask, ref_topk_select(s, None, k=512))
