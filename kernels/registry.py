@@ -97,15 +97,16 @@ KERNELS: dict[str, list[KernelImpl]] = {
                         note="kernels/triton/indexer.py: request tiles, tf32x3 products "
                               "(bf16 where the node says products=bf16)")],
     "candidate_mask": [_k("triton.candidate_mask", "sm_90 triton", "available",
-                          note="kernels/triton/topk.py: radix select over the block maxima per row, "
-                               "bitwise the reference (tests on the H200, session 10; 7.0 vs 7.4 ms "
-                               "at 8192 x 34816, 0.13 vs 0.69 ms at 64 x 8192: "
-                               "benchmarks/topk_probe.py)"),
+                          note="kernels/triton/topk.py: streaming select over the block maxima "
+                               "(row read twice), bitwise the reference (tests on the H200, "
+                               "sessions 10-11; 26.2 -> 5.4 ms vs the radix kernel at 8192 x "
+                               "135168: benchmarks/results/topk-probe-11-h200.md)"),
                        _k("capturable", "sm_90", "available", note="device torch, no host sync")],
     "topk_select": [_k("triton.topk_select", "sm_90 triton", "available",
-                       note="kernels/triton/topk.py: radix select per row, bitwise the reference "
-                            "(tests on the H200, session 10; 5.6 vs 8.3 ms at 8192 x 34816, top-512; "
-                            "prefill step at 8K tokens 407.5 -> 387.8 ms with candidate_mask)"),
+                       note="kernels/triton/topk.py: streaming select (row read once into a "
+                            "candidate buffer, exact radix select over it), bitwise the reference "
+                            "(tests on the H200, sessions 10-11; top-512 at 8192 x 135168 20.7 -> "
+                            "4.5 ms vs the radix kernel: benchmarks/results/topk-probe-11-h200.md)"),
                     _k("capturable", "sm_90", "available", note="device torch.topk + sort")],
     "quantize_act": [_k("triton.quantize_act", "sm_90 triton", "available",
                         note="kernels/triton/quant.py: one pass per row, bitwise the reference "

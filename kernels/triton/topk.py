@@ -73,12 +73,14 @@ NUM_WARPS = 4
 
 # The kernel variant of both ops: "radix" (the kernels above: every radix digit re-reads the row,
 # 4 + 1 reads) or "stream" (topk_jit's streaming section: the row read once by topk_select, twice
-# by candidate_mask; the exact select over a small candidate buffer per program). PROPOSAL, not
-# the default until the H200 A/B (benchmarks/topk_probe.py) says so: make "stream" the default
-# here once it is timed faster at 8192 x 135168 / 64 x 135168 (kernels/triton/NOTES-topk.md).
+# by candidate_mask; the exact select over a small candidate buffer per program). "stream" is the
+# default since the eleventh session: on the H200 (benchmarks/results/topk-probe-11-h200.md, one
+# call) top-512 at 8192 x 135168 20.7 -> 4.5 ms, candidate_mask 26.2 -> 5.4 ms, 64 x 135168
+# 0.86 -> 0.13 ms, every output bitwise the radix kernel's; its GPU tests passed in that session
+# (kernels/triton/NOTES-topk.md). MEGAGRAPH_TOPK_VARIANT=radix restores the radix kernels.
 # Read at each call (the probe and the tests switch it); topk_select / candidate_mask also take
 # variant=.
-VARIANT = os.environ.get("MEGAGRAPH_TOPK_VARIANT", "radix")
+VARIANT = os.environ.get("MEGAGRAPH_TOPK_VARIANT", "stream")
 VARIANTS = ("radix", "stream")
 if VARIANT not in VARIANTS:
     raise ValueError(f"MEGAGRAPH_TOPK_VARIANT={VARIANT}: one of {VARIANTS}")
