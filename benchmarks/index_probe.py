@@ -108,7 +108,7 @@ def case_rows(name, R, new, ctx, ratio, rows, configs, ikey_dtype) -> list[dict]
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         print(json.dumps(row), flush=True)
         res.append(row)
-    del args, ref, out
+    args = ref = out = None  # free the device buffers before the next case
     torch.cuda.empty_cache()
     return res
 

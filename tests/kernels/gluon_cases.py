@@ -311,3 +311,31 @@ def check_repeats_and_graph(launch, out, want, same, why=lambda o, w: "", launch
         graph.replay()
         torch.cuda.synchronize()
         assert same(out, want), f"graph replay {j} differs {why(out, want)}"
+
+
+def l2_arg_case(bm: int = 128):
+    """The small problem the prefill L2 launchers' argument tests share (moe_gluon_l2.l2_gluon
+    and its warp-specialized twin run the same checks): (valid call kwargs, the calls each
+    launcher must refuse with ValueError before any launch - CPU tensors suffice)."""
+    E, d, F, k, T = 2, 128, 384, 2, 3
+    w2 = dbg_bank(torch.zeros(E, d, F // 2), torch.full((E, d, F // 32), 127), "cpu")
+    counts = torch.tensor([T * k, 0], dtype=torch.int32)
+    srt = torch.arange(T * k, dtype=torch.int32)
+    wts = torch.ones(T, k)
+    h = torch.zeros(T * k, F, dtype=torch.float16)
+    y = torch.zeros(T, k, d)
+    base = dict(h=h, w2_bank=w2, counts=counts, srt=srt, wts=wts, y=y, topk=k, ks=k,
+                max_tiles=min(T * k, T * k // bm + E))
+    w2_k = dbg_bank(torch.zeros(E, d, 64), torch.full((E, d, 4), 127), "cpu")  # K = 128
+    w2_n = dbg_bank(torch.zeros(E, 64, F // 2), torch.full((E, 64, F // 32), 127), "cpu")  # d 64
+    wide = torch.zeros(E, d, F // 2 + 8, dtype=torch.int8)  # rows of 200 bytes: not 16-aligned
+    w2_a = dbg_bank(wide[..., : F // 2], torch.full((E, d, F // 32), 127), "cpu")
+    h_pad = torch.zeros(T * k, F + 4, dtype=torch.float16)[:, :F]  # row stride 388: not 16 B
+    bad = [dict(h=h.float()), dict(h=torch.zeros(T * k, F - 192, dtype=torch.float16)),
+           dict(h=h_pad), dict(h=h[: T * k - 1]), dict(w2_bank=w2_k, h=h[:, :128]),
+           dict(w2_bank=w2_n, y=y[..., :64]), dict(w2_bank=w2_a),
+           dict(ks=1), dict(y=torch.zeros(T * k - 1, d)), dict(y=y.to(torch.int32)),
+           dict(y=y.double()), dict(srt=srt.long()), dict(counts=counts.long()),
+           dict(wts=wts.reshape(-1)[:-1]), dict(wts=wts.to(torch.int32)),
+           dict(counts=torch.zeros(E + 1, dtype=torch.int32))]
+    return base, bad

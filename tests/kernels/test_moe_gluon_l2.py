@@ -37,7 +37,6 @@ import torch
 from gluon_cases import (
     E2M1,
     check_l2_out,
-    dbg_bank,
     dbg_l2_case,
     diagnose,
     l2_reference,
@@ -226,42 +225,22 @@ def test_kernel_consts_and_launcher_checks():
     assert mgl.kernel_consts(2304, diag=mgl.DIAG_BITS["w"] | mgl.DIAG_BITS["a"])["DIAG"] == 5
     assert mgl.kernel_consts(384, False)["USE_ASM"] is False
     assert [mgl.kernel_consts(k)["KGI"] for k in (384, 512, 768, 1152)] == [1, 1, 2, 3]
-    E, d, F, k, T = 2, 128, 384, 2, 3
-    w2 = dbg_bank(torch.zeros(E, d, F // 2), torch.full((E, d, F // 32), 127), "cpu")
-    counts = torch.tensor([T * k, 0], dtype=torch.int32)
-    srt = torch.arange(T * k, dtype=torch.int32)
-    wts = torch.ones(T, k)
-    h = torch.zeros(T * k, F, dtype=torch.float16)
-    y = torch.zeros(T, k, d)
+    base, bad = gluon_cases.l2_arg_case(mgl.BM)
 
     def call(**kw):
-        args = dict(h=h, w2_bank=w2, counts=counts, srt=srt, wts=wts, y=y, topk=k, ks=k,
-                    max_tiles=_max_tiles(T * k, E))
-        args.update(kw)
-        return mgl.l2_gluon(**args)
+        return mgl.l2_gluon(**{**base, **kw})
 
-    w2_k = dbg_bank(torch.zeros(E, d, 64), torch.full((E, d, 4), 127), "cpu")  # K = 128
-    w2_n = dbg_bank(torch.zeros(E, 64, F // 2), torch.full((E, 64, F // 32), 127), "cpu")  # d 64
-    wide = torch.zeros(E, d, F // 2 + 8, dtype=torch.int8)  # rows of 200 bytes: not 16-aligned
-    w2_a = dbg_bank(wide[..., : F // 2], torch.full((E, d, F // 32), 127), "cpu")
-    h_pad = torch.zeros(T * k, F + 4, dtype=torch.float16)[:, :F]  # row stride 388: not 16 B
-    bad = [dict(h=h.float()), dict(h=torch.zeros(T * k, F - 192, dtype=torch.float16)),
-           dict(h=h_pad), dict(h=h[: T * k - 1]), dict(w2_bank=w2_k, h=h[:, :128]),
-           dict(w2_bank=w2_n, y=y[..., :64]), dict(w2_bank=w2_a),
-           dict(ks=1), dict(y=torch.zeros(T * k - 1, d)), dict(y=y.to(torch.int32)),
-           dict(y=y.double()), dict(srt=srt.long()), dict(counts=counts.long()),
-           dict(wts=wts.reshape(-1)[:-1]), dict(wts=wts.to(torch.int32)),
-           dict(counts=torch.zeros(E + 1, dtype=torch.int32))]
     for kw in bad:
         with pytest.raises(ValueError):
             call(**kw)
     assert call(max_tiles=0) is not None  # nothing to do: no launch, no Gluon needed
-    assert call(max_tiles=0).shape == (T * k, d)  # the [T * ks, d] view of y
+    y = base["y"]
+    assert call(max_tiles=0).shape == (y.shape[0] * y.shape[1], y.shape[2])  # y's 2-d view
     if not mgl._IMPORT_OK:
         with pytest.raises(RuntimeError):
             call()
         with pytest.raises(RuntimeError):
-            call(y=y.view(T * k, d), wts=wts.reshape(-1))
+            call(y=y.view(-1, y.shape[2]), wts=base["wts"].reshape(-1))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ import time
 import pytest
 import torch
 from gluon_cases import (
+    l2_arg_case,
     check_l2_out,
     check_repeats_and_graph,
     dbg_bank,
@@ -356,44 +357,26 @@ def test_l2_ws_consts_and_checks():
     assert mlw.shared_bytes(5, 3, 256) <= mlw.MAX_SHARED - 1024 < mlw.shared_bytes(6, 3, 256)
     assert mlw.shared_bytes(6, 3) == 6 * (16384 + 4096) + 3 * (16384 + 512)
     assert mlw.shared_bytes(8, 4) <= mlw.MAX_SHARED - 1024 < mlw.shared_bytes(9, 3)
-    E, d, F, k, T = 2, 128, 384, 2, 3
-    w2 = dbg_bank(torch.zeros(E, d, F // 2), torch.full((E, d, F // 32), 127), "cpu")
-    counts = torch.tensor([T * k, 0], dtype=torch.int32)
-    srt = torch.arange(T * k, dtype=torch.int32)
-    wts = torch.ones(T, k)
-    h = torch.zeros(T * k, F, dtype=torch.float16)
-    y = torch.zeros(T, k, d)
+    base, bad = l2_arg_case(mlw.BM)
+    h, w2 = base["h"], base["w2_bank"]
+    E, d, F = w2.w.shape[0], w2.n, w2.k
 
     def call(**kw):
-        args = dict(h=h, w2_bank=w2, counts=counts, srt=srt, wts=wts, y=y, topk=k, ks=k,
-                    max_tiles=_max_tiles(T * k, E))
-        args.update(kw)
-        return mlw.l2_gluon_ws(**args)
+        return mlw.l2_gluon_ws(**{**base, **kw})
 
-    w2_k = dbg_bank(torch.zeros(E, d, 64), torch.full((E, d, 4), 127), "cpu")  # K = 128
-    w2_n = dbg_bank(torch.zeros(E, 64, F // 2), torch.full((E, 64, F // 32), 127), "cpu")
-    wide = torch.zeros(E, d, F // 2 + 8, dtype=torch.int8)  # rows of 200 bytes: not 16-aligned
-    w2_a = dbg_bank(wide[..., : F // 2], torch.full((E, d, F // 32), 127), "cpu")
     # expert rows NOT one stride apart (a padded expert stride): no [G N, K / 8] TMA matrix
     padded = torch.zeros(E, d + 16, F // 2, dtype=torch.int8)
     w2_p = dbg_bank(padded[:, :d], torch.full((E, d, F // 32), 127), "cpu")
     assert w2_p.w.stride(0) != d * w2_p.w.stride(1)
     assert mlw.args_problem(h, w2) is None and mlw.args_problem(h, w2_p)
-    h_pad = torch.zeros(T * k, F + 4, dtype=torch.float16)[:, :F]  # row stride 388: not 16 B
-    bad = [dict(h=h.float()), dict(h=torch.zeros(T * k, F - 192, dtype=torch.float16)),
-           dict(h=h_pad), dict(h=h[: T * k - 1]), dict(w2_bank=w2_k, h=h[:, :128]),
-           dict(w2_bank=w2_n, y=y[..., :64]), dict(w2_bank=w2_a), dict(w2_bank=w2_p),
-           dict(ks=1), dict(y=torch.zeros(T * k - 1, d)), dict(y=y.to(torch.int32)),
-           dict(y=y.double()), dict(srt=srt.long()), dict(counts=counts.long()),
-           dict(wts=wts.reshape(-1)[:-1]), dict(wts=wts.to(torch.int32)),
-           dict(counts=torch.zeros(E + 1, dtype=torch.int32)), dict(diag=1),
-           dict(stages=1), dict(bstages=1), dict(stages=9), dict(stages=12),
-           dict(bn=192), dict(bn=256), dict(bn=256, stages=6, bstages=3)]
+    bad += [dict(w2_bank=w2_p), dict(diag=1), dict(stages=1), dict(bstages=1), dict(stages=9),
+            dict(stages=12), dict(bn=192), dict(bn=256), dict(bn=256, stages=6, bstages=3)]
     for kw in bad:
         with pytest.raises(ValueError):
             call(**kw)
     assert call(max_tiles=0) is not None  # nothing to do: no launch, no Gluon needed
-    assert call(max_tiles=0).shape == (T * k, d)  # the [T * ks, d] view of y
+    y = base["y"]
+    assert call(max_tiles=0).shape == (y.shape[0] * y.shape[1], d)  # the [T * ks, d] view of y
     if not mlw._IMPORT_OK:
         with pytest.raises(RuntimeError):
             call()
