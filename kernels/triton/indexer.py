@@ -123,57 +123,74 @@ def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_r
 
         return fallback(qi, w, ikey, positions, token_req, seq_slots, ratio=ratio,
                         weight_scale=weight_scale)
-    import triton
-
-    from megagraph.kernels.capturable._common import seg_counts, segment_tiles
-
-    from .indexer_jit import index_scores_fwd, index_scores_stream
-
-    T, hi, di = qi.shape
-    C = ikey.shape[1]
-    R = seq_slots.shape[0]
+    T, C = qi.shape[0], ikey.shape[1]
     out = torch.empty(T, C, dtype=torch.float32, device=qi.device) if out is None else out
     if T == 0 or C == 0:
         return out.fill_(float("-inf"))
     prec = "ieee" if INTERPRET else (precision or ("bf16" if products == "bf16" else PRECISION))
-    qi = qi if qi.stride(-1) == 1 else qi.contiguous()
-    ikey = ikey if ikey.stride(-1) == 1 else ikey.contiguous()
-    w = w.contiguous()
+    args = (qi if qi.stride(-1) == 1 else qi.contiguous(), w.contiguous(),
+            ikey if ikey.stride(-1) == 1 else ikey.contiguous(), out, positions, token_req,
+            seq_slots, ratio, float(weight_scale), prec)
     # the stream kernel is measured with bf16 products (V4.1's, benchmarks/index_probe.py); the
     # fp32-product modes keep the tile kernel by default
     if (variant or (VARIANT if prec == "bf16" else "tile")) == "stream":
-        long, short = stream_configs(T, R, C, prec, _sms(qi.device))
-        short = short_config or short
-        if short.bt != 1:
-            raise ValueError(f"the short class takes 1-token tiles, not {short.bt}")
-        if config is not None or token_tile:
-            long = config or long
-            long = StreamConfig(token_tile, long.bc, long.keys_m, long.warps, long.stages,
-                                long.span) if token_tile else long
-            if long.bt > LONG_REQUEST:
-                raise ValueError(f"token tile {long.bt} > LONG_REQUEST {LONG_REQUEST}: a tile "
-                                 "could meet more than two requests")
-        cls = (seg_counts(token_req, R) >= LONG_REQUEST).to(torch.int8)
-        for cfg, which in ((long, 1), (short, 0)):
-            index_scores_stream[(triton.cdiv(T, cfg.bt), triton.cdiv(C, cfg.span))](
-                qi, w, ikey, out, positions, token_req, seq_slots, cls,
-                T, C, ratio, float(weight_scale), cfg.span, qi.stride(0), qi.stride(1), w.stride(0),
-                ikey.stride(0), ikey.stride(1), out.stride(0),
-                HI=hi, DI=di, BT=cfg.bt, BC=cfg.bc, PREC=prec, KEYS_M=cfg.keys_m,
-                STAGES=cfg.stages, CLS=which, num_warps=cfg.warps, num_stages=cfg.stages)
-        return out
+        _launch_stream(*args, config, short_config, token_tile)
+    else:
+        _launch_tile(*args, token_tile)
+    return out
+
+
+def _launch_stream(qi, w, ikey, out, positions, token_req, seq_slots, ratio, weight_scale, prec,
+                   config, short_config, token_tile) -> None:
+    """index_scores_stream's two launches (stream_configs: the long and the short class)."""
+    import triton
+
+    from megagraph.kernels.capturable._common import seg_counts
+
+    from .indexer_jit import index_scores_stream
+
+    T, hi, di = qi.shape
+    C, R = ikey.shape[1], seq_slots.shape[0]
+    long, short = stream_configs(T, R, C, prec, _sms(qi.device))
+    short = short_config or short
+    if short.bt != 1:
+        raise ValueError(f"the short class takes 1-token tiles, not {short.bt}")
+    if config is not None or token_tile:
+        long = config or long
+        long = StreamConfig(token_tile, long.bc, long.keys_m, long.warps, long.stages,
+                            long.span) if token_tile else long
+        if long.bt > LONG_REQUEST:
+            raise ValueError(f"token tile {long.bt} > LONG_REQUEST {LONG_REQUEST}: a tile "
+                             "could meet more than two requests")
+    cls = (seg_counts(token_req, R) >= LONG_REQUEST).to(torch.int8)
+    for cfg, which in ((long, 1), (short, 0)):
+        index_scores_stream[(triton.cdiv(T, cfg.bt), triton.cdiv(C, cfg.span))](
+            qi, w, ikey, out, positions, token_req, seq_slots, cls,
+            T, C, ratio, weight_scale, cfg.span, qi.stride(0), qi.stride(1), w.stride(0),
+            ikey.stride(0), ikey.stride(1), out.stride(0),
+            HI=hi, DI=di, BT=cfg.bt, BC=cfg.bc, PREC=prec, KEYS_M=cfg.keys_m,
+            STAGES=cfg.stages, CLS=which, num_warps=cfg.warps, num_stages=cfg.stages)
+
+
+def _launch_tile(qi, w, ikey, out, positions, token_req, seq_slots, ratio, weight_scale, prec,
+                 token_tile) -> None:
+    """index_scores_fwd over segment_tiles' token tiles x BLOCK_C entries."""
+    import triton
+
+    from megagraph.kernels.capturable._common import segment_tiles
+
+    from .indexer_jit import index_scores_fwd
+
+    T, hi, di = qi.shape
+    C, R = ikey.shape[1], seq_slots.shape[0]
     bt = token_tile or min(MAX_TOKEN_TILE, 1 << (max(1, T // max(1, R)).bit_length() - 1))
     tiles = segment_tiles(token_req, R, bt)
-    items = tiles.items.contiguous()
-    ivalid = tiles.item_valid.to(torch.int8)
-    tslot = seq_slots[tiles.seg].contiguous()
-    bc = BLOCK_C
-    index_scores_fwd[(tiles.count, triton.cdiv(C, bc))](
-        qi, w, ikey, out, positions, items, ivalid, tslot,
-        C, ratio, float(weight_scale), qi.stride(0), qi.stride(1), w.stride(0),
+    index_scores_fwd[(tiles.count, triton.cdiv(C, BLOCK_C))](
+        qi, w, ikey, out, positions, tiles.items.contiguous(), tiles.item_valid.to(torch.int8),
+        seq_slots[tiles.seg].contiguous(),
+        C, ratio, weight_scale, qi.stride(0), qi.stride(1), w.stride(0),
         ikey.stride(0), ikey.stride(1), out.stride(0),
-        HI=hi, DI=di, BT=bt, BC=bc, PREC=prec, num_warps=8, num_stages=2)
-    return out
+        HI=hi, DI=di, BT=bt, BC=BLOCK_C, PREC=prec, num_warps=8, num_stages=2)
 
 
 index_scores.capturable = True
