@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .attention import INTERPRET, _on_device, available
+from .attention import INTERPRET, _on_device, available, sm_count
 
 PRECISION = "tf32x3"
 MAX_TOKEN_TILE = 4
@@ -97,11 +97,6 @@ def stream_configs(T: int, R: int, C: int, prec: str, sms: int) -> tuple[StreamC
     return long, short
 
 
-def _sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count \
-        if device.type == "cuda" else 1
-
-
 def supports(qi: Tensor, ikey: Tensor) -> bool:
     _, hi, di = qi.shape
     pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
@@ -151,7 +146,7 @@ def _launch_stream(qi, w, ikey, out, positions, token_req, seq_slots, ratio, wei
 
     T, hi, di = qi.shape
     C, R = ikey.shape[1], seq_slots.shape[0]
-    long, short = stream_configs(T, R, C, prec, _sms(qi.device))
+    long, short = stream_configs(T, R, C, prec, sm_count(qi.device))
     short = short_config or short
     if short.bt != 1:
         raise ValueError(f"the short class takes 1-token tiles, not {short.bt}")

@@ -550,13 +550,13 @@ def l2_gluon_ws(h, w2_bank, counts, srt, wts, y, *, topk: int, ks: int, max_tile
         return y
     if not _IMPORT_OK:
         raise RuntimeError("l2_gluon_ws needs Triton 3.6's Gluon (moe_gluon_l2_ws.available())")
-    from .moe_gluon_ws import _sm_count
+    from .attention import sm_count
 
     tiles = tile_list(counts, BM, max_tiles, tiles)
     N, K = w2_bank.n, w2_bank.k
     consts = kernel_consts(K, use_asm, ns, nu, bn=bn)
     grid = max_tiles * (N // bn)
-    grid = (max(1, min(grid, int(ctas) if ctas else _sm_count(y.device))),)
+    grid = (max(1, min(grid, int(ctas) if ctas else sm_count(y.device))),)
     h_desc, w_desc = descriptors(h, w2_bank, P, bn)
     l2_ws_kernel[grid](
         h_desc, w_desc, w2_bank.s, y, srt, wts, tiles, max_tiles, N, K, counts.numel(), P,

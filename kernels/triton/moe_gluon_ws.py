@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention import sm_count
 from .gluon_common import IMPORT_OK as _IMPORT_OK
 from .gluon_common import (
     available,  # noqa: F401  (the tests and the probe call it here)
@@ -504,7 +505,7 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
                            bstages=nu, lag=lag, diag=diag, persist=persist, a_tma=a_tma)
     grid = max_tiles * (N // BN)
     if consts["PERSIST"]:
-        grid = min(grid, int(ctas) if ctas else _sm_count(out.device))
+        grid = min(grid, int(ctas) if ctas else sm_count(out.device))
     grid = (grid,)
     w1_desc = _weight_desc(w1)
     a_desc = w1_desc  # a placeholder of the right kind where A_TMA is off (never read)
@@ -543,14 +544,3 @@ def args_problem(a_q, a_scale, w1, w3, counts, out) -> str | None:
     if a_q.stride(1) != 1 or a_q.stride(0) % 16 or a_q.data_ptr() % 16 or out.stride(1) != 1:
         return "a_q rows contiguous and 16-byte aligned (16-byte cp.async), out rows contiguous"
     return None
-
-
-_SMS: dict[int, int] = {}
-
-
-def _sm_count(device) -> int:
-    """The device's SM count (cached: the persistent grid; a CUDA-graph replay keeps it)."""
-    index = torch.device(device).index or 0
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
