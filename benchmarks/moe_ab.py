@@ -26,7 +26,8 @@ from kernel_rows import moe as m, time_ms  # noqa: E402
 
 
 def parse_configs(spec: str) -> list[tuple[str, dict]]:
-    """"name:ATTR=v,ATTR=v/name2:..." -> [(name, {ATTR: bool|int|str})]; "1"/"0" are booleans.
+    """"name:ATTR=v,ATTR=v/name2:..." -> [(name, {ATTR: bool|int|str})]; "1"/"0" are booleans,
+    other digit strings ints.
     Configurations are separated by "/" (or ";", which benchmarks/h200_check.sh splits steps on)."""
     out = []
     for part in filter(None, (p.strip() for p in spec.replace(";", "/").split("/"))):
@@ -34,7 +35,8 @@ def parse_configs(spec: str) -> list[tuple[str, dict]]:
         d = {}
         for kv in filter(None, knobs.split(",")):
             k, _, v = kv.partition("=")
-            d[k.strip()] = {"1": True, "0": False}.get(v.strip(), v.strip())
+            v = v.strip()
+            d[k.strip()] = {"1": True, "0": False}.get(v, int(v) if v.isdigit() else v)
         out.append((name.strip(), d))
     if not out:
         raise SystemExit("--configs: no configuration given")

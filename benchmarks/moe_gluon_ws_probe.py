@@ -66,7 +66,12 @@ def _parse_item(item: str) -> dict:
                                   design, timed without checks, to see which part bounds it;
       "pws ..." / "pdiag ..."     the same with persistent CTAs (one per SM);
       "tws ..." / "ptws ..."      ... with A by TMA from an expert-sorted copy (made per call,
-                                  inside the timed launch)."""
+                                  inside the timed launch);
+      "pwws ..." (w with p / t)    ... with the 128-column tile (moe_gluon_ws.BN_WIDE);
+      "ptwsws ..." (s with w)      ... its quarters one at a time (qlag 0; else the kernel's
+                                  default, WIDE_QLAG);
+      "ptowws ..." (o with w, t)   ... one upcast partition (upp 1; else the kernel's default:
+                                  two with A by TMA, WIDE_UPP)."""
     from megagraph.kernels.triton import moe_gluon_ws as mw
 
     if item.startswith("decode64"):
@@ -74,9 +79,11 @@ def _parse_item(item: str) -> dict:
         return dict(kind="decode64", stages=int(st) if st else None)
     kind, _, spec = item.partition(" ")
     flags, kind = (kind[:-2], "ws") if kind.endswith("ws") else (kind[:-4], kind[-4:])
-    persist, a_tma = "p" in flags, "t" in flags
-    if set(flags) - {"p", "t"}:
-        raise ValueError(f"item {item!r}: prefixes p (persistent) and t (A by TMA) only")
+    persist, a_tma, wide = "p" in flags, "t" in flags, "w" in flags
+    if set(flags) - {"p", "t", "w", "s", "o"}:
+        raise ValueError(f"item {item!r}: prefixes p (persistent), t (A by TMA), w (the "
+                         "128-column tile), s (its quarters one at a time) and o (one upcast "
+                         "partition) only")
     parts = spec.split(":")
     if kind not in ("ws", "diag") or not 2 <= len(parts) <= 4 or (kind == "diag") != (
             len(parts) == 4):
@@ -87,7 +94,8 @@ def _parse_item(item: str) -> dict:
         diag = sum(mw.DIAG_BITS[w] for w in parts[3].split("+"))  # KeyError: a typo
     return dict(kind=kind, stages=int(parts[0]), bstages=int(parts[1]),
                 lag=int(parts[2]) if len(parts) > 2 else None, diag=diag, persist=persist,
-                a_tma=a_tma)
+                a_tma=a_tma, bn=mw.BN_WIDE if wide else mw.BN,
+                qlag=0 if "s" in flags else None, upp=1 if "o" in flags else None)
 
 
 def _launcher(item: str, inputs, out, k: int, limit: float, tiles=None):
@@ -106,7 +114,8 @@ def _launcher(item: str, inputs, out, k: int, limit: float, tiles=None):
     return lambda: mw.l1_gluon_ws(xq, xs, srt, w1, w3, counts, out, topk=k,
                                   max_tiles=min(P, P // mw.BM + E), limit=limit, tiles=tiles,
                                   stages=it["stages"], bstages=it["bstages"], lag=it["lag"],
-                                  diag=it["diag"], persist=it["persist"], a_tma=it["a_tma"])
+                                  diag=it["diag"], persist=it["persist"], a_tma=it["a_tma"],
+                                  bn=it["bn"], qlag=it["qlag"], upp=it["upp"])
 
 
 def check(T: int, dims: dict, limit: float, item: str, routing: str) -> dict:

@@ -152,6 +152,16 @@ WIDE_BT = 64
 # prefill L2's, so the two share one tile list)
 GLUON_WS_L1 = os.environ.get("MEGAGRAPH_MOE_GLUON_WS_L1", "1") == "1"
 WS_STAGES, WS_BSTAGES = 6, 3
+# its tile's columns of W1 / W3: 64, or 128 (moe_gluon_ws.BN_WIDE: each A chunk feeds twice the
+# wgmma columns, half the A bytes from L2 per MMA; the same bits) where F % 128 == 0, on its own
+# rings WS_WIDE_STAGES / WS_WIDE_BSTAGES (4:2, the deepest that fits 227 KB). 128 by default
+# (twelfth session, H200, 8192 tokens: the L1 7.94 -> 6.94 ms, mega_moe 12.60 -> 11.51 ms;
+# benchmarks/results/moe-ws-wide-12-h200.md)
+WS_L1_BN = int(os.environ.get("MEGAGRAPH_MOE_GLUON_WS_L1_BN", "128"))
+WS_WIDE_STAGES, WS_WIDE_BSTAGES = 4, 2
+# ... with A by TMA (its light loader leaves the registers for a second upcast partition:
+# moe_gluon_ws.WIDE_UPP)
+WS_WIDE_A_TMA = os.environ.get("MEGAGRAPH_MOE_GLUON_WS_WIDE_A_TMA", "1") == "1"
 # its A rows by TMA from an expert-sorted copy made per call (moe_gluon_ws.A_TMA). Off: on the
 # H200 mega_moe at 8192 tokens took 13.08 vs 13.14 ms with it (one call, two rounds, same
 # outputs) - 0.4% for a 252 MB copy per call; the L1's load floor did not move (3.22 vs 3.19 ms)
@@ -743,8 +753,11 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
         from . import moe_gluon_ws as mod
 
         ok = True
-        pick = (functools.partial(mod.l1_gluon_ws, persist=True, stages=WS_STAGES,
-                                  bstages=WS_BSTAGES, a_tma=WS_A_TMA), mod.BM)
+        wide = WS_L1_BN == mod.BN_WIDE and w1.n % mod.BN_WIDE == 0
+        rings = (WS_WIDE_STAGES, WS_WIDE_BSTAGES) if wide else (WS_STAGES, WS_BSTAGES)
+        pick = (functools.partial(mod.l1_gluon_ws, persist=True, stages=rings[0],
+                                  bstages=rings[1], a_tma=WS_WIDE_A_TMA if wide else WS_A_TMA,
+                                  bn=mod.BN_WIDE if wide else mod.BN), mod.BM)
     elif rows_per_group > WIDE_L1_MIN_ROWS and GLUON_WIDE_L1:
         from . import moe_gluon_decode as mod
 

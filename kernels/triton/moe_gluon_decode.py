@@ -585,15 +585,16 @@ def _tma_fits(bank) -> bool:
     return bank.w.stride(0) == N * bank.w.stride(1) and G * N < 2 ** 31
 
 
-def _weight_desc(bank):
+def _weight_desc(bank, box_rows: int = BW):
     """The host TMA descriptor of a bank's packed MXFP4 bytes as one [G N, K / 2] matrix (row
     g N + n = expert g's weight row n; boxes [BW, BK / 2]): what l1_decode_tma_kernel copies
     from. The rows of all experts must be one stride apart (stride(0) == N stride(1)) and
     G N must fit the descriptor's int32 coordinates; the 16-byte base / row alignment TMA
     needs is what the launcher already checks. Built per call (a host-side cuTensorMap filled
-    at launch and passed by value: CUDA-graph capturable)."""
+    at launch and passed by value: CUDA-graph capturable). box_rows: the box's weight rows
+    (moe_gluon_ws's 128-column tile takes 128)."""
     w = bank.w.view(torch.uint8)
     G, N, KB = w.shape
     if not _tma_fits(bank):
         raise ValueError("load='tma' needs the experts' weight rows one stride apart, G N < 2^31")
-    return TensorDescriptor(w, [G * N, KB], [w.stride(1), 1], [BW, BK // 2], W_TMA_LAYOUT)
+    return TensorDescriptor(w, [G * N, KB], [w.stride(1), 1], [box_rows, BK // 2], W_TMA_LAYOUT)

@@ -53,6 +53,17 @@ warpgroups the registers the producers do not take (REGS: launch maxnreg 128 = 6
 CTA, one CTA per SM). Shared memory per ring stage 25 KB (A 16 KB, W1 + W3 8 KB, exponents,
 scales) and per B stage 16.5 KB: NS = 4, NU = 2 by default (~134 KB).
 
+The 128-column tile (bn=BN_WIDE; routed_experts' default since the twelfth session, moe.WS_L1_BN):
+128 rows x 128 columns of W1 AND of W3 per CTA, so each A chunk feeds 256 wgmma columns and the A
+stream from L2 (the 64-column tile's floor, tenth session) halves. Each MMA warpgroup holds four
+64 x 64 accumulators (128 registers) and runs the chunk's four quarters one at a time (qlag 0) or
+with the next in flight (qlag 1, measured slower); the promotion is a non-pure asm fma so LLVM
+cannot sink it below the next wgmmas (all four partials live: spilled). With A by TMA the loader
+needs 24-32 registers, which pays for a second upcast partition (upp 2: W1's and W3's, 20 warps at
+a launch cap of 96): 8192 tokens on the H200, 7.94 ms (64 columns) -> 6.94 (128, gathered A) ->
+6.21 ms (128, A by TMA, two upcasts; benchmarks/results/moe-ws-wide-12-h200.md). The same bits as
+the 64-column tile (the same wgmmas and promotion per output element).
+
 Triton 3.6 sm_90 build (tests/kernels/test_moe_gluon_ws.py, not yet run on a GPU): no stack, no
 spills, setmaxnreg 200 / 200 / 64 / 48, 136636 B shared (NS 6 / NU 3 fits too); per chunk the MMA
 loop is 217 instructions (8 QGMMA 64x64x32, 64 FMUL + 64 FFMA of promotion), the upcast loop 306
@@ -90,6 +101,13 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     from .moe_gluon_decode import upcast_packs
 
 BM, BN, BK = 128, 64, 128
+# the wgmma's n and the upcast's row block: a BN = 128 tile (opt-in, BN_WIDE) runs its W1 / W3
+# columns as two 64-column halves of these layouts
+WN = 64
+BN_WIDE = 128
+# ring depths of the BN = 128 tile: a raw stage is 33.5 KB (A 16, W1 + W3 16), a B stage 33 KB,
+# so 4:2 (200 KB) is the deepest that fits; REGS_WIDE its setmaxnreg (one partial in flight)
+NS_WIDE, NU_WIDE = 4, 2
 NS, NU = 4, 2  # default depths of the raw ring (A, packed W, exponents, scales) and the B ring
 LAG = 1  # chunks of gathered A copies the loader keeps in flight beyond the one it waits for
 # DIAG bits (timing diagnosis only, WRONG results): 1 no upcast, 2 no wgmma, 4 no A copies
@@ -107,13 +125,26 @@ MAXNREG = 128  # launch register cap: 16 warps x 32 x 128 = the SM's 64K registe
 # setmaxnreg of the workers (MMA rows 64..127, upcast, loader); the default partition gets the
 # rest of the 4 x 128 per thread: 512 - 200 - 64 - 48 = 200
 REGS = (200, 64, 48)
+# BN = 128: each MMA warpgroup holds four 64 x 64 fp32 accumulators (128 registers) and one
+# 64 x 64 partial at a time (its promotion before the next quarter's wgmma), so the same split
+REGS_WIDE = (200, 64, 48)
+# ... and with the next quarter's wgmma in flight during a promotion (WIDE_QLAG 1: two partials
+# live, 64 registers more than one): the MMA warpgroups take what the producers can spare
+WIDE_QLAG = 0  # 1 measured 6.92 ms against 6.74 for 0 (8192 tokens, A by TMA; H200)
+REGS_WIDE_Q = (216, 56, 24)
+# ... and with two upcast partitions (W1's and W3's: two upcast warps per scheduler), 20 warps at
+# a launch cap of 96 registers: 480 per warpgroup lane = 184 + 184 (MMA; no spills down to 176
+# at qlag 0) + 2 x 40 (upcast) + 32 (the A-by-TMA loader)
+WIDE_UPP = 2
+REGS_WIDE_U2 = (184, 40, 32)
 
 if _IMPORT_OK:
     # ---- layouts (every partition is 4 warps) -------------------------------------------------
     # the MMA warpgroup's m64n64k32 accumulator, its rows (A scales, output rows) and columns
     MMA_L = ttgl.constexpr(ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BN, 32]))
+                                                       instr_shape=[16, WN, 32]))
     ROW_L = ttgl.constexpr(ttgl.SliceLayout(1, MMA_L))
+    WN_C = ttgl.constexpr(WN)  # WN inside the kernels
     COL_L = ttgl.constexpr(ttgl.SliceLayout(0, MMA_L))
     # packed bytes [BN rows, 64 bytes]: 16 bytes (= one 32-column group t) of one row per thread,
     # lanes (t, t, row, row, row), warps rows 8 / 16, register rows 32
@@ -123,7 +154,7 @@ if _IMPORT_OK:
     P_L = ttgl.constexpr(ttgl.DistributedLinearLayout(
         reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 1, 0], [0, 0, 2, 0], [32, 0, 0, 0]],
         lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
-        warp_bases=[[8, 0, 0, 0], [16, 0, 0, 0]], block_bases=[], shape=[BN, 4, 4, 4]))
+        warp_bases=[[8, 0, 0, 0], [16, 0, 0, 0]], block_bases=[], shape=[WN, 4, 4, 4]))
     # the upcast tile [BN, BK] E4M3: the thread's 32 columns 32 t .. 32 t + 31 of its rows, in
     # register order (two 16-byte st.shared per row)
     B_L = ttgl.constexpr(ttgl.BlockedLayout([1, 32], [8, 4], [4, 1], [1, 0]))
@@ -278,7 +309,7 @@ if _IMPORT_OK:
     def _upcaster(ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM: ttgl.constexpr,
                   BM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
                   NS: ttgl.constexpr, NU: ttgl.constexpr, DIAG: ttgl.constexpr,
-                  PERSIST: ttgl.constexpr):
+                  PERSIST: ttgl.constexpr, MATS: ttgl.constexpr):
         """Raw ring stage -> B ring stage, chunk by chunk (see the module docstring). One proxy
         fence per chunk covers both directions: this partition's st.shared of the B stage before
         the wgmma reads it, and its ld.shared of the raw stage before the next TMA writes it.
@@ -294,10 +325,15 @@ if _IMPORT_OK:
             mbarrier.wait(b_free.index(u), phu ^ 1)
             sb = sb_r.index(u)
             if (DIAG & 1) == 0:
-                _upcast_store(w1_r.index(s), e_r.index(s), 0, b1_r.index(u), sb.slice(0, BN),
-                              USE_ASM, BN, BK)
-                _upcast_store(w3_r.index(s), e_r.index(s), BN, b3_r.index(u), sb.slice(BN, BN),
-                              USE_ASM, BN, BK)
+                for h in ttgl.static_range(BN // WN_C):  # 64-row blocks (two where BN = 128)
+                    if (MATS & 1) != 0:
+                        _upcast_store(w1_r.index(s).slice(h * WN_C, WN_C), e_r.index(s),
+                                      h * WN_C, b1_r.index(u).slice(h * WN_C, WN_C),
+                                      sb.slice(h * WN_C, WN_C), USE_ASM, WN_C, BK)
+                    if (MATS & 2) != 0:
+                        _upcast_store(w3_r.index(s).slice(h * WN_C, WN_C), e_r.index(s),
+                                      BN + h * WN_C, b3_r.index(u).slice(h * WN_C, WN_C),
+                                      sb.slice(BN + h * WN_C, WN_C), USE_ASM, WN_C, BK)
             fence_async_shared()
             _release(r_free, c, NS)
             mbarrier.arrive(b_ready.index(u), count=1)
@@ -350,22 +386,136 @@ if _IMPORT_OK:
         return c0 + K // BK
 
     @gluon.jit
+    def _promote(acc, part, sa, sb_s):
+        """acc += part * (sa x sb): the chunk's fp32 partial of one 64 x 64 quarter, promoted by
+        the rows' A scales sa and the quarter's columns' weight frames (sb_s: their [64] slice of
+        the B stage's scales)."""
+        sb = sb_s.load(COL_L)
+        scale = ttgl.expand_dims(sa, 1) * ttgl.expand_dims(sb, 0)
+        # fma(part, scale, acc): what acc + part * scale contracts to (the BN = 64 loop's FFMA),
+        # as NON-pure asm: LLVM keeps volatile asm in program order, so the promotion stays
+        # between this quarter's wait and the next quarter's wgmma. As plain arithmetic LLVM
+        # sinks it below the later wgmmas (their asm does not read acc) and all four partials
+        # are live at once: 128 + 128 registers, spilled.
+        return ttgl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=r,r,r,r",
+                                           [part, scale, acc], dtype=ttgl.float32,
+                                           is_pure=False, pack=1)
+
+    @gluon.jit
+    def _quarter(a_s, b_s, t):
+        """The chunk's wgmma of one 64 x 64 quarter (A rows of this warpgroup x 64 rows of an
+        upcast B tile) into a fresh partial, waited for. use_acc=False ignores the accumulator
+        operand; passing the previous quarter's (dead, promoted) partial as that operand
+        instead of a zero tensor lets the wgmma write in place, so no zero tile stays live
+        beside the partial (32 registers a thread: the difference between fitting and spilling
+        at REGS_WIDE)."""
+        return warpgroup_mma_wait(0, deps=[_issue(a_s, b_s, t)])
+
+    @gluon.jit
+    def _issue(a_s, b_s, t):
+        """_quarter's wgmma, not waited for."""
+        return warpgroup_mma(a_s, b_s.permute((1, 0)), t, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _mma_tile_wide(ring, bars, bring, c_ptr, row0, nrows, n0, N, K, c0, limit, stride_cm,
+                       M0: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr, BN: ttgl.constexpr,
+                       BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
+                       DIAG: ttgl.constexpr, QLAG: ttgl.constexpr):
+        """_mma_tile for BN = 128: rows M0 .. M0 + 63 x 128 columns of W1 and of W3 as four 64 x
+        64 accumulators (W1 columns 0..63 / 64..127, the same of W3: 128 registers a thread).
+        Per chunk the four quarters' wgmmas run one at a time, each waited for and promoted
+        before the next is issued, so only one 64 x 64 partial is live (64 + 128 registers fit
+        the 200 of REGS_WIDE; two in flight would not); the other MMA warpgroup's wgmmas fill
+        the tensor core while this one promotes. Numerics are _mma_tile's: the same m64n64k32
+        wgmmas per output element and the same promotion, so the same bits as BN = 64."""
+        a_r, _, _, _, sa_r = ring
+        r_ready, r_free, b_ready, b_free = bars
+        b1_r, b3_r, sb_r = bring
+        t = ttgl.zeros([64, WN_C], ttgl.float32, MMA_L)  # the partial, carried (see _quarter)
+        t2 = ttgl.zeros([64, WN_C], ttgl.float32, MMA_L)  # QLAG 1: the second one
+        acc1a = ttgl.zeros([64, WN_C], ttgl.float32, MMA_L)
+        acc1b = ttgl.zeros([64, WN_C], ttgl.float32, MMA_L)
+        acc3a = ttgl.zeros([64, WN_C], ttgl.float32, MMA_L)
+        acc3b = ttgl.zeros([64, WN_C], ttgl.float32, MMA_L)
+        for i in range(K // BK):
+            c = c0 + i
+            s, ph = _stage(c, NS)
+            u, phu = _stage(c, NU)
+            mbarrier.wait(r_ready.index(s), ph)
+            mbarrier.wait(b_ready.index(u), phu)
+            if (DIAG & 2) == 0:
+                a_s = a_r.index(s).slice(M0, 64)
+                b1 = b1_r.index(u)
+                b3 = b3_r.index(u)
+                sb = sb_r.index(u)
+                sa = sa_r.index(s).slice(M0, 64).load(ROW_L)
+                if QLAG == 0:
+                    t = _quarter(a_s, b1.slice(0, WN_C), t)
+                    acc1a = _promote(acc1a, t, sa, sb.slice(0, WN_C))
+                    t = _quarter(a_s, b1.slice(WN_C, WN_C), t)
+                    acc1b = _promote(acc1b, t, sa, sb.slice(WN_C, WN_C))
+                    t = _quarter(a_s, b3.slice(0, WN_C), t)
+                    acc3a = _promote(acc3a, t, sa, sb.slice(BN, WN_C))
+                    t = _quarter(a_s, b3.slice(WN_C, WN_C), t)
+                    acc3b = _promote(acc3b, t, sa, sb.slice(BN + WN_C, WN_C))
+                else:
+                    # the next quarter's wgmma in flight while this one's partial is promoted:
+                    # two partials live (t, t2), each wgmma written into the registers of the
+                    # partial promoted just before it
+                    p0 = _issue(a_s, b1.slice(0, WN_C), t)
+                    p1 = _issue(a_s, b1.slice(WN_C, WN_C), t2)
+                    p0 = warpgroup_mma_wait(1, deps=[p0])
+                    acc1a = _promote(acc1a, p0, sa, sb.slice(0, WN_C))
+                    p2 = _issue(a_s, b3.slice(0, WN_C), p0)
+                    p1 = warpgroup_mma_wait(1, deps=[p1])
+                    acc1b = _promote(acc1b, p1, sa, sb.slice(WN_C, WN_C))
+                    p3 = _issue(a_s, b3.slice(WN_C, WN_C), p1)
+                    p2 = warpgroup_mma_wait(1, deps=[p2])
+                    acc3a = _promote(acc3a, p2, sa, sb.slice(BN, WN_C))
+                    p3 = warpgroup_mma_wait(0, deps=[p3])
+                    acc3b = _promote(acc3b, p3, sa, sb.slice(BN + WN_C, WN_C))
+                    t = p2
+                    t2 = p3
+            _release(r_free, c, NS)
+            mbarrier.arrive(b_free.index(u), count=1)
+        rm = M0 + ttgl.arange(0, 64, layout=ROW_L)
+        rows = (rm < nrows)[:, None]
+        base = c_ptr + ((row0 + rm).to(ttgl.int64) * stride_cm)[:, None]
+        rn = n0 + ttgl.arange(0, WN_C, layout=COL_L)
+        h = swiglu(acc1a, acc3a, limit, HAS_LIMIT)
+        ttgl.store(base + rn[None, :], h.to(c_ptr.dtype.element_ty),
+                   mask=rows & (rn < N)[None, :])
+        h = swiglu(acc1b, acc3b, limit, HAS_LIMIT)
+        ttgl.store(base + (rn + WN_C)[None, :], h.to(c_ptr.dtype.element_ty),
+                   mask=rows & (rn + WN_C < N)[None, :])
+        return c0 + K // BK
+
+    @gluon.jit
     def _mma(ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit, stride_cm,
              M0: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr, BM: ttgl.constexpr,
              BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
-             DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr):
+             DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr, QLAG: ttgl.constexpr):
         """An MMA warpgroup (rows M0 .. M0 + 63 of each tile) over this CTA's tiles."""
         c = 0
         if PERSIST:
             for t in range(tile, ttgl.load(work_ptr) * (N // BN), ttgl.num_programs(0)):
                 skip, _, row0, nrows, pid_n = tile_entry(work_ptr, t, N // BN, MT, G, P, BM)
                 if not skip:
-                    c = _mma_tile(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N, K, c,
-                                  limit, stride_cm, M0, HAS_LIMIT, BN, BK, NS, NU, DIAG)
+                    if BN == WN_C:
+                        c = _mma_tile(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N, K,
+                                      c, limit, stride_cm, M0, HAS_LIMIT, BN, BK, NS, NU, DIAG)
+                    else:
+                        c = _mma_tile_wide(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N,
+                                           K, c, limit, stride_cm, M0, HAS_LIMIT, BN, BK, NS,
+                                           NU, DIAG, QLAG)
         else:
             _, _, row0, nrows, pid_n = tile_entry(work_ptr, tile, N // BN, MT, G, P, BM)
-            _mma_tile(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N, K, c, limit,
-                      stride_cm, M0, HAS_LIMIT, BN, BK, NS, NU, DIAG)
+            if BN == WN_C:
+                _mma_tile(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N, K, c, limit,
+                          stride_cm, M0, HAS_LIMIT, BN, BK, NS, NU, DIAG)
+            else:
+                _mma_tile_wide(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N, K, c, limit,
+                               stride_cm, M0, HAS_LIMIT, BN, BK, NS, NU, DIAG, QLAG)
 
     @gluon.jit
     def _tile_chunks(work_ptr, tile, MT, G, P, N, K, BM: ttgl.constexpr, BN: ttgl.constexpr,
@@ -393,14 +543,15 @@ if _IMPORT_OK:
                      USE_ASM: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
                      BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
                      LAG: ttgl.constexpr, DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr,
-                     A_TMA: ttgl.constexpr, R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr,
-                     R_LD: ttgl.constexpr):
+                     A_TMA: ttgl.constexpr, QLAG: ttgl.constexpr, UPP: ttgl.constexpr,
+                     R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr, R_LD: ttgl.constexpr):
         """Program pid: row tile pid // (N / BN) of moe.tile_list at BM rows, columns
         (pid % (N / BN)) * BN of W1 and W3 (w1_desc / w3_desc: the banks as [G N, K / 2] bytes,
         boxes [BN, BK / 2]). N % BN == 0, K % BK == 0 (the launcher checks); out-of-range list
         entries exit before any pointer is formed or any warp is specialized."""
         ttgl.static_assert(BM == 128, "two MMA warpgroups of 64 rows")
-        ttgl.static_assert(BN == 64, "64 columns of W1 and W3 (the wgmma's n, the TMA box)")
+        ttgl.static_assert((BN == WN_C) | (BN == 2 * WN_C),
+                           "64 or 128 columns of W1 and W3 (the TMA box; 64-column wgmmas)")
         ttgl.static_assert(BK == 128, "128-column chunks (one A scale per chunk)")
         ttgl.static_assert((NS >= 2) & (NU >= 2), "double-buffered rings at least")
         ttgl.static_assert((LAG >= 1) & (LAG < NS), "1 <= LAG <= NS - 1 (the loader's lag)")
@@ -425,42 +576,88 @@ if _IMPORT_OK:
         b_free = ttgl.allocate_shared_memory(ttgl.int64, [NU, 1], mbarrier.MBarrierLayout())
         for s in ttgl.static_range(NS):
             mbarrier.init(r_ready.index(s), count=2)  # the TMA's expect + the loader's arrive
-            mbarrier.init(r_free.index(s), count=3)  # 2 MMA warpgroups + the upcast warps
+            # 2 MMA warpgroups + the upcast partitions (UPP: one, or two - W1 / W3 - each)
+            mbarrier.init(r_free.index(s), count=2 + UPP)
         for u in ttgl.static_range(NU):
-            mbarrier.init(b_ready.index(u), count=1)
+            mbarrier.init(b_ready.index(u), count=UPP)
             mbarrier.init(b_free.index(u), count=2)
         fence_async_shared()  # the initialized barriers, before the TMA unit signals them
 
         ring = (a_r, w1_r, w3_r, e_r, sa_r)
         bring = (b1_r, b3_r, sb_r)
         bars = (r_ready, r_free, b_ready, b_free)
-        ttgl.warp_specialize([
-            (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit, stride_cm,
-                    0, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST)),
-            (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit, stride_cm,
-                    64, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST)),
-            (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN, BK,
-                         NS, NU, DIAG, PERSIST)),
-            (_loader, (a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr, ring,
-                       (r_ready, r_free), work_ptr, tile, MT, G, P, N, K, stride_am, stride_as,
-                       stride_bsg, stride_bsn, TOPK, BM, BN, BK, NS, LAG, DIAG, PERSIST,
-                       A_TMA)),
-        ], [4, 4, 4], [R_MMA, R_UP, R_LD])
+        # (Gluon: the partitions' argument tuples written out in each call - a tuple bound to a
+        # name first loses its constexprs)
+        if UPP == 1:
+            ttgl.warp_specialize([
+                (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
+                        stride_cm, 0, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST, QLAG)),
+                (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
+                        stride_cm, 64, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST, QLAG)),
+                (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN,
+                             BK, NS, NU, DIAG, PERSIST, 3)),
+                (_loader, (a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr,
+                           ring, (r_ready, r_free), work_ptr, tile, MT, G, P, N, K, stride_am,
+                           stride_as, stride_bsg, stride_bsn, TOPK, BM, BN, BK, NS, LAG, DIAG,
+                           PERSIST, A_TMA)),
+            ], [4, 4, 4], [R_MMA, R_UP, R_LD])
+        else:  # two upcast partitions: W1's and W3's
+            ttgl.warp_specialize([
+                (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
+                        stride_cm, 0, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST, QLAG)),
+                (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
+                        stride_cm, 64, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST, QLAG)),
+                (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN,
+                             BK, NS, NU, DIAG, PERSIST, 1)),
+                (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN,
+                             BK, NS, NU, DIAG, PERSIST, 2)),
+                (_loader, (a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr,
+                           ring, (r_ready, r_free), work_ptr, tile, MT, G, P, N, K, stride_am,
+                           stride_as, stride_bsg, stride_bsn, TOPK, BM, BN, BK, NS, LAG, DIAG,
+                           PERSIST, A_TMA)),
+            ], [4, 4, 4, 4], [R_MMA, R_UP, R_UP, R_LD])
 
 
-def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True, stages: int = NS,
-                  bstages: int = NU, lag: int | None = None, diag: int = 0,
-                  persist: bool | None = None, a_tma: bool | None = None,
-                  regs: tuple[int, int, int] = REGS) -> dict:
+def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
+                  stages: int | None = None, bstages: int | None = None, lag: int | None = None,
+                  diag: int = 0, persist: bool | None = None, a_tma: bool | None = None,
+                  regs: tuple[int, int, int] | None = None, bn: int = BN,
+                  qlag: int | None = None, upp: int | None = None) -> dict:
     """l1_ws_kernel's constexprs (the launcher's and the ahead-of-time build test's); lag None:
-    LAG (clamped to stages - 1)."""
-    r_mma, r_up, r_ld = regs
+    LAG (clamped to stages - 1); stages / bstages / regs None: the tile's defaults (NS / NU /
+    REGS at bn 64, NS_WIDE / NU_WIDE / REGS_WIDE at bn 128); qlag (bn 128 only): 1 = the next
+    quarter's wgmma issued before this one's promotion (REGS_WIDE_Q), 0 = one at a time; None:
+    WIDE_QLAG with A by TMA, else 0. upp: upcast partitions, 1, or 2 (W1's and W3's: bn 128
+    with A by TMA and qlag 0 only, REGS_WIDE_U2, launch_maxnreg 96); None: WIDE_UPP there, else
+    1."""
+    if bn not in (BN, BN_WIDE):
+        raise ValueError(f"bn {bn}: {BN} or {BN_WIDE}")
+    wide = bn == BN_WIDE
+    stages = (NS_WIDE if wide else NS) if stages is None else int(stages)
+    bstages = (NU_WIDE if wide else NU) if bstages is None else int(bstages)
+    r_mma, r_up, r_ld = (REGS_WIDE if wide else REGS) if regs is None else regs
     lag = min(LAG, stages - 1) if lag is None else int(lag)
     persist = PERSIST if persist is None else bool(persist)
     a_tma = A_TMA if a_tma is None else bool(a_tma)
-    return dict(TOPK=topk, HAS_LIMIT=has_limit, USE_ASM=use_asm, BM=BM, BN=BN, BK=BK, NS=stages,
-                NU=bstages, LAG=lag, DIAG=int(diag), PERSIST=persist, A_TMA=a_tma, R_MMA=r_mma,
-                R_UP=r_up, R_LD=r_ld)
+    # qlag None: WIDE_QLAG where A comes by TMA (its loader fits 24 registers), else 0 (the
+    # gathered A's loader needs 48: no room for the second partial)
+    qlag = ((WIDE_QLAG if a_tma else 0) if qlag is None else int(qlag)) if wide else 0
+    if qlag not in (0, 1):
+        raise ValueError(f"qlag {qlag}: 0 or 1")
+    upp = ((WIDE_UPP if wide and a_tma and qlag == 0 else 1) if upp is None else int(upp))
+    if upp not in (1, 2) or (upp == 2 and not (wide and a_tma and qlag == 0)):
+        raise ValueError(f"upp {upp}: 1, or 2 with bn {BN_WIDE}, A by TMA and qlag 0")
+    if regs is None and wide:
+        r_mma, r_up, r_ld = REGS_WIDE_U2 if upp == 2 else REGS_WIDE_Q if qlag else REGS_WIDE
+    return dict(TOPK=topk, HAS_LIMIT=has_limit, USE_ASM=use_asm, BM=BM, BN=bn, BK=BK, NS=stages,
+                NU=bstages, LAG=lag, DIAG=int(diag), PERSIST=persist, A_TMA=a_tma, QLAG=qlag,
+                UPP=upp, R_MMA=r_mma, R_UP=r_up, R_LD=r_ld)
+
+
+def launch_maxnreg(consts: dict) -> int:
+    """The launch register cap for kernel_consts(...): the SM's 64K registers over the CTA's
+    warps (16: 128; 20 with two upcast partitions: 96, a multiple of 8)."""
+    return MAXNREG if consts["UPP"] == 1 else 96
 
 
 def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tiles: int,
@@ -468,7 +665,8 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
                 use_asm: bool | None = None, stages: int | None = None,
                 bstages: int | None = None, lag: int | None = None,
                 diag: int = 0, persist: bool | None = None,
-                ctas: int | None = None, a_tma: bool | None = None) -> torch.Tensor:
+                ctas: int | None = None, a_tma: bool | None = None,
+                bn: int = BN, qlag: int | None = None, upp: int | None = None) -> torch.Tensor:
     """out [P, F] (expert-sorted rows; fp16 in routed_experts, fp32 / bf16 fine; a row-strided
     view is fine) = swiglu(A W1^T, A W3^T) per expert, A row of sorted row r = a_q[a_idx[r] //
     topk] (E4M3 [T, d] with 16-byte aligned rows, a_scale [T, d / 128] f32); w1 / w3: moe.Bank
@@ -481,17 +679,20 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     diag: DIAG bits - skips work and gives WRONG results, for timing diagnosis only; persist:
     one CTA per SM over all tiles (default PERSIST); ctas: the persistent grid instead of the SM
     count (the tests walk many tiles per CTA at small sizes); a_tma: A by TMA from an
-    expert-sorted copy of its rows made here (default A_TMA)."""
+    expert-sorted copy of its rows made here (default A_TMA); bn: the tile's columns of W1 and
+    W3, BN (64) or BN_WIDE (128: half the A bytes per MMA - each A chunk feeds 256 wgmma
+    columns -, the same bits; its ring defaults NS_WIDE / NU_WIDE); qlag / upp: kernel_consts'."""
     from .moe_gluon_decode import _weight_desc
 
     if not _IMPORT_OK:
         raise RuntimeError("l1_gluon_ws needs Triton 3.6 Gluon")
-    problem = args_problem(a_q, a_scale, w1, w3, counts, out)
+    problem = args_problem(a_q, a_scale, w1, w3, counts, out, bn)
     if problem:
         raise ValueError(problem)
     N, K = w1.n, w1.k
-    ns = NS if stages is None else int(stages)
-    nu = NU if bstages is None else int(bstages)
+    wide = bn == BN_WIDE
+    ns = (NS_WIDE if wide else NS) if stages is None else int(stages)
+    nu = (NU_WIDE if wide else NU) if bstages is None else int(bstages)
     if ns < 2 or nu < 2:
         raise ValueError(f"stages {ns} / bstages {nu}: at least 2 each")
     if lag is not None and not 1 <= int(lag) < ns:
@@ -502,12 +703,13 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     tiles = tile_list(counts, BM, max_tiles, tiles)
     consts = kernel_consts(topk=topk, has_limit=limit is not None and limit > 0,
                            use_asm=True if use_asm is None else bool(use_asm), stages=ns,
-                           bstages=nu, lag=lag, diag=diag, persist=persist, a_tma=a_tma)
-    grid = max_tiles * (N // BN)
+                           bstages=nu, lag=lag, diag=diag, persist=persist, a_tma=a_tma,
+                           bn=bn, qlag=qlag, upp=upp)
+    grid = max_tiles * (N // bn)
     if consts["PERSIST"]:
         grid = min(grid, int(ctas) if ctas else sm_count(out.device))
     grid = (grid,)
-    w1_desc = _weight_desc(w1)
+    w1_desc = _weight_desc(w1, bn)
     a_desc = w1_desc  # a placeholder of the right kind where A_TMA is off (never read)
     if consts["A_TMA"]:
         from .gluon_common import TensorDescriptor
@@ -516,14 +718,14 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
         a_desc = TensorDescriptor(a_sorted, [P, K], [a_sorted.stride(0), 1], [BM, BK],
                                   A_TMA_LAYOUT)
     l1_ws_kernel[grid](
-        a_q, a_desc, a_scale, a_idx, w1_desc, w1.s, _weight_desc(w3), w3.s, out, tiles,
+        a_q, a_desc, a_scale, a_idx, w1_desc, w1.s, _weight_desc(w3, bn), w3.s, out, tiles,
         max_tiles, N, K, counts.numel(), P, float(limit or 0.0), a_q.stride(0),
         a_scale.stride(0), w1.s.stride(0), w1.s.stride(1), out.stride(0), **consts,
-        num_warps=NUM_WARPS, maxnreg=MAXNREG)
+        num_warps=NUM_WARPS, maxnreg=launch_maxnreg(consts))
     return out
 
 
-def args_problem(a_q, a_scale, w1, w3, counts, out) -> str | None:
+def args_problem(a_q, a_scale, w1, w3, counts, out, bn: int = BN) -> str | None:
     """Why l1_gluon_ws cannot take these arguments, or None (its launcher raises it;
     moe._gluon_l1 asks first and falls through to another L1): the formats, the tile, the
     banks' copies, the TMA weight stream, 16-byte A rows and contiguous out rows. counts None:
@@ -534,8 +736,10 @@ def args_problem(a_q, a_scale, w1, w3, counts, out) -> str | None:
     if problem:
         return problem
     N, K = w1.n, w1.k
-    if N % BN or K % BK or w3.n != N or w3.k != K:
-        return f"N {N} / K {K} do not fit the {BN}-column tile / {BK}-column chunk"
+    if bn not in (BN, BN_WIDE):
+        return f"bn {bn}: {BN} or {BN_WIDE}"
+    if N % bn or K % BK or w3.n != N or w3.k != K:
+        return f"N {N} / K {K} do not fit the {bn}-column tile / {BK}-column chunk"
     problem = l1_bank_problem(w1, w3, counts)
     if problem:
         return problem

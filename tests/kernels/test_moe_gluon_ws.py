@@ -1,5 +1,7 @@
 """The warp-specialized Gluon prefill L1 (kernels/triton/moe_gluon_ws.py): loader / upcast / two
-MMA warpgroups on mbarrier rings, BM = 128 expert-sorted rows x BN = 64 columns of W1 and W3.
+MMA warpgroups on mbarrier rings, BM = 128 expert-sorted rows x BN = 64 or 128 (BN_WIDE) columns of
+W1 and W3; the 128-column tile's schedules (A by TMA, qlag, two upcast partitions) give the
+64-column tile's bits.
 
 GPU (CUDA sm_90 + Triton 3.6 Gluon, else skipped): against the fp32 math of the same quantized
 operands (gluon_cases.reference) and the Triton L1 launch of routed_experts (moe.gemm role "l1")
@@ -67,26 +69,39 @@ def _triton_l1(xq, xs, a_idx, w1, w3, counts, k, limit, F):
     return h
 
 
+W = mw.BN_WIDE  # the 128-column tile
+
+
 @gpu
-@pytest.mark.parametrize("stages,bstages,lag,persist,a_tma", [
-    (None, None, None, None, None), (3, 2, None, None, None), (6, 3, None, None, None),
-    (4, 2, 3, None, None), (6, 3, 5, None, None), (3, 2, 2, None, None), (4, 2, 1, True, None),
-    (4, 2, 3, True, None), (6, 3, 2, True, None), (2, 2, 1, True, None), (4, 2, 1, None, True),
-    (6, 3, 1, True, True), (6, 3, 3, True, True)])
+@pytest.mark.parametrize("stages,bstages,lag,persist,a_tma,bn", [
+    (None, None, None, None, None, 64), (3, 2, None, None, None, 64),
+    (6, 3, None, None, None, 64), (4, 2, 3, None, None, 64), (6, 3, 5, None, None, 64),
+    (3, 2, 2, None, None, 64), (4, 2, 1, True, None, 64), (4, 2, 3, True, None, 64),
+    (6, 3, 2, True, None, 64), (2, 2, 1, True, None, 64), (4, 2, 1, None, True, 64),
+    (6, 3, 1, True, True, 64), (6, 3, 3, True, True, 64),
+    # the 128-column tile: its default 4:2, shallower rings, lags, persistent, A by TMA
+    (None, None, None, None, None, W), (3, 2, None, None, None, W), (2, 2, 1, None, None, W),
+    (4, 2, 3, None, None, W), (4, 2, 1, True, None, W), (3, 2, 2, True, None, W),
+    (2, 2, 1, True, None, W), (4, 2, 1, True, True, W),
+    # ... with A by TMA: the next quarter's wgmma in flight during each promotion (qlag 1)
+    (None, None, None, None, True, W), (3, 2, 2, True, True, W), (2, 2, 1, True, True, W)])
 @pytest.mark.parametrize("name", list(CASES))
-def test_l1_ws_matches(name, stages, bstages, lag, persist, a_tma):
+def test_l1_ws_matches(name, stages, bstages, lag, persist, a_tma, bn):
     """Into a poisoned output (torch.empty under poisoned(): NaN): every valid row written and
-    finite, within 2e-3 of the fp32 math and of the Triton L1; ring depths, the loader's lag and
-    persistent CTAs (each walking many tiles, ring phases running on across them) only move the
-    schedule, never the bits (the 2-chunk case has fewer chunks than the lag); A by TMA from the
-    expert-sorted copy too (rows past P zero-filled by the TMA unit)."""
+    finite, within 2e-3 of the fp32 math and of the Triton L1; ring depths, the loader's lag,
+    persistent CTAs (each walking many tiles, ring phases running on across them) and the
+    128-column tile only move the schedule, never the bits (the 2-chunk case has fewer chunks
+    than the lag); A by TMA from the expert-sorted copy too (rows past P zero-filled by the TMA
+    unit). The 128-column tile runs the cases whose F it divides."""
     rows, T, k, d, F, exps, limit = CASES[name]
+    if F % bn:
+        pytest.skip(f"F {F} is not a multiple of the {bn}-column tile")
     xq, xs, w1, w3, counts, a_idx = rows_case(rows, T, k, d, F, seed=len(name), exps=exps)
     with poisoned():
         out = torch.empty((sum(rows), F), dtype=torch.float16, device="cuda")
     # persistent: 3 CTAs, so each walks many tiles (its rings' phases running on)
     _launch(xq, xs, a_idx, w1, w3, counts, out, k, limit, stages=stages, bstages=bstages,
-            lag=lag, persist=persist, ctas=3 if persist else None, a_tma=a_tma)
+            lag=lag, persist=persist, ctas=3 if persist else None, a_tma=a_tma, bn=bn)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "an output element was not written (or is not finite)"
     lim = float("inf") if limit is None else limit
@@ -98,6 +113,28 @@ def test_l1_ws_matches(name, stages, bstages, lag, persist, a_tma):
     base = torch.full_like(out, float("nan"))
     _launch(xq, xs, a_idx, w1, w3, counts, base, k, limit)
     assert torch.equal(out, base), "another ring depth gave other bits"
+
+
+@gpu
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[4] % W == 0])
+@pytest.mark.parametrize("a_tma,qlag,upp", [(False, 0, 1), (True, 0, 1), (True, 1, 1),
+                                            (True, 0, 2)])
+def test_l1_ws_wide_schedules(name, a_tma, qlag, upp):
+    """The 128-column tile's schedules - A gathered or by TMA, quarters one at a time or the
+    next in flight (qlag), one upcast partition or two (W1's and W3's, 20 warps at a launch cap
+    of 96 registers) - each persistent over 3 CTAs and over one per tile, give the 64-column
+    tile's bits into poisoned outputs."""
+    rows, T, k, d, F, exps, limit = CASES[name]
+    xq, xs, w1, w3, counts, a_idx = rows_case(rows, T, k, d, F, seed=len(name), exps=exps)
+    base = torch.full((sum(rows), F), float("nan"), dtype=torch.float16, device="cuda")
+    _launch(xq, xs, a_idx, w1, w3, counts, base, k, limit)
+    for persist in (True, False):
+        with poisoned():
+            out = torch.empty((sum(rows), F), dtype=torch.float16, device="cuda")
+        _launch(xq, xs, a_idx, w1, w3, counts, out, k, limit, persist=persist,
+                ctas=3 if persist else None, a_tma=a_tma, bn=W, qlag=qlag, upp=upp)
+        torch.cuda.synchronize()
+        assert torch.equal(out, base), f"persist {persist}: {rel(out, base):.3e}"
 
 
 @gpu
@@ -124,15 +161,17 @@ def test_l1_ws_balanced_case():
 
 
 @gpu
-def test_l1_ws_asm_vs_arith():
+@pytest.mark.parametrize("bn", [64, W])
+def test_l1_ws_asm_vs_arith(bn):
     """Exponents 108 .. 127 (every table offset, flushed weights), no clamp: the PTX table
-    upcast and its integer twin give the same bits."""
+    upcast and its integer twin give the same bits (both tiles: the 128-column one upcasts
+    two 64-row blocks per matrix)."""
     rows, T, k, d, F = [0, 77, 129, 3], 101, 3, 512, 128
     xq, xs, w1, w3, counts, a_idx = rows_case(rows, T, k, d, F, seed=9, exps=(108, 128))
     outs = []
     for use_asm in (True, False):
         out = torch.full((sum(rows), F), float("nan"), dtype=torch.float16, device="cuda")
-        _launch(xq, xs, a_idx, w1, w3, counts, out, k, None, use_asm=use_asm)
+        _launch(xq, xs, a_idx, w1, w3, counts, out, k, None, use_asm=use_asm, bn=bn)
         torch.cuda.synchronize()
         assert torch.isfinite(out).all()
         outs.append(out)
@@ -142,19 +181,21 @@ def test_l1_ws_asm_vs_arith():
 
 
 @gpu
-@pytest.mark.parametrize("persist,a_tma", [(False, False), (True, False), (True, True)])
-def test_l1_ws_repeat_and_graph(persist, a_tma):
+@pytest.mark.parametrize("persist,a_tma,bn", [(False, False, 64), (True, False, 64),
+                                              (True, True, 64), (True, False, W),
+                                              (True, True, W)])
+def test_l1_ws_repeat_and_graph(persist, a_tma, bn):
     """20 eager launches give the same bits (earlier Gluon prefill variants did not), and the
     launch captured in a CUDA graph (tile list built inside the capture, host TMA descriptors
     filled at capture) replays them into a re-poisoned output; persistent: 2 CTAs over every
-    tile."""
+    tile; the 128-column tile too."""
     rows, T, k, d, F = [5, 0, 128, 231, 1, 64, 0, 77], 199, 3, 1024, 256
     xq, xs, w1, w3, counts, a_idx = rows_case(rows, T, k, d, F, seed=77)
     P = sum(rows)
 
     def launch(out):
         _launch(xq, xs, a_idx, w1, w3, counts, out, k, 10.0, persist=persist,
-                ctas=2 if persist else None, a_tma=a_tma)
+                ctas=2 if persist else None, a_tma=a_tma, bn=bn)
 
     want = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
     launch(want)
@@ -165,26 +206,30 @@ def test_l1_ws_repeat_and_graph(persist, a_tma):
 
 
 @gpu
-@pytest.mark.parametrize("ws", [True, False])
+@pytest.mark.parametrize("ws", [True, False, "wide"])
 def test_routed_experts_prefill_uses_ws(ws, monkeypatch):
     """routed_experts at a prefill size (600 tokens, top-2 of 8 experts: 150 rows per expert)
     runs its L1 on l1_gluon_ws (persistent, moe.WS_STAGES / WS_BSTAGES) when GLUON_WS_L1 is on
-    (the default; once) and not when off (the wide decode L1 then); both against the reference
-    op within test_triton_moe's bound (fp32 output)."""
+    (the default; once) and not when off (the wide decode L1 then); with WS_L1_BN = 128 on the
+    128-column tile and its rings (WS_WIDE_STAGES / WS_WIDE_BSTAGES); each against the
+    reference op within test_triton_moe's bound (fp32 output)."""
     from megagraph.kernels.triton import moe
     from test_triton_moe import ACT, check_routed, routed_case
 
-    monkeypatch.setattr(moe, "GLUON_WS_L1", ws)
+    monkeypatch.setattr(moe, "GLUON_WS_L1", bool(ws))
+    monkeypatch.setattr(moe, "WS_L1_BN", W if ws == "wide" else 64)
     monkeypatch.setattr(moe, "GLUON_PREFILL", False)
     monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
     calls = []
     real = mw.l1_gluon_ws
     monkeypatch.setattr(mw, "l1_gluon_ws", lambda *a, **k: calls.append(
-        (k.get("persist"), k.get("stages"), k.get("bstages"))) or real(*a, **k))
+        (k.get("persist"), k.get("stages"), k.get("bstages"), k.get("bn"))) or real(*a, **k))
     xq, xs, ids, wts, bank = routed_case(600, 8, 256, 128, 2, seed=78)
     check_routed(xq, xs, ids, wts, bank, dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT,
                                               out_dtype="f32"))
-    assert calls == ([(True, moe.WS_STAGES, moe.WS_BSTAGES)] if ws else [])
+    want = {True: [(True, moe.WS_STAGES, moe.WS_BSTAGES, 64)], False: [],
+            "wide": [(True, moe.WS_WIDE_STAGES, moe.WS_WIDE_BSTAGES, W)]}[ws]
+    assert calls == want
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,7 +238,7 @@ def test_routed_experts_prefill_uses_ws(ws, monkeypatch):
 
 def test_l1_ws_args():
     """The launcher's checks run before any launch (CPU tensors): ring depths >= 2, K / N that
-    fit the tile, E4M3 activations."""
+    fit the tile (64 or 128 columns), E4M3 activations."""
     from megagraph.kernels.triton import moe
 
     if not mw._IMPORT_OK:
@@ -221,16 +266,26 @@ def test_l1_ws_args():
     narrow = moe.bank(w[:, :32].contiguous(), s[:, :32].contiguous(), "mxfp4")
     with pytest.raises(ValueError, match="do not fit"):
         mw.l1_gluon_ws(xq, xs, a_idx, narrow, narrow, counts, out[:, :32], topk=k, max_tiles=2)
+    # the 128-column tile needs F % 128 == 0 (F = 64 here); other tiles do not exist
+    with pytest.raises(ValueError, match="do not fit the 128-column"):
+        mw.l1_gluon_ws(xq, xs, a_idx, bank, bank, counts, out, topk=k, max_tiles=2, bn=128)
+    with pytest.raises(ValueError, match="bn 96"):
+        mw.l1_gluon_ws(xq, xs, a_idx, bank, bank, counts, out, topk=k, max_tiles=2, bn=96)
+    # two upcast partitions: the 128-column tile, A by TMA and one quarter at a time only
+    for kw in (dict(bn=64, a_tma=True), dict(bn=128, a_tma=False), dict(bn=128, a_tma=True,
+                                                                         qlag=1)):
+        with pytest.raises(ValueError, match="upp 2"):
+            mw.kernel_consts(topk=1, has_limit=False, upp=2, **kw)
     # max_tiles == 0: checked, then nothing launched
     assert mw.l1_gluon_ws(xq, xs, a_idx, bank, bank, counts, out, topk=k, max_tiles=0) is out
 
 
-def _types(a_tma: bool = False):
+def _types(a_tma: bool = False, bn: int = mw.BN):
     """TYPES with the TMA descriptors in place of the weight pointers and their strides (and A's
-    for a_tma; else the placeholder the launcher passes)."""
+    for a_tma; else the placeholder the launcher passes); weight boxes of bn rows."""
     from megagraph.kernels.triton import moe_gluon_decode as md
 
-    desc = f"tensordesc<u8[{mw.BN}, {mw.BK // 2}],{md.W_TMA_LAYOUT!r}>"
+    desc = f"tensordesc<u8[{bn}, {mw.BK // 2}],{md.W_TMA_LAYOUT!r}>"
     types = {n: t for n, t in TYPES.items()
              if n not in ("b1_ptr", "b2_ptr", "stride_bg", "stride_bn")}
     a_desc = desc if not a_tma else f"tensordesc<fp8e4nv[{mw.BM}, {mw.BK}],{mw.A_TMA_LAYOUT!r}>"
@@ -239,8 +294,8 @@ def _types(a_tma: bool = False):
 
 def _compile(**kw):
     consts = mw.kernel_consts(topk=6, has_limit=True, **kw)
-    return gluon_sm90(mw.l1_ws_kernel, _types(consts["A_TMA"]), consts, num_warps=mw.NUM_WARPS,
-                      maxnreg=mw.MAXNREG)
+    return gluon_sm90(mw.l1_ws_kernel, _types(consts["A_TMA"], consts["BN"]), consts,
+                      num_warps=mw.NUM_WARPS, maxnreg=mw.launch_maxnreg(consts))
 
 
 def partition_loops(sass: str) -> dict:
@@ -358,6 +413,115 @@ def test_l1_ws_sm90_build_variants(stages, bstages, use_asm, lag, persist):
     fits."""
     kw = dict(persist=True, a_tma=True) if persist == "a_tma" else dict(persist=persist)
     k = _compile(stages=stages, bstages=bstages, use_asm=use_asm, lag=lag, **kw)
+    usage, sass = usage_and_sass(k)
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
+    assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+    assert ws_order_problems(partition_loops(sass)) == []
+
+
+# the 128-column tile per chunk: four quarters of 4 QGMMA each, one wait and 32 FFMA + 32 FMUL of
+# promotion after each; the upcast twice the 64-row blocks; the loader one more 4-byte copy (the
+# exponents of 256 weight rows: 2 a thread)
+WIDE_LOOP_COUNTS = {
+    "mma": dict(LOOP_COUNTS["mma"], QGMMA=(LOOP_COUNTS["mma"]["QGMMA"][0], 16),
+                WG_ARRIVE=(r"WARPGROUP\.ARRIVE", 4), WG_DEPBAR=(r"WARPGROUP\.DEPBAR", 4),
+                FFMA=(r"\bFFMA\b", 128), FMUL=(r"\bFMUL\b", 128)),
+    "upcast": dict(LOOP_COUNTS["upcast"], PRMT=(r"\bPRMT\b", 128),
+                   LDS128=(r"\bLDS\.128\b", 8), STS128=(r"\bSTS\.128\b", 16)),
+    "loader": dict(LOOP_COUNTS["loader"], LDGSTS4=(r"\bLDGSTS\.E\s", 3)),
+}
+WIDE_LOOP_SIZES = {"mma": 390, "upcast": 571, "loader": 138}
+
+
+@build
+def test_l1_ws_sm90_build_wide():
+    """The 128-column tile at its default rings (4:2): no stack / spills, <= 227 KB, the pinned
+    per-chunk counts, the release order, and each quarter's promotion (32 FFMA) between its
+    wgmma wait and the next quarter's wgmmas - the non-pure asm fma that keeps LLVM from sinking
+    the promotions below later wgmmas (which spilled 480 bytes: four partials live)."""
+    k = _compile(bn=mw.BN_WIDE)
+    usage, sass = usage_and_sass(k)
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
+    assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+    loops = partition_loops(sass)
+    assert [len(loops[n]) for n in ("mma", "upcast", "loader")] == [2, 1, 1]
+    for kind, pats in WIDE_LOOP_COUNTS.items():
+        for body in loops[kind]:
+            got = {n: count(body, p) for n, (p, _) in pats.items()}
+            assert got == {n: v for n, (_, v) in pats.items()}, (kind, got)
+            assert abs(len(body) - WIDE_LOOP_SIZES[kind]) <= 0.1 * WIDE_LOOP_SIZES[kind], \
+                (kind, len(body))
+    for body in loops["mma"]:
+        marks = [("w" if "WARPGROUP.DEPBAR" in t else "a" if "WARPGROUP.ARRIVE" in t else "f")
+                 for t in body if re.search(r"WARPGROUP\.(DEPBAR|ARRIVE)|\bFFMA\b", t)]
+        seq = "".join(marks)
+        assert seq == "a" + "w" + "f" * 32 + ("a" + "w" + "f" * 32) * 3, seq
+    assert ws_order_problems(loops) == []
+
+
+@build
+def test_l1_ws_sm90_build_wide_qlag():
+    """The 128-column tile with A by TMA and qlag 1: no stack / spills at
+    REGS_WIDE_Q (the loader without gathered A fits 24 registers), and per chunk two quarters'
+    wgmmas issued before the first wait, then each wait leaving one group in flight (gsb0 0x1)
+    but the last: the next quarter's wgmma runs while a partial is promoted."""
+    k = _compile(bn=mw.BN_WIDE, a_tma=True, qlag=1)
+    assert k.metadata.shared <= 227 * 1024
+    usage, sass = usage_and_sass(k)
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
+    ptx_regs = {int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                           k.asm["ptx"])}
+    assert set(mw.REGS_WIDE_Q) <= ptx_regs, ptx_regs
+    loops = partition_loops(sass)
+    assert len(loops["mma"]) == 2
+    for body in loops["mma"]:
+        assert count(body, r"\bQGMMA\b") == 16 and count(body, r"\bFFMA\b") == 128
+        marks = "".join("w" if "WARPGROUP.DEPBAR" in t else "a" if "WARPGROUP.ARRIVE" in t
+                        else "" for t in body)
+        assert marks == "aawawaww", marks
+        waits = [re.search(r"gsb0,\s*(0x\d)", t).group(1) for t in body
+                 if "WARPGROUP.DEPBAR" in t]
+        assert waits == ["0x1", "0x1", "0x1", "0x0"], waits
+    assert ws_order_problems(loops) == []
+
+
+@build
+def test_l1_ws_sm90_build_two_upcasts():
+    """The 128-column tile's default with A by TMA: two upcast partitions (W1's, W3's), 20 warps
+    at launch cap 96 (REG 96), setmaxnreg REGS_WIDE_U2 for the workers and the rest (184) for
+    the default MMA warpgroup - Triton's budget: with an 8-warp upcast partition instead it
+    left the default warpgroup at 256, more than the pool holds -, no stack / spills, each
+    upcast loop half of the one-partition upcast (64 PRMT), the release order."""
+    k = _compile(bn=mw.BN_WIDE, a_tma=True)
+    usage, sass = usage_and_sass(k)
+    assert int(re.search(r"REG:(\d+)", usage).group(1)) == 96, usage
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
+    ptx = k.asm["ptx"]
+    r_mma, r_up, r_ld = mw.REGS_WIDE_U2
+    default = (96 * 20 - (r_mma + 2 * r_up + r_ld) * 4) // 4
+    dec = {int(r) for r in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx)}
+    inc = {int(r) for r in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)}
+    assert default == r_mma and {default, r_up, r_ld} <= dec and r_mma in inc, (dec, inc)
+    loops = partition_loops(sass)
+    assert [len(loops[n]) for n in ("mma", "upcast", "loader")] == [2, 2, 1]
+    for body in loops["upcast"]:
+        assert count(body, r"\bPRMT\b") == 64 and count(body, r"\bSTS\.128\b") == 8
+    assert ws_order_problems(loops) == []
+
+
+@build
+@pytest.mark.parametrize("kw", [dict(stages=3), dict(stages=2), dict(persist=True),
+                                dict(persist=True, a_tma=True), dict(use_asm=False),
+                                dict(stages=4, bstages=2, lag=3), dict(a_tma=True, stages=2),
+                                dict(a_tma=True, use_asm=False), dict(a_tma=True, upp=1)])
+def test_l1_ws_sm90_build_wide_variants(kw):
+    """The 128-column tile at other rings, lags, persistent, A by TMA and the integer upcast:
+    no stack / spills, within 227 KB, the same release order."""
+    k = _compile(bn=mw.BN_WIDE, **kw)
     usage, sass = usage_and_sass(k)
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
