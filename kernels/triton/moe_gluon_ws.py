@@ -341,6 +341,23 @@ if _IMPORT_OK:
     # ---- MMA + epilogue ------------------------------------------------------------------------
 
     @gluon.jit
+    def _mma_wait(r_ready, b_ready, c, NS: ttgl.constexpr, NU: ttgl.constexpr):
+        """An MMA warpgroup's wait for chunk c: its raw stage (A, scales) and its B stage landed;
+        returns the two stage indices."""
+        s, ph = _stage(c, NS)
+        u, phu = _stage(c, NU)
+        mbarrier.wait(r_ready.index(s), ph)
+        mbarrier.wait(b_ready.index(u), phu)
+        return s, u
+
+    @gluon.jit
+    def _mma_release(r_free, b_free, c, NS: ttgl.constexpr, NU: ttgl.constexpr):
+        """An MMA warpgroup's release of chunk c's stages (after its wgmmas were waited for)."""
+        _release(r_free, c, NS)
+        u, _ = _stage(c, NU)
+        mbarrier.arrive(b_free.index(u), count=1)
+
+    @gluon.jit
     def _mma_tile(ring, bars, bring, c_ptr, row0, nrows, n0, N, K, c0, limit, stride_cm,
                   M0: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr, BN: ttgl.constexpr,
                   BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
@@ -357,10 +374,7 @@ if _IMPORT_OK:
         acc3 = ttgl.zeros([64, BN], ttgl.float32, MMA_L)
         for i in range(K // BK):
             c = c0 + i
-            s, ph = _stage(c, NS)
-            u, phu = _stage(c, NU)
-            mbarrier.wait(r_ready.index(s), ph)
-            mbarrier.wait(b_ready.index(u), phu)
+            s, u = _mma_wait(r_ready, b_ready, c, NS, NU)
             if (DIAG & 2) == 0:
                 a_s = a_r.index(s).slice(M0, 64)
                 t1 = warpgroup_mma(a_s, b1_r.index(u).permute((1, 0)), zero, use_acc=False,
@@ -375,8 +389,7 @@ if _IMPORT_OK:
                 acc1 += t1 * (ttgl.expand_dims(sa, 1) * ttgl.expand_dims(sb1, 0))
                 t3 = warpgroup_mma_wait(0, deps=[t3])
                 acc3 += t3 * (ttgl.expand_dims(sa, 1) * ttgl.expand_dims(sb3, 0))
-            _release(r_free, c, NS)
-            mbarrier.arrive(b_free.index(u), count=1)
+            _mma_release(r_free, b_free, c, NS, NU)
         h = swiglu(acc1, acc3, limit, HAS_LIMIT)
         rm = M0 + ttgl.arange(0, 64, layout=ROW_L)
         rn = n0 + ttgl.arange(0, BN, layout=COL_L)
@@ -439,10 +452,7 @@ if _IMPORT_OK:
         acc3b = ttgl.zeros([64, WN_C], ttgl.float32, MMA_L)
         for i in range(K // BK):
             c = c0 + i
-            s, ph = _stage(c, NS)
-            u, phu = _stage(c, NU)
-            mbarrier.wait(r_ready.index(s), ph)
-            mbarrier.wait(b_ready.index(u), phu)
+            s, u = _mma_wait(r_ready, b_ready, c, NS, NU)
             if (DIAG & 2) == 0:
                 a_s = a_r.index(s).slice(M0, 64)
                 b1 = b1_r.index(u)
@@ -476,8 +486,7 @@ if _IMPORT_OK:
                     acc3b = _promote(acc3b, p3, sa, sb.slice(BN + WN_C, WN_C))
                     t = p2
                     t2 = p3
-            _release(r_free, c, NS)
-            mbarrier.arrive(b_free.index(u), count=1)
+            _mma_release(r_free, b_free, c, NS, NU)
         rm = M0 + ttgl.arange(0, 64, layout=ROW_L)
         rows = (rm < nrows)[:, None]
         base = c_ptr + ((row0 + rm).to(ttgl.int64) * stride_cm)[:, None]
