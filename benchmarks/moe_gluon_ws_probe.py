@@ -71,7 +71,9 @@ def _parse_item(item: str) -> dict:
       "ptwsws ..." (s with w)      ... its quarters one at a time (qlag 0; else the kernel's
                                   default, WIDE_QLAG);
       "ptowws ..." (o with w, t)   ... one upcast partition (upp 1; else the kernel's default:
-                                  two with A by TMA, WIDE_UPP)."""
+                                  two with A by TMA, WIDE_UPP);
+      "pkws ..." (k with any)      ... the rows 64.. warpgroup idle on tiles of <= 64 rows
+                                  (skip; else the kernel's default, SKIP_IDLE)."""
     from megagraph.kernels.triton import moe_gluon_ws as mw
 
     if item.startswith("decode64"):
@@ -80,10 +82,10 @@ def _parse_item(item: str) -> dict:
     kind, _, spec = item.partition(" ")
     flags, kind = (kind[:-2], "ws") if kind.endswith("ws") else (kind[:-4], kind[-4:])
     persist, a_tma, wide = "p" in flags, "t" in flags, "w" in flags
-    if set(flags) - {"p", "t", "w", "s", "o"}:
+    if set(flags) - {"p", "t", "w", "s", "o", "k"}:
         raise ValueError(f"item {item!r}: prefixes p (persistent), t (A by TMA), w (the "
-                         "128-column tile), s (its quarters one at a time) and o (one upcast "
-                         "partition) only")
+                         "128-column tile), s (its quarters one at a time), o (one upcast "
+                         "partition) and k (skip idle rows) only")
     parts = spec.split(":")
     if kind not in ("ws", "diag") or not 2 <= len(parts) <= 4 or (kind == "diag") != (
             len(parts) == 4):
@@ -95,7 +97,8 @@ def _parse_item(item: str) -> dict:
     return dict(kind=kind, stages=int(parts[0]), bstages=int(parts[1]),
                 lag=int(parts[2]) if len(parts) > 2 else None, diag=diag, persist=persist,
                 a_tma=a_tma, bn=mw.BN_WIDE if wide else mw.BN,
-                qlag=0 if "s" in flags else None, upp=1 if "o" in flags else None)
+                qlag=0 if "s" in flags else None, upp=1 if "o" in flags else None,
+                skip=True if "k" in flags else None)
 
 
 def _launcher(item: str, inputs, out, k: int, limit: float, tiles=None):
@@ -115,7 +118,8 @@ def _launcher(item: str, inputs, out, k: int, limit: float, tiles=None):
                                   max_tiles=min(P, P // mw.BM + E), limit=limit, tiles=tiles,
                                   stages=it["stages"], bstages=it["bstages"], lag=it["lag"],
                                   diag=it["diag"], persist=it["persist"], a_tma=it["a_tma"],
-                                  bn=it["bn"], qlag=it["qlag"], upp=it["upp"])
+                                  bn=it["bn"], qlag=it["qlag"], upp=it["upp"],
+                                  skip=it["skip"])
 
 
 def check(T: int, dims: dict, limit: float, item: str, routing: str) -> dict:

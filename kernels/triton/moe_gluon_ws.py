@@ -136,6 +136,11 @@ REGS_WIDE_Q = (216, 56, 24)
 # a launch cap of 96 registers: 480 per warpgroup lane = 184 + 184 (MMA; no spills down to 176
 # at qlag 0) + 2 x 40 (upcast) + 32 (the A-by-TMA loader)
 WIDE_UPP = 2
+# the rows 64..127 MMA warpgroup skips its wgmmas and promotions on tiles of <= 64 rows (an
+# expert's last partial tile: ~1/3 of the tiles at 8192 tokens, whose rows 64.. are never
+# stored), as moe_gluon_l2_ws's does; the stages are still waited for and released. OFF until
+# run on a GPU (built after the twelfth session's device time)
+SKIP_IDLE = False
 REGS_WIDE_U2 = (184, 40, 32)
 
 if _IMPORT_OK:
@@ -361,7 +366,7 @@ if _IMPORT_OK:
     def _mma_tile(ring, bars, bring, c_ptr, row0, nrows, n0, N, K, c0, limit, stride_cm,
                   M0: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr, BN: ttgl.constexpr,
                   BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
-                  DIAG: ttgl.constexpr):
+                  DIAG: ttgl.constexpr, SKIP: ttgl.constexpr = False):
         """Rows M0 .. M0 + 63 of the tile: per chunk the W1 and W3 wgmmas (fresh partials; W3's
         issued before W1's is waited for), the per-chunk promotion, the stages released; then
         the SwiGLU epilogue into out. DIAG & 2: no wgmma / promotion, only the handshakes
@@ -375,7 +380,10 @@ if _IMPORT_OK:
         for i in range(K // BK):
             c = c0 + i
             s, u = _mma_wait(r_ready, b_ready, c, NS, NU)
-            if (DIAG & 2) == 0:
+            # SKIP: no wgmmas where this warpgroup's rows hold no tile row (rows 64.. of a tile
+            # of <= 64 rows - an expert's last partial tile: nothing of them is stored); the
+            # stages are still waited for and released (the barrier counts)
+            if ((DIAG & 2) == 0) & ((not SKIP) | (nrows > M0)):
                 a_s = a_r.index(s).slice(M0, 64)
                 t1 = warpgroup_mma(a_s, b1_r.index(u).permute((1, 0)), zero, use_acc=False,
                                    is_async=True)
@@ -433,7 +441,7 @@ if _IMPORT_OK:
     def _mma_tile_wide(ring, bars, bring, c_ptr, row0, nrows, n0, N, K, c0, limit, stride_cm,
                        M0: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr, BN: ttgl.constexpr,
                        BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
-                       DIAG: ttgl.constexpr, QLAG: ttgl.constexpr):
+                       DIAG: ttgl.constexpr, QLAG: ttgl.constexpr, SKIP: ttgl.constexpr = False):
         """_mma_tile for BN = 128: rows M0 .. M0 + 63 x 128 columns of W1 and of W3 as four 64 x
         64 accumulators (W1 columns 0..63 / 64..127, the same of W3: 128 registers a thread).
         Per chunk the four quarters' wgmmas run one at a time, each waited for and promoted
@@ -453,7 +461,10 @@ if _IMPORT_OK:
         for i in range(K // BK):
             c = c0 + i
             s, u = _mma_wait(r_ready, b_ready, c, NS, NU)
-            if (DIAG & 2) == 0:
+            # SKIP: no wgmmas where this warpgroup's rows hold no tile row (rows 64.. of a tile
+            # of <= 64 rows - an expert's last partial tile: nothing of them is stored); the
+            # stages are still waited for and released (the barrier counts)
+            if ((DIAG & 2) == 0) & ((not SKIP) | (nrows > M0)):
                 a_s = a_r.index(s).slice(M0, 64)
                 b1 = b1_r.index(u)
                 b3 = b3_r.index(u)
@@ -503,7 +514,8 @@ if _IMPORT_OK:
     def _mma(ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit, stride_cm,
              M0: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr, BM: ttgl.constexpr,
              BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
-             DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr, QLAG: ttgl.constexpr):
+             DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr, QLAG: ttgl.constexpr,
+             SKIP: ttgl.constexpr):
         """An MMA warpgroup (rows M0 .. M0 + 63 of each tile) over this CTA's tiles."""
         c = 0
         if PERSIST:
@@ -512,19 +524,20 @@ if _IMPORT_OK:
                 if not skip:
                     if BN == WN_C:
                         c = _mma_tile(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N, K,
-                                      c, limit, stride_cm, M0, HAS_LIMIT, BN, BK, NS, NU, DIAG)
+                                      c, limit, stride_cm, M0, HAS_LIMIT, BN, BK, NS, NU, DIAG,
+                                      SKIP)
                     else:
                         c = _mma_tile_wide(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N,
                                            K, c, limit, stride_cm, M0, HAS_LIMIT, BN, BK, NS,
-                                           NU, DIAG, QLAG)
+                                           NU, DIAG, QLAG, SKIP)
         else:
             _, _, row0, nrows, pid_n = tile_entry(work_ptr, tile, N // BN, MT, G, P, BM)
             if BN == WN_C:
                 _mma_tile(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N, K, c, limit,
-                          stride_cm, M0, HAS_LIMIT, BN, BK, NS, NU, DIAG)
+                          stride_cm, M0, HAS_LIMIT, BN, BK, NS, NU, DIAG, SKIP)
             else:
                 _mma_tile_wide(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N, K, c, limit,
-                               stride_cm, M0, HAS_LIMIT, BN, BK, NS, NU, DIAG, QLAG)
+                               stride_cm, M0, HAS_LIMIT, BN, BK, NS, NU, DIAG, QLAG, SKIP)
 
     @gluon.jit
     def _tile_chunks(work_ptr, tile, MT, G, P, N, K, BM: ttgl.constexpr, BN: ttgl.constexpr,
@@ -553,6 +566,7 @@ if _IMPORT_OK:
                      BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
                      LAG: ttgl.constexpr, DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr,
                      A_TMA: ttgl.constexpr, QLAG: ttgl.constexpr, UPP: ttgl.constexpr,
+                     SKIP: ttgl.constexpr,
                      R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr, R_LD: ttgl.constexpr):
         """Program pid: row tile pid // (N / BN) of moe.tile_list at BM rows, columns
         (pid % (N / BN)) * BN of W1 and W3 (w1_desc / w3_desc: the banks as [G N, K / 2] bytes,
@@ -600,9 +614,11 @@ if _IMPORT_OK:
         if UPP == 1:
             ttgl.warp_specialize([
                 (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
-                        stride_cm, 0, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST, QLAG)),
+                        stride_cm, 0, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST, QLAG,
+                        SKIP)),
                 (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
-                        stride_cm, 64, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST, QLAG)),
+                        stride_cm, 64, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST, QLAG,
+                        SKIP)),
                 (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN,
                              BK, NS, NU, DIAG, PERSIST, 3)),
                 (_loader, (a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr,
@@ -613,9 +629,11 @@ if _IMPORT_OK:
         else:  # two upcast partitions: W1's and W3's
             ttgl.warp_specialize([
                 (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
-                        stride_cm, 0, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST, QLAG)),
+                        stride_cm, 0, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST, QLAG,
+                        SKIP)),
                 (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
-                        stride_cm, 64, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST, QLAG)),
+                        stride_cm, 64, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST, QLAG,
+                        SKIP)),
                 (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN,
                              BK, NS, NU, DIAG, PERSIST, 1)),
                 (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN,
@@ -631,14 +649,16 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
                   stages: int | None = None, bstages: int | None = None, lag: int | None = None,
                   diag: int = 0, persist: bool | None = None, a_tma: bool | None = None,
                   regs: tuple[int, int, int] | None = None, bn: int = BN,
-                  qlag: int | None = None, upp: int | None = None) -> dict:
+                  qlag: int | None = None, upp: int | None = None,
+                  skip: bool | None = None) -> dict:
     """l1_ws_kernel's constexprs (the launcher's and the ahead-of-time build test's); lag None:
     LAG (clamped to stages - 1); stages / bstages / regs None: the tile's defaults (NS / NU /
     REGS at bn 64, NS_WIDE / NU_WIDE / REGS_WIDE at bn 128); qlag (bn 128 only): 1 = the next
     quarter's wgmma issued before this one's promotion (REGS_WIDE_Q), 0 = one at a time; None:
     WIDE_QLAG with A by TMA, else 0. upp: upcast partitions, 1, or 2 (W1's and W3's: bn 128
     with A by TMA and qlag 0 only, REGS_WIDE_U2, launch_maxnreg 96); None: WIDE_UPP there, else
-    1."""
+    1. skip None: SKIP_IDLE (the rows 64..127 warpgroup's wgmmas skipped on tiles of <= 64
+    rows)."""
     if bn not in (BN, BN_WIDE):
         raise ValueError(f"bn {bn}: {BN} or {BN_WIDE}")
     wide = bn == BN_WIDE
@@ -660,7 +680,8 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
         r_mma, r_up, r_ld = REGS_WIDE_U2 if upp == 2 else REGS_WIDE_Q if qlag else REGS_WIDE
     return dict(TOPK=topk, HAS_LIMIT=has_limit, USE_ASM=use_asm, BM=BM, BN=bn, BK=BK, NS=stages,
                 NU=bstages, LAG=lag, DIAG=int(diag), PERSIST=persist, A_TMA=a_tma, QLAG=qlag,
-                UPP=upp, R_MMA=r_mma, R_UP=r_up, R_LD=r_ld)
+                UPP=upp, SKIP=SKIP_IDLE if skip is None else bool(skip), R_MMA=r_mma,
+                R_UP=r_up, R_LD=r_ld)
 
 
 def launch_maxnreg(consts: dict) -> int:
@@ -675,7 +696,8 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
                 bstages: int | None = None, lag: int | None = None,
                 diag: int = 0, persist: bool | None = None,
                 ctas: int | None = None, a_tma: bool | None = None,
-                bn: int = BN, qlag: int | None = None, upp: int | None = None) -> torch.Tensor:
+                bn: int = BN, qlag: int | None = None, upp: int | None = None,
+                skip: bool | None = None) -> torch.Tensor:
     """out [P, F] (expert-sorted rows; fp16 in routed_experts, fp32 / bf16 fine; a row-strided
     view is fine) = swiglu(A W1^T, A W3^T) per expert, A row of sorted row r = a_q[a_idx[r] //
     topk] (E4M3 [T, d] with 16-byte aligned rows, a_scale [T, d / 128] f32); w1 / w3: moe.Bank
@@ -690,7 +712,7 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     count (the tests walk many tiles per CTA at small sizes); a_tma: A by TMA from an
     expert-sorted copy of its rows made here (default A_TMA); bn: the tile's columns of W1 and
     W3, BN (64) or BN_WIDE (128: half the A bytes per MMA - each A chunk feeds 256 wgmma
-    columns -, the same bits; its ring defaults NS_WIDE / NU_WIDE); qlag / upp: kernel_consts'."""
+    columns -, the same bits; its ring defaults NS_WIDE / NU_WIDE); qlag / upp / skip: kernel_consts'."""
     from .moe_gluon_decode import _weight_desc
 
     if not _IMPORT_OK:
@@ -713,7 +735,7 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     consts = kernel_consts(topk=topk, has_limit=limit is not None and limit > 0,
                            use_asm=True if use_asm is None else bool(use_asm), stages=ns,
                            bstages=nu, lag=lag, diag=diag, persist=persist, a_tma=a_tma,
-                           bn=bn, qlag=qlag, upp=upp)
+                           bn=bn, qlag=qlag, upp=upp, skip=skip)
     grid = max_tiles * (N // bn)
     if consts["PERSIST"]:
         grid = min(grid, int(ctas) if ctas else sm_count(out.device))

@@ -117,13 +117,15 @@ def test_l1_ws_matches(name, stages, bstages, lag, persist, a_tma, bn):
 
 @gpu
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[4] % W == 0])
-@pytest.mark.parametrize("a_tma,qlag,upp", [(False, 0, 1), (True, 0, 1), (True, 1, 1),
-                                            (True, 0, 2)])
-def test_l1_ws_wide_schedules(name, a_tma, qlag, upp):
+@pytest.mark.parametrize("a_tma,qlag,upp,skip", [
+    (False, 0, 1, False), (True, 0, 1, False), (True, 1, 1, False), (True, 0, 2, False),
+    (True, 0, 2, True), (False, 0, 1, True)])
+def test_l1_ws_wide_schedules(name, a_tma, qlag, upp, skip):
     """The 128-column tile's schedules - A gathered or by TMA, quarters one at a time or the
     next in flight (qlag), one upcast partition or two (W1's and W3's, 20 warps at a launch cap
-    of 96 registers) - each persistent over 3 CTAs and over one per tile, give the 64-column
-    tile's bits into poisoned outputs."""
+    of 96 registers), the rows 64.. warpgroup idle on tiles of <= 64 rows (skip) - each
+    persistent over 3 CTAs and over one per tile, give the 64-column tile's bits into poisoned
+    outputs."""
     rows, T, k, d, F, exps, limit = CASES[name]
     xq, xs, w1, w3, counts, a_idx = rows_case(rows, T, k, d, F, seed=len(name), exps=exps)
     base = torch.full((sum(rows), F), float("nan"), dtype=torch.float16, device="cuda")
@@ -132,9 +134,28 @@ def test_l1_ws_wide_schedules(name, a_tma, qlag, upp):
         with poisoned():
             out = torch.empty((sum(rows), F), dtype=torch.float16, device="cuda")
         _launch(xq, xs, a_idx, w1, w3, counts, out, k, limit, persist=persist,
-                ctas=3 if persist else None, a_tma=a_tma, bn=W, qlag=qlag, upp=upp)
+                ctas=3 if persist else None, a_tma=a_tma, bn=W, qlag=qlag, upp=upp, skip=skip)
         torch.cuda.synchronize()
         assert torch.equal(out, base), f"persist {persist}: {rel(out, base):.3e}"
+
+
+@gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_l1_ws_skip_idle(name):
+    """The 64-column tile with the rows 64.. warpgroup idle on tiles of <= 64 rows (tiles of 1..
+    128 rows, experts of 2-3 tiles, empty experts): the same bits as without, every row
+    written; persistent over 3 CTAs and one CTA per tile."""
+    rows, T, k, d, F, exps, limit = CASES[name]
+    xq, xs, w1, w3, counts, a_idx = rows_case(rows, T, k, d, F, seed=len(name), exps=exps)
+    base = torch.full((sum(rows), F), float("nan"), dtype=torch.float16, device="cuda")
+    _launch(xq, xs, a_idx, w1, w3, counts, base, k, limit)
+    for persist in (True, False):
+        with poisoned():
+            out = torch.empty((sum(rows), F), dtype=torch.float16, device="cuda")
+        _launch(xq, xs, a_idx, w1, w3, counts, out, k, limit, persist=persist,
+                ctas=3 if persist else None, skip=True)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all() and torch.equal(out, base), f"persist {persist}"
 
 
 @gpu
@@ -486,6 +507,27 @@ def test_l1_ws_sm90_build_wide_qlag():
                  if "WARPGROUP.DEPBAR" in t]
         assert waits == ["0x1", "0x1", "0x1", "0x0"], waits
     assert ws_order_problems(loops) == []
+
+
+@build
+@pytest.mark.parametrize("kw", [dict(), dict(bn=W, a_tma=True)])
+def test_l1_ws_sm90_build_skip(kw):
+    """skip=True (the rows 64.. warpgroup idle on tiles of <= 64 rows): no stack / spills, the
+    same per-chunk wgmma / promotion counts and release order as without, the loop a branch
+    longer; skip=False (the default) is the same SASS as before the switch existed (its loop
+    sizes are the pinned ones)."""
+    on, off = _compile(skip=True, **kw), _compile(skip=False, **kw)
+    for k in (on, off):
+        usage, sass = usage_and_sass(k)
+        assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+        assert not re.search(r"\b(LDL|STL)\b", sass)
+    l_on = partition_loops(usage_and_sass(on)[1])
+    l_off = partition_loops(usage_and_sass(off)[1])
+    assert ws_order_problems(l_on) == []
+    for a, b in zip(l_on["mma"], l_off["mma"]):
+        for pat in (r"\bQGMMA\b", r"\bFFMA\b", r"\bFMUL\b", r"SYNCS\.ARRIVE"):
+            assert count(a, pat) == count(b, pat), pat
+        assert len(b) < len(a) <= len(b) + 8
 
 
 @build
