@@ -155,7 +155,8 @@ WS_STAGES, WS_BSTAGES = 6, 3
 # its tile's columns of W1 / W3: 64, or 128 (moe_gluon_ws.BN_WIDE: each A chunk feeds twice the
 # wgmma columns, half the A bytes from L2 per MMA; the same bits) where F % 128 == 0, on its own
 # rings WS_WIDE_STAGES / WS_WIDE_BSTAGES (4:2, the deepest that fits 227 KB). 128 by default
-# (twelfth session, H200, 8192 tokens: the L1 7.94 -> 6.94 ms, mega_moe 12.60 -> 11.51 ms;
+# (twelfth session, H200, 8192 tokens: the L1 7.94 -> 6.94 ms with gathered A, 6.21 ms with A by
+# TMA and two upcast partitions; mega_moe 12.68 -> 11.55 -> 10.75 ms in one A/B, the same bits;
 # benchmarks/results/moe-ws-wide-12-h200.md)
 WS_L1_BN = int(os.environ.get("MEGAGRAPH_MOE_GLUON_WS_L1_BN", "128"))
 WS_WIDE_STAGES, WS_WIDE_BSTAGES = 4, 2
@@ -724,7 +725,8 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
     """(launch, row tile) of the Gluon kernel that runs routed_experts' L1 instead of moe_gemm,
     or None.
     Prefill (> WIDE_L1_MIN_ROWS = 100 rows per expert): the warp-specialized kernel with
-    persistent CTAs (GLUON_WS_L1, default: 7.90 ms at 8192 tokens on the H200), else the decode
+    persistent CTAs (GLUON_WS_L1, default: 7.90 ms at 8192 tokens on the H200 at 64 columns, 6.21
+    ms at WS_L1_BN = 128 with A by TMA and two upcast partitions), else the decode
     kernel with 64-token tiles and its weights by TMA (GLUON_WIDE_L1, default: 8.30 ms against the
     cuBLAS grouped L1's 9.20); above 48 rows with GLUON_PREFILL (opt-in, first): moe_gluon, the
     hand-pipelined

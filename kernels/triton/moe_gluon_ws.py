@@ -319,7 +319,9 @@ if _IMPORT_OK:
         fence per chunk covers both directions: this partition's st.shared of the B stage before
         the wgmma reads it, and its ld.shared of the raw stage before the next TMA writes it.
         DIAG & 1: no upcast, only the handshakes (timing diagnosis only). The upcast needs no
-        tile coordinates: only how many chunks this CTA's tiles hold (_tile_chunks)."""
+        tile coordinates: only how many chunks this CTA's tiles hold (_tile_chunks). MATS: the
+        matrices this partition upcasts (bit 1 W1, bit 2 W3: 3 with one upcast partition, 1 and
+        2 with two)."""
         _, w1_r, w3_r, e_r, _ = ring
         r_ready, r_free, b_ready, b_free = bars
         b1_r, b3_r, sb_r = bring
@@ -426,10 +428,9 @@ if _IMPORT_OK:
     def _quarter(a_s, b_s, t):
         """The chunk's wgmma of one 64 x 64 quarter (A rows of this warpgroup x 64 rows of an
         upcast B tile) into a fresh partial, waited for. use_acc=False ignores the accumulator
-        operand; passing the previous quarter's (dead, promoted) partial as that operand
-        instead of a zero tensor lets the wgmma write in place, so no zero tile stays live
-        beside the partial (32 registers a thread: the difference between fitting and spilling
-        at REGS_WIDE)."""
+        operand; it is the previous quarter's (dead, promoted) partial rather than a zero tile
+        so that the wgmma can write in place. (The sm_90 build was the same with a zero tile:
+        what keeps the partials from piling up is _promote's ordering, not this.)"""
         return warpgroup_mma_wait(0, deps=[_issue(a_s, b_s, t)])
 
     @gluon.jit
@@ -445,10 +446,12 @@ if _IMPORT_OK:
         """_mma_tile for BN = 128: rows M0 .. M0 + 63 x 128 columns of W1 and of W3 as four 64 x
         64 accumulators (W1 columns 0..63 / 64..127, the same of W3: 128 registers a thread).
         Per chunk the four quarters' wgmmas run one at a time, each waited for and promoted
-        before the next is issued, so only one 64 x 64 partial is live (64 + 128 registers fit
-        the 200 of REGS_WIDE; two in flight would not); the other MMA warpgroup's wgmmas fill
-        the tensor core while this one promotes. Numerics are _mma_tile's: the same m64n64k32
-        wgmmas per output element and the same promotion, so the same bits as BN = 64."""
+        before the next is issued (QLAG 0), so only one 64 x 64 partial is live: 128 + 32
+        registers fit REGS_WIDE's 200 and REGS_WIDE_U2's 184; the other MMA warpgroup's wgmmas
+        fill the tensor core while this one promotes. QLAG 1 keeps the next quarter's wgmma in
+        flight during a promotion (two partials: REGS_WIDE_Q's 216). Numerics are _mma_tile's:
+        the same m64n64k32 wgmmas per output element and the same promotion, so the same bits
+        as BN = 64."""
         a_r, _, _, _, sa_r = ring
         r_ready, r_free, b_ready, b_free = bars
         b1_r, b3_r, sb_r = bring
