@@ -755,7 +755,7 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
         from . import moe_gluon_ws as mod
 
         ok = True
-        wide = WS_L1_BN == mod.BN_WIDE and w1.n % mod.BN_WIDE == 0
+        wide = int(WS_L1_BN) == mod.BN_WIDE and w1.n % mod.BN_WIDE == 0
         rings = (WS_WIDE_STAGES, WS_WIDE_BSTAGES) if wide else (WS_STAGES, WS_BSTAGES)
         pick = (functools.partial(mod.l1_gluon_ws, persist=True, stages=rings[0],
                                   bstages=rings[1], a_tma=WS_WIDE_A_TMA if wide else WS_A_TMA,

@@ -18,6 +18,7 @@ the proxy-fence / barrier order before every arrive (ws_order_problems).
 """
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -256,6 +257,48 @@ def test_routed_experts_prefill_uses_ws(ws, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # CPU: launcher checks, the ahead-of-time sm_90 build
 # ---------------------------------------------------------------------------------------------
+
+def test_gluon_l1_ws_choice(monkeypatch):
+    """moe._gluon_l1's prefill pick (available() forced: the predicate's own logic, on any
+    machine): above 100 rows per expert the persistent ws L1 - at WS_L1_BN = 128 (the default;
+    a string knob as benchmarks/moe_ab.py may set it works too) the 128-column tile on its rings
+    WS_WIDE_STAGES / WS_WIDE_BSTAGES with A by TMA (WS_WIDE_A_TMA), where F % 128 == 0; at F = 192
+    or WS_L1_BN = 64 the 64-column tile on WS_STAGES / WS_BSTAGES with WS_A_TMA; GLUON_WS_L1 off:
+    not the ws kernel."""
+    from gluon_cases import dbg_bank
+    from megagraph.kernels.triton import moe
+
+    assert moe.WS_L1_BN == int(os.environ.get("MEGAGRAPH_MOE_GLUON_WS_L1_BN", "128"))
+    monkeypatch.setattr(mw, "available", lambda device=None: True)
+    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
+    monkeypatch.setattr(moe, "GLUON", True)
+    monkeypatch.setattr(moe, "GLUON_PREFILL", False)
+    monkeypatch.setattr(moe, "GLUON_WS_L1", True)
+    E, d = 4, 256
+    xq = torch.zeros(300, d, dtype=torch.float8_e4m3fn)
+    xs = torch.ones(300, d // 128)
+
+    def pick(F, rpg=150.0):
+        w = dbg_bank(torch.zeros(E, F, d // 2), torch.full((E, F, d // 32), 127), "cpu")
+        h = torch.zeros(300, F, dtype=torch.float16)
+        p = moe._gluon_l1(xq, xs, w, w, h, "l1", rpg)
+        if p is None or getattr(p[0], "func", None) is not mw.l1_gluon_ws:
+            return None
+        kw = p[0].keywords
+        return kw["bn"], kw["stages"], kw["bstages"], kw["a_tma"], kw["persist"], p[1]
+
+    wide = (mw.BN_WIDE, moe.WS_WIDE_STAGES, moe.WS_WIDE_BSTAGES, moe.WS_WIDE_A_TMA, True, mw.BM)
+    narrow = (mw.BN, moe.WS_STAGES, moe.WS_BSTAGES, moe.WS_A_TMA, True, mw.BM)
+    for bn in (128, "128"):
+        monkeypatch.setattr(moe, "WS_L1_BN", bn)
+        assert pick(256) == wide
+        assert pick(192) == narrow  # F % 128 != 0: the 64-column tile
+    monkeypatch.setattr(moe, "WS_L1_BN", 64)
+    assert pick(256) == narrow
+    assert pick(256, rpg=90.0) is None  # at or below 100 rows per expert: not the ws L1
+    monkeypatch.setattr(moe, "GLUON_WS_L1", False)
+    assert pick(256) is None
+
 
 def test_l1_ws_args():
     """The launcher's checks run before any launch (CPU tensors): ring depths >= 2, K / N that
