@@ -127,6 +127,12 @@ def test_l1_ws_wide_schedules(name, a_tma, qlag, upp, skip):
     of 96 registers), the rows 64.. warpgroup idle on tiles of <= 64 rows (skip) - each
     persistent over 3 CTAs and over one per tile, give the 64-column tile's bits into poisoned
     outputs."""
+    _same_bits_as_default(name, a_tma=a_tma, bn=W, qlag=qlag, upp=upp, skip=skip)
+
+
+def _same_bits_as_default(name: str, **kw):
+    """CASES[name] launched with kw, persistent over 3 CTAs and with one CTA per tile, into
+    poisoned outputs: every row written and the bits of the default launch."""
     rows, T, k, d, F, exps, limit = CASES[name]
     xq, xs, w1, w3, counts, a_idx = rows_case(rows, T, k, d, F, seed=len(name), exps=exps)
     base = torch.full((sum(rows), F), float("nan"), dtype=torch.float16, device="cuda")
@@ -135,8 +141,9 @@ def test_l1_ws_wide_schedules(name, a_tma, qlag, upp, skip):
         with poisoned():
             out = torch.empty((sum(rows), F), dtype=torch.float16, device="cuda")
         _launch(xq, xs, a_idx, w1, w3, counts, out, k, limit, persist=persist,
-                ctas=3 if persist else None, a_tma=a_tma, bn=W, qlag=qlag, upp=upp, skip=skip)
+                ctas=3 if persist else None, **kw)
         torch.cuda.synchronize()
+        assert torch.isfinite(out).all(), f"persist {persist}: a row not written"
         assert torch.equal(out, base), f"persist {persist}: {rel(out, base):.3e}"
 
 
@@ -146,17 +153,7 @@ def test_l1_ws_skip_idle(name):
     """The 64-column tile with the rows 64.. warpgroup idle on tiles of <= 64 rows (tiles of 1..
     128 rows, experts of 2-3 tiles, empty experts): the same bits as without, every row
     written; persistent over 3 CTAs and one CTA per tile."""
-    rows, T, k, d, F, exps, limit = CASES[name]
-    xq, xs, w1, w3, counts, a_idx = rows_case(rows, T, k, d, F, seed=len(name), exps=exps)
-    base = torch.full((sum(rows), F), float("nan"), dtype=torch.float16, device="cuda")
-    _launch(xq, xs, a_idx, w1, w3, counts, base, k, limit)
-    for persist in (True, False):
-        with poisoned():
-            out = torch.empty((sum(rows), F), dtype=torch.float16, device="cuda")
-        _launch(xq, xs, a_idx, w1, w3, counts, out, k, limit, persist=persist,
-                ctas=3 if persist else None, skip=True)
-        torch.cuda.synchronize()
-        assert torch.isfinite(out).all() and torch.equal(out, base), f"persist {persist}"
+    _same_bits_as_default(name, skip=True)
 
 
 @gpu
