@@ -49,6 +49,10 @@ def main():
     ap.add_argument("--tokens", default="8192")
     ap.add_argument("--configs", required=True)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--routing", default="gate", choices=("gate", "balanced"),
+                    help="gate: top-k of the random gate's scores (~89..183 rows per expert at "
+                         "8192 tokens); balanced: every expert T k / E rows, through tid2eid "
+                         "(kernel_rows.moe.balanced_routing: #7's target case)")
     args = ap.parse_args()
     from megagraph.kernels.triton import moe as tm
 
@@ -64,8 +68,10 @@ def main():
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):
         streams, (x, xq, xs, _pre, post, comb) = m.layer_inputs(m.V41, w, T, dev, seed=T + 1)
+        hashed = (m.balanced_routing(T, m.V41["E"], m.V41["k"], dev)
+                  if args.routing == "balanced" else ())
         call = lambda: tm.mega_moe(x, xq, xs, streams, post, comb, w["gate"], w["bias"],  # noqa
-                                   *w["routed"], *w["shared"], **kw)
+                                   *w["routed"], *w["shared"], *hashed, **kw)
         saved = {k: getattr(*_target(tm, k)) for _, kn in configs for k in kn}
         ref, times = None, {name: [] for name, _ in configs}
         errs = {}
@@ -95,7 +101,8 @@ def main():
                              rel_err_vs_first=errs[name]))
     os.makedirs(args.out, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=__import__("triton").__version__, configs=args.configs, rows=rows)
+                triton=__import__("triton").__version__, configs=args.configs,
+                routing=args.routing, rows=rows)
     for ext, text in (("json", json.dumps(meta, indent=1)), ("md", _md(meta))):
         path = os.path.join(args.out, f"moe-ab.{ext}")
         with open(path + ".tmp", "w") as f:
@@ -116,7 +123,7 @@ def _target(tm, knob: str):
 
 def _md(meta: dict) -> str:
     lines = [f"# MegaMoE A/B: {meta['device']} (torch {meta['torch']}, Triton {meta['triton']})",
-             "", f"configs: `{meta['configs']}`", "",
+             "", f"configs: `{meta['configs']}`, routing: {meta.get('routing', 'gate')}", "",
              "| tokens | config | runs (ms) | median ms | rel err vs first |", "|---|---|---|---:|---:|"]
     for r in meta["rows"]:
         lines.append(f"| {r['tokens']} | {r['config']} | "

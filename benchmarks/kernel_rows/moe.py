@@ -236,6 +236,8 @@ def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
                    notes=f"{spread}; torch.compile n/a (the capturable MoE is a Python loop "
                          "over weight-tile chunks: minutes to compile)"))
     log(f"T={T} mega_moe {ms:.3f} ms (capturable {base:.1f} ms), err {err:.2e}")
+    if T > 256 and (T * k) % E == 0:
+        out.append(balanced_row(dims, w, T, dev, tm, rf, args, kw, ms))
     # routed experts alone, tile / upcast sweep
     a2 = (xq, xs, ids, wts, *w["routed"])
     kw2 = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt="fp8_1x128", out_dtype="bf16")
@@ -286,6 +288,35 @@ def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
         tm.USE_ASM = asm_default
         tm.CONFIG_OVERRIDE.clear()
     return out
+
+
+def balanced_routing(T: int, E: int, k: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tid2eid [T, k] i32, token_ids [T] i32) of the "balanced routing" #7's prefill target
+    names: token t -> experts k t .. k t + k - 1 (mod E), through the hash-routed layers' own
+    path (tid2eid[token_ids]), so every expert gets exactly T k / E rows where E divides T k
+    (128 at 8192 tokens). The routing weights still come from the gate's scores of those
+    experts, so the layer does the same work as a gate-routed one but the top-k selection."""
+    t = torch.arange(T, device=dev, dtype=torch.int32)
+    tid2eid = (t[:, None] * k + torch.arange(k, device=dev, dtype=torch.int32)[None, :]) % E
+    return tid2eid.to(torch.int32).contiguous(), t
+
+
+def balanced_row(dims, w, T, dev, tm, rf, args, kw, random_ms: float) -> dict:
+    """The whole layer at balanced routing (balanced_routing): every tile of the grouped GEMMs
+    full, the case #7's "MoE layer at 8192 tokens with balanced routing" target is stated for;
+    baseline = the same layer at the gate's (random-weight) routing above."""
+    E, k = dims["E"], dims["k"]
+    hashed = (*args, *balanced_routing(T, E, k, dev))
+    tri = tm.mega_moe(*hashed, **kw)
+    ref = rf.mega_moe(*hashed, **kw)
+    err = rel_err(tri, ref)
+    ms = time_ms(lambda: tm.mega_moe(*hashed, **kw), device=dev)
+    fl, by = moe_counts(dims, T, E)
+    log(f"T={T} mega_moe balanced {ms:.3f} ms, err {err:.2e}")
+    return row("triton.mega_moe", f"T={T} prefill, balanced routing", ms, flops=fl, bytes=by,
+               peak="fp8", baseline="gate-routed", baseline_ms=random_ms, rel_err=err,
+               notes=f"{E} experts x {T * k // E} rows (token t -> experts {k}t..{k}t+{k - 1} "
+                     "mod E, through tid2eid); baseline = the gate-routed row above")
 
 
 def within(err: float, bound: float):

@@ -44,6 +44,14 @@ m.COMPILE = False
 m.time_ms = lambda fn, **kw: kernel_rows.time_once_ms(fn, device="cpu")
 m.time_once_ms = m.time_ms
 rows = m.device_rows(torch.device("cpu"), m.TINY, (3,), 600.0, sweep=False)
+# the balanced-routing layer row (prefill sizes only in device_rows): 4 tokens x top-2 of 8
+from megagraph.kernels.reference import fused as rf
+from megagraph.kernels.triton import moe as tm
+cpu = torch.device("cpu")
+w = m.make_weights(m.TINY, cpu)
+streams, (x, xq, xs, _pre, post, comb) = m.layer_inputs(m.TINY, w, 4, cpu, seed=5)
+args = (x, xq, xs, streams, post, comb, w["gate"], w["bias"], *w["routed"], *w["shared"])
+rows.append(m.balanced_row(m.TINY, w, 4, cpu, tm, rf, args, dict(topk=2, **m.MOE_KW), 1.0))
 print(json.dumps(rows, default=str))
 """
 
@@ -61,8 +69,26 @@ def test_moe_rows_dry_run_interpreter():
     assert {"triton.mega_mhc", "triton.mega_moe", "triton.moe_experts_q",
             "triton.fp8_block_gemm", "triton.grouped_fp8_gemm", "triton.quantize_act",
             "triton.moe_experts_q persistent", "triton.moe_experts_q fp8-H"} <= kernels
+    balanced = [r for r in rows if r["case"].endswith("balanced routing")]
+    assert len(balanced) == 1 and "8 experts x 1 rows" in balanced[0]["notes"], balanced
     for r in rows:
         if r["kernel"] == "triton.moe_experts_q fp8-H":  # H rounded to E4M3: ~2-3% (moe.py)
             assert 0.005 < r["rel_err"] < 2.0 ** -4 and r["rel_err_q"] < 1e-2, r
         elif "rel_err" in r:
             assert r["rel_err"] < 1e-2, r
+
+
+@pytest.mark.parametrize("T,E,k", [(8192, 384, 6), (4, 8, 2), (96, 48, 3)])
+def test_balanced_routing_fills_every_expert_equally(T, E, k):
+    """The routing of #7's prefill target: every expert exactly T k / E rows, k distinct experts
+    per token (what tid2eid must hold for the hash-routed top-k)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch
+    from kernel_rows.moe import balanced_routing
+
+    tid2eid, tok = balanced_routing(T, E, k, "cpu")
+    assert tid2eid.shape == (T, k) and tid2eid.dtype == torch.int32
+    assert torch.equal(tok, torch.arange(T, dtype=torch.int32))
+    assert torch.equal(torch.bincount(tid2eid.flatten().long(), minlength=E),
+                       torch.full((E,), T * k // E))
+    assert all(len(set(r.tolist())) == k for r in tid2eid)
