@@ -138,9 +138,10 @@ REGS_WIDE_Q = (216, 56, 24)
 WIDE_UPP = 2
 # the rows 64..127 MMA warpgroup skips its wgmmas and promotions on tiles of <= 64 rows (an
 # expert's last partial tile: ~1/3 of the tiles at 8192 tokens, whose rows 64.. are never
-# stored), as moe_gluon_l2_ws's does; the stages are still waited for and released. OFF until
-# run on a GPU (built after the twelfth session's device time)
-SKIP_IDLE = False
+# stored), as moe_gluon_l2_ws's does; the stages are still waited for and released. Default
+# since the thirteenth session: 8192 tokens, gate-like random routing, 6.04 -> 5.73 ms, the same
+# bits (benchmarks/results/moe-ws-13-h200.md); no effect where every tile is full (balanced)
+SKIP_IDLE = True
 REGS_WIDE_U2 = (184, 40, 32)
 
 if _IMPORT_OK:

@@ -554,8 +554,8 @@ def test_l1_ws_sm90_build_wide_qlag():
 def test_l1_ws_sm90_build_skip(kw):
     """skip=True (the rows 64.. warpgroup idle on tiles of <= 64 rows): no stack / spills, the
     same per-chunk wgmma / promotion counts and release order as without, the loop a branch
-    longer; skip=False (the default) is the same SASS as before the switch existed (its loop
-    sizes are the pinned ones)."""
+    longer; skip=False (the default until the thirteenth session) is the same SASS as before the
+    switch existed."""
     on, off = _compile(skip=True, **kw), _compile(skip=False, **kw)
     for k in (on, off):
         usage, sass = usage_and_sass(k)
