@@ -73,7 +73,9 @@ def _parse_item(item: str) -> dict:
       "ptowws ..." (o with w, t)   ... one upcast partition (upp 1; else the kernel's default:
                                   two with A by TMA, WIDE_UPP);
       "pkws ..." (k with any)      ... the rows 64.. warpgroup idle on tiles of <= 64 rows
-                                  (skip; else the kernel's default, SKIP_IDLE)."""
+                                  (skip; else the kernel's default, SKIP_IDLE);
+      "ptwfws ..." (f with w)      ... each weight row's frame over all of K (row_frames,
+                                  built outside the timed launch)."""
     from megagraph.kernels.triton import moe_gluon_ws as mw
 
     if item.startswith("decode64"):
@@ -82,10 +84,10 @@ def _parse_item(item: str) -> dict:
     kind, _, spec = item.partition(" ")
     flags, kind = (kind[:-2], "ws") if kind.endswith("ws") else (kind[:-4], kind[-4:])
     persist, a_tma, wide = "p" in flags, "t" in flags, "w" in flags
-    if set(flags) - {"p", "t", "w", "s", "o", "k"}:
+    if set(flags) - {"p", "t", "w", "s", "o", "k", "f"}:
         raise ValueError(f"item {item!r}: prefixes p (persistent), t (A by TMA), w (the "
                          "128-column tile), s (its quarters one at a time), o (one upcast "
-                         "partition) and k (skip idle rows) only")
+                         "partition), k (skip idle rows) and f (row frames) only")
     parts = spec.split(":")
     if kind not in ("ws", "diag") or not 2 <= len(parts) <= 4 or (kind == "diag") != (
             len(parts) == 4):
@@ -98,7 +100,7 @@ def _parse_item(item: str) -> dict:
                 lag=int(parts[2]) if len(parts) > 2 else None, diag=diag, persist=persist,
                 a_tma=a_tma, bn=mw.BN_WIDE if wide else mw.BN,
                 qlag=0 if "s" in flags else None, upp=1 if "o" in flags else None,
-                skip=True if "k" in flags else None)
+                skip=True if "k" in flags else None, frames="f" in flags)
 
 
 def _launcher(item: str, inputs, out, k: int, limit: float, tiles=None):
@@ -110,6 +112,10 @@ def _launcher(item: str, inputs, out, k: int, limit: float, tiles=None):
     xq, xs, w1, w3, counts, srt = inputs
     P, E = srt.numel(), counts.numel()
     it = _parse_item(item)
+    frames = mw.row_frames(w1, w3) if it.get("frames") else None
+    if it.get("frames") and frames is None:
+        raise ValueError(f"item {item!r}: the banks' exponents span more than "
+                         f"{mw.FRAME_SPAN} binades (row_frames refused them)")
     if it["kind"] == "decode64":
         return lambda: md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, out, topk=k,
                                           max_tiles=min(P, P // 64 + E), limit=limit,
@@ -119,7 +125,7 @@ def _launcher(item: str, inputs, out, k: int, limit: float, tiles=None):
                                   stages=it["stages"], bstages=it["bstages"], lag=it["lag"],
                                   diag=it["diag"], persist=it["persist"], a_tma=it["a_tma"],
                                   bn=it["bn"], qlag=it["qlag"], upp=it["upp"],
-                                  skip=it["skip"])
+                                  skip=it["skip"], frames=frames)
 
 
 def check(T: int, dims: dict, limit: float, item: str, routing: str) -> dict:

@@ -163,6 +163,14 @@ WS_WIDE_STAGES, WS_WIDE_BSTAGES = 4, 2
 # ... with A by TMA (its light loader leaves the registers for a second upcast partition:
 # moe_gluon_ws.WIDE_UPP)
 WS_WIDE_A_TMA = os.environ.get("MEGAGRAPH_MOE_GLUON_WS_WIDE_A_TMA", "1") == "1"
+# ... with each weight row's frame over all of K (moe_gluon_ws.row_frames, cached per weight)
+# where that gives the same bits (every row's E8M0 exponents within 11 binades of its largest):
+# the promotion by the A scales alone, no column scales per quarter (ncu, thirteenth session:
+# the MMA warpgroups bound the L1 and ~30% of their stalls waited on those shared loads).
+# Default since the thirteenth session: H200, 8192 tokens, L1 4.35 -> 3.85 ms at balanced
+# routing (5.97 -> 5.43 gate-like), mega_moe 8.29 -> 7.91 / 10.58 -> 9.95 ms, the same bits
+# (benchmarks/results/moe-ws-13-h200.md)
+WS_L1_FRAMES = os.environ.get("MEGAGRAPH_MOE_GLUON_WS_FRAMES", "1") == "1"
 # its A rows by TMA from an expert-sorted copy made per call (moe_gluon_ws.A_TMA). Off: on the
 # H200 mega_moe at 8192 tokens took 13.08 vs 13.14 ms with it (one call, two rounds, same
 # outputs) - 0.4% for a 252 MB copy per call; the L1's load floor did not move (3.22 vs 3.19 ms)
@@ -757,9 +765,10 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
         ok = True
         wide = int(WS_L1_BN) == mod.BN_WIDE and w1.n % mod.BN_WIDE == 0
         rings = (WS_WIDE_STAGES, WS_WIDE_BSTAGES) if wide else (WS_STAGES, WS_BSTAGES)
+        frames = mod.row_frames(w1, w3) if wide and WS_L1_FRAMES else None
         pick = (functools.partial(mod.l1_gluon_ws, persist=True, stages=rings[0],
                                   bstages=rings[1], a_tma=WS_WIDE_A_TMA if wide else WS_A_TMA,
-                                  bn=mod.BN_WIDE if wide else mod.BN), mod.BM)
+                                  bn=mod.BN_WIDE if wide else mod.BN, frames=frames), mod.BM)
     elif rows_per_group > WIDE_L1_MIN_ROWS and GLUON_WIDE_L1:
         from . import moe_gluon_decode as mod
 

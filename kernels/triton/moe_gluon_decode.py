@@ -180,7 +180,15 @@ if _IMPORT_OK:
         else the integer-arithmetic twin (the same codes). Shared with moe_gluon_ws, whose
         upcast stores the same codes in column order."""
         S = ttgl.maximum(ttgl.max(e, axis=1) - 6, 1)
-        rel = e - ttgl.expand_dims(S, 1)
+        r0, r1 = upcast_packs_rel(p, e - ttgl.expand_dims(S, 1), USE_ASM, BW, P_L)
+        return r0, r1, S
+
+    @gluon.jit
+    def upcast_packs_rel(p, rel, USE_ASM: ttgl.constexpr, BW: ttgl.constexpr,
+                         P_L: ttgl.constexpr):
+        """upcast_packs' codes for given relative exponents rel = e - S ([BW, 4] int32, S the
+        rows' frames however chosen: per chunk in upcast_packs, per row over all of K in
+        moe_gluon_ws's FRAMES mode): (r0, r1); flushed where rel < -5."""
         if USE_ASM:
             flush = rel < -5
             ta = ttgl.where(flush, 0, 0x3C383000 + rel * 0x08080800)
@@ -201,7 +209,7 @@ if _IMPORT_OK:
             r0, r1 = ttgl.split(ttgl.permute(j, (0, 1, 2, 4, 3)))
             r0 = ttgl.convert_layout(r0, P_L)
             r1 = ttgl.convert_layout(r1, P_L)
-        return r0, r1, S
+        return r0, r1
 
     @gluon.jit
     def _upcast(w_t, e_st, ROW0: ttgl.constexpr, USE_ASM: ttgl.constexpr, BW: ttgl.constexpr,

@@ -64,6 +64,19 @@ a launch cap of 96): 8192 tokens on the H200, 7.94 ms (64 columns) -> 6.94 (128,
 6.21 ms (128, A by TMA, two upcasts; benchmarks/results/moe-ws-wide-12-h200.md). The same bits as
 the 64-column tile (the same wgmmas and promotion per output element).
 
+Row frames (frames=row_frames(w1, w3); routed_experts' default since the thirteenth session, 128
+columns only): each weight row's frame S = max(largest exponent over ALL of K - 6, 1) instead of
+each chunk's. The loader copies the tile's frames with every chunk, the upcasts encode e - S (no
+per-chunk max reduction), the MMA warpgroups promote acc += part * sa (no column scales: no shared
+loads, no FMUL between a quarter's wgmma wait and its FFMAs) and scale the accumulators by
+2^(S - 127) per column once, before the SwiGLU. The same bits wherever row_frames accepts the
+weights (every exponent of a row within 11 binades of its largest, so neither frame flushes a
+group): the row frame's codes are the chunk frame's times 2^(S_chunk - S_row), exact in E4M3,
+the tensor core's sums scale with them, the promotions' FMAs and the final power-of-two scale
+are exact. Why: ncu on the H200 (benchmarks/ncu_moe.py) showed the MMA warpgroups bounding the
+L1 and ~30% of their stall samples on the column scales' shared loads after each wgmma wait;
+L1 4.35 -> 3.85 ms at 8192 tokens with balanced routing (benchmarks/results/moe-ws-13-h200.md).
+
 Triton 3.6 sm_90 build (tests/kernels/test_moe_gluon_ws.py, not yet run on a GPU): no stack, no
 spills, setmaxnreg 200 / 200 / 64 / 48, 136636 B shared (NS 6 / NU 3 fits too); per chunk the MMA
 loop is 217 instructions (8 QGMMA 64x64x32, 64 FMUL + 64 FFMA of promotion), the upcast loop 306
@@ -98,7 +111,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from .moe_gluon_decode import upcast_packs
+    from .moe_gluon_decode import upcast_packs, upcast_packs_rel
 
 BM, BN, BK = 128, 64, 128
 # the wgmma's n and the upcast's row block: a BN = 128 tile (opt-in, BN_WIDE) runs its W1 / W3
@@ -196,9 +209,10 @@ if _IMPORT_OK:
     @gluon.jit
     def _loader_tile(a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr, ring,
                      bars, g, row0, nrows, n0, wrow, K, c0, stride_am, stride_as, stride_bsg,
-                     stride_bsn, TOPK: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
-                     BK: ttgl.constexpr, NS: ttgl.constexpr, LAG: ttgl.constexpr,
-                     DIAG: ttgl.constexpr, A_TMA: ttgl.constexpr):
+                     stride_bsn, f1_ptr, f3_ptr, TOPK: ttgl.constexpr, BM: ttgl.constexpr,
+                     BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr,
+                     LAG: ttgl.constexpr, DIAG: ttgl.constexpr, A_TMA: ttgl.constexpr,
+                     FRAMES: ttgl.constexpr):
         """Fill the raw ring with one tile's chunks, global chunk numbers c0 .. c0 + K / BK - 1
         (see the module docstring). Chunk c's cp.async group is waited for after chunk c + LAG's
         copies are issued (wait_group(LAG)), so the loader keeps up to LAG + 1 chunks of
@@ -208,8 +222,10 @@ if _IMPORT_OK:
         must not wait for chunk c's consumers). DIAG & 4: no A / A-scale copies (timing
         diagnosis only). A_TMA: A's [BM, BK] box by TMA from the expert-sorted copy of the rows
         (a_desc; rows past P zero-filled by the TMA unit), on the stage's barrier with the
-        weights; the A scales and exponents stay on cp.async. Returns the next chunk number."""
-        a_r, w1_r, w3_r, e_r, sa_r = ring
+        weights; the A scales and exponents stay on cp.async. FRAMES: the tile's rows' frames
+        (f1_ptr / f3_ptr [G, N] int32, row g N + n of W1 / W3) with every chunk too, for the
+        upcast (4-byte cp.async, 2 a thread). Returns the next chunk number."""
+        a_r, w1_r, w3_r, e_r, sa_r, f_r = ring
         r_ready, r_free = bars
         # gathered A rows (masked past the tile: zero-filled, their outputs never stored)
         ra = ttgl.arange(0, BM, layout=ttgl.SliceLayout(1, A_CP_L))
@@ -228,6 +244,8 @@ if _IMPORT_OK:
         eofs = g * stride_bsg + \
             ((n0 + re % BN).to(ttgl.int64) * (stride_bsn // 4) * 4)[:, None] + ce[None, :]
         e_ptrs = ttgl.where((re < BN)[:, None], bs1_ptr + eofs, bs2_ptr + eofs)
+        rf = ttgl.arange(0, 2 * BN, layout=S_CP_L)
+        f_ptrs = ttgl.where(rf < BN, f1_ptr, f3_ptr) + (wrow + rf % BN)
 
         n_k = K // BK
         for i in range(n_k):
@@ -247,6 +265,8 @@ if _IMPORT_OK:
                 async_copy.async_copy_global_to_shared(sa_r.index(s), s_ptrs + i,
                                                        mask=rs < nrows)
             async_copy.async_copy_global_to_shared(e_r.index(s), e_ptrs + i * (BK // 32))
+            if FRAMES:
+                async_copy.async_copy_global_to_shared(f_r.index(s), f_ptrs)
             async_copy.commit_group()
             if c >= LAG:
                 _publish(r_ready, c - LAG, LAG, NS)
@@ -255,9 +275,10 @@ if _IMPORT_OK:
     @gluon.jit
     def _loader(a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr, ring, bars,
                 work_ptr, tile, MT, G, P, N, K, stride_am, stride_as, stride_bsg, stride_bsn,
-                TOPK: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
+                f1_ptr, f3_ptr, TOPK: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
                 BK: ttgl.constexpr, NS: ttgl.constexpr, LAG: ttgl.constexpr,
-                DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr, A_TMA: ttgl.constexpr):
+                DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr, A_TMA: ttgl.constexpr,
+                FRAMES: ttgl.constexpr):
         """The loader partition: this CTA's tiles (_tiles), then the last LAG chunks published
         (oldest first: wait_group(LAG - 1 - j) leaves exactly the newer ones pending)."""
         c = 0
@@ -268,14 +289,15 @@ if _IMPORT_OK:
                     c = _loader_tile(a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc,
                                      bs1_ptr, bs2_ptr, ring, bars, g, row0, nrows, pid_n * BN,
                                      g.to(ttgl.int32) * N + pid_n * BN, K, c, stride_am,
-                                     stride_as, stride_bsg, stride_bsn, TOPK, BM, BN, BK, NS,
-                                     LAG, DIAG, A_TMA)
+                                     stride_as, stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK,
+                                     BM, BN, BK, NS, LAG, DIAG, A_TMA, FRAMES)
         else:
             _, g, row0, nrows, pid_n = tile_entry(work_ptr, tile, N // BN, MT, G, P, BM)
             c = _loader_tile(a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr,
                              bs2_ptr, ring, bars, g, row0, nrows, pid_n * BN,
                              g.to(ttgl.int32) * N + pid_n * BN, K, c, stride_am, stride_as,
-                             stride_bsg, stride_bsn, TOPK, BM, BN, BK, NS, LAG, DIAG, A_TMA)
+                             stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK, BM, BN, BK, NS, LAG,
+                             DIAG, A_TMA, FRAMES)
         r_ready, _ = bars
         for j in ttgl.static_range(LAG):  # the last LAG chunks, oldest first
             if c - LAG + j >= 0:
@@ -293,29 +315,38 @@ if _IMPORT_OK:
     # ---- upcast ------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _upcast_store(w_s, e_s, ROW0: ttgl.constexpr, b_dst, sb_dst, USE_ASM: ttgl.constexpr,
-                      BN: ttgl.constexpr, BK: ttgl.constexpr):
+    def _upcast_store(w_s, e_s, f_s, ROW0: ttgl.constexpr, b_dst, sb_dst,
+                      USE_ASM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
+                      FRAMES: ttgl.constexpr):
         """One matrix's BN packed rows (w_s [BN, BK / 2] bytes, NVMMA 64-byte swizzle as TMA
         wrote them; exponents rows ROW0.. of e_s [2 BN, 4]) -> E4M3 [BN, BK] in column order into
         b_dst and the rows' promotion scales 2^(S - 127) into sb_dst [BN]. The per-(row, group)
         table and its proof are moe_gluon_decode.upcast_packs's; only the output order differs
-        (natural columns: pack kk of group t -> columns 32 t + 8 kk + 4 h + b)."""
+        (natural columns: pack kk of group t -> columns 32 t + 8 kk + 4 h + b). FRAMES: the
+        rows' frames over all of K from f_s (the loader's copy; rows ROW0.. like e_s) instead
+        of the chunk's, and no promotion scales (the MMA warpgroups apply the frames in their
+        epilogue)."""
         e_l: ttgl.constexpr = ttgl.SliceLayout(2, ttgl.SliceLayout(3, P_L))
         p = w_s.load(P2_L)  # [BN, 64] uint8: 16 contiguous bytes (one group) per thread
         p = ttgl.convert_layout(ttgl.reshape(p, [BN, 4, 4, 4]), P_L, assert_trivial=True)
         e = e_s.slice(ROW0, BN).load(e_l).to(ttgl.int32)  # [BN, 4]
-        r0, r1, S = upcast_packs(p, e, USE_ASM, BN, P_L)
+        if FRAMES:
+            S = f_s.slice(ROW0, BN).load(ttgl.SliceLayout(1, e_l))
+            r0, r1 = upcast_packs_rel(p, e - ttgl.expand_dims(S, 1), USE_ASM, BN, P_L)
+        else:
+            r0, r1, S = upcast_packs(p, e, USE_ASM, BN, P_L)
         # [row, t, kk, b] x h -> [row, t, kk, h, b] = column 32 t + 8 kk + 4 h + b
         b = ttgl.permute(ttgl.join(r0, r1), (0, 1, 2, 4, 3))
         b = ttgl.reshape(b, [BN, BK]).to(ttgl.float8e4nv, bitcast=True)
         b_dst.store(ttgl.convert_layout(b, B_L))
-        sb_dst.store((S << 23).to(ttgl.float32, bitcast=True))  # S >= 1: 2^(S - 127), normal
+        if not FRAMES:
+            sb_dst.store((S << 23).to(ttgl.float32, bitcast=True))  # S >= 1: 2^(S - 127)
 
     @gluon.jit
     def _upcaster(ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM: ttgl.constexpr,
                   BM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
                   NS: ttgl.constexpr, NU: ttgl.constexpr, DIAG: ttgl.constexpr,
-                  PERSIST: ttgl.constexpr, MATS: ttgl.constexpr):
+                  PERSIST: ttgl.constexpr, MATS: ttgl.constexpr, FRAMES: ttgl.constexpr):
         """Raw ring stage -> B ring stage, chunk by chunk (see the module docstring). One proxy
         fence per chunk covers both directions: this partition's st.shared of the B stage before
         the wgmma reads it, and its ld.shared of the raw stage before the next TMA writes it.
@@ -323,7 +354,7 @@ if _IMPORT_OK:
         tile coordinates: only how many chunks this CTA's tiles hold (_tile_chunks). MATS: the
         matrices this partition upcasts (bit 1 W1, bit 2 W3: 3 with one upcast partition, 1 and
         2 with two)."""
-        _, w1_r, w3_r, e_r, _ = ring
+        _, w1_r, w3_r, e_r, _, f_r = ring
         r_ready, r_free, b_ready, b_free = bars
         b1_r, b3_r, sb_r = bring
         for c in range(_tile_chunks(work_ptr, tile, MT, G, P, N, K, BM, BN, BK, PERSIST)):
@@ -336,12 +367,14 @@ if _IMPORT_OK:
                 for h in ttgl.static_range(BN // WN_C):  # 64-row blocks (two where BN = 128)
                     if (MATS & 1) != 0:
                         _upcast_store(w1_r.index(s).slice(h * WN_C, WN_C), e_r.index(s),
-                                      h * WN_C, b1_r.index(u).slice(h * WN_C, WN_C),
-                                      sb.slice(h * WN_C, WN_C), USE_ASM, WN_C, BK)
+                                      f_r.index(s), h * WN_C,
+                                      b1_r.index(u).slice(h * WN_C, WN_C),
+                                      sb.slice(h * WN_C, WN_C), USE_ASM, WN_C, BK, FRAMES)
                     if (MATS & 2) != 0:
                         _upcast_store(w3_r.index(s).slice(h * WN_C, WN_C), e_r.index(s),
-                                      BN + h * WN_C, b3_r.index(u).slice(h * WN_C, WN_C),
-                                      sb.slice(BN + h * WN_C, WN_C), USE_ASM, WN_C, BK)
+                                      f_r.index(s), BN + h * WN_C,
+                                      b3_r.index(u).slice(h * WN_C, WN_C),
+                                      sb.slice(BN + h * WN_C, WN_C), USE_ASM, WN_C, BK, FRAMES)
             fence_async_shared()
             _release(r_free, c, NS)
             mbarrier.arrive(b_ready.index(u), count=1)
@@ -374,7 +407,7 @@ if _IMPORT_OK:
         issued before W1's is waited for), the per-chunk promotion, the stages released; then
         the SwiGLU epilogue into out. DIAG & 2: no wgmma / promotion, only the handshakes
         (timing diagnosis only). Global chunk numbers c0 ..; returns the next one."""
-        a_r, _, _, _, sa_r = ring
+        a_r, _, _, _, sa_r, _ = ring
         r_ready, r_free, b_ready, b_free = bars
         b1_r, b3_r, sb_r = bring
         zero = ttgl.zeros([64, BN], ttgl.float32, MMA_L)
@@ -410,12 +443,18 @@ if _IMPORT_OK:
         return c0 + K // BK
 
     @gluon.jit
-    def _promote(acc, part, sa, sb_s):
+    def _promote(acc, part, sa, sb_s, FRAMES: ttgl.constexpr):
         """acc += part * (sa x sb): the chunk's fp32 partial of one 64 x 64 quarter, promoted by
         the rows' A scales sa and the quarter's columns' weight frames (sb_s: their [64] slice of
-        the B stage's scales)."""
-        sb = sb_s.load(COL_L)
-        scale = ttgl.expand_dims(sa, 1) * ttgl.expand_dims(sb, 0)
+        the B stage's scales). FRAMES: the weights' frames are per row over all of K, applied
+        once in the epilogue (_frame_scale), so acc += part * sa: no shared-memory load of the
+        column scales and no FMUL between the wgmma wait and the FFMAs (the ncu samples of the
+        thirteenth session: ~30% of the MMA warps' stalls sat there)."""
+        if FRAMES:
+            scale = ttgl.broadcast(ttgl.expand_dims(sa, 1), part)[0]
+        else:
+            sb = sb_s.load(COL_L)
+            scale = ttgl.expand_dims(sa, 1) * ttgl.expand_dims(sb, 0)
         # fma(part, scale, acc): what acc + part * scale contracts to (the BN = 64 loop's FFMA),
         # as NON-pure asm: LLVM keeps volatile asm in program order, so the promotion stays
         # between this quarter's wait and the next quarter's wgmma. As plain arithmetic LLVM
@@ -424,6 +463,14 @@ if _IMPORT_OK:
         return ttgl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=r,r,r,r",
                                            [part, scale, acc], dtype=ttgl.float32,
                                            is_pure=False, pack=1)
+
+    @gluon.jit
+    def _frame_scale(acc, f_ptr):
+        """acc x 2^(S - 127) per column: the frames S (int32, >= 1) of the quarter's 64 weight
+        rows at f_ptr - a power of two, so exact: acc then holds what the per-chunk frames'
+        promotions would have summed, bit for bit."""
+        S = ttgl.load(f_ptr + ttgl.arange(0, WN_C, layout=COL_L))
+        return acc * ttgl.expand_dims((S << 23).to(ttgl.float32, bitcast=True), 0)
 
     @gluon.jit
     def _quarter(a_s, b_s, t):
@@ -441,9 +488,10 @@ if _IMPORT_OK:
 
     @gluon.jit
     def _mma_tile_wide(ring, bars, bring, c_ptr, row0, nrows, n0, N, K, c0, limit, stride_cm,
-                       M0: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr, BN: ttgl.constexpr,
-                       BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
-                       DIAG: ttgl.constexpr, QLAG: ttgl.constexpr, SKIP: ttgl.constexpr = False):
+                       f1_ptr, f3_ptr, frow, M0: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr,
+                       BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr,
+                       NU: ttgl.constexpr, DIAG: ttgl.constexpr, QLAG: ttgl.constexpr,
+                       SKIP: ttgl.constexpr = False, FRAMES: ttgl.constexpr = False):
         """_mma_tile for BN = 128: rows M0 .. M0 + 63 x 128 columns of W1 and of W3 as four 64 x
         64 accumulators (W1 columns 0..63 / 64..127, the same of W3: 128 registers a thread).
         Per chunk the four quarters' wgmmas run one at a time, each waited for and promoted
@@ -452,8 +500,10 @@ if _IMPORT_OK:
         fill the tensor core while this one promotes. QLAG 1 keeps the next quarter's wgmma in
         flight during a promotion (two partials: REGS_WIDE_Q's 216). Numerics are _mma_tile's:
         the same m64n64k32 wgmmas per output element and the same promotion, so the same bits
-        as BN = 64."""
-        a_r, _, _, _, sa_r = ring
+        as BN = 64. FRAMES: promotions by the A scales only, the weight frames of the tile's
+        columns (f1_ptr / f3_ptr + frow: row g N + n0 of the [G, N] frames) applied to the
+        accumulators before the SwiGLU (_frame_scale): the same bits (see l1_gluon_ws)."""
+        a_r, _, _, _, sa_r, _ = ring
         r_ready, r_free, b_ready, b_free = bars
         b1_r, b3_r, sb_r = bring
         t = ttgl.zeros([64, WN_C], ttgl.float32, MMA_L)  # the partial, carried (see _quarter)
@@ -476,13 +526,13 @@ if _IMPORT_OK:
                 sa = sa_r.index(s).slice(M0, 64).load(ROW_L)
                 if QLAG == 0:
                     t = _quarter(a_s, b1.slice(0, WN_C), t)
-                    acc1a = _promote(acc1a, t, sa, sb.slice(0, WN_C))
+                    acc1a = _promote(acc1a, t, sa, sb.slice(0, WN_C), FRAMES)
                     t = _quarter(a_s, b1.slice(WN_C, WN_C), t)
-                    acc1b = _promote(acc1b, t, sa, sb.slice(WN_C, WN_C))
+                    acc1b = _promote(acc1b, t, sa, sb.slice(WN_C, WN_C), FRAMES)
                     t = _quarter(a_s, b3.slice(0, WN_C), t)
-                    acc3a = _promote(acc3a, t, sa, sb.slice(BN, WN_C))
+                    acc3a = _promote(acc3a, t, sa, sb.slice(BN, WN_C), FRAMES)
                     t = _quarter(a_s, b3.slice(WN_C, WN_C), t)
-                    acc3b = _promote(acc3b, t, sa, sb.slice(BN + WN_C, WN_C))
+                    acc3b = _promote(acc3b, t, sa, sb.slice(BN + WN_C, WN_C), FRAMES)
                 else:
                     # the next quarter's wgmma in flight while this one's partial is promoted:
                     # two partials live (t, t2), each wgmma written into the registers of the
@@ -490,18 +540,23 @@ if _IMPORT_OK:
                     p0 = _issue(a_s, b1.slice(0, WN_C), t)
                     p1 = _issue(a_s, b1.slice(WN_C, WN_C), t2)
                     p0 = warpgroup_mma_wait(1, deps=[p0])
-                    acc1a = _promote(acc1a, p0, sa, sb.slice(0, WN_C))
+                    acc1a = _promote(acc1a, p0, sa, sb.slice(0, WN_C), FRAMES)
                     p2 = _issue(a_s, b3.slice(0, WN_C), p0)
                     p1 = warpgroup_mma_wait(1, deps=[p1])
-                    acc1b = _promote(acc1b, p1, sa, sb.slice(WN_C, WN_C))
+                    acc1b = _promote(acc1b, p1, sa, sb.slice(WN_C, WN_C), FRAMES)
                     p3 = _issue(a_s, b3.slice(WN_C, WN_C), p1)
                     p2 = warpgroup_mma_wait(1, deps=[p2])
-                    acc3a = _promote(acc3a, p2, sa, sb.slice(BN, WN_C))
+                    acc3a = _promote(acc3a, p2, sa, sb.slice(BN, WN_C), FRAMES)
                     p3 = warpgroup_mma_wait(0, deps=[p3])
-                    acc3b = _promote(acc3b, p3, sa, sb.slice(BN + WN_C, WN_C))
+                    acc3b = _promote(acc3b, p3, sa, sb.slice(BN + WN_C, WN_C), FRAMES)
                     t = p2
                     t2 = p3
             _mma_release(r_free, b_free, c, NS, NU)
+        if FRAMES:
+            acc1a = _frame_scale(acc1a, f1_ptr + frow)
+            acc1b = _frame_scale(acc1b, f1_ptr + frow + WN_C)
+            acc3a = _frame_scale(acc3a, f3_ptr + frow)
+            acc3b = _frame_scale(acc3b, f3_ptr + frow + WN_C)
         rm = M0 + ttgl.arange(0, 64, layout=ROW_L)
         rows = (rm < nrows)[:, None]
         base = c_ptr + ((row0 + rm).to(ttgl.int64) * stride_cm)[:, None]
@@ -516,15 +571,15 @@ if _IMPORT_OK:
 
     @gluon.jit
     def _mma(ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit, stride_cm,
-             M0: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr, BM: ttgl.constexpr,
+             f1_ptr, f3_ptr, M0: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr, BM: ttgl.constexpr,
              BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
              DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr, QLAG: ttgl.constexpr,
-             SKIP: ttgl.constexpr):
+             SKIP: ttgl.constexpr, FRAMES: ttgl.constexpr):
         """An MMA warpgroup (rows M0 .. M0 + 63 of each tile) over this CTA's tiles."""
         c = 0
         if PERSIST:
             for t in range(tile, ttgl.load(work_ptr) * (N // BN), ttgl.num_programs(0)):
-                skip, _, row0, nrows, pid_n = tile_entry(work_ptr, t, N // BN, MT, G, P, BM)
+                skip, g, row0, nrows, pid_n = tile_entry(work_ptr, t, N // BN, MT, G, P, BM)
                 if not skip:
                     if BN == WN_C:
                         c = _mma_tile(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N, K,
@@ -532,16 +587,18 @@ if _IMPORT_OK:
                                       SKIP)
                     else:
                         c = _mma_tile_wide(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N,
-                                           K, c, limit, stride_cm, M0, HAS_LIMIT, BN, BK, NS,
-                                           NU, DIAG, QLAG, SKIP)
+                                           K, c, limit, stride_cm, f1_ptr, f3_ptr,
+                                           g.to(ttgl.int32) * N + pid_n * BN, M0, HAS_LIMIT,
+                                           BN, BK, NS, NU, DIAG, QLAG, SKIP, FRAMES)
         else:
-            _, _, row0, nrows, pid_n = tile_entry(work_ptr, tile, N // BN, MT, G, P, BM)
+            _, g, row0, nrows, pid_n = tile_entry(work_ptr, tile, N // BN, MT, G, P, BM)
             if BN == WN_C:
                 _mma_tile(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N, K, c, limit,
                           stride_cm, M0, HAS_LIMIT, BN, BK, NS, NU, DIAG, SKIP)
             else:
                 _mma_tile_wide(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N, K, c, limit,
-                               stride_cm, M0, HAS_LIMIT, BN, BK, NS, NU, DIAG, QLAG, SKIP)
+                               stride_cm, f1_ptr, f3_ptr, g.to(ttgl.int32) * N + pid_n * BN, M0,
+                               HAS_LIMIT, BN, BK, NS, NU, DIAG, QLAG, SKIP, FRAMES)
 
     @gluon.jit
     def _tile_chunks(work_ptr, tile, MT, G, P, N, K, BM: ttgl.constexpr, BN: ttgl.constexpr,
@@ -563,14 +620,14 @@ if _IMPORT_OK:
 
     @gluon.jit
     def l1_ws_kernel(a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, bs1_ptr, w3_desc, bs2_ptr, c_ptr,
-                     work_ptr,
+                     work_ptr, f1_ptr, f3_ptr,
                      MT, N, K, G, P, limit, stride_am, stride_as, stride_bsg, stride_bsn,
                      stride_cm, TOPK: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr,
                      USE_ASM: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
                      BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
                      LAG: ttgl.constexpr, DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr,
                      A_TMA: ttgl.constexpr, QLAG: ttgl.constexpr, UPP: ttgl.constexpr,
-                     SKIP: ttgl.constexpr,
+                     SKIP: ttgl.constexpr, FRAMES: ttgl.constexpr,
                      R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr, R_LD: ttgl.constexpr):
         """Program pid: row tile pid // (N / BN) of moe.tile_list at BM rows, columns
         (pid % (N / BN)) * BN of W1 and W3 (w1_desc / w3_desc: the banks as [G N, K / 2] bytes,
@@ -582,6 +639,7 @@ if _IMPORT_OK:
         ttgl.static_assert(BK == 128, "128-column chunks (one A scale per chunk)")
         ttgl.static_assert((NS >= 2) & (NU >= 2), "double-buffered rings at least")
         ttgl.static_assert((LAG >= 1) & (LAG < NS), "1 <= LAG <= NS - 1 (the loader's lag)")
+        ttgl.static_assert((not FRAMES) | (BN == 2 * WN_C), "row frames: the 128-column tile")
 
         tile = ttgl.program_id(0)
         if not PERSIST:
@@ -594,6 +652,10 @@ if _IMPORT_OK:
         w3_r = ttgl.allocate_shared_memory(ttgl.uint8, [NS, BN, BK // 2], w3_desc.layout)
         e_r = ttgl.allocate_shared_memory(ttgl.uint8, [NS, 2 * BN, 4], FLAT)
         sa_r = ttgl.allocate_shared_memory(ttgl.float32, [NS, BM], FLAT1)
+        if FRAMES:  # the rows' frames (int32 [2 BN]: W1's, W3's), with every chunk
+            f_r = ttgl.allocate_shared_memory(ttgl.int32, [NS, 2 * BN], FLAT1)
+        else:
+            f_r = sa_r  # never read
         b1_r = ttgl.allocate_shared_memory(ttgl.float8e4nv, [NU, BN, BK], F8_SMEM)
         b3_r = ttgl.allocate_shared_memory(ttgl.float8e4nv, [NU, BN, BK], F8_SMEM)
         sb_r = ttgl.allocate_shared_memory(ttgl.float32, [NU, 2 * BN], FLAT1)
@@ -610,7 +672,7 @@ if _IMPORT_OK:
             mbarrier.init(b_free.index(u), count=2)
         fence_async_shared()  # the initialized barriers, before the TMA unit signals them
 
-        ring = (a_r, w1_r, w3_r, e_r, sa_r)
+        ring = (a_r, w1_r, w3_r, e_r, sa_r, f_r)
         bring = (b1_r, b3_r, sb_r)
         bars = (r_ready, r_free, b_ready, b_free)
         # (Gluon: the partitions' argument tuples written out in each call - a tuple bound to a
@@ -618,34 +680,34 @@ if _IMPORT_OK:
         if UPP == 1:
             ttgl.warp_specialize([
                 (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
-                        stride_cm, 0, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST, QLAG,
-                        SKIP)),
+                        stride_cm, f1_ptr, f3_ptr, 0, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG,
+                        PERSIST, QLAG, SKIP, FRAMES)),
                 (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
-                        stride_cm, 64, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST, QLAG,
-                        SKIP)),
+                        stride_cm, f1_ptr, f3_ptr, 64, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG,
+                        PERSIST, QLAG, SKIP, FRAMES)),
                 (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN,
-                             BK, NS, NU, DIAG, PERSIST, 3)),
+                             BK, NS, NU, DIAG, PERSIST, 3, FRAMES)),
                 (_loader, (a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr,
                            ring, (r_ready, r_free), work_ptr, tile, MT, G, P, N, K, stride_am,
-                           stride_as, stride_bsg, stride_bsn, TOPK, BM, BN, BK, NS, LAG, DIAG,
-                           PERSIST, A_TMA)),
+                           stride_as, stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK, BM, BN, BK,
+                           NS, LAG, DIAG, PERSIST, A_TMA, FRAMES)),
             ], [4, 4, 4], [R_MMA, R_UP, R_LD])
         else:  # two upcast partitions: W1's and W3's
             ttgl.warp_specialize([
                 (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
-                        stride_cm, 0, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST, QLAG,
-                        SKIP)),
+                        stride_cm, f1_ptr, f3_ptr, 0, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG,
+                        PERSIST, QLAG, SKIP, FRAMES)),
                 (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
-                        stride_cm, 64, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG, PERSIST, QLAG,
-                        SKIP)),
+                        stride_cm, f1_ptr, f3_ptr, 64, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG,
+                        PERSIST, QLAG, SKIP, FRAMES)),
                 (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN,
-                             BK, NS, NU, DIAG, PERSIST, 1)),
+                             BK, NS, NU, DIAG, PERSIST, 1, FRAMES)),
                 (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN,
-                             BK, NS, NU, DIAG, PERSIST, 2)),
+                             BK, NS, NU, DIAG, PERSIST, 2, FRAMES)),
                 (_loader, (a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr,
                            ring, (r_ready, r_free), work_ptr, tile, MT, G, P, N, K, stride_am,
-                           stride_as, stride_bsg, stride_bsn, TOPK, BM, BN, BK, NS, LAG, DIAG,
-                           PERSIST, A_TMA)),
+                           stride_as, stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK, BM, BN, BK,
+                           NS, LAG, DIAG, PERSIST, A_TMA, FRAMES)),
             ], [4, 4, 4, 4], [R_MMA, R_UP, R_UP, R_LD])
 
 
@@ -654,7 +716,7 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
                   diag: int = 0, persist: bool | None = None, a_tma: bool | None = None,
                   regs: tuple[int, int, int] | None = None, bn: int = BN,
                   qlag: int | None = None, upp: int | None = None,
-                  skip: bool | None = None) -> dict:
+                  skip: bool | None = None, frames: bool = False) -> dict:
     """l1_ws_kernel's constexprs (the launcher's and the ahead-of-time build test's); lag None:
     LAG (clamped to stages - 1); stages / bstages / regs None: the tile's defaults (NS / NU /
     REGS at bn 64, NS_WIDE / NU_WIDE / REGS_WIDE at bn 128); qlag (bn 128 only): 1 = the next
@@ -662,10 +724,12 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
     WIDE_QLAG with A by TMA, else 0. upp: upcast partitions, 1, or 2 (W1's and W3's: bn 128
     with A by TMA and qlag 0 only, REGS_WIDE_U2, launch_maxnreg 96); None: WIDE_UPP there, else
     1. skip None: SKIP_IDLE (the rows 64..127 warpgroup's wgmmas skipped on tiles of <= 64
-    rows)."""
+    rows). frames: the weights' frames per row over all of K (bn 128 only; l1_gluon_ws)."""
     if bn not in (BN, BN_WIDE):
         raise ValueError(f"bn {bn}: {BN} or {BN_WIDE}")
     wide = bn == BN_WIDE
+    if frames and not wide:
+        raise ValueError(f"row frames need bn {BN_WIDE}")
     stages = (NS_WIDE if wide else NS) if stages is None else int(stages)
     bstages = (NU_WIDE if wide else NU) if bstages is None else int(bstages)
     r_mma, r_up, r_ld = (REGS_WIDE if wide else REGS) if regs is None else regs
@@ -684,7 +748,8 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
         r_mma, r_up, r_ld = REGS_WIDE_U2 if upp == 2 else REGS_WIDE_Q if qlag else REGS_WIDE
     return dict(TOPK=topk, HAS_LIMIT=has_limit, USE_ASM=use_asm, BM=BM, BN=bn, BK=BK, NS=stages,
                 NU=bstages, LAG=lag, DIAG=int(diag), PERSIST=persist, A_TMA=a_tma, QLAG=qlag,
-                UPP=upp, SKIP=SKIP_IDLE if skip is None else bool(skip), R_MMA=r_mma,
+                UPP=upp, SKIP=SKIP_IDLE if skip is None else bool(skip), FRAMES=bool(frames),
+                R_MMA=r_mma,
                 R_UP=r_up, R_LD=r_ld)
 
 
@@ -701,7 +766,8 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
                 diag: int = 0, persist: bool | None = None,
                 ctas: int | None = None, a_tma: bool | None = None,
                 bn: int = BN, qlag: int | None = None, upp: int | None = None,
-                skip: bool | None = None) -> torch.Tensor:
+                skip: bool | None = None,
+                frames: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """out [P, F] (expert-sorted rows; fp16 in routed_experts, fp32 / bf16 fine; a row-strided
     view is fine) = swiglu(A W1^T, A W3^T) per expert, A row of sorted row r = a_q[a_idx[r] //
     topk] (E4M3 [T, d] with 16-byte aligned rows, a_scale [T, d / 128] f32); w1 / w3: moe.Bank
@@ -716,7 +782,11 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     count (the tests walk many tiles per CTA at small sizes); a_tma: A by TMA from an
     expert-sorted copy of its rows made here (default A_TMA); bn: the tile's columns of W1 and
     W3, BN (64) or BN_WIDE (128: half the A bytes per MMA - each A chunk feeds 256 wgmma
-    columns -, the same bits; its ring defaults NS_WIDE / NU_WIDE); qlag / upp / skip: kernel_consts'."""
+    columns -, the same bits; its ring defaults NS_WIDE / NU_WIDE); qlag / upp / skip: kernel_consts'.
+    frames: (f1, f3) = row_frames(w1, w3) (bn 128 only): each weight row's frame over all of K
+    instead of each chunk's - the upcast takes it from the loader, the promotion needs no column
+    scales, the epilogue applies 2^(S - 127); row_frames gives them only where that is the same
+    bits (every row's exponents within 11 binades of its largest)."""
     from .moe_gluon_decode import _weight_desc
 
     if not _IMPORT_OK:
@@ -739,7 +809,13 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     consts = kernel_consts(topk=topk, has_limit=limit is not None and limit > 0,
                            use_asm=True if use_asm is None else bool(use_asm), stages=ns,
                            bstages=nu, lag=lag, diag=diag, persist=persist, a_tma=a_tma,
-                           bn=bn, qlag=qlag, upp=upp, skip=skip)
+                           bn=bn, qlag=qlag, upp=upp, skip=skip, frames=frames is not None)
+    if frames is not None:
+        for f in frames:
+            if f.dtype != torch.int32 or tuple(f.shape) != (counts.numel(), N) or \
+                    not f.is_contiguous() or f.device != out.device:
+                raise ValueError(f"frames: int32 [{counts.numel()}, {N}] contiguous on "
+                                 f"{out.device} (row_frames), got {f.dtype} {tuple(f.shape)}")
     grid = max_tiles * (N // bn)
     if consts["PERSIST"]:
         grid = min(grid, int(ctas) if ctas else sm_count(out.device))
@@ -754,10 +830,46 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
                                   A_TMA_LAYOUT)
     l1_ws_kernel[grid](
         a_q, a_desc, a_scale, a_idx, w1_desc, w1.s, _weight_desc(w3, bn), w3.s, out, tiles,
-        max_tiles, N, K, counts.numel(), P, float(limit or 0.0), a_q.stride(0),
+        *(frames if frames is not None else (counts, counts)), max_tiles, N, K, counts.numel(), P, float(limit or 0.0), a_q.stride(0),
         a_scale.stride(0), w1.s.stride(0), w1.s.stride(1), out.stride(0), **consts,
         num_warps=NUM_WARPS, maxnreg=launch_maxnreg(consts))
     return out
+
+
+# row frames (l1_gluon_ws's frames): exact where every exponent of a weight row is at least
+# its frame - 5 (the upcast table flushes below; the frame is max(largest - 6, 1)), i.e. within
+# 11 binades of the row's largest; the per-chunk frames flush nothing there either
+FRAME_SPAN = 11
+
+
+def frames_of(s: torch.Tensor) -> torch.Tensor | None:
+    """The frames S = max(max_k e - 6, 1) of the weight rows of E8M0 exponents s ([..., N,
+    K / 32], uint8 or float8_e8m0fnu) over all of K, int32 [..., N] contiguous; None where a row
+    holds an exponent more than FRAME_SPAN binades below its largest: the row frame would flush
+    a group the chunk's frame keeps, so the bits would differ from the per-chunk kernel's."""
+    e = s.view(torch.uint8)
+    S = (e.amax(-1).to(torch.int32) - 6).clamp_min(1)
+    if bool((e.amin(-1).to(torch.int32) < S - 5).any()):
+        return None
+    return S.contiguous()
+
+
+def row_frames(w1, w3) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """frames_of W1's and W3's banks (moe.Bank), cached per weight as long as it lives (built
+    once at warm-up: a scan of the exponents with one host sync; None on a miss inside a CUDA
+    graph capture, and where frames_of gives None): what routed_experts passes as
+    l1_gluon_ws's frames."""
+    from megagraph.kernels import cublas_fp8
+
+    if not w1.s.is_cuda:  # the kernel is CUDA's (and the cache's capture check needs CUDA)
+        return None
+
+    def build(pairs):
+        f = [frames_of(sc) for _, sc in pairs]
+        return () if None in f else tuple(f)  # () is cached too: "does not apply"
+
+    got = cublas_fp8.derived(((w1.w, w1.s), (w3.w, w3.s)), "l1_ws_frames", build)
+    return got or None
 
 
 def args_problem(a_q, a_scale, w1, w3, counts, out, bn: int = BN) -> str | None:

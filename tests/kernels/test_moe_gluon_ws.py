@@ -130,11 +130,15 @@ def test_l1_ws_wide_schedules(name, a_tma, qlag, upp, skip):
     _same_bits_as_default(name, a_tma=a_tma, bn=W, qlag=qlag, upp=upp, skip=skip)
 
 
-def _same_bits_as_default(name: str, **kw):
-    """CASES[name] launched with kw, persistent over 3 CTAs and with one CTA per tile, into
-    poisoned outputs: every row written and the bits of the default launch."""
+def _same_bits_as_default(name: str, frames: bool = False, **kw):
+    """CASES[name] launched with kw (and its banks' row frames where frames), persistent over 3
+    CTAs and with one CTA per tile, into poisoned outputs: every row written and the bits of
+    the default launch."""
     rows, T, k, d, F, exps, limit = CASES[name]
     xq, xs, w1, w3, counts, a_idx = rows_case(rows, T, k, d, F, seed=len(name), exps=exps)
+    if frames:
+        kw["frames"] = mw.row_frames(w1, w3)
+        assert kw["frames"] is not None, "the case's exponents span <= 11 binades"
     base = torch.full((sum(rows), F), float("nan"), dtype=torch.float16, device="cuda")
     _launch(xq, xs, a_idx, w1, w3, counts, base, k, limit)
     for persist in (True, False):
@@ -145,6 +149,53 @@ def _same_bits_as_default(name: str, **kw):
         torch.cuda.synchronize()
         assert torch.isfinite(out).all(), f"persist {persist}: a row not written"
         assert torch.equal(out, base), f"persist {persist}: {rel(out, base):.3e}"
+
+
+@gpu
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[4] % W == 0])
+@pytest.mark.parametrize("a_tma,upp,skip", [(True, 2, None), (True, 1, None), (False, 1, None),
+                                            (True, 2, False)])
+def test_l1_ws_row_frames(name, a_tma, upp, skip):
+    """The 128-column tile with each weight row's frame over all of K (row_frames: promotions by
+    the A scales alone, the frames applied in the epilogue): the 64-column per-chunk-frame
+    tile's bits, every row written - A gathered or by TMA, one or two upcast partitions, the
+    idle rows skipped or not, persistent over 3 CTAs and one CTA per tile."""
+    _same_bits_as_default(name, frames=True, a_tma=a_tma, bn=W, upp=upp, skip=skip)
+
+
+@gpu
+def test_row_frames_cached_and_refused():
+    """row_frames is built once per weight (the same tensors back) and refuses banks with a row
+    spanning more than FRAME_SPAN binades (None: routed_experts keeps the per-chunk frames)."""
+    from megagraph.kernels.triton import moe
+
+    rows, T, k, d, F, exps, limit = CASES["tiles_1_128"]
+    _, _, w1, w3, _, _ = rows_case(rows, T, k, d, F, seed=1, exps=exps)
+    f = mw.row_frames(w1, w3)
+    assert f is not None and all(a is b for a, b in zip(f, mw.row_frames(w1, w3)))
+    assert torch.equal(f[0], mw.frames_of(w1.s.cpu()).cuda())
+    s_wide = w3.s.clone()
+    s_wide[0, 0, 0] = int(s_wide[0, 0].max()) - 12
+    assert mw.row_frames(w1, moe.bank(w3.w, s_wide, "mxfp4")) is None
+
+
+@pytest.mark.parametrize("span,ok", [(0, True), (5, True), (11, True), (12, False),
+                                     (20, False)])
+def test_frames_of(span, ok):
+    """frames_of (CPU): S = max(largest exponent - 6, 1) per row over all of K; None as soon as one
+    row holds an exponent more than FRAME_SPAN (11) binades below its largest - the per-chunk
+    frames would keep that group where the row frame flushes it."""
+    g = torch.Generator().manual_seed(span)
+    e = torch.randint(120, 124, (3, 5, 16), generator=g, dtype=torch.int32)
+    e[1, 2, 7] = int(e[1, 2].max()) - span
+    e[2, 4] = torch.tensor([0, 1, 2, 3] * 4)  # small exponents: the frame clamps at 1
+    got = mw.frames_of(e.to(torch.uint8).view(torch.float8_e8m0fnu))
+    if not ok:
+        assert got is None
+        return
+    want = (e.amax(-1) - 6).clamp_min(1)
+    assert got.dtype == torch.int32 and got.is_contiguous() and torch.equal(got, want)
+    assert int(got[2, 4]) == 1
 
 
 @gpu
@@ -261,7 +312,8 @@ def test_gluon_l1_ws_choice(monkeypatch):
     a string knob as benchmarks/moe_ab.py may set it works too) the 128-column tile on its rings
     WS_WIDE_STAGES / WS_WIDE_BSTAGES with A by TMA (WS_WIDE_A_TMA), where F % 128 == 0; at F = 192
     or WS_L1_BN = 64 the 64-column tile on WS_STAGES / WS_BSTAGES with WS_A_TMA; GLUON_WS_L1 off:
-    not the ws kernel."""
+    not the ws kernel; the 128-column tile gets row_frames' answer with WS_L1_FRAMES (default)
+    and None without, the 64-column tile None."""
     from gluon_cases import dbg_bank
     from megagraph.kernels.triton import moe
 
@@ -271,6 +323,8 @@ def test_gluon_l1_ws_choice(monkeypatch):
     monkeypatch.setattr(moe, "GLUON", True)
     monkeypatch.setattr(moe, "GLUON_PREFILL", False)
     monkeypatch.setattr(moe, "GLUON_WS_L1", True)
+    frames = object()  # row_frames' answer (cached per weight, CUDA only): passed through as is
+    monkeypatch.setattr(mw, "row_frames", lambda w1, w3: frames)
     E, d = 4, 256
     xq = torch.zeros(300, d, dtype=torch.float8_e4m3fn)
     xs = torch.ones(300, d // 128)
@@ -282,6 +336,8 @@ def test_gluon_l1_ws_choice(monkeypatch):
         if p is None or getattr(p[0], "func", None) is not mw.l1_gluon_ws:
             return None
         kw = p[0].keywords
+        assert kw["frames"] is (frames if kw["bn"] == mw.BN_WIDE and moe.WS_L1_FRAMES
+                                else None), kw["frames"]
         return kw["bn"], kw["stages"], kw["bstages"], kw["a_tma"], kw["persist"], p[1]
 
     wide = (mw.BN_WIDE, moe.WS_WIDE_STAGES, moe.WS_WIDE_BSTAGES, moe.WS_WIDE_A_TMA, True, mw.BM)
@@ -290,6 +346,9 @@ def test_gluon_l1_ws_choice(monkeypatch):
         monkeypatch.setattr(moe, "WS_L1_BN", bn)
         assert pick(256) == wide
         assert pick(192) == narrow  # F % 128 != 0: the 64-column tile
+    monkeypatch.setattr(moe, "WS_L1_FRAMES", False)
+    assert pick(256) == wide  # without row frames (checked inside pick)
+    monkeypatch.setattr(moe, "WS_L1_FRAMES", True)
     monkeypatch.setattr(moe, "WS_L1_BN", 64)
     assert pick(256) == narrow
     assert pick(256, rpg=90.0) is None  # at or below 100 rows per expert: not the ws L1
@@ -350,7 +409,7 @@ def _types(a_tma: bool = False, bn: int = mw.BN):
     types = {n: t for n, t in TYPES.items()
              if n not in ("b1_ptr", "b2_ptr", "stride_bg", "stride_bn")}
     a_desc = desc if not a_tma else f"tensordesc<fp8e4nv[{mw.BM}, {mw.BK}],{mw.A_TMA_LAYOUT!r}>"
-    return dict(types, w1_desc=desc, w3_desc=desc, a_desc=a_desc)
+    return dict(types, w1_desc=desc, w3_desc=desc, a_desc=a_desc, f1_ptr="*i32", f3_ptr="*i32")
 
 
 def _compile(**kw):
@@ -519,6 +578,35 @@ def test_l1_ws_sm90_build_wide():
                  for t in body if re.search(r"WARPGROUP\.(DEPBAR|ARRIVE)|\bFFMA\b", t)]
         seq = "".join(marks)
         assert seq == "a" + "w" + "f" * 32 + ("a" + "w" + "f" * 32) * 3, seq
+    assert ws_order_problems(loops) == []
+
+
+@build
+def test_l1_ws_sm90_build_frames():
+    """The 128-column tile with row frames (A by TMA, two upcasts): no stack / spills at the same
+    setmaxnreg, and per chunk the MMA loop's promotions are FFMAs by the A scales alone - no
+    FMUL, no shared loads but the A scales (2 LDS) -, each quarter's 32 FFMA still between its
+    wgmma wait and the next wgmmas; the upcasts compute no chunk frame (no SHFL reduction) and
+    the loader copies the frames (2 more 4-byte cp.async)."""
+    k = _compile(bn=mw.BN_WIDE, a_tma=True, frames=True)
+    base = _compile(bn=mw.BN_WIDE, a_tma=True)
+    usage, sass = usage_and_sass(k)
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
+    assert k.metadata.shared <= 227 * 1024
+    loops, base_loops = partition_loops(sass), partition_loops(usage_and_sass(base)[1])
+    assert [len(loops[n]) for n in ("mma", "upcast", "loader")] == [2, 2, 1]
+    for body in loops["mma"]:
+        assert count(body, r"\bQGMMA\b") == 16 and count(body, r"\bFFMA\b") == 128
+        assert count(body, r"\bFMUL\b") == 0 and count(body, r"\bLDS") <= 2
+        marks = "".join("w" if "WARPGROUP.DEPBAR" in t else "a" if "WARPGROUP.ARRIVE" in t
+                        else "f" for t in body
+                        if re.search(r"WARPGROUP\.(DEPBAR|ARRIVE)|\bFFMA\b", t))
+        assert marks == ("a" + "w" + "f" * 32) * 4, marks
+    for body in loops["upcast"]:
+        assert count(body, r"\bPRMT\b") == 64 and count(body, r"SHFL") == 0
+    ld, ld0 = loops["loader"][0], base_loops["loader"][0]
+    assert count(ld, r"\bLDGSTS") == count(ld0, r"\bLDGSTS") + 2
     assert ws_order_problems(loops) == []
 
 
