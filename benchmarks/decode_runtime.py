@@ -162,7 +162,7 @@ def token_checks(tokens: dict, batches) -> dict:
 
 def markdown(results: dict) -> str:
     env = results["environment"]
-    lines = [f"# Decode step time: eager vs CUDA graphs vs graphs + torch.compile", "",
+    lines = ["# Decode step time: eager vs CUDA graphs vs graphs + torch.compile", "",
              f"{env['device']}, torch {env['torch']} (CUDA {env['cuda']}), {env['date']}, commit "
              f"{env.get('commit', '?')}", f"`{env['command']}`", ""]
     for m in results["models"]:

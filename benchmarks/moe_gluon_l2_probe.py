@@ -12,6 +12,7 @@ on the device. Each launch is timed as CUDA-graph replays (events, median of bat
     python benchmarks/moe_gluon_l2_probe.py --smoke                           # small dims
     python benchmarks/moe_gluon_l2_probe.py --diag "w,mma,a,w+mma" --out /tmp/gl2  # by parts
     python benchmarks/moe_gluon_l2_probe.py --ws 6:3,8:3,4:3:256 --out /tmp/gl2  # ws rings[:bn]
+    python benchmarks/moe_gluon_l2_probe.py --ws 4:3:256,4:3:256:2 --out /tmp/gl2  # [:upcasts]
     python benchmarks/moe_gluon_l2_probe.py --ws none --out /tmp/gl2     # without the ws rows
 
 --routing balanced: token t -> experts 6t .. 6t + 5 mod 384 (128 rows per expert at 8192 tokens:
@@ -25,11 +26,11 @@ rel. error vs the fp32 math of the first experts' rows < 2e-3 for f32 y, 1e-2 fo
 illegal memory access cannot lose the Triton row; the Gluon L2 is timed only if both checks
 pass (else its row records the check results). Then its output is compared with the Triton
 L2's (rel. Frobenius error: sum order only at these exponents). Then the warp-specialized twin
-(moe_gluon_l2_ws.l2_gluon_ws, persistent CTAs; rows "gluon l2 ws NS:NU" for each --ws ring
-depth): checked in its own child process the same way (a deadlock ends there, at the child's
-timeout) plus bit for bit against the Gluon L2 (same_bits_as_gluon_l2), timed only if that
-passes, its output compared bit for bit with the Gluon L2's in this process too (the same
-numerics: the same bits expected).
+(moe_gluon_l2_ws.l2_gluon_ws, persistent CTAs; rows "gluon l2 ws NS:NU[:BN[:UPP]]" for each
+--ws ring depth, tile width and number of upcast partitions): checked in its own child process
+the same way (a deadlock ends there, at the child's timeout) plus bit for bit against the Gluon
+L2 (same_bits_as_gluon_l2), timed only if that passes, its output compared bit for bit with the
+Gluon L2's in this process too (the same numerics: the same bits expected).
 
 L2 FLOPs = 2 * rows * F * d (rows = tokens * top-k); % of peak against 989 TFLOP/s (H200 dense
 fp16). Needs CUDA sm_90 and Triton 3.6 (moe_gluon_l2.available()); elsewhere it says so and
@@ -72,8 +73,8 @@ def check(T: int, dims: dict, ks: int, ydt: str, routing: str, kernel: str = "gl
           rings: str | None = None) -> dict:
     """Gluon L2 calls (NaN-poisoned y, 3 launches compared bit for bit) against the fp32 math
     of the first experts' rows; kernel "ws": the warp-specialized twin at ring depths `rings`
-    ("NS:NU[:BN]"), also compared bit for bit with one Gluon L2 launch (same_bits_as_gluon_l2, part
-    of ok). Meant for the child process (--check-json)."""
+    ("NS:NU[:BN[:UPP]]"), also compared bit for bit with one Gluon L2 launch
+    (same_bits_as_gluon_l2, part of ok). Meant for the child process (--check-json)."""
     from megagraph.kernels.triton import moe_gluon_l2 as mgl
 
     d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
@@ -83,8 +84,8 @@ def check(T: int, dims: dict, ks: int, ydt: str, routing: str, kernel: str = "gl
     if kernel == "ws":
         from megagraph.kernels.triton import moe_gluon_l2_ws as mlw
 
-        ns, nu, bn = _rings(rings)
-        launch = functools.partial(mlw.l2_gluon_ws, stages=ns, bstages=nu, bn=bn)
+        ns, nu, bn, upp = _rings(rings)
+        launch = functools.partial(mlw.l2_gluon_ws, stages=ns, bstages=nu, bn=bn, upp=upp)
     ys = []
     for _ in range(3):
         y = torch.full((T, ks, d), float("nan"), dtype=YDT[ydt], device="cuda")
@@ -110,13 +111,11 @@ def check(T: int, dims: dict, ks: int, ydt: str, routing: str, kernel: str = "gl
     return res
 
 
-def _rings(spec: str | None) -> tuple[int | None, int | None, int | None]:
-    """'NS:NU' or 'NS:NU:BN' -> (stages, bstages, bn) of l2_gluon_ws; None / '' -> its
-    defaults."""
-    if not spec:
-        return None, None, None
-    parts = [int(x) for x in spec.split(":")]
-    return parts[0], parts[1], (parts[2] if len(parts) > 2 else None)
+def _rings(spec: str | None) -> tuple[int | None, int | None, int | None, int | None]:
+    """'NS:NU', 'NS:NU:BN' or 'NS:NU:BN:UPP' -> (stages, bstages, bn, upp) of l2_gluon_ws (upp:
+    its upcast partitions, 1 or 2); None / '' / a missing field -> its default."""
+    parts = [int(x) for x in spec.split(":")] if spec else []
+    return tuple(parts[i] if len(parts) > i else None for i in range(4))
 
 
 def main() -> None:
@@ -133,11 +132,13 @@ def main() -> None:
                                                "(w, mma, a): the kernel with those parts of its "
                                                "K loop skipped, timed after the checked rows - "
                                                "WRONG results by design, to see what bounds it")),
-                          ("--ws", dict(default="6:3,8:3,4:3,4:3:256,5:3:256",
-                                        help="ring depths NS:NU[:BN] of the warp-specialized "
-                                             "L2 (moe_gluon_l2_ws; BN the tile's output "
-                                             "columns, 128 or 256), comma-separated, each "
-                                             "checked then timed as a row; 'none': no ws "
+                          ("--ws", dict(default="6:3,8:3,4:3,4:3:256,5:3:256,4:3:256:2,"
+                                                "6:3:128:2",
+                                        help="ring depths NS:NU[:BN[:UPP]] of the "
+                                             "warp-specialized L2 (moe_gluon_l2_ws; BN the "
+                                             "tile's output columns, 128 or 256; UPP its "
+                                             "upcast partitions, 1 or 2), comma-separated, "
+                                             "each checked then timed as a row; 'none': no ws "
                                              "rows"))])
     args = ap.parse_args()
 
@@ -256,7 +257,7 @@ def _ws_rows(res, write, specs, cases, inputs, tiles, mtg, y_gl, idx, ref, rates
     res.setdefault("ws", {})
     for spec in specs:
         name = f"gluon l2 ws {spec}"
-        ns, nu, bn = _rings(spec)
+        ns, nu, bn, upp = _rings(spec)
         wcases = [dict(c, kernel="ws", rings=spec) for c in cases]
         checks = check_cases_in_child(__file__, wcases, timeout=180.0)
         res["ws"][spec] = dict(checks=checks)
@@ -267,13 +268,18 @@ def _ws_rows(res, write, specs, cases, inputs, tiles, mtg, y_gl, idx, ref, rates
         y_ws = torch.full((wts.shape[0], ks, w2.n), float("nan"), dtype=YDT[res["y_dtype"]],
                           device="cuda")
 
-        def ws_l2(prebuilt=True, ns=ns, nu=nu, bn=bn, y=y_ws):
+        def ws_l2(prebuilt=True, ns=ns, nu=nu, bn=bn, upp=upp, y=y_ws):
             mlw.l2_gluon_ws(h, w2, counts, srt, wts, y, topk=k, ks=ks, max_tiles=mtg,
-                            tiles=tiles if prebuilt else None, stages=ns, bstages=nu, bn=bn)
+                            tiles=tiles if prebuilt else None, stages=ns, bstages=nu, bn=bn,
+                            upp=upp)
 
         bn_ = bn or mlw.BN_TILE
-        tile = dict(bm=mlw.BM, bn=bn_, bk=mlw.BK, ns=ns or mlw.NS, nu=nu or mlw.NU,
-                    regs=mlw.REGS_256 if bn_ == 256 else mlw.REGS, persistent=True)
+        kc = mlw.kernel_consts(w2.k, bn=bn_, upp=upp)  # the launch's upcasts and registers
+        tile = dict(bm=mlw.BM, bn=bn_, bk=mlw.BK,
+                    ns=ns or (mlw.NS if bn_ == mlw.BN else mlw.NS_256),
+                    nu=nu or (mlw.NU if bn_ == mlw.BN else mlw.NU_256), upp=kc["UPP"],
+                    regs=(kc["R_MMA"], kc["R_UP"], kc["R_LD"]), maxnreg=mlw.launch_maxnreg(kc),
+                    persistent=True)
         if timed_row(res, write, name, ws_l2, tile, rates):
             if spec == specs[0]:
                 timed_row(res, write, f"{name} + tile_list", lambda: ws_l2(prebuilt=False),

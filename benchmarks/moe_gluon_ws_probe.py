@@ -75,7 +75,9 @@ def _parse_item(item: str) -> dict:
       "pkws ..." (k with any)      ... the rows 64.. warpgroup idle on tiles of <= 64 rows
                                   (skip; else the kernel's default, SKIP_IDLE);
       "ptwfws ..." (f with w)      ... each weight row's frame over all of K (row_frames,
-                                  built outside the timed launch)."""
+                                  built outside the timed launch);
+      "ptwfrws ..." (r with f)     ... the A rows in registers once per chunk (areg; else the
+                                  kernel's default, AREG)."""
     from megagraph.kernels.triton import moe_gluon_ws as mw
 
     if item.startswith("decode64"):
@@ -84,10 +86,11 @@ def _parse_item(item: str) -> dict:
     kind, _, spec = item.partition(" ")
     flags, kind = (kind[:-2], "ws") if kind.endswith("ws") else (kind[:-4], kind[-4:])
     persist, a_tma, wide = "p" in flags, "t" in flags, "w" in flags
-    if set(flags) - {"p", "t", "w", "s", "o", "k", "f"}:
+    if set(flags) - {"p", "t", "w", "s", "o", "k", "f", "r"}:
         raise ValueError(f"item {item!r}: prefixes p (persistent), t (A by TMA), w (the "
                          "128-column tile), s (its quarters one at a time), o (one upcast "
-                         "partition), k (skip idle rows) and f (row frames) only")
+                         "partition), k (skip idle rows), f (row frames) and r (A in "
+                         "registers) only")
     parts = spec.split(":")
     if kind not in ("ws", "diag") or not 2 <= len(parts) <= 4 or (kind == "diag") != (
             len(parts) == 4):
@@ -100,7 +103,8 @@ def _parse_item(item: str) -> dict:
                 lag=int(parts[2]) if len(parts) > 2 else None, diag=diag, persist=persist,
                 a_tma=a_tma, bn=mw.BN_WIDE if wide else mw.BN,
                 qlag=0 if "s" in flags else None, upp=1 if "o" in flags else None,
-                skip=True if "k" in flags else None, frames="f" in flags)
+                skip=True if "k" in flags else None, frames="f" in flags,
+                areg=True if "r" in flags else None)
 
 
 def _launcher(item: str, inputs, out, k: int, limit: float, tiles=None):
@@ -125,7 +129,7 @@ def _launcher(item: str, inputs, out, k: int, limit: float, tiles=None):
                                   stages=it["stages"], bstages=it["bstages"], lag=it["lag"],
                                   diag=it["diag"], persist=it["persist"], a_tma=it["a_tma"],
                                   bn=it["bn"], qlag=it["qlag"], upp=it["upp"],
-                                  skip=it["skip"], frames=frames)
+                                  skip=it["skip"], frames=frames, areg=it["areg"])
 
 
 def check(T: int, dims: dict, limit: float, item: str, routing: str) -> dict:

@@ -19,16 +19,19 @@ runs correctly on the H200), synchronized only by mbarriers:
           are loaded but their accumulator rows are never stored), and of the packed W2 rows
           [BN, BK / 8] int32 words (32 bytes a row), all on r_ready[s] (one of two predicated
           mbarrier.expects with the bytes issued: count 1).
-  upcast  (worker, 4 warps): per tile, the rows' frames S0 = max(max_k e - 13, 1) from all K / 32
-          exponents of its BN W2 rows (moe_gluon_l2's prologue scan, global loads); per chunk,
-          once r_ready[s] and b_free[u] (u = c % NU): the stage's packed words (LDS.128 per (row,
-          32-column group)) and the chunk's exponents (global loads prefetched two chunks ahead,
-          as in moe_gluon_l2) -> exact fp16 e2m1 x 2^(e - S0) by the same PRMT table
+  upcast  (worker, 4 warps; or two workers of 4 warps, upp=2: each one half of the tile's W2
+          rows - its own frames, raw words, B rows and sb entries - so a chunk's upcast is
+          split over 8 warps): per tile, the rows' frames S0 = max(max_k e - 13, 1) from all
+          K / 32 exponents of its W2 rows (moe_gluon_l2's prologue scan, global loads); per
+          chunk, once r_ready[s] and b_free[u] (u = c % NU): the stage's packed words (LDS.128
+          per (row, 32-column group)) and the chunk's exponents (global loads prefetched two
+          chunks ahead, as in moe_gluon_l2) -> exact fp16 e2m1 x 2^(e - S0) by the same PRMT table
           (moe_gluon_l2._upcast_store: the same code, the same bits) into B stage u [BN, BK]
           (K-major, 128-byte swizzle); at a tile's last chunk also the frame scales 2^(S0 - 127)
           into sb[u]; fence.proxy.async (writer-side: this thread's st.shared before the wgmma's
           async-proxy reads, its ld.shared of the raw stage before the next TMA write), the
-          partition barrier, then arrive r_free[s] and b_ready[u].
+          partition barrier, then arrive r_free[s] and b_ready[u] (each upcast partition its
+          own arrivals: the stage is ready / free once all of them arrived).
   MMA     (the default partition = rows 0..63, one worker = rows 64..127; one warpgroup each):
           per chunk, once r_ready[s] and b_ready[u]: wgmma m64n128k16 x 4 (fp16 -> fp32, async)
           chained on ONE accumulator, then wait(1) - the chunk before has retired - and its stages
@@ -41,10 +44,11 @@ runs correctly on the H200), synchronized only by mbarriers:
           indices and weights are loaded at the tile's start, used at its end).
 
 Barriers (mbarrier, one per stage): r_ready [NS] count 1 (the expect-tx arrive; the TMA bytes
-complete it), r_free [NS] count 3 (both MMA warpgroups + the upcast), b_ready [NU] count 1,
-b_free [NU] count 2. Every release is moe_gluon_ws._release: a partition barrier, then one
-elected thread's arrive (Gluon's mbarrier.arrive has no barrier of its own). Producers wait for
-"free" at phase ^ 1 (a fresh barrier counts as having completed the phase before its first).
+complete it), r_free [NS] count 2 + UPP (both MMA warpgroups + every upcast partition: each
+reads the raw stage), b_ready [NU] count UPP (the upcast partitions), b_free [NU] count 2.
+Every release is moe_gluon_ws._release: a partition barrier, then one elected thread's arrive
+(Gluon's mbarrier.arrive has no barrier of its own). Producers wait for "free" at phase ^ 1 (a
+fresh barrier counts as having completed the phase before its first).
 The MMA warpgroups hold two chunks' stages (the running wgmma and the one queued behind it), so
 NS >= 3 and NU >= 3 keep the producers ahead (NU = 2 still runs: the upcast of chunk c + 1 then
 overlaps only wgmma(c)).
@@ -57,14 +61,14 @@ moe_gluon_l2's bit for bit (the GPU tests check that, and the fp32 math within i
 
 Tile: BM = 128 expert-sorted rows (moe.tile_list at 128 rows: the same list as the L1's and
 moe_gluon_l2's) x BN = 128 output columns, BK = 64-column chunks (any K % 64 == 0; the launcher
-keeps moe_gluon_l2's acceptance, K % 192, so the two take the same calls). 16 warps, one CTA
-per SM (launch maxnreg 128 = the SM's 64K registers): setmaxnreg REGS for the workers (MMA rows
-64..127, upcast, loader), the default partition the rest of 4 x 128. Persistent: grid = min(the
-tile count, SMs) (or `ctas`), CTA i walks work items i, i + grid, ... of the row-tile-major
-order (row tile t // (N / BN), column tile t % (N / BN)), skipping the list's empty entries the
-same way in every partition so their chunk counts (stages, phases) agree. Shared memory: NS x
-(16 + 4) KB raw + NU x 16 KB B + NU x 512 B frames: NS = 6, NU = 3 by default (~169 KB); 8:3
-fits (~210 KB).
+keeps moe_gluon_l2's acceptance, K % 192, so the two take the same calls). 16 warps (20 at
+upp 2), one CTA per SM (launch maxnreg 128 = the SM's 64K registers): setmaxnreg REGS for the
+workers (MMA rows 64..127, upcast, loader), the default partition the rest of 4 x 128.
+Persistent: grid = min(the tile count, SMs) (or `ctas`), CTA i walks work items i, i + grid, ...
+of the row-tile-major order (row tile t // (N / BN), column tile t % (N / BN)), skipping the
+list's empty entries the same way in every partition so their chunk counts (stages, phases)
+agree. Shared memory: NS x (16 + 4) KB raw + NU x 16 KB B + NU x 512 B frames: NS = 6, NU = 3 by
+default (~169 KB); 8:3 fits (~210 KB).
 
 bn = 256 (opt-in, `bn=256`; d % 256): a tile of 128 rows x 256 output columns, each MMA warpgroup
 with two 64 x 128 accumulators chained on the same m64n128k16 wgmmas (the same instruction
@@ -73,8 +77,19 @@ the two 128-row halves one after the other (frame scans looped, not unrolled: re
 the H bytes (TMA and shared-memory writes) per FLOP. Rings NS_256:NU_256 = 4:3 (~195 KB),
 setmaxnreg REGS_256.
 
+upp = 2 (the default at bn 256 since the thirteenth session, UPP; bn 128 keeps one): two upcast
+partitions,
+each the rows of one half of the tile (bn 256: rows 0..127 / 128..255, the halves the one
+partition does one after the other; bn 128: 0..63 / 64..127), with the same upcast code per row
+(the same bits). Why: the H200's ncu of the bn 256 L2 (2.69 ms at 8192 tokens, balanced) - both
+MMA warpgroups spin on b_ready, the loader on r_free, the one upcast partition never waits (~329
+instructions per chunk and warp). 20 warps: launch maxnreg MAXNREG_U2 = 96, setmaxnreg
+REGS_256_U2 / REGS_U2 (bn 256 / 128: each MMA warpgroup 176 / 128, each upcast 48 / 96).
+
 Triton 3.6 sm_90 build (tests/kernels/test_moe_gluon_l2_ws.py::test_l2_ws_sm90_build): see
-NOTES-moe.md, twelfth session, for the numbers at the time of writing.
+NOTES-moe.md, twelfth session, for the numbers at the time of writing. upp 2
+(test_l2_ws_sm90_build_two_upcasts): no stack / spills; per chunk each upcast loop 67 PRMT /
+~190 instructions at bn 256 (one partition: 134 / 328), 33 / ~108 at bn 128 (67 / 181).
 """
 from __future__ import annotations
 
@@ -102,6 +117,21 @@ REGS_ARITH = (136, 200, 40)
 # bn 256: two 64 x 128 fp32 accumulators per MMA warpgroup (176: no spills at 176, spills at
 # 168), the upcast's two halves at 128 with its frame scans looped (UNROLL False)
 REGS_256 = (176, 128, 32)
+# two upcast partitions (upp 2), each one half of the tile's W2 rows (the H200's ncu: the L2 at
+# bn 256 is bound by its one upcast partition - the MMA warpgroups spin on b_ready, the upcast
+# never waits): 20 warps at a launch cap of MAXNREG_U2 = 96 (20 x 32 x 96 <= 64K registers), so
+# per warpgroup lane 5 x 96 = 480 = the default MMA warpgroup (what Triton leaves it: 480 - the
+# workers' sum) + R_MMA + 2 R_UP + R_LD. Default at bn 256 since the thirteenth session (H200,
+# 8192 tokens, balanced routing: the L2 2.69 -> 2.55 ms, mega_moe 7.85 -> 7.55 ms in one A/B, the
+# same bits; at bn 128 two partitions were slower, 2.89 -> 3.00 ms: one there)
+UPP = 2
+MAXNREG_U2 = 96
+# bn 256: 176 + 176 (MMA: spills at 168) + 2 x 48 (halves of 128 rows, frame scans looped: no
+# spills at 48 in the Triton 3.6 build) + 32; the default MMA warpgroup gets 176
+REGS_256_U2 = (176, 48, 32)
+# bn 128: 128 + 128 (MMA: no spills down to 120) + 2 x 96 (halves of 64 rows; at 88, beside MMA
+# 136, the frame scan LLVM unrolls spills 24 B) + 32; the default MMA warpgroup gets 128
+REGS_U2 = (128, 96, 32)
 BN_TILE = 128  # the default tile's output columns (bn): 128 or 256
 MAX_SHARED = 227 * 1024  # the sm_90 per-block opt-in limit (232448 B)
 
@@ -113,26 +143,38 @@ def shared_bytes(stages: int = NS, bstages: int = NU, bn: int = BN) -> int:
     return stages * (BM * BK * 2 + bn * BK // 2) + bstages * (bn * BK * 2 + bn * 4)
 
 
-def _regs(use_asm: bool, bn: int) -> tuple[int, int, int]:
+def _regs(use_asm: bool, bn: int, upp: int = 1) -> tuple[int, int, int]:
     """The workers' setmaxnreg for a build: REGS, REGS_ARITH (arithmetic upcast), REGS_256
-    (bn 256: two accumulators a warpgroup)."""
+    (bn 256: two accumulators a warpgroup); with two upcast partitions REGS_U2 / REGS_256_U2."""
+    if upp == 2:
+        return REGS_256_U2 if bn == 2 * BN else REGS_U2
     if bn == 2 * BN:
         return REGS_256
     return REGS if use_asm else REGS_ARITH
 
 
 def kernel_consts(K: int, use_asm: bool = True, stages: int = NS, bstages: int = NU,
-                  regs: tuple[int, int, int] | None = None, bn: int = BN) -> dict:
+                  regs: tuple[int, int, int] | None = None, bn: int = BN,
+                  upp: int | None = None) -> dict:
     """The constexprs of l2_ws_kernel for K columns of W2 (the launcher's and the build test's):
     KGI = the 16-exponent pieces of a W2 row the frame scan reads (moe_gluon_l2's); NB = bn /
-    128 (the output columns of a tile: 128, or 256 as two m64n128k16 accumulators); regs None:
-    _regs."""
+    128 (the output columns of a tile: 128, or 256 as two m64n128k16 accumulators); UPP = the
+    upcast partitions (upp None: UPP at bn 256, 1 at bn 128); regs None: _regs."""
     if bn not in (BN, 2 * BN):
         raise ValueError(f"bn {bn}: {BN} or {2 * BN}")
-    r_mma, r_up, r_ld = regs or _regs(use_asm, bn)
+    upp = (UPP if bn == 2 * BN else 1) if upp is None else int(upp)
+    if upp not in (1, 2):
+        raise ValueError(f"upp {upp}: 1 or 2")
+    r_mma, r_up, r_ld = regs or _regs(use_asm, bn, upp)
     return dict(KGI=-(-(K // 32) // 16), USE_ASM=bool(use_asm), BM=BM, BN=BN, BK=BK,
-                NS=int(stages), NU=int(bstages), NB=bn // BN, R_MMA=r_mma, R_UP=r_up,
+                NS=int(stages), NU=int(bstages), NB=bn // BN, UPP=upp, R_MMA=r_mma, R_UP=r_up,
                 R_LD=r_ld)
+
+
+def launch_maxnreg(consts: dict) -> int:
+    """The launch register cap for kernel_consts(...): the SM's 64K registers over the CTA's
+    warps (16: MAXNREG = 128; 20 with two upcast partitions: MAXNREG_U2 = 96)."""
+    return MAXNREG if consts["UPP"] == 1 else MAXNREG_U2
 
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
@@ -224,7 +266,9 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         the exponents of chunks 0 and 1 (clamped), the frames S0 in LE's rows, the frame scales
         2^(S0 - 127) in LX's rows). UNROLL: the scan's KGI pieces unrolled (their loads in flight
         together: ~80 registers a thread at K = 2304), else a loop (one piece in flight: the
-        two-halves upcast of bn 256, which spills otherwise)."""
+        two-halves upcast of bn 256 and the upp 2 halves, which spill otherwise; LLVM still
+        unrolls the 64-row halves' small loop at bn 128 upp 2, which fits its 96 registers
+        where the static_range form spills 8 B)."""
         # ---- the rows' frames S0 = max(max e - REL_MAX, 1) over all K / 32 exponents
         # (moe_gluon_l2's scan: KGI unrolled pieces of 16, masked past K / 32)
         KG = K // 32
@@ -265,19 +309,23 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
 
     @gluon.jit
     def _upcast_tile(w_r, b_r, sb_r, bars, bs_ptr, g, n0, K, c0, stride_bsg, stride_bsn,
-                     KGI: ttgl.constexpr, USE_ASM: ttgl.constexpr, BN: ttgl.constexpr,
-                     BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
-                     NB: ttgl.constexpr):
-        """One tile's chunks c0 .. c0 + K / BK - 1: the frame scan, then raw stage -> B stage
-        per chunk (module docstring); NB = 2: two halves of BN rows, one after the other.
-        Returns the next chunk number."""
+                     KGI: ttgl.constexpr, USE_ASM: ttgl.constexpr, BK: ttgl.constexpr,
+                     NS: ttgl.constexpr, NU: ttgl.constexpr, R0: ttgl.constexpr,
+                     RB: ttgl.constexpr, NH: ttgl.constexpr, UNROLL: ttgl.constexpr):
+        """One tile's chunks c0 .. c0 + K / BK - 1 for this partition's W2 rows R0 .. R0 + NH
+        RB - 1 of the tile (n0 its first column of y): their frame scan, then per chunk their
+        raw stage rows -> B stage rows (module docstring), in NH blocks of RB rows one after the
+        other (NH = 2: bn 256 with one upcast partition). Only these rows' words, B rows and sb
+        entries are touched: with two partitions each publishes its half on the same barriers
+        (b_ready / r_free count both). UNROLL: _frames'. Returns the next chunk number."""
         r_ready, r_free, b_ready, b_free = bars
         n_k = K // BK
-        e_ptrs, e1, e2, s0, frame = _frames(bs_ptr, g, n0, K, stride_bsg, stride_bsn, KGI, BN,
-                                            BK, NB == 1)
-        if NB == 2:
-            e_ptrs_b, e1_b, e2_b, s0_b, frame_b = _frames(bs_ptr, g, n0 + BN, K, stride_bsg,
-                                                          stride_bsn, KGI, BN, BK, False)
+        e_ptrs, e1, e2, s0, frame = _frames(bs_ptr, g, n0 + R0, K, stride_bsg, stride_bsn, KGI,
+                                            RB, BK, UNROLL)
+        if NH == 2:
+            e_ptrs_b, e1_b, e2_b, s0_b, frame_b = _frames(bs_ptr, g, n0 + R0 + RB, K,
+                                                          stride_bsg, stride_bsn, KGI, RB, BK,
+                                                          UNROLL)
         for i in range(n_k):
             c = c0 + i
             s, ph = _stage(c, NS)
@@ -285,25 +333,22 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
             e = e1
             e1 = e2
             e2 = ttgl.load(e_ptrs + ttgl.minimum(i + 2, n_k - 1) * (BK // 32)).to(ttgl.int32)
-            if NB == 2:
+            if NH == 2:
                 e_b = e1_b
                 e1_b = e2_b
                 e2_b = ttgl.load(e_ptrs_b + ttgl.minimum(i + 2, n_k - 1) * (BK // 32)).to(
                     ttgl.int32)
             mbarrier.wait(r_ready.index(s), ph)
             mbarrier.wait(b_free.index(u), phu ^ 1)
-            if NB == 1:
-                _upcast_half(w_r.index(s), e, s0, b_r.index(u), USE_ASM, BN, BK)
-                if i == n_k - 1:  # the epilogue's frames ride on the tile's last B stage
-                    sb_r.index(u).store(frame)
-            else:
-                _upcast_half(w_r.index(s).slice(0, BN), e, s0, b_r.index(u).slice(0, BN),
-                             USE_ASM, BN, BK)
-                _upcast_half(w_r.index(s).slice(BN, BN), e_b, s0_b,
-                             b_r.index(u).slice(BN, BN), USE_ASM, BN, BK)
-                if i == n_k - 1:
-                    sb_r.index(u).slice(0, BN).store(frame)
-                    sb_r.index(u).slice(BN, BN).store(frame_b)
+            _upcast_half(w_r.index(s).slice(R0, RB), e, s0, b_r.index(u).slice(R0, RB),
+                         USE_ASM, RB, BK)
+            if NH == 2:
+                _upcast_half(w_r.index(s).slice(R0 + RB, RB), e_b, s0_b,
+                             b_r.index(u).slice(R0 + RB, RB), USE_ASM, RB, BK)
+            if i == n_k - 1:  # the epilogue's frames ride on the tile's last B stage
+                sb_r.index(u).slice(R0, RB).store(frame)
+                if NH == 2:
+                    sb_r.index(u).slice(R0 + RB, RB).store(frame_b)
             # writer-side: this thread's st.shared (B, frames) and ld.shared (raw W) ordered
             # against the async proxy (the wgmma's reads, the next TMA's writes), then the
             # partition barrier inside _release, then the arrivals
@@ -316,15 +361,22 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     def _upcaster(w_r, b_r, sb_r, bars, bs_ptr, work_ptr, MT, G, P, N, K, stride_bsg,
                   stride_bsn, KGI: ttgl.constexpr, USE_ASM: ttgl.constexpr, BM: ttgl.constexpr,
                   BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr,
-                  NU: ttgl.constexpr, NB: ttgl.constexpr):
-        """The upcast partition over this CTA's tiles (the loader's order and skips)."""
+                  NU: ttgl.constexpr, NB: ttgl.constexpr, UPP: ttgl.constexpr,
+                  PART: ttgl.constexpr):
+        """Upcast partition PART of UPP over this CTA's tiles (the loader's order and skips): the
+        tile's W2 rows PART x NB BN / UPP .. (all of them at UPP 1, one half each at UPP 2), in
+        blocks of at most BN rows (the LW layouts' 128; 64 at bn 128 with UPP 2). The frame
+        scan is unrolled only where the partition has the registers for it (bn 128, UPP 1)."""
         TN: ttgl.constexpr = NB * BN
+        ROWS: ttgl.constexpr = TN // UPP  # this partition's rows of the tile
+        RB: ttgl.constexpr = ROWS if ROWS < BN else BN
         c = 0
         for t in range(ttgl.program_id(0), _n_tiles(work_ptr, N, TN), ttgl.num_programs(0)):
             skip, g, _, _, pid_n = tile_entry(work_ptr, t, N // TN, MT, G, P, BM)
             if not skip:
                 c = _upcast_tile(w_r, b_r, sb_r, bars, bs_ptr, g, pid_n * TN, K, c, stride_bsg,
-                                 stride_bsn, KGI, USE_ASM, BN, BK, NS, NU, NB)
+                                 stride_bsn, KGI, USE_ASM, BK, NS, NU, PART * ROWS, RB,
+                                 ROWS // RB, (NB == 1) & (UPP == 1))
 
     # ---- MMA + epilogue ----------------------------------------------------------------------
 
@@ -426,17 +478,19 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                      KS: ttgl.constexpr, KGI: ttgl.constexpr, USE_ASM: ttgl.constexpr,
                      BM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
                      NS: ttgl.constexpr, NU: ttgl.constexpr, NB: ttgl.constexpr,
-                     R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr, R_LD: ttgl.constexpr):
+                     UPP: ttgl.constexpr, R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr,
+                     R_LD: ttgl.constexpr):
         """Persistent CTAs over the work items of moe.tile_list at BM rows ([total, grp[MT],
         row0[MT], rend[MT]]) x N / (NB BN) column tiles. h_desc: H as [P, K] fp16, boxes [BM /
         2, BK]; w_desc: the W2 bank's packed rows as [G N, K / 8] int32 words, boxes [NB BN, BK /
-        8]; bs_ptr the E8M0 exponents [G, N, K / 32]. N % (NB BN) == 0, K % BK == 0 (the
-        launcher checks)."""
+        8]; bs_ptr the E8M0 exponents [G, N, K / 32]. UPP upcast partitions (1, or 2: each one
+        half of the tile's W2 rows). N % (NB BN) == 0, K % BK == 0 (the launcher checks)."""
         ttgl.static_assert(BM == 128, "two MMA warpgroups of 64 rows")
         ttgl.static_assert(BN == 128, "the m64n128k16 wgmma of moe_gluon_l2")
         ttgl.static_assert(BK == 64, "64-column chunks: one 128-byte swizzle row of fp16")
         ttgl.static_assert((NS >= 2) & (NU >= 2), "double-buffered rings at least")
         ttgl.static_assert((NB == 1) | (NB == 2), "tiles of 128 or 256 output columns")
+        ttgl.static_assert((UPP == 1) | (UPP == 2), "one or two upcast partitions")
         ttgl.static_assert(h_desc.block_shape[0] == BM // 2, "H boxes of 64 rows")
         ttgl.static_assert(h_desc.block_shape[1] == BK, "H boxes of BK columns")
         ttgl.static_assert(w_desc.block_shape[0] == NB * BN, "W2 boxes of the tile's rows")
@@ -452,23 +506,43 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         b_free = ttgl.allocate_shared_memory(ttgl.int64, [NU, 1], mbarrier.MBarrierLayout())
         for s in ttgl.static_range(NS):
             mbarrier.init(r_ready.index(s), count=1)  # the loader's expect-tx arrive
-            mbarrier.init(r_free.index(s), count=3)  # 2 MMA warpgroups + the upcast warps
+            # every reader of the raw stage: 2 MMA warpgroups + each upcast partition
+            mbarrier.init(r_free.index(s), count=2 + UPP)
         for u in ttgl.static_range(NU):
-            mbarrier.init(b_ready.index(u), count=1)
+            mbarrier.init(b_ready.index(u), count=UPP)  # each upcast partition's rows
             mbarrier.init(b_free.index(u), count=2)
         fence_async_shared()  # the initialized barriers, before the TMA unit signals them
 
         bars = (r_ready, r_free, b_ready, b_free)
-        ttgl.warp_specialize([
-            (_mma, (a_r, b_r, sb_r, bars, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, G, P, N, K,
-                    stride_cm, 0, TOPK, KS, BM, BN, BK, NS, NU, NB)),
-            (_mma, (a_r, b_r, sb_r, bars, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, G, P, N, K,
-                    stride_cm, 64, TOPK, KS, BM, BN, BK, NS, NU, NB)),
-            (_upcaster, (w_r, b_r, sb_r, bars, bs_ptr, work_ptr, MT, G, P, N, K, stride_bsg,
-                         stride_bsn, KGI, USE_ASM, BM, BN, BK, NS, NU, NB)),
-            (_loader, (h_desc, w_desc, a_r, w_r, r_ready, r_free, work_ptr, MT, G, P, N, K, BM,
-                       BN, BK, NS, NB)),
-        ], [4, 4, 4], [R_MMA, R_UP, R_LD])
+        # (Gluon: the partitions' argument tuples written out in each call - a tuple bound to a
+        # name first loses its constexprs - so the two layouts differ only in the upcasters)
+        if UPP == 1:
+            ttgl.warp_specialize([
+                (_mma, (a_r, b_r, sb_r, bars, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, G, P, N, K,
+                        stride_cm, 0, TOPK, KS, BM, BN, BK, NS, NU, NB)),
+                (_mma, (a_r, b_r, sb_r, bars, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, G, P, N, K,
+                        stride_cm, 64, TOPK, KS, BM, BN, BK, NS, NU, NB)),
+                (_upcaster, (w_r, b_r, sb_r, bars, bs_ptr, work_ptr, MT, G, P, N, K,
+                             stride_bsg, stride_bsn, KGI, USE_ASM, BM, BN, BK, NS, NU, NB, 1,
+                             0)),
+                (_loader, (h_desc, w_desc, a_r, w_r, r_ready, r_free, work_ptr, MT, G, P, N, K,
+                           BM, BN, BK, NS, NB)),
+            ], [4, 4, 4], [R_MMA, R_UP, R_LD])
+        else:  # two upcast partitions: the tile's W2 rows' first and second halves
+            ttgl.warp_specialize([
+                (_mma, (a_r, b_r, sb_r, bars, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, G, P, N, K,
+                        stride_cm, 0, TOPK, KS, BM, BN, BK, NS, NU, NB)),
+                (_mma, (a_r, b_r, sb_r, bars, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, G, P, N, K,
+                        stride_cm, 64, TOPK, KS, BM, BN, BK, NS, NU, NB)),
+                (_upcaster, (w_r, b_r, sb_r, bars, bs_ptr, work_ptr, MT, G, P, N, K,
+                             stride_bsg, stride_bsn, KGI, USE_ASM, BM, BN, BK, NS, NU, NB, 2,
+                             0)),
+                (_upcaster, (w_r, b_r, sb_r, bars, bs_ptr, work_ptr, MT, G, P, N, K,
+                             stride_bsg, stride_bsn, KGI, USE_ASM, BM, BN, BK, NS, NU, NB, 2,
+                             1)),
+                (_loader, (h_desc, w_desc, a_r, w_r, r_ready, r_free, work_ptr, MT, G, P, N, K,
+                           BM, BN, BK, NS, NB)),
+            ], [4, 4, 4, 4], [R_MMA, R_UP, R_UP, R_LD])
 
 
 def args_problem(h, w2, y=None, bn: int = BN) -> str | None:
@@ -516,7 +590,7 @@ def descriptors(h, w2, P: int, bn: int = BN):
 def l2_gluon_ws(h, w2_bank, counts, srt, wts, y, *, topk: int, ks: int, max_tiles: int,
                 tiles: torch.Tensor | None = None, use_asm: bool = True, diag: int = 0,
                 stages: int | None = None, bstages: int | None = None,
-                ctas: int | None = None, bn: int | None = None):
+                ctas: int | None = None, bn: int | None = None, upp: int | None = None):
     """moe_gluon_l2.l2_gluon's call (the same arguments, checks and result, bit for bit
     expected): y[(p // topk) * ks + p % topk] = wts[p] * (H[r] @ W2[g]^T) for every
     expert-sorted row r of expert g, p = srt[r]; slots no pair maps to are not written. Extra:
@@ -524,8 +598,10 @@ def l2_gluon_ws(h, w2_bank, counts, srt, wts, y, *, topk: int, ks: int, max_tile
     each, within the shared memory); ctas - the persistent grid instead of the SM count (the
     tests walk many tiles per CTA at small sizes); bn - the output columns of a tile: 128
     (BN_TILE, the default) or 256 (two accumulators a warpgroup: half the H stream per FLOP;
-    d % 256). diag must be 0 (this kernel has no DIAG variants; the argument is there so the
-    two launchers take the same calls)."""
+    d % 256); upp - the upcast partitions: 1, or 2 (each upcasts one half of the tile's W2
+    rows: 20 warps at launch cap MAXNREG_U2; the same bits); None: UPP. diag must be 0 (this
+    kernel has no DIAG variants; the argument is there so the two launchers take the same
+    calls)."""
     if diag:
         raise ValueError("l2_gluon_ws has no DIAG variants (diag must be 0)")
     if y.dim() == 3:
@@ -546,6 +622,7 @@ def l2_gluon_ws(h, w2_bank, counts, srt, wts, y, *, topk: int, ks: int, max_tile
     if shared_bytes(ns, nu, bn) > MAX_SHARED - 1024:
         raise ValueError(f"stages {ns} / bstages {nu} at bn {bn}: {shared_bytes(ns, nu, bn)} "
                          "B of shared memory, over the sm_90 limit")
+    consts = kernel_consts(w2_bank.k, use_asm, ns, nu, bn=bn, upp=upp)
     if max_tiles == 0 or P == 0:
         return y
     if not _IMPORT_OK:
@@ -554,12 +631,11 @@ def l2_gluon_ws(h, w2_bank, counts, srt, wts, y, *, topk: int, ks: int, max_tile
 
     tiles = tile_list(counts, BM, max_tiles, tiles)
     N, K = w2_bank.n, w2_bank.k
-    consts = kernel_consts(K, use_asm, ns, nu, bn=bn)
     grid = max_tiles * (N // bn)
     grid = (max(1, min(grid, int(ctas) if ctas else sm_count(y.device))),)
     h_desc, w_desc = descriptors(h, w2_bank, P, bn)
     l2_ws_kernel[grid](
         h_desc, w_desc, w2_bank.s, y, srt, wts, tiles, max_tiles, N, K, counts.numel(), P,
         w2_bank.s.stride(0), w2_bank.s.stride(1), y.stride(0), TOPK=topk, KS=ks, **consts,
-        num_warps=NUM_WARPS, maxnreg=MAXNREG)
+        num_warps=NUM_WARPS, maxnreg=launch_maxnreg(consts))
     return y

@@ -155,6 +155,17 @@ WIDE_UPP = 2
 # since the thirteenth session: 8192 tokens, gate-like random routing, 6.04 -> 5.73 ms, the same
 # bits (benchmarks/results/moe-ws-13-h200.md); no effect where every tile is full (balanced)
 SKIP_IDLE = True
+# the 128-column tile's MMA warpgroups read their 64 A rows of a chunk into registers once and run
+# the four quarters' wgmmas on them (wgmma's register A operand): the wgmmas' shared-memory reads
+# of A drop from 4 x 8 KB to one 8 KB load per chunk and warpgroup (row frames, A by TMA, qlag 0).
+# Default since the thirteenth session: H200, 8192 tokens, L1 3.94 -> 3.90 ms balanced, 5.28 ->
+# 5.19 gate-like; mega_moe 7.85 -> 7.81 / 9.96 -> 9.88 ms (one A/B, 2 rounds), the same bits.
+# Small: with row frames shared memory was no longer the limit (L1/TEX 75% -> 54% busy in ncu)
+AREG = True
+# ... its registers at two upcast partitions: 16 more a thread in the MMA warpgroups (192: one
+# spilled register at 184) for what row frames saved in the upcasts (32: no spills; the chunk
+# frame's reduction is gone)
+REGS_WIDE_AREG = (192, 32, 32)
 REGS_WIDE_U2 = (184, 40, 32)
 
 if _IMPORT_OK:
@@ -165,6 +176,9 @@ if _IMPORT_OK:
     ROW_L = ttgl.constexpr(ttgl.SliceLayout(1, MMA_L))
     WN_C = ttgl.constexpr(WN)  # WN inside the kernels
     COL_L = ttgl.constexpr(ttgl.SliceLayout(0, MMA_L))
+    # the MMA warpgroup's 64 rows of an A stage in registers (wgmma's register A operand, E4M3:
+    # k_width 4), read once per chunk for the four quarters (AREG)
+    A_REG_L = ttgl.constexpr(ttgl.DotOperandLayout(operand_index=0, parent=MMA_L, k_width=4))
     # packed bytes [BN rows, 64 bytes]: 16 bytes (= one 32-column group t) of one row per thread,
     # lanes (t, t, row, row, row), warps rows 8 / 16, register rows 32
     P2_L = ttgl.constexpr(ttgl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
@@ -491,7 +505,8 @@ if _IMPORT_OK:
                        f1_ptr, f3_ptr, frow, M0: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr,
                        BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr,
                        NU: ttgl.constexpr, DIAG: ttgl.constexpr, QLAG: ttgl.constexpr,
-                       SKIP: ttgl.constexpr = False, FRAMES: ttgl.constexpr = False):
+                       SKIP: ttgl.constexpr = False, FRAMES: ttgl.constexpr = False,
+                       AREG: ttgl.constexpr = False):
         """_mma_tile for BN = 128: rows M0 .. M0 + 63 x 128 columns of W1 and of W3 as four 64 x
         64 accumulators (W1 columns 0..63 / 64..127, the same of W3: 128 registers a thread).
         Per chunk the four quarters' wgmmas run one at a time, each waited for and promoted
@@ -520,6 +535,8 @@ if _IMPORT_OK:
             # stages are still waited for and released (the barrier counts)
             if ((DIAG & 2) == 0) & ((not SKIP) | (nrows > M0)):
                 a_s = a_r.index(s).slice(M0, 64)
+                if AREG:  # once per chunk, the four quarters' wgmmas read it from registers
+                    a_s = a_s.load(A_REG_L)
                 b1 = b1_r.index(u)
                 b3 = b3_r.index(u)
                 sb = sb_r.index(u)
@@ -574,7 +591,7 @@ if _IMPORT_OK:
              f1_ptr, f3_ptr, M0: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr, BM: ttgl.constexpr,
              BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
              DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr, QLAG: ttgl.constexpr,
-             SKIP: ttgl.constexpr, FRAMES: ttgl.constexpr):
+             SKIP: ttgl.constexpr, FRAMES: ttgl.constexpr, AREG: ttgl.constexpr):
         """An MMA warpgroup (rows M0 .. M0 + 63 of each tile) over this CTA's tiles."""
         c = 0
         if PERSIST:
@@ -589,7 +606,7 @@ if _IMPORT_OK:
                         c = _mma_tile_wide(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N,
                                            K, c, limit, stride_cm, f1_ptr, f3_ptr,
                                            g.to(ttgl.int32) * N + pid_n * BN, M0, HAS_LIMIT,
-                                           BN, BK, NS, NU, DIAG, QLAG, SKIP, FRAMES)
+                                           BN, BK, NS, NU, DIAG, QLAG, SKIP, FRAMES, AREG)
         else:
             _, g, row0, nrows, pid_n = tile_entry(work_ptr, tile, N // BN, MT, G, P, BM)
             if BN == WN_C:
@@ -598,7 +615,7 @@ if _IMPORT_OK:
             else:
                 _mma_tile_wide(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N, K, c, limit,
                                stride_cm, f1_ptr, f3_ptr, g.to(ttgl.int32) * N + pid_n * BN, M0,
-                               HAS_LIMIT, BN, BK, NS, NU, DIAG, QLAG, SKIP, FRAMES)
+                               HAS_LIMIT, BN, BK, NS, NU, DIAG, QLAG, SKIP, FRAMES, AREG)
 
     @gluon.jit
     def _tile_chunks(work_ptr, tile, MT, G, P, N, K, BM: ttgl.constexpr, BN: ttgl.constexpr,
@@ -627,7 +644,7 @@ if _IMPORT_OK:
                      BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
                      LAG: ttgl.constexpr, DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr,
                      A_TMA: ttgl.constexpr, QLAG: ttgl.constexpr, UPP: ttgl.constexpr,
-                     SKIP: ttgl.constexpr, FRAMES: ttgl.constexpr,
+                     SKIP: ttgl.constexpr, FRAMES: ttgl.constexpr, AREG: ttgl.constexpr,
                      R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr, R_LD: ttgl.constexpr):
         """Program pid: row tile pid // (N / BN) of moe.tile_list at BM rows, columns
         (pid % (N / BN)) * BN of W1 and W3 (w1_desc / w3_desc: the banks as [G N, K / 2] bytes,
@@ -681,10 +698,10 @@ if _IMPORT_OK:
             ttgl.warp_specialize([
                 (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
                         stride_cm, f1_ptr, f3_ptr, 0, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG,
-                        PERSIST, QLAG, SKIP, FRAMES)),
+                        PERSIST, QLAG, SKIP, FRAMES, AREG)),
                 (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
                         stride_cm, f1_ptr, f3_ptr, 64, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG,
-                        PERSIST, QLAG, SKIP, FRAMES)),
+                        PERSIST, QLAG, SKIP, FRAMES, AREG)),
                 (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN,
                              BK, NS, NU, DIAG, PERSIST, 3, FRAMES)),
                 (_loader, (a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr,
@@ -696,10 +713,10 @@ if _IMPORT_OK:
             ttgl.warp_specialize([
                 (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
                         stride_cm, f1_ptr, f3_ptr, 0, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG,
-                        PERSIST, QLAG, SKIP, FRAMES)),
+                        PERSIST, QLAG, SKIP, FRAMES, AREG)),
                 (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
                         stride_cm, f1_ptr, f3_ptr, 64, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG,
-                        PERSIST, QLAG, SKIP, FRAMES)),
+                        PERSIST, QLAG, SKIP, FRAMES, AREG)),
                 (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN,
                              BK, NS, NU, DIAG, PERSIST, 1, FRAMES)),
                 (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN,
@@ -716,7 +733,8 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
                   diag: int = 0, persist: bool | None = None, a_tma: bool | None = None,
                   regs: tuple[int, int, int] | None = None, bn: int = BN,
                   qlag: int | None = None, upp: int | None = None,
-                  skip: bool | None = None, frames: bool = False) -> dict:
+                  skip: bool | None = None, frames: bool = False,
+                  areg: bool | None = None) -> dict:
     """l1_ws_kernel's constexprs (the launcher's and the ahead-of-time build test's); lag None:
     LAG (clamped to stages - 1); stages / bstages / regs None: the tile's defaults (NS / NU /
     REGS at bn 64, NS_WIDE / NU_WIDE / REGS_WIDE at bn 128); qlag (bn 128 only): 1 = the next
@@ -744,11 +762,17 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
     upp = ((WIDE_UPP if wide and a_tma and qlag == 0 else 1) if upp is None else int(upp))
     if upp not in (1, 2) or (upp == 2 and not (wide and a_tma and qlag == 0)):
         raise ValueError(f"upp {upp}: 1, or 2 with bn {BN_WIDE}, A by TMA and qlag 0")
+    areg = (AREG and frames and a_tma and qlag == 0) if areg is None else bool(areg)
+    if areg and not (wide and frames and a_tma and qlag == 0):
+        # (with gathered A the loader's 48 registers leave too few: 16 bytes spilled)
+        raise ValueError(f"areg: bn {BN_WIDE} with row frames, A by TMA and qlag 0")
     if regs is None and wide:
-        r_mma, r_up, r_ld = REGS_WIDE_U2 if upp == 2 else REGS_WIDE_Q if qlag else REGS_WIDE
+        r_mma, r_up, r_ld = (REGS_WIDE_AREG if areg and upp == 2 else REGS_WIDE_U2 if upp == 2
+                             else REGS_WIDE_Q if qlag else REGS_WIDE)
     return dict(TOPK=topk, HAS_LIMIT=has_limit, USE_ASM=use_asm, BM=BM, BN=bn, BK=BK, NS=stages,
                 NU=bstages, LAG=lag, DIAG=int(diag), PERSIST=persist, A_TMA=a_tma, QLAG=qlag,
                 UPP=upp, SKIP=SKIP_IDLE if skip is None else bool(skip), FRAMES=bool(frames),
+                AREG=areg,
                 R_MMA=r_mma,
                 R_UP=r_up, R_LD=r_ld)
 
@@ -767,7 +791,8 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
                 ctas: int | None = None, a_tma: bool | None = None,
                 bn: int = BN, qlag: int | None = None, upp: int | None = None,
                 skip: bool | None = None,
-                frames: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                frames: tuple[torch.Tensor, torch.Tensor] | None = None,
+                areg: bool | None = None) -> torch.Tensor:
     """out [P, F] (expert-sorted rows; fp16 in routed_experts, fp32 / bf16 fine; a row-strided
     view is fine) = swiglu(A W1^T, A W3^T) per expert, A row of sorted row r = a_q[a_idx[r] //
     topk] (E4M3 [T, d] with 16-byte aligned rows, a_scale [T, d / 128] f32); w1 / w3: moe.Bank
@@ -786,7 +811,8 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     frames: (f1, f3) = row_frames(w1, w3) (bn 128 only): each weight row's frame over all of K
     instead of each chunk's - the upcast takes it from the loader, the promotion needs no column
     scales, the epilogue applies 2^(S - 127); row_frames gives them only where that is the same
-    bits (every row's exponents within 11 binades of its largest)."""
+    bits (every row's exponents within 11 binades of its largest). areg: kernel_consts' (None:
+    AREG where frames are given)."""
     from .moe_gluon_decode import _weight_desc
 
     if not _IMPORT_OK:
@@ -809,7 +835,8 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     consts = kernel_consts(topk=topk, has_limit=limit is not None and limit > 0,
                            use_asm=True if use_asm is None else bool(use_asm), stages=ns,
                            bstages=nu, lag=lag, diag=diag, persist=persist, a_tma=a_tma,
-                           bn=bn, qlag=qlag, upp=upp, skip=skip, frames=frames is not None)
+                           bn=bn, qlag=qlag, upp=upp, skip=skip, frames=frames is not None,
+                           areg=areg)
     if frames is not None:
         for f in frames:
             if f.dtype != torch.int32 or tuple(f.shape) != (counts.numel(), N) or \

@@ -210,6 +210,48 @@ def test_l2_ws_bn256(case, stages, bstages, ctas):
                           bstages=bstages, ctas=ctas, bn=256)
 
 
+def _same_bits_as_default(case: str, **kw):
+    """ROWS_CASES[case] (d 512 at bn 256) or the real F = 2304 into bf16 y ("matches_2304")
+    launched with kw, persistent over 3 CTAs and with one CTA per work item, into NaN-poisoned
+    y: every routed slot written and finite, no other, and the bits of the default
+    one-partition launch (bn 128, upp 1; itself l2_gluon's bits, test_l2_ws_rows)."""
+    bn = kw.get("bn", mlw.BN)
+    if case in ROWS_CASES:
+        rows, T, k, d, F, exps = ROWS_CASES[case]
+        d = 512 if bn == 256 else d
+        h, w2, counts, srt, wts, routed = _rows_case(rows, T, k, d, F, seed=len(case),
+                                                     exps=exps)
+        ks, dtype, P, E = k + 1, torch.float32, sum(rows), len(rows)
+    else:
+        T, E, k, d, F = 1024, 16, 6, 1024, 2304
+        h, w2, counts, srt, wts = l2_case(T, E, d, F, k, seed=T + E, wts_lo=0.25)
+        ks, dtype, P = 7, torch.bfloat16, T * k
+        routed = torch.zeros(T, ks, dtype=torch.bool, device="cuda")
+        routed[:, :k] = True
+    base = _run(mlw.l2_gluon_ws, h, w2, counts, srt, wts, ks, dtype, bn=128, upp=1)
+    assert torch.isfinite(base[routed].float()).all(), "default launch: a routed slot unwritten"
+    for ctas in (3, _max_tiles(P, E) * (d // bn)):  # a few persistent CTAs; one per work item
+        y = _run(mlw.l2_gluon_ws, h, w2, counts, srt, wts, ks, dtype, ctas=ctas, **kw)
+        tag = f"{case} {kw} ctas {ctas}"
+        assert torch.isfinite(y[routed].float()).all(), f"{tag}: a routed slot not written"
+        assert torch.isnan(y[~routed].float()).all(), f"{tag}: an unrouted slot was written"
+        assert torch.equal(_bits(y), _bits(base)), \
+            f"{tag}: other bits than the default launch (rel {rel(y[routed], base[routed]):.3e})"
+
+
+@gpu
+@pytest.mark.parametrize("bn,stages,bstages", [(256, None, None), (128, None, None),
+                                               (256, 5, 3), (128, 2, 2)])
+@pytest.mark.parametrize("case", [*ROWS_CASES, "matches_2304"])
+def test_l2_ws_two_upcasts(case, bn, stages, bstages):
+    """upp = 2 (two upcast partitions, each one half of the tile's W2 rows: 128-row halves at
+    bn 256, 64-row halves at bn 128; 20 warps at launch cap 96): explicit rows 1..128 per
+    expert, experts of 2-3 tiles, empty experts, the tail tile and the real F = 2304, at the
+    default rings and others: the bits of the default one-partition launch, every routed slot
+    written and no other, persistent over 3 CTAs and one CTA per work item."""
+    _same_bits_as_default(case, bn=bn, upp=2, stages=stages, bstages=bstages)
+
+
 @gpu
 def test_l2_ws_asm_vs_arith_and_tiles():
     """Exponents 108 .. 127 (rel over [-6, 13]): the PTX table upcast and the arithmetic twin
@@ -289,11 +331,13 @@ def test_l2_ws_debug_pieces(K):
 
 
 @gpu
-@pytest.mark.parametrize("ctas,bn", [(None, 128), (2, 128), (2, 256)])
-def test_l2_ws_repeat_and_graph(ctas, bn):
+@pytest.mark.parametrize("ctas,bn,upp", [(None, 128, None), (2, 128, None), (2, 256, None),
+                                         (2, 256, 2), (None, 128, 2)])
+def test_l2_ws_repeat_and_graph(ctas, bn, upp):
     """20 eager launches give the bits of l2_gluon, and the launch captured in a CUDA graph (tile
     list built inside the capture, host TMA descriptors filled at capture) replays them into a
-    re-poisoned y; ctas 2: two persistent CTAs over every work item; bn 256 too."""
+    re-poisoned y; ctas 2: two persistent CTAs over every work item; bn 256 and two upcast
+    partitions too."""
     rows, T, k, d, F = [5, 0, 128, 231, 1, 64, 0, 77], 199, 3, 256, 768
     h, w2, counts, c_idx, wts, _ = _rows_case(rows, T, k, d, F, seed=77)
     P = sum(rows)
@@ -301,7 +345,7 @@ def test_l2_ws_repeat_and_graph(ctas, bn):
 
     def launch(y):
         mlw.l2_gluon_ws(h, w2, counts, c_idx, wts, y, topk=k, ks=k + 1,
-                        max_tiles=_max_tiles(P, len(rows)), ctas=ctas, bn=bn)
+                        max_tiles=_max_tiles(P, len(rows)), ctas=ctas, bn=bn, upp=upp)
 
     y = torch.full_like(want, float("nan"))
     launch(y)
@@ -341,19 +385,33 @@ def test_routed_experts_prefill_uses_l2_ws(on, monkeypatch):
 
 
 def test_l2_ws_consts_and_checks():
-    """kernel_consts; shared_bytes; the launcher runs moe_gluon_l2's checks (the same ValueErrors
-    for the same calls) and its own before any launch (CPU tensors suffice): diag must be 0,
-    rings >= 2 within the shared memory, W2's expert rows one stride apart (the TMA matrix);
-    nothing to do (max_tiles 0) returns without a launch; where Gluon is missing a valid call
-    raises RuntimeError."""
-    assert mlw.kernel_consts(2304) == dict(KGI=5, USE_ASM=True, BM=128, BN=128, BK=64, NS=mlw.NS,
-                                           NU=mlw.NU, NB=1, R_MMA=mlw.REGS[0], R_UP=mlw.REGS[1],
-                                           R_LD=mlw.REGS[2])
+    """kernel_consts (upp 2: REGS_U2 / REGS_256_U2 at launch cap 96, the five warpgroups'
+    registers filling 5 x 96, both MMA warpgroups alike); shared_bytes; the launcher runs
+    moe_gluon_l2's checks (the same ValueErrors for the same calls) and its own before any
+    launch (CPU tensors suffice): diag must be 0, rings >= 2 within the shared memory, upp 1 or
+    2, W2's expert rows one stride apart (the TMA matrix); nothing to do (max_tiles 0) returns
+    without a launch; where Gluon is missing a valid call raises RuntimeError."""
+    assert mlw.kernel_consts(2304, upp=1) == dict(
+        KGI=5, USE_ASM=True, BM=128, BN=128, BK=64, NS=mlw.NS, NU=mlw.NU, NB=1, UPP=1,
+        R_MMA=mlw.REGS[0], R_UP=mlw.REGS[1], R_LD=mlw.REGS[2])
+    # upp None: UPP at bn 256 (two partitions, the default), one at bn 128 (measured slower)
+    assert mlw.kernel_consts(2304)["UPP"] == 1
+    assert mlw.kernel_consts(2304, bn=256)["UPP"] == mlw.UPP == 2
     assert mlw.kernel_consts(384, False, 8, 3)["NS"] == 8
-    c256 = mlw.kernel_consts(2304, bn=256)
+    c256 = mlw.kernel_consts(2304, bn=256, upp=1)
     assert c256["NB"] == 2 and (c256["R_MMA"], c256["R_UP"], c256["R_LD"]) == mlw.REGS_256
-    with pytest.raises(ValueError):
-        mlw.kernel_consts(2304, bn=192)
+    assert mlw.launch_maxnreg(c256) == mlw.MAXNREG == 128
+    # two upcast partitions: 20 warps at a cap of 96, per warpgroup lane 5 x 96 = the default
+    # MMA warpgroup (what Triton leaves it: the same as the other MMA warpgroup) + the workers
+    for bn, regs in ((256, mlw.REGS_256_U2), (128, mlw.REGS_U2)):
+        c2 = mlw.kernel_consts(2304, bn=bn, upp=2)
+        assert c2["UPP"] == 2 and (c2["R_MMA"], c2["R_UP"], c2["R_LD"]) == regs
+        assert mlw.launch_maxnreg(c2) == mlw.MAXNREG_U2 == 96 and 20 * 32 * 96 <= 65536
+        assert 5 * 96 - (regs[0] + 2 * regs[1] + regs[2]) == regs[0]
+        assert all(r % 8 == 0 and 24 <= r <= 256 for r in regs)
+    for kw in (dict(bn=192), dict(upp=3), dict(upp=0)):
+        with pytest.raises(ValueError):
+            mlw.kernel_consts(2304, **kw)
     assert mlw.shared_bytes(5, 3, 256) <= mlw.MAX_SHARED - 1024 < mlw.shared_bytes(6, 3, 256)
     assert mlw.shared_bytes(6, 3) == 6 * (16384 + 4096) + 3 * (16384 + 512)
     assert mlw.shared_bytes(8, 4) <= mlw.MAX_SHARED - 1024 < mlw.shared_bytes(9, 3)
@@ -370,7 +428,8 @@ def test_l2_ws_consts_and_checks():
     assert w2_p.w.stride(0) != d * w2_p.w.stride(1)
     assert mlw.args_problem(h, w2) is None and mlw.args_problem(h, w2_p)
     bad += [dict(w2_bank=w2_p), dict(diag=1), dict(stages=1), dict(bstages=1), dict(stages=9),
-            dict(stages=12), dict(bn=192), dict(bn=256), dict(bn=256, stages=6, bstages=3)]
+            dict(stages=12), dict(bn=192), dict(bn=256), dict(bn=256, stages=6, bstages=3),
+            dict(upp=3), dict(upp=0)]
     for kw in bad:
         with pytest.raises(ValueError):
             call(**kw)
@@ -468,10 +527,10 @@ def _types(out: str = "*bf16", bn: int = mlw.BN) -> dict:
 
 def _compile(out: str = "*bf16", **kw):
     """l2_ws_kernel ahead of time for sm_90 at V4.1-Flash's F = 2304 (mega_moe's y: bf16, ks 7
-    slots of top-6)."""
+    slots of top-6), kw: kernel_consts'; the launcher's register cap (launch_maxnreg)."""
     consts = dict(TOPK=6, KS=7, **mlw.kernel_consts(2304, **kw))
     return gluon_sm90(mlw.l2_ws_kernel, _types(out, kw.get("bn", mlw.BN)), consts,
-                      num_warps=mlw.NUM_WARPS, maxnreg=mlw.MAXNREG)
+                      num_warps=mlw.NUM_WARPS, maxnreg=mlw.launch_maxnreg(consts))
 
 
 def partition_loops(sass: str) -> dict:
@@ -592,14 +651,15 @@ def build_report(k, nb: int = 1) -> tuple[dict, list]:
 
 @build
 def test_l2_ws_sm90_build():
-    """Triton 3.6 sm_90 build at the defaults (NS = 6, NU = 3, bf16 y, F = 2304): no stack /
+    """Triton 3.6 sm_90 build at the defaults with one upcast partition (upp 1 pinned: NS = 6,
+    NU = 3, bf16 y, F = 2304): no stack /
     local memory, REG = the launch cap (128: 16 warps fill the SM's 64K), the partitions'
     setmaxnreg (the default MMA warpgroup's 512 - sum(REGS) and REGS), the shared memory =
     shared_bytes + the barriers (< 1 KB) within 227 KB (one CTA per SM), one K loop per MMA
     warpgroup (2) / upcast / loader with the pinned per-chunk counts (LOOP_COUNTS: 4 HGMMA
     64x128x16 per warpgroup and chunk, one wait leaving one group in flight) and sizes
     (LOOP_SIZES), and the release order."""
-    k = _compile()
+    k = _compile(upp=1)
     stats, probs = build_report(k)
     print(f"\nsm_90 l2 ws build: {stats}")
     assert stats["stack"] == 0 and stats["local"] == 0, stats
@@ -626,7 +686,7 @@ def test_l2_ws_sm90_build_variants(out, use_asm, stages, bstages):
     """The other y dtypes, the arithmetic upcast (a test aid) and other ring depths (8:3 and 8:4,
     the deepest that fit; 2:2, the shallowest): no stack / spills, within 227 KB, the same MMA and
     loader loops (the upcast's at use_asm only), the same release order."""
-    k = _compile(out, use_asm=use_asm, stages=stages, bstages=bstages)
+    k = _compile(out, use_asm=use_asm, stages=stages, bstages=bstages, upp=1)
     stats, probs = build_report(k)
     assert stats["stack"] == 0 and stats["local"] == 0, stats
     assert stats["shared"] <= mlw.MAX_SHARED, stats
@@ -647,7 +707,7 @@ def test_l2_ws_sm90_build_bn256(stages, bstages):
     chunk 8 HGMMA.64x128x16 (4 per accumulator) and ONE wait leaving the chunk's two groups in
     flight (gsb0, 0x2), the upcast's K loop 128 PRMT-upcast words (2 halves) with 16 STS.128 and
     4 LDS.128, the loader's 3 UTMALDG, the release order."""
-    k = _compile(stages=stages, bstages=bstages, bn=256)
+    k = _compile(stages=stages, bstages=bstages, bn=256, upp=1)
     stats, probs = build_report(k, nb=2)
     print(f"\nsm_90 l2 ws bn 256 {stages}:{bstages}: {stats}")
     assert stats["stack"] == 0 and stats["local"] == 0, stats
@@ -661,6 +721,49 @@ def test_l2_ws_sm90_build_bn256(stages, bstages):
     up = stats["counts"]["upcast"][0]
     assert 128 <= up["PRMT"] <= 136 and up["STS128"] == 16 and up["LDS128"] == 4, up
     assert up["LDG_U8"] == 4 and up["FENCE"] == 1 and up["ARRIVE"] == 2, up
+    assert stats["counts"]["loader"][0]["UTMALDG"] == 3, stats
+    assert probs == [], probs
+
+
+@build
+@pytest.mark.parametrize("bn,stages,bstages,out", [
+    (256, mlw.NS_256, mlw.NU_256, "*bf16"), (128, mlw.NS, mlw.NU, "*bf16"),
+    (256, 5, 3, "*bf16"), (256, 4, 2, "*fp16"), (128, 8, 4, "*fp32"), (128, 2, 2, "*bf16")])
+def test_l2_ws_sm90_build_two_upcasts(bn, stages, bstages, out):
+    """upp = 2: two upcast partitions, 20 warps at launch cap 96 (REG 96), no stack / spills,
+    the setmaxnreg of REGS_256_U2 / REGS_U2 for the workers and the rest of 5 x 96 (= R_MMA) for
+    the default MMA warpgroup (set by Triton: read from the PTX), one K loop per MMA warpgroup
+    (unchanged: 4 NB HGMMA, one wait leaving NB groups) and per upcast partition - each about
+    half the one-partition upcast loop of the same tile (PRMT, STS.128, LDS.128, exponent
+    loads) -, the loader's 3 UTMALDG, the release order. (fp32 y is not built at bn 256: its
+    MMA warpgroups spill at 176 with one upcast partition too.)"""
+    k = _compile(out, stages=stages, bstages=bstages, bn=bn, upp=2)
+    stats, probs = build_report(k, nb=bn // 128)
+    one, _ = build_report(_compile(out, stages=stages, bstages=bstages, bn=bn, upp=1),
+                          nb=bn // 128)
+    print(f"\nsm_90 l2 ws upp 2 bn {bn} {stages}:{bstages} {out}: {stats}\n  upcast loops "
+          f"{stats['loops']['upcast']} vs {one['loops']['upcast']} at upp 1")
+    assert stats["stack"] == 0 and stats["local"] == 0, stats
+    assert stats["regs"] == mlw.MAXNREG_U2, stats
+    assert 0 <= stats["shared"] - mlw.shared_bytes(stages, bstages, bn) < 1024, stats
+    ptx = k.asm["ptx"]
+    dec = {int(r) for r in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx)}
+    inc = {int(r) for r in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)}
+    r_mma, r_up, r_ld = mlw.REGS_256_U2 if bn == 256 else mlw.REGS_U2
+    default = (mlw.MAXNREG_U2 * 20 - 4 * (r_mma + 2 * r_up + r_ld)) // 4
+    # the default partition drops to its share (dec); a worker goes from the idle level Triton
+    # parks it at (its switch loop) up or down to its own
+    assert default == r_mma and default in dec and {r_mma, r_up, r_ld} <= dec | inc, (dec, inc)
+    assert [len(v) for v in stats["loops"].values()] == [2, 2, 1], stats["loops"]
+    for c in stats["counts"]["mma"]:
+        assert c["HGMMA"] == 4 * (bn // 128) and c["WG_DEPBAR"] == 1, c
+        assert c["LDS"] == c["STS"] == c["LDG"] == c["STG"] == 0, c
+    (up1,) = one["counts"]["upcast"]
+    for up in stats["counts"]["upcast"]:
+        assert abs(up["PRMT"] - up1["PRMT"] / 2) <= 4, (up, up1)
+        for n in ("STS128", "LDS128", "LDG_U8"):
+            assert 2 * up[n] == up1[n], (n, up, up1)
+        assert up["FENCE"] == 1 and up["ARRIVE"] == 2 and up["TRYWAIT"] == 2, up
     assert stats["counts"]["loader"][0]["UTMALDG"] == 3, stats
     assert probs == [], probs
 

@@ -153,14 +153,17 @@ def _same_bits_as_default(name: str, frames: bool = False, **kw):
 
 @gpu
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[4] % W == 0])
-@pytest.mark.parametrize("a_tma,upp,skip", [(True, 2, None), (True, 1, None), (False, 1, None),
-                                            (True, 2, False)])
-def test_l1_ws_row_frames(name, a_tma, upp, skip):
+@pytest.mark.parametrize("a_tma,upp,skip,areg", [
+    (True, 2, None, False), (True, 1, None, False), (False, 1, None, False),
+    (True, 2, False, False), (True, 2, None, True), (True, 1, None, True),
+    (True, 2, False, True)])
+def test_l1_ws_row_frames(name, a_tma, upp, skip, areg):
     """The 128-column tile with each weight row's frame over all of K (row_frames: promotions by
     the A scales alone, the frames applied in the epilogue): the 64-column per-chunk-frame
     tile's bits, every row written - A gathered or by TMA, one or two upcast partitions, the
-    idle rows skipped or not, persistent over 3 CTAs and one CTA per tile."""
-    _same_bits_as_default(name, frames=True, a_tma=a_tma, bn=W, upp=upp, skip=skip)
+    idle rows skipped or not, the A rows in registers (areg) or read by each wgmma, persistent
+    over 3 CTAs and one CTA per tile."""
+    _same_bits_as_default(name, frames=True, a_tma=a_tma, bn=W, upp=upp, skip=skip, areg=areg)
 
 
 @gpu
@@ -583,12 +586,12 @@ def test_l1_ws_sm90_build_wide():
 
 @build
 def test_l1_ws_sm90_build_frames():
-    """The 128-column tile with row frames (A by TMA, two upcasts): no stack / spills at the same
-    setmaxnreg, and per chunk the MMA loop's promotions are FFMAs by the A scales alone - no
+    """The 128-column tile with row frames (A by TMA, two upcasts, A read by each wgmma: areg off)
+    : no stack / spills at the same setmaxnreg, and per chunk the MMA loop's promotions are FFMAs by the A scales alone - no
     FMUL, no shared loads but the A scales (2 LDS) -, each quarter's 32 FFMA still between its
     wgmma wait and the next wgmmas; the upcasts compute no chunk frame (no SHFL reduction) and
     the loader copies the frames (2 more 4-byte cp.async)."""
-    k = _compile(bn=mw.BN_WIDE, a_tma=True, frames=True)
+    k = _compile(bn=mw.BN_WIDE, a_tma=True, frames=True, areg=False)
     base = _compile(bn=mw.BN_WIDE, a_tma=True)
     usage, sass = usage_and_sass(k)
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
@@ -608,6 +611,31 @@ def test_l1_ws_sm90_build_frames():
     ld, ld0 = loops["loader"][0], base_loops["loader"][0]
     assert count(ld, r"\bLDGSTS") == count(ld0, r"\bLDGSTS") + 2
     assert ws_order_problems(loops) == []
+
+
+@build
+@pytest.mark.parametrize("kw", [dict(), dict(upp=1)])
+def test_l1_ws_sm90_build_areg(kw):
+    """Row frames with the A rows in registers (areg; A by TMA - with gathered A it is refused:
+    16 bytes spilled): no stack / spills (REGS_WIDE_AREG at two upcasts), per chunk and MMA warpgroup 4 LDSM of its A rows and 16 QGMMA with a register A
+    operand (no A descriptor), the promotions' order unchanged, the release order."""
+    k = _compile(bn=mw.BN_WIDE, frames=True, areg=True, a_tma=True, **kw)
+    usage, sass = usage_and_sass(k)
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
+    loops = partition_loops(sass)
+    assert len(loops["mma"]) == 2
+    for body in loops["mma"]:
+        assert count(body, r"\bLDSM\b") == 4 and count(body, r"\bFMUL\b") == 0
+        assert count(body, r"\bQGMMA\.64x64x32\.F32\.E4M3\.E4M3 R\d+, R\d+, gdesc") == 16
+        marks = "".join("w" if "WARPGROUP.DEPBAR" in t else "a" if "WARPGROUP.ARRIVE" in t
+                        else "f" for t in body
+                        if re.search(r"WARPGROUP\.(DEPBAR|ARRIVE)|\bFFMA\b", t))
+        assert marks == ("a" + "w" + "f" * 32) * 4, marks
+    assert ws_order_problems(loops) == []
+    with pytest.raises(ValueError, match="areg"):
+        mw.kernel_consts(topk=6, has_limit=True, bn=mw.BN_WIDE, frames=True, areg=True,
+                         a_tma=False)
 
 
 @build
