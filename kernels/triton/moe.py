@@ -132,6 +132,13 @@ CUBLAS_PREFILL = os.environ.get("MEGAGRAPH_MOE_CUBLAS_PREFILL", "1") == "1"
 # without (three A/B pairs in one run, eighth session): the Gluon decode L1's grid loses SMs to
 # the shared expert's kernels and pays for it in its tail
 SHARED_STREAM = os.environ.get("MEGAGRAPH_MOE_SHARED_STREAM", "0") == "1"
+# ... or on the side stream only while the router runs (gate GEMM, top-k, permutation: small
+# launches that leave SMs idle), joined before the routed experts, whose grids want every SM
+# (SHARED_STREAM's finding); at most SHARED_EARLY_MAX_TOKENS tokens. On the H200 (thirteenth
+# session, one A/B, 2 rounds, the same bits): 64 tokens 1.626 -> 1.607 ms; 8192 tokens 7.51 ->
+# 7.65 ms (balanced routing), hence decode sizes only
+SHARED_EARLY = os.environ.get("MEGAGRAPH_MOE_SHARED_EARLY", "1") == "1"
+SHARED_EARLY_MAX_TOKENS = 256
 # grouped_linear_q (wo_a, 8 groups) from this many rows on: one cuBLAS GEMM per group (at 64 rows
 # 8 launches of ~6 us lose to one batched Triton launch of 40 us; at 8192 rows the Triton GEMM
 # takes 2.2 ms)
@@ -1166,23 +1173,29 @@ def mega_moe(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_sca
     out = torch.empty(streams.shape, dtype=streams.dtype, device=dev)
     if T == 0:
         return out
-    counts = torch.zeros(E, dtype=torch.int32, device=dev)
-    ids, wts = route_ids(x, gate_w, gate_bias, topk=topk, route_scale=route_scale,
-                         norm_topk=norm_topk, score_func=score_func, tid2eid=tid2eid,
-                         token_ids=token_ids, counts=counts)
     ks = topk + int(shared)
     y = torch.empty(T, ks, d, dtype=_ydtype(x.dtype), device=dev)
-    side = _side_stream(dev) if shared and SHARED_STREAM and not INTERPRET else None
-    if side is not None:  # the shared expert overlaps the routed experts (it needs x_q only)
+    early = SHARED_EARLY and T <= SHARED_EARLY_MAX_TOKENS
+    side = (_side_stream(dev) if shared and (SHARED_STREAM or early) and not INTERPRET
+            else None)
+    forked = side is not None
+    if forked:  # the shared expert on the side stream (it needs x_q only)
         main = torch.cuda.current_stream(dev)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             shared_expert(x_q, x_scale, *sbanks, y[:, topk], swiglu_limit=swiglu_limit)
+    counts = torch.zeros(E, dtype=torch.int32, device=dev)
+    ids, wts = route_ids(x, gate_w, gate_bias, topk=topk, route_scale=route_scale,
+                         norm_topk=norm_topk, score_func=score_func, tid2eid=tid2eid,
+                         token_ids=token_ids, counts=counts)
+    if side is not None and not SHARED_STREAM:
+        main.wait_stream(side)  # SHARED_EARLY: overlapping the router only, joined here
+        side = None
     routed_experts(x_q, x_scale, ids, wts, counts, *banks, y, topk=topk,
                    swiglu_limit=swiglu_limit)
     if side is not None:
         main.wait_stream(side)  # joined before anything reads y or frees the inputs
-    elif shared:
+    elif shared and not forked:
         shared_expert(x_q, x_scale, *sbanks, y[:, topk], swiglu_limit=swiglu_limit)
     sc = streams if streams.stride(-1) == 1 else streams.contiguous()
     return combine(y, out, topk=topk, shared=shared, rdt=x.dtype, streams=sc,

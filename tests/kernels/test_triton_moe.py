@@ -554,12 +554,18 @@ def test_ptx_upcast_device_check():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
-@pytest.mark.parametrize("asm", [False, True])
+@pytest.mark.parametrize("asm,shared_mode", [(False, "serial"), (True, "serial"),
+                                              (True, "early"), (True, "stream")])
 @pytest.mark.parametrize("T", [64, 1000])
-def test_mega_moe_cuda_graph(T, asm, monkeypatch):
+def test_mega_moe_cuda_graph(T, asm, shared_mode, monkeypatch):
     """Captured once, replayed with new inputs copied into the static buffers: equals eager and
-    the reference (tiles: decode at 64 tokens, prefill at 1000)."""
+    the reference (tiles: decode at 64 tokens, prefill at 1000); the shared expert after the
+    routed experts, on the side stream during the router only (SHARED_EARLY) or during the
+    routed experts too (SHARED_STREAM): the same kernels, so eager gives the serial order's
+    bits in every mode."""
     monkeypatch.setattr(tm, "USE_ASM", asm)
+    monkeypatch.setattr(tm, "SHARED_EARLY", shared_mode == "early")
+    monkeypatch.setattr(tm, "SHARED_STREAM", shared_mode == "stream")
     g = gen(T)
     n, d, F, E, k = 4, 1024, 512, 64, 6
     streams, fn, base, scale, nw = _mhc_inputs(T, n, d, g)
@@ -590,6 +596,9 @@ def test_mega_moe_cuda_graph(T, asm, monkeypatch):
                       **MOE_KW)
     assert rel(out, eager) < 1e-3
     assert rel(out, ref) < 1e-2
+    monkeypatch.setattr(tm, "SHARED_EARLY", False)
+    monkeypatch.setattr(tm, "SHARED_STREAM", False)
+    assert torch.equal(eager, step(fresh)), "the shared expert's stream changed the bits"
 
 
 def test_zero_tokens():
