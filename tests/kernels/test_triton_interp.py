@@ -1,12 +1,18 @@
 """Runs the Triton kernel tests that cover their logic on the CPU (test_triton_moe.py,
 test_triton_moe_persistent.py, test_triton_moe_fp8h.py, test_triton_moe_fused.py, test_triton_moe_decode.py, test_moe_grouped_cublas.py, test_triton_mhc.py, test_triton_quant.py,
 test_triton_dense.py, test_triton_norm.py, test_triton_topk.py) under the Triton interpreter in a child pytest when there is no CUDA device: TRITON_INTERPRET must be set before triton is first imported (its library
-functions are built at import), which a shared pytest process cannot promise."""
+functions are built at import), which a shared pytest process cannot promise.
+
+The children are independent, so they run side by side, as many at once as the machine has cores
+(the CI machine: 2), the longest first; the top-k file, a third of the whole suite's time on its
+own (450 of ~1300 s, thirteenth session), runs as two halves (-k shards whose union is the
+file). Each test below still asserts on its own file's children."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,20 +20,46 @@ import torch
 
 pytest.importorskip("triton")
 HERE = Path(__file__).resolve().parent
+# longest first (their child times on the CPU CI machine, thirteenth session: top-k 450 s, mhc
+# 74, moe 44, decode 30, persistent 29, fused 18, fp8h 18, quant 12, the rest a few seconds)
+FILES = ["test_triton_topk.py", "test_triton_mhc.py", "test_triton_moe.py",
+         "test_triton_moe_decode.py", "test_triton_moe_persistent.py", "test_triton_moe_fused.py",
+         "test_triton_moe_fp8h.py", "test_triton_quant.py", "test_moe_grouped_cublas.py",
+         "test_triton_dense.py", "test_triton_norm.py"]
+# a file run as several children: pytest -k expressions that together select every test once
+SHARDS = {"test_triton_topk.py": ["stream", "not stream"]}
+JOBS = [(name, k) for name in FILES for k in SHARDS.get(name, [None])]
+
+
+def _child(job: tuple[str, str | None]):
+    name, k = job
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / name)]
+    return job, subprocess.run(cmd + (["-k", k] if k else []), capture_output=True, text=True,
+                               timeout=1800, env=env, cwd=HERE.parent.parent)
+
+
+@pytest.fixture(scope="module")
+def children() -> dict:
+    """Every child's CompletedProcess by (file, -k shard), run at most os.cpu_count() at once in
+    JOBS' order (the pool takes them longest first)."""
+    with ThreadPoolExecutor(max(1, min(len(JOBS), os.cpu_count() or 1))) as pool:
+        return dict(pool.map(_child, JOBS))
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="the file runs in this process")
-@pytest.mark.parametrize("name", ["test_triton_moe.py", "test_triton_moe_persistent.py", "test_triton_mhc.py",
-                                  "test_triton_moe_fp8h.py", "test_triton_moe_fused.py",
-                                  "test_triton_moe_decode.py", "test_moe_grouped_cublas.py",
-                                  "test_triton_quant.py",
-                                  "test_triton_dense.py", "test_triton_norm.py",
-                                  "test_triton_topk.py"])
-def test_under_interpreter(name):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        str(HERE / name)], capture_output=True, text=True,
-                       timeout=1800, env=env, cwd=HERE.parent.parent)
-    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
-    assert " passed" in p.stdout and " failed" not in p.stdout
+@pytest.mark.parametrize("name", FILES)
+def test_under_interpreter(name, children):
+    for k in SHARDS.get(name, [None]):
+        p = children[(name, k)]
+        where = f"{name}{f' -k {k!r}' if k else ''}"
+        assert p.returncode == 0, where + "\n" + p.stdout[-6000:] + p.stderr[-3000:]
+        assert " passed" in p.stdout and " failed" not in p.stdout, where
+
+
+def test_shards_cover_each_file_once():
+    """The -k shards of a file are complementary (k and "not k"), so their union is the file and
+    no test runs twice."""
+    for name, ks in SHARDS.items():
+        assert name in FILES and len(ks) == 2 and ks[1] == f"not {ks[0]}", (name, ks)
