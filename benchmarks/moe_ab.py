@@ -64,14 +64,9 @@ def main():
                 raise SystemExit(f"--configs: {mod.__name__} has no switch {attr!r}")
     dev = torch.device("cuda")
     w = m.make_weights(m.V41, dev)
-    kw = dict(topk=m.V41["k"], **m.MOE_KW)
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):
-        streams, (x, xq, xs, _pre, post, comb) = m.layer_inputs(m.V41, w, T, dev, seed=T + 1)
-        hashed = (m.balanced_routing(T, m.V41["E"], m.V41["k"], dev)
-                  if args.routing == "balanced" else ())
-        call = lambda: tm.mega_moe(x, xq, xs, streams, post, comb, w["gate"], w["bias"],  # noqa
-                                   *w["routed"], *w["shared"], *hashed, **kw)
+        call = m.layer_call(m.V41, w, T, dev, args.routing)
         saved = {k: getattr(*_target(tm, k)) for _, kn in configs for k in kn}
         ref, times = None, {name: [] for name, _ in configs}
         errs = {}

@@ -39,14 +39,7 @@ def main() -> None:
     dev = torch.device("cuda")
     w = m.make_weights(m.V41, dev)
     T = args.tokens
-    streams, (x, xq, xs, _pre, post, comb) = m.layer_inputs(m.V41, w, T, dev, seed=T + 1)
-    hashed = (m.balanced_routing(T, m.V41["E"], m.V41["k"], dev)
-              if args.routing == "balanced" else ())
-    kw = dict(topk=m.V41["k"], **m.MOE_KW)
-
-    def call():
-        return tm.mega_moe(x, xq, xs, streams, post, comb, w["gate"], w["bias"], *w["routed"],
-                           *w["shared"], *hashed, **kw)
+    call = m.layer_call(m.V41, w, T, dev, args.routing)
 
     for _ in range(args.warm):
         call()

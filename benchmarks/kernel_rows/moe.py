@@ -298,7 +298,22 @@ def balanced_routing(T: int, E: int, k: int, dev) -> tuple[torch.Tensor, torch.T
     experts, so the layer does the same work as a gate-routed one but the top-k selection."""
     t = torch.arange(T, device=dev, dtype=torch.int32)
     tid2eid = (t[:, None] * k + torch.arange(k, device=dev, dtype=torch.int32)[None, :]) % E
-    return tid2eid.to(torch.int32).contiguous(), t
+    return tid2eid.contiguous(), t
+
+
+def layer_call(dims: dict, w: dict, T: int, dev, routing: str = "gate"):
+    """A no-argument call of the whole Triton MegaMoE layer on layer_inputs at T tokens (seed
+    T + 1, the kernel table's inputs), routed by the gate ("gate") or balanced_routing
+    ("balanced"): what benchmarks/moe_ab.py times and benchmarks/ncu_moe.py profiles. The
+    kernel switches are read at each call."""
+    from megagraph.kernels.triton import moe as tm
+
+    streams, (x, xq, xs, _pre, post, comb) = layer_inputs(dims, w, T, dev, seed=T + 1)
+    args = (x, xq, xs, streams, post, comb, w["gate"], w["bias"], *w["routed"], *w["shared"])
+    if routing == "balanced":
+        args += balanced_routing(T, dims["E"], dims["k"], dev)
+    kw = dict(topk=dims["k"], **MOE_KW)
+    return lambda: tm.mega_moe(*args, **kw)
 
 
 def balanced_row(dims, w, T, dev, tm, rf, args, kw, random_ms: float) -> dict:
