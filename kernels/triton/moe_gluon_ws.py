@@ -77,6 +77,19 @@ are exact. Why: ncu on the H200 (benchmarks/ncu_moe.py) showed the MMA warpgroup
 L1 and ~30% of their stall samples on the column scales' shared loads after each wgmma wait;
 L1 4.35 -> 3.85 ms at 8192 tokens with balanced routing (benchmarks/results/moe-ws-13-h200.md).
 
+The loader's upcast share (lup, LOADER_UPCAST; routed_experts' default since the fourteenth
+session, two upcast partitions only): ncu showed the loader waiting on r_free ~80% of the time
+while the upcasts bounded the L1. The chunk's upcast is cut into eight 32-row blocks (P_L32):
+each upcast partition does three of its matrix's four, the loader the fourth of W1 and of W3
+(_upcast_units), LUP_LAG = 2 chunks behind its loads - after it published them (LAG <= LUP_LAG)
+and before it waits for their stage to be free again (LUP_LAG < NS), so its waits are the ones
+the loads already had (stage c - NS free = the MMA warpgroups done with c - NS; the share of
+chunk c - 2 needs B stage (c - 2) % 2 free = MMA done with c - 4). r_free and b_ready count
+the loader's arrival too. The same codes in the same places: the same bits. H200, 8192 tokens,
+balanced routing: the layer 7.21 -> 6.82 ms (benchmarks/results/moe-ws-14-h200.md). The upcast
+table (moe_gluon_decode.FP4_TABLE_ASM) is 9 SASS a pack since the same session (signs by one
+prmt of the word and the word << 4; 12 before): 7.44 -> 7.21 ms.
+
 Triton 3.6 sm_90 build (tests/kernels/test_moe_gluon_ws.py, not yet run on a GPU): no stack, no
 spills, setmaxnreg 200 / 200 / 64 / 48, 136636 B shared (NS 6 / NU 3 fits too); per chunk the MMA
 loop is 217 instructions (8 QGMMA 64x64x32, 64 FMUL + 64 FFMA of promotion), the upcast loop 306
@@ -155,6 +168,26 @@ WIDE_UPP = 2
 # since the thirteenth session: 8192 tokens, gate-like random routing, 6.04 -> 5.73 ms, the same
 # bits (benchmarks/results/moe-ws-13-h200.md); no effect where every tile is full (balanced)
 SKIP_IDLE = True
+# the upcasts' PTX table (kernel_consts' use_asm=True): 1 = moe_gluon_decode.FP4_TABLE_ASM (signs by
+# one prmt of the word and the word << 4: 9 SASS a pack), 2 = the byte-spread table it replaced
+# (12 a pack; the A/B's other side); the same codes (the PTX emulator test)
+TABLE = 1
+# LUP: the loader partition (idle ~80% of the time, ncu) upcasts a share of every chunk - the
+# last 32-row block of W1 and of W3, two of the chunk's eight - LUP_LAG chunks behind its loads,
+# so each upcast partition does three blocks instead of four (128 columns, two upcast
+# partitions). Default since the fourteenth session: H200, 8192 tokens, balanced routing, the
+# MegaMoE layer 7.21 -> 6.82 ms (with AREG; 7.17 without), the same bits
+# (benchmarks/results/moe-ws-14-h200.md)
+LOADER_UPCAST = True
+LUP_LAG = 2
+
+
+def LAG_OK(lag: int, stages: int) -> bool:
+    """LUP's ring condition: the loader's upcast runs LUP_LAG chunks behind its loads, after
+    it published them (lag <= LUP_LAG) and before it reuses their stage (LUP_LAG < stages)."""
+    return lag <= LUP_LAG < stages
+
+
 # the 128-column tile's MMA warpgroups read their 64 A rows of a chunk into registers once and run
 # the four quarters' wgmmas on them (wgmma's register A operand): the wgmmas' shared-memory reads
 # of A drop from 4 x 8 KB to one 8 KB load per chunk and warpgroup (row frames, A by TMA, qlag 0).
@@ -167,6 +200,11 @@ AREG = True
 # frame's reduction is gone)
 REGS_WIDE_AREG = (192, 32, 32)
 REGS_WIDE_U2 = (184, 40, 32)
+# LUP: the loader holds its copy pointers through its upcast share: at AREG's 32 registers it
+# spills a few (16 B of stack, 3 local loads / stores in its loop) - still the fastest (6.82 ms
+# against 7.17 with the loader at 48 and the MMA warpgroups at 184 without AREG)
+REGS_WIDE_LUP_AREG = (192, 32, 32)
+REGS_WIDE_LUP = (184, 32, 48)
 
 if _IMPORT_OK:
     # ---- layouts (every partition is 4 warps) -------------------------------------------------
@@ -175,6 +213,7 @@ if _IMPORT_OK:
                                                        instr_shape=[16, WN, 32]))
     ROW_L = ttgl.constexpr(ttgl.SliceLayout(1, MMA_L))
     WN_C = ttgl.constexpr(WN)  # WN inside the kernels
+    LUP_LAG_C = ttgl.constexpr(LUP_LAG)
     COL_L = ttgl.constexpr(ttgl.SliceLayout(0, MMA_L))
     # the MMA warpgroup's 64 rows of an A stage in registers (wgmma's register A operand, E4M3:
     # k_width 4), read once per chunk for the four quarters (AREG)
@@ -188,6 +227,11 @@ if _IMPORT_OK:
         reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 1, 0], [0, 0, 2, 0], [32, 0, 0, 0]],
         lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
         warp_bases=[[8, 0, 0, 0], [16, 0, 0, 0]], block_bases=[], shape=[WN, 4, 4, 4]))
+    # ... for a 32-row block (LUP's units: the loader upcasts 2 of a chunk's 8 32-row blocks)
+    P_L32 = ttgl.constexpr(ttgl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 1, 0], [0, 0, 2, 0]],
+        lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[8, 0, 0, 0], [16, 0, 0, 0]], block_bases=[], shape=[32, 4, 4, 4]))
     # the upcast tile [BN, BK] E4M3: the thread's 32 columns 32 t .. 32 t + 31 of its rows, in
     # register order (two 16-byte st.shared per row)
     B_L = ttgl.constexpr(ttgl.BlockedLayout([1, 32], [8, 4], [4, 1], [1, 0]))
@@ -226,7 +270,8 @@ if _IMPORT_OK:
                      stride_bsn, f1_ptr, f3_ptr, TOPK: ttgl.constexpr, BM: ttgl.constexpr,
                      BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr,
                      LAG: ttgl.constexpr, DIAG: ttgl.constexpr, A_TMA: ttgl.constexpr,
-                     FRAMES: ttgl.constexpr):
+                     FRAMES: ttgl.constexpr, bring=None, USE_ASM: ttgl.constexpr = 1,
+                     NU: ttgl.constexpr = 2, LUP: ttgl.constexpr = False):
         """Fill the raw ring with one tile's chunks, global chunk numbers c0 .. c0 + K / BK - 1
         (see the module docstring). Chunk c's cp.async group is waited for after chunk c + LAG's
         copies are issued (wait_group(LAG)), so the loader keeps up to LAG + 1 chunks of
@@ -238,9 +283,12 @@ if _IMPORT_OK:
         (a_desc; rows past P zero-filled by the TMA unit), on the stage's barrier with the
         weights; the A scales and exponents stay on cp.async. FRAMES: the tile's rows' frames
         (f1_ptr / f3_ptr [G, N] int32, row g N + n of W1 / W3) with every chunk too, for the
-        upcast (4-byte cp.async, 2 a thread). Returns the next chunk number."""
+        upcast (4-byte cp.async, 2 a thread). LUP: after publishing, the loader upcasts its share
+        (the last 32-row block of W1 and of W3: _upcast_units) of chunk c - LUP_LAG, whose
+        stage it published LUP_LAG - LAG chunks earlier (bars: all four rings' barriers, bring
+        the B ring). Returns the next chunk number."""
         a_r, w1_r, w3_r, e_r, sa_r, f_r = ring
-        r_ready, r_free = bars
+        r_ready, r_free, _, _ = bars
         # gathered A rows (masked past the tile: zero-filled, their outputs never stored)
         ra = ttgl.arange(0, BM, layout=ttgl.SliceLayout(1, A_CP_L))
         ka = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, A_CP_L))
@@ -284,6 +332,10 @@ if _IMPORT_OK:
             async_copy.commit_group()
             if c >= LAG:
                 _publish(r_ready, c - LAG, LAG, NS)
+            if LUP:
+                if c >= LUP_LAG_C:
+                    _upcast_units(ring, bars, bring, c - LUP_LAG_C, 0x88, USE_ASM, BN, BK, NS, NU,
+                                  DIAG, FRAMES)
         return c0 + n_k
 
     @gluon.jit
@@ -292,9 +344,11 @@ if _IMPORT_OK:
                 f1_ptr, f3_ptr, TOPK: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
                 BK: ttgl.constexpr, NS: ttgl.constexpr, LAG: ttgl.constexpr,
                 DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr, A_TMA: ttgl.constexpr,
-                FRAMES: ttgl.constexpr):
+                FRAMES: ttgl.constexpr, bring=None, USE_ASM: ttgl.constexpr = 1,
+                NU: ttgl.constexpr = 2, LUP: ttgl.constexpr = False):
         """The loader partition: this CTA's tiles (_tiles), then the last LAG chunks published
-        (oldest first: wait_group(LAG - 1 - j) leaves exactly the newer ones pending)."""
+        (oldest first: wait_group(LAG - 1 - j) leaves exactly the newer ones pending); LUP: then
+        its upcast share of the last LUP_LAG chunks."""
         c = 0
         if PERSIST:
             for t in range(tile, ttgl.load(work_ptr) * (N // BN), ttgl.num_programs(0)):
@@ -304,18 +358,24 @@ if _IMPORT_OK:
                                      bs1_ptr, bs2_ptr, ring, bars, g, row0, nrows, pid_n * BN,
                                      g.to(ttgl.int32) * N + pid_n * BN, K, c, stride_am,
                                      stride_as, stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK,
-                                     BM, BN, BK, NS, LAG, DIAG, A_TMA, FRAMES)
+                                     BM, BN, BK, NS, LAG, DIAG, A_TMA, FRAMES, bring, USE_ASM,
+                                     NU, LUP)
         else:
             _, g, row0, nrows, pid_n = tile_entry(work_ptr, tile, N // BN, MT, G, P, BM)
             c = _loader_tile(a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr,
                              bs2_ptr, ring, bars, g, row0, nrows, pid_n * BN,
                              g.to(ttgl.int32) * N + pid_n * BN, K, c, stride_am, stride_as,
                              stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK, BM, BN, BK, NS, LAG,
-                             DIAG, A_TMA, FRAMES)
-        r_ready, _ = bars
+                             DIAG, A_TMA, FRAMES, bring, USE_ASM, NU, LUP)
+        r_ready, _, _, _ = bars
         for j in ttgl.static_range(LAG):  # the last LAG chunks, oldest first
             if c - LAG + j >= 0:
                 _publish(r_ready, c - LAG + j, LAG - 1 - j, NS)
+        if LUP:
+            for j in ttgl.static_range(LUP_LAG_C):
+                if c - LUP_LAG_C + j >= 0:
+                    _upcast_units(ring, bars, bring, c - LUP_LAG_C + j, 0x88, USE_ASM, BN, BK, NS,
+                                  NU, DIAG, FRAMES)
 
     @gluon.jit
     def _publish(r_ready, c, PENDING: ttgl.constexpr, NS: ttgl.constexpr):
@@ -340,15 +400,16 @@ if _IMPORT_OK:
         rows' frames over all of K from f_s (the loader's copy; rows ROW0.. like e_s) instead
         of the chunk's, and no promotion scales (the MMA warpgroups apply the frames in their
         epilogue)."""
-        e_l: ttgl.constexpr = ttgl.SliceLayout(2, ttgl.SliceLayout(3, P_L))
+        pl: ttgl.constexpr = P_L if BN == WN_C else P_L32  # 64-row blocks, or LUP's 32
+        e_l: ttgl.constexpr = ttgl.SliceLayout(2, ttgl.SliceLayout(3, pl))
         p = w_s.load(P2_L)  # [BN, 64] uint8: 16 contiguous bytes (one group) per thread
-        p = ttgl.convert_layout(ttgl.reshape(p, [BN, 4, 4, 4]), P_L, assert_trivial=True)
+        p = ttgl.convert_layout(ttgl.reshape(p, [BN, 4, 4, 4]), pl, assert_trivial=True)
         e = e_s.slice(ROW0, BN).load(e_l).to(ttgl.int32)  # [BN, 4]
         if FRAMES:
             S = f_s.slice(ROW0, BN).load(ttgl.SliceLayout(1, e_l))
-            r0, r1 = upcast_packs_rel(p, e - ttgl.expand_dims(S, 1), USE_ASM, BN, P_L)
+            r0, r1 = upcast_packs_rel(p, e - ttgl.expand_dims(S, 1), USE_ASM, BN, pl)
         else:
-            r0, r1, S = upcast_packs(p, e, USE_ASM, BN, P_L)
+            r0, r1, S = upcast_packs(p, e, USE_ASM, BN, pl)
         # [row, t, kk, b] x h -> [row, t, kk, h, b] = column 32 t + 8 kk + 4 h + b
         b = ttgl.permute(ttgl.join(r0, r1), (0, 1, 2, 4, 3))
         b = ttgl.reshape(b, [BN, BK]).to(ttgl.float8e4nv, bitcast=True)
@@ -357,10 +418,42 @@ if _IMPORT_OK:
             sb_dst.store((S << 23).to(ttgl.float32, bitcast=True))  # S >= 1: 2^(S - 127)
 
     @gluon.jit
+    def _upcast_units(ring, bars, bring, c, UNITS: ttgl.constexpr, USE_ASM: ttgl.constexpr,
+                      BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr,
+                      NU: ttgl.constexpr, DIAG: ttgl.constexpr, FRAMES: ttgl.constexpr):
+        """LUP (BN = 128): chunk c's 32-row blocks in UNITS (bit q: rows 32 (q % 4) .. + 31 of
+        W1 for q < 4, of W3 for q >= 4) upcast into B stage c % NU, then this partition's
+        releases, as _upcaster's chunk: one proxy fence, r_free (raw stage read), b_ready."""
+        _, w1_r, w3_r, e_r, _, f_r = ring
+        r_ready, r_free, b_ready, b_free = bars
+        b1_r, b3_r, sb_r = bring
+        s, ph = _stage(c, NS)
+        u, phu = _stage(c, NU)
+        mbarrier.wait(r_ready.index(s), ph)
+        mbarrier.wait(b_free.index(u), phu ^ 1)
+        sb = sb_r.index(u)
+        if (DIAG & 1) == 0:
+            for q in ttgl.static_range(8):
+                if ((UNITS >> q) & 1) != 0:  # rows 32 (q % 4) .. of W1 (q < 4) or W3
+                    if q < 4:
+                        _upcast_store(w1_r.index(s).slice(32 * q, 32), e_r.index(s),
+                                      f_r.index(s), 32 * q, b1_r.index(u).slice(32 * q, 32),
+                                      sb.slice(32 * q, 32), USE_ASM, 32, BK, FRAMES)
+                    else:
+                        _upcast_store(w3_r.index(s).slice(32 * (q - 4), 32), e_r.index(s),
+                                      f_r.index(s), BN + 32 * (q - 4),
+                                      b3_r.index(u).slice(32 * (q - 4), 32),
+                                      sb.slice(BN + 32 * (q - 4), 32), USE_ASM, 32, BK, FRAMES)
+        fence_async_shared()
+        _release(r_free, c, NS)
+        mbarrier.arrive(b_ready.index(u), count=1)
+
+    @gluon.jit
     def _upcaster(ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM: ttgl.constexpr,
                   BM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
                   NS: ttgl.constexpr, NU: ttgl.constexpr, DIAG: ttgl.constexpr,
-                  PERSIST: ttgl.constexpr, MATS: ttgl.constexpr, FRAMES: ttgl.constexpr):
+                  PERSIST: ttgl.constexpr, MATS: ttgl.constexpr, FRAMES: ttgl.constexpr,
+                  LUP: ttgl.constexpr = False):
         """Raw ring stage -> B ring stage, chunk by chunk (see the module docstring). One proxy
         fence per chunk covers both directions: this partition's st.shared of the B stage before
         the wgmma reads it, and its ld.shared of the raw stage before the next TMA writes it.
@@ -371,27 +464,33 @@ if _IMPORT_OK:
         _, w1_r, w3_r, e_r, _, f_r = ring
         r_ready, r_free, b_ready, b_free = bars
         b1_r, b3_r, sb_r = bring
-        for c in range(_tile_chunks(work_ptr, tile, MT, G, P, N, K, BM, BN, BK, PERSIST)):
-            s, ph = _stage(c, NS)
-            u, phu = _stage(c, NU)
-            mbarrier.wait(r_ready.index(s), ph)
-            mbarrier.wait(b_free.index(u), phu ^ 1)
-            sb = sb_r.index(u)
-            if (DIAG & 1) == 0:
-                for h in ttgl.static_range(BN // WN_C):  # 64-row blocks (two where BN = 128)
-                    if (MATS & 1) != 0:
-                        _upcast_store(w1_r.index(s).slice(h * WN_C, WN_C), e_r.index(s),
-                                      f_r.index(s), h * WN_C,
-                                      b1_r.index(u).slice(h * WN_C, WN_C),
-                                      sb.slice(h * WN_C, WN_C), USE_ASM, WN_C, BK, FRAMES)
-                    if (MATS & 2) != 0:
-                        _upcast_store(w3_r.index(s).slice(h * WN_C, WN_C), e_r.index(s),
-                                      f_r.index(s), BN + h * WN_C,
-                                      b3_r.index(u).slice(h * WN_C, WN_C),
-                                      sb.slice(BN + h * WN_C, WN_C), USE_ASM, WN_C, BK, FRAMES)
-            fence_async_shared()
-            _release(r_free, c, NS)
-            mbarrier.arrive(b_ready.index(u), count=1)
+        n_c = _tile_chunks(work_ptr, tile, MT, G, P, N, K, BM, BN, BK, PERSIST)
+        if LUP:  # three of its matrix's four 32-row blocks (the loader upcasts the fourth)
+            for c in range(n_c):
+                _upcast_units(ring, bars, bring, c, 0x07 if MATS == 1 else 0x70, USE_ASM, BN,
+                              BK, NS, NU, DIAG, FRAMES)
+        else:
+            for c in range(n_c):
+                s, ph = _stage(c, NS)
+                u, phu = _stage(c, NU)
+                mbarrier.wait(r_ready.index(s), ph)
+                mbarrier.wait(b_free.index(u), phu ^ 1)
+                sb = sb_r.index(u)
+                if (DIAG & 1) == 0:
+                    for h in ttgl.static_range(BN // WN_C):  # 64-row blocks (two where BN = 128)
+                        if (MATS & 1) != 0:
+                            _upcast_store(w1_r.index(s).slice(h * WN_C, WN_C), e_r.index(s),
+                                          f_r.index(s), h * WN_C,
+                                          b1_r.index(u).slice(h * WN_C, WN_C),
+                                          sb.slice(h * WN_C, WN_C), USE_ASM, WN_C, BK, FRAMES)
+                        if (MATS & 2) != 0:
+                            _upcast_store(w3_r.index(s).slice(h * WN_C, WN_C), e_r.index(s),
+                                          f_r.index(s), BN + h * WN_C,
+                                          b3_r.index(u).slice(h * WN_C, WN_C),
+                                          sb.slice(BN + h * WN_C, WN_C), USE_ASM, WN_C, BK, FRAMES)
+                fence_async_shared()
+                _release(r_free, c, NS)
+                mbarrier.arrive(b_ready.index(u), count=1)
 
     # ---- MMA + epilogue ------------------------------------------------------------------------
 
@@ -645,7 +744,8 @@ if _IMPORT_OK:
                      LAG: ttgl.constexpr, DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr,
                      A_TMA: ttgl.constexpr, QLAG: ttgl.constexpr, UPP: ttgl.constexpr,
                      SKIP: ttgl.constexpr, FRAMES: ttgl.constexpr, AREG: ttgl.constexpr,
-                     R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr, R_LD: ttgl.constexpr):
+                     R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr, R_LD: ttgl.constexpr,
+                     LUP: ttgl.constexpr):
         """Program pid: row tile pid // (N / BN) of moe.tile_list at BM rows, columns
         (pid % (N / BN)) * BN of W1 and W3 (w1_desc / w3_desc: the banks as [G N, K / 2] bytes,
         boxes [BN, BK / 2]). N % BN == 0, K % BK == 0 (the launcher checks); out-of-range list
@@ -657,6 +757,10 @@ if _IMPORT_OK:
         ttgl.static_assert((NS >= 2) & (NU >= 2), "double-buffered rings at least")
         ttgl.static_assert((LAG >= 1) & (LAG < NS), "1 <= LAG <= NS - 1 (the loader's lag)")
         ttgl.static_assert((not FRAMES) | (BN == 2 * WN_C), "row frames: the 128-column tile")
+        ttgl.static_assert((not LUP) | ((BN == 2 * WN_C) & (UPP == 2) & (LUP_LAG_C >= LAG)
+                                        & (LUP_LAG_C < NS)),
+                           "the loader's upcast share: 128 columns, two upcast partitions, "
+                           "LAG <= LUP_LAG_C < NS")
 
         tile = ttgl.program_id(0)
         if not PERSIST:
@@ -683,9 +787,10 @@ if _IMPORT_OK:
         for s in ttgl.static_range(NS):
             mbarrier.init(r_ready.index(s), count=2)  # the TMA's expect + the loader's arrive
             # 2 MMA warpgroups + the upcast partitions (UPP: one, or two - W1 / W3 - each)
-            mbarrier.init(r_free.index(s), count=2 + UPP)
+            # (+ the loader, LUP: it upcasts a share of each chunk)
+            mbarrier.init(r_free.index(s), count=2 + UPP + LUP)
         for u in ttgl.static_range(NU):
-            mbarrier.init(b_ready.index(u), count=UPP)
+            mbarrier.init(b_ready.index(u), count=UPP + LUP)
             mbarrier.init(b_free.index(u), count=2)
         fence_async_shared()  # the initialized barriers, before the TMA unit signals them
 
@@ -705,7 +810,7 @@ if _IMPORT_OK:
                 (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN,
                              BK, NS, NU, DIAG, PERSIST, 3, FRAMES)),
                 (_loader, (a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr,
-                           ring, (r_ready, r_free), work_ptr, tile, MT, G, P, N, K, stride_am,
+                           ring, bars, work_ptr, tile, MT, G, P, N, K, stride_am,
                            stride_as, stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK, BM, BN, BK,
                            NS, LAG, DIAG, PERSIST, A_TMA, FRAMES)),
             ], [4, 4, 4], [R_MMA, R_UP, R_LD])
@@ -718,13 +823,13 @@ if _IMPORT_OK:
                         stride_cm, f1_ptr, f3_ptr, 64, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG,
                         PERSIST, QLAG, SKIP, FRAMES, AREG)),
                 (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN,
-                             BK, NS, NU, DIAG, PERSIST, 1, FRAMES)),
+                             BK, NS, NU, DIAG, PERSIST, 1, FRAMES, LUP)),
                 (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN,
-                             BK, NS, NU, DIAG, PERSIST, 2, FRAMES)),
+                             BK, NS, NU, DIAG, PERSIST, 2, FRAMES, LUP)),
                 (_loader, (a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr,
-                           ring, (r_ready, r_free), work_ptr, tile, MT, G, P, N, K, stride_am,
+                           ring, bars, work_ptr, tile, MT, G, P, N, K, stride_am,
                            stride_as, stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK, BM, BN, BK,
-                           NS, LAG, DIAG, PERSIST, A_TMA, FRAMES)),
+                           NS, LAG, DIAG, PERSIST, A_TMA, FRAMES, bring, USE_ASM, NU, LUP)),
             ], [4, 4, 4, 4], [R_MMA, R_UP, R_UP, R_LD])
 
 
@@ -734,7 +839,7 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
                   regs: tuple[int, int, int] | None = None, bn: int = BN,
                   qlag: int | None = None, upp: int | None = None,
                   skip: bool | None = None, frames: bool = False,
-                  areg: bool | None = None) -> dict:
+                  areg: bool | None = None, lup: bool | None = None) -> dict:
     """l1_ws_kernel's constexprs (the launcher's and the ahead-of-time build test's); lag None:
     LAG (clamped to stages - 1); stages / bstages / regs None: the tile's defaults (NS / NU /
     REGS at bn 64, NS_WIDE / NU_WIDE / REGS_WIDE at bn 128); qlag (bn 128 only): 1 = the next
@@ -766,15 +871,20 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
     if areg and not (wide and frames and a_tma and qlag == 0):
         # (with gathered A the loader's 48 registers leave too few: 16 bytes spilled)
         raise ValueError(f"areg: bn {BN_WIDE} with row frames, A by TMA and qlag 0")
+    lup = (LOADER_UPCAST and upp == 2) if lup is None else bool(lup)
+    if lup and not (upp == 2 and LAG_OK(lag, stages)):
+        raise ValueError(f"lup: two upcast partitions (bn {BN_WIDE}, A by TMA, qlag 0) and "
+                         f"lag <= {LUP_LAG_C} < stages")
     if regs is None and wide:
-        r_mma, r_up, r_ld = (REGS_WIDE_AREG if areg and upp == 2 else REGS_WIDE_U2 if upp == 2
+        r_mma, r_up, r_ld = (REGS_WIDE_LUP_AREG if lup and areg else REGS_WIDE_LUP if lup
+                             else REGS_WIDE_AREG if areg and upp == 2
+                             else REGS_WIDE_U2 if upp == 2
                              else REGS_WIDE_Q if qlag else REGS_WIDE)
-    return dict(TOPK=topk, HAS_LIMIT=has_limit, USE_ASM=use_asm, BM=BM, BN=bn, BK=BK, NS=stages,
-                NU=bstages, LAG=lag, DIAG=int(diag), PERSIST=persist, A_TMA=a_tma, QLAG=qlag,
-                UPP=upp, SKIP=SKIP_IDLE if skip is None else bool(skip), FRAMES=bool(frames),
-                AREG=areg,
-                R_MMA=r_mma,
-                R_UP=r_up, R_LD=r_ld)
+    return dict(TOPK=topk, HAS_LIMIT=has_limit,
+                USE_ASM=TABLE if use_asm is True else int(use_asm), BM=BM, BN=bn, BK=BK,
+                NS=stages, NU=bstages, LAG=lag, DIAG=int(diag), PERSIST=persist, A_TMA=a_tma,
+                QLAG=qlag, UPP=upp, SKIP=SKIP_IDLE if skip is None else bool(skip),
+                FRAMES=bool(frames), AREG=areg, R_MMA=r_mma, R_UP=r_up, R_LD=r_ld, LUP=lup)
 
 
 def launch_maxnreg(consts: dict) -> int:
@@ -792,7 +902,7 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
                 bn: int = BN, qlag: int | None = None, upp: int | None = None,
                 skip: bool | None = None,
                 frames: tuple[torch.Tensor, torch.Tensor] | None = None,
-                areg: bool | None = None) -> torch.Tensor:
+                areg: bool | None = None, lup: bool | None = None) -> torch.Tensor:
     """out [P, F] (expert-sorted rows; fp16 in routed_experts, fp32 / bf16 fine; a row-strided
     view is fine) = swiglu(A W1^T, A W3^T) per expert, A row of sorted row r = a_q[a_idx[r] //
     topk] (E4M3 [T, d] with 16-byte aligned rows, a_scale [T, d / 128] f32); w1 / w3: moe.Bank
@@ -800,7 +910,8 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     counts [E] int32 rows per expert. Row tiles of BM = 128 rows: max_tiles bounds them
     (min(P, P // 128 + E)); tiles: moe.tile_list(counts, 128, max_tiles) if already built (else
     built here: one tiny launch, no host sync, CUDA-graph capturable). use_asm: the PRMT table
-    upcast (default) or its integer twin (the same bits). stages / bstages: the raw / B ring
+    upcast (True / None: TABLE; 2: the byte-spread table) or its integer twin (False / 0): the
+    same bits. stages / bstages: the raw / B ring
     depths (default NS / NU); lag: the loader's lag (1 <= lag < stages; default LAG clamped);
     diag: DIAG bits - skips work and gives WRONG results, for timing diagnosis only; persist:
     one CTA per SM over all tiles (default PERSIST); ctas: the persistent grid instead of the SM
@@ -812,7 +923,8 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     instead of each chunk's - the upcast takes it from the loader, the promotion needs no column
     scales, the epilogue applies 2^(S - 127); row_frames gives them only where that is the same
     bits (every row's exponents within 11 binades of its largest). areg: kernel_consts' (None:
-    AREG where frames are given)."""
+    AREG where frames are given). lup: the loader upcasts a share of each chunk (None:
+    LOADER_UPCAST where two upcast partitions run); the same bits."""
     from .moe_gluon_decode import _weight_desc
 
     if not _IMPORT_OK:
@@ -833,10 +945,10 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
         return out
     tiles = tile_list(counts, BM, max_tiles, tiles)
     consts = kernel_consts(topk=topk, has_limit=limit is not None and limit > 0,
-                           use_asm=True if use_asm is None else bool(use_asm), stages=ns,
+                           use_asm=True if use_asm is None else use_asm, stages=ns,
                            bstages=nu, lag=lag, diag=diag, persist=persist, a_tma=a_tma,
                            bn=bn, qlag=qlag, upp=upp, skip=skip, frames=frames is not None,
-                           areg=areg)
+                           areg=areg, lup=lup)
     if frames is not None:
         for f in frames:
             if f.dtype != torch.int32 or tuple(f.shape) != (counts.numel(), N) or \

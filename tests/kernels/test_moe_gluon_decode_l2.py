@@ -151,6 +151,45 @@ def test_fp16_table_asm_bit_exact():
         check_table_lanes(ops, r, ta, tb, fp16_ref(r), g)
 
 
+def e4m3_ref(r: int) -> list[int]:
+    """E4M3 bytes of every E2M1 code 0..15 times 2^r, computed by torch (signed zero below r =
+    -5: moe_gluon_decode's flush); asserts the values are exact in E4M3."""
+    vals = torch.tensor([(-1.0 if c & 8 else 1.0) * E2M1[c & 7] * 2.0 ** r * (r >= -5)
+                         for c in range(16)], dtype=torch.float32)
+    q = vals.to(torch.float8_e4m3fn)
+    assert torch.equal(q.float(), vals), r
+    return q.view(torch.uint8).tolist()
+
+
+@pytest.mark.parametrize("text", ["FP4_TABLE_ASM_TEXT", "FP4_TABLE_SPREAD_ASM_TEXT"])
+def test_fp4_table_asm_bit_exact(text):
+    """moe_gluon_decode's E4M3 table upcasts (the default, signs by one prmt of the word and the
+    word << 4, and the byte-spread one it replaced, USE_ASM = 2), emulated here as the fp16
+    table is: with the kernel's table words (upcast_packs_rel: 0x3C383000 / 0x4C484440 plus rel
+    x 0x08080800 / 0x08080808, both zero below rel -5), for every byte value in every byte lane
+    of the word (random bytes in the other lanes) and every rel in [-9, 6], output $0 = the E4M3
+    bytes of nibbles 0..3 (byte j = nibble j), $1 = nibbles 4..7, equal to torch's E4M3 of e2m1 x
+    2^rel bit for bit (signs, -0 for code 8 and flushed negatives)."""
+    from megagraph.kernels.triton import moe_gluon_decode as md
+
+    ops = _parse(getattr(md, text))
+    g = torch.Generator().manual_seed(5)
+    for r in range(-9, 7):
+        ta, tb = ((0, 0) if r < -5 else ((0x3C383000 + r * 0x08080800) & M32,
+                                         (0x4C484440 + r * 0x08080808) & M32))
+        ref = e4m3_ref(r)
+        for lane in range(4):
+            for b in range(256):
+                bs = torch.randint(0, 256, (4,), generator=g).tolist()
+                bs[lane] = b
+                w = sum(x << (8 * i) for i, x in enumerate(bs))
+                nib = [(w >> (4 * n)) & 0xF for n in range(8)]
+                want = [sum(ref[nib[4 * h + j]] << (8 * j) for j in range(4)) for h in (0, 1)]
+                got = _run(ops, [0, 0, w, ta, ta, ta, ta, tb, tb, tb, tb], 2)
+                assert got == want, (text, r, lane, b, [hex(x) for x in got],
+                                     [hex(x) for x in want])
+
+
 # ---------------------------------------------------------------------------------------------
 # the k permutation (CPU)
 # ---------------------------------------------------------------------------------------------

@@ -167,6 +167,18 @@ def test_l1_ws_row_frames(name, a_tma, upp, skip, areg):
 
 
 @gpu
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[4] % W == 0])
+@pytest.mark.parametrize("frames,areg", [(False, False), (True, False), (True, True)])
+def test_l1_ws_loader_upcast(name, frames, areg):
+    """The loader upcasting the last 32-row block of W1 and W3 of every chunk, LUP_LAG chunks
+    behind its loads (lup; two upcast partitions doing three blocks each): the default launch's
+    bits, every row written, with per-chunk or row frames, the A rows in registers or not,
+    persistent over 3 CTAs (the loader's share running on across tiles) and one CTA per tile
+    (the share's tail after the last load)."""
+    _same_bits_as_default(name, frames=frames, a_tma=True, bn=W, upp=2, lup=True, areg=areg)
+
+
+@gpu
 def test_row_frames_cached_and_refused():
     """row_frames is built once per weight (the same tensors back) and refuses banks with a row
     spanning more than FRAME_SPAN binades (None: routed_experts keeps the per-chunk frames)."""
@@ -242,13 +254,15 @@ def test_l1_ws_asm_vs_arith(bn):
     rows, T, k, d, F = [0, 77, 129, 3], 101, 3, 512, 128
     xq, xs, w1, w3, counts, a_idx = rows_case(rows, T, k, d, F, seed=9, exps=(108, 128))
     outs = []
-    for use_asm in (True, False):
+    # True: the default PTX table (mw.TABLE: 1), 2: the byte-spread table, 0: integer arithmetic
+    for use_asm in (True, 2, 0):
         out = torch.full((sum(rows), F), float("nan"), dtype=torch.float16, device="cuda")
         _launch(xq, xs, a_idx, w1, w3, counts, out, k, None, use_asm=use_asm, bn=bn)
         torch.cuda.synchronize()
         assert torch.isfinite(out).all()
         outs.append(out)
-    assert torch.equal(outs[0], outs[1]), f"PTX vs arithmetic upcast: {rel(*outs):.3e}"
+    assert torch.equal(outs[0], outs[2]), f"PTX vs arithmetic upcast: {rel(outs[0], outs[2]):.3e}"
+    assert torch.equal(outs[1], outs[2]), f"spread PTX vs arithmetic: {rel(outs[1], outs[2]):.3e}"
     ref = reference(xq, xs, w1, w3, counts, a_idx, k, float("inf"))
     assert rel(outs[0], ref) < 2e-3, f"vs fp32 math: {rel(outs[0], ref):.3e}"
 
@@ -416,6 +430,10 @@ def _types(a_tma: bool = False, bn: int = mw.BN):
 
 
 def _compile(**kw):
+    """The sm_90 build at kernel_consts(**kw); the loader's upcast share (lup, the default with
+    two upcast partitions) only where kw asks: the other build tests pin the partitions' loops
+    without it, test_l1_ws_sm90_build_loader_upcast with it."""
+    kw.setdefault("lup", False)
     consts = mw.kernel_consts(topk=6, has_limit=True, **kw)
     return gluon_sm90(mw.l1_ws_kernel, _types(consts["A_TMA"], consts["BN"]), consts,
                       num_warps=mw.NUM_WARPS, maxnreg=mw.launch_maxnreg(consts))
@@ -490,7 +508,7 @@ LOOP_COUNTS = {  # per chunk (each partition's loop holds one chunk)
 }
 # each loop's instruction count when written (+- 10%): the upcast's is the work per chunk that
 # the MMA warpgroups' must hide (2 x 64 rows x 64 packed bytes for 128 threads)
-LOOP_SIZES = {"mma": 217, "upcast": 306, "loader": 125}
+LOOP_SIZES = {"mma": 217, "upcast": 258, "loader": 125}  # upcast 306 with the byte-spread table
 
 
 @build
@@ -554,7 +572,8 @@ WIDE_LOOP_COUNTS = {
                    LDS128=(r"\bLDS\.128\b", 8), STS128=(r"\bSTS\.128\b", 16)),
     "loader": dict(LOOP_COUNTS["loader"], LDGSTS4=(r"\bLDGSTS\.E\s", 3)),
 }
-WIDE_LOOP_SIZES = {"mma": 390, "upcast": 571, "loader": 138}
+# (upcast 571 with the byte-spread table, moe_gluon_decode.FP4_TABLE_SPREAD_ASM_TEXT)
+WIDE_LOOP_SIZES = {"mma": 390, "upcast": 475, "loader": 138}
 
 
 @build
@@ -709,6 +728,48 @@ def test_l1_ws_sm90_build_two_upcasts():
     for body in loops["upcast"]:
         assert count(body, r"\bPRMT\b") == 64 and count(body, r"\bSTS\.128\b") == 8
     assert ws_order_problems(loops) == []
+
+
+@build
+@pytest.mark.parametrize("frames,areg", [(True, True), (True, False), (False, False)])
+def test_l1_ws_sm90_build_loader_upcast(frames, areg):
+    """lup (the loader upcasting the last 32-row block of W1 and W3 of each chunk; routed_experts'
+    default with row frames and AREG): at REGS_WIDE_LUP (A rows read by the wgmmas, the loader at
+    48 registers) no stack / spills; at REGS_WIDE_LUP_AREG (the default: the loader at 32) at most
+    16 B of stack and 4 local loads / stores, all in the loader's loops; each upcast partition's
+    loop three 32-row blocks (48 PRMT, 6 STS.128, 3 LDS.128: 3/4 of the 64-row pair's), the
+    loader's loop its two (32 PRMT, 4 STS.128) beside its TMA issues, and per chunk the loader's
+    three arrivals (r_ready's publish, its r_free and b_ready); the upcasts' and the MMA
+    warpgroups' release order; lup is refused where it does not apply."""
+    k = _compile(bn=mw.BN_WIDE, a_tma=True, persist=True, frames=frames, areg=areg, lup=True)
+    usage, sass = usage_and_sass(k)
+    regs = mw.REGS_WIDE_LUP_AREG if areg else mw.REGS_WIDE_LUP
+    dec = {int(r) for r in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)",
+                                      k.asm["ptx"])}
+    assert set(regs[1:]) <= dec, dec
+    loops = partition_loops(sass)
+    spills = len(re.findall(r"\b(LDL|STL)\b", sass))
+    if not areg:
+        assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+        assert spills == 0, "local memory (spills) in the kernel"
+    else:
+        assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= 16, usage
+        in_loader = sum(count(b, r"\b(LDL|STL)\b") for b in loops["upcast"]
+                        if count(b, r"\bUTMALDG\b") > 0)
+        assert spills <= 8 and in_loader <= 4, (spills, in_loader)
+    ups = [b for b in loops["upcast"] if count(b, r"\bUTMALDG\b") == 0]
+    lds = [b for b in loops["upcast"] if count(b, r"\bUTMALDG\b") > 0]
+    assert len(ups) == 2 and lds, {n: len(v) for n, v in loops.items()}
+    for body in ups:
+        assert (count(body, r"\bPRMT\b"), count(body, r"\bSTS\.128\b"),
+                count(body, r"\bLDS\.128\b")) == (48, 6, 3)
+    for body in lds:
+        assert (count(body, r"\bPRMT\b"), count(body, r"\bSTS\.128\b"),
+                count(body, r"SYNCS\.ARRIVE\.TRANS64\.A1T0")) == (32, 4, 3)
+    assert ws_order_problems({"upcast": ups, "mma": loops["mma"], "loader": []}) == []
+    for kw in (dict(bn=mw.BN_WIDE, a_tma=True, upp=1), dict(bn=mw.BN_WIDE, a_tma=True, lag=3)):
+        with pytest.raises(ValueError, match="lup"):
+            mw.kernel_consts(topk=6, has_limit=True, lup=True, **kw)
 
 
 @build
