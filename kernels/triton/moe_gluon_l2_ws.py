@@ -132,6 +132,21 @@ REGS_256_U2 = (176, 48, 32)
 # bn 128: 128 + 128 (MMA: no spills down to 120) + 2 x 96 (halves of 64 rows; at 88, beside MMA
 # 136, the frame scan LLVM unrolls spills 24 B) + 32; the default MMA warpgroup gets 128
 REGS_U2 = (128, 96, 32)
+# LUP (bn 256 with two upcast partitions): the loader partition - its TMA issues are one elected
+# thread's, the rest of its time it waits on r_free - upcasts rows 96..127 and 224..255 of every
+# chunk (32-row blocks, LW32), LUP_LAG chunks behind its loads (its exponents and frames loaded
+# a chunk ahead), with the rows' frames from the weight's cached row frames (row_frames: the
+# values the upcasts' scans compute, which they then skip); each upcast partition does 96 of its
+# 128 rows (a 64- and a 32-row block). The L1's twin (moe_gluon_ws.LOADER_UPCAST) won 0.4 ms;
+# this one LOST on the H200 (fourteenth session, 8192 tokens, one A/B each, the same bits):
+# balanced 6.81 -> 7.13 ms, gate routing 8.61 -> 9.20 ms (with the exponent loads not prefetched:
+# 6.84 -> 7.34). Off; why it loses (the loader's share bounding it, or the 32-row blocks' cost)
+# needs an ncu run: benchmarks/results/moe-ws-14-h200.md
+LOADER_UPCAST = False
+LUP_LAG = 2
+# LUP's setmaxnreg: the loader holds both shares' exponent and frame loads and the tile
+# coordinates of the chunk it upcasts (which lags into the previous tile at a tile's start)
+REGS_256_U2_LUP = (176, 48, 32)
 BN_TILE = 128  # the default tile's output columns (bn): 128 or 256
 MAX_SHARED = 227 * 1024  # the sm_90 per-block opt-in limit (232448 B)
 
@@ -155,20 +170,51 @@ def _regs(use_asm: bool, bn: int, upp: int = 1) -> tuple[int, int, int]:
 
 def kernel_consts(K: int, use_asm: bool = True, stages: int = NS, bstages: int = NU,
                   regs: tuple[int, int, int] | None = None, bn: int = BN,
-                  upp: int | None = None) -> dict:
+                  upp: int | None = None, lup: bool | None = None) -> dict:
     """The constexprs of l2_ws_kernel for K columns of W2 (the launcher's and the build test's):
     KGI = the 16-exponent pieces of a W2 row the frame scan reads (moe_gluon_l2's); NB = bn /
     128 (the output columns of a tile: 128, or 256 as two m64n128k16 accumulators); UPP = the
-    upcast partitions (upp None: UPP at bn 256, 1 at bn 128); regs None: _regs."""
+    upcast partitions (upp None: UPP at bn 256, 1 at bn 128); regs None: _regs (REGS_256_U2_LUP
+    with lup); lup: the loader's upcast share (bn 256, two upcast partitions, LUP_LAG < stages;
+    None: LOADER_UPCAST where that applies)."""
     if bn not in (BN, 2 * BN):
         raise ValueError(f"bn {bn}: {BN} or {2 * BN}")
     upp = (UPP if bn == 2 * BN else 1) if upp is None else int(upp)
     if upp not in (1, 2):
         raise ValueError(f"upp {upp}: 1 or 2")
-    r_mma, r_up, r_ld = regs or _regs(use_asm, bn, upp)
+    # (K / BK >= LUP_LAG: a lagging share reaches back one tile at most)
+    # (LUP_LAG + 2 <= stages: the MMA warpgroups release a raw stage one chunk late, so the
+    # loader's load of chunk c waits for the MMA to have chunk c - stages + 1's B stage, whose
+    # share the loader must have made an iteration before)
+    fits = (bn == 2 * BN and upp == 2 and LUP_LAG + 2 <= int(stages)
+            and K // BK >= LUP_LAG)
+    lup = (LOADER_UPCAST and fits) if lup is None else bool(lup)
+    if lup and not fits:
+        raise ValueError(f"lup: bn {2 * BN}, two upcast partitions, stages >= {LUP_LAG + 2} "
+                         f"and K >= {LUP_LAG * BK}")
+    r_mma, r_up, r_ld = regs or (REGS_256_U2_LUP if lup else _regs(use_asm, bn, upp))
     return dict(KGI=-(-(K // 32) // 16), USE_ASM=bool(use_asm), BM=BM, BN=BN, BK=BK,
                 NS=int(stages), NU=int(bstages), NB=bn // BN, UPP=upp, R_MMA=r_mma, R_UP=r_up,
-                R_LD=r_ld)
+                R_LD=r_ld, LUP=lup)
+
+
+def row_frames(w2) -> torch.Tensor | None:
+    """The W2 bank's (moe.Bank) row frames S0 = max(max_k e - REL_MAX, 1) over all of K (int32
+    [G, N]: exactly what the upcasts' in-kernel scan computes), cached per weight as long as it
+    lives (kernels/cublas_fp8.derived: built once at warm-up; None on a miss inside a CUDA-graph
+    capture): what the loader's upcast share (lup) reads instead of scanning."""
+    from megagraph.kernels import cublas_fp8
+
+    if not w2.s.is_cuda:
+        return None
+
+    def build(pairs):
+        (_, sc), = pairs
+        e = sc.view(torch.uint8).to(torch.int32)
+        return ((e.amax(-1) - REL_MAX).clamp_min(1).to(torch.int32).contiguous(),)
+
+    got = cublas_fp8.derived(((w2.w, w2.s),), "l2_ws_frames", build)
+    return got[0] if got else None
 
 
 def launch_maxnreg(consts: dict) -> int:
@@ -192,6 +238,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     from .moe_gluon_ws import _release, _stage
 
     _RMAX = ttgl.constexpr(REL_MAX)
+    LUP_LAG_C = ttgl.constexpr(LUP_LAG)
 
     # ---- layouts (every partition is 4 warps) -------------------------------------------------
     # the MMA warpgroup's m64n128k16 accumulator (moe_gluon_l2's instruction, 64 rows), its rows
@@ -208,6 +255,12 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     LW2 = ttgl.constexpr(ttgl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0]))
     # the frame scan's exponent rows [BN, 16] (rows mapped to threads as in LW)
     LX = ttgl.constexpr(ttgl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0]))
+    # ... for a 32-row block (LUP): one (row, group) per PAIR of threads, two words each (no
+    # thread holds a copy of another's work)
+    LW32 = ttgl.constexpr(ttgl.BlockedLayout([1, 1, 2], [8, 2, 2], [4, 1, 1], [2, 1, 0]))
+    LE32 = ttgl.constexpr(ttgl.SliceLayout(2, LW32))
+    LW2_32 = ttgl.constexpr(ttgl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0]))
+    LX32 = ttgl.constexpr(ttgl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
     # shared: the fp16 tiles (H [BM, BK], B [BN, BK]: 128-byte rows, the wgmma's operands),
     # the packed W2 rows [BN, 8] int32 (32-byte rows, as TMA writes them), the frames
     F16_SMEM = ttgl.constexpr(ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
@@ -228,16 +281,32 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     @gluon.jit
     def _loader(h_desc, w_desc, a_r, w_r, r_ready, r_free, work_ptr, MT, G, P, N, K,
                 BM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
-                NS: ttgl.constexpr, NB: ttgl.constexpr):
+                NS: ttgl.constexpr, NB: ttgl.constexpr, b_r=None, sb_r=None, bars=None,
+                bs_ptr=None, f_ptr=None, stride_bsg=0, stride_bsn=0,
+                USE_ASM: ttgl.constexpr = True, NU: ttgl.constexpr = 3,
+                LUP: ttgl.constexpr = False):
         """The raw ring's producer: per chunk of this CTA's tiles, the H box and the packed W2
-        rows (NB x BN of them) by TMA on r_ready (module docstring)."""
+        rows (NB x BN of them) by TMA on r_ready (module docstring). LUP: after chunk c's
+        copies, its upcast share of chunk c - LUP_LAG (_loader_share), with the coordinates of
+        that chunk's tile - the previous tile's for a tile's first LUP_LAG chunks - and after
+        the last tile the share of the last LUP_LAG chunks."""
         TN: ttgl.constexpr = NB * BN
         HB: ttgl.constexpr = BM // 2  # the H box: one MMA warpgroup's 64 rows
         n_k = K // BK
         c = 0
+        pg = 0  # LUP: the previous tile's expert, first column, first chunk
+        pn = 0
+        pc0 = 0
+        if LUP:  # the next share's exponents and frames (loaded one chunk ahead)
+            ea = ttgl.zeros([32, 2], ttgl.int32, LE32)
+            eb = ttgl.zeros([32, 2], ttgl.int32, LE32)
+            sa = ttgl.zeros([32], ttgl.int32, ttgl.SliceLayout(1, LE32))
+            sb = ttgl.zeros([32], ttgl.int32, ttgl.SliceLayout(1, LE32))
         for t in range(ttgl.program_id(0), _n_tiles(work_ptr, N, TN), ttgl.num_programs(0)):
             skip, g, row0, nrows, pid_n = tile_entry(work_ptr, t, N // TN, MT, G, P, BM)
             if not skip:
+                c0 = c
+                g32 = g.to(ttgl.int32)
                 wrow = g.to(ttgl.int32) * N + pid_n * TN
                 two = nrows > HB  # rows 64.. hold tile rows: their box too, else not loaded
                 for i in range(n_k):
@@ -255,47 +324,125 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                                                     a_s.slice(HB, HB), pred=two)
                     tma.async_copy_global_to_shared(w_desc, [wrow, i * (BK // 8)], bar,
                                                     w_r.index(s))
+                    if LUP:
+                        # the share of chunk c - LUP_LAG (its data loaded an iteration ago),
+                        # then the loads of the next one's, c + 1 - LUP_LAG: each with the
+                        # coordinates of its chunk's tile (this one, or the previous one)
+                        if c >= LUP_LAG_C:
+                            jl = c - LUP_LAG_C - ttgl.where(c - LUP_LAG_C >= c0, c0, pc0)
+                            _loader_share(w_r, b_r, sb_r, bars, c - LUP_LAG_C, jl, ea, eb, sa,
+                                          sb, K, USE_ASM, BK, NS, NU)
+                        if c + 1 >= LUP_LAG_C:
+                            jn = c + 1 - LUP_LAG_C
+                            cur = jn >= c0
+                            ea, eb, sa, sb = _share_loads(
+                                bs_ptr, f_ptr, ttgl.where(cur, g32, pg),
+                                ttgl.where(cur, pid_n * TN, pn),
+                                jn - ttgl.where(cur, c0, pc0), N, stride_bsg, stride_bsn, BK)
                     c += 1
+                pg = g32
+                pn = pid_n * TN
+                pc0 = c0
+        if LUP:
+            # the last tile's last LUP_LAG chunks (the first one's data already loaded)
+            for q in ttgl.static_range(LUP_LAG_C):
+                j = c - LUP_LAG_C + q
+                if j >= 0:
+                    _loader_share(w_r, b_r, sb_r, bars, j, j - pc0, ea, eb, sa, sb, K,
+                                  USE_ASM, BK, NS, NU)
+                    if q + 1 < LUP_LAG_C:
+                        ea, eb, sa, sb = _share_loads(bs_ptr, f_ptr, pg, pn, j + 1 - pc0, N,
+                                                      stride_bsg, stride_bsn, BK)
+
+    @gluon.jit
+    def _share_loads(bs_ptr, f_ptr, g, n0, jl, N, stride_bsg, stride_bsn, BK: ttgl.constexpr):
+        """LUP: what the loader's share of a chunk (the jl-th of its tile: expert g, output
+        columns n0 .. n0 + 255) reads from global memory, requested a chunk ahead: the E8M0
+        exponents of the tile's W2 rows 96..127 and 224..255 in this chunk and their frames S0
+        (the cached row frames f_ptr, [G, N] int32: row_frames)."""
+        rr = ttgl.arange(0, 32, layout=ttgl.SliceLayout(1, LE32))
+        grp = ttgl.arange(0, 2, layout=ttgl.SliceLayout(0, LE32))
+        rows_a = n0 + 96 + rr
+        rows_b = n0 + 224 + rr
+        s0a = ttgl.load(f_ptr + g * N + rows_a)
+        s0b = ttgl.load(f_ptr + g * N + rows_b)
+        e0 = bs_ptr + g.to(ttgl.int64) * stride_bsg + (jl * (BK // 32) + grp)[None, :]
+        ea = ttgl.load(e0 + (rows_a.to(ttgl.int64) * stride_bsn)[:, None]).to(ttgl.int32)
+        eb = ttgl.load(e0 + (rows_b.to(ttgl.int64) * stride_bsn)[:, None]).to(ttgl.int32)
+        return ea, eb, s0a, s0b
+
+    @gluon.jit
+    def _loader_share(w_r, b_r, sb_r, bars, j, jl, ea, eb, s0a, s0b, K,
+                      USE_ASM: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr,
+                      NU: ttgl.constexpr):
+        """LUP: the loader's upcast of chunk j (the jl-th of its tile) - the tile's W2 rows
+        96..127 and 224..255 with their exponents ea / eb and frames s0a / s0b (_share_loads)
+        - into B stage j % NU, at the tile's last chunk with their frame scales into sb; then
+        the releases every upcast partition makes (fence, r_free, b_ready). The same codes and
+        frames as the upcast partitions': the same bits."""
+        r_ready, r_free, b_ready, b_free = bars
+        s, ph = _stage(j, NS)
+        u, phu = _stage(j, NU)
+        mbarrier.wait(r_ready.index(s), ph)
+        mbarrier.wait(b_free.index(u), phu ^ 1)
+        _upcast_half(w_r.index(s).slice(96, 32), ea, s0a, b_r.index(u).slice(96, 32), USE_ASM,
+                     32, BK)
+        _upcast_half(w_r.index(s).slice(224, 32), eb, s0b, b_r.index(u).slice(224, 32),
+                     USE_ASM, 32, BK)
+        if jl == K // BK - 1:  # the epilogue's frame scales 2^(S0 - 127) (S0 >= 1: normal)
+            sb_r.index(u).slice(96, 32).store((s0a << 23).to(ttgl.float32, bitcast=True))
+            sb_r.index(u).slice(224, 32).store((s0b << 23).to(ttgl.float32, bitcast=True))
+        fence_async_shared()
+        _release(r_free, j, NS)
+        mbarrier.arrive(b_ready.index(u), count=1)
 
     # ---- upcast ------------------------------------------------------------------------------
 
     @gluon.jit
     def _frames(bs_ptr, g, n0, K, stride_bsg, stride_bsn, KGI: ttgl.constexpr,
-                BN: ttgl.constexpr, BK: ttgl.constexpr, UNROLL: ttgl.constexpr):
+                BN: ttgl.constexpr, BK: ttgl.constexpr, UNROLL: ttgl.constexpr, f_ptr=None,
+                N=0, FROWS: ttgl.constexpr = False):
         """W2 rows n0 .. n0 + BN - 1 of expert g: (their exponent pointers [BN, 2 groups] in LE,
         the exponents of chunks 0 and 1 (clamped), the frames S0 in LE's rows, the frame scales
         2^(S0 - 127) in LX's rows). UNROLL: the scan's KGI pieces unrolled (their loads in flight
         together: ~80 registers a thread at K = 2304), else a loop (one piece in flight: the
         two-halves upcast of bn 256 and the upp 2 halves, which spill otherwise; LLVM still
         unrolls the 64-row halves' small loop at bn 128 upp 2, which fits its 96 registers
-        where the static_range form spills 8 B)."""
+        where the static_range form spills 8 B). FROWS: S0 from the cached row frames (f_ptr
+        [G, N] int32, row_frames: the scan's values) instead of the scan (LUP's partitions)."""
         # ---- the rows' frames S0 = max(max e - REL_MAX, 1) over all K / 32 exponents
         # (moe_gluon_l2's scan: KGI unrolled pieces of 16, masked past K / 32)
         KG = K // 32
-        rn_x = n0 + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, LX))
-        cx = ttgl.arange(0, 16, layout=ttgl.SliceLayout(0, LX))
-        x_ptrs = bs_ptr + g * stride_bsg + (rn_x.to(ttgl.int64) * stride_bsn)[:, None] + \
-            cx[None, :]
+        lx: ttgl.constexpr = LX if BN >= 64 else LX32
+        le: ttgl.constexpr = LE if BN >= 64 else LE32
         # this tile's exponents of chunks 0 and 1 (e2: chunk 1, clamped) requested with the scan
-        rn_w = n0 + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, LE))
-        grp = ttgl.arange(0, 2, layout=ttgl.SliceLayout(0, LE))
+        rn_w = n0 + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, le))
+        grp = ttgl.arange(0, 2, layout=ttgl.SliceLayout(0, le))
         e_ptrs = bs_ptr + g * stride_bsg + (rn_w.to(ttgl.int64) * stride_bsn)[:, None] + \
             grp[None, :]
         n_k = K // BK
         e1 = ttgl.load(e_ptrs).to(ttgl.int32)
         e2 = ttgl.load(e_ptrs + ttgl.minimum(1, n_k - 1) * (BK // 32)).to(ttgl.int32)
-        emax = ttgl.zeros([BN], ttgl.int32, ttgl.SliceLayout(1, LX))
-        if UNROLL:
-            for j in ttgl.static_range(KGI):
-                ex = ttgl.load(x_ptrs + 16 * j, mask=(16 * j + cx < KG)[None, :], other=0)
-                emax = ttgl.maximum(emax, ttgl.max(ex.to(ttgl.int32), axis=1))
+        if FROWS:
+            s0 = ttgl.load(f_ptr + g * N + rn_w)
+            frame = (s0 << 23).to(ttgl.float32, bitcast=True)
         else:
-            for j in range(KGI):
-                ex = ttgl.load(x_ptrs + 16 * j, mask=(16 * j + cx < KG)[None, :], other=0)
-                emax = ttgl.maximum(emax, ttgl.max(ex.to(ttgl.int32), axis=1))
-        s0x = ttgl.maximum(emax - _RMAX, 1)
-        s0 = ttgl.convert_layout(s0x, ttgl.SliceLayout(1, LE))
-        frame = (s0x << 23).to(ttgl.float32, bitcast=True)  # 2^(S0 - 127), S0 >= 1: normal
+            rn_x = n0 + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, lx))
+            cx = ttgl.arange(0, 16, layout=ttgl.SliceLayout(0, lx))
+            x_ptrs = bs_ptr + g * stride_bsg + (rn_x.to(ttgl.int64) * stride_bsn)[:, None] + \
+                cx[None, :]
+            emax = ttgl.zeros([BN], ttgl.int32, ttgl.SliceLayout(1, lx))
+            if UNROLL:
+                for j in ttgl.static_range(KGI):
+                    ex = ttgl.load(x_ptrs + 16 * j, mask=(16 * j + cx < KG)[None, :], other=0)
+                    emax = ttgl.maximum(emax, ttgl.max(ex.to(ttgl.int32), axis=1))
+            else:
+                for j in range(KGI):
+                    ex = ttgl.load(x_ptrs + 16 * j, mask=(16 * j + cx < KG)[None, :], other=0)
+                    emax = ttgl.maximum(emax, ttgl.max(ex.to(ttgl.int32), axis=1))
+            s0x = ttgl.maximum(emax - _RMAX, 1)
+            s0 = ttgl.convert_layout(s0x, ttgl.SliceLayout(1, le))
+            frame = (s0x << 23).to(ttgl.float32, bitcast=True)  # 2^(S0 - 127), S0 >= 1
         return e_ptrs, e1, e2, s0, frame
 
     @gluon.jit
@@ -303,29 +450,33 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                      BK: ttgl.constexpr):
         """BN packed W2 rows of a raw stage (w_s [BN, BK / 8] int32) -> exact fp16 [BN, BK] into
         b_dst (moe_gluon_l2._upcast_store)."""
-        w = w_s.load(LW2)  # [BN, 8] int32: one group's 16 bytes per thread
-        w = ttgl.convert_layout(ttgl.reshape(w, [BN, 2, 4]), LW, assert_trivial=True)
+        lw2: ttgl.constexpr = LW2 if BN >= 64 else LW2_32  # 32-row blocks: LUP's
+        lw: ttgl.constexpr = LW if BN >= 64 else LW32
+        w = w_s.load(lw2)  # [BN, 8] int32: one group's 16 (32 rows: 8) bytes per thread
+        w = ttgl.convert_layout(ttgl.reshape(w, [BN, 2, 4]), lw, assert_trivial=True)
         _upcast_store(w, e, s0, b_dst, USE_ASM, BN, BK)
 
     @gluon.jit
     def _upcast_tile(w_r, b_r, sb_r, bars, bs_ptr, g, n0, K, c0, stride_bsg, stride_bsn,
                      KGI: ttgl.constexpr, USE_ASM: ttgl.constexpr, BK: ttgl.constexpr,
                      NS: ttgl.constexpr, NU: ttgl.constexpr, R0: ttgl.constexpr,
-                     RB: ttgl.constexpr, NH: ttgl.constexpr, UNROLL: ttgl.constexpr):
-        """One tile's chunks c0 .. c0 + K / BK - 1 for this partition's W2 rows R0 .. R0 + NH
-        RB - 1 of the tile (n0 its first column of y): their frame scan, then per chunk their
-        raw stage rows -> B stage rows (module docstring), in NH blocks of RB rows one after the
-        other (NH = 2: bn 256 with one upcast partition). Only these rows' words, B rows and sb
-        entries are touched: with two partitions each publishes its half on the same barriers
-        (b_ready / r_free count both). UNROLL: _frames'. Returns the next chunk number."""
+                     RB: ttgl.constexpr, R1: ttgl.constexpr, RB1: ttgl.constexpr,
+                     UNROLL: ttgl.constexpr, f_ptr=None, N=0, FROWS: ttgl.constexpr = False):
+        """One tile's chunks c0 .. c0 + K / BK - 1 for this partition's W2 rows R0 .. R0 + RB -
+        1 of the tile (n0 its first column of y) and, where RB1 > 0, R1 .. R1 + RB1 - 1 too
+        (bn 256 with one upcast partition: 128 + 128 rows; with the loader's share, LUP: 64 +
+        32): their frame scans, then per chunk their raw stage rows -> B stage rows (module
+        docstring), one block after the other. Only these rows' words, B rows and sb entries
+        are touched: with two partitions each publishes its rows on the same barriers (b_ready
+        / r_free count them all). UNROLL: _frames'. Returns the next chunk number."""
         r_ready, r_free, b_ready, b_free = bars
         n_k = K // BK
         e_ptrs, e1, e2, s0, frame = _frames(bs_ptr, g, n0 + R0, K, stride_bsg, stride_bsn, KGI,
-                                            RB, BK, UNROLL)
-        if NH == 2:
-            e_ptrs_b, e1_b, e2_b, s0_b, frame_b = _frames(bs_ptr, g, n0 + R0 + RB, K,
-                                                          stride_bsg, stride_bsn, KGI, RB, BK,
-                                                          UNROLL)
+                                            RB, BK, UNROLL, f_ptr, N, FROWS)
+        if RB1 > 0:
+            e_ptrs_b, e1_b, e2_b, s0_b, frame_b = _frames(bs_ptr, g, n0 + R1, K, stride_bsg,
+                                                          stride_bsn, KGI, RB1, BK, UNROLL,
+                                                          f_ptr, N, FROWS)
         for i in range(n_k):
             c = c0 + i
             s, ph = _stage(c, NS)
@@ -333,7 +484,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
             e = e1
             e1 = e2
             e2 = ttgl.load(e_ptrs + ttgl.minimum(i + 2, n_k - 1) * (BK // 32)).to(ttgl.int32)
-            if NH == 2:
+            if RB1 > 0:
                 e_b = e1_b
                 e1_b = e2_b
                 e2_b = ttgl.load(e_ptrs_b + ttgl.minimum(i + 2, n_k - 1) * (BK // 32)).to(
@@ -342,13 +493,13 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
             mbarrier.wait(b_free.index(u), phu ^ 1)
             _upcast_half(w_r.index(s).slice(R0, RB), e, s0, b_r.index(u).slice(R0, RB),
                          USE_ASM, RB, BK)
-            if NH == 2:
-                _upcast_half(w_r.index(s).slice(R0 + RB, RB), e_b, s0_b,
-                             b_r.index(u).slice(R0 + RB, RB), USE_ASM, RB, BK)
+            if RB1 > 0:
+                _upcast_half(w_r.index(s).slice(R1, RB1), e_b, s0_b,
+                             b_r.index(u).slice(R1, RB1), USE_ASM, RB1, BK)
             if i == n_k - 1:  # the epilogue's frames ride on the tile's last B stage
                 sb_r.index(u).slice(R0, RB).store(frame)
-                if NH == 2:
-                    sb_r.index(u).slice(R0 + RB, RB).store(frame_b)
+                if RB1 > 0:
+                    sb_r.index(u).slice(R1, RB1).store(frame_b)
             # writer-side: this thread's st.shared (B, frames) and ld.shared (raw W) ordered
             # against the async proxy (the wgmma's reads, the next TMA's writes), then the
             # partition barrier inside _release, then the arrivals
@@ -362,21 +513,25 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                   stride_bsn, KGI: ttgl.constexpr, USE_ASM: ttgl.constexpr, BM: ttgl.constexpr,
                   BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr,
                   NU: ttgl.constexpr, NB: ttgl.constexpr, UPP: ttgl.constexpr,
-                  PART: ttgl.constexpr):
+                  PART: ttgl.constexpr, LUP: ttgl.constexpr = False, f_ptr=None):
         """Upcast partition PART of UPP over this CTA's tiles (the loader's order and skips): the
         tile's W2 rows PART x NB BN / UPP .. (all of them at UPP 1, one half each at UPP 2), in
         blocks of at most BN rows (the LW layouts' 128; 64 at bn 128 with UPP 2). The frame
-        scan is unrolled only where the partition has the registers for it (bn 128, UPP 1)."""
+        scan is unrolled only where the partition has the registers for it (bn 128, UPP 1).
+        LUP (bn 256, UPP 2): the first 96 of the half's 128 rows, as a 64- and a 32-row block
+        (the loader upcasts the last 32)."""
         TN: ttgl.constexpr = NB * BN
         ROWS: ttgl.constexpr = TN // UPP  # this partition's rows of the tile
-        RB: ttgl.constexpr = ROWS if ROWS < BN else BN
+        RB: ttgl.constexpr = (64 if LUP else ROWS) if ROWS < BN else (64 if LUP else BN)
+        R1: ttgl.constexpr = PART * ROWS + RB
+        RB1: ttgl.constexpr = 32 if LUP else (0 if ROWS // RB == 1 else RB)
         c = 0
         for t in range(ttgl.program_id(0), _n_tiles(work_ptr, N, TN), ttgl.num_programs(0)):
             skip, g, _, _, pid_n = tile_entry(work_ptr, t, N // TN, MT, G, P, BM)
             if not skip:
                 c = _upcast_tile(w_r, b_r, sb_r, bars, bs_ptr, g, pid_n * TN, K, c, stride_bsg,
-                                 stride_bsn, KGI, USE_ASM, BK, NS, NU, PART * ROWS, RB,
-                                 ROWS // RB, (NB == 1) & (UPP == 1))
+                                 stride_bsn, KGI, USE_ASM, BK, NS, NU, PART * ROWS, RB, R1,
+                                 RB1, (NB == 1) & (UPP == 1), f_ptr, N, LUP)
 
     # ---- MMA + epilogue ----------------------------------------------------------------------
 
@@ -473,24 +628,28 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     # ---- the kernel ----------------------------------------------------------------------------
 
     @gluon.jit
-    def l2_ws_kernel(h_desc, w_desc, bs_ptr, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, N, K, G, P,
-                     stride_bsg, stride_bsn, stride_cm, TOPK: ttgl.constexpr,
+    def l2_ws_kernel(h_desc, w_desc, bs_ptr, c_ptr, cidx_ptr, w_ptr, work_ptr, f_ptr, MT, N,
+                     K, G, P, stride_bsg, stride_bsn, stride_cm, TOPK: ttgl.constexpr,
                      KS: ttgl.constexpr, KGI: ttgl.constexpr, USE_ASM: ttgl.constexpr,
                      BM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
                      NS: ttgl.constexpr, NU: ttgl.constexpr, NB: ttgl.constexpr,
                      UPP: ttgl.constexpr, R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr,
-                     R_LD: ttgl.constexpr):
+                     R_LD: ttgl.constexpr, LUP: ttgl.constexpr):
         """Persistent CTAs over the work items of moe.tile_list at BM rows ([total, grp[MT],
         row0[MT], rend[MT]]) x N / (NB BN) column tiles. h_desc: H as [P, K] fp16, boxes [BM /
         2, BK]; w_desc: the W2 bank's packed rows as [G N, K / 8] int32 words, boxes [NB BN, BK /
         8]; bs_ptr the E8M0 exponents [G, N, K / 32]. UPP upcast partitions (1, or 2: each one
-        half of the tile's W2 rows). N % (NB BN) == 0, K % BK == 0 (the launcher checks)."""
+        half of the tile's W2 rows). LUP: the loader upcasts rows 96..127 / 224..255 (bn 256,
+        UPP 2), their frames from f_ptr (row_frames; else f_ptr is never read). N % (NB BN) ==
+        0, K % BK == 0 (the launcher checks)."""
         ttgl.static_assert(BM == 128, "two MMA warpgroups of 64 rows")
         ttgl.static_assert(BN == 128, "the m64n128k16 wgmma of moe_gluon_l2")
         ttgl.static_assert(BK == 64, "64-column chunks: one 128-byte swizzle row of fp16")
         ttgl.static_assert((NS >= 2) & (NU >= 2), "double-buffered rings at least")
         ttgl.static_assert((NB == 1) | (NB == 2), "tiles of 128 or 256 output columns")
         ttgl.static_assert((UPP == 1) | (UPP == 2), "one or two upcast partitions")
+        ttgl.static_assert((not LUP) | ((NB == 2) & (UPP == 2) & (LUP_LAG_C + 2 <= NS)),
+                           "the loader's share: bn 256, two upcast partitions, LUP_LAG <= NS - 2")
         ttgl.static_assert(h_desc.block_shape[0] == BM // 2, "H boxes of 64 rows")
         ttgl.static_assert(h_desc.block_shape[1] == BK, "H boxes of BK columns")
         ttgl.static_assert(w_desc.block_shape[0] == NB * BN, "W2 boxes of the tile's rows")
@@ -507,9 +666,10 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         for s in ttgl.static_range(NS):
             mbarrier.init(r_ready.index(s), count=1)  # the loader's expect-tx arrive
             # every reader of the raw stage: 2 MMA warpgroups + each upcast partition
-            mbarrier.init(r_free.index(s), count=2 + UPP)
+            # (+ the loader where it upcasts a share, LUP)
+            mbarrier.init(r_free.index(s), count=2 + UPP + LUP)
         for u in ttgl.static_range(NU):
-            mbarrier.init(b_ready.index(u), count=UPP)  # each upcast partition's rows
+            mbarrier.init(b_ready.index(u), count=UPP + LUP)  # each upcast partition's rows
             mbarrier.init(b_free.index(u), count=2)
         fence_async_shared()  # the initialized barriers, before the TMA unit signals them
 
@@ -536,12 +696,13 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                         stride_cm, 64, TOPK, KS, BM, BN, BK, NS, NU, NB)),
                 (_upcaster, (w_r, b_r, sb_r, bars, bs_ptr, work_ptr, MT, G, P, N, K,
                              stride_bsg, stride_bsn, KGI, USE_ASM, BM, BN, BK, NS, NU, NB, 2,
-                             0)),
+                             0, LUP, f_ptr)),
                 (_upcaster, (w_r, b_r, sb_r, bars, bs_ptr, work_ptr, MT, G, P, N, K,
                              stride_bsg, stride_bsn, KGI, USE_ASM, BM, BN, BK, NS, NU, NB, 2,
-                             1)),
+                             1, LUP, f_ptr)),
                 (_loader, (h_desc, w_desc, a_r, w_r, r_ready, r_free, work_ptr, MT, G, P, N, K,
-                           BM, BN, BK, NS, NB)),
+                           BM, BN, BK, NS, NB, b_r, sb_r, bars, bs_ptr, f_ptr, stride_bsg,
+                           stride_bsn, USE_ASM, NU, LUP)),
             ], [4, 4, 4, 4], [R_MMA, R_UP, R_UP, R_LD])
 
 
@@ -590,7 +751,8 @@ def descriptors(h, w2, P: int, bn: int = BN):
 def l2_gluon_ws(h, w2_bank, counts, srt, wts, y, *, topk: int, ks: int, max_tiles: int,
                 tiles: torch.Tensor | None = None, use_asm: bool = True, diag: int = 0,
                 stages: int | None = None, bstages: int | None = None,
-                ctas: int | None = None, bn: int | None = None, upp: int | None = None):
+                ctas: int | None = None, bn: int | None = None, upp: int | None = None,
+                lup: bool | None = None):
     """moe_gluon_l2.l2_gluon's call (the same arguments, checks and result, bit for bit
     expected): y[(p // topk) * ks + p % topk] = wts[p] * (H[r] @ W2[g]^T) for every
     expert-sorted row r of expert g, p = srt[r]; slots no pair maps to are not written. Extra:
@@ -599,7 +761,9 @@ def l2_gluon_ws(h, w2_bank, counts, srt, wts, y, *, topk: int, ks: int, max_tile
     tests walk many tiles per CTA at small sizes); bn - the output columns of a tile: 128
     (BN_TILE, the default) or 256 (two accumulators a warpgroup: half the H stream per FLOP;
     d % 256); upp - the upcast partitions: 1, or 2 (each upcasts one half of the tile's W2
-    rows: 20 warps at launch cap MAXNREG_U2; the same bits); None: UPP. diag must be 0 (this
+    rows: 20 warps at launch cap MAXNREG_U2; the same bits); None: UPP. lup - the loader's
+    upcast share (kernel_consts; None: LOADER_UPCAST where it applies; it needs the cached
+    row_frames, else it is not used); the same bits. diag must be 0 (this
     kernel has no DIAG variants; the argument is there so the two launchers take the same
     calls)."""
     if diag:
@@ -622,9 +786,12 @@ def l2_gluon_ws(h, w2_bank, counts, srt, wts, y, *, topk: int, ks: int, max_tile
     if shared_bytes(ns, nu, bn) > MAX_SHARED - 1024:
         raise ValueError(f"stages {ns} / bstages {nu} at bn {bn}: {shared_bytes(ns, nu, bn)} "
                          "B of shared memory, over the sm_90 limit")
-    consts = kernel_consts(w2_bank.k, use_asm, ns, nu, bn=bn, upp=upp)
+    consts = kernel_consts(w2_bank.k, use_asm, ns, nu, bn=bn, upp=upp, lup=lup)
     if max_tiles == 0 or P == 0:
         return y
+    frames = row_frames(w2_bank) if consts["LUP"] else None
+    if consts["LUP"] and frames is None:  # no cached frames (first use inside a capture)
+        consts = kernel_consts(w2_bank.k, use_asm, ns, nu, bn=bn, upp=upp, lup=False)
     if not _IMPORT_OK:
         raise RuntimeError("l2_gluon_ws needs Triton 3.6's Gluon (moe_gluon_l2_ws.available())")
     from .attention import sm_count
@@ -635,7 +802,8 @@ def l2_gluon_ws(h, w2_bank, counts, srt, wts, y, *, topk: int, ks: int, max_tile
     grid = (max(1, min(grid, int(ctas) if ctas else sm_count(y.device))),)
     h_desc, w_desc = descriptors(h, w2_bank, P, bn)
     l2_ws_kernel[grid](
-        h_desc, w_desc, w2_bank.s, y, srt, wts, tiles, max_tiles, N, K, counts.numel(), P,
+        h_desc, w_desc, w2_bank.s, y, srt, wts, tiles,
+        frames if frames is not None else counts, max_tiles, N, K, counts.numel(), P,
         w2_bank.s.stride(0), w2_bank.s.stride(1), y.stride(0), TOPK=topk, KS=ks, **consts,
         num_warps=NUM_WARPS, maxnreg=launch_maxnreg(consts))
     return y

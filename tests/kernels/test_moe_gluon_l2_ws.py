@@ -253,6 +253,32 @@ def test_l2_ws_two_upcasts(case, bn, stages, bstages):
 
 
 @gpu
+@pytest.mark.parametrize("stages,bstages", [(None, None), (5, 3), (4, 2)])
+@pytest.mark.parametrize("case", [*ROWS_CASES, "matches_2304"])
+def test_l2_ws_loader_upcast(case, stages, bstages):
+    """lup (bn 256, two upcast partitions): the loader upcasts rows 96..127 / 224..255 of every
+    chunk LUP_LAG chunks behind its loads - at a tile's first chunks still the previous tile's,
+    after the last tile the last chunks' - with the cached row frames (row_frames), and the
+    upcast partitions use those frames instead of their scans: the bits of the default
+    one-partition launch, every routed slot written and no other, persistent over 3 CTAs and
+    one CTA per work item, at several rings (4:2 - the fewest raw stages lup takes, LUP_LAG + 2,
+    and two B stages)."""
+    _same_bits_as_default(case, bn=256, upp=2, lup=True, stages=stages, bstages=bstages)
+
+
+@gpu
+def test_l2_ws_row_frames_match_the_scan():
+    """row_frames (cached per weight: the same tensor back) equals the in-kernel scan's S0 =
+    max(max_k e - REL_MAX, 1) over all of K."""
+    rows, T, k, d, F, exps = ROWS_CASES[next(iter(ROWS_CASES))]
+    _, w2, _, _, _, _ = _rows_case(rows, T, k, 512, F, seed=5, exps=exps)
+    f = mlw.row_frames(w2)
+    assert f is mlw.row_frames(w2) and f.dtype == torch.int32
+    e = w2.s.view(torch.uint8).long()
+    assert torch.equal(f.long(), (e.amax(-1) - mlw.REL_MAX).clamp_min(1))
+
+
+@gpu
 def test_l2_ws_asm_vs_arith_and_tiles():
     """Exponents 108 .. 127 (rel over [-6, 13]): the PTX table upcast and the arithmetic twin
     give the same bits (and l2_gluon's); a prebuilt tile list gives the bits of the one built in
@@ -331,13 +357,15 @@ def test_l2_ws_debug_pieces(K):
 
 
 @gpu
-@pytest.mark.parametrize("ctas,bn,upp", [(None, 128, None), (2, 128, None), (2, 256, None),
-                                         (2, 256, 2), (None, 128, 2)])
-def test_l2_ws_repeat_and_graph(ctas, bn, upp):
+@pytest.mark.parametrize("ctas,bn,upp,lup", [(None, 128, None, None), (2, 128, None, None),
+                                             (2, 256, None, None), (2, 256, 2, False),
+                                             (None, 128, 2, None), (2, 256, 2, True)])
+def test_l2_ws_repeat_and_graph(ctas, bn, upp, lup):
     """20 eager launches give the bits of l2_gluon, and the launch captured in a CUDA graph (tile
     list built inside the capture, host TMA descriptors filled at capture) replays them into a
     re-poisoned y; ctas 2: two persistent CTAs over every work item; bn 256 and two upcast
-    partitions too."""
+    partitions too, with the loader's share (lup: its cached row frames built before the
+    capture)."""
     rows, T, k, d, F = [5, 0, 128, 231, 1, 64, 0, 77], 199, 3, 256, 768
     h, w2, counts, c_idx, wts, _ = _rows_case(rows, T, k, d, F, seed=77)
     P = sum(rows)
@@ -345,7 +373,7 @@ def test_l2_ws_repeat_and_graph(ctas, bn, upp):
 
     def launch(y):
         mlw.l2_gluon_ws(h, w2, counts, c_idx, wts, y, topk=k, ks=k + 1,
-                        max_tiles=_max_tiles(P, len(rows)), ctas=ctas, bn=bn, upp=upp)
+                        max_tiles=_max_tiles(P, len(rows)), ctas=ctas, bn=bn, upp=upp, lup=lup)
 
     y = torch.full_like(want, float("nan"))
     launch(y)
@@ -393,7 +421,7 @@ def test_l2_ws_consts_and_checks():
     without a launch; where Gluon is missing a valid call raises RuntimeError."""
     assert mlw.kernel_consts(2304, upp=1) == dict(
         KGI=5, USE_ASM=True, BM=128, BN=128, BK=64, NS=mlw.NS, NU=mlw.NU, NB=1, UPP=1,
-        R_MMA=mlw.REGS[0], R_UP=mlw.REGS[1], R_LD=mlw.REGS[2])
+        R_MMA=mlw.REGS[0], R_UP=mlw.REGS[1], R_LD=mlw.REGS[2], LUP=False)
     # upp None: UPP at bn 256 (two partitions, the default), one at bn 128 (measured slower)
     assert mlw.kernel_consts(2304)["UPP"] == 1
     assert mlw.kernel_consts(2304, bn=256)["UPP"] == mlw.UPP == 2
@@ -513,7 +541,7 @@ def test_gluon_l2_ws_choice(monkeypatch):
 
 
 TYPES = dict(bs_ptr="*u8", c_ptr="*bf16", cidx_ptr="*i32", w_ptr="*fp32", work_ptr="*i32",
-             MT="i32", N="i32", K="i32", G="i32", P="i32", stride_bsg="i32", stride_bsn="i32",
+             f_ptr="*i32", MT="i32", N="i32", K="i32", G="i32", P="i32", stride_bsg="i32", stride_bsn="i32",
              stride_cm="i32")
 
 
@@ -766,6 +794,38 @@ def test_l2_ws_sm90_build_two_upcasts(bn, stages, bstages, out):
         assert up["FENCE"] == 1 and up["ARRIVE"] == 2 and up["TRYWAIT"] == 2, up
     assert stats["counts"]["loader"][0]["UTMALDG"] == 3, stats
     assert probs == [], probs
+
+
+@build
+def test_l2_ws_sm90_build_loader_upcast():
+    """lup at bn 256 (NS_256:NU_256, REGS_256_U2_LUP): a few spilled registers (<= 8 B of stack)
+    and none inside any K loop; each upcast partition's loop 3/4 of its two-partition rows (a
+    64- and a 32-row block: PRMT ~3/4, the exponent loads of both blocks), the loader's loop its
+    3 UTMALDG beside its share's two 32-row blocks and one more fence / r_free / b_ready per
+    chunk; the MMA loops unchanged; lup refused where it does not apply."""
+    k = _compile("*bf16", stages=mlw.NS_256, bstages=mlw.NU_256, bn=256, upp=2, lup=True)
+    usage, sass = usage_and_sass(k)
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= 8, usage
+    loops = partition_loops(sass)
+    assert all(count(b, r"\b(LDL|STL)\b") == 0 for v in loops.values() for b in v), \
+        "local memory inside a K loop"
+    two, _ = build_report(_compile("*bf16", stages=mlw.NS_256, bstages=mlw.NU_256, bn=256,
+                                   upp=2, lup=False), nb=2)
+    ups = [b for b in loops["upcast"] if count(b, r"\bUTMALDG\b") == 0]
+    lds = [b for b in loops["upcast"] if count(b, r"\bUTMALDG\b") > 0] + loops["loader"]
+    assert len(ups) == 2 and len(lds) == 1 and len(loops["mma"]) == 2, \
+        {n: len(v) for n, v in loops.items()}
+    prmt2 = two["counts"]["upcast"][0]["PRMT"]
+    for b in ups:
+        assert abs(count(b, r"\bPRMT\b") - 0.75 * prmt2) <= 4, (count(b, r"\bPRMT\b"), prmt2)
+    (ld,) = lds
+    assert count(ld, r"\bUTMALDG\b") == 3 and count(ld, r"\bPRMT\b") >= 0.4 * prmt2
+    assert count(ld, r"FENCE\.VIEW\.ASYNC\.S") == 1 and \
+        count(ld, r"SYNCS\.ARRIVE\.TRANS64\.A1T0") == 2, ld
+    for kw in (dict(bn=128, upp=2), dict(bn=256, upp=1), dict(bn=256, upp=2, stages=3)):
+        with pytest.raises(ValueError, match="lup"):
+            mlw.kernel_consts(2304, lup=True, **kw)
+    assert mlw.kernel_consts(2304, bn=256, upp=2, stages=4, lup=False)["LUP"] is False
 
 
 def test_order_problems():
