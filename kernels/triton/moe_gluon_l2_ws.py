@@ -195,7 +195,7 @@ def kernel_consts(K: int, use_asm: bool = True, stages: int = NS, bstages: int =
     r_mma, r_up, r_ld = regs or (REGS_256_U2_LUP if lup else _regs(use_asm, bn, upp))
     return dict(KGI=-(-(K // 32) // 16), USE_ASM=bool(use_asm), BM=BM, BN=BN, BK=BK,
                 NS=int(stages), NU=int(bstages), NB=bn // BN, UPP=upp, R_MMA=r_mma, R_UP=r_up,
-                R_LD=r_ld, LUP=lup)
+                R_LD=r_ld, LUP=lup, LUPL=int(LUP_LAG))
 
 
 def row_frames(w2) -> torch.Tensor | None:
@@ -238,7 +238,6 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     from .moe_gluon_ws import _release, _stage
 
     _RMAX = ttgl.constexpr(REL_MAX)
-    LUP_LAG_C = ttgl.constexpr(LUP_LAG)
 
     # ---- layouts (every partition is 4 warps) -------------------------------------------------
     # the MMA warpgroup's m64n128k16 accumulator (moe_gluon_l2's instruction, 64 rows), its rows
@@ -284,7 +283,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                 NS: ttgl.constexpr, NB: ttgl.constexpr, b_r=None, sb_r=None, bars=None,
                 bs_ptr=None, f_ptr=None, stride_bsg=0, stride_bsn=0,
                 USE_ASM: ttgl.constexpr = True, NU: ttgl.constexpr = 3,
-                LUP: ttgl.constexpr = False):
+                LUP: ttgl.constexpr = False, LUPL: ttgl.constexpr = 2):
         """The raw ring's producer: per chunk of this CTA's tiles, the H box and the packed W2
         rows (NB x BN of them) by TMA on r_ready (module docstring). LUP: after chunk c's
         copies, its upcast share of chunk c - LUP_LAG (_loader_share), with the coordinates of
@@ -328,12 +327,12 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                         # the share of chunk c - LUP_LAG (its data loaded an iteration ago),
                         # then the loads of the next one's, c + 1 - LUP_LAG: each with the
                         # coordinates of its chunk's tile (this one, or the previous one)
-                        if c >= LUP_LAG_C:
-                            jl = c - LUP_LAG_C - ttgl.where(c - LUP_LAG_C >= c0, c0, pc0)
-                            _loader_share(w_r, b_r, sb_r, bars, c - LUP_LAG_C, jl, ea, eb, sa,
+                        if c >= LUPL:
+                            jl = c - LUPL - ttgl.where(c - LUPL >= c0, c0, pc0)
+                            _loader_share(w_r, b_r, sb_r, bars, c - LUPL, jl, ea, eb, sa,
                                           sb, K, USE_ASM, BK, NS, NU)
-                        if c + 1 >= LUP_LAG_C:
-                            jn = c + 1 - LUP_LAG_C
+                        if c + 1 >= LUPL:
+                            jn = c + 1 - LUPL
                             cur = jn >= c0
                             ea, eb, sa, sb = _share_loads(
                                 bs_ptr, f_ptr, ttgl.where(cur, g32, pg),
@@ -345,12 +344,12 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                 pc0 = c0
         if LUP:
             # the last tile's last LUP_LAG chunks (the first one's data already loaded)
-            for q in ttgl.static_range(LUP_LAG_C):
-                j = c - LUP_LAG_C + q
+            for q in ttgl.static_range(LUPL):
+                j = c - LUPL + q
                 if j >= 0:
                     _loader_share(w_r, b_r, sb_r, bars, j, j - pc0, ea, eb, sa, sb, K,
                                   USE_ASM, BK, NS, NU)
-                    if q + 1 < LUP_LAG_C:
+                    if q + 1 < LUPL:
                         ea, eb, sa, sb = _share_loads(bs_ptr, f_ptr, pg, pn, j + 1 - pc0, N,
                                                       stride_bsg, stride_bsn, BK)
 
@@ -634,7 +633,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                      BM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
                      NS: ttgl.constexpr, NU: ttgl.constexpr, NB: ttgl.constexpr,
                      UPP: ttgl.constexpr, R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr,
-                     R_LD: ttgl.constexpr, LUP: ttgl.constexpr):
+                     R_LD: ttgl.constexpr, LUP: ttgl.constexpr, LUPL: ttgl.constexpr):
         """Persistent CTAs over the work items of moe.tile_list at BM rows ([total, grp[MT],
         row0[MT], rend[MT]]) x N / (NB BN) column tiles. h_desc: H as [P, K] fp16, boxes [BM /
         2, BK]; w_desc: the W2 bank's packed rows as [G N, K / 8] int32 words, boxes [NB BN, BK /
@@ -648,7 +647,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         ttgl.static_assert((NS >= 2) & (NU >= 2), "double-buffered rings at least")
         ttgl.static_assert((NB == 1) | (NB == 2), "tiles of 128 or 256 output columns")
         ttgl.static_assert((UPP == 1) | (UPP == 2), "one or two upcast partitions")
-        ttgl.static_assert((not LUP) | ((NB == 2) & (UPP == 2) & (LUP_LAG_C + 2 <= NS)),
+        ttgl.static_assert((not LUP) | ((NB == 2) & (UPP == 2) & (LUPL + 2 <= NS)),
                            "the loader's share: bn 256, two upcast partitions, LUP_LAG <= NS - 2")
         ttgl.static_assert(h_desc.block_shape[0] == BM // 2, "H boxes of 64 rows")
         ttgl.static_assert(h_desc.block_shape[1] == BK, "H boxes of BK columns")
@@ -702,7 +701,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                              1, LUP, f_ptr)),
                 (_loader, (h_desc, w_desc, a_r, w_r, r_ready, r_free, work_ptr, MT, G, P, N, K,
                            BM, BN, BK, NS, NB, b_r, sb_r, bars, bs_ptr, f_ptr, stride_bsg,
-                           stride_bsn, USE_ASM, NU, LUP)),
+                           stride_bsn, USE_ASM, NU, LUP, LUPL)),
             ], [4, 4, 4, 4], [R_MMA, R_UP, R_UP, R_LD])
 
 

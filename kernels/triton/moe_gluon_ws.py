@@ -213,7 +213,6 @@ if _IMPORT_OK:
                                                        instr_shape=[16, WN, 32]))
     ROW_L = ttgl.constexpr(ttgl.SliceLayout(1, MMA_L))
     WN_C = ttgl.constexpr(WN)  # WN inside the kernels
-    LUP_LAG_C = ttgl.constexpr(LUP_LAG)
     COL_L = ttgl.constexpr(ttgl.SliceLayout(0, MMA_L))
     # the MMA warpgroup's 64 rows of an A stage in registers (wgmma's register A operand, E4M3:
     # k_width 4), read once per chunk for the four quarters (AREG)
@@ -271,7 +270,8 @@ if _IMPORT_OK:
                      BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr,
                      LAG: ttgl.constexpr, DIAG: ttgl.constexpr, A_TMA: ttgl.constexpr,
                      FRAMES: ttgl.constexpr, bring=None, USE_ASM: ttgl.constexpr = 1,
-                     NU: ttgl.constexpr = 2, LUP: ttgl.constexpr = False):
+                     NU: ttgl.constexpr = 2, LUP: ttgl.constexpr = False,
+                     LUPL: ttgl.constexpr = 2):
         """Fill the raw ring with one tile's chunks, global chunk numbers c0 .. c0 + K / BK - 1
         (see the module docstring). Chunk c's cp.async group is waited for after chunk c + LAG's
         copies are issued (wait_group(LAG)), so the loader keeps up to LAG + 1 chunks of
@@ -333,8 +333,8 @@ if _IMPORT_OK:
             if c >= LAG:
                 _publish(r_ready, c - LAG, LAG, NS)
             if LUP:
-                if c >= LUP_LAG_C:
-                    _upcast_units(ring, bars, bring, c - LUP_LAG_C, 0x88, USE_ASM, BN, BK, NS, NU,
+                if c >= LUPL:
+                    _upcast_units(ring, bars, bring, c - LUPL, 0x88, USE_ASM, BN, BK, NS, NU,
                                   DIAG, FRAMES)
         return c0 + n_k
 
@@ -345,7 +345,8 @@ if _IMPORT_OK:
                 BK: ttgl.constexpr, NS: ttgl.constexpr, LAG: ttgl.constexpr,
                 DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr, A_TMA: ttgl.constexpr,
                 FRAMES: ttgl.constexpr, bring=None, USE_ASM: ttgl.constexpr = 1,
-                NU: ttgl.constexpr = 2, LUP: ttgl.constexpr = False):
+                NU: ttgl.constexpr = 2, LUP: ttgl.constexpr = False,
+                LUPL: ttgl.constexpr = 2):
         """The loader partition: this CTA's tiles (_tiles), then the last LAG chunks published
         (oldest first: wait_group(LAG - 1 - j) leaves exactly the newer ones pending); LUP: then
         its upcast share of the last LUP_LAG chunks."""
@@ -359,22 +360,22 @@ if _IMPORT_OK:
                                      g.to(ttgl.int32) * N + pid_n * BN, K, c, stride_am,
                                      stride_as, stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK,
                                      BM, BN, BK, NS, LAG, DIAG, A_TMA, FRAMES, bring, USE_ASM,
-                                     NU, LUP)
+                                     NU, LUP, LUPL)
         else:
             _, g, row0, nrows, pid_n = tile_entry(work_ptr, tile, N // BN, MT, G, P, BM)
             c = _loader_tile(a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr,
                              bs2_ptr, ring, bars, g, row0, nrows, pid_n * BN,
                              g.to(ttgl.int32) * N + pid_n * BN, K, c, stride_am, stride_as,
                              stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK, BM, BN, BK, NS, LAG,
-                             DIAG, A_TMA, FRAMES, bring, USE_ASM, NU, LUP)
+                             DIAG, A_TMA, FRAMES, bring, USE_ASM, NU, LUP, LUPL)
         r_ready, _, _, _ = bars
         for j in ttgl.static_range(LAG):  # the last LAG chunks, oldest first
             if c - LAG + j >= 0:
                 _publish(r_ready, c - LAG + j, LAG - 1 - j, NS)
         if LUP:
-            for j in ttgl.static_range(LUP_LAG_C):
-                if c - LUP_LAG_C + j >= 0:
-                    _upcast_units(ring, bars, bring, c - LUP_LAG_C + j, 0x88, USE_ASM, BN, BK, NS,
+            for j in ttgl.static_range(LUPL):
+                if c - LUPL + j >= 0:
+                    _upcast_units(ring, bars, bring, c - LUPL + j, 0x88, USE_ASM, BN, BK, NS,
                                   NU, DIAG, FRAMES)
 
     @gluon.jit
@@ -745,7 +746,7 @@ if _IMPORT_OK:
                      A_TMA: ttgl.constexpr, QLAG: ttgl.constexpr, UPP: ttgl.constexpr,
                      SKIP: ttgl.constexpr, FRAMES: ttgl.constexpr, AREG: ttgl.constexpr,
                      R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr, R_LD: ttgl.constexpr,
-                     LUP: ttgl.constexpr):
+                     LUP: ttgl.constexpr, LUPL: ttgl.constexpr):
         """Program pid: row tile pid // (N / BN) of moe.tile_list at BM rows, columns
         (pid % (N / BN)) * BN of W1 and W3 (w1_desc / w3_desc: the banks as [G N, K / 2] bytes,
         boxes [BN, BK / 2]). N % BN == 0, K % BK == 0 (the launcher checks); out-of-range list
@@ -757,10 +758,10 @@ if _IMPORT_OK:
         ttgl.static_assert((NS >= 2) & (NU >= 2), "double-buffered rings at least")
         ttgl.static_assert((LAG >= 1) & (LAG < NS), "1 <= LAG <= NS - 1 (the loader's lag)")
         ttgl.static_assert((not FRAMES) | (BN == 2 * WN_C), "row frames: the 128-column tile")
-        ttgl.static_assert((not LUP) | ((BN == 2 * WN_C) & (UPP == 2) & (LUP_LAG_C >= LAG)
-                                        & (LUP_LAG_C < NS)),
+        ttgl.static_assert((not LUP) | ((BN == 2 * WN_C) & (UPP == 2) & (LUPL >= LAG)
+                                        & (LUPL < NS)),
                            "the loader's upcast share: 128 columns, two upcast partitions, "
-                           "LAG <= LUP_LAG_C < NS")
+                           "LAG <= LUPL < NS")
 
         tile = ttgl.program_id(0)
         if not PERSIST:
@@ -829,7 +830,8 @@ if _IMPORT_OK:
                 (_loader, (a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr,
                            ring, bars, work_ptr, tile, MT, G, P, N, K, stride_am,
                            stride_as, stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK, BM, BN, BK,
-                           NS, LAG, DIAG, PERSIST, A_TMA, FRAMES, bring, USE_ASM, NU, LUP)),
+                           NS, LAG, DIAG, PERSIST, A_TMA, FRAMES, bring, USE_ASM, NU, LUP,
+                           LUPL)),
             ], [4, 4, 4, 4], [R_MMA, R_UP, R_UP, R_LD])
 
 
@@ -871,10 +873,12 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
     if areg and not (wide and frames and a_tma and qlag == 0):
         # (with gathered A the loader's 48 registers leave too few: 16 bytes spilled)
         raise ValueError(f"areg: bn {BN_WIDE} with row frames, A by TMA and qlag 0")
-    lup = (LOADER_UPCAST and upp == 2) if lup is None else bool(lup)
+    # None: the default where it applies (two upcast partitions, a ring deep enough for the
+    # share's lag: 2-stage rings run without it); asked for explicitly, it must apply
+    lup = (LOADER_UPCAST and upp == 2 and LAG_OK(lag, stages)) if lup is None else bool(lup)
     if lup and not (upp == 2 and LAG_OK(lag, stages)):
         raise ValueError(f"lup: two upcast partitions (bn {BN_WIDE}, A by TMA, qlag 0) and "
-                         f"lag <= {LUP_LAG_C} < stages")
+                         f"lag <= {LUP_LAG} < stages")
     if regs is None and wide:
         r_mma, r_up, r_ld = (REGS_WIDE_LUP_AREG if lup and areg else REGS_WIDE_LUP if lup
                              else REGS_WIDE_AREG if areg and upp == 2
@@ -884,7 +888,8 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
                 USE_ASM=TABLE if use_asm is True else int(use_asm), BM=BM, BN=bn, BK=BK,
                 NS=stages, NU=bstages, LAG=lag, DIAG=int(diag), PERSIST=persist, A_TMA=a_tma,
                 QLAG=qlag, UPP=upp, SKIP=SKIP_IDLE if skip is None else bool(skip),
-                FRAMES=bool(frames), AREG=areg, R_MMA=r_mma, R_UP=r_up, R_LD=r_ld, LUP=lup)
+                FRAMES=bool(frames), AREG=areg, R_MMA=r_mma, R_UP=r_up, R_LD=r_ld, LUP=lup,
+                LUPL=int(LUP_LAG))
 
 
 def launch_maxnreg(consts: dict) -> int:

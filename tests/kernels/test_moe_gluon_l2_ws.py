@@ -421,7 +421,7 @@ def test_l2_ws_consts_and_checks():
     without a launch; where Gluon is missing a valid call raises RuntimeError."""
     assert mlw.kernel_consts(2304, upp=1) == dict(
         KGI=5, USE_ASM=True, BM=128, BN=128, BK=64, NS=mlw.NS, NU=mlw.NU, NB=1, UPP=1,
-        R_MMA=mlw.REGS[0], R_UP=mlw.REGS[1], R_LD=mlw.REGS[2], LUP=False)
+        R_MMA=mlw.REGS[0], R_UP=mlw.REGS[1], R_LD=mlw.REGS[2], LUP=False, LUPL=mlw.LUP_LAG)
     # upp None: UPP at bn 256 (two partitions, the default), one at bn 128 (measured slower)
     assert mlw.kernel_consts(2304)["UPP"] == 1
     assert mlw.kernel_consts(2304, bn=256)["UPP"] == mlw.UPP == 2

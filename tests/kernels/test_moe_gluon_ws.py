@@ -767,9 +767,12 @@ def test_l1_ws_sm90_build_loader_upcast(frames, areg):
         assert (count(body, r"\bPRMT\b"), count(body, r"\bSTS\.128\b"),
                 count(body, r"SYNCS\.ARRIVE\.TRANS64\.A1T0")) == (32, 4, 3)
     assert ws_order_problems({"upcast": ups, "mma": loops["mma"], "loader": []}) == []
-    for kw in (dict(bn=mw.BN_WIDE, a_tma=True, upp=1), dict(bn=mw.BN_WIDE, a_tma=True, lag=3)):
+    for kw in (dict(bn=mw.BN_WIDE, a_tma=True, upp=1), dict(bn=mw.BN_WIDE, a_tma=True, lag=3),
+               dict(bn=mw.BN_WIDE, a_tma=True, stages=2)):
         with pytest.raises(ValueError, match="lup"):
             mw.kernel_consts(topk=6, has_limit=True, lup=True, **kw)
+        # the default (lup None) leaves it off there instead (the H200 suite's 2-stage rings)
+        assert not mw.kernel_consts(topk=6, has_limit=True, **kw)["LUP"]
 
 
 @build
