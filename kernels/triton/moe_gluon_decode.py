@@ -109,34 +109,6 @@ BTS = (16, 32, 64)
 LOADS = ("cp.async", "tma")
 LOAD = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE_LOAD", "tma")
 TMA_STAGES = 3
-# the upcast's PTX table (use_asm None / True): 1 = FP4_TABLE_ASM (9 SASS a pack), 2 = the
-# byte-spread FP4_TABLE_SPREAD_ASM it replaced in the fourteenth session (12; the A/B's other
-# side); the same codes
-TABLE = 1
-
-
-def _table_half(out: str, sel: str, spread: str) -> str:
-    """One half of FP4_TABLE_SPREAD_ASM_TEXT (the table before the fourteenth session, kept for
-    the A/B as USE_ASM = 2): the 4 E4M3 bytes of the columns whose magnitudes are the selector
-    nibbles `sel` (prmt of the tables $3 / $7), signs from the byte spread `spread` of the
-    packed word $2 ("0x1100": bytes 0, 1 -> columns 0..3; "0x3322": bytes 2, 3 -> 4..7), into
-    `out`. Written once: the two halves differ only in these three names."""
-    return (f"prmt.b32 m, $3, $7, {sel};\n"
-            f"prmt.b32 q, $2, $2, {spread};\n"
-            "shl.b32 x, q, 4;\n"
-            "and.b32 x, x, 0x00800080;\n"
-            "and.b32 q, q, 0x80008000;\n"
-            "or.b32 m, m, x;\n"
-            f"or.b32 {out}, m, q;\n")
-
-
-FP4_TABLE_SPREAD_ASM_TEXT = ("\n{\n"
-                             ".reg .b32 pm, sh, q, x, m;\n"
-                             "and.b32 pm, $2, 0x77777777;\n"
-                             + _table_half("$0", "pm", "0x1100")
-                             + "shr.u32 sh, pm, 16;\n"
-                             + _table_half("$1", "sh", "0x3322")
-                             + "}\n")
 
 
 def _signed_half(out: str, sel: str, sgn: str) -> str:
@@ -158,8 +130,9 @@ def _signed_half(out: str, sel: str, sgn: str) -> str:
 # byte of w4 = word << 4 - and bit 7 of byte n // 2 for odd n: one prmt of (w4, word) with
 # selectors 0x5140 (nibbles 0..3: w4.b0, w.b0, w4.b1, w.b1) / 0x7362 (nibbles 4..7) puts every
 # output byte's sign at its bit 7 (moe_gluon_decode_l2's fp16 table does the same). 9 SASS a
-# pack against the byte-spread version's 12 (FP4_TABLE_SPREAD_ASM_TEXT, USE_ASM = 2); the same
-# codes (tests/kernels/test_moe_gluon_decode.py runs both through the PTX emulator).
+# pack against the 12 of the byte-spread table it replaced in the fourteenth session (git
+# history; H200: the MegaMoE layer at 8192 tokens 7.44 -> 7.21 ms, the same bits); the PTX
+# emulator test (tests/kernels/test_moe_gluon_decode_l2.py) checks the codes on the CPU.
 FP4_TABLE_ASM_TEXT = ("\n{\n"
                       ".reg .b32 pm, sh, w4, q, m;\n"
                       "and.b32 pm, $2, 0x77777777;\n"
@@ -172,7 +145,6 @@ FP4_TABLE_ASM_TEXT = ("\n{\n"
 
 if _IMPORT_OK:
     FP4_TABLE_ASM = ttgl.constexpr(FP4_TABLE_ASM_TEXT)
-    FP4_TABLE_SPREAD_ASM = ttgl.constexpr(FP4_TABLE_SPREAD_ASM_TEXT)
     # the TMA boxes' shared layout ([BW, 64] bytes: 64-byte rows, the widest swizzle that fits),
     # one object for the host descriptors and the kernel's stages (w1_desc.layout)
     W_TMA_LAYOUT = ttgl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
@@ -226,9 +198,7 @@ if _IMPORT_OK:
             tb = ttgl.where(flush, 0, 0x4C484440 + rel * 0x08080808)
             ta = ttgl.broadcast(ttgl.expand_dims(ttgl.expand_dims(ta, 2), 3), p)[0]
             tb = ttgl.broadcast(ttgl.expand_dims(ttgl.expand_dims(tb, 2), 3), p)[0]
-            # USE_ASM 2: the byte-spread table (the A/B of the fourteenth session; same codes)
-            asm: ttgl.constexpr = FP4_TABLE_SPREAD_ASM if USE_ASM == 2 else FP4_TABLE_ASM
-            r0, r1 = ttgl.inline_asm_elementwise(asm, "=r,=r,r,r,r,r,r,r,r,r,r",
+            r0, r1 = ttgl.inline_asm_elementwise(FP4_TABLE_ASM, "=r,=r,r,r,r,r,r,r,r,r,r",
                                                  [p, ta, tb], dtype=(ttgl.uint8, ttgl.uint8),
                                                  is_pure=True, pack=4)
         else:
@@ -591,8 +561,7 @@ def l1_gluon_decode(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_
     if max_tiles == 0 or P == 0:
         return out
     tiles = tile_list(counts, bt, max_tiles, tiles)
-    # USE_ASM: 0 integer arithmetic, 1 the PTX table, 2 the byte-spread PTX table (TABLE)
-    use_asm = TABLE if use_asm is None or use_asm is True else int(use_asm)
+    use_asm = True if use_asm is None else bool(use_asm)
     grid = (max_tiles * (N // BW),)
     if load == "tma":
         l1_decode_tma_kernel[grid](

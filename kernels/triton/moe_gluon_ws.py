@@ -170,10 +170,6 @@ WIDE_UPP = 2
 # since the thirteenth session: 8192 tokens, gate-like random routing, 6.04 -> 5.73 ms, the same
 # bits (benchmarks/results/moe-ws-13-h200.md); no effect where every tile is full (balanced)
 SKIP_IDLE = True
-# the upcasts' PTX table (kernel_consts' use_asm=True): 1 = moe_gluon_decode.FP4_TABLE_ASM (signs by
-# one prmt of the word and the word << 4: 9 SASS a pack), 2 = the byte-spread table it replaced
-# (12 a pack; the A/B's other side); the same codes (the PTX emulator test)
-TABLE = 1
 # LUP: the loader partition (idle ~80% of the time, ncu) upcasts a share of every chunk - the
 # last 32-row block of W1 and of W3, two of the chunk's eight - LUP_LAG chunks behind its loads,
 # so each upcast partition does three blocks instead of four (128 columns, two upcast
@@ -220,6 +216,8 @@ if _IMPORT_OK:
                                                        instr_shape=[16, WN, 32]))
     ROW_L = ttgl.constexpr(ttgl.SliceLayout(1, MMA_L))
     WN_C = ttgl.constexpr(WN)  # WN inside the kernels
+    # LUP: the loader's 32-row blocks of a chunk (_upcast_units' bits: W1's and W3's block 3)
+    LUP_UNITS = ttgl.constexpr(0xC0)
     COL_L = ttgl.constexpr(ttgl.SliceLayout(0, MMA_L))
     # the MMA warpgroup's 64 rows of an A stage in registers (wgmma's register A operand, E4M3:
     # k_width 4), read once per chunk for the four quarters (AREG)
@@ -348,8 +346,8 @@ if _IMPORT_OK:
                     _publish(r_ready, c - LAG, LAG, NS)
             if LUP:
                 if c >= LUPL:
-                    _upcast_units(ring, bars, bring, c - LUPL, 0x88, USE_ASM, BN, BK, NS, NU,
-                                  DIAG, FRAMES)
+                    _upcast_units(ring, bars, bring, c - LUPL, LUP_UNITS, 32, USE_ASM, BN, BK,
+                                  NS, NU, DIAG, FRAMES)
         return c0 + n_k
 
     @gluon.jit
@@ -393,8 +391,8 @@ if _IMPORT_OK:
         if LUP:
             for j in ttgl.static_range(LUPL):
                 if c - LUPL + j >= 0:
-                    _upcast_units(ring, bars, bring, c - LUPL + j, 0x88, USE_ASM, BN, BK, NS,
-                                  NU, DIAG, FRAMES)
+                    _upcast_units(ring, bars, bring, c - LUPL + j, LUP_UNITS, 32, USE_ASM, BN,
+                                  BK, NS, NU, DIAG, FRAMES)
 
     @gluon.jit
     def _publish(r_ready, c, PENDING: ttgl.constexpr, NS: ttgl.constexpr):
@@ -437,12 +435,16 @@ if _IMPORT_OK:
             sb_dst.store((S << 23).to(ttgl.float32, bitcast=True))  # S >= 1: 2^(S - 127)
 
     @gluon.jit
-    def _upcast_units(ring, bars, bring, c, UNITS: ttgl.constexpr, USE_ASM: ttgl.constexpr,
-                      BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr,
-                      NU: ttgl.constexpr, DIAG: ttgl.constexpr, FRAMES: ttgl.constexpr):
-        """LUP (BN = 128): chunk c's 32-row blocks in UNITS (bit q: rows 32 (q % 4) .. + 31 of
-        W1 for q < 4, of W3 for q >= 4) upcast into B stage c % NU, then this partition's
-        releases, as _upcaster's chunk: one proxy fence, r_free (raw stage read), b_ready."""
+    def _upcast_units(ring, bars, bring, c, UNITS: ttgl.constexpr, ROWS: ttgl.constexpr,
+                      USE_ASM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
+                      NS: ttgl.constexpr, NU: ttgl.constexpr, DIAG: ttgl.constexpr,
+                      FRAMES: ttgl.constexpr):
+        """Chunk c's ROWS-row blocks in UNITS (bit 2 h: rows ROWS h .. of W1, bit 2 h + 1: the
+        same of W3, in that order) upcast from raw stage c % NS into B stage c % NU, then the
+        partition's releases: one proxy fence for both directions (its st.shared of the B stage
+        before the wgmma reads it, its ld.shared of the raw stage before the next TMA writes
+        it), r_free (raw stage read) and b_ready. DIAG & 1: only the handshakes (timing
+        diagnosis only)."""
         _, w1_r, w3_r, e_r, _, f_r = ring
         r_ready, r_free, b_ready, b_free = bars
         b1_r, b3_r, sb_r = bring
@@ -452,17 +454,19 @@ if _IMPORT_OK:
         mbarrier.wait(b_free.index(u), phu ^ 1)
         sb = sb_r.index(u)
         if (DIAG & 1) == 0:
-            for q in ttgl.static_range(8):
-                if ((UNITS >> q) & 1) != 0:  # rows 32 (q % 4) .. of W1 (q < 4) or W3
-                    if q < 4:
-                        _upcast_store(w1_r.index(s).slice(32 * q, 32), e_r.index(s),
-                                      f_r.index(s), 32 * q, b1_r.index(u).slice(32 * q, 32),
-                                      sb.slice(32 * q, 32), USE_ASM, 32, BK, FRAMES)
+            for q in ttgl.static_range(2 * (BN // ROWS)):
+                if ((UNITS >> q) & 1) != 0:
+                    if q % 2 == 0:
+                        _upcast_store(w1_r.index(s).slice(ROWS * (q // 2), ROWS), e_r.index(s),
+                                      f_r.index(s), ROWS * (q // 2),
+                                      b1_r.index(u).slice(ROWS * (q // 2), ROWS),
+                                      sb.slice(ROWS * (q // 2), ROWS), USE_ASM, ROWS, BK, FRAMES)
                     else:
-                        _upcast_store(w3_r.index(s).slice(32 * (q - 4), 32), e_r.index(s),
-                                      f_r.index(s), BN + 32 * (q - 4),
-                                      b3_r.index(u).slice(32 * (q - 4), 32),
-                                      sb.slice(BN + 32 * (q - 4), 32), USE_ASM, 32, BK, FRAMES)
+                        _upcast_store(w3_r.index(s).slice(ROWS * (q // 2), ROWS), e_r.index(s),
+                                      f_r.index(s), BN + ROWS * (q // 2),
+                                      b3_r.index(u).slice(ROWS * (q // 2), ROWS),
+                                      sb.slice(BN + ROWS * (q // 2), ROWS), USE_ASM, ROWS, BK,
+                                      FRAMES)
         fence_async_shared()
         _release(r_free, c, NS)
         mbarrier.arrive(b_ready.index(u), count=1)
@@ -473,43 +477,20 @@ if _IMPORT_OK:
                   NS: ttgl.constexpr, NU: ttgl.constexpr, DIAG: ttgl.constexpr,
                   PERSIST: ttgl.constexpr, MATS: ttgl.constexpr, FRAMES: ttgl.constexpr,
                   LUP: ttgl.constexpr = False):
-        """Raw ring stage -> B ring stage, chunk by chunk (see the module docstring). One proxy
-        fence per chunk covers both directions: this partition's st.shared of the B stage before
-        the wgmma reads it, and its ld.shared of the raw stage before the next TMA writes it.
-        DIAG & 1: no upcast, only the handshakes (timing diagnosis only). The upcast needs no
-        tile coordinates: only how many chunks this CTA's tiles hold (_tile_chunks). MATS: the
-        matrices this partition upcasts (bit 1 W1, bit 2 W3: 3 with one upcast partition, 1 and
-        2 with two)."""
-        _, w1_r, w3_r, e_r, _, f_r = ring
-        r_ready, r_free, b_ready, b_free = bars
-        b1_r, b3_r, sb_r = bring
-        n_c = _tile_chunks(work_ptr, tile, MT, G, P, N, K, BM, BN, BK, PERSIST)
-        if LUP:  # three of its matrix's four 32-row blocks (the loader upcasts the fourth)
-            for c in range(n_c):
-                _upcast_units(ring, bars, bring, c, 0x07 if MATS == 1 else 0x70, USE_ASM, BN,
-                              BK, NS, NU, DIAG, FRAMES)
-        else:
-            for c in range(n_c):
-                s, ph = _stage(c, NS)
-                u, phu = _stage(c, NU)
-                mbarrier.wait(r_ready.index(s), ph)
-                mbarrier.wait(b_free.index(u), phu ^ 1)
-                sb = sb_r.index(u)
-                if (DIAG & 1) == 0:
-                    for h in ttgl.static_range(BN // WN_C):  # 64-row blocks (two where BN = 128)
-                        if (MATS & 1) != 0:
-                            _upcast_store(w1_r.index(s).slice(h * WN_C, WN_C), e_r.index(s),
-                                          f_r.index(s), h * WN_C,
-                                          b1_r.index(u).slice(h * WN_C, WN_C),
-                                          sb.slice(h * WN_C, WN_C), USE_ASM, WN_C, BK, FRAMES)
-                        if (MATS & 2) != 0:
-                            _upcast_store(w3_r.index(s).slice(h * WN_C, WN_C), e_r.index(s),
-                                          f_r.index(s), BN + h * WN_C,
-                                          b3_r.index(u).slice(h * WN_C, WN_C),
-                                          sb.slice(BN + h * WN_C, WN_C), USE_ASM, WN_C, BK, FRAMES)
-                fence_async_shared()
-                _release(r_free, c, NS)
-                mbarrier.arrive(b_ready.index(u), count=1)
+        """Raw ring stage -> B ring stage, chunk by chunk (_upcast_units; see the module
+        docstring). The upcast needs no tile coordinates: only how many chunks this CTA's tiles
+        hold (_tile_chunks). MATS: the matrices this partition upcasts (bit 1 W1, bit 2 W3: 3
+        with one upcast partition, 1 and 2 with two), in 64-row blocks; LUP: three of its
+        matrix's four 32-row blocks (the loader upcasts the fourth: LUP_UNITS)."""
+        # bit 2 h = W1's block h, 2 h + 1 = W3's (_upcast_units)
+        ROWS: ttgl.constexpr = 32 if LUP else WN_C
+        W1B: ttgl.constexpr = 0x5555 & ((1 << (2 * (BN // ROWS))) - 1)
+        MINE: ttgl.constexpr = (W1B if (MATS & 1) != 0 else 0) | \
+            ((W1B << 1) if (MATS & 2) != 0 else 0)
+        UNITS: ttgl.constexpr = (MINE & ~LUP_UNITS) if LUP else MINE
+        for c in range(_tile_chunks(work_ptr, tile, MT, G, P, N, K, BM, BN, BK, PERSIST)):
+            _upcast_units(ring, bars, bring, c, UNITS, ROWS, USE_ASM, BN, BK, NS, NU, DIAG,
+                          FRAMES)
 
     # ---- MMA + epilogue ------------------------------------------------------------------------
 
@@ -903,7 +884,7 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
                              else REGS_WIDE_U2 if upp == 2
                              else REGS_WIDE_Q if qlag else REGS_WIDE)
     return dict(TOPK=topk, HAS_LIMIT=has_limit,
-                USE_ASM=TABLE if use_asm is True else int(use_asm), BM=BM, BN=bn, BK=BK,
+                USE_ASM=bool(use_asm), BM=BM, BN=bn, BK=BK,
                 NS=stages, NU=bstages, LAG=lag, DIAG=int(diag), PERSIST=persist, A_TMA=a_tma,
                 QLAG=qlag, UPP=upp, SKIP=SKIP_IDLE if skip is None else bool(skip),
                 FRAMES=bool(frames), AREG=areg, R_MMA=r_mma, R_UP=r_up, R_LD=r_ld, LUP=lup,
@@ -933,8 +914,7 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     counts [E] int32 rows per expert. Row tiles of BM = 128 rows: max_tiles bounds them
     (min(P, P // 128 + E)); tiles: moe.tile_list(counts, 128, max_tiles) if already built (else
     built here: one tiny launch, no host sync, CUDA-graph capturable). use_asm: the PRMT table
-    upcast (True / None: TABLE; 2: the byte-spread table) or its integer twin (False / 0): the
-    same bits. stages / bstages: the raw / B ring
+    upcast (default) or its integer twin (the same bits). stages / bstages: the raw / B ring
     depths (default NS / NU); lag: the loader's lag (1 <= lag < stages; default LAG clamped);
     diag: DIAG bits - skips work and gives WRONG results, for timing diagnosis only; persist:
     one CTA per SM over all tiles (default PERSIST); ctas: the persistent grid instead of the SM
@@ -968,7 +948,7 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
         return out
     tiles = tile_list(counts, BM, max_tiles, tiles)
     consts = kernel_consts(topk=topk, has_limit=limit is not None and limit > 0,
-                           use_asm=True if use_asm is None else use_asm, stages=ns,
+                           use_asm=True if use_asm is None else bool(use_asm), stages=ns,
                            bstages=nu, lag=lag, diag=diag, persist=persist, a_tma=a_tma,
                            bn=bn, qlag=qlag, upp=upp, skip=skip, frames=frames is not None,
                            areg=areg, lup=lup)

@@ -161,18 +161,16 @@ def e4m3_ref(r: int) -> list[int]:
     return q.view(torch.uint8).tolist()
 
 
-@pytest.mark.parametrize("text", ["FP4_TABLE_ASM_TEXT", "FP4_TABLE_SPREAD_ASM_TEXT"])
-def test_fp4_table_asm_bit_exact(text):
-    """moe_gluon_decode's E4M3 table upcasts (the default, signs by one prmt of the word and the
-    word << 4, and the byte-spread one it replaced, USE_ASM = 2), emulated here as the fp16
-    table is: with the kernel's table words (upcast_packs_rel: 0x3C383000 / 0x4C484440 plus rel
+def test_fp4_table_asm_bit_exact():
+    """moe_gluon_decode's E4M3 table upcast (FP4_TABLE_ASM_TEXT: signs by one prmt of the word
+    and the word << 4), emulated here as the fp16 table is: with the kernel's table words (upcast_packs_rel: 0x3C383000 / 0x4C484440 plus rel
     x 0x08080800 / 0x08080808, both zero below rel -5), for every byte value in every byte lane
     of the word (random bytes in the other lanes) and every rel in [-9, 6], output $0 = the E4M3
     bytes of nibbles 0..3 (byte j = nibble j), $1 = nibbles 4..7, equal to torch's E4M3 of e2m1 x
     2^rel bit for bit (signs, -0 for code 8 and flushed negatives)."""
     from megagraph.kernels.triton import moe_gluon_decode as md
 
-    ops = _parse(getattr(md, text))
+    ops = _parse(md.FP4_TABLE_ASM_TEXT)
     g = torch.Generator().manual_seed(5)
     for r in range(-9, 7):
         ta, tb = ((0, 0) if r < -5 else ((0x3C383000 + r * 0x08080800) & M32,
@@ -186,8 +184,7 @@ def test_fp4_table_asm_bit_exact(text):
                 nib = [(w >> (4 * n)) & 0xF for n in range(8)]
                 want = [sum(ref[nib[4 * h + j]] << (8 * j) for j in range(4)) for h in (0, 1)]
                 got = _run(ops, [0, 0, w, ta, ta, ta, ta, tb, tb, tb, tb], 2)
-                assert got == want, (text, r, lane, b, [hex(x) for x in got],
-                                     [hex(x) for x in want])
+                assert got == want, (r, lane, b, [hex(x) for x in got], [hex(x) for x in want])
 
 
 # ---------------------------------------------------------------------------------------------
