@@ -140,8 +140,11 @@ REGS_U2 = (128, 96, 32)
 # 128 rows (a 64- and a 32-row block). The L1's twin (moe_gluon_ws.LOADER_UPCAST) won 0.4 ms;
 # this one LOST on the H200 (fourteenth session, 8192 tokens, one A/B each, the same bits):
 # balanced 6.81 -> 7.13 ms, gate routing 8.61 -> 9.20 ms (with the exponent loads not prefetched:
-# 6.84 -> 7.34). Off; why it loses (the loader's share bounding it, or the 32-row blocks' cost)
-# needs an ncu run: benchmarks/results/moe-ws-14-h200.md
+# 6.84 -> 7.34; LUP_LAG 1: level balanced, slower gate-routed). Off. Why (ncu): the upcasts spin
+# on b_free and the MMA on b_ready - it waits for the loader. This kernel's MMA releases a raw
+# stage one chunk late, so the loader's load of chunk c waits for the MMA's issue of c - 3, and
+# its share of c - 2 comes after that wait: the loader sits on the MMA's critical path
+# (benchmarks/results/moe-ws-14-h200.md; NOTES-moe.md's fifteenth-session plan, item b)
 LOADER_UPCAST = False
 LUP_LAG = 2
 # LUP's setmaxnreg: the loader holds both shares' exponent and frame loads and the tile
@@ -175,8 +178,9 @@ def kernel_consts(K: int, use_asm: bool = True, stages: int = NS, bstages: int =
     KGI = the 16-exponent pieces of a W2 row the frame scan reads (moe_gluon_l2's); NB = bn /
     128 (the output columns of a tile: 128, or 256 as two m64n128k16 accumulators); UPP = the
     upcast partitions (upp None: UPP at bn 256, 1 at bn 128); regs None: _regs (REGS_256_U2_LUP
-    with lup); lup: the loader's upcast share (bn 256, two upcast partitions, LUP_LAG < stages;
-    None: LOADER_UPCAST where that applies)."""
+    with lup); lup: the loader's upcast share (bn 256, two upcast partitions, LUP_LAG + 2 <=
+    stages, K / BK >= LUP_LAG; None: LOADER_UPCAST where that applies); LUPL its lag
+    (LUP_LAG, read per call: the A/B's knob)."""
     if bn not in (BN, 2 * BN):
         raise ValueError(f"bn {bn}: {BN} or {2 * BN}")
     upp = (UPP if bn == 2 * BN else 1) if upp is None else int(upp)
@@ -306,7 +310,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
             if not skip:
                 c0 = c
                 g32 = g.to(ttgl.int32)
-                wrow = g.to(ttgl.int32) * N + pid_n * TN
+                wrow = g32 * N + pid_n * TN
                 two = nrows > HB  # rows 64.. hold tile rows: their box too, else not loaded
                 for i in range(n_k):
                     s, ph = _stage(c, NS)
