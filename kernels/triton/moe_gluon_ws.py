@@ -99,8 +99,6 @@ K = 5120).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .attention import sm_count
@@ -178,14 +176,9 @@ SKIP_IDLE = True
 # (benchmarks/results/moe-ws-14-h200.md)
 LOADER_UPCAST = True
 LUP_LAG = 2
-# PUBE (two upcast partitions, LAG 1): the loader publishes chunk c - 1 at the top of chunk c's
-# iteration, before it waits for chunk c's stage (ncu after LUP: the upcasts spin on r_ready).
-# Off: H200, 8192 tokens, 6.98 -> 7.03 ms balanced, 8.58 -> 8.85 gate-routed; the same bits
-# (benchmarks/results/moe-ws-14-h200.md, 4b)
-PUB_EARLY = os.environ.get("MEGAGRAPH_MOE_WS_PUB_EARLY", "0") == "1"
 
 
-def LAG_OK(lag: int, stages: int) -> bool:
+def _lup_fits(lag: int, stages: int) -> bool:
     """LUP's ring condition: the loader's upcast runs LUP_LAG chunks behind its loads, after
     it published them (lag <= LUP_LAG) and before it reuses their stage (LUP_LAG < stages)."""
     return lag <= LUP_LAG < stages
@@ -276,7 +269,7 @@ if _IMPORT_OK:
                      LAG: ttgl.constexpr, DIAG: ttgl.constexpr, A_TMA: ttgl.constexpr,
                      FRAMES: ttgl.constexpr, bring=None, USE_ASM: ttgl.constexpr = 1,
                      NU: ttgl.constexpr = 2, LUP: ttgl.constexpr = False,
-                     LUPL: ttgl.constexpr = 2, PUBE: ttgl.constexpr = False):
+                     LUPL: ttgl.constexpr = 2):
         """Fill the raw ring with one tile's chunks, global chunk numbers c0 .. c0 + K / BK - 1
         (see the module docstring). Chunk c's cp.async group is waited for after chunk c + LAG's
         copies are issued (wait_group(LAG)), so the loader keeps up to LAG + 1 chunks of
@@ -291,10 +284,7 @@ if _IMPORT_OK:
         upcast (4-byte cp.async, 2 a thread). LUP: after publishing, the loader upcasts its share
         (the last 32-row block of W1 and of W3: _upcast_units) of chunk c - LUP_LAG, whose
         stage it published LUP_LAG - LAG chunks earlier (bars: all four rings' barriers, bring
-        the B ring). PUBE: chunk c - 1 is published at the top of chunk c's iteration (all its
-        copies waited for), before the wait for chunk c's stage, instead of after chunk c's
-        copies (LAG is then 1): the publish no longer waits for the MMA to free a stage.
-        Returns the next chunk number."""
+        the B ring). Returns the next chunk number."""
         a_r, w1_r, w3_r, e_r, sa_r, f_r = ring
         r_ready, r_free, _, _ = bars
         # gathered A rows (masked past the tile: zero-filled, their outputs never stored)
@@ -320,9 +310,6 @@ if _IMPORT_OK:
         n_k = K // BK
         for i in range(n_k):
             c = c0 + i
-            if PUBE:
-                if c >= 1:
-                    _publish(r_ready, c - 1, 0, NS)
             s, ph = _stage(c, NS)
             mbarrier.wait(r_free.index(s), ph ^ 1)  # the consumers of chunk c - NS are done
             bar = r_ready.index(s)
@@ -341,9 +328,8 @@ if _IMPORT_OK:
             if FRAMES:
                 async_copy.async_copy_global_to_shared(f_r.index(s), f_ptrs)
             async_copy.commit_group()
-            if not PUBE:
-                if c >= LAG:
-                    _publish(r_ready, c - LAG, LAG, NS)
+            if c >= LAG:
+                _publish(r_ready, c - LAG, LAG, NS)
             if LUP:
                 if c >= LUPL:
                     _upcast_units(ring, bars, bring, c - LUPL, LUP_UNITS, 32, USE_ASM, BN, BK,
@@ -358,7 +344,7 @@ if _IMPORT_OK:
                 DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr, A_TMA: ttgl.constexpr,
                 FRAMES: ttgl.constexpr, bring=None, USE_ASM: ttgl.constexpr = 1,
                 NU: ttgl.constexpr = 2, LUP: ttgl.constexpr = False,
-                LUPL: ttgl.constexpr = 2, PUBE: ttgl.constexpr = False):
+                LUPL: ttgl.constexpr = 2):
         """The loader partition: this CTA's tiles (_tiles), then the last LAG chunks published
         (oldest first: wait_group(LAG - 1 - j) leaves exactly the newer ones pending); LUP: then
         its upcast share of the last LUP_LAG chunks."""
@@ -372,22 +358,18 @@ if _IMPORT_OK:
                                      g.to(ttgl.int32) * N + pid_n * BN, K, c, stride_am,
                                      stride_as, stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK,
                                      BM, BN, BK, NS, LAG, DIAG, A_TMA, FRAMES, bring, USE_ASM,
-                                     NU, LUP, LUPL, PUBE)
+                                     NU, LUP, LUPL)
         else:
             _, g, row0, nrows, pid_n = tile_entry(work_ptr, tile, N // BN, MT, G, P, BM)
             c = _loader_tile(a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr,
                              bs2_ptr, ring, bars, g, row0, nrows, pid_n * BN,
                              g.to(ttgl.int32) * N + pid_n * BN, K, c, stride_am, stride_as,
                              stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK, BM, BN, BK, NS, LAG,
-                             DIAG, A_TMA, FRAMES, bring, USE_ASM, NU, LUP, LUPL, PUBE)
+                             DIAG, A_TMA, FRAMES, bring, USE_ASM, NU, LUP, LUPL)
         r_ready, _, _, _ = bars
-        if PUBE:  # the last chunk
-            if c >= 1:
-                _publish(r_ready, c - 1, 0, NS)
-        else:
-            for j in ttgl.static_range(LAG):  # the last LAG chunks, oldest first
-                if c - LAG + j >= 0:
-                    _publish(r_ready, c - LAG + j, LAG - 1 - j, NS)
+        for j in ttgl.static_range(LAG):  # the last LAG chunks, oldest first
+            if c - LAG + j >= 0:
+                _publish(r_ready, c - LAG + j, LAG - 1 - j, NS)
         if LUP:
             for j in ttgl.static_range(LUPL):
                 if c - LUPL + j >= 0:
@@ -745,7 +727,7 @@ if _IMPORT_OK:
                      A_TMA: ttgl.constexpr, QLAG: ttgl.constexpr, UPP: ttgl.constexpr,
                      SKIP: ttgl.constexpr, FRAMES: ttgl.constexpr, AREG: ttgl.constexpr,
                      R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr, R_LD: ttgl.constexpr,
-                     LUP: ttgl.constexpr, LUPL: ttgl.constexpr, PUBE: ttgl.constexpr):
+                     LUP: ttgl.constexpr, LUPL: ttgl.constexpr):
         """Program pid: row tile pid // (N / BN) of moe.tile_list at BM rows, columns
         (pid % (N / BN)) * BN of W1 and W3 (w1_desc / w3_desc: the banks as [G N, K / 2] bytes,
         boxes [BN, BK / 2]). N % BN == 0, K % BK == 0 (the launcher checks); out-of-range list
@@ -830,7 +812,7 @@ if _IMPORT_OK:
                            ring, bars, work_ptr, tile, MT, G, P, N, K, stride_am,
                            stride_as, stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK, BM, BN, BK,
                            NS, LAG, DIAG, PERSIST, A_TMA, FRAMES, bring, USE_ASM, NU, LUP,
-                           LUPL, PUBE)),
+                           LUPL)),
             ], [4, 4, 4, 4], [R_MMA, R_UP, R_UP, R_LD])
 
 
@@ -874,8 +856,8 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
         raise ValueError(f"areg: bn {BN_WIDE} with row frames, A by TMA and qlag 0")
     # None: the default where it applies (two upcast partitions, a ring deep enough for the
     # share's lag: 2-stage rings run without it); asked for explicitly, it must apply
-    lup = (LOADER_UPCAST and upp == 2 and LAG_OK(lag, stages)) if lup is None else bool(lup)
-    if lup and not (upp == 2 and LAG_OK(lag, stages)):
+    lup = (LOADER_UPCAST and upp == 2 and _lup_fits(lag, stages)) if lup is None else bool(lup)
+    if lup and not (upp == 2 and _lup_fits(lag, stages)):
         raise ValueError(f"lup: two upcast partitions (bn {BN_WIDE}, A by TMA, qlag 0) and "
                          f"lag <= {LUP_LAG} < stages")
     if regs is None and wide:
@@ -888,7 +870,7 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
                 NS=stages, NU=bstages, LAG=lag, DIAG=int(diag), PERSIST=persist, A_TMA=a_tma,
                 QLAG=qlag, UPP=upp, SKIP=SKIP_IDLE if skip is None else bool(skip),
                 FRAMES=bool(frames), AREG=areg, R_MMA=r_mma, R_UP=r_up, R_LD=r_ld, LUP=lup,
-                LUPL=int(LUP_LAG), PUBE=bool(PUB_EARLY) and lag == 1 and upp == 2)
+                LUPL=int(LUP_LAG))
 
 
 def launch_maxnreg(consts: dict) -> int:
