@@ -237,7 +237,7 @@ def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
                          "over weight-tile chunks: minutes to compile)"))
     log(f"T={T} mega_moe {ms:.3f} ms (capturable {base:.1f} ms), err {err:.2e}")
     if T > 256 and (T * k) % E == 0:
-        out.append(balanced_row(dims, w, T, dev, tm, rf, args, kw, ms))
+        out += balanced_row(dims, w, T, dev, tm, rf, args, kw, ms)
     # routed experts alone, tile / upcast sweep
     a2 = (xq, xs, ids, wts, *w["routed"])
     kw2 = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt="fp8_1x128", out_dtype="bf16")
@@ -251,7 +251,10 @@ def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
         if time.perf_counter() > t_end - 40:
             break
         tag = f"{name}{'+ptx' if asm else ''}"
-        r = timed_variant(tm, {"USE_ASM": asm, **knobs}, _tiles(l1, l2),
+        # fp16 H: this row's sweep and its DeepGEMM comparison stay the fp16-H kernels' (the
+        # FP8-H default at prefill sizes has its own row, fp8h_rows)
+        r = timed_variant(tm, {"USE_ASM": asm, "FP8_H_PREFILL": False, **knobs},
+                          _tiles(l1, l2),
                           lambda: tm.moe_experts_q(*a2, **kw2),
                           lambda y: within(rel_err(y, ref2), 1e-2), dev, variants, tag,
                           lambda: log(f"variant {tag}: {traceback.format_exc(limit=3)}"))
@@ -316,10 +319,11 @@ def layer_call(dims: dict, w: dict, T: int, dev, routing: str = "gate"):
     return lambda: tm.mega_moe(*args, **kw)
 
 
-def balanced_row(dims, w, T, dev, tm, rf, args, kw, random_ms: float) -> dict:
+def balanced_row(dims, w, T, dev, tm, rf, args, kw, random_ms: float) -> list[dict]:
     """The whole layer at balanced routing (balanced_routing): every tile of the grouped GEMMs
     full, the case #7's "MoE layer at 8192 tokens with balanced routing" target is stated for;
-    baseline = the same layer at the gate's (random-weight) routing above."""
+    baseline = the same layer at the gate's (random-weight) routing above. Then the same with
+    fp16 H (FP8_H_PREFILL off), its baseline the default row."""
     E, k = dims["E"], dims["k"]
     hashed = (*args, *balanced_routing(T, E, k, dev))
     tri = tm.mega_moe(*hashed, **kw)
@@ -328,10 +332,25 @@ def balanced_row(dims, w, T, dev, tm, rf, args, kw, random_ms: float) -> dict:
     ms = time_ms(lambda: tm.mega_moe(*hashed, **kw), device=dev)
     fl, by = moe_counts(dims, T, E)
     log(f"T={T} mega_moe balanced {ms:.3f} ms, err {err:.2e}")
-    return row("triton.mega_moe", f"T={T} prefill, balanced routing", ms, flops=fl, bytes=by,
-               peak="fp8", baseline="gate-routed", baseline_ms=random_ms, rel_err=err,
-               notes=f"{E} experts x {T * k // E} rows (token t -> experts {k}t..{k}t+{k - 1} "
-                     "mod E, through tid2eid); baseline = the gate-routed row above")
+    saved = tm.FP8_H_PREFILL
+    try:  # the same layer with fp16 H (the default before the fifteenth session)
+        tm.FP8_H_PREFILL = False
+        tri16 = tm.mega_moe(*hashed, **kw)
+        ms16 = time_ms(lambda: tm.mega_moe(*hashed, **kw), device=dev)
+    finally:
+        tm.FP8_H_PREFILL = saved
+    err16 = rel_err(tri16, ref)
+    log(f"T={T} mega_moe balanced, fp16 H {ms16:.3f} ms, err {err16:.2e}")
+    rows = "rows (token t -> experts {k}t..{k}t+{k - 1} mod E, through tid2eid)"
+    return [row("triton.mega_moe", f"T={T} prefill, balanced routing", ms, flops=fl, bytes=by,
+                peak="fp8", baseline="gate-routed", baseline_ms=random_ms, rel_err=err,
+                notes=f"{E} experts x {T * k // E} {rows}; H in FP8 where "
+                      "moe.FP8_H_PREFILL picks it (the default); baseline = the gate-routed "
+                      "row above"),
+            row("triton.mega_moe", f"T={T} prefill, balanced routing, fp16 H", ms16, flops=fl,
+                bytes=by, peak="fp8", baseline="FP8 H (default)", baseline_ms=ms,
+                rel_err=err16, notes=f"the row above with MEGAGRAPH_MOE_FP8_H_PREFILL=0; "
+                                     f"rel diff to it {rel_err(tri, tri16):.2e}")]
 
 
 def within(err: float, bound: float):
@@ -450,6 +469,8 @@ def fp8h_rows(dims, T, dev, tm, a2, kw2, ref2, touched, asm, base_ms, t_end,
     G = tm.GemmConfig
     d1, d2 = tm.pick_config("l1_fp8h", rpg), tm.pick_config("l2_fp8h", rpg)
     tiles = [("default", d1, d2)]
+    if rpg > tm.WIDE_L1_MIN_ROWS:  # the warp-specialized FP8-H kernels: no tile overrides
+        tiles.insert(0, ("gluon-ws", None, None))
     if sweep and rpg > 12:
         tiles += [("l1 128x128", G(128, 128, 128, 8, 3, par=True), d2),
                   ("l1 64x128 4w", G(64, 128, 128, 4, 3, par=True), d2),
@@ -468,7 +489,8 @@ def fp8h_rows(dims, T, dev, tm, a2, kw2, ref2, touched, asm, base_ms, t_end,
         if time.perf_counter() > t_end - 20:
             times[name] = "skipped: budget"
             continue
-        r = timed_variant(tm, {"FP8_H": True, "USE_ASM": asm}, {"l1_fp8h": c1, "l2_fp8h": c2},
+        over = {} if c1 is None else {"l1_fp8h": c1, "l2_fp8h": c2}
+        r = timed_variant(tm, {"FP8_H": True, "USE_ASM": asm}, over,
                           lambda: tm.moe_experts_q(*a2, **kw2), fp8h_errors, dev, times, name,
                           lambda: log(f"fp8-H {name}: {traceback.format_exc(limit=3)}"))
         if r and (best is None or r[0] < best[1]):
@@ -484,8 +506,11 @@ def fp8h_rows(dims, T, dev, tm, a2, kw2, ref2, touched, asm, base_ms, t_end,
                 bytes=by, peak="fp8", rel_err=best[2], rel_err_q=best[3],
                 baseline="fp16 H (default)", baseline_ms=base_ms, fp8h_ms=times,
                 deepgemm_fp8_ms=DEEPGEMM_MS.get(T),
-                notes=f"MEGAGRAPH_MOE_FP8_H=1 (default off); best {best[0]}: l1 "
-                      f"{tuple(vars(best[4]).values())[:6]}, l2 {tuple(vars(best[5]).values())[:6]}; "
+                notes=f"FP8 H (the default at prefill sizes on sm_90: moe.FP8_H_PREFILL; "
+                      f"MEGAGRAPH_MOE_FP8_H=1 everywhere); best {best[0]}"
+                      + ("" if best[4] is None else
+                         f": l1 {tuple(vars(best[4]).values())[:6]}, "
+                         f"l2 {tuple(vars(best[5]).values())[:6]}") + "; "
                       f"rel_err vs fp32-H reference {best[2]:.2e}, vs quantized-H reference "
                       f"{best[3]:.2e}; {notes}")]
 

@@ -204,6 +204,22 @@ GLUON_PREFILL_L2 = os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL_L2", "1") == "1"
 GLUON_PREFILL_L2_WS = os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL_L2_WS", "1") == "1"
 WS_L2_RINGS = None  # (stages, bstages) of l2_gluon_ws; None: its defaults for the tile
 WS_L2_BN = None
+# FP8 H at prefill sizes (> WIDE_L1_MIN_ROWS rows per expert): the warp-specialized L1 writes
+# E4M3 H + scales in its epilogue and runs the down GEMM too (moe_gluon_l2_fp8: the L1's kernel on
+# FP8 H x W2, the FP8 tensor cores); off: FP8 H (FP8_H, fp8_h=True) on the Triton kernels (moe_gemm
+# roles l1_fp8h / l2_fp8h)
+GLUON_WS_L2_FP8 = os.environ.get("MEGAGRAPH_MOE_GLUON_WS_FP8_H", "1") == "1"
+# routed_experts' H format where fp8_h is None and FP8_H is off: E4M3 wherever the two kernels
+# above take the call (prefill sizes on sm_90), fp16 elsewhere (decode: its Gluon kernels are
+# bound by weight bandwidth, FP8 H would buy nothing there). Why it is the default since the
+# fifteenth session: it is the vendor's own numerics - DeepSeek's V4 inference quantizes the input
+# of every FP4 expert GEMM to FP8 per 128 columns (act_quant before fp4_gemm; its fp8 x fp4 MegaMoE
+# and the DeepGEMM grouped FP8 baseline of #7 do the same), as this engine already does for the
+# L1's input x - and on the H200 at 8192 tokens the layer ran 6.74 -> 6.33 ms balanced, 8.83 ->
+# 8.00 gate-routed (benchmarks/results/moe-fp8h-15-h200.md). Its cost: ~3.4% relative
+# difference of the routed output against fp16 H (E4M3's 2^-4 half step on H; the same size as
+# the L1's own input quantization).
+FP8_H_PREFILL = os.environ.get("MEGAGRAPH_MOE_FP8_H_PREFILL", "1") == "1"
 MMA_FP8, MMA_FP16, MMA_BF16, MMA_F32 = 0, 1, 2, 3
 WFMT = {"mxfp4": 0, "fp8_block": 1}
 RDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -688,14 +704,18 @@ def routed_experts(x_q: Tensor, x_scale: Tensor, ids: Tensor, wts: Tensor, count
                    w1: Bank, w3: Bank, w2: Bank, y: Tensor, *, topk: int,
                    swiglu_limit: float | None, fp8_h: bool | None = None) -> Tensor:
     """Y[t, j] = wts[t, j] * E_{ids[t, j]}(x[t]) for every pair, into y [T, KS, d] (KS >= topk).
-    fp8_h (None: the module's FP8_H, off by default): H as E4M3 + per-(row, 128 columns) scales
-    written by L1's epilogue, L2 on the FP8 MMA (roles "l1_fp8h" / "l2_fp8h"); else H in fp16."""
+    fp8_h: H as E4M3 + per-(row, 128 columns) scales written by L1's epilogue, L2 on the FP8 MMA
+    (roles "l1_fp8h" / "l2_fp8h"), or H in fp16 (False); None: FP8 H where FP8_H says so (every
+    size), else where FP8_H_PREFILL picks it (prefill sizes on the warp-specialized kernels:
+    _prefill_fp8_h)."""
     T = x_q.shape[0]
     P = T * topk
     E, F = w1.groups, w1.n
-    fp8_h = FP8_H if fp8_h is None else bool(fp8_h)
     srt = permute(ids.reshape(-1), counts, E)
     rpg = P / max(1, min(E, P))
+    if fp8_h is None:
+        fp8_h = FP8_H or _prefill_fp8_h(x_q, x_scale, w1, w3, w2, y, rpg)
+    fp8_h = bool(fp8_h)
     r1, r2 = ("l1_fp8h", "l2_fp8h") if fp8_h else ("l1", "l2")
     h_scale = None
     if fp8_h:
@@ -707,8 +727,8 @@ def routed_experts(x_q: Tensor, x_scale: Tensor, ids: Tensor, wts: Tensor, count
     cfg1 = pick_config(r1, rpg)
     mt1 = min(P, P // cfg1.bm + E)
     tiles1 = tile_list(counts, cfg1.bm, mt1) if cfg1.persistent else None
-    gluon = _gluon_l1(x_q, x_scale, w1, w3, h, r1, rpg)
-    gluon2 = _gluon_l2(h, w2, y, r2, rpg)
+    gluon = _gluon_l1(x_q, x_scale, w1, w3, h, r1, rpg, h_scale)
+    gluon2 = _gluon_l2(h, w2, y, r2, rpg, h_scale)
     shared_tiles = None  # one device tile list for both Gluon decode kernels (same row tile)
     if gluon is not None and gluon2 is not None and gluon[1] == gluon2[1]:
         shared_tiles = tile_list(counts, gluon[1], min(P, P // gluon[1] + E))
@@ -739,8 +759,28 @@ def routed_experts(x_q: Tensor, x_scale: Tensor, ids: Tensor, wts: Tensor, count
     return y
 
 
+def _prefill_fp8_h(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, w2: Bank,
+                   y: Tensor, rows_per_group: float) -> bool:
+    """routed_experts' default H format: E4M3 (FP8_H_PREFILL) where both warp-specialized FP8-H
+    kernels take the call (prefill sizes, > WIDE_L1_MIN_ROWS rows per expert, on sm_90 with
+    Gluon), else fp16. Decided before H is allocated: the pickers' checks on a one-row stand-in
+    of the H routed_experts allocates (its formats and columns; a fresh H's rows always fit)."""
+    if not (FP8_H_PREFILL and GLUON and GLUON_WS_L1 and GLUON_WS_L2_FP8) or \
+            rows_per_group <= WIDE_L1_MIN_ROWS:
+        return False
+    from . import moe_gluon_ws as mw
+
+    if not mw.available(x_q.device):
+        return False
+    F = w1.n
+    h = torch.empty(1, F, dtype=torch.float8_e4m3fn, device=x_q.device)
+    hs = torch.empty(1, F // 128, dtype=torch.float32, device=x_q.device)
+    return (_gluon_l1(x_q, x_scale, w1, w3, h, "l1_fp8h", rows_per_group, hs) is not None
+            and _gluon_l2(h, w2, y, "l2_fp8h", rows_per_group, hs) is not None)
+
+
 def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor,
-              role: str, rows_per_group: float):
+              role: str, rows_per_group: float, h_scale: Tensor | None = None):
     """(launch, row tile) of the Gluon kernel that runs routed_experts' L1 instead of moe_gemm,
     or None.
     Prefill (> WIDE_L1_MIN_ROWS = 100 rows per expert): the warp-specialized kernel with
@@ -757,7 +797,11 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
     with E4M3 activations on MXFP4 banks whose shapes fit the tile, MEGAGRAPH_MOE_GLUON not "0",
     no CONFIG_OVERRIDE for the role (tests and sweeps pin the Triton tile), and Gluon's sm_90
     APIs importable (available(): Triton 3.6, CUDA sm_90). Anything else keeps moe_gemm; the
-    middle range (12 < rows <= 48) too (not timed)."""
+    middle range (12 < rows <= 48) too (not timed). FP8 H (role "l1_fp8h", h E4M3 + h_scale):
+    the warp-specialized kernel's 128-column tile with A by TMA quantizes H in its epilogue
+    (moe_gluon_ws.l1_gluon_ws(out_scale=...)) where it applies, else moe_gemm."""
+    if role == "l1_fp8h" and h_scale is not None:
+        return _gluon_l1_fp8h(x_q, x_scale, w1, w3, h, h_scale, rows_per_group)
     if not GLUON or role != "l1" or role in CONFIG_OVERRIDE:
         return None
     if x_q.dtype != torch.float8_e4m3fn or x_scale is None or h.dtype != torch.float16:
@@ -796,6 +840,29 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
     return pick if ok and mod.available(x_q.device) else None
 
 
+def _gluon_l1_fp8h(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor,
+                   h_scale: Tensor, rows_per_group: float):
+    """_gluon_l1's FP8-H case: (launch, 128) of the warp-specialized L1 writing E4M3 H and its
+    scales (the 128-column tile, A by TMA, row frames where they apply: the fp16-H default's
+    schedule) at prefill sizes (> WIDE_L1_MIN_ROWS rows per expert, GLUON_WS_L1 and
+    GLUON_WS_L2_FP8), or None (moe_gemm's FP8-H epilogue runs)."""
+    if not (GLUON and GLUON_WS_L1 and GLUON_WS_L2_FP8) or "l1_fp8h" in CONFIG_OVERRIDE:
+        return None
+    if rows_per_group <= WIDE_L1_MIN_ROWS or x_q.dtype != torch.float8_e4m3fn or \
+            x_scale is None or not _mxfp4_e8m0_32(w1, w3):
+        return None
+    from . import moe_gluon_ws as mod
+
+    if w1.n % mod.BN_WIDE or not mod.available(x_q.device) or \
+            mod.args_problem(x_q, x_scale, w1, w3, None, h, mod.BN_WIDE) or \
+            mod._fp8_h_problem(h, h_scale, h.shape[0], w1.n):
+        return None
+    frames = mod.row_frames(w1, w3) if WS_L1_FRAMES else None
+    return (functools.partial(mod.l1_gluon_ws, persist=True, stages=WS_WIDE_STAGES,
+                              bstages=WS_WIDE_BSTAGES, a_tma=True, bn=mod.BN_WIDE,
+                              frames=frames, out_scale=h_scale), mod.BM)
+
+
 def _ws_fits(x_q: Tensor, x_scale: Tensor, w1: Bank, w3: Bank, h: Tensor) -> bool:
     """l1_gluon_ws can run here and takes these arguments (its own checks,
     moe_gluon_ws.args_problem): False falls through to the wide decode L1 instead of an error
@@ -832,7 +899,8 @@ def triton_l2(h: Tensor, w2: Bank, counts: Tensor, srt: Tensor, wts: Tensor,
                 max_tiles=mt2)
 
 
-def _gluon_l2(h: Tensor, w2: Bank, y: Tensor, role: str, rows_per_group: float):
+def _gluon_l2(h: Tensor, w2: Bank, y: Tensor, role: str, rows_per_group: float,
+              h_scale: Tensor | None = None):
     """(launch, row tile) of the Gluon kernel that runs routed_experts' L2 instead of moe_gemm,
     or None: the decode L2 (moe_gluon_decode_l2.l2_gluon_decode: swapped fp16 wgmma, the MXFP4
     W2 upcast in registers) at <= 12 rows per expert, fp16 H (not FP8-H), an MXFP4 W2 whose
@@ -841,7 +909,11 @@ def _gluon_l2(h: Tensor, w2: Bank, y: Tensor, role: str, rows_per_group: float):
     rows per expert with GLUON_PREFILL_L2 (opt-in): the prefill L2 (moe_gluon_l2.l2_gluon,
     128 x 128 tiles, d % 128, F % 384); with GLUON_PREFILL_L2_WS too (default on) its
     warp-specialized twin moe_gluon_l2_ws.l2_gluon_ws where the call fits its TMA streams
-    (256-column tiles where d % 256 == 0)."""
+    (256-column tiles where d % 256 == 0). FP8 H (role "l2_fp8h"): above WIDE_L1_MIN_ROWS rows
+    per expert with GLUON_WS_L2_FP8, the warp-specialized L1 kernel runs the down GEMM
+    (moe_gluon_l2_fp8.l2_gluon_ws_fp8) where its args_problem passes; else moe_gemm."""
+    if role == "l2_fp8h" and h_scale is not None:
+        return _gluon_l2_fp8h(h, h_scale, w2, y, rows_per_group)
     if not GLUON or role != "l2" or role in CONFIG_OVERRIDE:
         return None
     if h.dtype != torch.float16 or not _mxfp4_e8m0_32(w2):
@@ -868,6 +940,23 @@ def _gluon_l2(h: Tensor, w2: Bank, y: Tensor, role: str, rows_per_group: float):
     if w2.n % mod.BW or w2.k % mod.BK or y.dtype not in mod.OUT_DTYPES:
         return None
     return (mod.l2_gluon_decode, mod.BT) if mod.available(h.device) else None
+
+
+def _gluon_l2_fp8h(h: Tensor, h_scale: Tensor, w2: Bank, y: Tensor, rows_per_group: float):
+    """_gluon_l2's FP8-H case: (launch with l2_gluon_ws's arguments, 128) or None."""
+    if not (GLUON and GLUON_WS_L2_FP8) or "l2_fp8h" in CONFIG_OVERRIDE or \
+            rows_per_group <= WIDE_L1_MIN_ROWS or not _mxfp4_e8m0_32(w2):
+        return None
+    from . import moe_gluon_l2_fp8 as mod
+
+    if not mod.available(h.device) or \
+            mod.args_problem(h, h_scale, w2, y.view(-1, y.shape[-1])) is not None:
+        return None
+
+    def launch(h, w2, counts, srt, wts, y, **kw):
+        return mod.l2_gluon_ws_fp8(h, h_scale, w2, counts, srt, wts, y, **kw)
+
+    return launch, mod.BM
 
 
 def _mxfp4_e8m0_32(*banks: Bank) -> bool:

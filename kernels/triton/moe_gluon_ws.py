@@ -269,7 +269,7 @@ if _IMPORT_OK:
                      LAG: ttgl.constexpr, DIAG: ttgl.constexpr, A_TMA: ttgl.constexpr,
                      FRAMES: ttgl.constexpr, bring=None, USE_ASM: ttgl.constexpr = 1,
                      NU: ttgl.constexpr = 2, LUP: ttgl.constexpr = False,
-                     LUPL: ttgl.constexpr = 2):
+                     LUPL: ttgl.constexpr = 2, DOWN: ttgl.constexpr = False):
         """Fill the raw ring with one tile's chunks, global chunk numbers c0 .. c0 + K / BK - 1
         (see the module docstring). Chunk c's cp.async group is waited for after chunk c + LAG's
         copies are issued (wait_group(LAG)), so the loader keeps up to LAG + 1 chunks of
@@ -284,7 +284,10 @@ if _IMPORT_OK:
         upcast (4-byte cp.async, 2 a thread). LUP: after publishing, the loader upcasts its share
         (the last 32-row block of W1 and of W3: _upcast_units) of chunk c - LUP_LAG, whose
         stage it published LUP_LAG - LAG chunks earlier (bars: all four rings' barriers, bring
-        the B ring). Returns the next chunk number."""
+        the B ring). DOWN (l2_gluon_ws_fp8): A is the expert-sorted H itself - its scales by
+        sorted row, no a_idx - and "W3" is the 128 W2 rows after "W1"'s (row wrow + BN; the
+        launcher offsets the exponent and frame pointers by BN rows). Returns the next chunk
+        number."""
         a_r, w1_r, w3_r, e_r, sa_r, f_r = ring
         r_ready, r_free, _, _ = bars
         # gathered A rows (masked past the tile: zero-filled, their outputs never stored)
@@ -295,7 +298,10 @@ if _IMPORT_OK:
         A_BYTES: ttgl.constexpr = BM * BK if (A_TMA and (DIAG & 4) == 0) else 0
         a_mask = (ra < nrows)[:, None] & (ka < BK)[None, :]
         rs = ttgl.arange(0, BM, layout=S_CP_L)
-        tok_s = ttgl.load(aidx_ptr + row0 + rs, mask=rs < nrows, other=0) // TOPK
+        if DOWN:  # the expert-sorted H's own rows
+            tok_s = row0 + rs
+        else:
+            tok_s = ttgl.load(aidx_ptr + row0 + rs, mask=rs < nrows, other=0) // TOPK
         s_ptrs = as_ptr + tok_s.to(ttgl.int64) * stride_as
         # exponent rows: 0..BN-1 of W1, BN..2BN-1 of W3 (rows n0.. of expert g); row strides of
         # 4-byte multiples written as 4 x (stride / 4) so the 4-byte cp.async is provably aligned
@@ -307,6 +313,7 @@ if _IMPORT_OK:
         rf = ttgl.arange(0, 2 * BN, layout=S_CP_L)
         f_ptrs = ttgl.where(rf < BN, f1_ptr, f3_ptr) + (wrow + rf % BN)
 
+        W3_ROW: ttgl.constexpr = BN if DOWN else 0  # DOWN: "W3" = the next BN rows of W2
         n_k = K // BK
         for i in range(n_k):
             c = c0 + i
@@ -315,7 +322,8 @@ if _IMPORT_OK:
             bar = r_ready.index(s)
             mbarrier.expect(bar, 2 * BN * (BK // 2) + A_BYTES)
             tma.async_copy_global_to_shared(w1_desc, [wrow, i * (BK // 2)], bar, w1_r.index(s))
-            tma.async_copy_global_to_shared(w3_desc, [wrow, i * (BK // 2)], bar, w3_r.index(s))
+            tma.async_copy_global_to_shared(w3_desc, [wrow + W3_ROW, i * (BK // 2)], bar,
+                                            w3_r.index(s))
             if A_BYTES > 0:
                 tma.async_copy_global_to_shared(a_desc, [row0, i * BK], bar, a_r.index(s))
             if (DIAG & 4) == 0:
@@ -344,28 +352,29 @@ if _IMPORT_OK:
                 DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr, A_TMA: ttgl.constexpr,
                 FRAMES: ttgl.constexpr, bring=None, USE_ASM: ttgl.constexpr = 1,
                 NU: ttgl.constexpr = 2, LUP: ttgl.constexpr = False,
-                LUPL: ttgl.constexpr = 2):
+                LUPL: ttgl.constexpr = 2, DOWN: ttgl.constexpr = False):
         """The loader partition: this CTA's tiles (_tiles), then the last LAG chunks published
         (oldest first: wait_group(LAG - 1 - j) leaves exactly the newer ones pending); LUP: then
         its upcast share of the last LUP_LAG chunks."""
+        CT: ttgl.constexpr = 2 * BN if DOWN else BN  # weight rows per column tile
         c = 0
         if PERSIST:
-            for t in range(tile, ttgl.load(work_ptr) * (N // BN), ttgl.num_programs(0)):
-                skip, g, row0, nrows, pid_n = tile_entry(work_ptr, t, N // BN, MT, G, P, BM)
+            for t in range(tile, ttgl.load(work_ptr) * (N // CT), ttgl.num_programs(0)):
+                skip, g, row0, nrows, pid_n = tile_entry(work_ptr, t, N // CT, MT, G, P, BM)
                 if not skip:
                     c = _loader_tile(a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc,
-                                     bs1_ptr, bs2_ptr, ring, bars, g, row0, nrows, pid_n * BN,
-                                     g.to(ttgl.int32) * N + pid_n * BN, K, c, stride_am,
+                                     bs1_ptr, bs2_ptr, ring, bars, g, row0, nrows, pid_n * CT,
+                                     g.to(ttgl.int32) * N + pid_n * CT, K, c, stride_am,
                                      stride_as, stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK,
                                      BM, BN, BK, NS, LAG, DIAG, A_TMA, FRAMES, bring, USE_ASM,
-                                     NU, LUP, LUPL)
+                                     NU, LUP, LUPL, DOWN)
         else:
-            _, g, row0, nrows, pid_n = tile_entry(work_ptr, tile, N // BN, MT, G, P, BM)
+            _, g, row0, nrows, pid_n = tile_entry(work_ptr, tile, N // CT, MT, G, P, BM)
             c = _loader_tile(a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr,
-                             bs2_ptr, ring, bars, g, row0, nrows, pid_n * BN,
-                             g.to(ttgl.int32) * N + pid_n * BN, K, c, stride_am, stride_as,
+                             bs2_ptr, ring, bars, g, row0, nrows, pid_n * CT,
+                             g.to(ttgl.int32) * N + pid_n * CT, K, c, stride_am, stride_as,
                              stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK, BM, BN, BK, NS, LAG,
-                             DIAG, A_TMA, FRAMES, bring, USE_ASM, NU, LUP, LUPL)
+                             DIAG, A_TMA, FRAMES, bring, USE_ASM, NU, LUP, LUPL, DOWN)
         r_ready, _, _, _ = bars
         for j in ttgl.static_range(LAG):  # the last LAG chunks, oldest first
             if c - LAG + j >= 0:
@@ -458,7 +467,7 @@ if _IMPORT_OK:
                   BM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
                   NS: ttgl.constexpr, NU: ttgl.constexpr, DIAG: ttgl.constexpr,
                   PERSIST: ttgl.constexpr, MATS: ttgl.constexpr, FRAMES: ttgl.constexpr,
-                  LUP: ttgl.constexpr = False):
+                  LUP: ttgl.constexpr = False, DOWN: ttgl.constexpr = False):
         """Raw ring stage -> B ring stage, chunk by chunk (_upcast_units; see the module
         docstring). The upcast needs no tile coordinates: only how many chunks this CTA's tiles
         hold (_tile_chunks). MATS: the matrices this partition upcasts (bit 1 W1, bit 2 W3: 3
@@ -470,7 +479,8 @@ if _IMPORT_OK:
         MINE: ttgl.constexpr = (W1B if (MATS & 1) != 0 else 0) | \
             ((W1B << 1) if (MATS & 2) != 0 else 0)
         UNITS: ttgl.constexpr = (MINE & ~LUP_UNITS) if LUP else MINE
-        for c in range(_tile_chunks(work_ptr, tile, MT, G, P, N, K, BM, BN, BK, PERSIST)):
+        for c in range(_tile_chunks(work_ptr, tile, MT, G, P, N, K, BM, BN, BK, PERSIST,
+                                    DOWN)):
             _upcast_units(ring, bars, bring, c, UNITS, ROWS, USE_ASM, BN, BK, NS, NU, DIAG,
                           FRAMES)
 
@@ -587,7 +597,8 @@ if _IMPORT_OK:
                        BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr,
                        NU: ttgl.constexpr, DIAG: ttgl.constexpr, QLAG: ttgl.constexpr,
                        SKIP: ttgl.constexpr = False, FRAMES: ttgl.constexpr = False,
-                       AREG: ttgl.constexpr = False):
+                       AREG: ttgl.constexpr = False, aidx_ptr=None, ep_ptr=None, ep_stride=0,
+                       TOPK: ttgl.constexpr = 1, EPI: ttgl.constexpr = 0):
         """_mma_tile for BN = 128: rows M0 .. M0 + 63 x 128 columns of W1 and of W3 as four 64 x
         64 accumulators (W1 columns 0..63 / 64..127, the same of W3: 128 registers a thread).
         Per chunk the four quarters' wgmmas run one at a time, each waited for and promoted
@@ -598,7 +609,8 @@ if _IMPORT_OK:
         the same m64n64k32 wgmmas per output element and the same promotion, so the same bits
         as BN = 64. FRAMES: promotions by the A scales only, the weight frames of the tile's
         columns (f1_ptr / f3_ptr + frow: row g N + n0 of the [G, N] frames) applied to the
-        accumulators before the SwiGLU (_frame_scale): the same bits (see l1_gluon_ws)."""
+        accumulators before the SwiGLU (_frame_scale): the same bits (see l1_gluon_ws). EPI: the
+        epilogue (_epilogue_wide)."""
         a_r, _, _, _, sa_r, _ = ring
         r_ready, r_free, b_ready, b_free = bars
         b1_r, b3_r, sb_r = bring
@@ -655,60 +667,116 @@ if _IMPORT_OK:
             acc1b = _frame_scale(acc1b, f1_ptr + frow + WN_C)
             acc3a = _frame_scale(acc3a, f3_ptr + frow)
             acc3b = _frame_scale(acc3b, f3_ptr + frow + WN_C)
-        rm = M0 + ttgl.arange(0, 64, layout=ROW_L)
-        rows = (rm < nrows)[:, None]
-        base = c_ptr + ((row0 + rm).to(ttgl.int64) * stride_cm)[:, None]
-        rn = n0 + ttgl.arange(0, WN_C, layout=COL_L)
-        h = swiglu(acc1a, acc3a, limit, HAS_LIMIT)
-        ttgl.store(base + rn[None, :], h.to(c_ptr.dtype.element_ty),
-                   mask=rows & (rn < N)[None, :])
-        h = swiglu(acc1b, acc3b, limit, HAS_LIMIT)
-        ttgl.store(base + (rn + WN_C)[None, :], h.to(c_ptr.dtype.element_ty),
-                   mask=rows & (rn + WN_C < N)[None, :])
+        _epilogue_wide(acc1a, acc1b, acc3a, acc3b, c_ptr, row0, nrows, n0, limit, stride_cm,
+                       aidx_ptr, ep_ptr, ep_stride, M0, HAS_LIMIT, BN, TOPK, EPI)
         return c0 + K // BK
+
+    @gluon.jit
+    def _pow2_exp(amax):
+        """e = ceil(log2(max(amax, 1e-4) / 448)) from amax's f32 bits, no division: a = m 2^k
+        (1 <= m < 2) is at most 448 2^e = 1.75 2^(e + 8) for e = k - 8 where m <= 1.75 (the
+        mantissa field <= 0x600000), else for e = k - 7 - exactly quantize_act's exponent
+        (kernels.reference.quant.ceil_log2_div: the correctly rounded quotient's ceil(log2)
+        lands on the same integer on both sides of 1.75, the exact power of two included)."""
+        bits = ttgl.maximum(amax, 1e-4).to(ttgl.int32, bitcast=True)
+        return ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(ttgl.int32)
+
+    @gluon.jit
+    def _epilogue_wide(acc1a, acc1b, acc3a, acc3b, c_ptr, row0, nrows, n0, limit, stride_cm,
+                       aidx_ptr, ep_ptr, ep_stride, M0: ttgl.constexpr,
+                       HAS_LIMIT: ttgl.constexpr, BN: ttgl.constexpr, TOPK: ttgl.constexpr,
+                       EPI: ttgl.constexpr):
+        """The 128-column tile's output, rows M0 .. M0 + 63 (stored where < nrows):
+        EPI 0: swiglu(W1 part, W3 part) in out's dtype at the expert-sorted rows, columns n0..;
+        EPI 1: the same quantized per row and the tile's 128 columns (one block of H) as
+        quantize_act fp8_1x128 does - scale 2^e, e = _pow2_exp(row amax), codes = h 2^-e
+        clamped to +-448 and rounded to E4M3 nearest-even by the conversion (cvt.rn.satfinite)
+        into out (E4M3), the scale 2^e (f32) into ep_ptr[row, n0 / 128] (row stride ep_stride);
+        EPI 2 (DOWN, l2_gluon_ws_fp8): the four accumulators are output columns n0 .. n0 + 255
+        of Y (W2 rows: "W1"'s 128, then "W3"'s), times the pair's combine weight ep_ptr[p], p =
+        aidx_ptr[row] (moe_gluon_l2's epilogue: acc x 2^(S - 127) x row_w), scattered to row
+        (p // TOPK) ep_stride + p % TOPK of y (ep_stride = its slots per token)."""
+        rm = M0 + ttgl.arange(0, 64, layout=ROW_L)
+        rok = rm < nrows
+        rows = rok[:, None]
+        rn = n0 + ttgl.arange(0, WN_C, layout=COL_L)
+        ty = c_ptr.dtype.element_ty
+        if EPI == 2:
+            p = ttgl.load(aidx_ptr + row0 + rm, mask=rok, other=0)
+            w = ttgl.expand_dims(ttgl.load(ep_ptr + p, mask=rok, other=0.0).to(ttgl.float32), 1)
+            dst = (p // TOPK).to(ttgl.int64) * ep_stride + p % TOPK
+            base = c_ptr + (dst * stride_cm)[:, None]
+            ttgl.store(base + rn[None, :], (acc1a * w).to(ty), mask=rows)
+            ttgl.store(base + (rn + WN_C)[None, :], (acc1b * w).to(ty), mask=rows)
+            ttgl.store(base + (rn + BN)[None, :], (acc3a * w).to(ty), mask=rows)
+            ttgl.store(base + (rn + BN + WN_C)[None, :], (acc3b * w).to(ty), mask=rows)
+        else:
+            base = c_ptr + ((row0 + rm).to(ttgl.int64) * stride_cm)[:, None]
+            ha = swiglu(acc1a, acc3a, limit, HAS_LIMIT)
+            if EPI == 1:  # both halves live for the row's amax
+                hb = swiglu(acc1b, acc3b, limit, HAS_LIMIT)
+                e = _pow2_exp(ttgl.maximum(ttgl.max(ttgl.abs(ha), axis=1),
+                                           ttgl.max(ttgl.abs(hb), axis=1)))
+                inv = ttgl.expand_dims(((127 - e) << 23).to(ttgl.float32, bitcast=True), 1)
+                ha = ttgl.minimum(ttgl.maximum(ha * inv, -448.0), 448.0)
+                hb = ttgl.minimum(ttgl.maximum(hb * inv, -448.0), 448.0)
+                ttgl.store(ep_ptr + (row0 + rm).to(ttgl.int64) * ep_stride + n0 // BN,
+                           ((e + 127) << 23).to(ttgl.float32, bitcast=True), mask=rok)
+                ttgl.store(base + rn[None, :], ha.to(ty), mask=rows)
+                ttgl.store(base + (rn + WN_C)[None, :], hb.to(ty), mask=rows)
+            else:  # one half at a time (the gathered-A build at 200 registers spills otherwise)
+                ttgl.store(base + rn[None, :], ha.to(ty), mask=rows)
+                hb = swiglu(acc1b, acc3b, limit, HAS_LIMIT)
+                ttgl.store(base + (rn + WN_C)[None, :], hb.to(ty), mask=rows)
 
     @gluon.jit
     def _mma(ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit, stride_cm,
              f1_ptr, f3_ptr, M0: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr, BM: ttgl.constexpr,
              BN: ttgl.constexpr, BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
              DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr, QLAG: ttgl.constexpr,
-             SKIP: ttgl.constexpr, FRAMES: ttgl.constexpr, AREG: ttgl.constexpr):
+             SKIP: ttgl.constexpr, FRAMES: ttgl.constexpr, AREG: ttgl.constexpr,
+             aidx_ptr=None, ep_ptr=None, ep_stride=0, TOPK: ttgl.constexpr = 1,
+             EPI: ttgl.constexpr = 0):
         """An MMA warpgroup (rows M0 .. M0 + 63 of each tile) over this CTA's tiles."""
+        CT: ttgl.constexpr = 2 * BN if EPI == 2 else BN  # weight rows per column tile
         c = 0
         if PERSIST:
-            for t in range(tile, ttgl.load(work_ptr) * (N // BN), ttgl.num_programs(0)):
-                skip, g, row0, nrows, pid_n = tile_entry(work_ptr, t, N // BN, MT, G, P, BM)
+            for t in range(tile, ttgl.load(work_ptr) * (N // CT), ttgl.num_programs(0)):
+                skip, g, row0, nrows, pid_n = tile_entry(work_ptr, t, N // CT, MT, G, P, BM)
                 if not skip:
                     if BN == WN_C:
                         c = _mma_tile(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N, K,
                                       c, limit, stride_cm, M0, HAS_LIMIT, BN, BK, NS, NU, DIAG,
                                       SKIP)
                     else:
-                        c = _mma_tile_wide(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N,
+                        c = _mma_tile_wide(ring, bars, bring, c_ptr, row0, nrows, pid_n * CT, N,
                                            K, c, limit, stride_cm, f1_ptr, f3_ptr,
-                                           g.to(ttgl.int32) * N + pid_n * BN, M0, HAS_LIMIT,
-                                           BN, BK, NS, NU, DIAG, QLAG, SKIP, FRAMES, AREG)
+                                           g.to(ttgl.int32) * N + pid_n * CT, M0, HAS_LIMIT,
+                                           BN, BK, NS, NU, DIAG, QLAG, SKIP, FRAMES, AREG,
+                                           aidx_ptr, ep_ptr, ep_stride, TOPK, EPI)
         else:
-            _, g, row0, nrows, pid_n = tile_entry(work_ptr, tile, N // BN, MT, G, P, BM)
+            _, g, row0, nrows, pid_n = tile_entry(work_ptr, tile, N // CT, MT, G, P, BM)
             if BN == WN_C:
                 _mma_tile(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N, K, c, limit,
                           stride_cm, M0, HAS_LIMIT, BN, BK, NS, NU, DIAG, SKIP)
             else:
-                _mma_tile_wide(ring, bars, bring, c_ptr, row0, nrows, pid_n * BN, N, K, c, limit,
-                               stride_cm, f1_ptr, f3_ptr, g.to(ttgl.int32) * N + pid_n * BN, M0,
-                               HAS_LIMIT, BN, BK, NS, NU, DIAG, QLAG, SKIP, FRAMES, AREG)
+                _mma_tile_wide(ring, bars, bring, c_ptr, row0, nrows, pid_n * CT, N, K, c, limit,
+                               stride_cm, f1_ptr, f3_ptr, g.to(ttgl.int32) * N + pid_n * CT, M0,
+                               HAS_LIMIT, BN, BK, NS, NU, DIAG, QLAG, SKIP, FRAMES, AREG,
+                               aidx_ptr, ep_ptr, ep_stride, TOPK, EPI)
 
     @gluon.jit
     def _tile_chunks(work_ptr, tile, MT, G, P, N, K, BM: ttgl.constexpr, BN: ttgl.constexpr,
-                     BK: ttgl.constexpr, PERSIST: ttgl.constexpr):
+                     BK: ttgl.constexpr, PERSIST: ttgl.constexpr, DOWN: ttgl.constexpr = False):
         """How many chunks this CTA's tiles hold: K / BK per tile that tile_entry does not skip
         (every partition walks the same tiles and skips the same ones, so their global chunk
         numbers - the rings' stages and phases - agree)."""
+        CT: ttgl.constexpr = 2 * BN if DOWN else BN  # weight rows per column tile
         n = K // BK
         if PERSIST:
             total = 0
-            for t in range(tile, ttgl.load(work_ptr) * (N // BN), ttgl.num_programs(0)):
-                skip, _, _, _, _ = tile_entry(work_ptr, t, N // BN, MT, G, P, BM)
+            for t in range(tile, ttgl.load(work_ptr) * (N // CT), ttgl.num_programs(0)):
+                skip, _, _, _, _ = tile_entry(work_ptr, t, N // CT, MT, G, P, BM)
                 total += ttgl.where(skip, 0, n)
             n = total
         return n
@@ -718,20 +786,23 @@ if _IMPORT_OK:
 
     @gluon.jit
     def l1_ws_kernel(a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, bs1_ptr, w3_desc, bs2_ptr, c_ptr,
-                     work_ptr, f1_ptr, f3_ptr,
+                     work_ptr, f1_ptr, f3_ptr, ep_ptr,
                      MT, N, K, G, P, limit, stride_am, stride_as, stride_bsg, stride_bsn,
-                     stride_cm, TOPK: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr,
+                     stride_cm, ep_stride, TOPK: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr,
                      USE_ASM: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
                      BK: ttgl.constexpr, NS: ttgl.constexpr, NU: ttgl.constexpr,
                      LAG: ttgl.constexpr, DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr,
                      A_TMA: ttgl.constexpr, QLAG: ttgl.constexpr, UPP: ttgl.constexpr,
                      SKIP: ttgl.constexpr, FRAMES: ttgl.constexpr, AREG: ttgl.constexpr,
                      R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr, R_LD: ttgl.constexpr,
-                     LUP: ttgl.constexpr, LUPL: ttgl.constexpr):
+                     LUP: ttgl.constexpr, LUPL: ttgl.constexpr, EPI: ttgl.constexpr = 0):
         """Program pid: row tile pid // (N / BN) of moe.tile_list at BM rows, columns
         (pid % (N / BN)) * BN of W1 and W3 (w1_desc / w3_desc: the banks as [G N, K / 2] bytes,
         boxes [BN, BK / 2]). N % BN == 0, K % BK == 0 (the launcher checks); out-of-range list
-        entries exit before any pointer is formed or any warp is specialized."""
+        entries exit before any pointer is formed or any warp is specialized. EPI
+        (_epilogue_wide): 0 H, 1 H quantized to E4M3 per 128 columns (scales into ep_ptr), 2
+        the DOWN GEMM of l2_gluon_ws_fp8 (column tiles of 2 BN rows of one weight; ep_ptr the
+        combine weights)."""
         ttgl.static_assert(BM == 128, "two MMA warpgroups of 64 rows")
         ttgl.static_assert((BN == WN_C) | (BN == 2 * WN_C),
                            "64 or 128 columns of W1 and W3 (the TMA box; 64-column wgmmas)")
@@ -739,6 +810,10 @@ if _IMPORT_OK:
         ttgl.static_assert((NS >= 2) & (NU >= 2), "double-buffered rings at least")
         ttgl.static_assert((LAG >= 1) & (LAG < NS), "1 <= LAG <= NS - 1 (the loader's lag)")
         ttgl.static_assert((not FRAMES) | (BN == 2 * WN_C), "row frames: the 128-column tile")
+        ttgl.static_assert((EPI == 0) | ((BN == 2 * WN_C) & A_TMA),
+                           "the FP8-H epilogues: the 128-column tile with A by TMA")
+        DOWN: ttgl.constexpr = EPI == 2
+        CT: ttgl.constexpr = 2 * BN if DOWN else BN  # weight rows per column tile
         ttgl.static_assert((not LUP) | ((BN == 2 * WN_C) & (UPP == 2) & (LUPL >= LAG)
                                         & (LUPL < NS)),
                            "the loader's upcast share: 128 columns, two upcast partitions, "
@@ -746,7 +821,7 @@ if _IMPORT_OK:
 
         tile = ttgl.program_id(0)
         if not PERSIST:
-            skip, _, _, _, _ = tile_entry(work_ptr, tile, N // BN, MT, G, P, BM)
+            skip, _, _, _, _ = tile_entry(work_ptr, tile, N // CT, MT, G, P, BM)
             if skip:
                 return
 
@@ -785,34 +860,39 @@ if _IMPORT_OK:
             ttgl.warp_specialize([
                 (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
                         stride_cm, f1_ptr, f3_ptr, 0, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG,
-                        PERSIST, QLAG, SKIP, FRAMES, AREG)),
+                        PERSIST, QLAG, SKIP, FRAMES, AREG, aidx_ptr, ep_ptr, ep_stride, TOPK,
+                        EPI)),
                 (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
                         stride_cm, f1_ptr, f3_ptr, 64, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG,
-                        PERSIST, QLAG, SKIP, FRAMES, AREG)),
+                        PERSIST, QLAG, SKIP, FRAMES, AREG, aidx_ptr, ep_ptr, ep_stride, TOPK,
+                        EPI)),
                 (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN,
-                             BK, NS, NU, DIAG, PERSIST, 3, FRAMES)),
+                             BK, NS, NU, DIAG, PERSIST, 3, FRAMES, False, DOWN)),
                 (_loader, (a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr,
                            ring, bars, work_ptr, tile, MT, G, P, N, K, stride_am,
                            stride_as, stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK, BM, BN, BK,
-                           NS, LAG, DIAG, PERSIST, A_TMA, FRAMES)),
+                           NS, LAG, DIAG, PERSIST, A_TMA, FRAMES, bring, USE_ASM, NU, False,
+                           LUPL, DOWN)),
             ], [4, 4, 4], [R_MMA, R_UP, R_LD])
         else:  # two upcast partitions: W1's and W3's
             ttgl.warp_specialize([
                 (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
                         stride_cm, f1_ptr, f3_ptr, 0, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG,
-                        PERSIST, QLAG, SKIP, FRAMES, AREG)),
+                        PERSIST, QLAG, SKIP, FRAMES, AREG, aidx_ptr, ep_ptr, ep_stride, TOPK,
+                        EPI)),
                 (_mma, (ring, bars, bring, c_ptr, work_ptr, tile, MT, G, P, N, K, limit,
                         stride_cm, f1_ptr, f3_ptr, 64, HAS_LIMIT, BM, BN, BK, NS, NU, DIAG,
-                        PERSIST, QLAG, SKIP, FRAMES, AREG)),
+                        PERSIST, QLAG, SKIP, FRAMES, AREG, aidx_ptr, ep_ptr, ep_stride, TOPK,
+                        EPI)),
                 (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN,
-                             BK, NS, NU, DIAG, PERSIST, 1, FRAMES, LUP)),
+                             BK, NS, NU, DIAG, PERSIST, 1, FRAMES, LUP, DOWN)),
                 (_upcaster, (ring, bars, bring, work_ptr, tile, MT, G, P, N, K, USE_ASM, BM, BN,
-                             BK, NS, NU, DIAG, PERSIST, 2, FRAMES, LUP)),
+                             BK, NS, NU, DIAG, PERSIST, 2, FRAMES, LUP, DOWN)),
                 (_loader, (a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr, bs2_ptr,
                            ring, bars, work_ptr, tile, MT, G, P, N, K, stride_am,
                            stride_as, stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK, BM, BN, BK,
                            NS, LAG, DIAG, PERSIST, A_TMA, FRAMES, bring, USE_ASM, NU, LUP,
-                           LUPL)),
+                           LUPL, DOWN)),
             ], [4, 4, 4, 4], [R_MMA, R_UP, R_UP, R_LD])
 
 
@@ -822,7 +902,7 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
                   regs: tuple[int, int, int] | None = None, bn: int = BN,
                   qlag: int | None = None, upp: int | None = None,
                   skip: bool | None = None, frames: bool = False,
-                  areg: bool | None = None, lup: bool | None = None) -> dict:
+                  areg: bool | None = None, lup: bool | None = None, epi: int = 0) -> dict:
     """l1_ws_kernel's constexprs (the launcher's and the ahead-of-time build test's); lag None:
     LAG (clamped to stages - 1); stages / bstages / regs None: the tile's defaults (NS / NU /
     REGS at bn 64, NS_WIDE / NU_WIDE / REGS_WIDE at bn 128); qlag (bn 128 only): 1 = the next
@@ -830,9 +910,17 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
     WIDE_QLAG with A by TMA, else 0. upp: upcast partitions, 1, or 2 (W1's and W3's: bn 128
     with A by TMA and qlag 0 only, REGS_WIDE_U2, launch_maxnreg 96); None: WIDE_UPP there, else
     1. skip None: SKIP_IDLE (the rows 64..127 warpgroup's wgmmas skipped on tiles of <= 64
-    rows). frames: the weights' frames per row over all of K (bn 128 only; l1_gluon_ws)."""
+    rows). frames: the weights' frames per row over all of K (bn 128 only; l1_gluon_ws). epi:
+    the epilogue (_epilogue_wide: 0 H, 1 FP8 H + scales, 2 the FP8-H down GEMM; 1 and 2 need
+    bn 128 and A by TMA)."""
     if bn not in (BN, BN_WIDE):
         raise ValueError(f"bn {bn}: {BN} or {BN_WIDE}")
+    if epi not in (0, 1, 2):
+        raise ValueError(f"epi {epi}: 0, 1 or 2")
+    if epi and (bn != BN_WIDE or a_tma is False):
+        raise ValueError(f"epi {epi} (FP8 H): bn {BN_WIDE} with A by TMA")
+    if epi:
+        a_tma = True
     wide = bn == BN_WIDE
     if frames and not wide:
         raise ValueError(f"row frames need bn {BN_WIDE}")
@@ -870,7 +958,7 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
                 NS=stages, NU=bstages, LAG=lag, DIAG=int(diag), PERSIST=persist, A_TMA=a_tma,
                 QLAG=qlag, UPP=upp, SKIP=SKIP_IDLE if skip is None else bool(skip),
                 FRAMES=bool(frames), AREG=areg, R_MMA=r_mma, R_UP=r_up, R_LD=r_ld, LUP=lup,
-                LUPL=int(LUP_LAG))
+                LUPL=int(LUP_LAG), EPI=int(epi))
 
 
 def launch_maxnreg(consts: dict) -> int:
@@ -888,7 +976,8 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
                 bn: int = BN, qlag: int | None = None, upp: int | None = None,
                 skip: bool | None = None,
                 frames: tuple[torch.Tensor, torch.Tensor] | None = None,
-                areg: bool | None = None, lup: bool | None = None) -> torch.Tensor:
+                areg: bool | None = None, lup: bool | None = None,
+                out_scale: torch.Tensor | None = None) -> torch.Tensor:
     """out [P, F] (expert-sorted rows; fp16 in routed_experts, fp32 / bf16 fine; a row-strided
     view is fine) = swiglu(A W1^T, A W3^T) per expert, A row of sorted row r = a_q[a_idx[r] //
     topk] (E4M3 [T, d] with 16-byte aligned rows, a_scale [T, d / 128] f32); w1 / w3: moe.Bank
@@ -909,7 +998,10 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     scales, the epilogue applies 2^(S - 127); row_frames gives them only where that is the same
     bits (every row's exponents within 11 binades of its largest). areg: kernel_consts' (None:
     AREG where frames are given). lup: the loader upcasts a share of each chunk (None:
-    LOADER_UPCAST where two upcast partitions run); the same bits."""
+    LOADER_UPCAST where two upcast partitions run); the same bits. out_scale (FP8 H, the
+    vendor's activation quantization before the down projection): out is E4M3 and gets H
+    quantized per row and 128 columns as quantize_act fp8_1x128 does, out_scale [>= P, F / 128]
+    f32 the scales (bn 128, A by TMA; l2_gluon_ws_fp8 takes both)."""
     from .moe_gluon_decode import _weight_desc
 
     if not _IMPORT_OK:
@@ -926,6 +1018,14 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     if lag is not None and not 1 <= int(lag) < ns:
         raise ValueError(f"lag {lag}: 1 <= lag < stages ({ns})")
     P = check_rows(a_scale, a_idx, out, N, K)
+    epi = 0
+    if out_scale is not None:
+        epi = 1
+        problem = _fp8_h_problem(out, out_scale, P, N)
+        if problem:
+            raise ValueError(problem)
+    elif out.dtype == torch.float8_e4m3fn:
+        raise ValueError("an E4M3 out needs out_scale (FP8 H)")
     if max_tiles == 0 or P == 0:
         return out
     tiles = tile_list(counts, BM, max_tiles, tiles)
@@ -933,13 +1033,8 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
                            use_asm=True if use_asm is None else bool(use_asm), stages=ns,
                            bstages=nu, lag=lag, diag=diag, persist=persist, a_tma=a_tma,
                            bn=bn, qlag=qlag, upp=upp, skip=skip, frames=frames is not None,
-                           areg=areg, lup=lup)
-    if frames is not None:
-        for f in frames:
-            if f.dtype != torch.int32 or tuple(f.shape) != (counts.numel(), N) or \
-                    not f.is_contiguous() or f.device != out.device:
-                raise ValueError(f"frames: int32 [{counts.numel()}, {N}] contiguous on "
-                                 f"{out.device} (row_frames), got {f.dtype} {tuple(f.shape)}")
+                           areg=areg, lup=lup, epi=epi)
+    _check_frames(frames, counts.numel(), N, out.device)
     grid = max_tiles * (N // bn)
     if consts["PERSIST"]:
         grid = min(grid, int(ctas) if ctas else sm_count(out.device))
@@ -952,12 +1047,40 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
         a_sorted = a_q.index_select(0, torch.div(a_idx, topk, rounding_mode="floor"))
         a_desc = TensorDescriptor(a_sorted, [P, K], [a_sorted.stride(0), 1], [BM, BK],
                                   A_TMA_LAYOUT)
+    ep = out_scale if out_scale is not None else a_scale  # (EPI 0: a placeholder, never read)
     l1_ws_kernel[grid](
         a_q, a_desc, a_scale, a_idx, w1_desc, w1.s, _weight_desc(w3, bn), w3.s, out, tiles,
-        *(frames if frames is not None else (counts, counts)), max_tiles, N, K, counts.numel(), P, float(limit or 0.0), a_q.stride(0),
-        a_scale.stride(0), w1.s.stride(0), w1.s.stride(1), out.stride(0), **consts,
+        *(frames if frames is not None else (counts, counts)), ep, max_tiles, N, K,
+        counts.numel(), P, float(limit or 0.0), a_q.stride(0), a_scale.stride(0),
+        w1.s.stride(0), w1.s.stride(1), out.stride(0), ep.stride(0), **consts,
         num_warps=NUM_WARPS, maxnreg=launch_maxnreg(consts))
     return out
+
+
+def _check_frames(frames, G: int, N: int, device) -> None:
+    """frames (row_frames / down_frames) as the kernel reads them: int32 [G, N] contiguous."""
+    for f in frames or ():
+        if f.dtype != torch.int32 or tuple(f.shape) != (G, N) or not f.is_contiguous() or \
+                f.device != device:
+            raise ValueError(f"frames: int32 [{G}, {N}] contiguous on {device} (row_frames), "
+                             f"got {f.dtype} {tuple(f.shape)}")
+
+
+def _fp8_h_problem(h, h_scale, P: int, F: int) -> str | None:
+    """Why (h, h_scale) is not an FP8 H of P rows x F columns (E4M3 codes with contiguous,
+    16-byte aligned rows: a TMA source; f32 scales [>= P, F / 128] with contiguous rows), or
+    None."""
+    if h.dtype != torch.float8_e4m3fn or h.shape[0] < P or h.shape[1] != F:
+        return f"FP8 H: E4M3 [>= {P}, {F}], got {h.dtype} {tuple(h.shape)}"
+    if h.stride(1) != 1 or h.stride(0) % 16 or h.data_ptr() % 16:
+        return "FP8 H rows contiguous and 16-byte aligned (the TMA stream)"
+    if h_scale.dtype != torch.float32 or h_scale.shape[0] < P or h_scale.shape[1] != F // 128 \
+            or h_scale.stride(1) != 1:
+        return (f"FP8 H scales: f32 [>= {P}, {F // 128}] with contiguous rows, got "
+                f"{h_scale.dtype} {tuple(h_scale.shape)}")
+    if h_scale.device != h.device:
+        return "FP8 H and its scales on one device"
+    return None
 
 
 # row frames (l1_gluon_ws's frames): exact where every exponent of a weight row is at least

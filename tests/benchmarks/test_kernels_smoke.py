@@ -51,10 +51,10 @@ cpu = torch.device("cpu")
 w = m.make_weights(m.TINY, cpu)
 streams, (x, xq, xs, _pre, post, comb) = m.layer_inputs(m.TINY, w, 4, cpu, seed=5)
 args = (x, xq, xs, streams, post, comb, w["gate"], w["bias"], *w["routed"], *w["shared"])
-rows.append(m.balanced_row(m.TINY, w, 4, cpu, tm, rf, args, dict(topk=2, **m.MOE_KW), 1.0))
+rows += m.balanced_row(m.TINY, w, 4, cpu, tm, rf, args, dict(topk=2, **m.MOE_KW), 1.0)
 # layer_call (moe_ab.py / ncu_moe.py's call) on the same inputs (seed T + 1) and routing
 ref = rf.mega_moe(*args, *m.balanced_routing(4, 8, 2, cpu), topk=2, **m.MOE_KW)
-rows[-1]["layer_call_rel_err"] = kernel_rows.rel_err(m.layer_call(m.TINY, w, 4, cpu, "balanced")(),
+rows[-2]["layer_call_rel_err"] = kernel_rows.rel_err(m.layer_call(m.TINY, w, 4, cpu, "balanced")(),
                                                      ref)
 print(json.dumps(rows, default=str))
 """
@@ -76,6 +76,9 @@ def test_moe_rows_dry_run_interpreter():
     balanced = [r for r in rows if r["case"].endswith("balanced routing")]
     assert len(balanced) == 1 and "8 experts x 1 rows" in balanced[0]["notes"], balanced
     assert balanced[0]["layer_call_rel_err"] < 1e-2, balanced
+    fp16 = [r for r in rows if r["case"].endswith("balanced routing, fp16 H")]
+    # on the CPU both rows run the reference kernels: the same layer, the same bits
+    assert len(fp16) == 1 and "rel diff to it 0.00e+00" in fp16[0]["notes"], fp16
     for r in rows:
         if r["kernel"] == "triton.moe_experts_q fp8-H":  # H rounded to E4M3: ~2-3% (moe.py)
             assert 0.005 < r["rel_err"] < 2.0 ** -4 and r["rel_err_q"] < 1e-2, r

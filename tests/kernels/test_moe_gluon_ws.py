@@ -424,7 +424,8 @@ def _types(a_tma: bool = False, bn: int = mw.BN):
     types = {n: t for n, t in TYPES.items()
              if n not in ("b1_ptr", "b2_ptr", "stride_bg", "stride_bn")}
     a_desc = desc if not a_tma else f"tensordesc<fp8e4nv[{mw.BM}, {mw.BK}],{mw.A_TMA_LAYOUT!r}>"
-    return dict(types, w1_desc=desc, w3_desc=desc, a_desc=a_desc, f1_ptr="*i32", f3_ptr="*i32")
+    return dict(types, w1_desc=desc, w3_desc=desc, a_desc=a_desc, f1_ptr="*i32", f3_ptr="*i32",
+                ep_ptr="*fp32", ep_stride="i32")
 
 
 def _compile(**kw):
