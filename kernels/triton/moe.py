@@ -35,12 +35,13 @@ device, then each grouped GEMM is a fixed grid of persistent x SMs programs loop
 (tile, N tile) items (moe_gemm_persistent): no program for an empty expert, still static for
 CUDA graphs, the same tile code (moe_jit.moe_tile) and so the same numbers. Off by default until
 timed on the H200.
-FP8-H variant (MEGAGRAPH_MOE_FP8_H=1, or routed_experts(..., fp8_h=True); all token counts; aimed
-at prefill, where the fp16 L2 runs at half the FP8 MMA rate): L1's SwiGLU epilogue quantizes H per
-row and 128 columns to E4M3 with a power-of-two f32 scale (moe_jit.quantize_out: quantize_act
+FP8-H variant (routed_experts(..., fp8_h=True); MEGAGRAPH_MOE_FP8_H=1 at every token count; BY
+DEFAULT at prefill sizes on sm_90 since the fifteenth session, FP8_H_PREFILL): L1's SwiGLU
+epilogue quantizes H per row and 128 columns to E4M3 with a power-of-two f32 scale (quantize_act
 fp8_1x128's numerics, DeepSeek's activation quantization before w2), H [P, F] e4m3 + scales
-[P, F/128]; L2 then runs the FP8 MMA with A_SCALED, as L1 does. OFF by default: not yet timed on
-the H200 and it changes the numerics (see below); kernels/triton/NOTES-moe.md.
+[P, F/128]; L2 then runs the FP8 MMA on H's scales, as L1 does on x's. At prefill sizes both are
+the warp-specialized Gluon kernels (moe_gluon_ws with its FP8-H epilogue, moe_gluon_l2_fp8: the
+layer at 8192 tokens 6.84 -> 6.18 ms on the H200), elsewhere moe_jit's (quantize_out, A_SCALED).
 
 Numerics (vs the reference: fp32 math on dequantized operands):
 * L1 (FP8 MMA): per 128-column chunk, the four E8M0 scales of a weight row are split into
@@ -52,7 +53,7 @@ Numerics (vs the reference: fp32 math on dequantized operands):
   fp32 promotion. g, u, SwiGLU in fp32; H stored in fp16 (2^-11 relative).
 * L2 (FP16 MMA): W2 dequantized the same way to E4M3 and upcast to fp16 (exact), H in fp16;
   fp32 accumulation and promotion per 128 columns.
-* L2 with FP8_H (off by default): H rounded to E4M3 per 128 columns (at most 2^-4 relative per
+* L2 with FP8 H (the default at prefill sizes on sm_90): H rounded to E4M3 per 128 columns (at most 2^-4 relative per
   element, the errors averaging down in the dot product): a few % relative (Frobenius) vs the
   fp32-H reference; vs the reference that quantizes H the same way
   (kernels.reference.moe.moe_experts(h_fmt="fp8_1x128")) only the accumulation order and the
@@ -103,10 +104,11 @@ PERSISTENT = os.environ.get("MEGAGRAPH_MOE_PERSISTENT", "0") == "1"
 PERSISTENT_PER_SM = 2
 # FP8 second GEMM (H quantized to E4M3 per row and 128 columns in L1's epilogue, L2 on the FP8 MMA
 # with the per-128 scales: DeepSeek's official inference numerics for the expert down-projection
-# input). OFF by default until timed on the H200 and its accuracy judged (a few % relative vs the
-# fp32-H reference; kernels/triton/NOTES-moe.md, "Left to do" 2). "1" turns it on for
-# routed_experts (moe_experts_q, mega_moe) at every token count; routed_experts(fp8_h=...)
-# overrides per call. Tiles: the "l1_fp8h" / "l2_fp8h" roles of pick_config / CONFIG_OVERRIDE.
+# input; 3.4e-2 relative vs the fp32-H reference). "1" turns it on for routed_experts
+# (moe_experts_q, mega_moe) at EVERY token count (the decode sizes then leave the Gluon decode
+# kernels, which take fp16 H, for moe_jit's); routed_experts(fp8_h=...) overrides per call; at
+# prefill sizes FP8_H_PREFILL (below) turns it on by default. Tiles of moe_jit's kernels: the
+# "l1_fp8h" / "l2_fp8h" roles of pick_config / CONFIG_OVERRIDE.
 FP8_H = os.environ.get("MEGAGRAPH_MOE_FP8_H", "0") == "1"
 # The hand-written Gluon L1 kernels (Triton 3.6 on sm_90, where available; _gluon_l1):
 # MEGAGRAPH_MOE_GLUON "0" keeps the Triton moe_gemm everywhere. The decode L1
