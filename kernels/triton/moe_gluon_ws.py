@@ -342,7 +342,7 @@ if _IMPORT_OK:
         f_ptrs = ttgl.where(rf < BN, f1_ptr, f3_ptr) + (wrow + rf % BN)
 
         W3_ROW: ttgl.constexpr = BN if DOWN else 0  # DOWN: "W3" = the next BN rows of W2
-        # STMA: exponents (a [BN, 16]-byte box: this chunk's 4 bytes a row first), A scales,
+        # STMA: exponents (a [BN, 16]-byte box: chunks 4 (i // 4) .. + 3), A scales,
         # frames - all on the stage's barrier
         S_BYTES: ttgl.constexpr = (2 * BN * 16 + BM * 4 + (2 * BN * 4 if FRAMES else 0)) \
             if STMA else 0
@@ -361,9 +361,11 @@ if _IMPORT_OK:
             if STMA:
                 e1_desc, e3_desc, sa_desc, f1_desc, f3_desc = sd
                 e_t, sa_t, f_t = sring
-                tma.async_copy_global_to_shared(e1_desc, [wrow, i * (BK // 32)], bar,
+                # (a box's inner start must be 16-byte aligned - the H200 raised an illegal
+                # instruction at 4 i: so the group of chunks i // 4, read at (i % 4) 4)
+                tma.async_copy_global_to_shared(e1_desc, [wrow, (i // 4) * 16], bar,
                                                 e_t.index(s).slice(0, BN))
-                tma.async_copy_global_to_shared(e3_desc, [wrow + W3_ROW, i * (BK // 32)], bar,
+                tma.async_copy_global_to_shared(e3_desc, [wrow + W3_ROW, (i // 4) * 16], bar,
                                                 e_t.index(s).slice(BN, BN))
                 tma.async_copy_global_to_shared(sa_desc, [i, row0], bar, sa_t.index(s))
                 if FRAMES:
@@ -387,7 +389,7 @@ if _IMPORT_OK:
             if LUP:
                 if c >= LUPL:
                     _upcast_units(ring, bars, bring, c - LUPL, LUP_UNITS, 32, USE_ASM, BN, BK,
-                                  NS, NU, DIAG, FRAMES)
+                                  NS, NU, DIAG, FRAMES, (c - LUPL) % 4)
         return c0 + n_k
 
     @gluon.jit
@@ -432,7 +434,7 @@ if _IMPORT_OK:
             for j in ttgl.static_range(LUPL):
                 if c - LUPL + j >= 0:
                     _upcast_units(ring, bars, bring, c - LUPL + j, LUP_UNITS, 32, USE_ASM, BN,
-                                  BK, NS, NU, DIAG, FRAMES)
+                                  BK, NS, NU, DIAG, FRAMES, (c - LUPL + j) % 4)
 
     @gluon.jit
     def _publish(r_ready, c, PENDING: ttgl.constexpr, NS: ttgl.constexpr):
@@ -448,7 +450,7 @@ if _IMPORT_OK:
     @gluon.jit
     def _upcast_store(w_s, e_s, f_s, ROW0: ttgl.constexpr, b_dst, sb_dst,
                       USE_ASM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
-                      FRAMES: ttgl.constexpr):
+                      FRAMES: ttgl.constexpr, ecol=0):
         """One matrix's BN packed rows (w_s [BN, BK / 2] bytes, NVMMA 64-byte swizzle as TMA
         wrote them; exponents rows ROW0.. of e_s [2 BN, 4]) -> E4M3 [BN, BK] in column order into
         b_dst and the rows' promotion scales 2^(S - 127) into sb_dst [BN]. The per-(row, group)
@@ -456,15 +458,25 @@ if _IMPORT_OK:
         (natural columns: pack kk of group t -> columns 32 t + 8 kk + 4 h + b). FRAMES: the
         rows' frames over all of K from f_s (the loader's copy; rows ROW0.. like e_s) instead
         of the chunk's, and no promotion scales (the MMA warpgroups apply the frames in their
-        epilogue)."""
+        epilogue). STMA's exponent stage [2 BN, 16]: 4 chunks' bytes a row, this chunk's at
+        column 4 ecol (ecol = the chunk's index in its tile % 4 = its global number c % 4: STMA
+        needs K / 32 % 16 == 0, so a tile's chunk count is a multiple of 4)."""
         pl: ttgl.constexpr = P_L if BN == WN_C else P_L32  # 64-row blocks, or LUP's 32
         e_l: ttgl.constexpr = ttgl.SliceLayout(2, ttgl.SliceLayout(3, pl))
         p = w_s.load(P2_L)  # [BN, 64] uint8: 16 contiguous bytes (one group) per thread
         p = ttgl.convert_layout(ttgl.reshape(p, [BN, 4, 4, 4]), pl, assert_trivial=True)
         e_rows = e_s.slice(ROW0, BN)
-        if e_s.shape[1] != 4:  # STMA's [rows, 16]-byte box: this chunk's 4 bytes first
-            e_rows = e_rows.slice(0, 4, dim=1)
-        e = e_rows.load(e_l).to(ttgl.int32)  # [BN, 4]
+        if e_s.shape[1] == 4:
+            e = e_rows.load(e_l)
+        elif ecol == 0:  # STMA (the column's start must be a constant: one load per case)
+            e = e_rows.slice(0, 4, dim=1).load(e_l)
+        elif ecol == 1:
+            e = e_rows.slice(4, 4, dim=1).load(e_l)
+        elif ecol == 2:
+            e = e_rows.slice(8, 4, dim=1).load(e_l)
+        else:
+            e = e_rows.slice(12, 4, dim=1).load(e_l)
+        e = e.to(ttgl.int32)  # [BN, 4]
         if FRAMES:
             S = f_s.slice(ROW0, BN).load(ttgl.SliceLayout(1, e_l))
             r0, r1 = upcast_packs_rel(p, e - ttgl.expand_dims(S, 1), USE_ASM, BN, pl)
@@ -481,13 +493,13 @@ if _IMPORT_OK:
     def _upcast_units(ring, bars, bring, c, UNITS: ttgl.constexpr, ROWS: ttgl.constexpr,
                       USE_ASM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
                       NS: ttgl.constexpr, NU: ttgl.constexpr, DIAG: ttgl.constexpr,
-                      FRAMES: ttgl.constexpr):
+                      FRAMES: ttgl.constexpr, ecol=0):
         """Chunk c's ROWS-row blocks in UNITS (bit 2 h: rows ROWS h .. of W1, bit 2 h + 1: the
         same of W3, in that order) upcast from raw stage c % NS into B stage c % NU, then the
         partition's releases: one proxy fence for both directions (its st.shared of the B stage
         before the wgmma reads it, its ld.shared of the raw stage before the next TMA writes
         it), r_free (raw stage read) and b_ready. DIAG & 1: only the handshakes (timing
-        diagnosis only)."""
+        diagnosis only). ecol: _upcast_store's (STMA)."""
         _, w1_r, w3_r, e_r, _, f_r = ring
         r_ready, r_free, b_ready, b_free = bars
         b1_r, b3_r, sb_r = bring
@@ -503,13 +515,14 @@ if _IMPORT_OK:
                         _upcast_store(w1_r.index(s).slice(ROWS * (q // 2), ROWS), e_r.index(s),
                                       f_r.index(s), ROWS * (q // 2),
                                       b1_r.index(u).slice(ROWS * (q // 2), ROWS),
-                                      sb.slice(ROWS * (q // 2), ROWS), USE_ASM, ROWS, BK, FRAMES)
+                                      sb.slice(ROWS * (q // 2), ROWS), USE_ASM, ROWS, BK, FRAMES,
+                                      ecol)
                     else:
                         _upcast_store(w3_r.index(s).slice(ROWS * (q // 2), ROWS), e_r.index(s),
                                       f_r.index(s), BN + ROWS * (q // 2),
                                       b3_r.index(u).slice(ROWS * (q // 2), ROWS),
                                       sb.slice(BN + ROWS * (q // 2), ROWS), USE_ASM, ROWS, BK,
-                                      FRAMES)
+                                      FRAMES, ecol)
         fence_async_shared()
         _release(r_free, c, NS)
         mbarrier.arrive(b_ready.index(u), count=1)
@@ -534,7 +547,7 @@ if _IMPORT_OK:
         for c in range(_tile_chunks(work_ptr, tile, MT, G, P, N, K, BM, BN, BK, PERSIST,
                                     DOWN)):
             _upcast_units(ring, bars, bring, c, UNITS, ROWS, USE_ASM, BN, BK, NS, NU, DIAG,
-                          FRAMES)
+                          FRAMES, c % 4)
 
     # ---- MMA + epilogue ------------------------------------------------------------------------
 
