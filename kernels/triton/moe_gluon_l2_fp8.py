@@ -129,7 +129,7 @@ def l2_gluon_ws_fp8(h, h_scale, w2, counts, srt, row_w, y, *, topk: int, ks: int
     f = (frames, frames.view(-1)[BN:]) if frames is not None else (counts, counts)
     mw.l1_ws_kernel[grid](
         h, a_desc, h_scale, srt, w_desc, w2.s, w_desc, w2.s[:, BN:], y, tiles, *f, row_w,
-        max_tiles, N, K, G, P, 0.0, h.stride(0), h_scale.stride(0), w2.s.stride(0),
+        *(w_desc,) * 5, max_tiles, N, K, G, P, 0.0, h.stride(0), h_scale.stride(0), w2.s.stride(0),
         w2.s.stride(1), y.stride(0), ks, **consts,
         num_warps=mw.NUM_WARPS, maxnreg=mw.launch_maxnreg(consts))
     return y

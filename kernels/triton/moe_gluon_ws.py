@@ -111,6 +111,8 @@ K = 5120).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .attention import sm_count
@@ -158,6 +160,9 @@ PERSIST = False
 A_TMA = False
 if _IMPORT_OK:
     A_TMA_LAYOUT = ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    # STMA's boxes (unswizzled): exponents [BN, 16] bytes, A scales [1, BM] / frames [1, BN] f32
+    E_TMA_LAYOUT = ttgl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+    S_TMA_LAYOUT = ttgl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 NUM_WARPS = 4  # the default partition (MMA rows 0..63); 3 workers of 4 warps: 16 warps in all
 MAXNREG = 128  # launch register cap: 16 warps x 32 x 128 = the SM's 64K registers
 # setmaxnreg of the workers (MMA rows 64..127, upcast, loader); the default partition gets the
@@ -188,6 +193,13 @@ SKIP_IDLE = True
 # (benchmarks/results/moe-ws-14-h200.md)
 LOADER_UPCAST = True
 LUP_LAG = 2
+# STMA: the loader's small per-chunk copies (A scales, exponents, frames) by TMA on the stage's
+# barrier instead of cp.async - no cp.async wait and no publish in its loop (ncu, fourteenth
+# and fifteenth sessions: a third of the L1 loader's samples sat right after its cp.async
+# wait, the upcasts waited on r_ready). Where it applies: A by TMA, exponent rows of K / 32 %
+# 16 == 0 bytes (K = 5120 yes; the down GEMM's K = 2304 no). Off until timed on the H200
+# (MEGAGRAPH_MOE_WS_SMALL_TMA=1 turns it on).
+SMALL_TMA = os.environ.get("MEGAGRAPH_MOE_WS_SMALL_TMA", "0") == "1"
 
 
 def _lup_fits(lag: int, stages: int) -> bool:
@@ -281,7 +293,8 @@ if _IMPORT_OK:
                      LAG: ttgl.constexpr, DIAG: ttgl.constexpr, A_TMA: ttgl.constexpr,
                      FRAMES: ttgl.constexpr, bring=None, USE_ASM: ttgl.constexpr = 1,
                      NU: ttgl.constexpr = 2, LUP: ttgl.constexpr = False,
-                     LUPL: ttgl.constexpr = 2, DOWN: ttgl.constexpr = False):
+                     LUPL: ttgl.constexpr = 2, DOWN: ttgl.constexpr = False,
+                     STMA: ttgl.constexpr = False, sd=None, sring=None, srow=0):
         """Fill the raw ring with one tile's chunks, global chunk numbers c0 .. c0 + K / BK - 1
         (see the module docstring). Chunk c's cp.async group is waited for after chunk c + LAG's
         copies are issued (wait_group(LAG)), so the loader keeps up to LAG + 1 chunks of
@@ -298,8 +311,13 @@ if _IMPORT_OK:
         stage it published LUP_LAG - LAG chunks earlier (bars: all four rings' barriers, bring
         the B ring). DOWN (l2_gluon_ws_fp8): A is the expert-sorted H itself - its scales by
         sorted row, no a_idx - and "W3" is the 128 W2 rows after "W1"'s (row wrow + BN; the
-        launcher offsets the exponent and frame pointers by BN rows). Returns the next chunk
-        number."""
+        launcher offsets the exponent and frame pointers by BN rows). STMA: the A scales, the
+        exponents and the frames by TMA too (sd: their descriptors, sring: their stage buffers
+        as the TMA writes them; stride_as = the transposed scales' row length): the stage is
+        ready when its bytes land - no cp.async, no wait, no publish; the A scales from the
+        launcher's tile-ordered copy, this tile's at column srow = its list index x BM (a box's
+        inner start must be 16-byte aligned: an expert's row offset is not). Returns the next
+        chunk number."""
         a_r, w1_r, w3_r, e_r, sa_r, f_r = ring
         r_ready, r_free, _, _ = bars
         # gathered A rows (masked past the tile: zero-filled, their outputs never stored)
@@ -326,34 +344,54 @@ if _IMPORT_OK:
         f_ptrs = ttgl.where(rf < BN, f1_ptr, f3_ptr) + (wrow + rf % BN)
 
         W3_ROW: ttgl.constexpr = BN if DOWN else 0  # DOWN: "W3" = the next BN rows of W2
+        # STMA: exponents (a [BN, 16]-byte box: chunks 4 (i // 4) .. + 3), A scales,
+        # frames - all on the stage's barrier
+        S_BYTES: ttgl.constexpr = (2 * BN * 16 + BM * 4 + (2 * BN * 4 if FRAMES else 0)) \
+            if STMA else 0
         n_k = K // BK
         for i in range(n_k):
             c = c0 + i
             s, ph = _stage(c, NS)
             mbarrier.wait(r_free.index(s), ph ^ 1)  # the consumers of chunk c - NS are done
             bar = r_ready.index(s)
-            mbarrier.expect(bar, 2 * BN * (BK // 2) + A_BYTES)
+            mbarrier.expect(bar, 2 * BN * (BK // 2) + A_BYTES + S_BYTES)
             tma.async_copy_global_to_shared(w1_desc, [wrow, i * (BK // 2)], bar, w1_r.index(s))
             tma.async_copy_global_to_shared(w3_desc, [wrow + W3_ROW, i * (BK // 2)], bar,
                                             w3_r.index(s))
             if A_BYTES > 0:
                 tma.async_copy_global_to_shared(a_desc, [row0, i * BK], bar, a_r.index(s))
-            if (DIAG & 4) == 0:
+            if STMA:
+                e1_desc, e3_desc, sa_desc, f1_desc, f3_desc = sd
+                e_t, sa_t, f_t = sring
+                # (a box's inner start must be 16-byte aligned - the H200 raised an illegal
+                # instruction at 4 i: so the group of chunks i // 4, read at (i % 4) 4)
+                tma.async_copy_global_to_shared(e1_desc, [wrow, (i // 4) * 16], bar,
+                                                e_t.index(s).slice(0, BN))
+                tma.async_copy_global_to_shared(e3_desc, [wrow + W3_ROW, (i // 4) * 16], bar,
+                                                e_t.index(s).slice(BN, BN))
+                tma.async_copy_global_to_shared(sa_desc, [i, srow], bar, sa_t.index(s))
+                if FRAMES:
+                    tma.async_copy_global_to_shared(f1_desc, [wrow // BN, 0], bar,
+                                                    f_t.index(s).slice(0, 1))
+                    tma.async_copy_global_to_shared(f3_desc, [(wrow + W3_ROW) // BN, 0], bar,
+                                                    f_t.index(s).slice(1, 1))
+            elif (DIAG & 4) == 0:
                 if not A_TMA:
                     async_copy.async_copy_global_to_shared(a_r.index(s), a_ptrs + i * BK,
                                                            mask=a_mask)
                 async_copy.async_copy_global_to_shared(sa_r.index(s), s_ptrs + i,
                                                        mask=rs < nrows)
-            async_copy.async_copy_global_to_shared(e_r.index(s), e_ptrs + i * (BK // 32))
-            if FRAMES:
-                async_copy.async_copy_global_to_shared(f_r.index(s), f_ptrs)
-            async_copy.commit_group()
-            if c >= LAG:
-                _publish(r_ready, c - LAG, LAG, NS)
+            if not STMA:
+                async_copy.async_copy_global_to_shared(e_r.index(s), e_ptrs + i * (BK // 32))
+                if FRAMES:
+                    async_copy.async_copy_global_to_shared(f_r.index(s), f_ptrs)
+                async_copy.commit_group()
+                if c >= LAG:
+                    _publish(r_ready, c - LAG, LAG, NS)
             if LUP:
                 if c >= LUPL:
                     _upcast_units(ring, bars, bring, c - LUPL, LUP_UNITS, 32, USE_ASM, BN, BK,
-                                  NS, NU, DIAG, FRAMES)
+                                  NS, NU, DIAG, FRAMES, (c - LUPL) % 4)
         return c0 + n_k
 
     @gluon.jit
@@ -364,7 +402,8 @@ if _IMPORT_OK:
                 DIAG: ttgl.constexpr, PERSIST: ttgl.constexpr, A_TMA: ttgl.constexpr,
                 FRAMES: ttgl.constexpr, bring=None, USE_ASM: ttgl.constexpr = 1,
                 NU: ttgl.constexpr = 2, LUP: ttgl.constexpr = False,
-                LUPL: ttgl.constexpr = 2, DOWN: ttgl.constexpr = False):
+                LUPL: ttgl.constexpr = 2, DOWN: ttgl.constexpr = False,
+                STMA: ttgl.constexpr = False, sd=None, sring=None):
         """The loader partition: this CTA's tiles (_tiles), then the last LAG chunks published
         (oldest first: wait_group(LAG - 1 - j) leaves exactly the newer ones pending); LUP: then
         its upcast share of the last LUP_LAG chunks."""
@@ -379,23 +418,26 @@ if _IMPORT_OK:
                                      g.to(ttgl.int32) * N + pid_n * CT, K, c, stride_am,
                                      stride_as, stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK,
                                      BM, BN, BK, NS, LAG, DIAG, A_TMA, FRAMES, bring, USE_ASM,
-                                     NU, LUP, LUPL, DOWN)
+                                     NU, LUP, LUPL, DOWN, STMA, sd, sring,
+                                     (t // (N // CT)) * BM)
         else:
             _, g, row0, nrows, pid_n = tile_entry(work_ptr, tile, N // CT, MT, G, P, BM)
             c = _loader_tile(a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, w3_desc, bs1_ptr,
                              bs2_ptr, ring, bars, g, row0, nrows, pid_n * CT,
                              g.to(ttgl.int32) * N + pid_n * CT, K, c, stride_am, stride_as,
                              stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK, BM, BN, BK, NS, LAG,
-                             DIAG, A_TMA, FRAMES, bring, USE_ASM, NU, LUP, LUPL, DOWN)
+                             DIAG, A_TMA, FRAMES, bring, USE_ASM, NU, LUP, LUPL, DOWN, STMA, sd,
+                             sring, (tile // (N // CT)) * BM)
         r_ready, _, _, _ = bars
-        for j in ttgl.static_range(LAG):  # the last LAG chunks, oldest first
-            if c - LAG + j >= 0:
-                _publish(r_ready, c - LAG + j, LAG - 1 - j, NS)
+        if not STMA:  # (STMA: no cp.async, nothing to publish)
+            for j in ttgl.static_range(LAG):  # the last LAG chunks, oldest first
+                if c - LAG + j >= 0:
+                    _publish(r_ready, c - LAG + j, LAG - 1 - j, NS)
         if LUP:
             for j in ttgl.static_range(LUPL):
                 if c - LUPL + j >= 0:
                     _upcast_units(ring, bars, bring, c - LUPL + j, LUP_UNITS, 32, USE_ASM, BN,
-                                  BK, NS, NU, DIAG, FRAMES)
+                                  BK, NS, NU, DIAG, FRAMES, (c - LUPL + j) % 4)
 
     @gluon.jit
     def _publish(r_ready, c, PENDING: ttgl.constexpr, NS: ttgl.constexpr):
@@ -411,7 +453,7 @@ if _IMPORT_OK:
     @gluon.jit
     def _upcast_store(w_s, e_s, f_s, ROW0: ttgl.constexpr, b_dst, sb_dst,
                       USE_ASM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
-                      FRAMES: ttgl.constexpr):
+                      FRAMES: ttgl.constexpr, ecol=0):
         """One matrix's BN packed rows (w_s [BN, BK / 2] bytes, NVMMA 64-byte swizzle as TMA
         wrote them; exponents rows ROW0.. of e_s [2 BN, 4]) -> E4M3 [BN, BK] in column order into
         b_dst and the rows' promotion scales 2^(S - 127) into sb_dst [BN]. The per-(row, group)
@@ -419,12 +461,25 @@ if _IMPORT_OK:
         (natural columns: pack kk of group t -> columns 32 t + 8 kk + 4 h + b). FRAMES: the
         rows' frames over all of K from f_s (the loader's copy; rows ROW0.. like e_s) instead
         of the chunk's, and no promotion scales (the MMA warpgroups apply the frames in their
-        epilogue)."""
+        epilogue). STMA's exponent stage [2 BN, 16]: 4 chunks' bytes a row, this chunk's at
+        column 4 ecol (ecol = the chunk's index in its tile % 4 = its global number c % 4: STMA
+        needs K / 32 % 16 == 0, so a tile's chunk count is a multiple of 4)."""
         pl: ttgl.constexpr = P_L if BN == WN_C else P_L32  # 64-row blocks, or LUP's 32
         e_l: ttgl.constexpr = ttgl.SliceLayout(2, ttgl.SliceLayout(3, pl))
         p = w_s.load(P2_L)  # [BN, 64] uint8: 16 contiguous bytes (one group) per thread
         p = ttgl.convert_layout(ttgl.reshape(p, [BN, 4, 4, 4]), pl, assert_trivial=True)
-        e = e_s.slice(ROW0, BN).load(e_l).to(ttgl.int32)  # [BN, 4]
+        e_rows = e_s.slice(ROW0, BN)
+        if e_s.shape[1] == 4:
+            e = e_rows.load(e_l)
+        elif ecol == 0:  # STMA (the column's start must be a constant: one load per case)
+            e = e_rows.slice(0, 4, dim=1).load(e_l)
+        elif ecol == 1:
+            e = e_rows.slice(4, 4, dim=1).load(e_l)
+        elif ecol == 2:
+            e = e_rows.slice(8, 4, dim=1).load(e_l)
+        else:
+            e = e_rows.slice(12, 4, dim=1).load(e_l)
+        e = e.to(ttgl.int32)  # [BN, 4]
         if FRAMES:
             S = f_s.slice(ROW0, BN).load(ttgl.SliceLayout(1, e_l))
             r0, r1 = upcast_packs_rel(p, e - ttgl.expand_dims(S, 1), USE_ASM, BN, pl)
@@ -441,13 +496,13 @@ if _IMPORT_OK:
     def _upcast_units(ring, bars, bring, c, UNITS: ttgl.constexpr, ROWS: ttgl.constexpr,
                       USE_ASM: ttgl.constexpr, BN: ttgl.constexpr, BK: ttgl.constexpr,
                       NS: ttgl.constexpr, NU: ttgl.constexpr, DIAG: ttgl.constexpr,
-                      FRAMES: ttgl.constexpr):
+                      FRAMES: ttgl.constexpr, ecol=0):
         """Chunk c's ROWS-row blocks in UNITS (bit 2 h: rows ROWS h .. of W1, bit 2 h + 1: the
         same of W3, in that order) upcast from raw stage c % NS into B stage c % NU, then the
         partition's releases: one proxy fence for both directions (its st.shared of the B stage
         before the wgmma reads it, its ld.shared of the raw stage before the next TMA writes
         it), r_free (raw stage read) and b_ready. DIAG & 1: only the handshakes (timing
-        diagnosis only)."""
+        diagnosis only). ecol: _upcast_store's (STMA)."""
         _, w1_r, w3_r, e_r, _, f_r = ring
         r_ready, r_free, b_ready, b_free = bars
         b1_r, b3_r, sb_r = bring
@@ -463,13 +518,14 @@ if _IMPORT_OK:
                         _upcast_store(w1_r.index(s).slice(ROWS * (q // 2), ROWS), e_r.index(s),
                                       f_r.index(s), ROWS * (q // 2),
                                       b1_r.index(u).slice(ROWS * (q // 2), ROWS),
-                                      sb.slice(ROWS * (q // 2), ROWS), USE_ASM, ROWS, BK, FRAMES)
+                                      sb.slice(ROWS * (q // 2), ROWS), USE_ASM, ROWS, BK, FRAMES,
+                                      ecol)
                     else:
                         _upcast_store(w3_r.index(s).slice(ROWS * (q // 2), ROWS), e_r.index(s),
                                       f_r.index(s), BN + ROWS * (q // 2),
                                       b3_r.index(u).slice(ROWS * (q // 2), ROWS),
                                       sb.slice(BN + ROWS * (q // 2), ROWS), USE_ASM, ROWS, BK,
-                                      FRAMES)
+                                      FRAMES, ecol)
         fence_async_shared()
         _release(r_free, c, NS)
         mbarrier.arrive(b_ready.index(u), count=1)
@@ -494,7 +550,7 @@ if _IMPORT_OK:
         for c in range(_tile_chunks(work_ptr, tile, MT, G, P, N, K, BM, BN, BK, PERSIST,
                                     DOWN)):
             _upcast_units(ring, bars, bring, c, UNITS, ROWS, USE_ASM, BN, BK, NS, NU, DIAG,
-                          FRAMES)
+                          FRAMES, c % 4)
 
     # ---- MMA + epilogue ------------------------------------------------------------------------
 
@@ -798,7 +854,8 @@ if _IMPORT_OK:
 
     @gluon.jit
     def l1_ws_kernel(a_ptr, a_desc, as_ptr, aidx_ptr, w1_desc, bs1_ptr, w3_desc, bs2_ptr, c_ptr,
-                     work_ptr, f1_ptr, f3_ptr, ep_ptr,
+                     work_ptr, f1_ptr, f3_ptr, ep_ptr, e1_desc, e3_desc, sa_desc, f1_desc,
+                     f3_desc,
                      MT, N, K, G, P, limit, stride_am, stride_as, stride_bsg, stride_bsn,
                      stride_cm, ep_stride, TOPK: ttgl.constexpr, HAS_LIMIT: ttgl.constexpr,
                      USE_ASM: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
@@ -807,7 +864,8 @@ if _IMPORT_OK:
                      A_TMA: ttgl.constexpr, QLAG: ttgl.constexpr, UPP: ttgl.constexpr,
                      SKIP: ttgl.constexpr, FRAMES: ttgl.constexpr, AREG: ttgl.constexpr,
                      R_MMA: ttgl.constexpr, R_UP: ttgl.constexpr, R_LD: ttgl.constexpr,
-                     LUP: ttgl.constexpr, LUPL: ttgl.constexpr, EPI: ttgl.constexpr = 0):
+                     LUP: ttgl.constexpr, LUPL: ttgl.constexpr, EPI: ttgl.constexpr = 0,
+                     STMA: ttgl.constexpr = False):
         """Program pid: row tile pid // (N / BN) of moe.tile_list at BM rows, columns
         (pid % (N / BN)) * BN of W1 and W3 (w1_desc / w3_desc: the banks as [G N, K / 2] bytes,
         boxes [BN, BK / 2]). N % BN == 0, K % BK == 0 (the launcher checks); out-of-range list
@@ -824,6 +882,8 @@ if _IMPORT_OK:
         ttgl.static_assert((not FRAMES) | (BN == 2 * WN_C), "row frames: the 128-column tile")
         ttgl.static_assert((EPI == 0) | ((BN == 2 * WN_C) & A_TMA),
                            "the FP8-H epilogues: the 128-column tile with A by TMA")
+        ttgl.static_assert((not STMA) | (A_TMA & ((DIAG & 4) == 0)),
+                           "the small copies by TMA: A by TMA too (no cp.async left)")
         DOWN: ttgl.constexpr = EPI == 2
         CT: ttgl.constexpr = 2 * BN if DOWN else BN  # weight rows per column tile
         ttgl.static_assert((not LUP) | ((BN == 2 * WN_C) & (UPP == 2) & (LUPL >= LAG)
@@ -840,12 +900,29 @@ if _IMPORT_OK:
         a_r = ttgl.allocate_shared_memory(ttgl.float8e4nv, [NS, BM, BK], F8_SMEM)
         w1_r = ttgl.allocate_shared_memory(ttgl.uint8, [NS, BN, BK // 2], w1_desc.layout)
         w3_r = ttgl.allocate_shared_memory(ttgl.uint8, [NS, BN, BK // 2], w3_desc.layout)
-        e_r = ttgl.allocate_shared_memory(ttgl.uint8, [NS, 2 * BN, 4], FLAT)
-        sa_r = ttgl.allocate_shared_memory(ttgl.float32, [NS, BM], FLAT1)
-        if FRAMES:  # the rows' frames (int32 [2 BN]: W1's, W3's), with every chunk
-            f_r = ttgl.allocate_shared_memory(ttgl.int32, [NS, 2 * BN], FLAT1)
+        if STMA:  # the small copies by TMA: buffers in the descriptors' layouts, read through
+            # plain views of the same bytes (the exponents: [2 BN, 16] a stage, the chunk's 4
+        # bytes first in each row)
+            e_t = ttgl.allocate_shared_memory(ttgl.uint8, [NS, 2 * BN, 16], e1_desc.layout)
+            e_r = e_t  # (_upcast_store reads a row's first 4 bytes)
+            sa_t = ttgl.allocate_shared_memory(ttgl.float32, [NS, 1, BM], sa_desc.layout)
+            sa_r = sa_t._reinterpret(ttgl.float32, [NS, BM], FLAT1)
+            if FRAMES:
+                f_t = ttgl.allocate_shared_memory(ttgl.int32, [NS, 2, BN], f1_desc.layout)
+                f_r = f_t._reinterpret(ttgl.int32, [NS, 2 * BN], FLAT1)
+            else:
+                f_t = sa_t
+                f_r = sa_r  # never read
         else:
-            f_r = sa_r  # never read
+            e_r = ttgl.allocate_shared_memory(ttgl.uint8, [NS, 2 * BN, 4], FLAT)
+            sa_r = ttgl.allocate_shared_memory(ttgl.float32, [NS, BM], FLAT1)
+            if FRAMES:  # the rows' frames (int32 [2 BN]: W1's, W3's), with every chunk
+                f_r = ttgl.allocate_shared_memory(ttgl.int32, [NS, 2 * BN], FLAT1)
+            else:
+                f_r = sa_r  # never read
+            e_t = e_r
+            sa_t = sa_r
+            f_t = f_r
         b1_r = ttgl.allocate_shared_memory(ttgl.float8e4nv, [NU, BN, BK], F8_SMEM)
         b3_r = ttgl.allocate_shared_memory(ttgl.float8e4nv, [NU, BN, BK], F8_SMEM)
         sb_r = ttgl.allocate_shared_memory(ttgl.float32, [NU, 2 * BN], FLAT1)
@@ -854,7 +931,8 @@ if _IMPORT_OK:
         b_ready = ttgl.allocate_shared_memory(ttgl.int64, [NU, 1], mbarrier.MBarrierLayout())
         b_free = ttgl.allocate_shared_memory(ttgl.int64, [NU, 1], mbarrier.MBarrierLayout())
         for s in ttgl.static_range(NS):
-            mbarrier.init(r_ready.index(s), count=2)  # the TMA's expect + the loader's arrive
+            # the TMA's expect + the loader's arrive (STMA: the expect alone)
+            mbarrier.init(r_ready.index(s), count=1 if STMA else 2)
             # 2 MMA warpgroups + the upcast partitions (UPP: one, or two - W1 / W3 - each)
             # (+ the loader, LUP: it upcasts a share of each chunk)
             mbarrier.init(r_free.index(s), count=2 + UPP + LUP)
@@ -865,6 +943,8 @@ if _IMPORT_OK:
 
         ring = (a_r, w1_r, w3_r, e_r, sa_r, f_r)
         bring = (b1_r, b3_r, sb_r)
+        sd = (e1_desc, e3_desc, sa_desc, f1_desc, f3_desc)
+        sring = (e_t, sa_t, f_t)
         bars = (r_ready, r_free, b_ready, b_free)
         # (Gluon: the partitions' argument tuples written out in each call - a tuple bound to a
         # name first loses its constexprs)
@@ -884,7 +964,7 @@ if _IMPORT_OK:
                            ring, bars, work_ptr, tile, MT, G, P, N, K, stride_am,
                            stride_as, stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK, BM, BN, BK,
                            NS, LAG, DIAG, PERSIST, A_TMA, FRAMES, bring, USE_ASM, NU, False,
-                           LUPL, DOWN)),
+                           LUPL, DOWN, STMA, sd, sring)),
             ], [4, 4, 4], [R_MMA, R_UP, R_LD])
         else:  # two upcast partitions: W1's and W3's
             ttgl.warp_specialize([
@@ -904,7 +984,7 @@ if _IMPORT_OK:
                            ring, bars, work_ptr, tile, MT, G, P, N, K, stride_am,
                            stride_as, stride_bsg, stride_bsn, f1_ptr, f3_ptr, TOPK, BM, BN, BK,
                            NS, LAG, DIAG, PERSIST, A_TMA, FRAMES, bring, USE_ASM, NU, LUP,
-                           LUPL, DOWN)),
+                           LUPL, DOWN, STMA, sd, sring)),
             ], [4, 4, 4, 4], [R_MMA, R_UP, R_UP, R_LD])
 
 
@@ -914,7 +994,8 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
                   regs: tuple[int, int, int] | None = None, bn: int = BN,
                   qlag: int | None = None, upp: int | None = None,
                   skip: bool | None = None, frames: bool = False,
-                  areg: bool | None = None, lup: bool | None = None, epi: int = 0) -> dict:
+                  areg: bool | None = None, lup: bool | None = None, epi: int = 0,
+                  stma: bool = False) -> dict:
     """l1_ws_kernel's constexprs (the launcher's and the ahead-of-time build test's); lag None:
     LAG (clamped to stages - 1); stages / bstages / regs None: the tile's defaults (NS / NU /
     REGS at bn 64, NS_WIDE / NU_WIDE / REGS_WIDE at bn 128); qlag (bn 128 only): 1 = the next
@@ -924,14 +1005,17 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
     1. skip None: SKIP_IDLE (the rows 64..127 warpgroup's wgmmas skipped on tiles of <= 64
     rows). frames: the weights' frames per row over all of K (bn 128 only; l1_gluon_ws). epi:
     the epilogue (_epilogue_wide: 0 H, 1 FP8 H + scales, 2 the FP8-H down GEMM; 1 and 2 need
-    bn 128 and A by TMA)."""
+    bn 128 and A by TMA). stma: the A scales, exponents and frames by TMA as well (A by TMA;
+    not the down GEMM: W2's exponent rows are not a TMA stream; l1_gluon_ws)."""
+    if stma and (epi == 2 or a_tma is False):
+        raise ValueError("stma: A by TMA, not the down GEMM")
     if bn not in (BN, BN_WIDE):
         raise ValueError(f"bn {bn}: {BN} or {BN_WIDE}")
     if epi not in (0, 1, 2):
         raise ValueError(f"epi {epi}: 0, 1 or 2")
     if epi and (bn != BN_WIDE or a_tma is False):
         raise ValueError(f"epi {epi} (FP8 H): bn {BN_WIDE} with A by TMA")
-    if epi:
+    if epi or stma:
         a_tma = True
     wide = bn == BN_WIDE
     if frames and not wide:
@@ -970,7 +1054,7 @@ def kernel_consts(*, topk: int, has_limit: bool, use_asm: bool = True,
                 NS=stages, NU=bstages, LAG=lag, DIAG=int(diag), PERSIST=persist, A_TMA=a_tma,
                 QLAG=qlag, UPP=upp, SKIP=SKIP_IDLE if skip is None else bool(skip),
                 FRAMES=bool(frames), AREG=areg, R_MMA=r_mma, R_UP=r_up, R_LD=r_ld, LUP=lup,
-                LUPL=int(LUP_LAG), EPI=int(epi))
+                LUPL=int(LUP_LAG), EPI=int(epi), STMA=bool(stma))
 
 
 def launch_maxnreg(consts: dict) -> int:
@@ -989,7 +1073,8 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
                 skip: bool | None = None,
                 frames: tuple[torch.Tensor, torch.Tensor] | None = None,
                 areg: bool | None = None, lup: bool | None = None,
-                out_scale: torch.Tensor | None = None) -> torch.Tensor:
+                out_scale: torch.Tensor | None = None,
+                stma: bool | None = None) -> torch.Tensor:
     """out [P, F] (expert-sorted rows; fp16 in routed_experts, fp32 / bf16 fine; a row-strided
     view is fine) = swiglu(A W1^T, A W3^T) per expert, A row of sorted row r = a_q[a_idx[r] //
     topk] (E4M3 [T, d] with 16-byte aligned rows, a_scale [T, d / 128] f32); w1 / w3: moe.Bank
@@ -1013,7 +1098,10 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     LOADER_UPCAST where two upcast partitions run); the same bits. out_scale (FP8 H, the
     vendor's activation quantization before the down projection): out is E4M3 and gets H
     quantized per row and 128 columns as quantize_act fp8_1x128 does, out_scale [>= P, F / 128]
-    f32 the scales (bn 128, A by TMA; l2_gluon_ws_fp8 takes both)."""
+    f32 the scales (bn 128, A by TMA; l2_gluon_ws_fp8 takes both). stma: the A scales (from a
+    transposed expert-sorted copy made here), the exponents and the frames by TMA as well, so
+    the loader neither waits for nor publishes cp.async copies (None: SMALL_TMA where it
+    applies: A by TMA and the exponent rows a TMA stream, K / 32 % 16 == 0); the same bits."""
     from .moe_gluon_decode import _weight_desc
 
     if not _IMPORT_OK:
@@ -1041,11 +1129,18 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     if max_tiles == 0 or P == 0:
         return out
     tiles = tile_list(counts, BM, max_tiles, tiles)
+    a_tma_on = (A_TMA if a_tma is None else bool(a_tma)) or epi > 0
+    stma_ok = a_tma_on and not diag & 4 and _stma_fits(w1, w3)
+    if stma is None:
+        stma = SMALL_TMA and stma_ok
+    elif stma and not stma_ok:
+        raise ValueError("stma: A by TMA and exponent rows of K / 32 % 16 == 0 bytes "
+                         "(contiguous E8M0 banks)")
     consts = kernel_consts(topk=topk, has_limit=limit is not None and limit > 0,
                            use_asm=True if use_asm is None else bool(use_asm), stages=ns,
                            bstages=nu, lag=lag, diag=diag, persist=persist, a_tma=a_tma,
                            bn=bn, qlag=qlag, upp=upp, skip=skip, frames=frames is not None,
-                           areg=areg, lup=lup, epi=epi)
+                           areg=areg, lup=lup, epi=epi, stma=bool(stma))
     _check_frames(frames, counts.numel(), N, out.device)
     grid = max_tiles * (N // bn)
     if consts["PERSIST"]:
@@ -1056,17 +1151,73 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     if consts["A_TMA"]:
         from .gluon_common import TensorDescriptor
 
-        a_sorted = a_q.index_select(0, torch.div(a_idx, topk, rounding_mode="floor"))
+        tok = torch.div(a_idx, topk, rounding_mode="floor")
+        a_sorted = a_q.index_select(0, tok)
         a_desc = TensorDescriptor(a_sorted, [P, K], [a_sorted.stride(0), 1], [BM, BK],
                                   A_TMA_LAYOUT)
+    sdesc = (w1_desc,) * 5  # placeholders of the right kind where STMA is off (never read)
+    stride_as = a_scale.stride(0)
+    if consts["STMA"]:
+        sdesc, stride_as = _small_descs(a_scale, tok, tiles, max_tiles, w1, w3, frames, P, K,
+                                        bn)
     ep = out_scale if out_scale is not None else a_scale  # (EPI 0: a placeholder, never read)
     l1_ws_kernel[grid](
         a_q, a_desc, a_scale, a_idx, w1_desc, w1.s, _weight_desc(w3, bn), w3.s, out, tiles,
-        *(frames if frames is not None else (counts, counts)), ep, max_tiles, N, K,
-        counts.numel(), P, float(limit or 0.0), a_q.stride(0), a_scale.stride(0),
+        *(frames if frames is not None else (counts, counts)), ep, *sdesc, max_tiles, N, K,
+        counts.numel(), P, float(limit or 0.0), a_q.stride(0), stride_as,
         w1.s.stride(0), w1.s.stride(1), out.stride(0), ep.stride(0), **consts,
         num_warps=NUM_WARPS, maxnreg=launch_maxnreg(consts))
     return out
+
+
+def _stma_fits(w1, w3) -> bool:
+    """STMA's exponent stream: each bank's E8M0 exponents one [G N, K / 32] byte matrix (rows one
+    stride apart, contiguous) whose rows are a multiple of 16 bytes (TMA's stride rule), 16-byte
+    aligned."""
+    for b in (w1, w3):
+        e = b.s
+        if not e.is_contiguous() or e.shape[-1] % 16 or e.data_ptr() % 16:
+            return False
+    return True
+
+
+def _tile_scales(a_scale, tok, tiles, MT: int, P: int, kc: int) -> torch.Tensor:
+    """[kc, MT BM] f32: column j BM + r = the A scales (chunks 0..kc-1) of row r of tile j of
+    moe.tile_list's device list (sorted row row0_j + r, token tok[...]), 0 past the tile's rows
+    and past the list: each tile's scales start 16-byte aligned (STMA's box). Device ops only
+    (no host sync: CUDA-graph capturable)."""
+    dev = a_scale.device
+    row0 = tiles[1 + MT:1 + 2 * MT].long()
+    rend = tiles[1 + 2 * MT:1 + 3 * MT].long()
+    idx = row0[:, None] + torch.arange(BM, device=dev)[None, :]
+    ok = (idx < rend.clamp(max=P)[:, None]) & (idx >= 0) & \
+        (torch.arange(MT, device=dev)[:, None] < tiles[0].long())
+    src = tok.index_select(0, idx.clamp(0, P - 1).flatten())
+    sa = a_scale[:, :kc].index_select(0, src) * ok.flatten()[:, None]
+    return sa.t().contiguous()
+
+
+def _small_descs(a_scale, tok, tiles, MT: int, w1, w3, frames, P: int, K: int, bn: int):
+    """STMA's descriptors (e1, e3, sa, f1, f3) and the scale copy's row length: the A scales in
+    tile order (_tile_scales: [K / 128, MT BM], chunk i of tile j = one [1, BM] box at [i, j
+    BM]), the banks' exponents as [G N, K / 32] bytes in [bn, 16] boxes (chunks 4 (i // 4) ..
+    + 3: a box starts 16-byte aligned), the frames as [G N / bn, bn] int32 in [1, bn] boxes (the
+    launcher's f1 / f3 where frames are off: placeholders, never read)."""
+    from .gluon_common import TensorDescriptor
+
+    kc = K // 128
+    sa_t = _tile_scales(a_scale, tok, tiles, MT, P, kc)
+    P4 = sa_t.shape[1]
+    G, N = w1.s.shape[0], w1.s.shape[1]
+    e = [TensorDescriptor(b.s.view(torch.uint8).view(G * N, K // 32), [G * N, K // 32],
+                          [K // 32, 1], [bn, 16], E_TMA_LAYOUT) for b in (w1, w3)]
+    sa = TensorDescriptor(sa_t, [kc, P4], [P4, 1], [1, BM], S_TMA_LAYOUT)
+    if frames is not None:
+        f = [TensorDescriptor(fr.view(G * N // bn, bn), [G * N // bn, bn], [bn, 1], [1, bn],
+                              S_TMA_LAYOUT) for fr in frames]
+    else:
+        f = [sa, sa]
+    return (e[0], e[1], sa, f[0], f[1]), P4
 
 
 def _check_frames(frames, G: int, N: int, device) -> None:

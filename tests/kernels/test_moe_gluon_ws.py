@@ -178,6 +178,53 @@ def test_l1_ws_loader_upcast(name, frames, areg):
     _same_bits_as_default(name, frames=frames, a_tma=True, bn=W, upp=2, lup=True, areg=areg)
 
 
+STMA_CASES = [n for n, c in CASES.items() if c[4] % W == 0 and (c[3] // 32) % 16 == 0]
+
+
+@gpu
+@pytest.mark.parametrize("name", STMA_CASES)
+@pytest.mark.parametrize("frames,lup", [(True, None), (False, None), (True, False)])
+def test_l1_ws_small_tma(name, frames, lup):
+    """The loader's small copies (A scales from the transposed sorted copy, exponents in [BN,
+    16]-byte boxes, frames) by TMA on the stage's barrier (stma: no cp.async, no publish): the
+    default launch's bits, every row written, with row frames or per-chunk ones, the loader's
+    upcast share on or off, persistent over 3 CTAs and one CTA per tile."""
+    _same_bits_as_default(name, frames=frames, a_tma=True, bn=W, stma=True, lup=lup)
+
+
+def test_tile_scales():
+    """STMA's tile-ordered A scales (moe_gluon_ws._tile_scales, torch ops on any device): column
+    j BM + r = the scales of tile j's row r (its sorted row's token), 0 past a tile's rows and
+    past the list's total (entries there are garbage), against a loop over a hand-made list."""
+    P, kc, MT = 136, 3, 5
+    g = torch.Generator().manual_seed(4)
+    a_scale = torch.rand(50, kc + 1, generator=g) + 0.5
+    tok = torch.randint(0, 50, (P,), generator=g, dtype=torch.int32)
+    # experts of 3, 0, 133 rows: tiles (row0, rend) = (0, 3), (3, 136), (131, 136); entries 3, 4
+    # past the total hold garbage (one in range, one out)
+    tiles = torch.tensor([3, 0, 2, 2, 7, -5, 0, 3, 131, 1, 999, 3, 136, 136, 2, 4],
+                         dtype=torch.int32)
+    got = mw._tile_scales(a_scale, tok, tiles, MT, P, kc)
+    want = torch.zeros(kc, MT * mw.BM)
+    for j, (r0, r1) in enumerate([(0, 3), (3, 136), (131, 136)]):
+        for r in range(min(mw.BM, r1 - r0)):
+            want[:, j * mw.BM + r] = a_scale[tok[r0 + r].long(), :kc]
+    assert got.shape == (kc, MT * mw.BM) and got.is_contiguous()
+    assert torch.equal(got, want)
+
+
+@gpu
+def test_l1_ws_small_tma_refused():
+    """stma where the exponent rows are no TMA stream (K / 32 = 8 bytes) or A is gathered: a
+    ValueError before any launch; None (the default) then runs without it."""
+    rows, T, k, d, F, exps, limit = CASES["short_k_wide_exps"]
+    xq, xs, w1, w3, counts, a_idx = rows_case(rows, T, k, d, 128, seed=1, exps=exps)
+    out = torch.empty((sum(rows), 128), dtype=torch.float16, device="cuda")
+    for kw in (dict(a_tma=True), dict(a_tma=False)):
+        with pytest.raises(ValueError, match="stma"):
+            _launch(xq, xs, a_idx, w1, w3, counts, out, k, limit, bn=W, stma=True, **kw)
+
+
 @gpu
 def test_row_frames_cached_and_refused():
     """row_frames is built once per weight (the same tensors back) and refuses banks with a row
@@ -425,7 +472,16 @@ def _types(a_tma: bool = False, bn: int = mw.BN):
              if n not in ("b1_ptr", "b2_ptr", "stride_bg", "stride_bn")}
     a_desc = desc if not a_tma else f"tensordesc<fp8e4nv[{mw.BM}, {mw.BK}],{mw.A_TMA_LAYOUT!r}>"
     return dict(types, w1_desc=desc, w3_desc=desc, a_desc=a_desc, f1_ptr="*i32", f3_ptr="*i32",
-                ep_ptr="*fp32", ep_stride="i32")
+                ep_ptr="*fp32", ep_stride="i32",
+                **{n: desc for n in ("e1_desc", "e3_desc", "sa_desc", "f1_desc", "f3_desc")})
+
+
+def _stma_types(bn: int = mw.BN_WIDE):
+    """_types(a_tma=True) with STMA's descriptors (exponent, A-scale and frame boxes)."""
+    e = f"tensordesc<u8[{bn}, 16],{mw.E_TMA_LAYOUT!r}>"
+    sa = f"tensordesc<fp32[1, {mw.BM}],{mw.S_TMA_LAYOUT!r}>"
+    f = f"tensordesc<i32[1, {bn}],{mw.S_TMA_LAYOUT!r}>"
+    return dict(_types(True, bn), e1_desc=e, e3_desc=e, sa_desc=sa, f1_desc=f, f3_desc=f)
 
 
 def _compile(**kw):
@@ -772,6 +828,39 @@ def test_l1_ws_sm90_build_loader_upcast(frames, areg):
             mw.kernel_consts(topk=6, has_limit=True, lup=True, **kw)
         # the default (lup None) leaves it off there instead (the H200 suite's 2-stage rings)
         assert not mw.kernel_consts(topk=6, has_limit=True, **kw)["LUP"]
+
+
+@build
+@pytest.mark.parametrize("frames,lup", [(True, True), (False, False)])
+def test_l1_ws_sm90_build_small_tma(frames, lup):
+    """stma (the A scales, exponents and frames by TMA): no stack / spills beyond the lup
+    default's, <= 227 KB of shared memory (the exponent stages 4x larger), and per chunk the
+    loader's loop holds no cp.async and no cp.async wait - its TMA issues (W1, W3, A,
+    exponents x 2, A scales, frames x 2 with frames) and one expect, and arrives only with its
+    upcast share (r_free, b_ready); the upcasts' and the MMA warpgroups' loops and release
+    order unchanged; refused with gathered A and for the down GEMM."""
+    consts = mw.kernel_consts(topk=6, has_limit=True, bn=mw.BN_WIDE, a_tma=True, persist=False,
+                              frames=frames, lup=lup, stma=True)
+    k = gluon_sm90(mw.l1_ws_kernel, _stma_types(), consts, num_warps=mw.NUM_WARPS,
+                   maxnreg=mw.launch_maxnreg(consts))
+    usage, sass = usage_and_sass(k)
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= 16, usage
+    assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+    loops = partition_loops(sass)
+    kinds = ("upcast", "loader")
+    ld = [b for n in kinds for b in loops[n] if count(b, r"\bUTMALDG\b") > 0]
+    ups = [b for b in loops["upcast"] if count(b, r"\bUTMALDG\b") == 0]
+    assert len(ld) == 1 and len(ups) == 2 and len(loops["mma"]) == 2, \
+        {n: len(v) for n, v in loops.items()}
+    body = ld[0]
+    assert count(body, r"\bLDGSTS") == 0 and count(body, r"^(@\S+\s+)?DEPBAR") == 0
+    assert count(body, r"\bUTMALDG\b") == 6 + 2 * frames
+    assert count(body, r"SYNCS\.ARRIVE\.TRANS64\s") == 1  # the expect
+    assert count(body, r"SYNCS\.ARRIVE\.TRANS64\.A1T0") == (2 if lup else 0)
+    assert ws_order_problems({"upcast": ups, "mma": loops["mma"], "loader": []}) == []
+    for kw in (dict(a_tma=False), dict(epi=2)):
+        with pytest.raises(ValueError, match="stma"):
+            mw.kernel_consts(topk=6, has_limit=True, bn=mw.BN_WIDE, stma=True, **kw)
 
 
 @build
