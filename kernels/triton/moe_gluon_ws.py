@@ -196,10 +196,15 @@ LUP_LAG = 2
 # STMA: the loader's small per-chunk copies (A scales, exponents, frames) by TMA on the stage's
 # barrier instead of cp.async - no cp.async wait and no publish in its loop (ncu, fourteenth
 # and fifteenth sessions: a third of the L1 loader's samples sat right after its cp.async
-# wait, the upcasts waited on r_ready). Where it applies: A by TMA, exponent rows of K / 32 %
-# 16 == 0 bytes (K = 5120 yes; the down GEMM's K = 2304 no). Off until timed on the H200
-# (MEGAGRAPH_MOE_WS_SMALL_TMA=1 turns it on).
-SMALL_TMA = os.environ.get("MEGAGRAPH_MOE_WS_SMALL_TMA", "0") == "1"
+# wait, the upcasts waited on r_ready). The A scales come from a tile-ordered copy
+# (_tile_scales: a TMA box's inner start must be 16-byte aligned - the H200 raised an illegal
+# instruction otherwise), the exponents in 16-byte groups of 4 chunks. Where it applies: A by
+# TMA, exponent rows of K / 32 % 16 == 0 bytes (K = 5120 yes; the down GEMM's K = 2304 no).
+# Default since the fifteenth session on the 128-column tile (routed_experts' L1; the tile
+# it was measured and tested on): H200, 8192 tokens, the MegaMoE layer 6.48 -> 6.30 ms balanced
+# (faster in each of 3 rounds), 8.04 -> 8.00 gate-routed, the same bits
+# (benchmarks/results/moe-fp8h-15-h200.md); MEGAGRAPH_MOE_WS_SMALL_TMA=0 turns it off.
+SMALL_TMA = os.environ.get("MEGAGRAPH_MOE_WS_SMALL_TMA", "1") == "1"
 
 
 def _lup_fits(lag: int, stages: int) -> bool:
@@ -1100,8 +1105,9 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     quantized per row and 128 columns as quantize_act fp8_1x128 does, out_scale [>= P, F / 128]
     f32 the scales (bn 128, A by TMA; l2_gluon_ws_fp8 takes both). stma: the A scales (from a
     transposed expert-sorted copy made here), the exponents and the frames by TMA as well, so
-    the loader neither waits for nor publishes cp.async copies (None: SMALL_TMA where it
-    applies: A by TMA and the exponent rows a TMA stream, K / 32 % 16 == 0); the same bits."""
+    the loader neither waits for nor publishes cp.async copies (None: SMALL_TMA on the
+    128-column tile where it applies: A by TMA and the exponent rows a TMA stream, K / 32 % 16
+    == 0); the same bits."""
     from .moe_gluon_decode import _weight_desc
 
     if not _IMPORT_OK:
@@ -1132,7 +1138,7 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     a_tma_on = (A_TMA if a_tma is None else bool(a_tma)) or epi > 0
     stma_ok = a_tma_on and not diag & 4 and _stma_fits(w1, w3)
     if stma is None:
-        stma = SMALL_TMA and stma_ok
+        stma = SMALL_TMA and stma_ok and bn == BN_WIDE
     elif stma and not stma_ok:
         raise ValueError("stma: A by TMA and exponent rows of K / 32 % 16 == 0 bytes "
                          "(contiguous E8M0 banks)")
