@@ -53,8 +53,9 @@ Numerics (vs the reference: fp32 math on dequantized operands):
   fp32 promotion. g, u, SwiGLU in fp32; H stored in fp16 (2^-11 relative).
 * L2 (FP16 MMA): W2 dequantized the same way to E4M3 and upcast to fp16 (exact), H in fp16;
   fp32 accumulation and promotion per 128 columns.
-* L2 with FP8 H (the default at prefill sizes on sm_90): H rounded to E4M3 per 128 columns (at most 2^-4 relative per
-  element, the errors averaging down in the dot product): a few % relative (Frobenius) vs the
+* L2 with FP8 H (the default at prefill sizes on sm_90): H rounded to E4M3 per 128 columns (at
+  most 2^-4 relative per element, the errors averaging down in the dot product): a few %
+  relative (Frobenius) vs the
   fp32-H reference; vs the reference that quantizes H the same way
   (kernels.reference.moe.moe_experts(h_fmt="fp8_1x128")) only the accumulation order and the
   rare E4M3 rounding flip of an H element whose fp32 value lies within that noise of a rounding
