@@ -213,7 +213,8 @@ WS_L2_BN = None
 # roles l1_fp8h / l2_fp8h)
 GLUON_WS_L2_FP8 = os.environ.get("MEGAGRAPH_MOE_GLUON_WS_FP8_H", "1") == "1"
 # routed_experts' H format where fp8_h is None and FP8_H is off: E4M3 wherever the two kernels
-# above take the call (prefill sizes on sm_90), fp16 elsewhere (decode: its Gluon kernels are
+# above take the call (prefill sizes on sm_90: _prefill_fp8_h_may, then their pickers), fp16
+# elsewhere (decode: its Gluon kernels are
 # bound by weight bandwidth, FP8 H would buy nothing there). Why it is the default since the
 # fifteenth session: it is the vendor's own numerics - DeepSeek's V4 inference quantizes the input
 # of every FP4 expert GEMM to FP8 per 128 columns (act_quant before fp4_gemm; its fp8 x fp4 MegaMoE
@@ -709,29 +710,23 @@ def routed_experts(x_q: Tensor, x_scale: Tensor, ids: Tensor, wts: Tensor, count
     """Y[t, j] = wts[t, j] * E_{ids[t, j]}(x[t]) for every pair, into y [T, KS, d] (KS >= topk).
     fp8_h: H as E4M3 + per-(row, 128 columns) scales written by L1's epilogue, L2 on the FP8 MMA
     (roles "l1_fp8h" / "l2_fp8h"), or H in fp16 (False); None: FP8 H where FP8_H says so (every
-    size), else where FP8_H_PREFILL picks it (prefill sizes on the warp-specialized kernels:
-    _prefill_fp8_h)."""
+    size), else where FP8_H_PREFILL picks it: prefill sizes where both warp-specialized FP8-H
+    kernels take the call (tried first with an E4M3 H; fp16 H if either does not)."""
     T = x_q.shape[0]
     P = T * topk
-    E, F = w1.groups, w1.n
+    E = w1.groups
     srt = permute(ids.reshape(-1), counts, E)
     rpg = P / max(1, min(E, P))
-    if fp8_h is None:
-        fp8_h = FP8_H or _prefill_fp8_h(x_q, x_scale, w1, w3, w2, y, rpg)
-    fp8_h = bool(fp8_h)
+    auto = fp8_h is None and not FP8_H and _prefill_fp8_h_may(x_q, rpg)
+    fp8_h = auto or (FP8_H if fp8_h is None else bool(fp8_h))
+    h, h_scale, gluon, gluon2 = _h_and_kernels(x_q, x_scale, w1, w3, w2, y, P, rpg, fp8_h)
+    if auto and (gluon is None or gluon2 is None):  # the ws FP8-H kernels do not take it
+        fp8_h = False
+        h, h_scale, gluon, gluon2 = _h_and_kernels(x_q, x_scale, w1, w3, w2, y, P, rpg, False)
     r1, r2 = ("l1_fp8h", "l2_fp8h") if fp8_h else ("l1", "l2")
-    h_scale = None
-    if fp8_h:
-        h = torch.empty(P, F, dtype=torch.float8_e4m3fn, device=x_q.device)
-        h_scale = torch.empty(P, F // 128, dtype=torch.float32, device=x_q.device)
-    else:
-        h_dtype = torch.float32 if (EXACT or x_q.dtype == torch.float32) else torch.float16
-        h = torch.empty(P, F, dtype=h_dtype, device=x_q.device)
     cfg1 = pick_config(r1, rpg)
     mt1 = min(P, P // cfg1.bm + E)
     tiles1 = tile_list(counts, cfg1.bm, mt1) if cfg1.persistent else None
-    gluon = _gluon_l1(x_q, x_scale, w1, w3, h, r1, rpg, h_scale)
-    gluon2 = _gluon_l2(h, w2, y, r2, rpg, h_scale)
     shared_tiles = None  # one device tile list for both Gluon decode kernels (same row tile)
     if gluon is not None and gluon2 is not None and gluon[1] == gluon2[1]:
         shared_tiles = tile_list(counts, gluon[1], min(P, P // gluon[1] + E))
@@ -762,24 +757,33 @@ def routed_experts(x_q: Tensor, x_scale: Tensor, ids: Tensor, wts: Tensor, count
     return y
 
 
-def _prefill_fp8_h(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, w2: Bank,
-                   y: Tensor, rows_per_group: float) -> bool:
-    """routed_experts' default H format: E4M3 (FP8_H_PREFILL) where both warp-specialized FP8-H
-    kernels take the call (prefill sizes, > WIDE_L1_MIN_ROWS rows per expert, on sm_90 with
-    Gluon), else fp16. Decided before H is allocated: the pickers' checks on a one-row stand-in
-    of the H routed_experts allocates (its formats and columns; a fresh H's rows always fit)."""
-    if not (FP8_H_PREFILL and GLUON and GLUON_WS_L1 and GLUON_WS_L2_FP8) or \
-            rows_per_group <= WIDE_L1_MIN_ROWS:
+def _prefill_fp8_h_may(x_q: Tensor, rows_per_group: float) -> bool:
+    """Whether routed_experts tries FP8 H by default (FP8_H_PREFILL): prefill sizes (>
+    WIDE_L1_MIN_ROWS rows per expert) where the warp-specialized kernels can run (sm_90 with
+    Gluon). The cheap gate before an E4M3 H is allocated; the kernels' own pickers decide."""
+    if not FP8_H_PREFILL or rows_per_group <= WIDE_L1_MIN_ROWS:
         return False
     from . import moe_gluon_ws as mw
 
-    if not mw.available(x_q.device):
-        return False
+    return mw.available(x_q.device)
+
+
+def _h_and_kernels(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, w2: Bank,
+                   y: Tensor, P: int, rows_per_group: float, fp8_h: bool):
+    """routed_experts' H (E4M3 + f32 scales per 128 columns with fp8_h, else fp16 / fp32 and
+    no scales) and the Gluon kernels that take its L1 / L2 (_gluon_l1 / _gluon_l2: (launch,
+    row tile) or None)."""
     F = w1.n
-    h = torch.empty(1, F, dtype=torch.float8_e4m3fn, device=x_q.device)
-    hs = torch.empty(1, F // 128, dtype=torch.float32, device=x_q.device)
-    return (_gluon_l1(x_q, x_scale, w1, w3, h, "l1_fp8h", rows_per_group, hs) is not None
-            and _gluon_l2(h, w2, y, "l2_fp8h", rows_per_group, hs) is not None)
+    h_scale = None
+    if fp8_h:
+        h = torch.empty(P, F, dtype=torch.float8_e4m3fn, device=x_q.device)
+        h_scale = torch.empty(P, F // 128, dtype=torch.float32, device=x_q.device)
+    else:
+        h_dtype = torch.float32 if (EXACT or x_q.dtype == torch.float32) else torch.float16
+        h = torch.empty(P, F, dtype=h_dtype, device=x_q.device)
+    r1, r2 = ("l1_fp8h", "l2_fp8h") if fp8_h else ("l1", "l2")
+    return (h, h_scale, _gluon_l1(x_q, x_scale, w1, w3, h, r1, rows_per_group, h_scale),
+            _gluon_l2(h, w2, y, r2, rows_per_group, h_scale))
 
 
 def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor,
