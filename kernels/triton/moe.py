@@ -826,11 +826,8 @@ def _gluon_l1(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: Tensor
 
         ok = True
         wide = int(WS_L1_BN) == mod.BN_WIDE and w1.n % mod.BN_WIDE == 0
-        rings = (WS_WIDE_STAGES, WS_WIDE_BSTAGES) if wide else (WS_STAGES, WS_BSTAGES)
-        frames = mod.row_frames(w1, w3) if wide and WS_L1_FRAMES else None
-        pick = (functools.partial(mod.l1_gluon_ws, persist=True, stages=rings[0],
-                                  bstages=rings[1], a_tma=WS_WIDE_A_TMA if wide else WS_A_TMA,
-                                  bn=mod.BN_WIDE if wide else mod.BN, frames=frames), mod.BM)
+        pick = (_ws_l1_launch(w1, w3, wide, a_tma=WS_WIDE_A_TMA if wide else WS_A_TMA),
+                mod.BM)
     elif rows_per_group > WIDE_L1_MIN_ROWS and GLUON_WIDE_L1:
         from . import moe_gluon_decode as mod
 
@@ -864,10 +861,20 @@ def _gluon_l1_fp8h(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, h: T
             mod.args_problem(x_q, x_scale, w1, w3, None, h, mod.BN_WIDE) or \
             mod._fp8_h_problem(h, h_scale, h.shape[0], w1.n):
         return None
-    frames = mod.row_frames(w1, w3) if WS_L1_FRAMES else None
-    return (functools.partial(mod.l1_gluon_ws, persist=True, stages=WS_WIDE_STAGES,
-                              bstages=WS_WIDE_BSTAGES, a_tma=True, bn=mod.BN_WIDE,
-                              frames=frames, out_scale=h_scale), mod.BM)
+    return _ws_l1_launch(w1, w3, True, a_tma=True, out_scale=h_scale), mod.BM
+
+
+def _ws_l1_launch(w1: Bank, w3: Bank, wide: bool, **kw):
+    """moe_gluon_ws.l1_gluon_ws as routed_experts launches it, fp16 H or FP8 H: persistent CTAs,
+    the tile's rings (WS_WIDE_* on the 128-column tile, WS_* on the 64-column one), row frames
+    on the 128-column tile where WS_L1_FRAMES and the weights allow; kw: the rest (a_tma,
+    out_scale)."""
+    from . import moe_gluon_ws as mod
+
+    rings = (WS_WIDE_STAGES, WS_WIDE_BSTAGES) if wide else (WS_STAGES, WS_BSTAGES)
+    frames = mod.row_frames(w1, w3) if wide and WS_L1_FRAMES else None
+    return functools.partial(mod.l1_gluon_ws, persist=True, stages=rings[0], bstages=rings[1],
+                             bn=mod.BN_WIDE if wide else mod.BN, frames=frames, **kw)
 
 
 def _ws_fits(x_q: Tensor, x_scale: Tensor, w1: Bank, w3: Bank, h: Tensor) -> bool:

@@ -321,6 +321,51 @@ def test_l2_fp8_args():
                               max_tiles=0, frames=False) is y
 
 
+def test_fp8_h_kernel_choice(monkeypatch):
+    """routed_experts' FP8-H pickers and default (available() forced: the predicates' own logic
+    on any machine): above 100 rows per expert _h_and_kernels with fp8_h gives an E4M3 H with
+    its scales, l1_gluon_ws on the 128-column tile's rings with A by TMA, row frames and
+    out_scale = those scales, and the down GEMM's launch; _prefill_fp8_h_may says yes there and
+    no at 100 rows, with FP8_H_PREFILL off or without Gluon; a bank the down GEMM refuses (d =
+    128: no 256-column tile) leaves its picker None (routed_experts then takes fp16 H)."""
+    from megagraph.kernels.triton import moe
+
+    for mod in (mw, m8):
+        monkeypatch.setattr(mod, "available", lambda device=None: True)
+    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
+    for knob in ("GLUON", "GLUON_WS_L1", "GLUON_WS_L2_FP8", "FP8_H_PREFILL", "WS_L1_FRAMES"):
+        monkeypatch.setattr(moe, knob, True)
+    frames = object()
+    monkeypatch.setattr(mw, "row_frames", lambda w1, w3: frames)
+    E, d, F, T, k = 4, 256, 256, 300, 2
+    xq = torch.zeros(T, d, dtype=torch.float8_e4m3fn)
+    xs = torch.ones(T, d // 128)
+    w13 = dbg_bank(torch.zeros(E, F, d // 2), torch.full((E, F, d // 32), 127), "cpu")
+
+    def choose(dd, rpg=150.0):
+        w2 = dbg_bank(torch.zeros(E, dd, F // 2), torch.full((E, dd, F // 32), 127), "cpu")
+        y = torch.zeros(T, k, dd)
+        return moe._h_and_kernels(xq, xs, w13, w13, w2, y, T * k, rpg, True)
+
+    h, hs, l1, l2 = choose(d)
+    assert h.dtype == torch.float8_e4m3fn and tuple(h.shape) == (T * k, F)
+    assert hs.dtype == torch.float32 and tuple(hs.shape) == (T * k, F // 128)
+    assert l1[0].func is mw.l1_gluon_ws and l1[1] == mw.BM
+    kw = l1[0].keywords
+    assert (kw["bn"], kw["stages"], kw["bstages"], kw["a_tma"], kw["persist"]) == \
+        (mw.BN_WIDE, moe.WS_WIDE_STAGES, moe.WS_WIDE_BSTAGES, True, True)
+    assert kw["frames"] is frames and kw["out_scale"] is hs
+    assert l2 is not None and l2[1] == m8.BM
+    assert choose(128)[3] is None  # d = 128: the down GEMM's 256-column tile does not fit
+    assert choose(d, rpg=100.0)[2] is None  # at or below 100 rows per expert: moe_gemm's
+    assert moe._prefill_fp8_h_may(xq, 150.0) and not moe._prefill_fp8_h_may(xq, 100.0)
+    monkeypatch.setattr(moe, "FP8_H_PREFILL", False)
+    assert not moe._prefill_fp8_h_may(xq, 150.0)
+    monkeypatch.setattr(moe, "FP8_H_PREFILL", True)
+    monkeypatch.setattr(mw, "available", lambda device=None: False)
+    assert not moe._prefill_fp8_h_may(xq, 150.0)
+
+
 def test_fp8_h_consts():
     """The FP8-H epilogues need the 128-column tile with A by TMA (and set A by TMA)."""
     for kw in (dict(bn=mw.BN), dict(bn=mw.BN_WIDE, a_tma=False)):
