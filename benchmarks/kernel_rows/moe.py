@@ -567,6 +567,9 @@ def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> 
     def shared():
         tm.shared_expert(xq, xs, *sb, y[:, k], swiglu_limit=10.0)
 
+    def shared_q():  # FP8 H, both GEMMs on cuBLAS's FP8 GEMM (the prefill default)
+        return tm.shared_expert_fp8h(xq, xs, *sb, swiglu_limit=10.0, out_dtype=torch.bfloat16)
+
     out_s = torch.empty_like(streams)
 
     def comb_():
@@ -596,6 +599,8 @@ def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> 
          touched * expert // 3 + P * F + P * F // 32 + P * d * 2, "fp8"),
         ("shared expert (FP8 blocks, L1 + L2)", shared, 2 * T * 3 * fs * d,
          3 * fs * d + T * d + T * d * 2, "bf16"),
+        ("shared expert FP8 H: both GEMMs on cuBLAS FP8 (MEGAGRAPH_MOE_SHARED_FP8_H)",
+         shared_q, 2 * T * 3 * fs * d, 3 * fs * d + T * d + T * d * 2, "fp8"),
         ("shared expert, Triton L1 (MEGAGRAPH_CUBLAS_FP8=0)", cublas_off(shared),
          2 * T * 3 * fs * d, 3 * fs * d + T * d + T * d * 2, "bf16"),
         ("combine + shared + mHC expand", comb_, 0, T * (k + 1) * d * 2 + 2 * T * 4 * d * 2, ""),
@@ -604,6 +609,8 @@ def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> 
 
     if not mgc.applies(xq, b[0], b[1], h, rpg):  # decode sizes / no device support
         pieces = [p for p in pieces if p[1] is not l1c]
+    if shared_q() is None:  # no cuBLAS FP8 GEMM here
+        pieces = [p for p in pieces if p[1] is not shared_q]
     out = []
     for name, fn, fl, by, peak in pieces:
         out.append(row("triton.mega_moe piece", f"T={T} {name}", time_ms(fn, device=dev),

@@ -81,9 +81,10 @@ def moe_experts_q(x_q, x_scale, ids, weights, w1, w1_scale, w3, w3_scale, w2, w2
 
 
 def swiglu_mlp_q(x_q, x_scale, w1, w1_scale, w3, w3_scale, w2, w2_scale, *, fmt, swiglu_limit,
-                 act_fmt, out_dtype):
+                 act_fmt, out_dtype, h_fmt=None):
     x = dequant_act(x_q, x_scale, act_fmt=act_fmt)
-    y = swiglu_mlp(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, fmt=fmt, swiglu_limit=swiglu_limit)
+    y = swiglu_mlp(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, fmt=fmt, swiglu_limit=swiglu_limit,
+                   h_fmt=h_fmt)
     return y.to(TORCH_DTYPES[out_dtype])
 
 

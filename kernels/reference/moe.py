@@ -61,13 +61,15 @@ def _swiglu(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, swiglu_limit: float |
 
 
 def swiglu_mlp(x: Tensor, w1: Tensor, w1_scale: Tensor | None, w3: Tensor, w3_scale: Tensor | None,
-               w2: Tensor, w2_scale: Tensor | None, *, fmt: str, swiglu_limit: float | None) -> Tensor:
+               w2: Tensor, w2_scale: Tensor | None, *, fmt: str, swiglu_limit: float | None,
+               h_fmt: str | None = None) -> Tensor:
     """One SwiGLU expert (the shared expert): x [T, d]; w1, w3 [F, d]; w2 [d, F] (quantized layouts and
     scales as for ``linear``). ``u = clamp(W3x, −lim, lim)``, ``g = min(W1x, lim)``,
-    ``y = W2(silu(g) ⊙ u)`` (no clamp when swiglu_limit is None or ≤ 0). fp32 math, x.dtype out.
+    ``y = W2(silu(g) ⊙ u)`` (no clamp when swiglu_limit is None or ≤ 0). fp32 math, x.dtype out;
+    h_fmt: the hidden activation fake-quantized before W2 (H_FMTS), as moe_experts'.
     """
     y = _swiglu(x.float(), dequantize_weight(w1, w1_scale, fmt), dequantize_weight(w3, w3_scale, fmt),
-                dequantize_weight(w2, w2_scale, fmt), swiglu_limit)
+                dequantize_weight(w2, w2_scale, fmt), swiglu_limit, h_fmt)
     return y.to(x.dtype)
 
 

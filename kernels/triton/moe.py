@@ -24,7 +24,9 @@ mega_moe launches (T tokens, k = topk, E experts, P = T*k pairs):
                   (token, slot)                                                  Y [T, k+1, d]
   7,8 moe_gemm    shared expert, dense (FP8-block weights): L1 (SwiGLU) -> Hs, L2 -> Y[:, k];
                   L1 on cuBLAS + swiglu_rows where kernels/cublas_fp8 applies; on a side
-                  stream, concurrent with 3-6 (SHARED_STREAM)
+                  stream, concurrent with 3-6 (SHARED_STREAM). Where the routed H is E4M3
+                  (prefill sizes on sm_90): shared_expert_fp8h - both GEMMs on cuBLAS FP8, H
+                  quantized by swiglu_rows_q, its output in its own [T, d] tensor
   9 moe_combine   y = sum of the k slots (+ shared), streams' = post*y + comb^T streams
 (+ one memset of the counts). The grouped GEMMs launch a static worst-case grid
 (min(P, P // BM + E) row tiles x N tiles); each program finds its expert by a scan of the
@@ -81,6 +83,7 @@ operands: slower, bit-faithful products, for debugging.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -224,6 +227,14 @@ GLUON_WS_L2_FP8 = os.environ.get("MEGAGRAPH_MOE_GLUON_WS_FP8_H", "1") == "1"
 # difference of the routed output against fp16 H (E4M3's 2^-4 half step on H; the same size as
 # the L1's own input quantization).
 FP8_H_PREFILL = os.environ.get("MEGAGRAPH_MOE_FP8_H_PREFILL", "1") == "1"
+# the shared expert follows the routed experts' H format (shared_expert_fp8h: both its GEMMs on
+# cuBLAS's FP8 GEMM, H quantized per 128 columns by swiglu_rows_q) wherever that is E4M3 and its
+# weights are FP8-block; "0": its bf16 W2 GEMM on bf16 H as before (sixteenth session)
+SHARED_FP8_H = os.environ.get("MEGAGRAPH_MOE_SHARED_FP8_H", "1") == "1"
+# the warp-specialized L1's input copies (sorted_rows: A's rows in expert order; tile_scales: its
+# scales in tile order) as two Triton kernels; off: index_select and ~14 torch ops (~270 us
+# together at 8192 tokens on the H200, ncu, sixteenth session)
+A_PREP_TRITON = True
 MMA_FP8, MMA_FP16, MMA_BF16, MMA_F32 = 0, 1, 2, 3
 WFMT = {"mxfp4": 0, "fp8_block": 1}
 RDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -704,6 +715,65 @@ def permute(ids: Tensor, counts: Tensor, E: int) -> Tensor:
     return srt
 
 
+def sorted_rows(a: Tensor, a_idx: Tensor, topk: int) -> Tensor:
+    """[P, K] copy of a's rows in expert-sorted order: row r = a[a_idx[r] // topk] (the A the
+    warp-specialized L1 streams by TMA), by moe_gather_rows in 32-bit words where the rows allow
+    (K bytes and the row stride multiples of 4, a 4-byte aligned base; 16-byte accesses when
+    they are multiples of 16), else index_select."""
+    P, K = a_idx.numel(), a.shape[1]
+    nbytes = K * a.element_size()
+    out = torch.empty(P, K, dtype=a.dtype, device=a.device)
+    if not (A_PREP_TRITON and on_device(a) and nbytes % 4 == 0 and a.stride(1) == 1
+            and (a.stride(0) * a.element_size()) % 4 == 0 and a.data_ptr() % 4 == 0):
+        return torch.index_select(a, 0, torch.div(a_idx, topk, rounding_mode="floor"),
+                                  out=out)
+    if P == 0:
+        return out
+    src = a.view(torch.uint8).view(torch.int32)  # any dtype's rows as 32-bit words
+    W = nbytes // 4
+    bw = 256 if W % 256 == 0 else min(256, _next_pow2(W))
+    br = max(1, 2048 // bw)
+    _jit().moe_gather_rows[(-(-P // br),)](
+        src, a_idx, out.view(torch.uint8).view(torch.int32), P, W, src.stride(0), W, TOPK=topk,
+        BR=br,
+        BW=bw, num_warps=4)
+    return out
+
+
+def tile_scales(a_scale: Tensor, a_idx: Tensor, topk: int, tiles: Tensor, max_tiles: int,
+                kc: int, bm: int) -> Tensor:
+    """[kc, max_tiles bm] f32: column j bm + r = the A scales (chunks 0..kc-1) of row r of tile j
+    of tile_list's device list (sorted row row0_j + r, token a_idx[...] // topk), 0 past the
+    tile's rows and past the list: each tile's scales start 16-byte aligned (the
+    warp-specialized L1's STMA boxes). One launch, no host sync (CUDA-graph capturable)."""
+    if not (A_PREP_TRITON and on_device(a_scale)):
+        return _tile_scales_torch(a_scale, a_idx, topk, tiles, max_tiles, kc, bm)
+    out = torch.empty(kc, max_tiles * bm, dtype=torch.float32, device=a_scale.device)
+    if max_tiles == 0:
+        return out
+    _jit().moe_tile_scales[(max_tiles,)](
+        a_scale, a_idx, tiles, out, max_tiles, a_idx.numel(), kc, a_scale.stride(0), TOPK=topk,
+        BM=bm, KC_PAD=_next_pow2(kc), num_warps=4)
+    return out
+
+
+def _tile_scales_torch(a_scale: Tensor, a_idx: Tensor, topk: int, tiles: Tensor, MT: int,
+                       kc: int, bm: int) -> Tensor:
+    """tile_scales in torch ops (where Triton does not run, and A_PREP_TRITON off): ~14
+    launches, ~150 us at 8192 tokens on the H200 (ncu, sixteenth session)."""
+    dev = a_scale.device
+    P = a_idx.numel()
+    row0 = tiles[1 + MT:1 + 2 * MT].long()
+    rend = tiles[1 + 2 * MT:1 + 3 * MT].long()
+    idx = row0[:, None] + torch.arange(bm, device=dev)[None, :]
+    ok = (idx < rend.clamp(max=P)[:, None]) & (idx >= 0) & \
+        (torch.arange(MT, device=dev)[:, None] < tiles[0].long())
+    src = torch.div(a_idx.index_select(0, idx.clamp(0, max(P - 1, 0)).flatten()), topk,
+                    rounding_mode="floor")
+    sa = a_scale[:, :kc].float().index_select(0, src) * ok.flatten()[:, None]
+    return sa.t().contiguous()
+
+
 def routed_experts(x_q: Tensor, x_scale: Tensor, ids: Tensor, wts: Tensor, counts: Tensor,
                    w1: Bank, w3: Bank, w2: Bank, y: Tensor, *, topk: int,
                    swiglu_limit: float | None, fp8_h: bool | None = None) -> Tensor:
@@ -766,6 +836,13 @@ def _prefill_fp8_h_may(x_q: Tensor, rows_per_group: float) -> bool:
     from . import moe_gluon_ws as mw
 
     return mw.available(x_q.device)
+
+
+def _shared_fp8_h_may(x_q: Tensor, rows_per_group: float) -> bool:
+    """Whether mega_moe tries the shared expert with FP8 H (shared_expert_fp8h): SHARED_FP8_H
+    on and the routed experts' H is E4M3 at this size (FP8_H, or FP8_H_PREFILL's gate) - one
+    numerics decision for all the layer's experts."""
+    return SHARED_FP8_H and (FP8_H or _prefill_fp8_h_may(x_q, rows_per_group))
 
 
 def _h_and_kernels(x_q: Tensor, x_scale: Tensor | None, w1: Bank, w3: Bank, w2: Bank,
@@ -1021,24 +1098,77 @@ def _bf16_w2(w2: Bank) -> Tensor | None:
     return cublas_fp8.dense_bf16(w2.w[0], w2.s[0])
 
 
-def _cublas_l1(x_q: Tensor, x_scale: Tensor, w1: Bank, w3: Bank) -> Tensor | None:
+def shared_expert_fp8h(x_q: Tensor, x_scale: Tensor, w1: Bank, w3: Bank, w2: Bank, *,
+                       swiglu_limit: float | None, out_dtype: torch.dtype) -> Tensor | None:
+    """The shared expert with FP8 H, all on cuBLAS's block-scaled FP8 GEMM: [W1; W3] x into bf16
+    [T, 2F] (_cublas_l1), swiglu_rows_q quantizing H per row and 128 columns to E4M3 (the
+    routed experts' FP8-H numerics: quantize_act fp8_1x128, DeepSeek's activation quantization
+    before every FP8 linear), then H W2^T into a new [T, d] tensor of out_dtype (scaled_mm has
+    no out=: combine reads it from there, shared_out). None where it does not apply: FP8-block
+    banks of one weight each, F % 128 == 0, a bf16 / fp32 out, W2 and the L1 taken by cuBLAS.
+    Why: the bf16 W2 GEMM (0.25 ms at 8192 tokens on the H200) runs at the bf16 roofline, the
+    FP8 one has twice the ceiling; the L1's bf16 output halves its 134 MB fp32 write."""
+    from megagraph.kernels import cublas_fp8
+
+    F = w1.n
+    if (w2.wfmt != 1 or w2.groups != 1 or F % 128 or w2.k != F
+            or out_dtype not in (torch.bfloat16, torch.float32)
+            or _cublas_l1_problem(x_q, w1, w3) or cublas_fp8.prepare((w2.w[0], w2.s[0])) is None):
+        return None
+    y13 = _cublas_l1(x_q, x_scale, w1, w3, torch.bfloat16)
+    if y13 is None:
+        return None
+    h, hs = swiglu_fp8(y13, F, swiglu_limit)
+    return cublas_fp8.linear(h, hs, [(w2.w[0], w2.s[0])], out_dtype)
+
+
+def swiglu_fp8(y13: Tensor, F: int, swiglu_limit: float | None) -> tuple[Tensor, Tensor]:
+    """(H E4M3 [T, F], scales f32 [T, F / 128]) = quantize_act fp8_1x128 of swiglu_act(y13[:, :F],
+    y13[:, F:2F]) (swiglu_rows_q; F % 128 == 0); the scales outer-dim-major (stride (1, T)), the
+    layout cuBLAS reads."""
+    if F % 128:
+        raise ValueError(f"swiglu_fp8: F {F} is no multiple of 128")
+    T = y13.shape[0]
+    h = torch.empty(T, F, dtype=torch.float8_e4m3fn, device=y13.device)
+    hs = torch.empty(F // 128, T, dtype=torch.float32, device=y13.device).t()
+    if T == 0:
+        return h, hs
+    bf = 512 if F % 512 == 0 else 128
+    br = 2048 // bf
+    _jit().swiglu_rows_q[(-(-T // br), F // bf)](
+        y13, h, hs, T, F, float(swiglu_limit or 0.0), y13.stride(0), h.stride(0), hs.stride(0),
+        hs.stride(1), HAS_LIMIT=swiglu_limit is not None and swiglu_limit > 0, BR=br, BF=bf,
+        num_warps=4)
+    return h, hs
+
+
+def _cublas_l1_problem(x_q: Tensor, w1: Bank, w3: Bank) -> bool:
+    """_cublas_l1 does not take the call (its cheap checks, before any weight is prepared)."""
+    return (w1.wfmt != 1 or w3.wfmt != 1 or w1.groups != 1 or w3.groups != 1 or INTERPRET
+            or EXACT or x_q.dtype != torch.float8_e4m3fn or x_q.shape[0] < CUBLAS_MIN_ROWS)
+
+
+def _cublas_l1(x_q: Tensor, x_scale: Tensor, w1: Bank, w3: Bank,
+               out_dtype: torch.dtype = torch.float32) -> Tensor | None:
     """The shared expert's first GEMM on cuBLAS (kernels/cublas_fp8.py): fp32 [T, 2F] = x @
     [W1; W3]^T for FP8-block banks (one weight each), E4M3 x, >= CUBLAS_MIN_ROWS rows; else None
     (the Triton dense_swiglu tile with the SwiGLU in its epilogue runs). H stays fp16 and the
     second GEMM on Triton: the reference keeps H in high precision, and cuBLAS's block-scaled
     GEMM takes only FP8 operands."""
-    if (w1.wfmt != 1 or w3.wfmt != 1 or w1.groups != 1 or w3.groups != 1 or INTERPRET or EXACT
-            or x_q.dtype != torch.float8_e4m3fn or x_q.shape[0] < CUBLAS_MIN_ROWS):
+    if _cublas_l1_problem(x_q, w1, w3):
         return None
     from megagraph.kernels import cublas_fp8
 
     return cublas_fp8.linear(x_q, x_scale, [(w1.w[0], w1.s[0]), (w3.w[0], w3.s[0])],
-                             torch.float32)
+                             out_dtype)
 
 
 def combine(y: Tensor, out: Tensor, *, topk: int, shared: bool, rdt: torch.dtype,
             streams: Tensor | None = None, post: Tensor | None = None,
-            comb: Tensor | None = None) -> Tensor:
+            comb: Tensor | None = None, shared_out: Tensor | None = None) -> Tensor:
+    """out = the routed slots y[:, :topk] summed (+ the shared expert's output: y's slot topk,
+    or shared_out [T, d] where it has its own tensor - shared_expert_fp8h's) (+ the mHC residual
+    expand of streams with post / comb); moe_combine."""
     jit = _jit()
     T, _, D = y.shape
     if T == 0:
@@ -1046,10 +1176,13 @@ def combine(y: Tensor, out: Tensor, *, topk: int, shared: bool, rdt: torch.dtype
     bd = 256 if not INTERPRET else 128
     expand = streams is not None
     hc = streams.shape[1] if expand else 1
+    sh = shared_out if shared_out is not None else (y[:, topk] if shared else y)
+    if sh.stride(-1) != 1 or sh.shape[0] != T:
+        raise ValueError("combine: the shared output needs [T, d] rows with unit column stride")
     jit.moe_combine[(T, -(-D // bd))](
-        y, streams if expand else y, post if expand else y, comb if expand else y, out, D,
-        y.stride(0), streams.stride(0) if expand else 0, streams.stride(1) if expand else 0,
-        out.stride(0), out.stride(1) if expand else 0,
+        y, sh, streams if expand else y, post if expand else y, comb if expand else y, out, D,
+        y.stride(0), sh.stride(0), streams.stride(0) if expand else 0,
+        streams.stride(1) if expand else 0, out.stride(0), out.stride(1) if expand else 0,
         K=topk, SHARED=shared, EXPAND=expand, HC=hc, RDT=RDT[rdt], MANUAL=INTERPRET, BD=bd,
         num_warps=4)
     return out
@@ -1285,8 +1418,6 @@ def mega_moe(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_sca
     out = torch.empty(streams.shape, dtype=streams.dtype, device=dev)
     if T == 0:
         return out
-    ks = topk + int(shared)
-    y = torch.empty(T, ks, d, dtype=_ydtype(x.dtype), device=dev)
     early = SHARED_EARLY and T <= SHARED_EARLY_MAX_TOKENS
     side = (_side_stream(dev) if shared and (SHARED_STREAM or early) and not INTERPRET
             else None)
@@ -1294,6 +1425,16 @@ def mega_moe(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_sca
     if forked:  # the shared expert on the side stream (it needs x_q only)
         main = torch.cuda.current_stream(dev)
         side.wait_stream(main)
+    s_out = None  # the shared expert's own output tensor (FP8 H on cuBLAS)
+    if shared and _shared_fp8_h_may(x_q, T * topk / max(1, min(E, T * topk))):
+        with torch.cuda.stream(side) if forked else contextlib.nullcontext():
+            s_out = shared_expert_fp8h(x_q, x_scale, *sbanks, swiglu_limit=swiglu_limit,
+                                       out_dtype=_ydtype(x.dtype))
+        if forked and s_out is not None:
+            s_out.record_stream(main)  # made on the side stream, read and freed on main
+    ks = topk + int(shared and s_out is None)
+    y = torch.empty(T, ks, d, dtype=_ydtype(x.dtype), device=dev)
+    if forked and s_out is None:
         with torch.cuda.stream(side):
             shared_expert(x_q, x_scale, *sbanks, y[:, topk], swiglu_limit=swiglu_limit)
     counts = torch.zeros(E, dtype=torch.int32, device=dev)
@@ -1307,11 +1448,12 @@ def mega_moe(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_sca
                    swiglu_limit=swiglu_limit)
     if side is not None:
         main.wait_stream(side)  # joined before anything reads y or frees the inputs
-    elif shared and not forked:
+    elif shared and not forked and s_out is None:
         shared_expert(x_q, x_scale, *sbanks, y[:, topk], swiglu_limit=swiglu_limit)
     sc = streams if streams.stride(-1) == 1 else streams.contiguous()
     return combine(y, out, topk=topk, shared=shared, rdt=x.dtype, streams=sc,
-                   post=post.float().contiguous(), comb=comb.float().contiguous())
+                   post=post.float().contiguous(), comb=comb.float().contiguous(),
+                   shared_out=s_out)
 
 
 _SIDE: dict[int, torch.cuda.Stream] = {}

@@ -197,7 +197,7 @@ LUP_LAG = 2
 # barrier instead of cp.async - no cp.async wait and no publish in its loop (ncu, fourteenth
 # and fifteenth sessions: a third of the L1 loader's samples sat right after its cp.async
 # wait, the upcasts waited on r_ready). The A scales come from a tile-ordered copy
-# (_tile_scales: a TMA box's inner start must be 16-byte aligned - the H200 raised an illegal
+# (moe.tile_scales: a TMA box's inner start must be 16-byte aligned - the H200 raised an illegal
 # instruction otherwise), the exponents in 16-byte groups of 4 chunks. Where it applies: A by
 # TMA, exponent rows of K / 32 % 16 == 0 bytes (K = 5120 yes; the down GEMM's K = 2304 no).
 # Default since the fifteenth session on the 128-column tile (routed_experts' L1; the tile
@@ -1157,15 +1157,16 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     if consts["A_TMA"]:
         from .gluon_common import TensorDescriptor
 
-        tok = torch.div(a_idx, topk, rounding_mode="floor")
-        a_sorted = a_q.index_select(0, tok)
+        from . import moe
+
+        a_sorted = moe.sorted_rows(a_q, a_idx, topk)
         a_desc = TensorDescriptor(a_sorted, [P, K], [a_sorted.stride(0), 1], [BM, BK],
                                   A_TMA_LAYOUT)
     sdesc = (w1_desc,) * 5  # placeholders of the right kind where STMA is off (never read)
     stride_as = a_scale.stride(0)
     if consts["STMA"]:
-        sdesc, stride_as = _small_descs(a_scale, tok, tiles, max_tiles, w1, w3, frames, P, K,
-                                        bn)
+        sdesc, stride_as = _small_descs(a_scale, a_idx, topk, tiles, max_tiles, w1, w3, frames,
+                                        K, bn)
     ep = out_scale if out_scale is not None else a_scale  # (EPI 0: a placeholder, never read)
     l1_ws_kernel[grid](
         a_q, a_desc, a_scale, a_idx, w1_desc, w1.s, _weight_desc(w3, bn), w3.s, out, tiles,
@@ -1187,32 +1188,18 @@ def _stma_fits(w1, w3) -> bool:
     return True
 
 
-def _tile_scales(a_scale, tok, tiles, MT: int, P: int, kc: int) -> torch.Tensor:
-    """[kc, MT BM] f32: column j BM + r = the A scales (chunks 0..kc-1) of row r of tile j of
-    moe.tile_list's device list (sorted row row0_j + r, token tok[...]), 0 past the tile's rows
-    and past the list: each tile's scales start 16-byte aligned (STMA's box). Device ops only
-    (no host sync: CUDA-graph capturable)."""
-    dev = a_scale.device
-    row0 = tiles[1 + MT:1 + 2 * MT].long()
-    rend = tiles[1 + 2 * MT:1 + 3 * MT].long()
-    idx = row0[:, None] + torch.arange(BM, device=dev)[None, :]
-    ok = (idx < rend.clamp(max=P)[:, None]) & (idx >= 0) & \
-        (torch.arange(MT, device=dev)[:, None] < tiles[0].long())
-    src = tok.index_select(0, idx.clamp(0, P - 1).flatten())
-    sa = a_scale[:, :kc].index_select(0, src) * ok.flatten()[:, None]
-    return sa.t().contiguous()
-
-
-def _small_descs(a_scale, tok, tiles, MT: int, w1, w3, frames, P: int, K: int, bn: int):
+def _small_descs(a_scale, a_idx, topk: int, tiles, MT: int, w1, w3, frames, K: int, bn: int):
     """STMA's descriptors (e1, e3, sa, f1, f3) and the scale copy's row length: the A scales in
-    tile order (_tile_scales: [K / 128, MT BM], chunk i of tile j = one [1, BM] box at [i, j
+    tile order (moe.tile_scales: [K / 128, MT BM], chunk i of tile j = one [1, BM] box at [i, j
     BM]), the banks' exponents as [G N, K / 32] bytes in [bn, 16] boxes (chunks 4 (i // 4) ..
     + 3: a box starts 16-byte aligned), the frames as [G N / bn, bn] int32 in [1, bn] boxes (the
     launcher's f1 / f3 where frames are off: placeholders, never read)."""
     from .gluon_common import TensorDescriptor
 
+    from . import moe
+
     kc = K // 128
-    sa_t = _tile_scales(a_scale, tok, tiles, MT, P, kc)
+    sa_t = moe.tile_scales(a_scale, a_idx, topk, tiles, MT, kc, BM)
     P4 = sa_t.shape[1]
     G, N = w1.s.shape[0], w1.s.shape[1]
     e = [TensorDescriptor(b.s.view(torch.uint8).view(G * N, K // 32), [G * N, K // 32],

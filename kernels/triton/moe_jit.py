@@ -582,6 +582,28 @@ def swiglu_rows(y_ptr, h_ptr, F, limit, stride_y, stride_h, HAS_LIMIT: tl.conste
 
 
 @triton.jit
+def swiglu_rows_q(y_ptr, h_ptr, hs_ptr, T, F, limit, stride_y, stride_h, stride_hsr, stride_hsc,
+                  HAS_LIMIT: tl.constexpr, BR: tl.constexpr, BF: tl.constexpr):
+    """swiglu_rows with FP8 H (the shared expert's W2 on cuBLAS's FP8 GEMM at prefill sizes):
+    h[r, c] E4M3 codes and hs[r, c // 128] f32 scales of swiglu_act(y[r, c], y[r, F + c]) per
+    row and 128 columns (quantize_out: quantize_act fp8_1x128's numerics, as the routed experts'
+    L1 epilogue); BR rows x BF columns (F % BF == 0, BF % 128 == 0) per program; hs's strides
+    are free (cuBLAS reads the scales outer-dim-major)."""
+    rr = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.program_id(1) * BF + tl.arange(0, BF)
+    rm = rr < T
+    r64 = rr.to(tl.int64)[:, None]
+    g = tl.load(y_ptr + r64 * stride_y + c[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+    u = tl.load(y_ptr + r64 * stride_y + F + c[None, :], mask=rm[:, None],
+                other=0.0).to(tl.float32)
+    q, sc = quantize_out(swiglu_act(g, u, limit, True, HAS_LIMIT), BR, BF)
+    tl.store(h_ptr + r64 * stride_h + c[None, :], q, mask=rm[:, None])
+    cb = tl.program_id(1) * (BF // 128) + tl.arange(0, BF // 128)
+    tl.store(hs_ptr + r64 * stride_hsr + cb[None, :].to(tl.int64) * stride_hsc, sc,
+             mask=rm[:, None])
+
+
+@triton.jit
 def quantize_pair(x0, x1):
     """quantize_out of the [BM, 128] block whose columns are x0 [BM, 64] then x1 [BM, 64] (the
     QSPLIT = 2 tile): the same amax (max is exact in any order), scale and codes, with each half
@@ -965,19 +987,61 @@ def moe_scatter(ids_ptr, cur_ptr, sorted_ptr, P, E, BP: tl.constexpr):
     tl.store(sorted_ptr + pos, rp, mask=pm)
 
 
+@triton.jit
+def moe_gather_rows(src_ptr, idx_ptr, dst_ptr, P, W, stride_src, stride_dst,
+                    TOPK: tl.constexpr, BR: tl.constexpr, BW: tl.constexpr):
+    """dst[r] = src[idx[r] // TOPK] for sorted rows r < P, rows of W 32-bit words (the E4M3 A
+    rows seen as int32: 16-byte accesses where the strides allow, which Triton's divisibility
+    specialization sees). Why not index_select: its generic gather moved the 252 MB of A at
+    8192 tokens in 117 us on the H200 (fifteenth session, ncu), a third below the copy
+    bandwidth; and its `idx // topk` is one more launch."""
+    rr = tl.program_id(0) * BR + tl.arange(0, BR)
+    rm = rr < P
+    tok = (tl.load(idx_ptr + rr, mask=rm, other=0) // TOPK).to(tl.int64)
+    src = src_ptr + tok[:, None] * stride_src
+    dst = dst_ptr + rr.to(tl.int64)[:, None] * stride_dst
+    for w0 in range(0, W, BW):
+        cw = w0 + tl.arange(0, BW)
+        m = rm[:, None] & (cw < W)[None, :]
+        tl.store(dst + cw[None, :], tl.load(src + cw[None, :], mask=m), mask=m)
+
+
+@triton.jit
+def moe_tile_scales(as_ptr, idx_ptr, tiles_ptr, out_ptr, MT, P, KC, stride_as,
+                    TOPK: tl.constexpr, BM: tl.constexpr, KC_PAD: tl.constexpr):
+    """out[c, j BM + r] = a_scale[idx[row0_j + r] // TOPK, c] for the rows r of tile j of
+    moe_tile_list's list (c < KC), 0 past a tile's rows and for the entries past the list's
+    total (which hold garbage): the A scales in tile order, each tile's run of BM starting
+    16-byte aligned for the warp-specialized L1's [1, BM] TMA boxes (moe_gluon_ws STMA). One
+    program per list entry; the transposed store keeps the rows of a chunk contiguous."""
+    j = tl.program_id(0)
+    n = tl.load(tiles_ptr)
+    row0 = tl.load(tiles_ptr + 1 + MT + j)
+    rend = tl.where(j < n, tl.minimum(tl.load(tiles_ptr + 1 + 2 * MT + j), P), 0)
+    r = tl.arange(0, BM)
+    row = row0 + r
+    ok = (row < rend) & (row >= 0)
+    tok = tl.load(idx_ptr + row, mask=ok, other=0) // TOPK
+    c = tl.arange(0, KC_PAD)
+    m = ok[:, None] & (c < KC)[None, :]
+    sa = tl.load(as_ptr + tok.to(tl.int64)[:, None] * stride_as + c[None, :], mask=m, other=0.0)
+    out = out_ptr + c[None, :].to(tl.int64) * (MT * BM) + j * BM + r[:, None]
+    tl.store(out, sa, mask=(c < KC)[None, :])
+
+
 # ---------------------------------------------------------------------------------------------
 # combine (+ shared) (+ mHC residual expand)
 # ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def moe_combine(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, D, stride_yt, stride_ht, stride_hc,
-                stride_ot, stride_oc, K: tl.constexpr, SHARED: tl.constexpr,
+def moe_combine(y_ptr, s_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, D, stride_yt, stride_st,
+                stride_ht, stride_hc, stride_ot, stride_oc, K: tl.constexpr, SHARED: tl.constexpr,
                 EXPAND: tl.constexpr, HC: tl.constexpr, RDT: tl.constexpr,
                 MANUAL: tl.constexpr, BD: tl.constexpr):
     """Per token t: routed = round_RDT(sum_j y[t, j]) (fp32 sum in slot order); with SHARED:
-    y = round_RDT(routed + y[t, K]). EXPAND: out[t, c] = post[t, c] * y + sum_i comb[t, i, c] *
-    h[t, i] (fp32), else out[t] = y."""
+    y = round_RDT(routed + s[t]) (s: y's slot K, or the shared expert's own tensor).
+    EXPAND: out[t, c] = post[t, c] * y + sum_i comb[t, i, c] * h[t, i] (fp32), else out[t] = y."""
     t = tl.program_id(0).to(tl.int64)
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
     dm = rd < D
@@ -986,7 +1050,7 @@ def moe_combine(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, D, stride_yt, stride_
         acc += tl.load(y_ptr + t * stride_yt + j * D + rd, mask=dm, other=0.0).to(tl.float32)
     y = round_like(acc, RDT)
     if SHARED:
-        y = round_like(y + tl.load(y_ptr + t * stride_yt + K * D + rd, mask=dm,
+        y = round_like(y + tl.load(s_ptr + t * stride_st + rd, mask=dm,
                                    other=0.0).to(tl.float32), RDT)
     if EXPAND:
         ci = tl.arange(0, HC)

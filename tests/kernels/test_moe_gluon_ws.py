@@ -192,27 +192,6 @@ def test_l1_ws_small_tma(name, frames, lup):
     _same_bits_as_default(name, frames=frames, a_tma=True, bn=W, stma=True, lup=lup)
 
 
-def test_tile_scales():
-    """STMA's tile-ordered A scales (moe_gluon_ws._tile_scales, torch ops on any device): column
-    j BM + r = the scales of tile j's row r (its sorted row's token), 0 past a tile's rows and
-    past the list's total (entries there are garbage), against a loop over a hand-made list."""
-    P, kc, MT = 136, 3, 5
-    g = torch.Generator().manual_seed(4)
-    a_scale = torch.rand(50, kc + 1, generator=g) + 0.5
-    tok = torch.randint(0, 50, (P,), generator=g, dtype=torch.int32)
-    # experts of 3, 0, 133 rows: tiles (row0, rend) = (0, 3), (3, 136), (131, 136); entries 3, 4
-    # past the total hold garbage (one in range, one out)
-    tiles = torch.tensor([3, 0, 2, 2, 7, -5, 0, 3, 131, 1, 999, 3, 136, 136, 2, 4],
-                         dtype=torch.int32)
-    got = mw._tile_scales(a_scale, tok, tiles, MT, P, kc)
-    want = torch.zeros(kc, MT * mw.BM)
-    for j, (r0, r1) in enumerate([(0, 3), (3, 136), (131, 136)]):
-        for r in range(min(mw.BM, r1 - r0)):
-            want[:, j * mw.BM + r] = a_scale[tok[r0 + r].long(), :kc]
-    assert got.shape == (kc, MT * mw.BM) and got.is_contiguous()
-    assert torch.equal(got, want)
-
-
 @gpu
 def test_l1_ws_small_tma_refused():
     """stma where the exponent rows are no TMA stream (K / 32 = 8 bytes) or A is gathered: a

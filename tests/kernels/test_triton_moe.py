@@ -556,15 +556,19 @@ def test_ptx_upcast_device_check():
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
 @pytest.mark.parametrize("asm,shared_mode", [(False, "serial"), (True, "serial"),
                                               (True, "early"), (True, "stream")])
-@pytest.mark.parametrize("T", [64, 1000])
+@pytest.mark.parametrize("T", [64, 1000, 1200])
 def test_mega_moe_cuda_graph(T, asm, shared_mode, monkeypatch):
     """Captured once, replayed with new inputs copied into the static buffers: equals eager and
-    the reference (tiles: decode at 64 tokens, prefill at 1000); the shared expert after the
-    routed experts, on the side stream during the router only (SHARED_EARLY) or during the
-    routed experts too (SHARED_STREAM): the same kernels, so eager gives the serial order's
-    bits in every mode."""
+    the reference (tiles: decode at 64 tokens, prefill at 1000; at 1200, 112 rows per expert,
+    the FP8-H prefill path on sm_90: the warp-specialized kernels with their Triton A copies,
+    the shared expert on cuBLAS FP8 with its own output tensor - bounded against the fp32-H
+    reference by 1e-2 + test_triton_moe_fp8h's LOOSE[1], H's E4M3 rounding); the shared expert
+    after the routed experts, on the side stream during the router only (SHARED_EARLY, at every
+    T here) or during the routed experts too (SHARED_STREAM): the same kernels, so eager gives
+    the serial order's bits in every mode."""
     monkeypatch.setattr(tm, "USE_ASM", asm)
     monkeypatch.setattr(tm, "SHARED_EARLY", shared_mode == "early")
+    monkeypatch.setattr(tm, "SHARED_EARLY_MAX_TOKENS", 1 << 20)
     monkeypatch.setattr(tm, "SHARED_STREAM", shared_mode == "stream")
     g = gen(T)
     n, d, F, E, k = 4, 1024, 512, 64, 6
@@ -595,10 +599,66 @@ def test_mega_moe_cuda_graph(T, asm, shared_mode, monkeypatch):
     ref = rf.mega_moe(x, xq, xs, fresh, post, comb, gate, bias, *routed, *shared, topk=k,
                       **MOE_KW)
     assert rel(out, eager) < 1e-3
-    assert rel(out, ref) < 1e-2
+    fp8_h = tm._prefill_fp8_h_may(xq, T * k / E)
+    assert rel(out, ref) < 1e-2 + (2.0 ** -4 if fp8_h else 0.0)
     monkeypatch.setattr(tm, "SHARED_EARLY", False)
     monkeypatch.setattr(tm, "SHARED_STREAM", False)
     assert torch.equal(eager, step(fresh)), "the shared expert's stream changed the bits"
+
+
+@pytest.mark.parametrize("dtype,K,strided", [(torch.float8_e4m3fn, 1024, False),
+                                               (torch.float8_e4m3fn, 5120, True),
+                                               (torch.float8_e4m3fn, 20, False),
+                                               (torch.bfloat16, 96, False),
+                                               (torch.float8_e4m3fn, 6, False)])
+@pytest.mark.parametrize("triton_prep", [True, False])
+def test_sorted_rows(dtype, K, strided, triton_prep, monkeypatch):
+    """moe.sorted_rows (the warp-specialized L1's expert-sorted A copy): row r = a[a_idx[r] //
+    topk] bit for bit against index_select, for 32-bit words of 16-byte rows (K 1024 / 5120, a
+    row-strided view), rows of 5 words (K 20: the masked column block) and bf16 rows; K 6 takes
+    index_select itself (rows no multiple of 4 bytes). P = 1 + 331 * 3 (odd, partial last
+    block); every row of the poisoned output written. A_PREP_TRITON off: index_select."""
+    monkeypatch.setattr(tm, "A_PREP_TRITON", triton_prep)
+    g = torch.Generator().manual_seed(K)
+    T, topk = 331, 3
+    base = torch.randint(-128, 128, (T, K + (16 if strided else 0)), generator=g,
+                         dtype=torch.int8)
+    a = base.view(torch.uint8).view(dtype) if dtype.itemsize == 1 else \
+        torch.randn(T, K, generator=g).to(dtype)
+    a = a[:, :K].to(DEV)
+    a_idx = torch.randperm(T * topk, generator=g)[:T * topk - 2].to(torch.int32)
+    a_idx = torch.cat([a_idx, torch.tensor([0, T * topk - 1], dtype=torch.int32)]).to(DEV)
+    with poisoned():
+        got = tm.sorted_rows(a, a_idx, topk)
+    want = a.index_select(0, a_idx.long() // topk)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("kc", [3, 40])
+@pytest.mark.parametrize("triton_prep", [True, False])
+def test_tile_scales(kc, triton_prep, monkeypatch):
+    """moe.tile_scales (the warp-specialized L1's STMA A scales in tile order): column j BM + r
+    = the scales of tile j's row r (its sorted row's token), 0 past a tile's rows and past the
+    list's total (entries there are garbage, one in range, one out), against a loop over a
+    hand-made list; BM = 128, kc 3 (padded to 4 lanes) and 40 (the V4 K = 5120); the Triton
+    kernel and the torch ops (A_PREP_TRITON off) alike."""
+    monkeypatch.setattr(tm, "A_PREP_TRITON", triton_prep)
+    P, MT, BM, topk = 136, 5, 128, 3
+    g = torch.Generator().manual_seed(kc)
+    a_scale = torch.rand(50, kc + 1, generator=g) + 0.5
+    a_idx = torch.randint(0, 50 * topk, (P,), generator=g, dtype=torch.int32)
+    # experts of 3, 0, 133 rows: tiles (row0, rend) = (0, 3), (3, 136), (131, 136)
+    tiles = torch.tensor([3, 0, 2, 2, 7, -5, 0, 3, 131, 1, 999, 3, 136, 136, 2, 4],
+                         dtype=torch.int32)
+    with poisoned():
+        got = tm.tile_scales(a_scale.to(DEV), a_idx.to(DEV), topk, tiles.to(DEV), MT, kc, BM)
+    want = torch.zeros(kc, MT * BM)
+    for j, (r0, r1) in enumerate([(0, 3), (3, 136), (131, 136)]):
+        for r in range(min(BM, r1 - r0)):
+            want[:, j * BM + r] = a_scale[a_idx[r0 + r].long() // topk, :kc]
+    assert got.shape == (kc, MT * BM) and got.is_contiguous()
+    assert torch.equal(got.cpu(), want)
 
 
 def test_zero_tokens():

@@ -44,6 +44,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from megagraph.kernels import formats  # noqa: E402
 from megagraph.kernels.reference import fused as rf  # noqa: E402
 from megagraph.kernels.reference import moe as rmoe  # noqa: E402
 from megagraph.kernels.triton import moe as tm  # noqa: E402
@@ -57,6 +58,7 @@ from test_triton_moe import (  # noqa: E402
     _mhc_inputs,
     _moe_weights,
     finite,
+    fp8_block,
     gen,
     mxfp4,
     poisoned,
@@ -390,3 +392,104 @@ def test_reference_h_fmt_is_quantize_act():
     q, s = rf.quantize_act(h, act_fmt=HFMT)
     fmt, block = rmoe.H_FMTS[HFMT]
     assert torch.equal(rmoe.fake_quant(h, fmt=fmt, block=block), rf.dequant_act(q, s, act_fmt=HFMT))
+
+
+# ---------------------------------------------------------------------------------------------
+# the shared expert with FP8 H (moe.shared_expert_fp8h: cuBLAS L1 -> swiglu_rows_q -> cuBLAS W2)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T,F,limit", [(13, 384, 10.0), (8, 1024, None), (5, 2048, 10.0)])
+def test_swiglu_fp8_equals_quantize_act(T, F, limit):
+    """moe.swiglu_fp8 (swiglu_rows_q) on a bf16 L1 output [T, 2F]: the codes and scales are
+    quantize_act fp8_1x128 of the fp32 H that swiglu_rows computes from the same input, bit for
+    bit (interpreter; GPU, two compiled kernels that may contract the SwiGLU differently: <= 0.1%
+    of the codes one E4M3 step apart, scales equal); every element written (poisoned), the scales
+    in cuBLAS's outer-dim-major layout; T odd / not a multiple of the row block, 128-column
+    blocks (F 384) and 512-column ones."""
+    g = gen(T + F)
+    y13 = randn(T, 2 * F, g=g, scale=3.0, dtype=torch.bfloat16)
+    h32 = torch.empty(T, F, dtype=torch.float32, device=DEV)
+    tm._jit().swiglu_rows[(T, -(-F // 128))](y13, h32, F, float(limit or 0.0), y13.stride(0),
+                                              h32.stride(0), HAS_LIMIT=limit is not None,
+                                              BF=128, num_warps=4)
+    with poisoned():
+        hq, hs = tm.swiglu_fp8(y13, F, limit)
+    finite(hq, hs)
+    assert hs.shape == (T, F // 128) and hs.stride() == (1, T)
+    want_q, want_s = rf.quantize_act(h32, act_fmt=HFMT)
+    assert torch.equal(hs, want_s)
+    same = hq.view(torch.uint8) == want_q.view(torch.uint8)
+    if GPU:
+        assert same.float().mean() >= 0.999
+    else:
+        assert same.all(), f"{int((~same).sum())} codes differ"
+    # and H is the SwiGLU of the input (not garbage that matches): the torch formula within
+    # E4M3's half step (+ the subnormal half-step)
+    gt, up = y13[:, :F].float(), y13[:, F:].float()
+    if limit:
+        gt, up = gt.clamp(max=limit), up.clamp(-limit, limit)
+    h_t = torch.nn.functional.silu(gt) * up
+    bound = 2.0 ** -4 * h_t.abs() + 2.0 ** -10 * hs.repeat_interleave(128, dim=1) + 1e-6
+    assert ((rf.dequant_act(hq, hs, act_fmt=HFMT) - h_t).abs() <= bound).all()
+
+
+def test_swiglu_fp8_refuses_partial_blocks():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        tm.swiglu_fp8(torch.zeros(2, 192, device=DEV), 96, None)
+
+
+def test_combine_reads_the_shared_output_from_its_own_tensor():
+    """moe.combine(shared_out=...) (the shared expert's output in its own tensor, as
+    shared_expert_fp8h returns it) gives the bits of the same values in y's slot k, with the
+    mHC expand and without."""
+    g = gen(31)
+    T, k, d, n = 9, 3, 384, 4
+    y = randn(T, k + 1, d, g=g, dtype=torch.bfloat16)
+    streams = randn(T, n, d, g=g, dtype=torch.bfloat16)
+    post, comb = randn(T, n, g=g), randn(T, n, n, g=g)
+    for kw in (dict(streams=streams, post=post, comb=comb), {}):
+        shape = (T, n, d) if kw else (T, d)
+        a = tm.combine(y, torch.empty(shape, dtype=torch.bfloat16, device=DEV), topk=k,
+                       shared=True, rdt=torch.bfloat16, **kw)
+        with poisoned():
+            b = tm.combine(y[:, :k], torch.empty(shape, dtype=torch.bfloat16, device=DEV),
+                           topk=k, shared=True, rdt=torch.bfloat16,
+                           shared_out=y[:, k].clone(), **kw)
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    with pytest.raises(ValueError, match="shared output"):
+        tm.combine(y[:, :k], torch.empty(T, d, dtype=torch.bfloat16, device=DEV), topk=k,
+                   shared=True, rdt=torch.bfloat16, shared_out=y[:, k].t().contiguous().t())
+
+
+@pytest.mark.skipif(not GPU, reason="cuBLAS's FP8 GEMM: CUDA only")
+@pytest.mark.parametrize("T,d,F", [(37, 256, 384), (256, 512, 1024)])
+def test_shared_expert_fp8h(T, d, F):
+    """shared_expert_fp8h (both GEMMs on cuBLAS, H quantized by swiglu_rows_q) against fp32 math
+    with the same roundings - the L1 output rounded to bf16, H fake-quantized per 128 columns
+    (h_fmt fp8_1x128) - within TOL_Q_BF16 (an H element that the FP8 MMA's accumulation order
+    moves across a bf16 / E4M3 rounding boundary flips: the argument of TOL_Q; the bf16 output);
+    and against the unquantized shared expert (fp32 H, reference.fused.swiglu_mlp_q) within
+    LOOSE: H really was quantized. T 37: cuBLAS's padding to rows of 4; F 384: 128-column
+    blocks."""
+    g = gen(T + F)
+    x = randn(T, d, g=g)
+    xq, xs = rf.quantize_act(x, act_fmt=ACT)
+    sw = (*fp8_block(F, d, g), *fp8_block(F, d, g), *fp8_block(d, F, g))
+    banks = [tm.bank(w, s, "fp8_block") for w, s in zip(sw[0::2], sw[1::2], strict=True)]
+    with poisoned():
+        y = tm.shared_expert_fp8h(xq, xs, *banks, swiglu_limit=10.0, out_dtype=torch.bfloat16)
+    assert y is not None and y.shape == (T, d) and y.dtype == torch.bfloat16
+    finite(y)
+    xd = rf.dequant_act(xq, xs, act_fmt=ACT)
+    w1, w3, w2 = (formats.dequantize_fp8_block(w, s, 32) for w, s in zip(sw[0::2], sw[1::2]))
+    gt = (xd @ w1.t()).bfloat16().float().clamp(max=10.0)
+    up = (xd @ w3.t()).bfloat16().float().clamp(-10.0, 10.0)
+    fmt, block = rmoe.H_FMTS[HFMT]
+    want = rmoe.fake_quant(torch.nn.functional.silu(gt) * up, fmt=fmt, block=block) @ w2.t()
+    assert rel(y, want) < TOL_Q_BF16
+    plain = rf.swiglu_mlp_q(xq, xs, *sw, fmt="fp8_block", swiglu_limit=10.0, act_fmt=ACT,
+                            out_dtype="bf16")
+    assert LOOSE[0] < rel(y, plain) < LOOSE[1]
+    assert rel(rf.swiglu_mlp_q(xq, xs, *sw, fmt="fp8_block", swiglu_limit=10.0, act_fmt=ACT,
+                               out_dtype="bf16", h_fmt=HFMT), want) < TOL_Q_BF16
