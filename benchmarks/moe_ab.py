@@ -1,8 +1,9 @@
 """A/B of MegaMoE configurations in one process: the kernel switches of kernels/triton/moe.py
 (module attributes such as CUBLAS_PREFILL, GLUON_PREFILL_L2, SHARED_STREAM; "module.ATTR" for
 another module of kernels/triton, e.g. moe_gluon_decode.LOAD=cp.async) set per row,
-rows interleaved over rounds so that they compare within one run (between device calls the same
-row moves by up to 5%). Real V4.1-Flash dims and the inputs of benchmarks/kernels.py's MoE rows.
+rows interleaved over rounds (each round's order rotated by one) so that they compare within
+one run (between device calls the same row moves by up to 5%). Real V4.1-Flash dims and the
+inputs of benchmarks/kernels.py's MoE rows.
 Each configuration's output is compared with the first configuration's (relative Frobenius
 error), so a faster row that is wrong shows.
 
@@ -71,7 +72,12 @@ def main():
         ref, times = None, {name: [] for name, _ in configs}
         errs = {}
         for rnd in range(args.rounds):
-            for name, knobs in configs:
+            # each round starts one configuration later: the H200's clocks drift down as it
+            # heats under this load (5.80 -> 6.32 ms for one configuration between the first two
+            # rounds, sixteenth session), so a fixed order would favour whichever runs first
+            # (round 0 in the given order: the first configuration is the rel errs' reference)
+            order = configs[rnd % len(configs):] + configs[:rnd % len(configs)]
+            for name, knobs in order:
                 for k, v in saved.items():
                     setattr(*_target(tm, k), knobs.get(k, v))
                 try:

@@ -231,6 +231,9 @@ FP8_H_PREFILL = os.environ.get("MEGAGRAPH_MOE_FP8_H_PREFILL", "1") == "1"
 # cuBLAS's FP8 GEMM, H quantized per 128 columns by swiglu_rows_q) wherever that is E4M3 and its
 # weights are FP8-block; "0": its bf16 W2 GEMM on bf16 H as before (sixteenth session)
 SHARED_FP8_H = os.environ.get("MEGAGRAPH_MOE_SHARED_FP8_H", "1") == "1"
+# the router's gate GEMM tile above 256 tokens (gate_scores: rows x experts, warps, stages);
+# each score's K loop runs in the same order in any tile (moe_ab.py compares the bits)
+GATE_BM, GATE_BE, GATE_WARPS, GATE_STAGES = 64, 64, 4, 3
 # the warp-specialized L1's input copies (sorted_rows: A's rows in expert order; tile_scales: its
 # scales in tile order) as two Triton kernels; off: index_select and ~14 torch ops (~270 us
 # together at 8192 tokens on the H200, ncu, sixteenth session)
@@ -665,8 +668,9 @@ def route_ids(x: Tensor, gate_w: Tensor, bias: Tensor | None, *, topk: int, rout
     wts = torch.empty(T, topk, dtype=torch.float32, device=dev)
     if T == 0:
         return ids, wts
-    bm = 16 if (T <= 256 or INTERPRET) else 64
-    be = 64
+    small = T <= 256 or INTERPRET
+    bm = 16 if small else int(GATE_BM)
+    be = 64 if small else int(GATE_BE)
     bk = 64
     split = _gate_split(-(-T // bm) * -(-E // be), D, bk)
     scores = torch.empty(split, T, E, dtype=torch.float32, device=dev)
@@ -680,7 +684,8 @@ def route_ids(x: Tensor, gate_w: Tensor, bias: Tensor | None, *, topk: int, rout
             mode = 2
     jit.gate_scores[(-(-T // bm), -(-E // be), split)](
         x, gw, scores, T, E, D, D // split, x.stride(0), gw.stride(0), scores.stride(1),
-        scores.stride(0), MODE=mode, BM=bm, BE=be, BK=bk, num_warps=4, num_stages=3)
+        scores.stride(0), MODE=mode, BM=bm, BE=be, BK=bk,
+        num_warps=4 if small else int(GATE_WARPS), num_stages=3 if small else int(GATE_STAGES))
     hashed = tid2eid is not None
     bmk = 8
     jit.route_topk[(-(-T // bmk),)](
