@@ -113,13 +113,16 @@ def main():
 
 def _target(tm, knob: str):
     """(module, attribute) of a switch: "ATTR" in kernels/triton/moe.py, "mod.ATTR" in
-    kernels/triton/mod.py."""
+    kernels/triton/mod.py, else in kernels/mod.py (e.g. cublas_fp8.FORM_PREFILL=)."""
     if "." not in knob:
         return tm, knob
     import importlib
 
     mod, attr = knob.rsplit(".", 1)
-    return importlib.import_module(f"megagraph.kernels.triton.{mod}"), attr
+    try:
+        return importlib.import_module(f"megagraph.kernels.triton.{mod}"), attr
+    except ModuleNotFoundError:
+        return importlib.import_module(f"megagraph.kernels.{mod}"), attr
 
 
 def _md(meta: dict) -> str:

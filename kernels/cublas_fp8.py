@@ -51,6 +51,13 @@ REBLOCK_ABS_ERR = 2.0 ** -10
 # 1x128 is the default: decode-bound serving, and it re-rounds fewer elements (one row's blocks).
 FORMS = ("1x128", "128x128")
 FORM = os.environ.get("MEGAGRAPH_CUBLAS_FP8_FORM", "1x128")
+# the recipe for prefill-sized calls of callers that ask for it (prefill_form: the shared
+# expert's two GEMMs at >= PREFILL_ROWS rows, where the same probe measured 128x128 20-25%
+# faster: 380 -> 307 us and 206 -> 166 us at 8192 rows). Its cost: a second reblocked copy of
+# those weights (V4.1's 32 x 32 blocks re-rounded per 128 x 128 block, the same error bound as
+# 1x128's; ~31 MB a layer for the shared expert). "" : the default recipe everywhere.
+FORM_PREFILL = os.environ.get("MEGAGRAPH_CUBLAS_FP8_FORM_PREFILL", "128x128")
+PREFILL_ROWS = 1024
 # the device check's bound on |cuBLAS fp32 output - fp32 math| / |fp32 math|: Hopper's FP8 MMA
 # accumulates each 128-column block at reduced precision before the fp32 promotion (2.0e-4
 # measured on the H200 at K 512-8192), far below a bf16 output's own rounding (~2e-3 on these
@@ -172,12 +179,22 @@ def matmul(x_q: Tensor, x_scale: Tensor, cw: CublasWeight, out_dtype: torch.dtyp
 @functools.cache
 def supported(index: int) -> str | None:
     """The first form of FORMS whose cuBLAS call matches fp32 math on CUDA device ``index``
-    (odd sub-block scales, 6 rows: the padding path), or None; cached per device."""
-    if MODE == "0" or not torch.cuda.is_available():
-        return None
+    (form_ok), FORM first, or None; cached per device."""
+    for form in sorted(FORMS, key=lambda f: f != FORM):
+        if form_ok(index, form):
+            return form
+    return None
+
+
+@functools.cache
+def form_ok(index: int, form: str) -> bool:
+    """Whether cuBLAS's call in this form matches fp32 math on CUDA device ``index`` (odd
+    sub-block scales, 6 rows: the padding path); cached per device and form."""
+    if MODE == "0" or not torch.cuda.is_available() or form not in FORMS:
+        return False
     F = torch.nn.functional
     if not (hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")):
-        return None
+        return False
     from megagraph.kernels import formats
     from megagraph.kernels.reference import fused as rf
 
@@ -191,21 +208,20 @@ def supported(index: int) -> str | None:
     wq, ws = formats.quantize_fp8_block(w, 32)
     xq, xs = rf.quantize_act(x, act_fmt="fp8_1x128")
     xf = rf.dequant_act(xq, xs, act_fmt="fp8_1x128")
-    for form in sorted(FORMS, key=lambda f: f != FORM):
-        try:
-            w2, s2, exact = reblock(wq, ws, form)
-            want = xf @ dequant_reblocked(w2, s2, form).t()
-            got = matmul(xq, xs, CublasWeight(w2, s2, form, exact), torch.float32)
-            torch.cuda.synchronize(dev)
-            err = float((got - want).norm() / want.norm())
-        except Exception as e:  # noqa: BLE001  (a form this torch / cuBLAS rejects)
-            log.info("cublas_fp8: form %s rejected on cuda:%d: %s", form, index, e)
-            continue
-        if err < CHECK_REL:
-            return form
-        log.warning("cublas_fp8: form %s gives rel. err %.2e on cuda:%d; not used", form, err,
-                    index)
-    return None
+    try:
+        w2, s2, exact = reblock(wq, ws, form)
+        want = xf @ dequant_reblocked(w2, s2, form).t()
+        got = matmul(xq, xs, CublasWeight(w2, s2, form, exact), torch.float32)
+        torch.cuda.synchronize(dev)
+        err = float((got - want).norm() / want.norm())
+    except Exception as e:  # noqa: BLE001  (a form this torch / cuBLAS rejects)
+        log.info("cublas_fp8: form %s rejected on cuda:%d: %s", form, index, e)
+        return False
+    if err < CHECK_REL:
+        return True
+    log.warning("cublas_fp8: form %s gives rel. err %.2e on cuda:%d; not used", form, err,
+                index)
+    return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,15 +282,21 @@ def derived(pairs: tuple[tuple[Tensor, Tensor], ...], tag: str, build):
     return out
 
 
-def prepare(*pairs: tuple[Tensor, Tensor]) -> CublasWeight | None:
+def prepare(*pairs: tuple[Tensor, Tensor], form: str | None = None) -> CublasWeight | None:
     """The cached CublasWeight of one or more (weight, scale) pairs stacked along N (reblocked on
-    first use, derived()); None where the device check failed or the shapes do not fit."""
+    first use, derived()); None where the device check failed or the shapes do not fit. form:
+    this recipe (form_ok on the device, else None) instead of the device's default
+    (supported()); each form is its own cached copy."""
     ws = [w for w, _ in pairs]
     if not ws or any(w.device.type != "cuda" or w.dim() != 2 for w in ws):
         return None
     if len({(w.device, w.shape[1]) for w in ws}) != 1:
         return None
-    form = supported(ws[0].device.index or 0)
+    index = ws[0].device.index or 0
+    if form is None:
+        form = supported(index)
+    elif not form_ok(index, form):
+        return None
     if form is None:
         return None
 
@@ -301,17 +323,22 @@ def dense_bf16(weight: Tensor, scale: Tensor) -> Tensor | None:
                    lambda p: formats.dequantize_fp8_block(*p[0]).to(torch.bfloat16))
 
 
+def prefill_form(rows: int) -> str | None:
+    """FORM_PREFILL for calls of >= PREFILL_ROWS rows, else None (the device's default form)."""
+    return (FORM_PREFILL or None) if rows >= PREFILL_ROWS else None
+
+
 def linear(x_q: Tensor, x_scale: Tensor, pairs: list[tuple[Tensor, Tensor]],
-           out_dtype: torch.dtype) -> Tensor | None:
+           out_dtype: torch.dtype, form: str | None = None) -> Tensor | None:
     """y = dequant(x_q) @ dequant([W_1; W_2; ...])^T on cuBLAS (pairs: (weight, E8M0 scale) of
     one or more FP8-block weights with the same K, stacked along N), or None (the caller's GEMM
     runs) where MODE is "0", the device check failed, the output dtype is not bf16 / fp32 or a
-    weight does not reblock."""
+    weight does not reblock. form: prepare's (None: the device's default recipe)."""
     if MODE == "0" or out_dtype not in (torch.bfloat16, torch.float32):
         return None
     if x_q.dtype != torch.float8_e4m3fn or x_scale.dtype != torch.float32 or x_q.dim() != 2:
         return None
-    cw = prepare(*pairs)
+    cw = prepare(*pairs, form=form)
     if cw is None:
         return None
     return matmul(x_q, x_scale, cw, out_dtype)

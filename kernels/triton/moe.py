@@ -1116,15 +1116,17 @@ def shared_expert_fp8h(x_q: Tensor, x_scale: Tensor, w1: Bank, w3: Bank, w2: Ban
     from megagraph.kernels import cublas_fp8
 
     F = w1.n
+    form = cublas_fp8.prefill_form(x_q.shape[0])  # 128 x 128 weight blocks at prefill sizes
     if (w2.wfmt != 1 or w2.groups != 1 or F % 128 or w2.k != F
             or out_dtype not in (torch.bfloat16, torch.float32)
-            or _cublas_l1_problem(x_q, w1, w3) or cublas_fp8.prepare((w2.w[0], w2.s[0])) is None):
+            or _cublas_l1_problem(x_q, w1, w3)
+            or cublas_fp8.prepare((w2.w[0], w2.s[0]), form=form) is None):
         return None
-    y13 = _cublas_l1(x_q, x_scale, w1, w3, torch.bfloat16)
+    y13 = _cublas_l1(x_q, x_scale, w1, w3, torch.bfloat16, form=form)
     if y13 is None:
         return None
     h, hs = swiglu_fp8(y13, F, swiglu_limit)
-    return cublas_fp8.linear(h, hs, [(w2.w[0], w2.s[0])], out_dtype)
+    return cublas_fp8.linear(h, hs, [(w2.w[0], w2.s[0])], out_dtype, form=form)
 
 
 def swiglu_fp8(y13: Tensor, F: int, swiglu_limit: float | None) -> tuple[Tensor, Tensor]:
@@ -1154,18 +1156,17 @@ def _cublas_l1_problem(x_q: Tensor, w1: Bank, w3: Bank) -> bool:
 
 
 def _cublas_l1(x_q: Tensor, x_scale: Tensor, w1: Bank, w3: Bank,
-               out_dtype: torch.dtype = torch.float32) -> Tensor | None:
-    """The shared expert's first GEMM on cuBLAS (kernels/cublas_fp8.py): fp32 [T, 2F] = x @
-    [W1; W3]^T for FP8-block banks (one weight each), E4M3 x, >= CUBLAS_MIN_ROWS rows; else None
-    (the Triton dense_swiglu tile with the SwiGLU in its epilogue runs). H stays fp16 and the
-    second GEMM on Triton: the reference keeps H in high precision, and cuBLAS's block-scaled
-    GEMM takes only FP8 operands."""
+               out_dtype: torch.dtype = torch.float32, form: str | None = None) -> Tensor | None:
+    """The shared expert's first GEMM on cuBLAS (kernels/cublas_fp8.py): [T, 2F] = x @
+    [W1; W3]^T in out_dtype (fp32; bf16 for shared_expert_fp8h, whose H is E4M3 afterwards) for
+    FP8-block banks (one weight each), E4M3 x, >= CUBLAS_MIN_ROWS rows; else None (the Triton
+    dense_swiglu tile with the SwiGLU in its epilogue runs). form: cublas_fp8.linear's."""
     if _cublas_l1_problem(x_q, w1, w3):
         return None
     from megagraph.kernels import cublas_fp8
 
     return cublas_fp8.linear(x_q, x_scale, [(w1.w[0], w1.s[0]), (w3.w[0], w3.s[0])],
-                             out_dtype)
+                             out_dtype, form=form)
 
 
 def combine(y: Tensor, out: Tensor, *, topk: int, shared: bool, rdt: torch.dtype,

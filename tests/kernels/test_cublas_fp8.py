@@ -125,6 +125,45 @@ def test_linear_matches_fp32_math(M, N, K):
     assert float((y.float() - src).norm() / src.norm()) < 1e-2
 
 
+def test_prefill_form_picks_by_rows(monkeypatch):
+    """prefill_form: FORM_PREFILL from PREFILL_ROWS rows on, the device default (None) below
+    and where FORM_PREFILL is "" (the knob off)."""
+    monkeypatch.setattr(cb, "FORM_PREFILL", "128x128")
+    assert cb.prefill_form(cb.PREFILL_ROWS) == "128x128"
+    assert cb.prefill_form(cb.PREFILL_ROWS - 1) is None
+    monkeypatch.setattr(cb, "FORM_PREFILL", "")
+    assert cb.prefill_form(1 << 20) is None
+    assert cb.form_ok(0, "4x4") is False  # an unknown recipe is never taken
+
+
+@gpu
+@pytest.mark.parametrize("form", ["1x128", "128x128"])
+def test_linear_with_an_explicit_form(form):
+    """linear(form=...) for both recipes whatever the device default: [W1; W3] stacked (two
+    pairs) against fp32 math of the reblocked weight within CHECK_REL and of the 32 x 32
+    source within 1e-2 (bf16 out); each form its own cached copy; 1000 rows (a prefill-sized
+    call's tiles, cuBLAS's padding to rows of 4)."""
+    if not cb.form_ok(0, form):
+        pytest.skip(f"this torch / cuBLAS / GPU does not take the {form} form")
+    p1 = _weight(512, 1024, 32, 3, seed=1, device="cuda")
+    p3 = _weight(384, 1024, 32, 3, seed=2, device="cuda")
+    x = torch.randn(1002, 1024, device="cuda")
+    xq, xs = rf.quantize_act(x, act_fmt="fp8_1x128")
+    xf = rf.dequant_act(xq, xs, act_fmt="fp8_1x128")
+    cw = cb.prepare(p1, p3, form=form)
+    assert cw is not None and cw.form == form and cw.n == 896
+    assert cb.prepare(p1, p3, form=form) is cw
+    other = "1x128" if form == "128x128" else "128x128"
+    if cb.form_ok(0, other):
+        assert cb.prepare(p1, p3, form=other) is not cw
+    want = xf @ cb.dequant_reblocked(cw.w, cw.s, form).t()
+    y32 = cb.linear(xq, xs, [p1, p3], torch.float32, form=form)
+    assert float((y32 - want).norm() / want.norm()) < cb.CHECK_REL
+    src = xf @ torch.cat([formats.dequantize_fp8_block(*p) for p in (p1, p3)]).t()
+    y = cb.linear(xq, xs, [p1, p3], torch.bfloat16, form=form)
+    assert float((y.float() - src).norm() / src.norm()) < 1e-2
+
+
 @gpu
 def test_cache_and_version():
     _form()

@@ -463,7 +463,7 @@ def test_combine_reads_the_shared_output_from_its_own_tensor():
 
 
 @pytest.mark.skipif(not GPU, reason="cuBLAS's FP8 GEMM: CUDA only")
-@pytest.mark.parametrize("T,d,F", [(37, 256, 384), (256, 512, 1024)])
+@pytest.mark.parametrize("T,d,F", [(37, 256, 384), (256, 512, 1024), (1101, 512, 1024)])
 def test_shared_expert_fp8h(T, d, F):
     """shared_expert_fp8h (both GEMMs on cuBLAS, H quantized by swiglu_rows_q) against fp32 math
     with the same roundings - the L1 output rounded to bf16, H fake-quantized per 128 columns
@@ -471,7 +471,8 @@ def test_shared_expert_fp8h(T, d, F):
     moves across a bf16 / E4M3 rounding boundary flips: the argument of TOL_Q; the bf16 output);
     and against the unquantized shared expert (fp32 H, reference.fused.swiglu_mlp_q) within
     LOOSE: H really was quantized. T 37: cuBLAS's padding to rows of 4; F 384: 128-column
-    blocks."""
+    blocks; T 1101: a prefill-sized call (>= cublas_fp8.PREFILL_ROWS: the 128 x 128 weight
+    recipe, FORM_PREFILL)."""
     g = gen(T + F)
     x = randn(T, d, g=g)
     xq, xs = rf.quantize_act(x, act_fmt=ACT)
