@@ -232,8 +232,10 @@ FP8_H_PREFILL = os.environ.get("MEGAGRAPH_MOE_FP8_H_PREFILL", "1") == "1"
 # weights are FP8-block; "0": its bf16 W2 GEMM on bf16 H as before (sixteenth session)
 SHARED_FP8_H = os.environ.get("MEGAGRAPH_MOE_SHARED_FP8_H", "1") == "1"
 # the router's gate GEMM tile above 256 tokens (gate_scores: rows x experts, warps, stages);
-# each score's K loop runs in the same order in any tile (moe_ab.py compares the bits)
-GATE_BM, GATE_BE, GATE_WARPS, GATE_STAGES = 64, 64, 4, 3
+# each score's K loop runs in the same order in any tile. 128 x 64 since the sixteenth session:
+# route_ids at 8192 tokens 139 -> 114 us on the H200, the same ids and weights bit for bit
+# (benchmarks/gate_tile_probe.py; 128 x 128 at 4 or 8 warps 116-118, 64 x 64 139)
+GATE_BM, GATE_BE, GATE_WARPS, GATE_STAGES = 128, 64, 4, 3
 # the warp-specialized L1's input copies (sorted_rows: A's rows in expert order; tile_scales: its
 # scales in tile order) as two Triton kernels; off: index_select and ~14 torch ops (~270 us
 # together at 8192 tokens on the H200, ncu, sixteenth session)
