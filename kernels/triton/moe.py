@@ -229,7 +229,9 @@ GLUON_WS_L2_FP8 = os.environ.get("MEGAGRAPH_MOE_GLUON_WS_FP8_H", "1") == "1"
 FP8_H_PREFILL = os.environ.get("MEGAGRAPH_MOE_FP8_H_PREFILL", "1") == "1"
 # the shared expert follows the routed experts' H format (shared_expert_fp8h: both its GEMMs on
 # cuBLAS's FP8 GEMM, H quantized per 128 columns by swiglu_rows_q) wherever that is E4M3 and its
-# weights are FP8-block; "0": its bf16 W2 GEMM on bf16 H as before (sixteenth session)
+# weights are FP8-block; "0": its bf16 W2 GEMM on bf16 H as before. Sixteenth session, H200, 8192
+# tokens: the shared expert 686 -> 492 us (with cublas_fp8.FORM_PREFILL's 128 x 128 recipe), the
+# layer 6.16 -> 5.62 ms with the Triton A copies (benchmarks/results/moe-16-h200.md)
 SHARED_FP8_H = os.environ.get("MEGAGRAPH_MOE_SHARED_FP8_H", "1") == "1"
 # the router's gate GEMM tile above 256 tokens (gate_scores: rows x experts, warps, stages);
 # each score's K loop runs in the same order in any tile. 128 x 64 since the sixteenth session:
@@ -237,8 +239,8 @@ SHARED_FP8_H = os.environ.get("MEGAGRAPH_MOE_SHARED_FP8_H", "1") == "1"
 # (benchmarks/gate_tile_probe.py; 128 x 128 at 4 or 8 warps 116-118, 64 x 64 139)
 GATE_BM, GATE_BE, GATE_WARPS, GATE_STAGES = 128, 64, 4, 3
 # the warp-specialized L1's input copies (sorted_rows: A's rows in expert order; tile_scales: its
-# scales in tile order) as two Triton kernels; off: index_select and ~14 torch ops (~270 us
-# together at 8192 tokens on the H200, ncu, sixteenth session)
+# scales in tile order) as two Triton kernels (90 us at 8192 tokens on the H200); off:
+# index_select and 17 torch ops (279 us; ncu, sixteenth session)
 A_PREP_TRITON = True
 MMA_FP8, MMA_FP16, MMA_BF16, MMA_F32 = 0, 1, 2, 3
 WFMT = {"mxfp4": 0, "fp8_block": 1}
@@ -766,8 +768,8 @@ def tile_scales(a_scale: Tensor, a_idx: Tensor, topk: int, tiles: Tensor, max_ti
 
 def _tile_scales_torch(a_scale: Tensor, a_idx: Tensor, topk: int, tiles: Tensor, MT: int,
                        kc: int, bm: int) -> Tensor:
-    """tile_scales in torch ops (where Triton does not run, and A_PREP_TRITON off): ~14
-    launches, ~150 us at 8192 tokens on the H200 (ncu, sixteenth session)."""
+    """tile_scales in torch ops (where Triton does not run, and A_PREP_TRITON off): 17
+    launches, 159 us at 8192 tokens on the H200 (ncu, sixteenth session; the kernel: 10 us)."""
     dev = a_scale.device
     P = a_idx.numel()
     row0 = tiles[1 + MT:1 + 2 * MT].long()
