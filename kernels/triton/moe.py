@@ -744,8 +744,7 @@ def sorted_rows(a: Tensor, a_idx: Tensor, topk: int) -> Tensor:
     br = max(1, 2048 // bw)
     _jit().moe_gather_rows[(-(-P // br),)](
         src, a_idx, out.view(torch.uint8).view(torch.int32), P, W, src.stride(0), W, TOPK=topk,
-        BR=br,
-        BW=bw, num_warps=4)
+        BR=br, BW=bw, num_warps=4)
     return out
 
 

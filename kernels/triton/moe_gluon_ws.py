@@ -1155,9 +1155,8 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     w1_desc = _weight_desc(w1, bn)
     a_desc = w1_desc  # a placeholder of the right kind where A_TMA is off (never read)
     if consts["A_TMA"]:
-        from .gluon_common import TensorDescriptor
-
         from . import moe
+        from .gluon_common import TensorDescriptor
 
         a_sorted = moe.sorted_rows(a_q, a_idx, topk)
         a_desc = TensorDescriptor(a_sorted, [P, K], [a_sorted.stride(0), 1], [BM, BK],
@@ -1194,9 +1193,8 @@ def _small_descs(a_scale, a_idx, topk: int, tiles, MT: int, w1, w3, frames, K: i
     BM]), the banks' exponents as [G N, K / 32] bytes in [bn, 16] boxes (chunks 4 (i // 4) ..
     + 3: a box starts 16-byte aligned), the frames as [G N / bn, bn] int32 in [1, bn] boxes (the
     launcher's f1 / f3 where frames are off: placeholders, never read)."""
-    from .gluon_common import TensorDescriptor
-
     from . import moe
+    from .gluon_common import TensorDescriptor
 
     kc = K // 128
     sa_t = moe.tile_scales(a_scale, a_idx, topk, tiles, MT, kc, BM)
