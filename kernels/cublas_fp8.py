@@ -285,18 +285,18 @@ def derived(pairs: tuple[tuple[Tensor, Tensor], ...], tag: str, build):
 def prepare(*pairs: tuple[Tensor, Tensor], form: str | None = None) -> CublasWeight | None:
     """The cached CublasWeight of one or more (weight, scale) pairs stacked along N (reblocked on
     first use, derived()); None where the device check failed or the shapes do not fit. form:
-    this recipe (form_ok on the device, else None) instead of the device's default
-    (supported()); each form is its own cached copy."""
+    this recipe instead of the device's default (supported()) where the device takes it
+    (form_ok) and the weights fit it (reblock; else the default: a recipe is a speed choice,
+    both match the same fp32 math); each form is its own cached copy."""
     ws = [w for w, _ in pairs]
     if not ws or any(w.device.type != "cuda" or w.dim() != 2 for w in ws):
         return None
     if len({(w.device, w.shape[1]) for w in ws}) != 1:
         return None
     index = ws[0].device.index or 0
-    if form is None:
-        form = supported(index)
-    elif not form_ok(index, form):
-        return None
+    default = supported(index)
+    if form is None or not form_ok(index, form):
+        form = default
     if form is None:
         return None
 
@@ -307,7 +307,8 @@ def prepare(*pairs: tuple[Tensor, Tensor], form: str | None = None) -> CublasWei
             return None
         return CublasWeight(w2, s2, form, exact)
 
-    return derived(tuple(pairs), form, build)
+    cw = derived(tuple(pairs), form, build)
+    return cw if cw is not None or form == default else prepare(*pairs)
 
 
 def dense_bf16(weight: Tensor, scale: Tensor) -> Tensor | None:

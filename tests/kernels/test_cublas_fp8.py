@@ -165,6 +165,17 @@ def test_linear_with_an_explicit_form(form):
 
 
 @gpu
+def test_prepare_falls_back_to_the_default_form():
+    """A recipe the weights do not fit (128 x 128 on N = 200 rows) or the device does not take
+    gives the device's default recipe, not None: the form is a speed choice."""
+    form = _form()
+    cw = cb.prepare(_weight(200, 1024, 32, 3, seed=5, device="cuda"), form="128x128")
+    assert cw is not None and cw.form == form
+    cw = cb.prepare(_weight(256, 1024, 32, 3, seed=6, device="cuda"), form="4x4")
+    assert cw is not None and cw.form == form
+
+
+@gpu
 def test_cache_and_version():
     _form()
     wq, ws = _weight(256, 512, 32, 3, seed=9, device="cuda")
