@@ -20,10 +20,22 @@ is batched with (greedy output alone == batched). Admission
 asks the `CacheManager`; when decode growth does not fit its token ledger, the newest running
 sequences are preempted: they leave their slot and are recomputed (prompt + outputs so far)
 when admitted again, with their sampler and grammar states kept.
+
+Failure isolation. A step is assembled from sequence fields that the scheduler keeps changing
+while the step runs (a sequence whose last token is in flight gives its slot back at once), so a
+job carries its chunks' slots as of assembly and the worker reads nothing else of a sequence. A
+request the engine cannot run is refused at `submit` (`InvalidRequest`: no prompt token, a token
+id outside the vocabulary, more tokens than a slot holds). A step that still raises is logged
+with its traceback and request ids; its sequences (and those of the step after it, which ran
+nothing: its inputs were the failed step's samples) lose their slots and are recomputed, the
+ones of the failed step one at a time in steps of their own: a sequence that fails again alone
+is the cause and ends with an error, the others rejoin the batch with the tokens they would
+have had.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -32,11 +44,34 @@ from typing import Callable
 
 from .cache_manager import CacheManager
 from .sequence import FINISHED, RUNNING, WAITING, SeqEvent, Sequence
-from .step_worker import StepJob, StepResult, StepWorker
+from .step_worker import StepJob, StepResult, StepWorker, UpstreamStepFailed
+
+log = logging.getLogger("megagraph.scheduler")
+
+#: failed steps a sequence may be part of before it is failed itself: one (in a batch, where
+#: any of its neighbours may be the cause); the second is a step it ran alone in
+MAX_FAULTS = 1
 
 
 class Overloaded(RuntimeError):
     """The queue is full, or the scheduler is shutting down / dead (the server answers 503)."""
+
+
+class InvalidRequest(ValueError):
+    """A sequence the engine cannot run (the server answers 400); nothing was queued."""
+
+
+def check_runnable(s: Sequence, vocab_size: int, capacity: int) -> None:
+    """What every step needs of a sequence, checked before it can reach one."""
+    n = len(s.prompt_ids)
+    if n == 0:
+        raise InvalidRequest("the prompt has no tokens; a request needs at least one")
+    bad = next((t for t in s.prompt_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+    if n + s.params.max_tokens > capacity:
+        raise InvalidRequest(f"{n} prompt tokens + max_tokens {s.params.max_tokens} exceed the "
+                             f"context of {capacity} tokens")
 
 
 @dataclass(frozen=True)
@@ -87,6 +122,7 @@ class Scheduler:
         self._by_id: dict[int, Sequence] = {}
         self._inflight: deque[StepJob] = deque()  # submitted, results not processed yet
         self._stopping = False
+        self._isolated_turn = True  # whether a suspect's step may come next
         self._abort_everything: str | None = None
         self.dead: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="megagraph-scheduler", daemon=True)
@@ -94,6 +130,10 @@ class Scheduler:
 
     # -- any thread ------------------------------------------------------------------------------
     def submit(self, seqs: list[Sequence]) -> None:
+        """Queue `seqs`; raises InvalidRequest (nothing queued) or Overloaded."""
+        vocab, cap = self.engine.cfg.vocab_size, self.engine.config.capacity
+        for s in seqs:
+            check_runnable(s, vocab, cap)
         with self._cv:
             if self.dead is not None:
                 raise Overloaded(f"the engine loop stopped: {self.dead}")
@@ -220,19 +260,34 @@ class Scheduler:
         tokens: list[list[int | None]] = []
         samples: list[int] = []
 
+        slots: list[int] = []
+        epochs: list[int] = []
+
         def add(s: Sequence, toks: list[int | None], samples_now: bool) -> None:
+            assert s.slot >= 0 and toks, f"sequence {s.seq_id} is not runnable"
             if samples_now:
                 samples.append(len(seqs))
                 s.pending += 1
             seqs.append(s)
             tokens.append(toks)
+            slots.append(s.slot)
+            epochs.append(s.epoch)
             s.scheduled += len(toks)
             s.inflight += 1
+
+        suspect = self._next_suspect()
+        if suspect is not None:  # after a failed step: one suspect alone, every other step
+            self._isolated_turn = False
+            if self._add_alone(suspect, add):
+                return StepJob(seqs, tokens, samples, continues, num_decode=0,
+                               reset_slots=self.cache.take_resets(), slots=slots, epochs=epochs,
+                               isolated=True)
+        self._isolated_turn = True
 
         # decode first
         decodes = []
         for s in self.running:
-            if s.finished or s.preempt or s.slot < 0 or not s.can_sample_more():
+            if s.finished or s.preempt or s.slot < 0 or s.faults or not s.can_sample_more():
                 continue
             unfed = s.num_known - s.scheduled
             if (s.pending and unfed == 0) or (not s.pending and unfed == 1):
@@ -251,27 +306,51 @@ class Scheduler:
         # then prompt chunks: continuing prefills, then admissions (decodes are not counted)
         budget = self.config.max_prefill_tokens
         for s in self.running:
-            if s.finished or s.preempt or s.pending or s.slot < 0 \
+            if s.finished or s.preempt or s.pending or s.slot < 0 or s.faults \
                     or s.num_known - s.scheduled <= 1 or s in seqs:
                 continue
             n = self._chunk_len(s)
             if n > budget:
                 break
             budget -= self._add_chunk(s, n, add)
-        while self.waiting:
-            s = self.waiting[0]
-            headroom = sum(1 for r in self.running if r.slot >= 0 and not r.preempt)
-            if self._chunk_len(s, 0) > budget or not self.cache.can_admit(s.num_known, headroom):
+        for s in [w for w in self.waiting if not w.faults]:
+            if self._chunk_len(s, 0) > budget or not self._admit(s):
                 break
-            self.waiting.popleft()
-            s.slot = self.cache.admit(s.seq_id, s.num_known)
-            s.status, s.scheduled = RUNNING, 0
-            self.running.append(s)
             budget -= self._add_chunk(s, self._chunk_len(s), add)
         if not seqs:
             return None
         return StepJob(seqs, tokens, samples, continues, num_decode=len(decodes),
-                       reset_slots=self.cache.take_resets())
+                       reset_slots=self.cache.take_resets(), slots=slots, epochs=epochs)
+
+    def _admit(self, s: Sequence) -> bool:
+        """Give a waiting sequence a slot, if one and its tokens fit."""
+        headroom = sum(1 for r in self.running if r.slot >= 0 and not r.preempt)
+        if not self.cache.can_admit(s.num_known, headroom):
+            return False
+        self.waiting.remove(s)
+        s.slot = self.cache.admit(s.seq_id, s.num_known)
+        s.status, s.scheduled = RUNNING, 0
+        self.running.append(s)
+        return True
+
+    def _next_suspect(self) -> Sequence | None:
+        """The suspect whose turn it is (every other step while there are any), or None."""
+        if not self._isolated_turn:
+            return None
+        for s in self.running:
+            if s.faults and not (s.finished or s.preempt) and s.slot >= 0 and not s.inflight:
+                return s
+        return next((s for s in self.waiting if s.faults), None)
+
+    def _add_alone(self, s: Sequence, add) -> bool:
+        """Add the suspect's next work (its recompute chunk or a decode token) as a whole step."""
+        if s.status == WAITING and not self._admit(s):
+            return False
+        if s.num_known - s.scheduled > 1:
+            self._add_chunk(s, self._chunk_len(s), add)
+        elif s.can_sample_more() and s.num_known - s.scheduled == 1 and self.cache.grow(s.seq_id, 1):
+            add(s, [s.token_at(s.scheduled)], True)
+        return bool(s.inflight)
 
     def _chunk_len(self, s: Sequence, start: int | None = None) -> int:
         """Tokens of the next prompt chunk. Chunks end at multiples of the prefill cap (or the
@@ -305,10 +384,8 @@ class Scheduler:
     def _process(self, job: StepJob, next_job: StepJob | None) -> None:
         try:
             res = job.future.result()
-        except BaseException as e:  # noqa: BLE001 - an engine error fails this step's requests
-            if next_job is not None:
-                next_job.ready.set()
-            self._fail(job, e)
+        except BaseException as e:  # noqa: BLE001 - an engine error is isolated, not fatal
+            self._recover(job, e)
             self.on_flush()
             return
         t0 = time.perf_counter()
@@ -318,9 +395,11 @@ class Scheduler:
         for idx, tok, lp in zip(job.samples, res.tokens, res.logprobs):
             s = job.seqs[idx]
             s.pending -= 1
-            if not s.finished:
+            if not s.finished and job.epochs[idx] == s.epoch:
                 self._commit(s, tok)
                 committed.append((s, tok, lp))
+                if job.isolated:
+                    s.faults = 0  # it ran alone and sampled: it rejoins the batch
         if next_job is not None:
             self._arm(next_job)
         for s, tok, lp in committed:
@@ -366,20 +445,44 @@ class Scheduler:
                         s.finish_reason, num_prompt_tokens=len(s.prompt_ids),
                         num_output_tokens=len(s.output_ids)))
 
-    def _fail(self, job: StepJob, e: BaseException) -> None:
-        self.stats.errors += 1
-        msg = f"engine error: {type(e).__name__}: {e}"
+    def _recover(self, job: StepJob, e: BaseException) -> None:
+        """A step raised: log it, void its sequences' work in flight and recompute them (the
+        step after it, already with the worker, is drained first: its inputs include this
+        step's samples). A sequence in a failed step for the second time without a good step
+        alone in between is the cause: it ends with an error."""
+        upstream = isinstance(e, UpstreamStepFailed)
+        ids = sorted({s.request_id or str(s.seq_id) for s in job.seqs})
+        if not upstream:
+            self.stats.errors += 1
+            log.error("step failed (%d chunks, %d tokens) for requests %s", len(job.seqs),
+                      sum(len(t) for t in job.tokens), ", ".join(ids),
+                      exc_info=(type(e), e, e.__traceback__))
         for s in job.seqs:
             s.inflight -= 1
         for i in job.samples:
             job.seqs[i].pending -= 1
-        for s in job.seqs:
+        for s in dict.fromkeys(job.seqs):
             if s.finished:
                 continue
-            s.finish_reason = "error"
-            s.sink(SeqEvent(s.seq_id, [], "", finish_reason="error", error=msg,
-                            num_prompt_tokens=len(s.prompt_ids),
-                            num_output_tokens=len(s.output_ids)))
+            s.epoch += 1
+            if not upstream:
+                s.faults += 1
+            if s.faults > MAX_FAULTS:
+                self._fail(s, e)
+            elif not s.preempt:
+                s.preempt = True  # `_release` frees the slot; recomputed when admitted again
+                self.cache.unreserve(s.seq_id)
+        if self._inflight:
+            nxt = self._inflight.popleft()
+            self._arm(nxt)
+            self._process(nxt, None)
+
+    def _fail(self, s: Sequence, e: BaseException) -> None:
+        s.finish_reason = "error"
+        s.sink(SeqEvent(s.seq_id, [], "", finish_reason="error",
+                        error=f"the engine failed on this request ({type(e).__name__})",
+                        num_prompt_tokens=len(s.prompt_ids),
+                        num_output_tokens=len(s.output_ids)))
 
     def _account(self, job: StepJob, res: StepResult) -> None:
         st = self.stats

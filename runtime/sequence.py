@@ -66,6 +66,9 @@ class Sequence:
     emitted: int = 0  # characters of `text` already sent
     first_token_at: float | None = None
     last_token_at: float | None = None
+    request_id: str = ""  # the client-facing id (logs name it when a step fails)
+    epoch: int = 0  # bumped when in-flight work is voided (a failed step): stale results dropped
+    faults: int = 0  # failed steps since the last good isolated step (1: run alone, 2: fail it)
 
     @property
     def params(self) -> SamplingParams:

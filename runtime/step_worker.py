@@ -32,14 +32,26 @@ from .sampling import sample
 from .sequence import Sequence, TokenLogprob
 
 
+class UpstreamStepFailed(RuntimeError):
+    """A decode input is the sample of the step before, which failed: nothing of this step ran
+    (no state was written), so its requests can be rerun as they are."""
+
+
 @dataclass
 class StepJob:
-    """One step: chunks (slot, tokens; a None token = the previous step's sample of `seqs[i]`)."""
+    """One step: chunks (slot, tokens; a None token = the previous step's sample of `seqs[i]`).
+
+    `slots` and `epochs` are the sequences' fields as of assembly: the scheduler may release a
+    sequence's slot (its last token is in this step) or void its work before the worker runs
+    the step, so the worker must never read those live fields."""
 
     seqs: list[Sequence]  # one per chunk
     tokens: list[list[int | None]]  # per chunk
     samples: list[int]  # indices into seqs of the sequences that sample
     continues: bool  # assembled in a busy period (worker idle before it is our overhead)
+    slots: list[int] = field(default_factory=list)  # per chunk, at assembly
+    epochs: list[int] = field(default_factory=list)  # per chunk, at assembly
+    isolated: bool = False  # a step of one sequence under suspicion (after a failed step)
     num_decode: int = 0  # leading chunks that are single decode tokens
     reset_slots: list[int] = field(default_factory=list)  # released since the last job
     ready: threading.Event = field(default_factory=threading.Event)
@@ -123,11 +135,12 @@ class StepWorker:
         for slot in job.reset_slots:  # previous owners' steps have all run
             self.engine.cached.pop(slot, None)
         chunks = []
-        for s, toks in zip(job.seqs, job.tokens):
+        for s, slot, toks in zip(job.seqs, job.slots, job.tokens):
             if None in toks and s.seq_id not in self._last:
-                raise RuntimeError("the previous step failed, so this step has no input token")
+                raise UpstreamStepFailed("the previous step failed, so this step has no input "
+                                         "token")
             ids = [self._last[s.seq_id] if t is None else t for t in toks]
-            chunks.append(SeqChunk(s.slot, tuple(ids)))
+            chunks.append(SeqChunk(slot, tuple(ids)))
         logits = self.engine.step(chunks)
         rows = self._sample_rows(chunks, job.samples)
         picked = logits[rows].float() if rows else logits[:0].float()
