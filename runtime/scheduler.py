@@ -74,6 +74,17 @@ def check_runnable(s: Sequence, vocab_size: int, capacity: int) -> None:
                              f"context of {capacity} tokens")
 
 
+def check_prompt_logprobs(engine) -> None:
+    """Prompt logprobs need a logit row per token (a plan compiled with logits for every row,
+    and no bounded-replay path, which keeps only the last rows of a long chunk)."""
+    g = engine.plan.graph
+    if g.types[g.output_value("logits")].shape[0] != "T":
+        raise InvalidRequest("prompt logprobs (echo with logprobs) need a plan that computes "
+                             "logits for every token; this plan computes the last row only")
+    if getattr(engine, "replay", None) is not None:
+        raise InvalidRequest("prompt logprobs are not available with bounded decoder replay")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_prefill_tokens: int = 256  # prompt tokens per step (chunked prefill)
@@ -134,6 +145,9 @@ class Scheduler:
         vocab, cap = self.engine.cfg.vocab_size, self.engine.config.capacity
         for s in seqs:
             check_runnable(s, vocab, cap)
+            if s.prompt_logprobs is not None:
+                check_prompt_logprobs(self.engine)
+                s.prompt_lps = [None] * len(s.prompt_ids)
         with self._cv:
             if self.dead is not None:
                 raise Overloaded(f"the engine loop stopped: {self.dead}")
@@ -262,6 +276,7 @@ class Scheduler:
 
         slots: list[int] = []
         epochs: list[int] = []
+        starts: list[int] = []
 
         def add(s: Sequence, toks: list[int | None], samples_now: bool) -> None:
             assert s.slot >= 0 and toks, f"sequence {s.seq_id} is not runnable"
@@ -272,6 +287,7 @@ class Scheduler:
             tokens.append(toks)
             slots.append(s.slot)
             epochs.append(s.epoch)
+            starts.append(s.scheduled)
             s.scheduled += len(toks)
             s.inflight += 1
 
@@ -281,7 +297,7 @@ class Scheduler:
             if self._add_alone(suspect, add):
                 return StepJob(seqs, tokens, samples, continues, num_decode=0,
                                reset_slots=self.cache.take_resets(), slots=slots, epochs=epochs,
-                               isolated=True)
+                               starts=starts, isolated=True)
         self._isolated_turn = True
 
         # decode first
@@ -320,7 +336,8 @@ class Scheduler:
         if not seqs:
             return None
         return StepJob(seqs, tokens, samples, continues, num_decode=len(decodes),
-                       reset_slots=self.cache.take_resets(), slots=slots, epochs=epochs)
+                       reset_slots=self.cache.take_resets(), slots=slots, epochs=epochs,
+                       starts=starts)
 
     def _admit(self, s: Sequence) -> bool:
         """Give a waiting sequence a slot, if one and its tokens fit."""
@@ -391,6 +408,10 @@ class Scheduler:
         t0 = time.perf_counter()
         for s in job.seqs:
             s.inflight -= 1
+        for i, (first, lps) in res.prompt_logprobs.items():
+            s = job.seqs[i]
+            if job.epochs[i] == s.epoch and s.prompt_lps is not None:
+                s.prompt_lps[first: first + len(lps)] = lps
         committed = []
         for idx, tok, lp in zip(job.samples, res.tokens, res.logprobs):
             s = job.seqs[idx]
@@ -441,9 +462,12 @@ class Scheduler:
         hold = 0 if s.finished or not stops else max(len(x) for x in stops) - 1
         upto = max(s.emitted, len(s.text) - hold)
         delta, s.emitted = s.text[s.emitted:upto], upto
+        prompt_lps = None
+        if s.prompt_lps is not None and len(s.output_ids) == 1:
+            prompt_lps, s.prompt_lps = s.prompt_lps, None
         s.sink(SeqEvent(s.seq_id, [tok], delta, [lp] if lp is not None else None,
                         s.finish_reason, num_prompt_tokens=len(s.prompt_ids),
-                        num_output_tokens=len(s.output_ids)))
+                        num_output_tokens=len(s.output_ids), prompt_logprobs=prompt_lps))
 
     def _recover(self, job: StepJob, e: BaseException) -> None:
         """A step raised: log it, void its sequences' work in flight and recompute them (the

@@ -36,6 +36,9 @@ class SeqEvent:
     error: str | None = None  # engine error message (finish_reason "error")
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    #: with the first token, when asked for: one per prompt token (None for the first, which no
+    #: position predicts), each the prompt token's log-probability and the top alternatives
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -52,6 +55,8 @@ class Sequence:
     grammar: Any = None  # GrammarState / ThinkingGrammarState, or None
     detok: Any = None  # IncrementalDetokenizer (None: no text)
     logprobs: int | None = None  # None: no logprobs; k: the sampled token + top k
+    prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob + top k
+    prompt_lps: list | None = None  # per prompt position, filled as its chunks run
     logit_bias: dict[int, float] | None = None
     eos_id: int | None = None
     arrival: float = field(default_factory=time.monotonic)

@@ -50,6 +50,7 @@ class StepJob:
     samples: list[int]  # indices into seqs of the sequences that sample
     continues: bool  # assembled in a busy period (worker idle before it is our overhead)
     slots: list[int] = field(default_factory=list)  # per chunk, at assembly
+    starts: list[int] = field(default_factory=list)  # per chunk: position of its first token
     epochs: list[int] = field(default_factory=list)  # per chunk, at assembly
     isolated: bool = False  # a step of one sequence under suspicion (after a failed step)
     num_decode: int = 0  # leading chunks that are single decode tokens
@@ -71,6 +72,9 @@ class StepResult:
     sample_s: float  # waiting for `ready` excluded
     wait_ready_s: float
     idle_before_s: float  # worker idle between the previous job's end and this one's start
+    #: chunk index -> (first position, logprobs of the prompt tokens at the positions after
+    #: each of the chunk's rows), for sequences that asked for prompt logprobs
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 class StepWorker:
@@ -144,6 +148,7 @@ class StepWorker:
         logits = self.engine.step(chunks)
         rows = self._sample_rows(chunks, job.samples)
         picked = logits[rows].float() if rows else logits[:0].float()
+        prompt_lps = self._prompt_logprobs(logits, chunks, job)
         t1 = time.perf_counter()
         job.ready.wait()
         t2 = time.perf_counter()
@@ -151,7 +156,31 @@ class StepWorker:
         tokens, lps = self._sample(picked, seqs, job)
         self._last = {s.seq_id: t for s, t in zip(seqs, tokens)}
         return StepResult(tokens, lps, sum(len(c.tokens) for c in chunks), t0, t1 - t0,
-                          time.perf_counter() - t2, t2 - t1, idle)
+                          time.perf_counter() - t2, t2 - t1, idle, prompt_lps)
+
+    def _prompt_logprobs(self, logits: torch.Tensor, chunks: list[SeqChunk], job: StepJob):
+        """Row r of a chunk starting at position a predicts the token at a + r + 1: its
+        log-probability (raw logits, as the sampled tokens' logprobs) where that is a prompt
+        token. Needs per-token logits (`check_runnable` refuses other plans)."""
+        out = {}
+        end = 0
+        for i, (s, c) in enumerate(zip(job.seqs, chunks)):
+            begin, end = end, end + len(c.tokens)
+            if s.prompt_logprobs is None or not job.starts:
+                continue
+            a = job.starts[i]
+            targets = s.prompt_ids[a + 1: a + len(c.tokens) + 1]
+            if not targets:
+                continue
+            logp = torch.log_softmax(logits[begin: begin + len(targets)].float(), dim=-1)
+            tgt = torch.tensor(targets, dtype=torch.long, device=logp.device)
+            own = logp.gather(1, tgt[:, None])[:, 0].tolist()
+            k = s.prompt_logprobs
+            top_v, top_i = (logp.topk(k, dim=-1) if k else (None, None))
+            lps = [TokenLogprob(t, own[r], tuple(zip(top_i[r].tolist(), top_v[r].tolist()))
+                                if k else ()) for r, t in enumerate(targets)]
+            out[i] = (a + 1, lps)
+        return out
 
     def _sample_rows(self, chunks: list[SeqChunk], samples: list[int]) -> list[int]:
         g = self.engine.plan.graph

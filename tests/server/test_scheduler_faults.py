@@ -175,3 +175,36 @@ def test_a_request_the_engine_cannot_run_is_refused_at_submission(engine, prompt
         r.sch.submit([r.seq(0, PROMPTS[0]), r.seq(1, prompt, params)])
     assert r.sch.num_waiting() == 0  # nothing of the refused batch was queued
     r.close()
+
+
+def test_prompt_logprobs_match_one_prefill_of_the_prompt(engine):
+    """Prompt logprobs come from the rows of every prompt chunk (chunked here, over several
+    steps, beside other requests); they equal log_softmax of one whole-prompt prefill at the
+    next prompt token (f32 plan: chunked and one-shot prefill agree to ~5e-6 in the logits)."""
+    import torch
+
+    from megagraph.runtime.batch import SeqChunk
+
+    prompt = PROMPTS[5]
+    slot = engine.slots.allocate()
+    try:
+        ref = torch.log_softmax(engine.step([SeqChunk(slot, tuple(prompt))]).float(), -1)
+    finally:
+        engine.release(slot)
+    r = Run(engine, max_prefill_tokens=8)
+    s = r.seq(0, prompt)
+    s.prompt_logprobs = 3
+    got = {}
+    sink = s.sink
+    s.sink = lambda ev: (got.setdefault("p", ev.prompt_logprobs) if ev.prompt_logprobs else None,
+                         sink(ev))
+    r.go([s, r.seq(1, PROMPTS[1])])
+    lps = got["p"]
+    assert len(lps) == len(prompt) and lps[0] is None
+    for pos in range(1, len(prompt)):
+        lp = lps[pos]
+        assert lp.token_id == prompt[pos]
+        assert abs(lp.logprob - ref[pos - 1, prompt[pos]].item()) < 1e-4
+        top_v, top_i = ref[pos - 1].topk(3)
+        assert [t for t, _ in lp.top] == top_i.tolist()
+    r.close()
