@@ -13,6 +13,10 @@ path (HTTP, SSE, scheduler, detokenization, chat parsing) adds little to the for
 
     python benchmarks/serving.py                       # 200 requests -> results/serving-tiny-cpu.md
     python benchmarks/serving.py --smoke --out /tmp/s  # a few requests (the test suite runs this)
+    python benchmarks/serving.py --repeat 10 --hostile 0.05 --max-running 8
+        # robustness: 10 rounds of 200 streams + 5% hostile requests on one server
+        # -> results/serving-robustness-tiny-cpu-r8.md (every well-formed request must complete,
+        #    every hostile one get a 4xx, none hang, state back to zero after each round)
 """
 
 from __future__ import annotations
@@ -203,6 +207,80 @@ def run_case(artifacts, args, reqs, overlap: bool) -> tuple[dict, dict, dict]:
         srv.stop()
 
 
+async def _load_and_hostile(base_url: str, reqs: list[dict], hostile: list, timeout: float):
+    from hostile import run_hostile
+
+    (outs, wall), h = await asyncio.gather(run_load(base_url, None, reqs, timeout),
+                                           run_hostile(base_url, hostile, timeout))
+    return outs, wall, h
+
+
+def run_robustness(artifacts: Path, args) -> int:
+    """`--repeat` rounds of the load (+ `--hostile` share of hostile requests) on one server."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hostile import make_hostile, summarize_hostile
+
+    srv = start_local(artifacts, max_running=args.max_running, overlap=True,
+                      capacity=args.capacity)
+    rounds = []
+    try:
+        for r in range(args.repeat):
+            reqs = make_requests(args.requests, r, args.max_out)
+            hostile = make_hostile(int(round(args.hostile * args.requests)), r, MODEL)
+            outs, wall, h = asyncio.run(_load_and_hostile(srv.base_url, reqs, hostile,
+                                                          args.timeout))
+            after = wait_idle(srv.base_url)
+            load, hs = summarize(outs, wall), summarize_hostile(h)
+            state = {k: after[k] for k in ("megagraph_cache_slots_used",
+                                           "megagraph_cache_tokens_used",
+                                           "megagraph_num_requests_running",
+                                           "megagraph_num_requests_waiting")}
+            ok = (load["completed"] == load["requests"] and hs["ok"] == hs["sent"]
+                  and not any(state.values()))
+            rounds.append({"round": r, "ok": ok, "load": load, "hostile": hs, "state": state})
+            print(f"round {r}: {load['completed']}/{load['requests']} completed, "
+                  f"{load['errors']} errors, {load['hangs']} hangs; hostile {hs['ok']}/"
+                  f"{hs['sent']} answered 4xx ({hs['5xx']} 5xx); state {state}", flush=True)
+    finally:
+        srv.stop()
+    out = Path(args.out)
+    name = f"serving-robustness-tiny-cpu-r{args.max_running}"
+    lines = [f"# Serving robustness: tiny V4.1 on CPU, {args.max_running} slots", "",
+             f"`python benchmarks/serving.py --repeat {args.repeat} --hostile {args.hostile} "
+             f"--requests {args.requests} --max-running {args.max_running}` on "
+             f"{platform.machine()} ({platform.processor() or 'cpu'}), torch threads 1, "
+             f"{time.strftime('%Y-%m-%d')}.", "",
+             f"Each round: {args.requests} concurrent well-formed streaming requests (prompts "
+             f"2..200 words, 4..{args.max_out} output tokens, half chat) and "
+             f"{int(round(args.hostile * args.requests))} hostile requests "
+             "(benchmarks/hostile.py: empty prompt, lone surrogate, out-of-range values, unknown "
+             "field, deep nesting, prompt over the context, malformed JSON, disconnect after the "
+             "first chunk), all sent at once to one server that serves every round. A round "
+             "passes when every well-formed request completes, every hostile one gets a 4xx "
+             "with an OpenAI-shaped error (a disconnect: its stream started), and /metrics "
+             "shows no slot, token, running or waiting request afterwards.", "",
+             "| round | completed | errors | hangs | hostile 4xx | 5xx | wall s | out tok/s | "
+             "TTFT p50 ms | ITL p50 ms | state after | pass |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for x in rounds:
+        ld, hs = x["load"], x["hostile"]
+        lines.append(f"| {x['round']} | {ld['completed']}/{ld['requests']} | {ld['errors']} | "
+                     f"{ld['hangs']} | {hs['ok']}/{hs['sent']} | {hs['5xx']} | "
+                     f"{ld['wall_s']:.1f} | {ld['output_tok_s']:.1f} | "
+                     f"{1e3 * ld['ttft_p50']:.0f} | {1e3 * ld['itl_p50']:.0f} | "
+                     f"{'zero' if not any(x['state'].values()) else x['state']} | "
+                     f"{'yes' if x['ok'] else 'NO'} |")
+    fails = [f for x in rounds for f in x["hostile"]["failures"] + x["load"]["error_samples"]]
+    if fails:
+        lines += ["", "Failures: " + "; ".join(sorted(set(fails))[:10])]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(rounds, indent=1))
+    ok = all(x["ok"] for x in rounds)
+    print(f"wrote {out / name}.md; {'OK' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
 def write_md(path: Path, args, main: dict, ov_on: dict, ov_off: dict | None, after: dict) -> None:
     lines = [
         "# Serving under load: tiny V4.1 on CPU (loopback)", "",
@@ -259,6 +337,10 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="per request: longer is a hang")
     p.add_argument("--no-compare", action="store_true", help="skip the --no-overlap run")
     p.add_argument("--smoke", action="store_true", help="8 short requests (seconds)")
+    p.add_argument("--repeat", type=int, default=0,
+                   help="robustness mode: this many rounds of the load on one server")
+    p.add_argument("--hostile", type=float, default=0.0,
+                   help="robustness mode: hostile requests per well-formed one (e.g. 0.05)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
     import torch
@@ -272,6 +354,9 @@ def main() -> int:
         if not args.artifacts:
             subprocess.run([sys.executable, "-m", "megagraph.main", "compile", "--model", MODEL,
                             "--hw", "cpu", "--out", str(art)], check=True, capture_output=True)
+        if args.repeat or args.hostile:
+            return run_robustness(art, argparse.Namespace(**{**vars(args),
+                                                             "repeat": max(args.repeat, 1)}))
         reqs = make_requests(args.requests, 0, args.max_out)
         main_s, ov_on, after = run_case(art, args, reqs, overlap=True)
         print(json.dumps({"load": main_s, "overhead_overlap": ov_on}, indent=1))
