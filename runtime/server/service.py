@@ -18,9 +18,10 @@ from typing import AsyncIterator
 from ..cache_manager import CacheManager, size_cache
 from ..chat import (ChatFormatConfig, ChatPromptBuilder, GrammarFactory, make_grammar_state)
 from ..sampling import SamplingParams, new_state
-from ..scheduler import Scheduler, SchedulerConfig
+from ..scheduler import InvalidRequest, Scheduler, SchedulerConfig
 from ..sequence import SeqEvent, Sequence
 from .config import ServeConfig
+from .errors import APIError
 from .metrics import Metrics
 from .tokenizer import load_serving_tokenizer
 
@@ -34,6 +35,7 @@ class ChoiceSpec:
     grammar: object = None
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None  # echo + logprobs: the prompt tokens' logprobs, top k
 
 
 class EventBus:
@@ -177,16 +179,22 @@ class ServingEngine:
     def make_grammar(self, constraint):
         return make_grammar_state(self.grammar, constraint)
 
-    def submit(self, prompt_ids: list[int], choices: list[ChoiceSpec]) -> RequestStream:
-        """Queue one sequence per choice; raises scheduler.Overloaded (-> 503)."""
+    def submit(self, prompt_ids: list[int], choices: list[ChoiceSpec],
+               request_id: str = "") -> RequestStream:
+        """Queue one sequence per choice; raises APIError 400 for a request the engine cannot
+        run (scheduler.InvalidRequest) and scheduler.Overloaded (-> 503)."""
         ids = [next(self._ids) for _ in choices]
         stream = RequestStream(self, ids)
         seqs = [Sequence(sid, list(prompt_ids),
                          new_state(c.params, prompt_ids, c.index, self.engine.device),
                          stream.sink, grammar=c.grammar, detok=self.detokenizer(),
-                         logprobs=c.logprobs, logit_bias=c.logit_bias, eos_id=self.eos_id)
+                         logprobs=c.logprobs, logit_bias=c.logit_bias, eos_id=self.eos_id,
+                         request_id=request_id, prompt_logprobs=c.prompt_logprobs)
                 for sid, c in zip(ids, choices)]
-        self.scheduler.submit(seqs)
+        try:
+            self.scheduler.submit(seqs)
+        except InvalidRequest as e:
+            raise APIError(400, str(e), "prompt", "invalid_prompt") from None
         self.metrics.requests_started(len(prompt_ids) * len(choices))
         return stream
 
