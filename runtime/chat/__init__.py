@@ -14,7 +14,8 @@ from .encoding import (REASONING_EFFORTS, ChatFormatConfig, ChatPromptBuilder, P
                        SamplingParams, resolve_thinking)
 from .errors import ChatFormatError, GrammarUnavailable
 from .grammar import (GrammarFactory, GrammarState, MaskWorker, OutputConstraint,
-                      ThinkingGrammarState, make_grammar_state, xgrammar_available)
+                      ThinkingGrammarState, UnconstrainedState, make_grammar_state,
+                      xgrammar_available)
 from .parser import (ChatDelta, ChatOutputParser, ParsedMessage, ParsedToolCall, ParserOptions,
                      ToolCallDelta, parse_completion)
 from .tokenizer import SPECIAL, IncrementalDetokenizer, SpecialTokenIds, Tokenizer
@@ -22,7 +23,8 @@ from .tokenizer import SPECIAL, IncrementalDetokenizer, SpecialTokenIds, Tokeniz
 __all__ = [
     "ChatFormatConfig", "ChatPromptBuilder", "PreparedChat", "SamplingParams", "REASONING_EFFORTS",
     "resolve_thinking", "ChatFormatError", "GrammarUnavailable", "GrammarFactory", "GrammarState",
-    "MaskWorker", "OutputConstraint", "ThinkingGrammarState", "make_grammar_state",
+    "MaskWorker", "OutputConstraint", "ThinkingGrammarState", "UnconstrainedState",
+    "make_grammar_state",
     "xgrammar_available", "ChatDelta", "ChatOutputParser", "ParsedMessage", "ParsedToolCall",
     "ParserOptions", "ToolCallDelta", "parse_completion", "SPECIAL", "IncrementalDetokenizer",
     "SpecialTokenIds", "Tokenizer",

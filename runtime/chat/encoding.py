@@ -15,7 +15,11 @@ deepseek-recipe is its official Rust port with OpenAI request conversion. What t
   V4-Flash must not accept "DeepSeek-V4.1-Flash" and render the wrong format.
 * `tool_choice: "required"` / a named function while thinking: DeepSeek's API (and the recipe)
   reject it; we render the thinking prompt with the (named) tool(s) and let the grammar force a
-  call after `</think>` (needs xgrammar; see grammar.py).
+  call after `</think>` (needs xgrammar; see grammar.py). A forced call or format would be useless
+  if the reasoning could spend all of `max_tokens`, so the reasoning is bounded: `</think>` is
+  forced after `max_tokens - 1 - min(answer_reserve, max_tokens // 2)` reasoning tokens, or after
+  the request's `thinking_budget` (vLLM's `thinking_token_budget` is the same field), which also
+  bounds the reasoning of any other thinking request.
 * Every problem becomes a `ChatFormatError` naming the field.
 
 Prompt ids come from the recipe's prompt encoding with our tokenizer file, which keeps special-token
@@ -26,6 +30,7 @@ gives back `prompt_text` exactly (tested).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -59,6 +64,9 @@ class ChatFormatConfig:
     forced_tools_with_thinking: allow `tool_choice` required/named in thinking mode (enforced by
         grammar after `</think>`); False answers 400 like DeepSeek's API.
     context_limit: model context in tokens, for the default `max_tokens` and the length check.
+    answer_reserve: in thinking mode with a forced tool call or format, the tokens of `max_tokens`
+        kept for what follows the reasoning (at most half of `max_tokens`); see the module
+        docstring. A request's `thinking_budget` replaces the bound this gives.
     """
 
     served_model_name: str = "deepseek-v4.1-flash"
@@ -67,6 +75,7 @@ class ChatFormatConfig:
     default_thinking: bool = True
     forced_tools_with_thinking: bool = True
     context_limit: int = 1_048_576
+    answer_reserve: int = 1024
 
     def model_version(self):
         import deepseek_recipe as dr
@@ -112,6 +121,7 @@ class PreparedChat:
     prompt_text: str
     thinking: bool
     reasoning_effort: str | None
+    reasoning_budget: int | None  # reasoning tokens before `</think>` is forced (None: unbounded)
     tools: list[dict[str, Any]]
     tool_choice: str  # "auto" | "none" | "required" | "named"
     parallel_tool_calls: bool
@@ -211,6 +221,24 @@ def _from_recipe_error(exc: Exception, default_field: str | None = None) -> Chat
     return ChatFormatError(fld, message, status=status if 400 <= status < 500 else 400)
 
 
+_BUDGET_FIELDS = ("thinking_budget", "thinking_token_budget")  # ours/SGLang's, vLLM's
+
+
+def _thinking_budget(out: dict[str, Any]) -> tuple[str, int] | None:
+    """(field, value) of the request's reasoning-token cap, popped from the body the recipe sees;
+    `thinking_budget` wins over `thinking_token_budget`."""
+    found = None
+    for name in _BUDGET_FIELDS:
+        v = out.pop(name, None)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ChatFormatError(name, f"must be a non-negative integer (reasoning tokens), got "
+                                  f"{json.dumps(v)}")
+        found = found or (name, v)
+    return found
+
+
 class ChatPromptBuilder:
     """Turns request bodies into `PreparedChat`. One per server (thread-safe: no mutable state)."""
 
@@ -279,6 +307,7 @@ class ChatPromptBuilder:
         else:
             out["reasoning_effort"] = effort
         side["thinking"], side["effort"] = thinking, effort
+        side["thinking_budget"] = _thinking_budget(out)
 
         # tools / tool_choice
         tools = out.get("tools") or []
@@ -373,12 +402,14 @@ class ChatPromptBuilder:
         parser_options = ParserOptions.from_recipe(po)
         tools = [json.loads(json.dumps(t)) for t in (out.get("tools") or [])]
         constraint = self._constraint(req, side, thinking, parser_options)
+        constraint = self._bound_reasoning(constraint, side, thinking, max_tokens)
         inf = req.inference_options
         so = out.get("stream_options") or {}
         return PreparedChat(
             model=out["model"], family=self.config.family, prompt_ids=ids,
             prompt_text=rendered.prompt, thinking=thinking,
             reasoning_effort=conv.reasoning_effort if thinking else None,
+            reasoning_budget=constraint.reasoning_budget if constraint is not None else None,
             tools=tools, tool_choice=side["tool_mode"],
             parallel_tool_calls=side["parallel_tool_calls"], constraint=constraint,
             parser_options=parser_options,
@@ -390,6 +421,25 @@ class ChatPromptBuilder:
             stream=bool(req.stream), include_usage=bool(isinstance(so, Mapping)
                                                         and so.get("include_usage")),
             recipe_request=req)
+
+    def _bound_reasoning(self, c: OutputConstraint | None, side: dict[str, Any], thinking: bool,
+                         max_tokens: int) -> OutputConstraint | None:
+        """Set the reasoning budget (module docstring): the request's `thinking_budget`, else room
+        for a forced call or format. Ignored without thinking, as `reasoning_effort` is."""
+        if not thinking:
+            return c
+        asked = side["thinking_budget"]
+        forced = c is not None and (c.kind != "tool_calls" or c.tool_mode == "required")
+        if asked is not None:
+            budget = asked[1]
+        elif forced:
+            budget = max(0, max_tokens - 1 - min(self.config.answer_reserve, max_tokens // 2))
+        else:
+            return c
+        if c is None:  # a budget alone: unconstrained after the reasoning
+            return OutputConstraint(kind="text", field=asked[0], thinking=True,
+                                    family=self.config.family, reasoning_budget=budget)
+        return dataclasses.replace(c, reasoning_budget=budget)
 
     def _constraint(self, req, side: dict[str, Any], thinking: bool,
                     parser_options: ParserOptions) -> OutputConstraint | None:

@@ -16,6 +16,11 @@ What is constrained (the `OutputConstraint` that `encoding.ChatPromptBuilder` de
 * Thinking mode: reasoning is never constrained. `ThinkingGrammarState` lets every token through
   until the end-of-thinking token id is accepted and constrains from the next token on (users of
   other servers report JSON landing inside the reasoning when the grammar starts at the first token).
+  Its `reasoning_budget` bounds the reasoning: once that many reasoning tokens were accepted, the
+  mask allows only `</think>` (SGLang's strict thinking and vLLM's `thinking_token_budget` do the
+  same). `encoding.ChatPromptBuilder` sets it for forced tool calls and formats (so the forced part
+  gets room within `max_tokens`) and from the request's `thinking_budget`; kind `text` is a budget
+  with no format after the reasoning.
 
 xgrammar is optional (the `grammar` extra): without it `GrammarFactory(...)` raises
 `GrammarUnavailable`, `GrammarFactory.maybe_create(...)` returns None, and
@@ -55,14 +60,15 @@ from typing import Any, Literal, Sequence
 from .errors import ChatFormatError, GrammarUnavailable
 
 __all__ = ["OutputConstraint", "GrammarFactory", "GrammarState", "ThinkingGrammarState",
-           "MaskWorker", "make_grammar_state", "xgrammar_available"]
+           "UnconstrainedState", "MaskWorker", "make_grammar_state", "xgrammar_available"]
 
 
 @dataclass(frozen=True)
 class OutputConstraint:
     """A request's decoding constraint (hashable; its `key()` is the compile-cache key).
 
-    kind: json_object | json_schema | regex | ebnf | tool_calls.
+    kind: json_object | json_schema | regex | ebnf | tool_calls | text (no format: only the
+        reasoning budget applies).
     field: the request field that asked for it (named in errors).
     thinking: reasoning comes first and stays unconstrained (wrap in ThinkingGrammarState).
     family: "v4.1" (spaced DSML tags) or "v4" (unspaced `tool_calls`/`invoke`/`parameter`).
@@ -71,9 +77,11 @@ class OutputConstraint:
     tool_mode: "required" (a call block must come) or "auto" (free text or a call block).
     starts_in_tool_calls: the prompt already opened the calls block.
     required: False if decoding may go unconstrained when xgrammar is missing.
+    reasoning_budget: at most this many reasoning tokens, then `</think>` is forced (thinking
+        only; None: unbounded). Not part of `key()`: it does not change the compiled grammar.
     """
 
-    kind: Literal["json_object", "json_schema", "regex", "ebnf", "tool_calls"]
+    kind: Literal["json_object", "json_schema", "regex", "ebnf", "tool_calls", "text"]
     field: str
     thinking: bool = False
     family: Literal["v4.1", "v4"] = "v4.1"
@@ -84,6 +92,7 @@ class OutputConstraint:
     parallel_tool_calls: bool = True
     starts_in_tool_calls: bool = False
     required: bool = True
+    reasoning_budget: int | None = None
 
     def key(self) -> str:
         return json.dumps([self.kind, self.family, self.schema_json, self.pattern, self.tools_json,
@@ -161,17 +170,56 @@ class GrammarState:
         return self._m.find_jump_forward_string()
 
 
+class UnconstrainedState:
+    """Every token allowed: what follows the reasoning of a `text` constraint (a reasoning budget
+    without a format). Counts tokens so that `ThinkingGrammarState.rollback` stays exact."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.num_accepted = 0
+
+    def fill_mask(self, bitmask, index: int = 0) -> bool:
+        (bitmask if bitmask.dim() == 1 else bitmask[index]).fill_(-1)
+        return False
+
+    def accept(self, token_id: int) -> bool:
+        self.num_accepted += 1
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def is_completed(self) -> bool:
+        return True
+
+    def rollback(self, n: int = 1) -> None:
+        if n < 0 or n > self.num_accepted:
+            raise ValueError(f"cannot roll back {n} of {self.num_accepted} accepted tokens")
+        self.num_accepted -= n
+
+    def reset(self) -> None:
+        self.num_accepted = 0
+
+    def jump_forward_string(self) -> str:
+        return ""
+
+
 class ThinkingGrammarState:
-    """Unconstrained until the end-of-thinking token, then `inner` (see the module docstring).
+    """Unconstrained until the end-of-thinking token, then `inner` (see the module docstring);
+    with `reasoning_budget`, the end-of-thinking token is forced after that many reasoning tokens.
 
     The end-of-thinking token is matched by id (looked up from `</think>`): the model emits it as
     one special token, so there is no spelling to split.
     """
 
-    def __init__(self, inner: GrammarState, think_end_id: int) -> None:
+    def __init__(self, inner: GrammarState | UnconstrainedState, think_end_id: int,
+                 reasoning_budget: int | None = None) -> None:
+        if reasoning_budget is not None and reasoning_budget < 0:
+            raise ValueError(f"reasoning_budget must be >= 0, got {reasoning_budget}")
         self.inner = inner
         self.think_end_id = int(think_end_id)
         self.vocab_size = inner.vocab_size
+        self.reasoning_budget = reasoning_budget
         self._thinking_tokens = 0  # accepted while thinking, the end token included
         self._in_reasoning = True
 
@@ -183,17 +231,31 @@ class ThinkingGrammarState:
     def num_accepted(self) -> int:
         return self._thinking_tokens + self.inner.num_accepted
 
+    @property
+    def budget_spent(self) -> bool:
+        """True while the next token must be `</think>` (the reasoning budget is used up)."""
+        return (self._in_reasoning and self.reasoning_budget is not None
+                and self._thinking_tokens >= self.reasoning_budget)
+
     def fill_mask(self, bitmask, index: int = 0) -> bool:
         if self._in_reasoning:
             row = bitmask if bitmask.dim() == 1 else bitmask[index]
-            row.fill_(-1)
-            return False
+            if not self.budget_spent:
+                row.fill_(-1)
+                return False
+            row.zero_()
+            bit = 1 << (self.think_end_id % 32)  # int32 words, bit i of word w = token 32w + i
+            row[self.think_end_id // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit
+            return True
         return self.inner.fill_mask(bitmask, index)
 
     def accept(self, token_id: int) -> bool:
         if self._in_reasoning:
+            is_end = int(token_id) == self.think_end_id
+            if self.budget_spent and not is_end:
+                return False
             self._thinking_tokens += 1
-            if int(token_id) == self.think_end_id:
+            if is_end:
                 self._in_reasoning = False
             return True
         return self.inner.accept(token_id)
@@ -417,11 +479,16 @@ class GrammarFactory:
     # ------------------------------------------------------------------ states
     def state_for(self, c: OutputConstraint) -> GrammarState | ThinkingGrammarState:
         """A fresh per-request state (thinking-wrapped when the constraint says so)."""
+        if c.kind == "text":
+            if not c.thinking:
+                raise ChatFormatError(c.field, "a text constraint only bounds the reasoning")
+            return ThinkingGrammarState(UnconstrainedState(self.vocab_size), self.think_end_id,
+                                        c.reasoning_budget)
         json_only = c.kind in ("json_object", "json_schema") and not c.tools_json
         state = GrammarState(self._xgr.GrammarMatcher(self.compile(c)), self.vocab_size,
                              and_mask=self._no_control_chars if json_only else None)
         if c.thinking:
-            return ThinkingGrammarState(state, self.think_end_id)
+            return ThinkingGrammarState(state, self.think_end_id, c.reasoning_budget)
         return state
 
 

@@ -12,7 +12,7 @@ The model writes `reasoning</think>content` followed, optionally, by one DSML to
 (V4.1 spells the tag names with a leading space; V4 wrote `<｜DSML｜tool_calls>`, `<｜DSML｜invoke ...>`,
 `<｜DSML｜parameter ...>`. Both spellings are accepted everywhere.) `ChatOutputParser.feed(text)` takes
 text chunks cut anywhere (single characters included) and returns `ChatDelta`s: `reasoning_content`,
-`content`, and `tool_calls` deltas (the call's id and name first, then JSON argument fragments).
+`content`, and `tool_calls` deltas (one per call: its id, name and whole JSON `arguments`).
 
 Why our own parser and not deepseek-recipe's `StreamProcessor`: the recipe processor is incremental
 and agrees with this one on well-formed output (tests/chat/test_parser.py checks the final
@@ -30,19 +30,35 @@ dropped.
 
 Guarantees:
 
-* No markup in `content` or in argument fragments: text that could be the start of a tag is held
-  back until it is decided (so the stream lags by at most one partial tag).
-* Malformed markup (unknown tag, bad or missing attribute, text where a tag must be, unterminated
-  block) never raises. If it is found before any delta of that block was emitted, the block's raw
-  text goes to `content`; otherwise the calls already streamed stay (the open one is marked
-  incomplete, as OpenAI does on truncation) and the unparsed rest goes to `content`. Everything after
-  a malformed block is plain content. `notes` records what happened.
-* `string="true"` values stream as JSON string fragments; `string="false"` values are buffered until
-  their closing tag, then emitted verbatim if they are valid JSON, otherwise as a JSON string (noted).
-  A call's header is emitted with its first parameter (or at `</｜DSML｜ invoke>` for a call without
-  parameters), so a call whose first tag is already broken never shows up.
-* Finish reason: `length`/`content_filter` from the engine pass through; otherwise `tool_calls` when
-  any call was emitted, else `stop`.
+* No partial markup in `content` or `reasoning_content`, in deltas or in the final message, at any
+  finish reason: text that could be the start of a marker (a prefix of `</think>` or of a calls
+  block opener, and the newlines that would belong to it; any unfinished `<｜DSML｜...` tag) is held
+  back until it is decided, so the stream lags by at most one partial marker; `finish()` drops what
+  is still undecided (see "At the end" below). A whole DSML tag outside a block (the model wrote
+  one in its reasoning, or without the block opener) is text, as in deepseek-recipe.
+* A tool call is reported only when its invoke is closed (`</｜DSML｜ invoke>`): one delta with its
+  id, name and whole `arguments`, a valid JSON object. A call cut by the end of the output is never
+  reported, streaming or not, so a client never sees a half call as if it were complete (SGLang's
+  DSML detector does the same; a stream cannot take back fragments it already sent).
+* Malformed markup (unknown tag, bad or missing attribute, text where a tag must be) never
+  raises: the raw text of the broken invoke (with the block opener if no call of the block was
+  complete yet) goes to `content`, the complete calls before it stay, and everything after is
+  plain content. `notes` records what happened.
+* `string="true"` values become JSON strings; `string="false"` values are emitted verbatim if they
+  are valid JSON, otherwise as a JSON string (noted).
+
+At the end (`finish(engine_finish_reason)`), the same for streaming and non-streaming:
+
+* A held-back partial marker is dropped, with the newlines right before it.
+* Held-back trailing newlines alone are text when the model ended the output itself (`stop`, as
+  deepseek-recipe keeps them) and dropped when the output was cut (`length`, or any other reason).
+* Inside an unfinished calls block: the calls already closed are kept; the open invoke's text
+  (arguments cut mid-value included) is dropped and noted, not turned into `content` (raw DSML
+  there would be shown to users, and sent back to the model as the assistant's text next turn).
+* Inside unterminated reasoning: the reasoning so far stays `reasoning_content`; `content` is "".
+* Finish reason: the engine's reason passes through unless it is `stop`; after `stop` it is
+  `tool_calls` when a complete call was reported, else `stop`. So a call cut by `max_tokens` gives
+  `length` and no call for it.
 """
 
 from __future__ import annotations
@@ -103,7 +119,8 @@ class ParserOptions:
 
 @dataclass
 class ToolCallDelta:
-    """One tool-call fragment: the first for a call has `id` and `name`; later ones only text."""
+    """One tool call as a stream delta. The parser sends each call once, whole (`id`, `name` and
+    all of `arguments`); the OpenAI shape also allows later fragments without `id`/`name`."""
 
     index: int
     id: str | None = None
@@ -147,10 +164,11 @@ class ChatDelta:
 
 @dataclass
 class ParsedToolCall:
+    """A reported call: always complete (its invoke was closed), `arguments` a JSON object."""
+
     id: str
     name: str
     arguments: str
-    complete: bool = False  # False: its markup broke off after it was streamed (see notes)
 
     def to_openai(self, index: int) -> dict[str, Any]:
         return {"index": index, "id": self.id, "type": "function",
@@ -191,9 +209,19 @@ def _partial_len(buf: str, patterns: tuple[str, ...]) -> int:
     return 0
 
 
-def _json_chunk(text: str) -> str:
-    """`text` escaped as the inside of a JSON string (fragments concatenate correctly)."""
-    return json.dumps(text, ensure_ascii=False)[1:-1]
+def _open_tag_len(buf: str) -> int:
+    """Length of the suffix of `buf` that may be an unfinished DSML tag written outside a block
+    (in reasoning, in content, after a broken block): from its last `<`, no `>` yet, and a prefix
+    of `<｜DSML｜` / `</｜DSML｜` or longer. Held back so that a cut never leaves half a tag."""
+    i = buf.rfind("<")
+    if i < 0:
+        return 0
+    tail = buf[i:]
+    if ">" in tail or len(tail) > _MAX_TAG:
+        return 0
+    if any(tail.startswith(t) or t.startswith(tail) for t in (_OPEN, _CLOSE)):
+        return len(tail)
+    return 0
 
 
 def _reject_constant(name: str):
@@ -231,8 +259,8 @@ class ChatOutputParser:
         self._pending_nl = ""  # trailing newlines held back (dropped before </think> / a block)
         self._strip_nl = options.strip_leading_newlines
         self._strip_ws = False  # after a calls block: drop whitespace
-        self._raw = ""  # raw text of the current block (returned as content if it breaks early)
-        self._block_emitted = False
+        self._raw = ""  # raw text of the open invoke (+ the block opener before the first call)
+        self._block_calls = 0  # calls of the open block already reported
         self._call: dict[str, Any] | None = None  # the invoke being parsed
         self._param: dict[str, Any] | None = None  # the parameter being parsed
         if options.parse_tool_calls and options.starts_in_tool_calls:
@@ -254,27 +282,31 @@ class ChatOutputParser:
         return self._take()
 
     def finish(self, engine_finish_reason: str = "stop") -> list[ChatDelta]:
-        """End of generation (`stop`, `length`, `content_filter`, ...): flush held text, resolve an
-        unterminated block, and return the remaining deltas, the last one with `finish_reason`."""
+        """End of generation: resolve what is held back and return the remaining deltas, the last
+        one with the finish reason. `engine_finish_reason` is `stop` when the model ended the
+        output itself (EOS, a stop token or string, the grammar's end), else why it was cut
+        (`length`, `content_filter`, `abort`, `error`); see the module docstring."""
         if self._finished:
             return []
         while self._step():
             pass
-        mode = self._mode
-        if mode == _REASONING:
-            self._emit_reasoning(self._buf, final=True)
-        elif mode in (_CONTENT, _RAW):
-            if self._mode == _CONTENT and self._strip_ws:
-                self._buf = self._buf.lstrip()
-            self._emit_content_text(self._buf, final=True)
-        else:
-            self._malformed("unterminated tool-call block at end of output", eof=True)
-        self._buf = ""
+        cut = engine_finish_reason != "stop"
+        if self._mode in (_BLOCK, _INVOKE, _VALUE):
+            self._drop_open_block(engine_finish_reason)
+        else:  # _REASONING, _CONTENT, _RAW: the buffer holds at most a partial marker
+            kind = "reasoning" if self._mode == _REASONING else "content"
+            if self._buf:
+                self.notes.append(f"dropped {self._buf!r} at the end of the {kind}: the start of "
+                                  f"a marker that the output ({engine_finish_reason}) never "
+                                  f"finished")
+            elif self._pending_nl and not cut:
+                self._emit(kind, self._pending_nl)
+        self._buf = self._pending_nl = ""
         self._finished = True
-        if engine_finish_reason in ("length", "content_filter"):
-            reason = engine_finish_reason
-        else:
+        if engine_finish_reason == "stop":
             reason = "tool_calls" if self._calls else "stop"
+        else:
+            reason = engine_finish_reason
         self._finish_reason = reason
         out = self._take()
         if out:
@@ -315,63 +347,30 @@ class ChatOutputParser:
             else:
                 self._out.append(ChatDelta(content=text))
 
-    def _emit_call_header(self) -> None:
+    def _emit_call(self) -> None:
+        """The open invoke closed: report it whole."""
         call = self._call
-        assert call is not None and not call["emitted"]
+        assert call is not None
+        args = "{}" if call["nparams"] == 0 else call["args"] + "}"
         index = len(self._calls)
-        parsed = ParsedToolCall(id=self._new_id(index), name=call["name"], arguments="")
+        parsed = ParsedToolCall(id=self._new_id(index), name=call["name"], arguments=args)
         self._calls.append(parsed)
-        call["emitted"] = True
-        call["index"] = index
-        self._block_emitted = True
-        self._out.append(ChatDelta(tool_calls=[ToolCallDelta(index, parsed.id, parsed.name, "")]))
+        self._block_calls += 1
+        self._out.append(ChatDelta(tool_calls=[ToolCallDelta(index, parsed.id, parsed.name,
+                                                             args)]))
 
-    def _emit_args(self, text: str) -> None:
-        if not text:
-            return
-        call = self._call
-        assert call is not None and call["emitted"]
-        index = call["index"]
-        self._calls[index].arguments += text
-        last = self._out[-1] if self._out else None
-        if last is not None and last.tool_calls and last.tool_calls[-1].index == index:
-            last.tool_calls[-1].arguments += text
-        else:
-            self._out.append(ChatDelta(tool_calls=[ToolCallDelta(index, arguments=text)]))
-
-    def _emit_reasoning(self, text: str, *, final: bool = False) -> None:
+    def _emit_text(self, kind: str, text: str) -> None:
+        """Reasoning or content text, holding back trailing newlines (they may belong to the next
+        marker) and dropping leading ones at the start of a part."""
         if self._strip_nl:
             text = text.lstrip("\n")
             if not text:
                 return
             self._strip_nl = False
         text = self._pending_nl + text
-        if final:
-            self._pending_nl = ""
-        else:
-            body = text.rstrip("\n")
-            self._pending_nl = text[len(body):]
-            text = body
-        self._emit("reasoning", text)
-
-    def _emit_content_text(self, text: str, *, final: bool = False) -> None:
-        if self._mode == _RAW:
-            text, self._pending_nl = self._pending_nl + text, ""
-            self._emit("content", text)
-            return
-        if self._strip_nl:
-            text = text.lstrip("\n")
-            if not text:
-                return
-            self._strip_nl = False
-        text = self._pending_nl + text
-        if final:
-            self._pending_nl = ""
-        else:
-            body = text.rstrip("\n")
-            self._pending_nl = text[len(body):]
-            text = body
-        self._emit("content", text)
+        body = text.rstrip("\n")
+        self._pending_nl = text[len(body):]
+        self._emit(kind, body)
 
     # ------------------------------------------------------------------ state machine
     def _step(self) -> bool:
@@ -385,8 +384,9 @@ class ChatOutputParser:
         if mode == _CONTENT:
             return self._step_content()
         if mode == _RAW:
-            self._emit_content_text(self._buf)
-            self._buf = ""
+            text = self._consume(len(self._buf) - _open_tag_len(self._buf))
+            self._emit("content", self._pending_nl + text)
+            self._pending_nl = ""
             return False
         if mode == _VALUE:
             return self._step_value()
@@ -396,18 +396,24 @@ class ChatOutputParser:
         s, self._buf = self._buf[:n], self._buf[n:]
         return s
 
+    def _consume_raw(self, n: int) -> str:
+        """Consume block markup, remembering it in case the invoke breaks."""
+        s = self._consume(n)
+        self._raw += s
+        return s
+
     def _step_reasoning(self) -> bool:
         buf = self._buf
         i = buf.find(_THINK_END)
         if i >= 0:
-            self._emit_reasoning(buf[:i])
+            self._emit_text("reasoning", buf[:i])
             self._consume(i + len(_THINK_END))
             self._pending_nl = ""  # newlines before </think> are dropped
             self._mode = _CONTENT
             self._strip_nl = True
             return True
-        hold = _partial_len(buf, (_THINK_END,))
-        self._emit_reasoning(self._consume(len(buf) - hold))
+        hold = max(_partial_len(buf, (_THINK_END,)), _open_tag_len(buf))
+        self._emit_text("reasoning", self._consume(len(buf) - hold))
         return False
 
     def _step_content(self) -> bool:
@@ -426,10 +432,10 @@ class ChatOutputParser:
             if i >= 0 and (best < 0 or i < best):
                 best, which = i, t
         if best < 0:
-            hold = _partial_len(buf, triggers)
-            self._emit_content_text(self._consume(len(buf) - hold))
+            hold = max(_partial_len(buf, triggers), _open_tag_len(buf))
+            self._emit_text("content", self._consume(len(buf) - hold))
             return False
-        self._emit_content_text(self._consume(best))
+        self._emit_text("content", self._consume(best))
         self._consume(len(which))
         if which == _THINK_END:
             self.notes.append("dropped a stray </think> in the content")
@@ -438,7 +444,7 @@ class ChatOutputParser:
         self._raw = self._pending_nl + which
         self._pending_nl = ""
         self._strip_nl = False
-        self._block_emitted = False
+        self._block_calls = 0
         self._mode = _BLOCK
         return True
 
@@ -447,8 +453,8 @@ class ChatOutputParser:
         buf = self._buf
         stripped = buf.lstrip()
         if len(stripped) != len(buf):
-            self._raw += buf[:len(buf) - len(stripped)]
-            self._buf = buf = stripped
+            self._consume_raw(len(buf) - len(stripped))
+            buf = self._buf
             if not buf:
                 return False
         if not (buf.startswith(_OPEN) or buf.startswith(_CLOSE)):
@@ -476,8 +482,8 @@ class ChatOutputParser:
                 return True
             if not closing and name == "invoke" and attrs.get("name"):
                 self._note_extra_attrs(attrs, ("name",), tag)
-                self._raw += self._consume(j + 1)
-                self._call = {"name": attrs["name"], "emitted": False, "index": -1, "nparams": 0}
+                self._consume_raw(j + 1)
+                self._call = {"name": attrs["name"], "args": "", "nparams": 0}
                 self._mode = _INVOKE
                 return True
             self._malformed(f"expected an invoke tag, got {tag[:80]!r}")
@@ -485,14 +491,7 @@ class ChatOutputParser:
         # _INVOKE
         if closing and name == "invoke":
             self._consume(j + 1)
-            call = self._call
-            assert call is not None
-            if not call["emitted"]:
-                self._emit_call_header()
-                self._emit_args("{}")
-            else:
-                self._emit_args("}")
-            self._calls[call["index"]].complete = True
+            self._emit_call()
             self._call = None
             self._raw = ""
             self._mode = _BLOCK
@@ -500,17 +499,14 @@ class ChatOutputParser:
         if (not closing and name == "parameter" and attrs.get("name")
                 and attrs.get("string") in ("true", "false")):
             self._note_extra_attrs(attrs, ("name", "string"), tag)
-            self._raw += self._consume(j + 1)
+            self._consume_raw(j + 1)
             call = self._call
             assert call is not None
-            if not call["emitted"]:
-                self._emit_call_header()
-            sep = "{" if call["nparams"] == 0 else ", "
+            call["args"] += (("{" if call["nparams"] == 0 else ", ")
+                             + json.dumps(attrs["name"], ensure_ascii=False) + ": ")
             call["nparams"] += 1
-            is_string = attrs["string"] == "true"
-            self._emit_args(sep + json.dumps(attrs["name"], ensure_ascii=False) + ": "
-                            + ('"' if is_string else ""))
-            self._param = {"name": attrs["name"], "string": is_string, "value": ""}
+            self._param = {"name": attrs["name"], "string": attrs["string"] == "true",
+                           "value": ""}
             self._mode = _VALUE
             return True
         self._malformed(f"expected a parameter tag or </{_DSML} invoke>, got {tag[:80]!r}")
@@ -518,8 +514,8 @@ class ChatOutputParser:
 
     def _step_value(self) -> bool:
         buf = self._buf
-        param = self._param
-        assert param is not None
+        param, call = self._param, self._call
+        assert param is not None and call is not None
         best, which = -1, ""
         for t in _PARAM_CLOSERS:
             i = buf.find(t)
@@ -527,25 +523,20 @@ class ChatOutputParser:
                 best, which = i, t
         if best < 0:
             hold = _partial_len(buf, _PARAM_CLOSERS)
-            part = self._consume(len(buf) - hold)
-            if param["string"]:
-                self._emit_args(_json_chunk(part))
-            else:
-                param["value"] += part
+            param["value"] += self._consume_raw(len(buf) - hold)
             return False
-        part = self._consume(best)
-        self._consume(len(which))
+        raw = param["value"] + self._consume_raw(best)
+        self._consume_raw(len(which))
         if param["string"]:
-            self._emit_args(_json_chunk(part) + '"')
+            call["args"] += json.dumps(raw, ensure_ascii=False)
         else:
-            raw = param["value"] + part
             value = _json_value(raw)
             if value is None:
-                self.notes.append(f"tool call {self._call['index']} ({self._call['name']}): "
-                                  f"parameter {param['name']!r} has string=\"false\" but is not "
-                                  f"valid JSON; passed as a string")
+                self.notes.append(f"tool call {len(self._calls)} ({call['name']}): parameter "
+                                  f"{param['name']!r} has string=\"false\" but is not valid "
+                                  f"JSON; passed as a string")
                 value = json.dumps(raw, ensure_ascii=False)
-            self._emit_args(value)
+            call["args"] += value
         self._param = None
         self._mode = _INVOKE
         return True
@@ -561,26 +552,27 @@ class ChatOutputParser:
         self._mode = _CONTENT
         self._strip_ws = True
 
-    def _malformed(self, why: str, *, eof: bool = False) -> None:
-        """Give up on the current block: see the module docstring for what goes where."""
-        rest = self._buf
-        if self._mode == _VALUE and self._param is not None and not self._param["string"]:
-            rest = self._param["value"] + rest  # a buffered JSON value was never emitted
-        call = self._call
-        if call is not None and call["emitted"]:
-            text = rest  # the call's markup up to here was already streamed as the call
-            self.notes.append(f"tool call {call['index']} ({call['name']}) is incomplete: "
-                              f"{why}; the unparsed rest was returned as content")
-        else:
-            text = self._raw + rest  # nothing of this element was emitted: all of it is content
-            where = "after complete calls" if self._block_emitted else "in the tool-call block"
-            self.notes.append(f"malformed tool-call markup {where} ({why}); returned as content")
-        self._buf = ""
-        self._call = None
-        self._param = None
-        self._raw = ""
+    def _malformed(self, why: str) -> None:
+        """Give up on the current block: the open invoke's raw text (and the opener if no call of
+        the block was complete) and the rest become content; see the module docstring."""
+        where = "after complete calls" if self._block_calls else "in the tool-call block"
+        self.notes.append(f"malformed tool-call markup {where} ({why}); returned as content")
+        text = self._raw + self._buf
+        self._buf = self._raw = ""
+        self._call = self._param = None
         self._mode = _RAW
-        self._emit_content_text(text, final=eof)
+        self._emit("content", text)
+
+    def _drop_open_block(self, reason: str) -> None:
+        """The output ended inside a calls block: keep the closed calls, drop the rest."""
+        call = self._call
+        what = (f"inside tool call {len(self._calls)} ({call['name']})" if call is not None
+                else "inside the tool-call block")
+        if call is not None or self._raw.strip() or self._buf.strip():
+            self.notes.append(f"the output ({reason}) ended {what}; its partial text was "
+                              f"dropped")
+        self._buf = self._raw = ""
+        self._call = self._param = None
 
 
 def parse_completion(text: str, options: ParserOptions = ParserOptions(), *,

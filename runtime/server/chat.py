@@ -3,7 +3,9 @@
 Prompt rendering, thinking mode, tools and structured-output constraints come from
 `ChatPromptBuilder`; each of the `n` choices gets its own grammar state (masks filled by the
 scheduler for step N+1 while step N runs) and its own `ChatOutputParser`, which splits the
-streamed text into `reasoning_content`, `content` and incrementally parsed `tool_calls`.
+streamed text into `reasoning_content`, `content` and `tool_calls` (each sent whole once complete).
+Streaming and non-streaming answers come from the same parser calls, so an output cut short
+(`length`, a stop string) ends the same way in both: no markup, no half call (parser.py).
 """
 
 from __future__ import annotations

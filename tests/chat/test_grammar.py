@@ -12,8 +12,8 @@ import torch
 
 from megagraph.runtime.chat import (ChatFormatConfig, ChatFormatError, ChatPromptBuilder,
                                     GrammarFactory, GrammarUnavailable, MaskWorker,
-                                    OutputConstraint, ThinkingGrammarState, make_grammar_state,
-                                    parse_completion)
+                                    OutputConstraint, ThinkingGrammarState, UnconstrainedState,
+                                    make_grammar_state, parse_completion)
 
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -53,6 +53,11 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 @pytest.fixture(scope="session")
 def factory(tok) -> GrammarFactory:
     return GrammarFactory(tok)
+
+
+@pytest.fixture(scope="session")
+def factory41(tok41) -> GrammarFactory:
+    return GrammarFactory(tok41)
 
 
 def _sample(factory, state, seed, max_steps=400):
@@ -152,7 +157,7 @@ def _tool_request(builder, model, **kw):
 def _check_calls(msg, allowed):
     assert msg.tool_calls and not msg.notes and msg.finish_reason == "tool_calls"
     for call in msg.tool_calls:
-        assert call.name in allowed and call.complete
+        assert call.name in allowed
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
 
 
@@ -185,8 +190,8 @@ def test_named_tool_in_thinking_mode(factory, builder, tok):
         assert len(msg.tool_calls) == 1
 
 
-def test_v41_required_calls(tok41, builder41):
-    f41 = GrammarFactory(tok41)
+def test_v41_required_calls(tok41, builder41, factory41):
+    f41 = factory41
     p = _tool_request(builder41, "megagraph", tool_choice="required",
                       thinking={"type": "disabled"}, parallel_tool_calls=False)
     assert p.prompt_text.endswith("</think>\n\n<｜DSML｜ calls>\n")
@@ -288,3 +293,88 @@ def test_prepared_request_to_state(factory, tok):
                            "name": "s", "schema": SCHEMA}}})
     st = make_grammar_state(factory, p.constraint)
     assert isinstance(st, ThinkingGrammarState)
+
+
+# ---------------------------------------------------------------------------- reasoning budget
+def _allowed(row, vocab_size: int) -> list[int]:
+    """Token ids whose bit is set in one int32 bitmask row (bit i of word w = token 32w + i)."""
+    bits = (row.to(torch.int64).view(-1, 1) >> torch.arange(32)) & 1
+    return torch.nonzero(bits.flatten()[:vocab_size]).flatten().tolist()
+
+
+def test_reasoning_budget_forces_think_end(factory, tok):
+    end = tok.special.think_end
+    c = OutputConstraint(kind="regex", field="regex", pattern="ok", thinking=True,
+                         reasoning_budget=3)
+    st = factory.state_for(c)
+    bm = factory.allocate_bitmask(1)
+    words = tok.encode(" one two three four")
+    for t in words[:3]:
+        assert st.fill_mask(bm[0]) is False and st.accept(t)
+    assert st.budget_spent and st.fill_mask(bm[0]) is True
+    assert _allowed(bm[0], factory.vocab_size) == [end]
+    logits = torch.randn(1, factory.vocab_size)
+    factory.apply_bitmask(logits, bm)
+    assert int(torch.argmax(logits)) == end
+    assert not st.accept(words[3]) and st.in_reasoning  # refused, state unchanged
+    st.rollback(1)  # back under the budget: free again
+    assert not st.budget_spent and st.fill_mask(bm[0]) is False and st.accept(words[3])
+    assert st.accept(end) and not st.in_reasoning
+    assert _drive(factory, st, tok.encode("ok") + [tok.special.eos]) is None
+    assert st.is_terminated()
+    # a token id in the sign bit of its word (i % 32 == 31) is encoded right too
+    high = ThinkingGrammarState(UnconstrainedState(factory.vocab_size), 31 * 32 + 31, 0)
+    assert high.fill_mask(bm[0]) is True
+    assert _allowed(bm[0], factory.vocab_size) == [31 * 32 + 31]
+
+
+@pytest.mark.parametrize("family", ["v4", "v4.1"])
+def test_forced_call_fits_after_bounded_reasoning(family, factory, builder, tok, tok41,
+                                                  builder41, factory41):
+    """Random logits never end the reasoning on their own: the budget ends it, and the call
+    that the grammar forces then completes within max_tokens."""
+    f, b, t = (factory, builder, tok) if family == "v4" else (factory41, builder41, tok41)
+    model = "megagraph-v4" if family == "v4" else "megagraph"
+    p = _tool_request(b, model, tool_choice="required", max_tokens=300, parallel_tool_calls=False)
+    assert p.thinking and p.reasoning_budget == 300 - 1 - 150
+    for seed in range(3):
+        out = _sample(f, make_grammar_state(f, p.constraint), seed, max_steps=300)
+        assert out.index(t.special.think_end) == p.reasoning_budget
+        msg = parse_completion(t.decode(out), p.parser_options)
+        assert msg.reasoning_content
+        _check_calls(msg, {"get_weather", "get_time"})
+
+
+def test_budget_from_request_and_defaults(builder, factory):
+    ask = {"model": "megagraph-v4", "messages": [{"role": "user", "content": "json please"}]}
+    rf = {"response_format": {"type": "json_object"}}
+    named = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+    cases = [  # (extra body, reasoning budget, constraint kind)
+        (dict(max_tokens=100, **named), 100 - 1 - 50, "tool_calls"),
+        (dict(max_tokens=10_000, **named), 10_000 - 1 - 1024, "tool_calls"),
+        (dict(max_tokens=1, **named), 0, "tool_calls"),
+        (dict(max_tokens=100, **rf), 49, "json_object"),
+        (dict(max_tokens=100, thinking_budget=7, **named), 7, "tool_calls"),
+        (dict(max_tokens=100, thinking_token_budget=9, **rf), 9, "json_object"),
+        (dict(thinking_budget=5, thinking_token_budget=9), 5, "text"),
+        (dict(max_tokens=100, tools=TOOLS), None, None),  # auto, not strict: nothing forced
+        (dict(max_tokens=100, thinking={"type": "disabled"}, thinking_budget=5, **named), None,
+         "tool_calls"),  # no reasoning to bound
+    ]
+    for extra, budget, kind in cases:
+        p = builder.build({**ask, **extra})
+        assert p.reasoning_budget == budget, extra
+        assert (p.constraint.kind if p.constraint else None) == kind, extra
+        if p.constraint is not None:
+            assert p.constraint.reasoning_budget == budget
+    # a budget alone: bounded reasoning, then free text
+    p = builder.build({**ask, "thinking_budget": 2})
+    st = make_grammar_state(factory, p.constraint)
+    assert isinstance(st.inner, UnconstrainedState) and st.reasoning_budget == 2
+    with pytest.raises(GrammarUnavailable) as e:
+        make_grammar_state(None, p.constraint)
+    assert e.value.field == "thinking_budget"
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ChatFormatError) as e:
+            builder.build({**ask, "thinking_token_budget": bad})
+        assert e.value.field == "thinking_token_budget"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -57,7 +58,7 @@ def _parse_chunks(chunks, options=ParserOptions(), reason="stop"):
 
 def _summary(msg):
     return (msg.reasoning_content, msg.content,
-            [(c.name, c.arguments, c.complete) for c in msg.tool_calls], msg.finish_reason)
+            [(c.name, c.arguments) for c in msg.tool_calls], msg.finish_reason)
 
 
 def _check_deltas(deltas, msg):
@@ -166,14 +167,18 @@ def test_first_call_values():
         "name": "get_time", "arguments": msg.tool_calls[1].arguments}}
 
 
-def test_arguments_stream_incrementally():
+def test_a_call_is_reported_whole_when_its_invoke_closes():
     text = EXAMPLES["v41_calls"]
+    closes = [m.end() for m in re.finditer("</｜DSML｜ invoke>", text)]
     p = ChatOutputParser(id_factory=_ids)
-    arg_deltas = 0
-    for ch in text:
+    seen = []
+    for k, ch in enumerate(text, 1):
         for d in p.feed(ch):
-            arg_deltas += sum(1 for t in d.tool_calls if t.arguments)
-    assert arg_deltas > 30  # string values arrive character by character, not buffered
+            for t in d.tool_calls:
+                seen.append((k, t.index, t.id, t.name, json.loads(t.arguments)))
+    assert [(k, i, cid, n) for k, i, cid, n, _ in seen] == [
+        (closes[0], 0, "call_0", "get_weather"), (closes[1], 1, "call_1", "get_time")]
+    assert seen[1][4] == {"tz": "Asia/Tokyo\n(東京) \\ end"}
 
 
 MALFORMED = {
@@ -190,7 +195,6 @@ MALFORMED = {
                            "calls>",
     "text_in_block": 'r</think><｜DSML｜ calls>\nhello <｜DSML｜ invoke name="x">\n</｜DSML｜ invoke>\n'
                      "</｜DSML｜ calls>",
-    "unterminated_block": "r</think>Sure.\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"get_wea",
     "unterminated_tag": "r</think>Sure.\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"get_weather\"" + "x" * 3000,
 }
 
@@ -211,19 +215,15 @@ def test_malformed_markup_becomes_content(name):
     assert _summary(msg) == _summary(whole)
 
 
-def test_break_after_a_streamed_call():
+def test_break_after_a_complete_call():
     good = ('<｜DSML｜ invoke name="get_time">\n<｜DSML｜ parameter name="tz" string="true">UTC'
             "</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n")
     text = "r</think>\n\n<｜DSML｜ calls>\n" + good + "<｜DSML｜ bogus>x</｜DSML｜ calls>"
     msg = parse_completion(text, id_factory=_ids)
-    assert [(c.name, json.loads(c.arguments), c.complete) for c in msg.tool_calls] == [
-        ("get_time", {"tz": "UTC"}, True)]
+    assert [(c.name, json.loads(c.arguments)) for c in msg.tool_calls] == [("get_time",
+                                                                            {"tz": "UTC"})]
     assert msg.content == "\n<｜DSML｜ bogus>x</｜DSML｜ calls>" and msg.notes  # raw, unlost
-    # truncated in the middle of a value (max_tokens): the call stays, marked incomplete
-    cut = "r</think>\n\n<｜DSML｜ calls>\n" + good[:good.index("UTC") + 2]
-    msg = parse_completion(cut, engine_finish_reason="length", id_factory=_ids)
-    assert msg.finish_reason == "length"
-    assert [(c.arguments, c.complete) for c in msg.tool_calls] == [('{"tz": "UT', False)]
+    assert "after complete calls" in msg.notes[0]
 
 
 def test_invalid_json_value_becomes_string():
@@ -249,7 +249,7 @@ def test_text_after_block_and_stray_think_end():
     msg = parse_completion("r</think>a</think>b" + _block(True, parallel=False) + "\n\n more")
     # a stray </think> is dropped (as deepseek-recipe does); text after the block is kept
     # (deepseek-recipe drops it), whitespace right after the block is not
-    assert msg.content == "abmore" and msg.tool_calls and msg.tool_calls[0].complete
+    assert msg.content == "abmore" and len(msg.tool_calls) == 1
     assert any("</think>" in n for n in msg.notes)
 
 

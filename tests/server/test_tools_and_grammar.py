@@ -191,3 +191,134 @@ def test_structured_output_without_xgrammar_is_a_clear_400(client, server):
     finally:
         svc.grammar = factory
     wait_idle(server)
+
+
+
+# ---------------------------------------------------------------- output cut inside a call; budgets
+def _answer(r):
+    """(reasoning, content, [(name, arguments)], finish_reason) of a non-streaming answer or of
+    a list of stream chunks."""
+    if isinstance(r, list):
+        reasoning = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or ""
+                            for ch in r if ch.choices)
+        content = "".join(ch.choices[0].delta.content or "" for ch in r if ch.choices)
+        calls, finish = _stream_calls(r)
+        return reasoning, content, calls, finish
+    c = r.choices[0]
+    calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+    return (getattr(c.message, "reasoning_content", None) or "", c.message.content or "",
+            calls, c.finish_reason)
+
+
+def _no_markup(*texts: str) -> None:
+    for t in texts:
+        assert "｜" not in t and "DSML" not in t and "</think" not in t, t
+
+
+def _cut_points(full) -> dict[str, int]:
+    """Output lengths (tokens) at which the forced call's text ends at a telling place."""
+    lps = full.choices[0].logprobs.content
+    at = {}
+    for k in range(1, len(lps) + 1):
+        text = b"".join(bytes(t.bytes) for t in lps[:k]).decode("utf-8", "replace")
+        tag = text[text.rfind("<"):]
+        tag = "" if ">" in tag else tag  # the tag being written, if any
+        if "inside_tag" not in at and tag.startswith("<｜DSML｜ inv"):
+            at["inside_tag"] = k
+        if "closer" not in at and tag.startswith("</｜DSML"):
+            at["closer"] = k  # where the reported defect showed `content: "</｜DSML"`
+        if "call_closed" not in at and text.endswith("</｜DSML｜ invoke>\n"):
+            at["call_closed"] = k  # the call is complete, its block is not
+    assert set(at) == {"inside_tag", "closer", "call_closed"}, text
+    return at
+
+
+def _thinking_tokens(r, end: str) -> int:
+    """How many tokens came before `</think>` (from the logprobs)."""
+    toks = [bytes(t.bytes).decode("utf-8", "replace") for t in r.choices[0].logprobs.content]
+    return toks.index(end)
+
+
+@pytest.fixture(scope="module")
+def cut_outputs(server, outputs):
+    """Requests that end inside a forced call (max_tokens at the points `_cut_points` finds in
+    the full call of `outputs["tool"]`, or a stop string), streaming and not, and thinking
+    requests with a bounded reasoning; one concurrent batch."""
+    client = server.client()
+    at = _cut_points(outputs["tool"])
+    jobs = {}
+    for name, k in at.items():
+        jobs[name] = lambda k=k: client.chat.completions.create(
+            **_openai_kw(dict(TOOL_BODY, max_tokens=k)), logprobs=True)
+        jobs[name + "_stream"] = lambda k=k: list(client.chat.completions.create(
+            **_openai_kw(dict(TOOL_BODY, max_tokens=k)), stream=True))
+    jobs["stop_string"] = lambda: client.chat.completions.create(
+        **_openai_kw(TOOL_BODY), stop=["days"])
+    thinking = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
+                    parallel_tool_calls=False, seed=3)
+    # without a bound, random weights reason until max_tokens (see "tool_thinking")
+    jobs["required_budget"] = lambda: client.chat.completions.create(
+        **thinking, max_tokens=200, logprobs=True, extra_body={"thinking_budget": 8})
+    # default bound: reasoning stops at 40 - 1 - 20 tokens; a call (~120 tokens) cannot fit
+    jobs["required_no_room"] = lambda: client.chat.completions.create(
+        **thinking, max_tokens=40, logprobs=True)
+    jobs["required_no_room_stream"] = lambda: list(client.chat.completions.create(
+        **thinking, max_tokens=40, stream=True))
+    jobs["plain_budget"] = lambda: client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=12, seed=4, logprobs=True,
+        extra_body={"thinking_token_budget": 3})
+    with cf.ThreadPoolExecutor(len(jobs)) as ex:
+        futs = {k: ex.submit(f) for k, f in jobs.items()}
+        return at, {k: f.result() for k, f in futs.items()}
+
+
+@pytest.mark.parametrize("point", ["inside_tag", "closer", "call_closed"])
+def test_output_cut_inside_a_call(outputs, cut_outputs, point):
+    at, out = cut_outputs
+    full = outputs["tool"]
+    cut = out[point]
+    assert cut.usage.completion_tokens == at[point]
+    assert _raw_text(full.choices[0]).startswith(_raw_text(cut.choices[0]))  # the same tokens
+    want_calls = [] if point != "call_closed" else [
+        (t.function.name, t.function.arguments) for t in full.choices[0].message.tool_calls]
+    for r in (cut, out[point + "_stream"]):
+        reasoning, content, calls, finish = _answer(r)
+        assert (content, calls, finish) == ("", want_calls, "length")
+        _no_markup(reasoning, content)
+
+
+def test_stop_string_inside_a_call(cut_outputs):
+    _, out = cut_outputs
+    reasoning, content, calls, finish = _answer(out["stop_string"])
+    assert (content, calls, finish) == ("", [], "stop")  # uncut: a call and "tool_calls"
+    _no_markup(reasoning, content)
+
+
+def test_required_tool_call_with_bounded_thinking(cut_outputs):
+    _, out = cut_outputs
+    end = "</think>"
+    r = out["required_budget"]
+    reasoning, content, calls, finish = _answer(r)
+    assert finish == "tool_calls" and [n for n, _ in calls] == ["get_weather"], r
+    _check_args(calls[0][1])
+    assert reasoning and _thinking_tokens(r, end) == 8  # random weights never end it earlier
+    # the budget cannot fit a call: a clear `length`, no call, no markup
+    r = out["required_no_room"]
+    assert _thinking_tokens(r, end) == 40 - 1 - 20
+    for a in (r, out["required_no_room_stream"]):
+        reasoning, content, calls, finish = _answer(a)
+        assert (content, calls, finish) == ("", [], "length") and reasoning
+        _no_markup(reasoning, content)
+    # a budget without tools or formats
+    r = out["plain_budget"]
+    assert _thinking_tokens(r, end) == 3 and r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.content
+
+
+def test_bad_thinking_budget_is_a_400(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4,
+                                       extra_body={"thinking_budget": -1})
+    assert e.value.body["param"] == "thinking_budget"
