@@ -31,9 +31,10 @@ because each holds at least the declared precision (:data:`ACCEPTED`):
   weight types are fixed at compile time and its kernels read the declared dtype.  A float that
   was widened from the declared dtype (what converters do) comes back bit-exact either way.
 
-Each :meth:`Checkpoint.check` logs one summary line (logger ``megagraph.checkpoint``, level
-WARNING, so it reaches stderr without any logging set-up) saying how many tensors were read so
-and how.  A narrower or different dtype, a wrong shape or a missing tensor is still an error.
+When any tensor is stored so, :meth:`Checkpoint.check` (which :meth:`Checkpoint.load` runs first)
+logs one summary line (logger ``megagraph.checkpoint``, level WARNING, so it reaches stderr
+without any logging set-up): how many tensors, stored as what, read how.  A narrower or different
+dtype, a wrong shape or a missing tensor is still an error naming the file and the tensor.
 """
 
 from __future__ import annotations

@@ -246,6 +246,29 @@ def test_wrong_dtype(ckpt, specs):
     assert got["layers.0.attn_norm.weight"].dtype == torch.float32
 
 
+def test_stacked_members_stored_wider_keep_their_precision_only_when_asked(tmp_path, caplog):
+    """A stack whose members are stored in different float widths comes back in the widest with
+    keep_wider (no member rounded), else in the declared dtype; one line says which."""
+    import logging
+
+    g = torch.Generator().manual_seed(SEED)
+    members = [torch.randn(4, 5, generator=g) for _ in range(3)]
+    stored = {"e.0.w": members[0].to(torch.bfloat16), "e.1.w": members[1],
+              "e.2.w": members[2].to(torch.bfloat16)}
+    path = write_checkpoint(tmp_path / "ck", stored)
+    spec = [WeightSpec("e.*.w", (3, 4, 5), "bf16")]
+    with caplog.at_level(logging.WARNING, logger="megagraph.checkpoint"):
+        kept = open_checkpoint(path).load(spec, progress=False, keep_wider=True)["e.*.w"]
+        rounded = open_checkpoint(path).load(spec, progress=False)["e.*.w"]
+    assert kept.dtype == torch.float32 and torch.equal(kept[1], members[1])
+    assert torch.equal(kept[0], stored["e.0.w"].float()) and torch.equal(kept[2], stored["e.2.w"].float())
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded[1], members[1].to(torch.bfloat16))
+    lines = [r.getMessage() for r in caplog.records if r.name == "megagraph.checkpoint"]
+    assert len(lines) == 2
+    assert "1 tensor(s) declared BF16 stored as wider F32, kept as F32 (e.g. e.1.w)" in lines[0]
+    assert "rounded to the declared BF16" in lines[1]
+
+
 def test_validation_happens_before_reading(ckpt, specs, monkeypatch):
     from megagraph.models.checkpoint import reader
 

@@ -77,11 +77,10 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def run(cfg, g, w, toks) -> list[torch.Tensor]:
-    """Prefill `toks`, then two greedy decode steps: each step's logits."""
+    """Prefill `toks`, then one greedy decode step: each step's logits."""
     s = session(cfg, g, w, constants_for(cfg))
     out = [s.step([SeqChunk(0, toks)])]
-    for _ in range(2):
-        out.append(s.step([SeqChunk(0, (int(out[-1][-1].argmax()),))]))
+    out.append(s.step([SeqChunk(0, (int(out[-1][-1].argmax()),))]))
     return out
 
 
