@@ -75,6 +75,7 @@ def make(plan, weights, variant: str, args, device):
 
     from megagraph.runtime import cuda_graphs, kernels
     from megagraph.runtime.engine import Engine, EngineConfig
+    from megagraph.runtime.token_map import stand_in_token_map
 
     backend = {"padded": "none", "padded+again": "none", "aot_eager": "aot_eager"}.get(variant, "inductor")
     torch._dynamo.reset()
@@ -99,7 +100,7 @@ def make(plan, weights, variant: str, args, device):
            "inductor+noalias": mock.patch.object(cuda_graphs.GraphRunner, "_aliasable", lambda self: {}),
            "inductor+functional": mock.patch.object(kernels, "_state_in_place", lambda fn, n, unsafe: fn)}
     with off.get(variant, contextlib.nullcontext()):
-        return Engine(plan, dict(weights), conf)
+        return Engine(plan, dict(weights), conf, token_map=stand_in_token_map(plan.cfg))
 
 
 def steps(eng, args):

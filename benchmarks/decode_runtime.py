@@ -55,7 +55,9 @@ def engine_for(plan, weights, mode: str, args, device, batches: tuple[int, ...])
                     compile=args.compile_backend if mode == "graphs+compile" else "none",
                     compile_numerics=args.compile_numerics,
                     compile_dynamic=args.compile_dynamic)
-    return Engine(plan, dict(weights), EngineConfig(**conf))
+    from megagraph.runtime.token_map import stand_in_token_map
+
+    return Engine(plan, dict(weights), EngineConfig(**conf), token_map=stand_in_token_map(plan.cfg))
 
 
 def run_batch(eng, n: int, args, device) -> tuple[float, list[list[int]], torch.Tensor]:

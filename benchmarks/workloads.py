@@ -227,7 +227,10 @@ def make_engine(model: Model, device: torch.device, *, kernels: str = "plan", sl
                         kernels="plan", progress=False, allow_fallback=True, memory_budget=budget,
                         cuda_graphs=graphs and bool(buckets), buckets=tuple(sorted(buckets)),
                         compile=compile)
-    return Engine(with_kernels(model.plan, kernels), dict(model.weights), conf)
+    from megagraph.runtime.token_map import stand_in_token_map
+
+    return Engine(with_kernels(model.plan, kernels), dict(model.weights), conf,
+                  token_map=stand_in_token_map(model.plan.cfg))  # random weights
 
 
 def step_path(eng, tokens: int) -> str:

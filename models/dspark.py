@@ -93,7 +93,13 @@ def draft_context(s: Step, published: dict[str, str]) -> None:
 def build_dspark_draft(cfg: ModelConfig) -> Graph:
     """The DSpark draft step: inputs anchor_ids i64[R], seq_slots i64[R], seq_cached i64[R]
     (= P+1) and the rings `mtp.S.ring` (read only); outputs drafts i64[R, B], confidence
-    f32[R, B] and logits f32[R*B, V] (the Markov chain's per-row logits)."""
+    f32[R, B] and logits f32[R*B, V] (the Markov chain's per-row logits).
+
+    `confidence` is a probability in (0, 1), not a logit: sigmoid(confidence_head.proj ·
+    [z_i ; mu_i]) with the pre-norm collapse z_i, as spec §3.9 gives it (an estimated acceptance
+    probability), so a caller thresholds it directly (e.g. verify drafts while conf > 0.5).
+    Its weights and every other `mtp.*` tensor load with the model:
+    `models.load.load_weights(cfg, [step_graph, draft_graph], ckpt)`."""
     _check(cfg)
     B, n_st = cfg.dspark_block_size, cfg.num_mtp_layers
     b = GraphBuilder(f"{cfg.name}/dspark_draft", DRAFT_DIMS, model=cfg.name, family=cfg.family,

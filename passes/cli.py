@@ -26,6 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"run exactly these passes in order (default: {','.join(PIPELINE)})")
     p.add_argument("--keep", type=int, default=DEFAULTS.keep,
                    help="bounded replay: rows kept per request (default: window + draft backtracking)")
+    p.add_argument("--numerics", choices=("default", "reference"), default=DEFAULTS.numerics,
+                   help="reference: f32 activations and caches, no KV or activation quantization "
+                        "(checking a checkpoint against an fp32 reference; models/numerics.py); "
+                        "default: the model config's own (the release's bf16 + FP8)")
     p.add_argument("--context", type=int, default=DEFAULTS.context,
                    help=f"tokens per slot assumed by the memory plan (default {DEFAULTS.context})")
     par = p.add_argument_group("parallel layout (docs/parallelism.md)")
@@ -64,7 +68,7 @@ def main(args: argparse.Namespace) -> int:
                              keep=args.keep, context=args.context, dp=args.dp, ep=args.ep,
                              redundant_experts=args.redundant_experts,
                              ep_max_tokens=args.ep_max_tokens,
-                             balanced_routing=args.balanced_routing)
+                             balanced_routing=args.balanced_routing, numerics=args.numerics)
         check_output_dir(Path(args.out), force=args.force)
         t0 = time.perf_counter()
         compiled = compile_model(cfg, hw, opt)
@@ -73,7 +77,8 @@ def main(args: argparse.Namespace) -> int:
     except (ConfigError, ArtifactError, PassError, IRError) as e:
         print(f"megagraph compile: error: {e}", file=sys.stderr)
         return 2
-    print(f"compiled {cfg.name} for {hw.name} in {secs:.2f}s -> {out}")
+    extra = f" with {opt.numerics} numerics" if opt.numerics != "default" else ""
+    print(f"compiled {cfg.name} for {hw.name}{extra} in {secs:.2f}s -> {out}")
     for r in compiled.records:
         print(f"  {r.index:02d} {r.name:<20} {r.status:<9} {r.note}")
     return 0

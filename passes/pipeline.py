@@ -53,6 +53,8 @@ class CompileOptions:
     redundant_experts: int = 0  # extra expert replicas over the EP group (EPLB)
     ep_max_tokens: int = 0  # tokens per rank per step the dispatch buffers hold (0 = auto)
     balanced_routing: bool = False  # benchmarks: experts assigned round-robin, not by the router
+    numerics: str = "default"  # "reference": f32 activations, no KV / activation quantization
+    #                            (models/numerics.py; the config is changed before building)
 
     @property
     def parallel(self) -> bool:
@@ -102,6 +104,8 @@ def make_pass(name: str, hw: HwProfile, opt: CompileOptions, keep: int = 0) -> P
         kwargs["hw"] = hw
     if name == "bounded-replay":
         kwargs.update(enabled=opt.bounded_replay, keep=keep or opt.keep)
+    if name == "quantize-epilogues":
+        kwargs.update(reference=opt.numerics == "reference")
     if name == "expert-parallel":
         kwargs.update(dp=opt.dp, ep=opt.ep, redundant_experts=opt.redundant_experts,
                       max_tokens=opt.ep_max_tokens,
@@ -174,10 +178,14 @@ class Compiled:
 
 
 def compile_model(cfg: ModelConfig, hw: HwProfile, options: CompileOptions | None = None) -> Compiled:
-    """Build the step graph of `cfg` and compile it for `hw`."""
+    """Build the step graph of `cfg` and compile it for `hw`. With `options.numerics` =
+    "reference" the config is `models.numerics.with_numerics(cfg, "reference")` first, and
+    `Compiled.cfg` (written as model.yaml) is that config."""
     from megagraph.models.build import build_step
+    from megagraph.models.numerics import with_numerics
 
     opt = options or CompileOptions()
+    cfg = with_numerics(cfg, opt.numerics)
     t0 = time.perf_counter()
     built = build_step(cfg, logits=opt.logits)
     secs = time.perf_counter() - t0

@@ -63,8 +63,12 @@ class QuantizeEpilogues(Pass):
     name: ClassVar[str] = "quantize-epilogues"
     hw: HwProfile
     targets: tuple[str, ...] = tuple(QUANTIZED_TWIN)  # GEMM ops whose inputs may be quantized
+    reference: bool = False  # compile --numerics reference: activations stay unquantized
 
     def run(self, g: Graph) -> PassResult:
+        if self.reference:
+            return self.skip(g, "reference numerics (compile --numerics reference): activations "
+                                "stay unquantized")
         fmt, why = act_format(self.hw)
         if fmt is None:
             return self.skip(g, why)

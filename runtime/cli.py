@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a prompt as token ids (models without a tokenizer)")
     g.add_argument("--weights", metavar="DIR",
                    help="checkpoint dir (official layout); default: seeded random weights")
+    g.add_argument("--tokenizer", metavar="PATH",
+                   help="the model's tokenizer.json (or its dir), for text and V4.1's Engram token "
+                        "map; default: the one beside --weights (needed when there is none)")
     g.add_argument("--device", default=E.device, help=f"cpu, cuda or cuda:N (default {E.device})")
     g.add_argument("--max-tokens", type=int, default=S.max_tokens)
     g.add_argument("--temperature", type=float, default=S.temperature, help="0 = greedy")
@@ -94,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
             compile_numerics=args.compile_numerics, compile_tile_loops=args.compile_tile_loops,
             cuda_graphs=not args.no_cuda_graphs, buckets=buckets,
             kernels=args.kernels, allow_fallback=args.allow_fallback, progress=not args.quiet,
-            bounded_replay=args.bounded_replay)
+            bounded_replay=args.bounded_replay, tokenizer=args.tokenizer)
         if not args.quiet:
             for line in eng.report.lines():
                 print(f"[megagraph] {line}", file=sys.stderr)

@@ -168,6 +168,7 @@ class StartupReport:
     kernel_fallbacks: dict[str, str] = field(default_factory=dict)
     weights: str = ""  # where the weights came from
     hardware: str = ""  # artifacts' profile vs this device
+    token_map: str = ""  # where the Engram token map came from (V4.1; runtime/token_map.py)
 
     @property
     def total(self) -> float:
@@ -200,6 +201,8 @@ class StartupReport:
     def lines(self) -> list[str]:
         out = [f"start-up {self.total:.2f}s: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items()),
                f"{self.hardware}; weights: {self.weights}"]
+        if self.token_map:
+            out.append(f"engram token map: {self.token_map}")
         if self.kernel_fallbacks:
             out.append("kernel fallbacks: " + "; ".join(f"{k}: {v}" for k, v in self.kernel_fallbacks.items()))
         if self.buckets:

@@ -48,6 +48,8 @@ class EngineConfig:
     random_weights: str = "seeded"  # without a checkpoint: "seeded" (tests' values) or "fast"
     memory_budget: int | None = None  # bytes the fit check may use (default: free memory)
     progress: bool = True  # progress bar while loading a checkpoint
+    tokenizer: str | None = None  # tokenizer.json (or its dir) for text and the Engram token map;
+    #                              default: the checkpoint's (runtime/token_map.py)
 
 
 def untraced_nodes(g, tile_loops: bool = True) -> set[str]:
@@ -72,12 +74,18 @@ class Engine:
     """One model on one device: state pools, segments, captured graphs, a sampler."""
 
     def __init__(self, plan: RunPlan, weights: dict | str | Path | None = None,
-                 config: EngineConfig | None = None, report: StartupReport | None = None):
+                 config: EngineConfig | None = None, report: StartupReport | None = None, *,
+                 token_map: torch.Tensor | None = None):
+        """`weights`: a checkpoint dir, tensors by name, or None (random weights). `token_map`:
+        the Engram token map i64[vocab_size] of a V4.1 model (runtime/token_map.py
+        token_map_from_tokenizer builds it from a tokenizer.json); without it the map comes from
+        `config.tokenizer` or the checkpoint's tokenizer.json, and only random weights get a
+        stand-in. Start-up refuses a checkpoint or given tensors with no source of the map."""
         self.plan, self.cfg, self.config = plan, plan.cfg, config or EngineConfig()
         c = self.config
         self.report = report or StartupReport()
         self.device = torch.device(c.device)
-        self.ckpt_dir = Path(weights) if isinstance(weights, (str, Path)) else None
+        self.ckpt_dir, origin = self._weights_origin(weights)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda: no CUDA device is available (torch "
                                f"{torch.__version__}); use --device cpu")
@@ -98,6 +106,15 @@ class Engine:
         need = memory_need(specs, host, state_bytes=state_bytes_per_slot(g, c.capacity) * (c.max_slots + 1),
                            graph_pools=pools)
         check_fit(self.cfg, need, available_bytes(self.device, c.memory_budget), str(self.device))
+        self._token_map_given = token_map
+        self.token_map_source = None  # before the weights: a missing tokenizer fails fast
+        if "engram_token_map" in g.inputs:
+            from .token_map import token_map_source
+
+            self.token_map_source = token_map_source(
+                self.cfg, given=token_map is not None, tokenizer=c.tokenizer, ckpt_dir=self.ckpt_dir,
+                origin=origin)
+            self.report.token_map = self.token_map_source.describe()
         with self.report.timed("weights"):
             self.weights = self._bind(weights, specs, host)
         with self.report.timed("state"):
@@ -120,14 +137,22 @@ class Engine:
 
     @classmethod
     def from_artifacts(cls, path: str | Path, weights: str | Path | None = None, *,
-                       device: str = "cpu", seed: int = 0, **config) -> "Engine":
+                       device: str = "cpu", seed: int = 0, token_map: torch.Tensor | None = None,
+                       **config) -> "Engine":
         """Load compiled artifacts, bind weights (checkpoint dir, or seeded random), start up."""
         report = StartupReport()
         with report.timed("artifacts"):
             plan = RunPlan.from_artifacts(path)
-        return cls(plan, weights, EngineConfig(device=device, seed=seed, **config), report)
+        return cls(plan, weights, EngineConfig(device=device, seed=seed, **config), report,
+                   token_map=token_map)
 
     # -- start-up --------------------------------------------------------------------------------
+    def _weights_origin(self, weights) -> tuple[Path | None, str]:
+        """(checkpoint dir or None, "checkpoint" | "given" | "random") of the `weights` argument."""
+        if isinstance(weights, (str, Path)):
+            return Path(weights), "checkpoint"
+        return None, "random" if weights is None else "given"
+
     def _bind(self, weights, specs, host) -> dict[str, torch.Tensor]:
         c = self.config
         if isinstance(weights, dict):
@@ -147,17 +172,11 @@ class Engine:
         return w
 
     def _constants(self) -> dict[str, torch.Tensor]:
-        if "engram_token_map" not in self.plan.graph.inputs:
+        if self.token_map_source is None:
             return {}
-        from megagraph.models.engram import tiny_token_map
+        from .token_map import build_token_map
 
-        from .tokenizer import compressed_token_map
-
-        tok = self.tokenizer
-        if tok is not None and self.ckpt_dir is not None and tok.path.parent == self.ckpt_dir:
-            m = compressed_token_map(tok, self.cfg)  # the checkpoint's own tokenizer
-        else:  # tiny / random models: the deterministic stand-in the tests use
-            m = tiny_token_map(self.cfg)
+        m = build_token_map(self.token_map_source, self.cfg, self._token_map_given)
         return {"engram_token_map": m.to(self.device)}
 
     def _bounded_replay(self, host: set[str]):
@@ -244,9 +263,11 @@ class Engine:
     @property
     def tokenizer(self):
         if not hasattr(self, "_tokenizer"):
+            from .token_map import tokenizer_file
             from .tokenizer import Tokenizer, find_tokenizer
 
-            p = find_tokenizer(self.cfg, self.plan.tokenizer, self.ckpt_dir)
+            p = (tokenizer_file(self.config.tokenizer) if self.config.tokenizer
+                 else find_tokenizer(self.cfg, self.plan.tokenizer, self.ckpt_dir))
             self._tokenizer = Tokenizer(p, self.cfg) if p else None
         return self._tokenizer
 

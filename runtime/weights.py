@@ -110,17 +110,24 @@ def available_bytes(device: torch.device, budget: int | None = None) -> int:
 def load_weights(specs: list[WeightSpec], host: set[str], ckpt_dir: str | Path, *,
                  device: torch.device, cfg: ModelConfig, progress: bool = True) -> dict[str, torch.Tensor]:
     """Stream the checkpoint (validated first, by name, shape and dtype) onto the device; map
-    host-resident tensors from their shard files without copying."""
+    host-resident tensors from their shard files without copying.
+
+    The plan's weight dtypes are fixed, so a float stored wider than declared is rounded to the
+    declared dtype and E8M0 bytes tagged U8 are read as E8M0 (models/checkpoint/reader.py; the
+    check logs one line when it happens)."""
     ckpt_dir = Path(ckpt_dir)
     check_config(cfg, ckpt_dir)
     ck = open_checkpoint(ckpt_dir)
     dev_specs = [s for s in specs if s.name not in host]
     ck.check(specs, warn_unexpected=False)
-    out = ck.load(dev_specs, device=device, progress=progress, warn_unexpected=False)
+    out = ck.load(dev_specs, device=device, progress=progress, warn_unexpected=False, note=False)
     for s in specs:
         if s.name in host:
-            out[s.name] = map_tensor(ck.info(s.name), s) if not s.stacked else \
-                ck.load([s], progress=False, warn_unexpected=False)[s.name]
+            info = ck.info(s.name) if not s.stacked else None
+            same_bytes = info is not None and (info.dtype == s.safetensors_dtype
+                                               or (s.dtype == "e8m0" and info.dtype == "U8"))
+            out[s.name] = map_tensor(info, s) if same_bytes else \
+                ck.load([s], progress=False, warn_unexpected=False, note=False)[s.name]
     return out
 
 

@@ -19,11 +19,28 @@ Scale pairing for ``dequantize=True``: a quantized ``X.weight`` (fp8e4m3 or fp4x
 ``X.scale`` (e8m0) - fp8 with the block size inferred from the two shapes (32x32, 128x128, row-wise
 1x32 for Engram tables; ragged edges fine), fp4x2 as MXFP4 (``[O, I/2]`` + ``[O, I/32]``).  The result
 holds ``X.weight`` as a float tensor and **no** ``X.scale`` entry.
+
+Checkpoints as tools write them: two kinds of stored dtype other than the spec's own are accepted,
+because each holds at least the declared precision (:data:`ACCEPTED`):
+
+* an ``e8m0`` tensor stored as ``U8`` (converters and older safetensors write E8M0 bytes as U8):
+  the bytes are read as E8M0 unchanged, so values are bit-exact;
+* a float stored wider than declared (``F32``/``F64`` for ``bf16``/``f16``, ``F64`` for ``f32``):
+  returned as stored with ``keep_wider=True`` (the dense reference path, whose graph declares
+  ``f32``), else rounded to the declared dtype (round to nearest even): a storage-format graph's
+  weight types are fixed at compile time and its kernels read the declared dtype.  A float that
+  was widened from the declared dtype (what converters do) comes back bit-exact either way.
+
+When any tensor is stored so, :meth:`Checkpoint.check` (which :meth:`Checkpoint.load` runs first)
+logs one summary line (logger ``megagraph.checkpoint``, level WARNING, so it reaches stderr
+without any logging set-up): how many tensors, stored as what, read how.  A narrower or different
+dtype, a wrong shape or a missing tensor is still an error naming the file and the tensor.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import struct
@@ -44,7 +61,15 @@ from megagraph.kernels.formats import (
 from .errors import CheckpointError
 from .spec import QUANTIZED_DTYPES, WeightSpec, bytes_needed, expand_spec, scale_name, validate_specs
 
-__all__ = ["TensorInfo", "Checkpoint", "open_checkpoint", "read_header", "dequantize_tensor", "INDEX_NAME", "SINGLE_NAME"]
+__all__ = ["TensorInfo", "Checkpoint", "open_checkpoint", "read_header", "dequantize_tensor", "INDEX_NAME",
+           "SINGLE_NAME", "ACCEPTED"]
+
+log = logging.getLogger("megagraph.checkpoint")
+
+#: stored safetensors dtypes accepted for an IR dtype besides its own (module docstring says how
+#: each is read): E8M0 bytes tagged U8, and floats wider than declared
+ACCEPTED: dict[str, tuple[str, ...]] = {"e8m0": ("U8",), "bf16": ("F32", "F64"), "f16": ("F32", "F64"),
+                                        "f32": ("F64",)}
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -183,13 +208,16 @@ class Checkpoint:
 
     # ------------------------------------------------------------------ validation
     def check(self, specs: Sequence[WeightSpec], *, cast_floats: bool = False,
-              warn_unexpected: bool = True) -> list[WeightSpec]:
+              warn_unexpected: bool = True, keep_wider: bool = False,
+              note: bool = True) -> list[WeightSpec]:
         """Validate every expected tensor (presence, shape, dtype) without reading data.
 
         Returns the expanded per-tensor specs.  Raises one :class:`CheckpointError` listing every
         problem (missing tensors by name - the first few -, then mismatches with file, expected and
         found).  Extra checkpoint tensors not in ``specs`` produce a warning.  ``cast_floats`` accepts
-        any of bf16/f16/f32 for a float spec (converted on load).
+        any of bf16/f16/f32 for a float spec (converted on load).  Stored dtypes of :data:`ACCEPTED`
+        pass; with ``note`` one line saying how they will be read (``keep_wider``: see :meth:`load`)
+        is logged.
         """
         flat = expand_spec(specs)
         missing: list[str] = []
@@ -203,8 +231,10 @@ class Checkpoint:
                 problems.append((str(info.file), s.name,
                                  f"shape mismatch: expected {list(s.shape)}, found {list(info.shape)}"))
             if not _dtype_ok(s.dtype, info.dtype, cast_floats):
+                also = "".join(f" or {x}" for x in ACCEPTED.get(s.dtype, ()))
                 problems.append((str(info.file), s.name,
-                                 f"dtype mismatch: expected {s.dtype} ({s.safetensors_dtype}), found {info.dtype}"))
+                                 f"dtype mismatch: expected {s.dtype} ({s.safetensors_dtype}{also}), "
+                                 f"found {info.dtype}"))
         if missing:
             shown = ", ".join(missing[:5]) + (f", ... ({len(missing) - 5} more)" if len(missing) > 5 else "")
             problems.insert(0, (str(self._where()), missing[0],
@@ -219,7 +249,36 @@ class Checkpoint:
                 shown = ", ".join(extra[:5]) + (", ..." if len(extra) > 5 else "")
                 warnings.warn(f"{self._where()}: {len(extra)} checkpoint tensor(s) not in the specs "
                               f"(ignored): {shown}", stacklevel=3)
+        if note and not cast_floats:
+            line = self.reinterpretation_note(flat, keep_wider=keep_wider)
+            if line:
+                log.warning(line)
         return flat
+
+    def reinterpretation_note(self, specs: Sequence[WeightSpec], *, keep_wider: bool = False) -> str | None:
+        """One line on the tensors of ``specs`` stored in an :data:`ACCEPTED` dtype other than
+        their own, or None when every tensor is stored as declared."""
+        as_bytes: list[str] = []
+        wider: dict[tuple[str, str], list[str]] = {}
+        for s in expand_spec(specs):
+            info = self.tensors.get(s.name)
+            if info is None or info.dtype == s.safetensors_dtype:
+                continue
+            if s.dtype == "e8m0" and info.dtype == "U8":
+                as_bytes.append(s.name)
+            elif info.dtype in ACCEPTED.get(s.dtype, ()):
+                wider.setdefault((s.safetensors_dtype, info.dtype), []).append(s.name)
+        parts = []
+        if as_bytes:
+            parts.append(f"{len(as_bytes)} e8m0 tensor(s) stored as U8 read as their E8M0 bytes "
+                         f"(bit-exact; e.g. {as_bytes[0]})")
+        for (declared, found), names in sorted(wider.items()):
+            how = f"kept as {found}" if keep_wider else f"rounded to the declared {declared}"
+            parts.append(f"{len(names)} tensor(s) declared {declared} stored as wider {found}, {how} "
+                         f"(e.g. {names[0]})")
+        if not parts:
+            return None
+        return f"{self._where()}: reinterpreted on load: " + "; ".join(parts)
 
     # ------------------------------------------------------------------ loading
     def load(
@@ -232,6 +291,8 @@ class Checkpoint:
         progress: bool = True,
         cast_floats: bool = False,
         warn_unexpected: bool = True,
+        keep_wider: bool = False,
+        note: bool = True,
     ) -> dict[str, torch.Tensor]:
         """Load the tensors of ``specs`` -> ``{spec name: tensor}`` (stacked ``*`` specs as one tensor).
 
@@ -239,11 +300,16 @@ class Checkpoint:
         order.  ``dequantize=True``: quantized ``X.weight`` + ``X.scale`` pairs become one float tensor
         ``X.weight`` of ``dequant_dtype`` (the scale entries are dropped); other tensors are returned as
         stored (floats cast to ``dequant_dtype`` too if ``cast_floats``).  ``progress`` shows a tqdm bar in
-        bytes with ETA.
+        bytes with ETA.  Tensors in the spec's dtype come back in it; e8m0 stored as U8 comes back as
+        E8M0 (same bytes); a float stored wider than its spec comes back as stored with
+        ``keep_wider`` (for callers that convert to their own float dtype, like the dense reference
+        path) and otherwise rounded to the spec's dtype.  ``note``: log the one-line summary of such
+        tensors (:meth:`check`).
         """
         specs = list(specs)
         pairs = validate_specs(specs) if dequantize else {}
-        flat = self.check(specs, cast_floats=cast_floats, warn_unexpected=warn_unexpected)
+        flat = self.check(specs, cast_floats=cast_floats, warn_unexpected=warn_unexpected,
+                          keep_wider=keep_wider, note=note)
         device = torch.device(device)
         # member tensor name -> (spec, index in the stack or None)
         owner: dict[str, tuple[WeightSpec, int | None]] = {}
@@ -255,8 +321,13 @@ class Checkpoint:
                 owner[s.name] = (s, None)
         out: dict[str, torch.Tensor] = {}
         by_file: dict[Path, list[str]] = {}
+        target: dict[str, torch.dtype] = {}  # spec name -> dtype it is returned in
         for m in flat:
             by_file.setdefault(self.tensors[m.name].file, []).append(m.name)
+            spec = owner[m.name][0]
+            t = _read_dtype(spec, self.tensors[m.name].dtype, keep_wider)
+            if spec.name not in target or t.itemsize > target[spec.name].itemsize:
+                target[spec.name] = t  # a stack takes its widest member
         total = sum(self.tensors[m.name].nbytes for m in flat)
         bar = _progress(total, progress)
         try:
@@ -271,14 +342,17 @@ class Checkpoint:
                         for n in names:
                             spec, e = owner[n]
                             t = f.get_tensor(n)
-                            if t.dtype != spec.torch_dtype:
-                                t = t.to(spec.torch_dtype)  # only reachable with cast_floats
+                            want = target[spec.name]
+                            if t.dtype == torch.uint8 and want == torch.float8_e8m0fnu:
+                                t = t.view(want)  # E8M0 bytes tagged U8: the same bytes
+                            elif t.dtype != want:
+                                t = t.to(want)  # a wider float rounded, or cast_floats
                             if e is None:
                                 out[spec.name] = t.to(device) if device.type != "cpu" else t
                             else:
                                 dst = out.get(spec.name)
                                 if dst is None:
-                                    dst = out[spec.name] = torch.empty(spec.shape, dtype=spec.torch_dtype, device=device)
+                                    dst = out[spec.name] = torch.empty(spec.shape, dtype=want, device=device)
                                 dst[e].copy_(t)
                             bar.update(self.tensors[n].nbytes)
                 except CheckpointError:
@@ -302,9 +376,19 @@ class Checkpoint:
 
 def _dtype_ok(ir: str, found: str, cast_floats: bool) -> bool:
     want = DTYPES[ir].safetensors
-    if found == want:
+    if found == want or found in ACCEPTED.get(ir, ()):
         return True
     return cast_floats and ir in ("bf16", "f16", "f32") and found in ("BF16", "F16", "F32")
+
+
+_ST_TORCH = {"F32": torch.float32, "F64": torch.float64}
+
+
+def _read_dtype(spec: WeightSpec, found: str, keep_wider: bool) -> torch.dtype:
+    """The dtype a tensor of ``spec`` stored as ``found`` is returned in (see :meth:`Checkpoint.load`)."""
+    if keep_wider and found in ACCEPTED.get(spec.dtype, ()) and found in _ST_TORCH:
+        return _ST_TORCH[found]
+    return spec.torch_dtype
 
 
 def _progress(total: int, enabled: bool):

@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous for --nnodes > 1")
     g.add_argument("--prompt-ids", action="append", default=[], metavar="ID,ID,...")
     g.add_argument("--weights", metavar="DIR", help="checkpoint dir (default: seeded random weights)")
+    g.add_argument("--tokenizer", metavar="PATH",
+                   help="the model's tokenizer.json (or its dir) for V4.1's Engram token map; "
+                        "default: the one beside --weights (needed when there is none)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     g.add_argument("--max-tokens", type=int, default=8)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -67,7 +70,8 @@ def generate(args) -> int:
         eng = rank_engine_from_artifacts(
             args.artifacts, ctx, args.weights, eplb_interval=args.eplb_interval, seed=args.seed,
             max_slots=args.max_slots, capacity=args.capacity, max_step_tokens=args.max_step_tokens,
-            cuda_graphs=not args.no_cuda_graphs, allow_fallback=args.allow_fallback, progress=False)
+            cuda_graphs=not args.no_cuda_graphs, allow_fallback=args.allow_fallback, progress=False,
+            tokenizer=args.tokenizer)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 ignore_eos=args.ignore_eos, seed=args.seed)
         outs = eng.generate([prompts[i] for i in mine], params)

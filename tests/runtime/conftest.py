@@ -32,11 +32,12 @@ def compiled(tmp_path_factory):
 
 def make_engine(path, model: str, *, act: str = "f32", **config) -> Engine:
     """An engine over compiled artifacts with the tests' seeded weights (tests/tiny.py)."""
-    _, _, w, _ = tiny(model, act_dtype=act)
+    _, _, w, consts = tiny(model, act_dtype=act)
     config.setdefault("max_slots", 4)
     config.setdefault("capacity", 128)
     config.setdefault("progress", False)
-    return Engine(RunPlan.from_artifacts(path), dict(w), EngineConfig(**config))
+    return Engine(RunPlan.from_artifacts(path), dict(w), EngineConfig(**config),
+                  token_map=consts.get("engram_token_map"))
 
 
 @pytest.fixture(scope="session")

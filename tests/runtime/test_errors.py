@@ -10,14 +10,16 @@ import pytest
 import torch
 
 from megagraph.models.checkpoint import CheckpointError, random_weights, write_checkpoint
+from megagraph.models.config import load_model_config
 from megagraph.runtime.engine import Engine, EngineConfig
 from megagraph.runtime.plan import ArtifactsError, RunPlan
 from megagraph.runtime.weights import FitError, graph_weight_specs
 from tests.runtime.conftest import make_engine
-from tests.tiny import SeqChunk, tiny
+from tests.tiny import SeqChunk, constants_for, random_tokens, tiny
 
 MODEL = "v4.1-flash-tiny"
 CONF = dict(max_slots=2, capacity=64, progress=False)
+MAP = dict(token_map=constants_for(load_model_config(MODEL))["engram_token_map"])  # no tokenizer here
 
 
 def test_artifacts_for_another_device(compiled):
@@ -49,10 +51,32 @@ def _checkpoint(tmp_path, model, drop=None):
 
 def test_checkpoint_loads_in_storage_format(compiled, tmp_path):
     ckpt = _checkpoint(tmp_path, MODEL)
-    eng = Engine.from_artifacts(compiled(MODEL), ckpt, **CONF)
+    eng = Engine.from_artifacts(compiled(MODEL), ckpt, **CONF, **MAP)
     assert eng.weights["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn  # not dequantized
     ref = make_engine(compiled(MODEL), MODEL, **CONF)  # the same seeded values, in memory
     chunks = [SeqChunk(0, (5, 6, 7))]
+    torch.testing.assert_close(eng.step(chunks), ref.step(chunks), rtol=0, atol=0)
+
+
+def test_checkpoint_as_converters_write_it_runs_identically(compiled, tmp_path, caplog):
+    """E8M0 scales tagged U8 and BF16 tensors widened to F32: accepted with one line saying so,
+    bound in the plan's dtypes, bit-equal logits (the widened values round back exactly)."""
+    import logging
+
+    from tests.checkpoints import as_users_have_it
+
+    cfg, g, _, _ = tiny(MODEL, act_dtype="f32")
+    w = random_weights(graph_weight_specs([g]), seed=0, init_std=cfg.hidden_size ** -0.5)
+    ckpt = write_checkpoint(tmp_path / "ckpt", as_users_have_it(w, u8_scales=True, f32_floats=True),
+                            max_shard_bytes=8 << 20)
+    with caplog.at_level(logging.WARNING, logger="megagraph.checkpoint"):
+        eng = Engine.from_artifacts(compiled(MODEL), ckpt, **CONF, **MAP)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "megagraph.checkpoint"]
+    assert "stored as U8 read as their E8M0 bytes" in line and "stored as wider F32, rounded" in line
+    assert eng.weights["layers.0.attn.wq_a.scale"].dtype == torch.float8_e8m0fnu
+    assert eng.weights["layers.0.attn_norm.weight"].dtype == torch.bfloat16
+    ref = make_engine(compiled(MODEL), MODEL, **CONF)  # the same seeded values, as declared
+    chunks = [SeqChunk(0, random_tokens(9, int(torch.randint(0, 2**31 - 1, ()))))]
     torch.testing.assert_close(eng.step(chunks), ref.step(chunks), rtol=0, atol=0)
 
 
@@ -75,13 +99,13 @@ def test_host_resident_tables_are_memory_mapped(tmp_path):
 def test_checkpoint_of_another_model_names_a_tensor(compiled, tmp_path):
     ckpt = _checkpoint(tmp_path, "v4-flash-tiny")
     with pytest.raises(CheckpointError, match=r"layers\.\d+\.|embed|head"):
-        Engine.from_artifacts(compiled(MODEL), ckpt, **CONF)
+        Engine.from_artifacts(compiled(MODEL), ckpt, **CONF, **MAP)
 
 
 def test_checkpoint_missing_a_tensor(compiled, tmp_path):
     ckpt = _checkpoint(tmp_path, MODEL, drop="layers.3.attn.wq_b.weight")
     with pytest.raises(CheckpointError, match=r"layers\.3\.attn\.wq_b\.weight"):
-        Engine.from_artifacts(compiled(MODEL), ckpt, **CONF)
+        Engine.from_artifacts(compiled(MODEL), ckpt, **CONF, **MAP)
 
 
 def test_missing_files(compiled, tmp_path):
