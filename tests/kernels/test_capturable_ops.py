@@ -171,6 +171,15 @@ def index_scores_case(ratio):
     return build
 
 
+def published_scores_case(published_ratio):
+    def build(m, tok, g):
+        C = N // 2  # a ratio-2 owner's entries; the published pool has N // published_ratio
+        args = (tok("scores", C), tok("published", N // published_ratio), m["positions"], m["token_req"],
+                m["seq_cached"])
+        return args, dict(ratio=2, published_ratio=published_ratio), ("tok",)
+    return build
+
+
 LAYOUT = engram_layout([1, 4], None, max_ngram=4, n_heads=2, vocab_start=1000, compressed_vocab=400)[4]
 
 
@@ -228,6 +237,8 @@ META_CASES = {
     "cache_write/r4": ("cache_write", cache_write_case(4)),
     "index_scores/r2": ("index_scores", index_scores_case(2)),
     "index_scores/r1": ("index_scores", index_scores_case(1)),
+    "published_scores/r1": ("published_scores", published_scores_case(1)),
+    "published_scores/r4": ("published_scores", published_scores_case(4)),
     "engram_hash": ("engram_hash", engram_hash_case),
     "engram_hist_update": ("engram_hist_update", engram_hist_update_case),
     "block_attn": ("block_attn", block_attn_case),
