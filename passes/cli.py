@@ -31,9 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=DEFAULTS.context,
                    help=f"tokens per slot assumed by the memory plan (default {DEFAULTS.context})")
     p.add_argument("--index-key-reading", choices=INDEX_KEY_READINGS, metavar="|".join(INDEX_KEY_READINGS),
-                   help="V4.1 decode index-key reading: owner (each indexer its own KV owner's keys, "
-                        "decode == prefill) or vendor (DeepSeek's inference/model.py); default: the "
-                        "model config's (owner). docs/index-key-reading.md")
+                   help="V4.1 decode index-key reading: owner (each indexer reads its own KV owner's "
+                        "keys; decode == prefill) or vendor (as DeepSeek's inference/model.py); "
+                        "default: the model config's (owner); see docs/index-key-reading.md")
     par = p.add_argument_group("parallel layout (docs/parallelism.md)")
     par.add_argument("--dp", type=int, default=DEFAULTS.dp, metavar="N",
                      help="data-parallel attention ranks: each owns its requests' attention and state")

@@ -165,7 +165,7 @@ def index_keys_plan(g: Graph, cfg: ModelConfig) -> dict:
     reads = {}
     for n in g.nodes:
         if n.op == "published_scores":
-            pool = prod[n.inputs[1]].inputs[2]  # the published scores' index keys
+            pool = prod[n.inputs[1]].inputs[2]  # index_scores(qi, w, the published pool, ...)
             reads[f"L{layer_of(n.outputs[0])}"] = f"L{layer_of(pool)}"
     return {"reading": cfg.index_key_reading, "published_reads": reads}
 

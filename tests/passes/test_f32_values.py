@@ -59,10 +59,10 @@ def half_activations(g: Graph, step: Graph | None = None) -> list[str]:
     return bad
 
 
-def f32_graphs(model: str, hw: str, quantize_kv: bool) -> list[tuple[str, Graph, Graph | None]]:
+def f32_graphs(model: str, hw: str, quantize_kv: bool, **changes) -> list[tuple[str, Graph, Graph | None]]:
     """(stage, graph, step graph it derives from) of the built step, every pass, the bounded-replay
     side graphs and (V4.1 with draft stages) the DSpark draft graph, all at act_dtype f32."""
-    cfg = load_model_config(model).replace(act_dtype="f32", quantize_kv=quantize_kv)
+    cfg = load_model_config(model).replace(act_dtype="f32", quantize_kv=quantize_kv, **changes)
     c = compile_model(cfg, load_hw_profile(hw), CompileOptions(bounded_replay=True))
     out = [(stem, g, None) for stem, g in c.stages]
     out += [(name, g, c.graph) for name, g in sorted(c.extra_graphs.items())]
@@ -82,6 +82,16 @@ def test_f32_graphs_have_no_half_precision_activations(model, hw, quantize_kv):
             {stage for stage, _, _ in graphs}
     found = {stage: bad for stage, g, step in graphs if (bad := half_activations(g, step))}
     assert not found, f"{model} on {hw}: half-precision activations in f32 graphs: {found}"
+
+
+@pytest.mark.parametrize("model", ["v4.1-flash-tiny", "v4.1-flash"])
+def test_f32_graphs_of_the_vendor_index_key_reading_too(model):
+    """The vendor reading scores against a later layer's bf16 index-key pool as the step found it:
+    storage read, no half-precision activation made."""
+    graphs = f32_graphs(model, "h200", True, index_key_reading="vendor")
+    assert graphs[0][1].op_counts()["published_scores"] >= 2
+    found = {stage: bad for stage, g, step in graphs if (bad := half_activations(g, step))}
+    assert not found, f"{model}: half-precision activations in f32 graphs: {found}"
 
 
 def test_the_walk_finds_a_half_precision_activation():
