@@ -66,8 +66,8 @@ def summary(a) -> str:
     out = [f"artifacts {a.path.name}: {m['model']['name']} ({m['model']['family']}) for "
            f"{m['hardware']['name']} ({m['hardware']['arch']}), schema {m['schema_version']}, "
            f"megagraph {m['megagraph_version']}",
-           "options: " + ", ".join(f"{k}={v}" for k, v in sorted(m["options"].items())), "",
-           "passes:"]
+           "options: " + ", ".join(f"{k}={v}" for k, v in sorted(m["options"].items())),
+           *_index_keys(plan), "", "passes:"]
     for p in m["passes"]:
         out.append(f"  {p['index']:02d} {p['name']:<20} {p['status']:<9} "
                    f"{p['nodes_before']:>5} -> {p['nodes_after']:<5} {p['note']}")
@@ -106,6 +106,19 @@ def summary(a) -> str:
     return "\n".join(out) + "\n"
 
 
+def _index_keys(plan: dict) -> list[str]:
+    """One line: the decode index-key reading (docs/index-key-reading.md); none for plans that
+    predate it."""
+    ik = plan.get("index_keys")
+    if ik is None:
+        return []
+    if ik["reading"] == "owner":
+        return ["index keys: owner (each indexer reads its own KV owner's keys; decode == prefill)"]
+    reads = ", ".join(f"{a} <- {b}" for a, b in ik["published_reads"].items()) or "none here"
+    return [f"index keys: {ik['reading']} (decode rows whose owner leaves a group open read the last "
+            f"published keys: {reads}; decode != prefill)"]
+
+
 def _span(xs: list[int]) -> str:
     return f"{xs[0]}..{xs[-1]} ({len(xs)} buckets)" if xs else "none"
 
@@ -135,6 +148,9 @@ def diff(a, b) -> str:
     if changed:
         out.append("final ops:")
         out += [f"  {op}: {oa.get(op, 0)} -> {ob.get(op, 0)}" for op in changed]
+    ia, ib = a.plan.get("index_keys"), b.plan.get("index_keys")
+    if ia != ib:
+        out.append(f"index keys: {ia} -> {ib}")
     sa, sb = a.plan["segments"], b.plan["segments"]
     if [(s["kind"], s["nodes"]) for s in sa] != [(s["kind"], s["nodes"]) for s in sb]:
         out.append("segments: " + _segs(sa) + " -> " + _segs(sb))

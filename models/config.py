@@ -18,6 +18,7 @@ import yaml
 
 FAMILIES = ("v4", "v4.1")
 WEIGHT_FORMATS = ("release", "dense")  # release: FP8 block dense + MXFP4 experts; dense: float
+INDEX_KEY_READINGS = ("owner", "vendor")  # models/index_keys.py
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -91,6 +92,10 @@ class ModelConfig:
     fp8_block: int = 32  # V4.1: 32x32 weight blocks, V4: 128x128
     act_dtype: str = "bf16"  # residual/activation dtype of the reference ("f32" for parity tests)
     quantize_kv: bool = True  # QAT fake-quant of window/compressed/index rows (vendor numerics)
+    # which index keys a V4.1 indexer scores against on decode rows (models/index_keys.py,
+    # docs/index-key-reading.md): "owner" (its own KV owner's; decode == prefill) or "vendor"
+    # (the last published cache, as DeepSeek's inference/model.py does)
+    index_key_reading: str = "owner"
     bos_token_id: int = 0
     eos_token_id: int = 1
     pad_token_id: int = 2
@@ -201,6 +206,8 @@ def validate(c: ModelConfig) -> ModelConfig:
     need(c.family in FAMILIES, "family", f"must be one of {FAMILIES}, got {c.family!r}")
     need(c.weight_format in WEIGHT_FORMATS, "weight_format", f"must be one of {WEIGHT_FORMATS}")
     need(c.act_dtype in ("bf16", "f32"), "act_dtype", "must be bf16 or f32")
+    need(c.index_key_reading in INDEX_KEY_READINGS, "index_key_reading",
+         f"must be one of {INDEX_KEY_READINGS}, got {c.index_key_reading!r}")
     for fld in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "q_lora_rank",
                 "o_lora_rank", "o_groups", "moe_intermediate_size", "n_routed_experts",
                 "experts_per_token", "sliding_window", "index_n_heads", "index_head_dim", "index_topk"):
@@ -242,6 +249,10 @@ def validate(c: ModelConfig) -> ModelConfig:
     else:
         need(not c.kv_source_layers and not c.engram_layers, "kv_source_layers/engram_layers",
              "are V4.1 features; family v4 has none")
+    if c.index_key_reading == "vendor":
+        from .index_keys import vendor_reads
+
+        vendor_reads(c)  # raises a ConfigError for a layout it is not defined on
     return c
 
 

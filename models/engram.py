@@ -60,7 +60,10 @@ def engram_block(s: Step, layer: int, table_index: int, streams: str, cids: str)
         scale = b.weight(f"{pfx}.embed.scale", T("e8m0", rows, width // 32))
     else:
         table, scale = b.weight(f"{pfx}.embed.weight", T(cfg.act_dtype, rows, width)), None
-    e = b.op("engram_lookup", table, scale, ids, name="rows")
+    # rows in the activation dtype (the op's default, bf16, is left implicit so bf16 dumps keep
+    # their text); the wkv GEMM then stays in it too (linear's output follows its input)
+    e = b.op("engram_lookup", table, scale, ids, out_dtype=None if s.act == "bf16" else s.act,
+             name="rows")
     kv = s.linear(e, s.w.fp8(f"{pfx}.wkv", (cfg.hc_mult + 1) * cfg.hidden_size, cols * width), name="kv")
     qw = s.w.tensor(f"{pfx}.q_weight", cfg.hc_mult, cfg.hidden_size)
     kw = s.w.tensor(f"{pfx}.k_weight", cfg.hc_mult, cfg.hidden_size)

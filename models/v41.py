@@ -32,6 +32,9 @@ class LayerRole:
     makes_candidates: bool  # the candidate-source layer (V4.1: 20)
     uses_candidates: bool  # reindex layers after the candidate source
     engram_table: int | None  # index into engram_layers
+    # vendor index-key reading (models/index_keys.py): the KV source whose index-key pool, as the
+    # step found it, this index source scores against on decode rows its owner's group leaves open
+    published_source: int | None = None
 
     @property
     def kind(self) -> str:
@@ -43,6 +46,11 @@ class LayerRole:
 
 
 def layer_roles(cfg: ModelConfig) -> list[LayerRole]:
+    reads = {}
+    if cfg.index_key_reading == "vendor":
+        from .index_keys import vendor_reads
+
+        reads = vendor_reads(cfg)
     roles = []
     for i, r in enumerate(cfg.compress_ratios):
         kv_owner = max((s for s in cfg.kv_source_layers if s <= i and cfg.compress_ratios[s] == r),
@@ -54,7 +62,7 @@ def layer_roles(cfg: ModelConfig) -> list[LayerRole]:
             i, r, kv_owner, idx_owner, i in cfg.kv_source_layers, i in cfg.index_source_layers,
             cand == i, cand is not None and i in cfg.index_source_layers and i > cand
             and cfg.compress_ratios[cand] == r,
-            cfg.engram_layers.index(i) if i in cfg.engram_layers else None))
+            cfg.engram_layers.index(i) if i in cfg.engram_layers else None, reads.get(i)))
     return roles
 
 
@@ -162,18 +170,14 @@ def compressor(s: Step, role: LayerRole, x: str, published: dict) -> None:
     latent = b.op("rms_norm", latent, s.w.vector(f"{pfx}.compressor.norm.weight", dd),
                   eps=cfg.rms_norm_eps, name="latent")
     rope = dict(rope_attrs(cfg, r), offset=1 - r)  # a group is rotated at its first token's position
-    cap = "N" if r == 1 else f"N/{r}"
+    cap = _capacity(r)
     ik = s.linear(latent, s.w.bf16(f"{pfx}.indexer.wk", di, dd), name="ik_proj")
     ik = b.op("rms_norm", ik, s.w.vector(f"{pfx}.indexer.k_norm.weight", di), eps=cfg.rms_norm_eps,
               name="ik_norm")
     ik = b.op("rope", ik, pos, **rope, name="ik_rot")
     if cfg.quantize_kv:
         ik = b.op("fake_quant", ik, fmt="mxfp4", block=32, name="ik")
-    # MXFP4 keys (E2M1 x a power-of-two scale: at most 2 significant bits, within fp32's exponent
-    # range) are exact in bf16: the cache holds them in half the bytes, and cache_write's cast
-    # after the fake-quant is exact. Unquantized keys are not, so they stay f32.
-    ikey = s.state(f"L{i}.ikey", "S", cap, di, dtype="bf16" if cfg.quantize_kv else "f32")
-    ikey = b.op("cache_write", ikey, ik, pos, req, slots, ratio=r, name="ikey.next")
+    ikey = b.op("cache_write", ikey_pool(s, i), ik, pos, req, slots, ratio=r, name="ikey.next")
     s.update(f"L{i}.ikey", ikey)
     c = b.op("rope", latent, pos, **rope, name="ckv_rot")
     if cfg.quantize_kv:
@@ -186,10 +190,30 @@ def compressor(s: Step, role: LayerRole, x: str, published: dict) -> None:
     published[f"ikey.{i}"] = ikey
 
 
+def _capacity(ratio: int) -> str:
+    return "N" if ratio == 1 else f"N/{ratio}"
+
+
+def ikey_pool(s: Step, layer: int) -> str:
+    """The state input holding KV source `layer`'s index keys, declared at its first use (its own
+    compressor, or an earlier indexer reading it under the vendor reading).
+
+    MXFP4 keys (E2M1 x a power-of-two scale: at most 2 significant bits, within fp32's exponent
+    range) are exact in bf16: the cache holds them in half the bytes, and cache_write's cast after
+    the fake-quant is exact. Unquantized keys are not, so they stay f32."""
+    cfg, name = s.cfg, f"L{layer}.ikey"
+    if name in s.b.types:
+        return name
+    return s.state(name, "S", _capacity(cfg.compress_ratios[layer]), cfg.index_head_dim,
+                   dtype="bf16" if cfg.quantize_kv else "f32")
+
+
 def indexer(s: Step, role: LayerRole, x: str, q_lat: str, published: dict) -> None:
     """Index source (spec §3.4.4): ReLU-weighted scores of index queries against the owner's index
     keys, candidate blocks (made at the candidate source, consumed by later reindex layers), top-k
-    sorted ascending, published for the reuse layers that follow."""
+    sorted ascending, published for the reuse layers that follow. Under the vendor index-key
+    reading (models/index_keys.py) the decode rows whose owner leaves a group open score against
+    the published source's pool instead (`published_scores` picks per row)."""
     cfg, b, i, r = s.cfg, s.b, role.layer, role.ratio
     pfx = f"layers.{i}.attn.indexer"
     hi, di = cfg.index_n_heads, cfg.index_head_dim
@@ -200,8 +224,15 @@ def indexer(s: Step, role: LayerRole, x: str, q_lat: str, published: dict) -> No
     if cfg.quantize_kv:
         qi = b.op("fake_quant", qi, fmt="mxfp4", block=32, name="qi")
     wts = s.linear(x, s.w.bf16(f"{pfx}.weights_proj", hi, cfg.hidden_size), name="head_weights")
+    scale = (di ** -0.5) * (hi ** -0.5)
     scores = b.op("index_scores", qi, wts, published[f"ikey.{role.kv_owner}"], pos, req, slots,
-                  ratio=r, weight_scale=(di ** -0.5) * (hi ** -0.5), name="scores")
+                  ratio=r, weight_scale=scale, name="scores")
+    if role.published_source is not None:
+        src = role.published_source
+        pub = b.op("index_scores", qi, wts, ikey_pool(s, src), pos, req, slots, ratio=r,
+                   weight_scale=scale, name="scores_published")
+        scores = b.op("published_scores", scores, pub, pos, req, s.meta["seq_cached"], ratio=r,
+                      published_ratio=cfg.compress_ratios[src], name="scores_read")
     mask = None
     if role.makes_candidates:
         published["cand"] = b.op("candidate_mask", scores, block=cfg.candidate_block_size,

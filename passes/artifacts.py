@@ -76,7 +76,7 @@ def render(c: Compiled, *, model_arg: str | None = None) -> dict[str, str]:
         path = f"{GRAPH_DIR}/{name}.mgir"
         files[path] = print_graph(g)
         graphs[name] = path
-    plan = build_plan(c.graph, c.hw, context=c.options.context, extra=c.extra_graphs)
+    plan = build_plan(c.graph, c.hw, context=c.options.context, extra=c.extra_graphs, cfg=c.cfg)
     files["plan.yaml"] = dump_yaml(plan)
     files["model.yaml"] = dump_yaml(c.cfg.to_dict())
     opt = c.options

@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+from megagraph.models.config import INDEX_KEY_READINGS
+
 from .pipeline import PIPELINE, CompileOptions
 
 DEFAULTS = CompileOptions()
@@ -32,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default: the model config's own (the release's bf16 + FP8)")
     p.add_argument("--context", type=int, default=DEFAULTS.context,
                    help=f"tokens per slot assumed by the memory plan (default {DEFAULTS.context})")
+    p.add_argument("--index-key-reading", choices=INDEX_KEY_READINGS, metavar="|".join(INDEX_KEY_READINGS),
+                   help="V4.1 decode index-key reading: owner (each indexer reads its own KV owner's "
+                        "keys; decode == prefill) or vendor (as DeepSeek's inference/model.py); "
+                        "default: the model config's (owner); see docs/index-key-reading.md")
     par = p.add_argument_group("parallel layout (docs/parallelism.md)")
     par.add_argument("--dp", type=int, default=DEFAULTS.dp, metavar="N",
                      help="data-parallel attention ranks: each owns its requests' attention and state")
@@ -57,6 +63,8 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_model_config(args.model)
+        if args.index_key_reading is not None:
+            cfg = cfg.replace(index_key_reading=args.index_key_reading)
         hw = load_hw_profile(args.hw)
         passes = None
         if args.passes:

@@ -43,7 +43,8 @@ class IndexerProducts(Pass):
 
     An ikey operand counts as exact when it is the update of its own state pool (every row of the
     pool was written by that op, zeros before) by a `cache_write` of an exact value or a fused
-    `compressor` with an exact `ikey_fmt`.
+    `compressor` with an exact `ikey_fmt`, or that pool itself as the step found it (the vendor
+    index-key reading scores against a later layer's pool before its update).
     """
 
     name: ClassVar[str] = "indexer-products"
@@ -65,8 +66,9 @@ class IndexerProducts(Pass):
         if not marked:
             return self.skip(g, "no indexer with bf16-exact operands" +
                              (f"; held back: {', '.join(held)}" if held else ""))
-        note = (f"bf16 products (exact for fake-quantized operands) on {len(marked)} indexer(s): "
-                + ", ".join(f"L{layer_of(v)}" for v in marked))
+        layers = list(dict.fromkeys(f"L{layer_of(v)}" for v in marked))  # vendor reading: 2 per layer
+        note = (f"bf16 products (exact for fake-quantized operands) on {len(layers)} indexer(s): "
+                + ", ".join(layers))
         if held:
             note += f"; held back: {', '.join(held)}"
         return PassResult(g.with_nodes(nodes), note, {"marked": len(marked), "held": len(held)})
@@ -90,7 +92,11 @@ def _exact_value(prod: dict[str, Node], v: str) -> bool:
 
 
 def _exact_pool(g: Graph, prod: dict[str, Node], v: str) -> bool:
-    """v is a state pool's update whose every write is an exact value (see the class doc)."""
+    """v is a state pool's update whose every write is an exact value, or such a pool as the step
+    found it (a state input whose update is one; see the class doc)."""
+    if v in g.state_labels:
+        update = dict(g.outputs)[v]
+        return update != v and _exact_pool(g, prod, update)
     n = prod.get(v)
     if n is None:
         return False

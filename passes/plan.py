@@ -1,5 +1,6 @@
 """The execution plan written to plan.yaml: segments, breaks, buckets, static buffers, graph memory
-per bucket, kernel choice per op, and the memory plan (weights, state, graph pools).
+per bucket, kernel choice per op, the memory plan (weights, state, graph pools) and the model's
+index-key reading.
 
 Everything is computed from types and the hardware profile, with no tensors. Bytes assume
 R = T (every row its own request: an upper bound) and N = `context` tokens per slot.
@@ -13,7 +14,9 @@ from megagraph.graph.ir import Graph
 from megagraph.graph.registry import get_op
 from megagraph.graph.types import TensorType
 from megagraph.kernels.registry import choose_kernel, kernel_key
+from megagraph.models.config import ModelConfig
 
+from .base import layer_of
 from .hw import HwProfile
 from .partition import segments
 
@@ -154,8 +157,22 @@ def weights_plan(g: Graph) -> dict:
             "host_resident_bytes": host, "device_bytes": total - host, "tensors": len(g.weights)}
 
 
-def build_plan(g: Graph, hw: HwProfile, *, context: int, extra: dict[str, Graph]) -> dict:
-    """The plan of a compiled step graph (+ bounded-replay graphs, if any)."""
+def index_keys_plan(g: Graph, cfg: ModelConfig) -> dict:
+    """The decode index-key reading (models/index_keys.py) and, read off the graph, which index
+    sources score against another layer's published pool on the decode rows their owner's group
+    leaves open: {layer: pool's layer} (empty under `owner`)."""
+    prod = g.producers()
+    reads = {}
+    for n in g.nodes:
+        if n.op == "published_scores":
+            pool = prod[n.inputs[1]].inputs[2]  # index_scores(qi, w, the published pool, ...)
+            reads[f"L{layer_of(n.outputs[0])}"] = f"L{layer_of(pool)}"
+    return {"reading": cfg.index_key_reading, "published_reads": reads}
+
+
+def build_plan(g: Graph, hw: HwProfile, *, context: int, extra: dict[str, Graph],
+               cfg: ModelConfig) -> dict:
+    """The plan of a compiled step graph (+ bounded-replay graphs, if any) of model `cfg`."""
     segs = segments(g)
     captured = hw.cuda_graphs
     prefill = hw.prefill_token_buckets() if captured else []
@@ -220,5 +237,6 @@ def build_plan(g: Graph, hw: HwProfile, *, context: int, extra: dict[str, Graph]
         "kernels": kernel_table({"step": g, **extra}, hw),
         **({"bounded_replay": replay_plan} if replay_plan else {}),
         "memory": memory,
+        "index_keys": index_keys_plan(g, cfg),
     }
 

@@ -129,10 +129,10 @@ def gather_on_host(fn: Impl) -> Impl:
     moved to the device, and dequantized there by `fn` itself (over local row indices), so the
     result is the same as `on_host(fn)`."""
 
-    def run(table, scale, ids):
+    def run(table, scale, ids, **attrs):
         if table.device == ids.device:
-            return fn(table, scale, ids)
-        return fn(*host_rows(table, scale, ids, ids.device))
+            return fn(table, scale, ids, **attrs)
+        return fn(*host_rows(table, scale, ids, ids.device), **attrs)
 
     return run
 

@@ -1,7 +1,7 @@
 """Engram: n-gram hash memory read and gated write into every residual stream."""
 
 from ..registry import REQUIRED, expect, op
-from ..types import TensorType, scale_dim
+from ..types import FLOAT_DTYPES, TensorType, scale_dim
 from ._util import expect_meta
 
 
@@ -36,15 +36,19 @@ def engram_hist_update(hist, cids, pos, req, slots, cached, new) -> TensorType:
     return hist
 
 
-@op("engram_lookup", ("table", "scale?", "ids"), cost="memory",
+@op("engram_lookup", ("table", "scale?", "ids"), attrs={"out_dtype": "bf16"}, cost="memory",
     capture="break: Engram tables are host-resident (memory-mapped, ~98 GB each); rows are gathered on the CPU")
-def engram_lookup(table, scale, ids) -> TensorType:
-    """Gather and dequantize the rows of every column's id, flattened: [T, cols * W] bf16."""
+def engram_lookup(table, scale, ids, *, out_dtype) -> TensorType:
+    """Gather and dequantize the rows of every column's id, flattened: [T, cols * W] in `out_dtype`
+    (the activation dtype; bf16 by default, the release's). Dequantized FP8 rows (E4M3 times a
+    power-of-two scale) are exact in bf16 and f32 alike, so the dtype only decides what the rows
+    feed: an f32 graph's wkv GEMM must get f32 rows, or its output is bf16 too."""
     expect(table.rank == 2 and ids.rank == 2 and ids.dtype == "i64", f"bad table/ids {table} / {ids}")
+    expect(out_dtype in FLOAT_DTYPES, f"out_dtype must be one of {sorted(FLOAT_DTYPES)}, got {out_dtype!r}")
     if scale is not None:
         expect(scale.dtype == "e8m0" and scale.shape == (table.shape[0], scale_dim(table.shape[1], 1, 32)),
                f"scale must be e8m0[rows, W/32], got {scale}")
-    return TensorType("bf16", (ids.shape[0], scale_dim(table.shape[1], ids.shape[1])))
+    return TensorType(out_dtype, (ids.shape[0], scale_dim(table.shape[1], ids.shape[1])))
 
 
 @op("engram_gate", ("streams", "kv", "q_weight", "k_weight"), attrs={"eps": REQUIRED}, cost="memory")

@@ -35,7 +35,7 @@ from .dspark import block_attn, concat, draft_rows, markov_draft, stream_mean
 from .engram import engram_gate, engram_hash, engram_hist_update, engram_lookup, token_map
 from .fused import (compressor, grouped_linear_q, linear_q, mega_mhc, mega_moe, moe_experts_q,
                     quantize_act, sparse_attn_q, suffix_meta, swiglu_mlp_q, v4_compressor)
-from .indexer import candidate_mask, index_scores, topk_select
+from .indexer import candidate_mask, index_scores, published_scores, topk_select
 from .moe import hash_route, moe_experts, route, swiglu_mlp
 from ..reference.parallel import PARALLEL  # expert parallelism: already sync-free, static shapes
 
@@ -47,7 +47,7 @@ CAPTURABLE: dict[str, Callable] = {
     # attention, compressor, indexer
     "sparse_attn": sparse_attn, "ring_update": ring_update, "compress_pool": compress_pool,
     "cache_write": cache_write, "index_scores": index_scores, "candidate_mask": candidate_mask,
-    "topk_select": topk_select,
+    "topk_select": topk_select, "published_scores": published_scores,
     # mHC
     "hc_embed": hc_embed, "hc_mixer": hc_mixer, "hc_collapse": hc_collapse, "hc_expand": hc_expand,
     # MoE

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megagraph.graph.interp import TORCH_DTYPES
+
 from ._common import I64
 
 
@@ -81,9 +83,9 @@ def engram_hist_update(hist: Tensor, cids: Tensor, positions: Tensor, token_req:
     return out
 
 
-def engram_lookup(table: Tensor, scale: Tensor | None, ids: Tensor) -> Tensor:
-    """Gather + dequantize (sync-free when table, scale and ids share a device; the op is a graph
-    break in the IR because the real tables are host-resident)."""
+def engram_lookup(table: Tensor, scale: Tensor | None, ids: Tensor, *, out_dtype: str = "bf16") -> Tensor:
+    """Gather + dequantize into `out_dtype` (sync-free when table, scale and ids share a device; the
+    op is a graph break in the IR because the real tables are host-resident)."""
     flat = ids.reshape(-1)
     rows = table.index_select(0, flat)
     if scale is None:
@@ -92,7 +94,7 @@ def engram_lookup(table: Tensor, scale: Tensor | None, ids: Tensor) -> Tensor:
         from megagraph.kernels import formats
 
         vals = formats.dequantize_fp8_rows(rows, scale.index_select(0, flat))
-    return vals.reshape(ids.shape[0], -1).to(torch.bfloat16)
+    return vals.reshape(ids.shape[0], -1).to(TORCH_DTYPES[out_dtype])
 
 
 def engram_gate(H: Tensor, kv: Tensor, q_weight: Tensor, k_weight: Tensor, *, eps: float) -> Tensor:

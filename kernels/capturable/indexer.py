@@ -1,12 +1,12 @@
 """Lightning indexer without host syncs: scores over request-aligned query tiles (one gather of the
-slot's index keys per tile, chunked over tiles and over the compressed axis), the two-level
-candidate mask and top-k selection (the reference's: already sync-free)."""
+slot's index keys per tile, chunked over tiles and over the compressed axis); the candidate mask,
+top-k selection and the vendor reading's row choice are the reference's (already sync-free)."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from ..reference.indexer import candidate_mask, topk_select
+from ..reference.indexer import candidate_mask, published_scores, topk_select
 from . import _common
 from ._common import I64, chunk_ranges, request_tiles, scatter_rows
 
@@ -42,4 +42,4 @@ def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_r
     return out[:T]
 
 
-__all__ = ["candidate_mask", "index_scores", "topk_select"]
+__all__ = ["candidate_mask", "index_scores", "published_scores", "topk_select"]

@@ -11,7 +11,7 @@ from .compressor import cache_write, compress_pool
 from .elementwise import add, embed
 from .engram import (engram_gate, engram_hash, engram_hist_update, engram_layout, engram_lookup,
                      token_map)
-from .indexer import candidate_mask, index_scores, topk_select
+from .indexer import candidate_mask, index_scores, published_scores, topk_select
 from .linear import grouped_linear, linear
 from .mhc import hc_collapse, hc_embed, hc_expand, hc_mixer
 from .moe import moe_experts, route, swiglu_mlp
@@ -35,6 +35,7 @@ REFERENCE: dict[str, Callable] = {
     "compress_pool": compress_pool,
     "cache_write": cache_write,
     "index_scores": index_scores,
+    "published_scores": published_scores,
     "candidate_mask": candidate_mask,
     "topk_select": topk_select,
     "route": route,

@@ -7,6 +7,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from megagraph.graph.interp import TORCH_DTYPES
+
 # ----------------------------------------------------------------------------------------------------
 # layout (host-side helper, not an op)
 # ----------------------------------------------------------------------------------------------------
@@ -170,11 +172,12 @@ def engram_hist_update(hist: Tensor, cids: Tensor, positions: Tensor, token_req:
     return out
 
 
-def engram_lookup(table: Tensor, scale: Tensor | None, ids: Tensor) -> Tensor:
-    """Gather and dequantize Engram rows: ids i64[T, C] → bf16[T, C·W].
+def engram_lookup(table: Tensor, scale: Tensor | None, ids: Tensor, *, out_dtype: str = "bf16") -> Tensor:
+    """Gather and dequantize Engram rows: ids i64[T, C] → out_dtype[T, C·W] (the activation dtype).
 
     table: float8_e4m3fn [rows, W] with scale e8m0 [rows, W/32] (one per 32 columns of each row), or a
     float table [rows, W] with scale None. Rows are concatenated in column order c = 0..C−1.
+    Dequantized in fp32, then converted (exact for FP8 rows in bf16 and f32).
     """
     flat = ids.reshape(-1)
     rows = table[flat]
@@ -184,7 +187,7 @@ def engram_lookup(table: Tensor, scale: Tensor | None, ids: Tensor) -> Tensor:
         from megagraph.kernels import formats  # lazy
 
         vals = formats.dequantize_fp8_rows(rows, scale[flat])
-    return vals.reshape(ids.shape[0], -1).to(torch.bfloat16)
+    return vals.reshape(ids.shape[0], -1).to(TORCH_DTYPES[out_dtype])
 
 
 def engram_gate(H: Tensor, kv: Tensor, q_weight: Tensor, k_weight: Tensor, *, eps: float) -> Tensor:

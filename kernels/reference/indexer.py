@@ -42,6 +42,27 @@ def _index_rows(qi: Tensor, w: Tensor, keys: Tensor, positions: Tensor, ratio: i
     return torch.where(vis, sc, torch.full_like(sc, float("-inf")))
 
 
+def published_scores(scores: Tensor, published: Tensor, positions: Tensor, token_req: Tensor,
+                     seq_cached: Tensor, *, ratio: int, published_ratio: int) -> Tensor:
+    """The vendor index-key reading per row: f32[T, C] (docs/index-key-reading.md).
+
+    scores f32[T, C]: against the owner's index keys; published f32[T, Cp]: the same queries against
+    the last published pool (ratio ``published_ratio``) as the step found it. A row whose request had
+    cached tokens (c > 0) at a position p with (p+1) % ratio != 0 (its owner's group still open)
+    takes ``published`` (first min(C, Cp) columns, −inf beyond) restricted to j < c // published_ratio;
+    other rows keep ``scores``. Sync-free (one select per element).
+    """
+    C = scores.shape[1]
+    n = min(C, published.shape[1])
+    c = seq_cached[token_req]
+    pub = torch.cat([published[:, :n], scores.new_full((scores.shape[0], C - n), float("-inf"))], dim=1)
+    col = torch.arange(C, device=scores.device)
+    pub = torch.where(col[None, :] < torch.div(c, published_ratio, rounding_mode="floor")[:, None], pub,
+                      float("-inf"))
+    use = (c > 0) & (torch.remainder(positions + 1, ratio) != 0)
+    return torch.where(use[:, None], pub, scores)
+
+
 def take_topk(s: Tensor, k: int) -> Tensor:
     """bool mask of the top-k finite entries of each row of s [T, C] (k <= C), ties at the k-th
     value broken toward the lower index.

@@ -171,6 +171,15 @@ def index_scores_case(ratio):
     return build
 
 
+def published_scores_case(published_ratio):
+    def build(m, tok, g):
+        C = N // 2  # a ratio-2 owner's entries; the published pool has N // published_ratio
+        args = (tok("scores", C), tok("published", N // published_ratio), m["positions"], m["token_req"],
+                m["seq_cached"])
+        return args, dict(ratio=2, published_ratio=published_ratio), ("tok",)
+    return build
+
+
 LAYOUT = engram_layout([1, 4], None, max_ngram=4, n_heads=2, vocab_start=1000, compressed_vocab=400)[4]
 
 
@@ -228,6 +237,8 @@ META_CASES = {
     "cache_write/r4": ("cache_write", cache_write_case(4)),
     "index_scores/r2": ("index_scores", index_scores_case(2)),
     "index_scores/r1": ("index_scores", index_scores_case(1)),
+    "published_scores/r1": ("published_scores", published_scores_case(1)),
+    "published_scores/r4": ("published_scores", published_scores_case(4)),
     "engram_hash": ("engram_hash", engram_hash_case),
     "engram_hist_update": ("engram_hist_update", engram_hist_update_case),
     "block_attn": ("block_attn", block_attn_case),
@@ -338,13 +349,15 @@ def rope_case(dim3, yarn, inverse, offset=0, dtype=torch.float32):
     return build
 
 
-def engram_lookup_case(quant):
+def engram_lookup_case(quant, out_dtype=None):
     def build(g):
         ids = torch.randint(0, 50, (5, 3), generator=g)
+        kw = {} if out_dtype is None else dict(out_dtype=out_dtype)
         if quant:
             q, s = formats.quantize_fp8_rows(torch.randn(50, 64, generator=g))
-            return (q, s, ids), {}
-        return (rnd(g, 50, 64, dtype=torch.bfloat16), None, ids), {}
+            return (q, s, ids), kw
+        dtype = torch.bfloat16 if out_dtype is None else torch.float32
+        return (rnd(g, 50, 64, dtype=dtype), None, ids), kw
     return build
 
 
@@ -398,6 +411,8 @@ PLAIN_CASES = {
     "token_map": ("token_map", lambda g: ((torch.randint(0, 30, (7,), generator=g), torch.randint(0, 9, (30,), generator=g)), {})),
     "engram_lookup/fp8": ("engram_lookup", engram_lookup_case(True)),
     "engram_lookup/bf16": ("engram_lookup", engram_lookup_case(False)),
+    "engram_lookup/fp8-f32": ("engram_lookup", engram_lookup_case(True, "f32")),
+    "engram_lookup/f32": ("engram_lookup", engram_lookup_case(False, "f32")),
     "engram_gate": ("engram_gate", lambda g: ((rnd(g, 5, 4, 16), rnd(g, 5, 5 * 16), rnd(g, 4, 16), rnd(g, 4, 16)),
                                               dict(eps=1e-6))),
     "select_rows": ("select_rows", lambda g: ((rnd(g, 7, 4), torch.tensor([6, 2, 2, 0])), {})),

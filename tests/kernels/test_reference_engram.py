@@ -146,9 +146,14 @@ def test_token_map_and_lookup():
             for k in range(W):
                 ref = tf[r, k].item() * 2.0 ** (int(sb[r, k // 32]) - 127)
                 assert out[t, c * W + k].item() == torch.tensor(ref).to(torch.bfloat16).item()
+    # in an f32 graph the rows come out f32: the same values (FP8 rows are exact in bf16 and f32)
+    out32 = engram_lookup(table, scale, ids, out_dtype="f32")
+    assert out32.dtype == torch.float32 and torch.equal(out32, out.float())
     ftab = torch.randn(rows, W, generator=g).to(torch.bfloat16)
     out2 = engram_lookup(ftab, None, ids)
     assert torch.equal(out2, ftab[ids].reshape(3, -1))
+    ftab32 = torch.randn(rows, W, generator=g)
+    assert torch.equal(engram_lookup(ftab32, None, ids, out_dtype="f32"), ftab32[ids].reshape(3, -1))
 
 
 def test_engram_gate_matches_naive():

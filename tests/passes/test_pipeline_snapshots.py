@@ -56,5 +56,5 @@ def test_tiny_plan(hw, text_snapshot):
     from megagraph.passes.plan import build_plan
 
     c = compiled("v4.1-flash-tiny", hw, bounded_replay=True)
-    plan = build_plan(c.graph, c.hw, context=c.options.context, extra=c.extra_graphs)
+    plan = build_plan(c.graph, c.hw, context=c.options.context, extra=c.extra_graphs, cfg=c.cfg)
     assert dump_yaml(plan) == text_snapshot

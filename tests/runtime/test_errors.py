@@ -156,6 +156,10 @@ def test_engram_rows_gathered_in_storage_format():
     assert rows.dtype == table.dtype and rows.shape == (21, 64) and local.max() == 20
     assert torch.equal(fn(rows, sc, local), want)
     assert torch.equal(gather_on_host(fn)(table, scale, ids), want)
+    # the node's attributes reach the kernel (an f32 graph's rows are f32)
+    want32 = fn(table, scale, ids, out_dtype="f32")
+    assert want32.dtype == torch.float32
+    assert torch.equal(gather_on_host(fn)(table, scale, ids, out_dtype="f32"), want32)
     if torch.cuda.is_available():
         got = gather_on_host(fn)(table, scale, ids.cuda())
         assert got.device.type == "cuda" and torch.equal(got.cpu(), on_host(fn)(table, scale, ids.cuda()).cpu())
