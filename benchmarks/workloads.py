@@ -51,28 +51,18 @@ CLASS_TITLES = {"attention": "attention", "moe": "MoE", "mhc": "mHC", "other": "
 
 def slice_config(layers: int = 4):
     """Full-width V4.1-Flash (release widths and formats, 384 experts) cut to a layer slice that
-    covers every layer role, with a 2.4M-row Engram table (prime search from 100,000, not 16M).
+    covers every layer role: the shipped configs/models/v4.1-flash-slice{4,5}.yaml, so that the
+    benchmarks and `megagraph compile --model v4.1-flash-slice5` build the same model
+    (tests/models/test_slice_configs.py derives both from v4.1-flash.yaml field by field).
 
     4 layers: L0 window-only + Engram, L1 ratio-2 KV/index source, L2 ratio-2 reuse, L3 ratio-1
     KV/index/candidate source. 5 layers: the same plus L4, a ratio-1 reindex layer (its own indexer
     over L3's index keys, restricted to L3's candidate blocks)."""
-    from megagraph.kernels.reference.engram import engram_layout
     from megagraph.models.config import load_model_config
 
-    cfg = load_model_config("v4.1-flash")
-    start = 100_000
-    rows = engram_layout([0], None, max_ngram=cfg.engram_max_ngram, n_heads=cfg.engram_n_heads,
-                         vocab_start=start, compressed_vocab=cfg.engram_compressed_vocab_size)[0]
-    common = dict(engram_layers=(0,), engram_num_embeddings=(rows.num_embeddings,),
-                  engram_vocab_size=start, num_mtp_layers=0, dspark_target_layers=(),
-                  kv_source_layers=(1, 3), candidate_source_layer=3)
-    if layers == 4:
-        return cfg.replace(name="v4.1-flash-slice4", num_layers=4, compress_ratios=(0, 2, 2, 1),
-                           index_source_layers=(1, 3), **common)
-    if layers == 5:
-        return cfg.replace(name="v4.1-flash-slice5", num_layers=5, compress_ratios=(0, 2, 2, 1, 1),
-                           index_source_layers=(1, 3, 4), **common)
-    raise ValueError(f"no {layers}-layer slice (4 or 5)")
+    if layers not in (4, 5):
+        raise ValueError(f"no {layers}-layer slice (4 or 5)")
+    return load_model_config(f"v4.1-flash-slice{layers}")
 
 
 MODELS = {"tiny": "v4.1-flash-tiny (9 layers at toy width, seeded random weights)",
