@@ -206,9 +206,9 @@ def recompile_command(root: Path, manifest: dict) -> str:
 def edited_error(root: Path, manifest: dict, rels: list[str]) -> ArtifactError:
     names = ", ".join(str(root / r) for r in rels)
     return ArtifactError(
-        f"{names}: content does not match the hash in {root / 'manifest.yaml'} (edited after "
-        f"compile?); recompile with `{recompile_command(root, manifest)}`, or, to experiment "
-        "with the edited files, serve them with `megagraph runtime serve --allow-edited-artifacts`")
+        f"{names}: content does not match the manifest's hash (edited after compile?); "
+        f"recompile with `{recompile_command(root, manifest)}`, or, to experiment with the "
+        "edited files, serve them with `megagraph runtime serve --allow-edited-artifacts`")
 
 
 def verify_files(root: Path, manifest: dict) -> list[str]:

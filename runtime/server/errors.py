@@ -7,11 +7,14 @@ the body), 503 an overloaded or stopping server.
 
 Messages may quote what the client sent, so `error_body` makes them safe to encode (a lone
 surrogate would make the JSON encoder itself fail, turning a 400 into a 500) and short (a quoted
-multi-MiB value would make the error as large as the request).
+multi-MiB value would make the error as large as the request), and drops the source locations
+C++ libraries put in front of theirs (xgrammar: `[21:34:05] /project/cpp/regex_converter.cc:94: `),
+which tell a client about the server's build, not about its request.
 """
 
 from __future__ import annotations
 
+import re
 import reprlib
 from typing import Any
 
@@ -22,6 +25,7 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
           500: "internal_server_error", 503: "service_unavailable"}
 
 MAX_MESSAGE_CHARS = 2000
+_SOURCE_LOCATION = re.compile(r"(?:\[\d\d:\d\d:\d\d\] )?[\w./-]{1,200}\.(?:cc|cpp|cxx|h|hpp):\d+: ")
 
 _brief = reprlib.Repr()
 _brief.maxstring = 60
@@ -36,9 +40,11 @@ def brief(value: Any) -> str:
 
 
 def safe_text(s: str, limit: int = MAX_MESSAGE_CHARS) -> str:
-    """`s` cut to `limit` characters, lone surrogates written as `\\udXXX` escapes."""
+    """`s` cut to `limit` characters, lone surrogates written as `\\udXXX` escapes, without
+    source locations."""
     if len(s) > limit:
         s = s[:limit] + "..."
+    s = _SOURCE_LOCATION.sub("", s)
     return s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 

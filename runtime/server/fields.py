@@ -203,7 +203,8 @@ def _common(service) -> dict[str, Field]:
         "stream": Field(("boolean",)),
         "stream_options": Field(("object",), props={
             "include_usage": Field(("boolean",)),
-            "continuous_usage_stats": Field(("boolean",), use="ignored", doc=ignored)}),
+            "continuous_usage_stats": Field(("boolean",), use="ignored", doc=ignored),
+            "include_obfuscation": Field(("boolean",), use="ignored", doc=ignored)}),
         "n": Field(("integer",), 1, max_n),
         "max_tokens": Field(("integer",), 0, INT32_MAX,
                             doc=f"prompt + max_tokens must fit the context ({cap} tokens)"),

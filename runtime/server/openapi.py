@@ -32,21 +32,24 @@ def _error(status: int) -> dict[str, Any]:
     return {"description": _WHY[status], "content": {"application/json": {"schema": ERROR}}}
 
 
+def _generated(what: str) -> dict[str, Any]:
+    return {"description": f"the {what} (application/json), or with `stream: true` its chunks "
+            "as server-sent events ending in `data: [DONE]`",
+            "content": {"application/json": {"schema": {"type": "object"}},
+                        "text/event-stream": {"schema": {"type": "string"}}}}
+
+
 def _ops(service) -> dict[tuple[str, str], dict[str, Any]]:
     """(path, method) -> the statuses and contents to declare."""
     from .fields import chat_endpoint, completions_endpoint
 
     auth = [401] if service.config.api_key else []
-    gen_200 = lambda what: {"description": f"the {what} (application/json), or with `stream: " \
-                            "true` its chunks as server-sent events ending in `data: [DONE]`",
-                            "content": {"application/json": {"schema": {"type": "object"}},
-                                        "text/event-stream": {"schema": {"type": "string"}}}}
     gen = [400, *auth, 404, 413, 500, 503]
     return {
         ("/v1/completions", "post"): {"body": completions_endpoint(service),
-                                      "200": gen_200("completion"), "errors": gen},
+                                      "200": _generated("completion"), "errors": gen},
         ("/v1/chat/completions", "post"): {"body": chat_endpoint(service),
-                                           "200": gen_200("chat completion"), "errors": gen},
+                                           "200": _generated("chat completion"), "errors": gen},
         ("/v1/models", "get"): {"errors": [*auth, 500]},
         ("/v1/models/{model}", "get"): {"errors": [*auth, 404, 500]},
         ("/health", "get"): {"errors": [], "extra": {"503": {
