@@ -29,7 +29,7 @@ MAX_DEPTH = 64  # objects/arrays inside each other, the body itself being depth 
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _CHUNK = 1 << 22
 
 
@@ -73,6 +73,8 @@ def nesting_depth_exceeds(raw: bytes, limit: int) -> bool:
     is dropped, and the running depth is a cumulative sum, in chunks so that the scratch memory
     stays small. Mismatched brackets are the parser's to report.
     """
+    if raw.count(b"[") + raw.count(b"{") <= limit:  # depth <= the opening brackets: done
+        return False
     s = np.frombuffer(_STRING.sub(b'""', raw).translate(None, _NOT_BRACKET), dtype=np.uint8)
     depth = 0
     for i in range(0, len(s), _CHUNK):
@@ -116,7 +118,7 @@ def decode_json(raw: bytes) -> dict[str, Any]:
                        "invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
-    if _SURROGATE_ESCAPE.search(text):
+    if _SURROGATE_ESCAPE.search(raw):
         where = surrogate_path(body)
         if where is not None:
             raise APIError(400, f"{where or 'the request body'}: a lone UTF-16 surrogate "

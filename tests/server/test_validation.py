@@ -59,6 +59,8 @@ def test_deep_nesting_is_a_400_without_a_traceback(server, caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     ok = b'{"prompt": "hi", "max_tokens": 2, "x": ' + b"[" * 63 + b"]" * 63 + b"}"
     assert error_of(post(server, "/v1/completions", ok))["param"] == "x"  # parsed; x is unknown
+    text = json.dumps({**COMP, "prompt": "[{\\\"" * 300}).encode()  # brackets inside a string
+    assert post(server, "/v1/completions", text).status_code == 200
 
 
 @pytest.mark.parametrize("raw, code", [
