@@ -29,8 +29,11 @@ SERVE_PORT ?= 8123
 serve-demo: install
 	$(BIN)/megagraph compile --model v4.1-flash-tiny --hw cpu --out artifacts/tiny --force
 	@$(BIN)/megagraph runtime serve artifacts/tiny --port $(SERVE_PORT) & pid=$$!; \
-	trap "kill $$pid; wait $$pid" EXIT; \
-	for i in $$(seq 120); do curl -sf localhost:$(SERVE_PORT)/health >/dev/null && break; sleep 1; done; \
+	trap "kill $$pid 2>/dev/null; wait $$pid" EXIT; \
+	for i in $$(seq 120); do curl -sf -m 2 localhost:$(SERVE_PORT)/health >/dev/null && break; \
+	  kill -0 $$pid 2>/dev/null || { echo "serve-demo: the server exited (see its error above)"; exit 1; }; \
+	  sleep 1; done; \
+	curl -sf -m 2 localhost:$(SERVE_PORT)/health >/dev/null || { echo "serve-demo: no /health after 120 s"; exit 1; }; \
 	curl -s localhost:$(SERVE_PORT)/v1/chat/completions -H 'Content-Type: application/json' \
 	  -d '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}'; echo
 

@@ -9,7 +9,9 @@
                              encoder-replay)
 
 Everything but the manifest's `timing` section is deterministic: compiling twice gives the same
-bytes.
+bytes. Loading checks every file against the manifest's hash (an edited `model.yaml` or
+`plan.yaml` would otherwise be served as if compiled); `allow_edited=True` loads them anyway, for
+experiments, and says which differ (`Artifacts.edited`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from megagraph.graph.text import parse_graph, print_graph
 
 from .pipeline import Compiled
 from .plan import build_plan
+from .staging import make_staging_dir, remove_stale_staging_dirs
 
 SCHEMA_VERSION = 1
 GRAPH_DIR = "graph"
@@ -118,15 +120,19 @@ def check_output_dir(out: Path, *, force: bool) -> None:
 
 
 def write_artifacts(c: Compiled, out: str | Path, *, force: bool = False,
-                    model_arg: str | None = None) -> Path:
+                    model_arg: str | None = None, note=None) -> Path:
     """Write into a temp dir next to `out`, then rename it into place (old dir replaced with
-    --force). Nothing half-written is ever left at `out`."""
+    --force). Nothing half-written is ever left at `out`; the staging dirs an interrupted
+    compile left next to it are removed first (staging.py), each reported through `note`."""
     out = Path(out)
     check_output_dir(out, force=force)
     files = render(c, model_arg=model_arg)
     parent = out.resolve().parent
     parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
+    for p in remove_stale_staging_dirs(parent, out.name):
+        if note is not None:
+            note(f"removed {p} (left by an interrupted compile)")
+    tmp = make_staging_dir(parent, out.name, "tmp")
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the artifacts are for everyone
@@ -134,10 +140,10 @@ def write_artifacts(c: Compiled, out: str | Path, *, force: bool = False,
         for rel, text in files.items():
             p = tmp / rel
             p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(text)
+            p.write_text(text, encoding="utf-8")
         old = None
         if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=parent))
+            old = make_staging_dir(parent, out.name, "old")
             os.replace(out, old / "dir")
         os.replace(tmp, out)
         if old is not None:
@@ -157,6 +163,7 @@ class Artifacts:
     model: dict
     plan: dict
     graphs: dict[str, Graph]  # "step" and side graphs, parsed and verified
+    edited: tuple[str, ...] = ()  # files that differ from the manifest (loaded with allow_edited)
 
     def stage(self, index_or_name: int | str) -> Graph:
         """A per-pass dump by index (0 = built) or pass name, parsed on demand."""
@@ -164,7 +171,7 @@ class Artifacts:
             name = "built" if rec is None else rec["name"]
             idx = 0 if rec is None else rec["index"]
             if index_or_name in (idx, name):
-                return _read_graph(self.path, row["file"], self.manifest)
+                return _read_graph(self.path, row["file"], self.manifest, self.edited)
         raise ArtifactError(f"{self.path}: no stage {index_or_name!r}")
 
 
@@ -180,17 +187,49 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
-def _read_graph(root: Path, rel: str, manifest: dict) -> Graph:
+def _read_graph(root: Path, rel: str, manifest: dict, allowed: tuple[str, ...] = ()) -> Graph:
     p = root / rel
     try:
         text = p.read_text()
     except OSError as e:
         raise ArtifactError(f"{p}: cannot read: {e.strerror}") from None
     want = manifest.get("files", {}).get(rel)
-    if want is not None and _sha(text) != want:
-        raise ArtifactError(f"{p}: content does not match the manifest's hash (edited after "
-                            "compile?); recompile with `megagraph compile ... --force`")
+    if want is not None and rel not in allowed and _sha(text) != want:
+        raise edited_error(root, manifest, [rel])
     return parse_graph(text)
+
+
+def recompile_command(root: Path, manifest: dict) -> str:
+    return (f"megagraph compile --model {manifest.get('model', {}).get('requested', 'M')} "
+            f"--hw {manifest.get('hardware', {}).get('name', 'H')} --out {root} --force")
+
+
+def edited_error(root: Path, manifest: dict, rels: list[str]) -> ArtifactError:
+    names = ", ".join(str(root / r) for r in rels)
+    return ArtifactError(
+        f"{names}: content does not match the manifest's hash (edited after compile?); "
+        f"recompile with `{recompile_command(root, manifest)}`, or, to experiment with the "
+        "edited files, serve them with `megagraph runtime serve --allow-edited-artifacts`")
+
+
+def verify_files(root: Path, manifest: dict) -> list[str]:
+    """The manifest's files whose content differs from its hash (a missing or unreadable one is
+    an error: nothing can be served without it)."""
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise ArtifactError(f"{root / 'manifest.yaml'}: no `files` hashes; recompile with "
+                            f"`{recompile_command(root, manifest)}`")
+    edited = []
+    for rel, want in sorted(files.items()):
+        p = root / rel
+        try:
+            data = p.read_bytes()
+        except OSError as e:
+            raise ArtifactError(f"{p}: cannot read ({e.strerror}); the manifest lists it. "
+                                f"Recompile with `{recompile_command(root, manifest)}`") from None
+        if "sha256:" + hashlib.sha256(data).hexdigest() != want:
+            edited.append(rel)
+    return edited
 
 
 def read_manifest(path: str | Path) -> dict:
@@ -214,11 +253,17 @@ def read_manifest(path: str | Path) -> dict:
     return manifest
 
 
-def load_artifacts(path: str | Path) -> Artifacts:
-    """Read an artifact directory: validate its schema version and file hashes, parse (and
-    verify) the step graph and the side graphs, load the plan and the model config."""
+def load_artifacts(path: str | Path, *, allow_edited: bool = False) -> Artifacts:
+    """Read an artifact directory: validate its schema version and every file's hash, parse (and
+    verify) the step graph and the side graphs, load the plan and the model config. Edited files
+    are refused, naming them, unless `allow_edited` (then listed in `Artifacts.edited`)."""
     root = Path(path)
     manifest = read_manifest(root)
-    graphs = {name: _read_graph(root, rel, manifest) for name, rel in manifest["graphs"].items()}
+    edited = verify_files(root, manifest)
+    if edited and not allow_edited:
+        raise edited_error(root, manifest, edited)
+    allowed = tuple(edited)
+    graphs = {name: _read_graph(root, rel, manifest, allowed)
+              for name, rel in manifest["graphs"].items()}
     return Artifacts(root, manifest, _read_yaml(root / "model.yaml"), _read_yaml(root / "plan.yaml"),
-                     graphs)
+                     graphs, allowed)

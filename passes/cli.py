@@ -80,7 +80,8 @@ def main(args: argparse.Namespace) -> int:
         check_output_dir(Path(args.out), force=args.force)
         t0 = time.perf_counter()
         compiled = compile_model(cfg, hw, opt)
-        out = write_artifacts(compiled, args.out, force=args.force, model_arg=args.model)
+        out = write_artifacts(compiled, args.out, force=args.force, model_arg=args.model,
+                              note=lambda line: print(line, file=sys.stderr))
         secs = time.perf_counter() - t0
     except (ConfigError, ArtifactError, PassError, IRError) as e:
         print(f"megagraph compile: error: {e}", file=sys.stderr)

@@ -9,11 +9,11 @@ from megagraph.models.config import ModelConfig
 from .plan import ArtifactsError, RunPlan, default_tokenizer, segments_from_rows
 
 
-def load_run_plan(path: Path) -> RunPlan:
+def load_run_plan(path: Path, *, allow_edited: bool = False) -> RunPlan:
     from megagraph.passes.artifacts import ArtifactError, load_artifacts
 
     try:
-        arts = load_artifacts(path)
+        arts = load_artifacts(path, allow_edited=allow_edited)
     except ArtifactError as e:
         raise ArtifactsError(str(e)) from None
     where = str(path / "plan.yaml")
@@ -35,4 +35,4 @@ def load_run_plan(path: Path) -> RunPlan:
                    extra_graphs=extra, memory=plan.get("memory", {}),
                    replay=plan.get("bounded_replay") or {},
                    tokenizer=arts.manifest.get("model", {}).get("tokenizer") or default_tokenizer(cfg),
-                   source=Path(path))
+                   source=Path(path), edited=arts.edited)

@@ -46,6 +46,7 @@ class RunPlan:
     replay: dict = field(default_factory=dict)  # the plan's bounded_replay section (keep, graphs)
     tokenizer: str | None = None  # tokenizer the model uses (configs/tokenizers name or path)
     source: Path | None = None  # artifacts dir
+    edited: tuple[str, ...] = ()  # artifact files that differ from the manifest (allowed to load)
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -62,10 +63,12 @@ class RunPlan:
                    tokenizer=tokenizer or default_tokenizer(cfg))
 
     @classmethod
-    def from_artifacts(cls, path: str | Path) -> "RunPlan":
+    def from_artifacts(cls, path: str | Path, *, allow_edited: bool = False) -> "RunPlan":
+        """Every file is checked against the manifest's hash; an edited one is refused (naming
+        it) unless `allow_edited`, which records it in `edited`."""
         from .artifacts import load_run_plan
 
-        return load_run_plan(Path(path))
+        return load_run_plan(Path(path), allow_edited=allow_edited)
 
 
 def segments_from_rows(g: Graph, rows: list[dict], where: str) -> tuple[SegmentPlan, ...]:

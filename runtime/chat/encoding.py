@@ -9,8 +9,8 @@ deepseek-recipe is its official Rust port with OpenAI request conversion. What t
   `chat_template_kwargs: {"thinking": bool}` / `{"enable_thinking": bool}`, OpenAI's
   `reasoning_effort` (`"none"` turns thinking off), the `developer` role, SGLang's top-level
   `regex` / `ebnf`. They are normalized to DeepSeek's spelling before conversion.
-* Thinking default: ON (`ChatFormatConfig.default_thinking`), like DeepSeek's API and the recipe;
-  SGLang ships it off for this model, which surprises users (anchors.md §2.9).
+* Thinking default: `ChatFormatConfig.default_thinking`, True like DeepSeek's API and the recipe;
+  the HTTP server sets it from `--thinking-default`, off unless set, as SGLang serves this model.
 * Our served model name(s) as aliases of exactly one model version, and nothing else: a server for
   V4-Flash must not accept "DeepSeek-V4.1-Flash" and render the wrong format.
 * `tool_choice: "required"` / a named function while thinking: DeepSeek's API (and the recipe)

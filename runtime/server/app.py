@@ -1,15 +1,15 @@
-"""The FastAPI app: routes, API-key check, OpenAI-shaped errors, request counting, lifespan.
+"""The FastAPI app: routes, OpenAI-shaped errors, lifespan.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics. With an API key, every /v1 route needs `Authorization: Bearer KEY` (401
-otherwise); /health and /metrics stay open for probes and scrapers.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{model},
+GET /health, GET /metrics (and /openapi.json). With an API key, every /v1 route needs
+`Authorization: Bearer KEY` (401 otherwise); /health and /metrics stay open for probes and
+scrapers. The request id, the key check, request counting and the last-resort 500 are
+middleware.py's; what a generation body must look like is body.py's and fields.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import time
 from contextlib import asynccontextmanager
 
@@ -18,11 +18,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .body import MAX_BODY_BYTES, decode_json, read_body
 from .chat import chat_completions
 from .completions import completions
 from .errors import APIError, error_body
+from .fields import chat_endpoint, completions_endpoint
+from .middleware import ServerMiddleware, request_context
+from .openapi import build_openapi
 
-MAX_BODY_BYTES = 32 * 2**20
+__all__ = ["create_app", "MAX_BODY_BYTES"]
 
 
 def create_app(service, *, close_on_shutdown: bool = True, router=None) -> FastAPI:
@@ -41,8 +45,10 @@ def create_app(service, *, close_on_shutdown: bool = True, router=None) -> FastA
     app = FastAPI(title="megagraph", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.service = service
     created = int(time.time())
+    specs = {"/v1/completions": completions_endpoint(service),
+             "/v1/chat/completions": chat_endpoint(service)}
 
-    app.add_middleware(AuthAndCount, service=service)
+    app.add_middleware(ServerMiddleware, service=service)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -50,42 +56,37 @@ def create_app(service, *, close_on_shutdown: bool = True, router=None) -> FastA
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
+        detail = {404: "no such route", 405: f"method {request.method} is not allowed on "
+                  f"{request.url.path}"}.get(e.status_code, str(e.detail))
+        return JSONResponse(error_body(e.status_code, detail), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):
-        return JSONResponse(error_body(400, str(e)), status_code=400)
+        return JSONResponse(error_body(400, "invalid request"), status_code=400)
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception):
-        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"),
-                            status_code=500)
+    def model_names() -> tuple[str, ...]:
+        return service.chat.config.model_names() if service.chat else (service.model_name,)
 
-    async def body_of(request: Request) -> dict:
-        if not service.healthy:
-            raise APIError(503, "the engine loop has stopped; see the server log", code="dead")
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", code="too_large")
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}", None,
-                           "invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
+    def parse(raw: bytes, path: str) -> dict:
+        body = specs[path].check(decode_json(raw))
         model = body.get("model")
-        names = service.chat.config.model_names() if service.chat else (service.model_name,)
-        if model is not None and model not in names:
+        if model is not None and model not in model_names():
             raise APIError(404, f"The model '{model}' does not exist (this server serves "
-                           f"{', '.join(names)})", "model", "model_not_found")
+                           f"{', '.join(model_names())})", "model", "model_not_found")
+        if path == "/v1/chat/completions" and service.bound is not None:
+            service.bound.check_chat(body, service.capacity)
         return body
 
     async def generation(request: Request, path: str, handler):
-        body = await body_of(request)
+        if not service.healthy:
+            raise APIError(503, "the engine loop has stopped; see the server log", code="dead")
+        raw = await read_body(request)
+        request_context(request).body_bytes = len(raw)
+        body = await asyncio.to_thread(parse, raw, path)
         if router is None:
             return await handler(service, request, body)
-        return await router.route(request, path, lambda: handler(service, request, body))
+        return await router.route(request, path, raw, lambda: handler(service, request, body))
 
     @app.post("/v1/chat/completions")
     async def _chat(request: Request):
@@ -95,12 +96,20 @@ def create_app(service, *, close_on_shutdown: bool = True, router=None) -> FastA
     async def _completions(request: Request):
         return await generation(request, "/v1/completions", completions)
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "megagraph",
+                "max_model_len": service.capacity, "root": service.engine.cfg.name}
+
     @app.get("/v1/models")
     async def _models():
-        return {"object": "list", "data": [{
-            "id": service.model_name, "object": "model", "created": created,
-            "owned_by": "megagraph", "max_model_len": service.capacity,
-            "root": service.engine.cfg.name}]}
+        return {"object": "list", "data": [model_card(service.model_name)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def _model(model: str):
+        if model not in model_names():
+            raise APIError(404, f"The model '{model}' does not exist (this server serves "
+                           f"{', '.join(model_names())})", "model", "model_not_found")
+        return model_card(model)
 
     @app.get("/health")
     async def _health():
@@ -111,49 +120,15 @@ def create_app(service, *, close_on_shutdown: bool = True, router=None) -> FastA
                                 status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def _metrics():
         return PlainTextResponse(service.metrics.render(),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def openapi():
+        if app.openapi_schema is None:
+            app.openapi_schema = build_openapi(app, service)
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
-
-
-class AuthAndCount:
-    """Pure ASGI middleware (streaming-safe): API key on /v1, requests counted by status."""
-
-    def __init__(self, app, service):
-        self.app, self.service = app, service
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path, m, key = scope["path"], self.service.metrics, self.service.config.api_key
-        if key and path.startswith("/v1"):
-            got = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            token = got[7:].strip() if got[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(token.encode(), key.encode()):
-                m.request_done(_endpoint(path), 401)
-                resp = APIError(401, "Incorrect API key provided (send it as 'Authorization: "
-                                "Bearer KEY')", code="invalid_api_key").response()
-                return await resp(scope, receive, send)
-        status = [500]
-
-        async def send_and_count(msg):
-            if msg["type"] == "http.response.start":
-                status[0] = msg["status"]
-            await send(msg)
-
-        with m.lock:
-            m.http_active += 1
-        try:
-            await self.app(scope, receive, send_and_count)
-        finally:
-            with m.lock:
-                m.http_active -= 1
-            m.request_done(_endpoint(path), status[0])
-
-
-def _endpoint(path: str) -> str:
-    return {"/v1/chat/completions": "chat", "/v1/completions": "completions",
-            "/v1/models": "models", "/health": "health", "/metrics": "metrics"}.get(path, "other")

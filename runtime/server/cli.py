@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 
 from .config import ServeConfig
@@ -47,8 +48,11 @@ def add_serve_arguments(sub) -> None:
                    help="queued sequences before new requests get 503")
     s.add_argument("--no-overlap", action="store_true",
                    help="do not prepare step N+1 while step N runs (for measuring)")
-    s.add_argument("--no-thinking-default", action="store_true",
-                   help="chat requests that do not say get thinking off (default: on)")
+    s.add_argument("--thinking-default", choices=("on", "off"),
+                   default="on" if C.default_thinking else "off",
+                   help="thinking mode of chat requests that do not ask (`thinking`, "
+                   "`chat_template_kwargs`, `reasoning_effort`); default off, as SGLang serves "
+                   "V4.1")
     s.add_argument("--no-grammar", action="store_true", help="disable structured output")
     s.add_argument("--seed", type=int, default=C.seed)
     s.add_argument("--compile", choices=("none", "eager", "inductor"), default=C.compile,
@@ -59,6 +63,9 @@ def add_serve_arguments(sub) -> None:
     s.add_argument("--allow-fallback", action="store_true",
                    help="serve artifacts compiled for another device: kernels this one lacks run "
                         "as their reference kernels (the start-up report lists them)")
+    s.add_argument("--allow-edited-artifacts", action="store_true",
+                   help="serve artifacts whose files no longer match the hashes in their "
+                   "manifest (hand-edited for an experiment); refused without it")
     s.add_argument("--drain-timeout", type=float, default=C.drain_timeout,
                    help="seconds in-flight requests get on shutdown")
     s.add_argument("--nproc", type=int, default=1,
@@ -75,10 +82,11 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         capacity=args.capacity, max_running=args.max_running, mem_fraction=args.mem_fraction,
         state_bytes=args.state_bytes, max_total_tokens=args.max_total_tokens,
         max_prefill_tokens=args.max_prefill_tokens, max_queue=args.max_queue,
-        overlap=not args.no_overlap, default_thinking=not args.no_thinking_default,
+        overlap=not args.no_overlap, default_thinking=args.thinking_default == "on",
         grammar=not args.no_grammar, seed=args.seed, drain_timeout=args.drain_timeout,
         log_level=args.log_level, compile=args.compile, compile_numerics=args.compile_numerics,
-        cuda_graphs=not args.no_cuda_graphs, allow_fallback=args.allow_fallback)
+        cuda_graphs=not args.no_cuda_graphs, allow_fallback=args.allow_fallback,
+        allow_edited_artifacts=args.allow_edited_artifacts)
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -109,6 +117,7 @@ def serve_main(args: argparse.Namespace) -> int:
               "(pip install 'megagraph[serve]')", file=sys.stderr)
         return 2
     cfg = config_from_args(args)
+    setup_logging(cfg.log_level)
     router = None
     if ctx is not None:
         if ctx.rank == 0:
@@ -140,6 +149,17 @@ def serve_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def setup_logging(level: str) -> None:
+    """The megagraph.* loggers (failed requests with their ids, the scheduler's engine errors)
+    to stderr at uvicorn's level; without a handler Python prints only warnings, bare."""
+    lg = logging.getLogger("megagraph")
+    if not lg.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("[megagraph] %(levelname)s %(name)s: %(message)s"))
+        lg.addHandler(h)
+    lg.setLevel({"trace": "DEBUG"}.get(level.lower(), level.upper()))
+
+
 def startup_lines(service) -> list[str]:
     s = service
     return [*s.engine.report.lines(),
@@ -148,5 +168,9 @@ def startup_lines(service) -> list[str]:
             f"overlap {'on' if s.scheduler.config.overlap else 'off'}",
             f"tokenizer: {s.tokenizer_note}",
             f"grammar: {'xgrammar' if s.grammar else 'off (structured output answers 400)'}",
+            f"chat: thinking {'on' if s.config.default_thinking else 'off'} unless the request "
+            "says (--thinking-default)",
+            *(f"WARNING: {name} differs from the manifest's hash (served anyway: "
+              "--allow-edited-artifacts)" for name in s.engine.plan.edited),
             f"serving '{s.model_name}' on http://{s.config.host}:{s.config.port}/v1"
             + (" (API key required)" if s.config.api_key else "")]

@@ -33,6 +33,7 @@ def _prompts(service, body) -> list[list[int]]:
         if isinstance(x, str):
             if service.tokenizer is None:
                 raise bad_request("prompt", "this model has no tokenizer: pass token ids")
+            service.bound.check_prompt(x, service.capacity, "prompt", extra_tokens=1)  # + BOS
             out.append([service.tokenizer.special.bos, *service.tokenizer.encode(x)])
         elif isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool)
                                                and 0 <= t < vocab for t in x):

@@ -23,7 +23,9 @@ class ServeConfig:
     max_prefill_tokens: int | None = None  # prompt tokens per step (default: the plan's limit)
     max_queue: int = 4096  # waiting sequences before 503
     overlap: bool = True  # assemble step N+1 while step N runs
-    default_thinking: bool = True  # thinking mode when a chat request does not say
+    # thinking mode when a chat request does not say: off, as SGLang serves V4.1 (clients that do
+    # not know the field get content, not a budget spent in reasoning); --thinking-default on
+    default_thinking: bool = False
     grammar: bool = True  # structured output with xgrammar when it is installed
     seed: int = 0  # random weights and unseeded sampling
     random_weights: str = "fast"  # without a checkpoint: "fast" or "seeded" (the tests' values)
@@ -34,6 +36,7 @@ class ServeConfig:
     compile_numerics: str = "eager"  # Inductor rounding: eager or fast (docs/compile.md)
     cuda_graphs: bool = True  # capture the plan's buckets on CUDA
     allow_fallback: bool = False  # run kernels this device lacks as their reference kernels
+    allow_edited_artifacts: bool = False  # serve artifacts whose files differ from the manifest
     log_level: str = "info"
 
     def prefill_cap(self, plan) -> int:

@@ -44,13 +44,13 @@ class DPRouter:
     def pick(self) -> int:
         return min(range(len(self.load)), key=lambda r: (self.load[r], r))
 
-    async def route(self, request, path: str, local):
-        """Run `local()` here or proxy the request to another rank."""
+    async def route(self, request, path: str, body: bytes, local):
+        """Run `local()` here or proxy the request (its raw `body`) to another rank."""
         r = self.pick()
         self.load[r] += 1
         done = True
         try:
-            resp = await local() if r == 0 else await self._proxy(r, request, path)
+            resp = await local() if r == 0 else await self._proxy(r, request, path, body)
             if isinstance(resp, StreamingResponse):
                 resp.body_iterator = self._count(resp.body_iterator, r)
                 done = False
@@ -66,20 +66,19 @@ class DPRouter:
         finally:
             self.load[r] -= 1
 
-    async def _proxy(self, r: int, request, path: str):
+    async def _proxy(self, r: int, request, path: str, body: bytes):
         import httpx
 
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(
                 max_connections=None, max_keepalive_connections=64))
-        body = await request.body()
         req = self._client.build_request("POST", self.urls[r] + path, content=body,
                                          headers={"content-type": "application/json"})
         try:
             upstream = await self._client.send(req, stream=True)
         except httpx.HTTPError as e:
-            raise APIError(503, f"rank {r} is not reachable: {e}", code="rank_unavailable",
-                           headers={"Retry-After": "1"}) from None
+            raise APIError(503, f"rank {r} is not reachable ({type(e).__name__})",
+                           code="rank_unavailable", headers={"Retry-After": "1"}) from None
         kind = upstream.headers.get("content-type", "application/json")
         keep = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
         if kind.startswith("text/event-stream"):

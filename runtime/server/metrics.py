@@ -1,8 +1,9 @@
 """Prometheus metrics (text exposition format 0.0.4, no client library needed).
 
-Requests, tokens, TTFT / inter-token latency / end-to-end latency histograms, queue and running
-sequences, state-cache usage (slots, tokens, bytes, preemptions) and scheduler timings: step
-count, forward seconds, and the scheduling overhead left exposed by the overlap.
+Requests (by route, status and outcome), tokens, TTFT / inter-token latency / end-to-end
+latency histograms, queue and running sequences, state-cache usage (slots, tokens, bytes,
+preemptions) and scheduler timings: step count, forward seconds, and the scheduling overhead
+left exposed by the overlap.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Metrics:
     def __init__(self, service):
         self.service = service
         self.lock = threading.Lock()
-        self.requests: dict[tuple[str, int], int] = defaultdict(int)
+        self.requests: dict[tuple[str, int, str], int] = defaultdict(int)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.aborted = 0
@@ -60,9 +61,11 @@ class Metrics:
         with self.lock:
             self.prompt_tokens += prompt_tokens
 
-    def request_done(self, endpoint: str, status: int) -> None:
+    def request_done(self, endpoint: str, status: int, outcome: str) -> None:
+        """`outcome`: ok | rejected (4xx) | error (5xx, or a stream the engine failed) |
+        aborted (client gone, server shutting down); see middleware.py."""
         with self.lock:
-            self.requests[(endpoint, status)] += 1
+            self.requests[(endpoint, status, outcome)] += 1
 
     def tokens(self, n: int) -> None:
         with self.lock:
@@ -97,10 +100,12 @@ class Metrics:
                 out.append(f"{name}{labels} {value}")
 
         with self.lock:
-            metric("megagraph_requests_total", "counter", "HTTP requests answered, by route "
-                   "and status")
-            for (ep, status), n in sorted(self.requests.items()):
-                out.append(f'megagraph_requests_total{{endpoint="{ep}",status="{status}"}} {n}')
+            metric("megagraph_requests_total", "counter", "HTTP requests answered, by route, "
+                   "status line and how they ended (ok, rejected, error, aborted: a stream "
+                   "that failed after its 200 status line counts as error)")
+            for (ep, status, outcome), n in sorted(self.requests.items()):
+                out.append(f'megagraph_requests_total{{endpoint="{ep}",status="{status}",'
+                           f'outcome="{outcome}"}} {n}')
             metric("megagraph_http_requests_active", "gauge", "HTTP requests being served",
                    self.http_active)
             metric("megagraph_requests_aborted_total", "counter", "requests aborted (client "

@@ -9,7 +9,7 @@ import math
 from typing import Any, Mapping
 
 from ..sampling import SamplingError, SamplingParams
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, brief
 
 _MISSING = object()
 
@@ -21,10 +21,10 @@ def _num(body: Mapping, key: str, lo: float, hi: float, default, *, integer: boo
         return default
     ok_type = isinstance(v, int) if integer else isinstance(v, (int, float))
     if isinstance(v, bool) or not ok_type or (not integer and not math.isfinite(v)):
-        raise bad_request(key, f"must be {'an integer' if integer else 'a number'}, got {v!r}")
+        raise bad_request(key, f"must be {'an integer' if integer else 'a number'}, got {brief(v)}")
     if v < lo or v > hi or (lo_open and v == lo):
         rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise bad_request(key, f"must be in {rng}, got {v!r}")
+        raise bad_request(key, f"must be in {rng}, got {brief(v)}")
     return v
 
 
@@ -54,7 +54,7 @@ def parse_logit_bias(body: Mapping, vocab: int) -> dict[int, float] | None:
         try:
             t = int(k)
         except (TypeError, ValueError):
-            raise bad_request("logit_bias", f"key {k!r} is not a token id") from None
+            raise bad_request("logit_bias", f"key {brief(k)} is not a token id") from None
         if not 0 <= t < vocab:
             raise bad_request("logit_bias",
                               f"token id {t} is outside the vocabulary (0..{vocab - 1})")

@@ -23,6 +23,7 @@ from ..sequence import SeqEvent, Sequence
 from .config import ServeConfig
 from .errors import APIError
 from .metrics import Metrics
+from .token_bound import TokenBound
 from .tokenizer import load_serving_tokenizer
 
 
@@ -114,6 +115,7 @@ class ServingEngine:
         self.model_name = config.served_model_name or cfg.name
         self.capacity = engine.config.capacity
         self.tokenizer, self.tokenizer_note = load_serving_tokenizer(engine)
+        self.bound = TokenBound(self.tokenizer) if self.tokenizer is not None else None
         self.chat = None
         if self.tokenizer is not None:
             self.chat = ChatPromptBuilder(self.tokenizer, ChatFormatConfig(
@@ -147,7 +149,7 @@ class ServingEngine:
         from ..engine import Engine
         from ..plan import RunPlan
 
-        plan = RunPlan.from_artifacts(config.artifacts)
+        plan = RunPlan.from_artifacts(config.artifacts, allow_edited=config.allow_edited_artifacts)
         wbytes = int(plan.memory.get("weights", {}).get("device_bytes", 0))
         device = str(ctx.device) if ctx is not None else config.device
         sizing = size_cache(plan.graph, capacity=config.capacity, max_running=config.max_running,

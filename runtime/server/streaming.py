@@ -1,18 +1,27 @@
 """Driving one request's events from a route: SSE framing, per-choice timing (TTFT, inter-token
-latency), client-disconnect detection (disconnect -> abort -> the scheduler frees the slots) and
-the usage block.
+latency), client-disconnect detection (disconnect -> abort -> the scheduler frees the slots), the
+usage block, and how the request ended (for the request metrics and the log).
+
+An engine failure reaches the client as a 500 (or an error event in a stream) carrying the
+request id and a short message; the failure's own text can hold internals (paths, kernel
+arguments), so it goes to the server log with the request id and the sequence ids the
+scheduler's own log lines name.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from typing import Any, AsyncIterator
 
-from .errors import APIError, error_body
+from .errors import error_body, internal_error
+from .middleware import request_context
 from .service import RequestStream
+
+log = logging.getLogger("megagraph.server")
 
 
 def sse(obj: Any) -> str:
@@ -37,8 +46,10 @@ class RequestRun:
         self.itls: list[float] = []
         self.prompt_tokens = 0
         self.completion_tokens: dict[int, int] = {}
-        self.error: str | None = None
-        self.aborted = False
+        self.error: str | None = None  # set on an engine error (or by a route, on shutdown)
+        self.failed = False  # the engine failed this request
+        self.aborted = False  # client gone, or aborted by the server (shutdown)
+        self.ctx = request_context(request)
         self._watch: asyncio.Task | None = None
 
     async def events(self) -> AsyncIterator[tuple[int, Any]]:
@@ -56,15 +67,27 @@ class RequestRun:
                     self.service.metrics.tokens(len(ev.token_ids))
                 self.prompt_tokens = ev.num_prompt_tokens or self.prompt_tokens
                 self.completion_tokens[i] = ev.num_output_tokens
-                if ev.finish_reason == "error" and self.error is None:
-                    self.error = ev.error or "engine error"
+                if ev.finish_reason == "error" and not self.failed:
+                    self._engine_failed(ev.error)
+                elif ev.finish_reason == "abort":
+                    self._abort_seen()
                 yield i, ev
         finally:
             self._watch.cancel()
             if not self.stream.finished:
-                self.aborted = True
+                self._abort_seen()
                 self.stream.abort()
             self._record()
+
+    def _engine_failed(self, why: str | None) -> None:
+        self.failed, self.error = True, why or "engine error"
+        self.ctx.mark("error")
+        log.error("request %s (%s, sequences %s): the engine failed it: %s", self.ctx.id,
+                  self.endpoint, self.stream.seq_ids, self.error)
+
+    def _abort_seen(self) -> None:
+        self.aborted = True
+        self.ctx.mark("aborted")
 
     async def _watch_disconnect(self) -> None:
         """Wait for the client to go away; then abort (frees the sequences' state)."""
@@ -73,7 +96,7 @@ class RequestRun:
                 msg = await self.request.receive()
                 if msg["type"] == "http.disconnect":
                     if not self.stream.finished:
-                        self.aborted = True
+                        self._abort_seen()
                         self.stream.abort()
                     return
         except (asyncio.CancelledError, RuntimeError):
@@ -93,8 +116,15 @@ class RequestRun:
                 "total_tokens": self.prompt_tokens + c}
 
     def raise_if_failed(self) -> None:
-        if self.error is not None:
-            raise APIError(500, self.error, code="engine_error")
+        if self.failed:
+            e = internal_error(self.ctx.id, "the engine failed while running this request")
+            e.code = "engine_error"
+            raise e
 
     def error_event(self) -> str:
-        return sse(error_body(500, self.error or "engine error", code="engine_error"))
+        """The stream's last event before `[DONE]`: the engine failure, or the abort."""
+        if self.failed:
+            msg = internal_error(self.ctx.id, "the engine failed while running this request")
+            return sse(error_body(500, msg.message, code="engine_error"))
+        return sse(error_body(503, f"the request was aborted (server shutting down; request "
+                               f"id {self.ctx.id})", code="aborted"))

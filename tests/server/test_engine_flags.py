@@ -34,6 +34,16 @@ def test_serve_flags_reach_the_engine_config():
         ("none", "eager", True, False)
 
 
+def test_thinking_default_and_edited_artifacts_flags():
+    assert parse().default_thinking is False  # off unless asked, as SGLang serves V4.1
+    assert parse("--thinking-default", "on").default_thinking is True
+    assert parse("--thinking-default", "off").default_thinking is False
+    with pytest.raises(SystemExit):
+        parse("--thinking-default", "maybe")
+    assert parse().allow_edited_artifacts is False
+    assert parse("--allow-edited-artifacts").allow_edited_artifacts is True
+
+
 @pytest.fixture(scope="module")
 def h200_artifacts(tmp_path_factory):
     out = tmp_path_factory.mktemp("serve-h200") / "tiny-h200"

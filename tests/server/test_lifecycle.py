@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import threading
 import time
 
@@ -44,7 +45,7 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer(server):
     assert m["megagraph_requests_aborted_total"] == before + 1
 
 
-def test_engine_error_fails_the_request_with_500_and_the_server_stays_up(server, client):
+def test_engine_error_fails_the_request_with_500_and_the_server_stays_up(server, client, caplog):
     eng = server.service.engine
     real = eng.step
     boom = threading.Event()
@@ -58,15 +59,21 @@ def test_engine_error_fails_the_request_with_500_and_the_server_stays_up(server,
     eng.step = failing_step
     try:
         boom.set()
-        with pytest.raises(openai.InternalServerError) as e:
-            client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
-        assert "injected kernel failure" in e.value.body["message"]
+        with caplog.at_level(logging.ERROR, logger="megagraph.server"):
+            with pytest.raises(openai.InternalServerError) as e:
+                client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+        # the client gets the request id and no internals; the log has the failure, by that id
+        rid = e.value.response.headers["x-request-id"]
+        assert rid in e.value.body["message"] and e.value.body["code"] == "engine_error"
+        assert "injected" not in e.value.body["message"]
+        assert any(rid in r.getMessage() and "injected kernel failure" in r.getMessage()
+                   for r in caplog.records)
         boom.set()
         stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user",
                                                 "content": "hi"}], max_tokens=3, stream=True)
         with pytest.raises(openai.APIError) as e:
             list(stream)
-        assert "injected kernel failure" in str(e.value)
+        assert "request id req-" in str(e.value) and "injected" not in str(e.value)
     finally:
         eng.step = real
     out = client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
@@ -130,7 +137,8 @@ def test_a_dead_engine_loop_fails_requests_and_reports_unhealthy(server_config):
         client = srv.client()
         with pytest.raises(openai.InternalServerError) as e:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
-        assert "scheduler bug" in e.value.body["message"]
+        assert "request id" in e.value.body["message"]
+        assert "scheduler bug" not in e.value.body["message"]
         assert httpx.get(srv.base_url + "/health").status_code == 503
         with pytest.raises(openai.InternalServerError) as e:  # 503: refused, not hung
             client.completions.create(model=MODEL, prompt="hi", max_tokens=3)

@@ -23,12 +23,13 @@ def test_health_models_and_metrics_are_served(server, client):
 
 
 def test_chat_thinking_splits_reasoning_and_streaming_equals_non_streaming(client):
-    kw = dict(model=MODEL, messages=USER, max_tokens=8, seed=7)
+    kw = dict(model=MODEL, messages=USER, max_tokens=8, seed=7,
+              extra_body={"chat_template_kwargs": {"enable_thinking": True}})
     full = client.chat.completions.create(**kw)
     c = full.choices[0]
     assert c.finish_reason == "length" and full.usage.completion_tokens == 8
     assert full.usage.prompt_tokens > 0
-    assert c.message.reasoning_content  # thinking is on by default: the output is reasoning
+    assert c.message.reasoning_content  # thinking asked for: the output is reasoning
     chunks = list(client.chat.completions.create(**kw, stream=True,
                                                  stream_options={"include_usage": True}))
     reasoning = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or ""
@@ -36,6 +37,19 @@ def test_chat_thinking_splits_reasoning_and_streaming_equals_non_streaming(clien
     assert reasoning == c.message.reasoning_content  # same seed, same tokens
     assert chunks[-1].usage.completion_tokens == 8 and not chunks[-1].choices
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+
+
+def test_thinking_is_off_unless_the_request_asks(client):
+    """As SGLang serves V4.1: a client that knows nothing of thinking gets content."""
+    plain = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4)
+    assert plain.choices[0].message.content
+    assert not getattr(plain.choices[0].message, "reasoning_content", None)
+    for extra in ({"thinking": True}, {"thinking": {"type": "enabled"}},
+                  {"chat_template_kwargs": {"thinking": True}}, {"reasoning_effort": "high"}):
+        out = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4,
+                                             extra_body=extra)
+        assert out.choices[0].message.reasoning_content and not out.choices[0].message.content, \
+            extra
 
 
 def test_chat_without_thinking_gives_content_and_usage_in_last_chunk(client):
@@ -122,7 +136,7 @@ def test_api_key_is_enforced(server):
     ({"extra_body": {"min_p": 2}}, "min_p"),
     ({"frequency_penalty": 9}, "frequency_penalty"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
-    ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids"),
+    ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids[0]"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}},
@@ -139,7 +153,7 @@ def test_invalid_chat_requests_name_the_field(client, kw, param):
 
 
 def test_invalid_completion_requests_name_the_field(client, server):
-    for kw, param in [({"prompt": [[]]}, "prompt"), ({"logprobs": 50}, "logprobs"),
+    for kw, param in [({"prompt": [[]]}, "prompt[0]"), ({"logprobs": 50}, "logprobs"),
                       ({"prompt": "x " * 1100, "max_tokens": 4}, "prompt"),
                       ({"echo": True}, "echo"), ({"seed": "s"}, "seed")]:
         with pytest.raises(openai.BadRequestError) as e:

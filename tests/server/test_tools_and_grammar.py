@@ -99,7 +99,8 @@ def outputs(server):
         # random weights rarely end the reasoning: nudge </think>; then the grammar forces a call
         "tool_thinking": lambda: client.chat.completions.create(
             model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=300,
-            seed=3, logit_bias={end: 9}, parallel_tool_calls=False),
+            seed=3, logit_bias={end: 9}, parallel_tool_calls=False,
+            extra_body={"thinking": True}),
         "regex": lambda: client.chat.completions.create(
             model=MODEL, messages=ASK, max_tokens=30, seed=1,
             extra_body={"thinking": False, "regex": r"(yes|no), [0-9]{1,3} days"}),

@@ -26,7 +26,7 @@ def v4_server(tmp_path_factory):
 def test_v4_chat_thinking_and_json(v4_server):
     c = v4_server.client(api_key="unused")
     r = c.chat.completions.create(model="tiny-v4", messages=[{"role": "user", "content": "hi"}],
-                                  max_tokens=4)
+                                  max_tokens=4, extra_body={"thinking": True})
     assert r.choices[0].message.reasoning_content and r.usage.completion_tokens == 4
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     r = c.chat.completions.create(
