@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..chat import ChatFormatError, ChatOutputParser
 from ..scheduler import Overloaded
 from .errors import APIError
+from .middleware import request_context
 from .protocol import chat_logprobs, parse_logit_bias, parse_n, sampling_params
 from .service import ChoiceSpec
 from .streaming import SSE_DONE, RequestRun, new_id, sse
@@ -61,7 +62,7 @@ async def chat_completions(service, request, body: dict[str, Any]):
             raise chat_error(e) from None
         choices.append(ChoiceSpec(params, i, grammar, logprobs, bias))
     try:
-        stream = service.submit(prep.prompt_ids, choices)
+        stream = service.submit(prep.prompt_ids, choices, request_id=request_context(request).id)
     except Overloaded as e:
         raise APIError(503, str(e), code="overloaded", headers={"Retry-After": "1"}) from None
     run = RequestRun(service, stream, request, "chat")

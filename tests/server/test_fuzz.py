@@ -80,7 +80,7 @@ valid = {  # values a well-formed request may hold: odd combinations of them mus
                                                              st.text(max_size=4), max_size=2),
     "logprobs": st.one_of(st.booleans(), st.integers(0, 5)), "top_logprobs": st.integers(0, 5),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
-    "echo": st.just(False), "suffix": st.just(""), "modalities": st.just(["text"]),
+    "echo": st.booleans(), "suffix": st.just(""), "modalities": st.just(["text"]),
 }
 field_value = {
     "messages": st.one_of(st.lists(message, max_size=3), value),

@@ -155,7 +155,7 @@ def test_invalid_chat_requests_name_the_field(client, kw, param):
 def test_invalid_completion_requests_name_the_field(client, server):
     for kw, param in [({"prompt": [[]]}, "prompt[0]"), ({"logprobs": 50}, "logprobs"),
                       ({"prompt": "x " * 1100, "max_tokens": 4}, "prompt"),
-                      ({"echo": True}, "echo"), ({"seed": "s"}, "seed")]:
+                      ({"echo": "yes"}, "echo"), ({"max_tokens": 0}, "max_tokens"), ({"seed": "s"}, "seed")]:
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**{"model": MODEL, "prompt": "hi", "max_tokens": 2, **kw})
         assert e.value.body["param"] == param, (kw, e.value.body)
