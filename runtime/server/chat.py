@@ -40,8 +40,8 @@ def chat_error(e: ChatFormatError) -> APIError:
 
 async def chat_completions(service, request, body: dict[str, Any]):
     if service.chat is None:
-        raise APIError(400, "this model has no tokenizer, so it cannot render chats: use "
-                       "/v1/completions with token-id prompts", "model")
+        raise APIError(400, f"this server cannot render chats ({service.chat_note}): use "
+                       "/v1/completions", "model")
     vocab = service.engine.cfg.vocab_size
     n = parse_n(body, service.config.max_n)
     rest = {k: v for k, v in body.items() if k != "n"}

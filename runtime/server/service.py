@@ -116,12 +116,20 @@ class ServingEngine:
         self.capacity = engine.config.capacity
         self.tokenizer, self.tokenizer_note = load_serving_tokenizer(engine)
         self.bound = TokenBound(self.tokenizer) if self.tokenizer is not None else None
-        self.chat = None
+        self.chat, self.chat_note = None, "no tokenizer"
         if self.tokenizer is not None:
-            self.chat = ChatPromptBuilder(self.tokenizer, ChatFormatConfig(
-                served_model_name=self.model_name, family=cfg.family,
-                extra_model_names=(cfg.name,), default_thinking=config.default_thinking,
-                context_limit=self.capacity))
+            try:
+                self.chat = ChatPromptBuilder(self.tokenizer, ChatFormatConfig(
+                    served_model_name=self.model_name, family=cfg.family,
+                    extra_model_names=(cfg.name,), default_thinking=config.default_thinking,
+                    context_limit=self.capacity))
+            except ValueError as e:  # the tokenizer cannot render this family's chats
+                if getattr(engine, "ckpt_dir", None) is not None:
+                    raise  # a checkpoint's own tokenizer must: refuse to start
+                # random weights at release widths (a layer slice) have no free embedding row
+                # for a stand-in <｜System｜>: completions (token ids, text) still serve
+                self.chat_note = str(e)
+                self.tokenizer_note += "; chat disabled (random weights): " + str(e)
         self.grammar = (GrammarFactory.maybe_create(self.tokenizer, vocab_size=cfg.vocab_size)
                         if self.tokenizer is not None and config.grammar else None)
         self._buses: dict = {}
