@@ -15,7 +15,7 @@ path (HTTP, SSE, scheduler, detokenization, chat parsing) adds little to the for
     python benchmarks/serving.py --smoke --out /tmp/s  # a few requests (the test suite runs this)
     python benchmarks/serving.py --repeat 10 --hostile 0.05 --max-running 8
         # robustness: 10 rounds of 200 streams + 5% hostile requests on one server
-        # -> results/serving-robustness-tiny-cpu-r8.md (every well-formed request must complete,
+        # -> results/serving-robustness-tiny-cpu-r8-hostile.md (every well-formed one must complete,
         #    every hostile one get a 4xx, none hang, state back to zero after each round)
 """
 
@@ -244,7 +244,7 @@ def run_robustness(artifacts: Path, args) -> int:
     finally:
         srv.stop()
     out = Path(args.out)
-    name = f"serving-robustness-tiny-cpu-r{args.max_running}"
+    name = f"serving-robustness-tiny-cpu-r{args.max_running}" + ("-hostile" if args.hostile else "")
     lines = [f"# Serving robustness: tiny V4.1 on CPU, {args.max_running} slots", "",
              f"`python benchmarks/serving.py --repeat {args.repeat} --hostile {args.hostile} "
              f"--requests {args.requests} --max-running {args.max_running}` on "

