@@ -167,7 +167,9 @@ def test_json_schema_output_validates(outputs, thinking, seed):
     assert c.finish_reason == "stop", c
     jsonschema.validate(json.loads(c.message.content), SCHEMA)
     if thinking:
-        assert c.message.reasoning_content is not None and "{" not in c.message.reasoning_content
+        # the constrained JSON is the answer, not part of the (random-weight) reasoning
+        assert c.message.reasoning_content is not None
+        assert c.message.content not in c.message.reasoning_content
     else:
         assert getattr(c.message, "reasoning_content", None) is None
 
@@ -259,15 +261,16 @@ def cut_outputs(server, outputs):
                     parallel_tool_calls=False, seed=3)
     # without a bound, random weights reason until max_tokens (see "tool_thinking")
     jobs["required_budget"] = lambda: client.chat.completions.create(
-        **thinking, max_tokens=200, logprobs=True, extra_body={"thinking_budget": 8})
+        **thinking, max_tokens=200, logprobs=True,
+        extra_body={"thinking": True, "thinking_budget": 8})
     # default bound: reasoning stops at 40 - 1 - 20 tokens; a call (~120 tokens) cannot fit
     jobs["required_no_room"] = lambda: client.chat.completions.create(
-        **thinking, max_tokens=40, logprobs=True)
+        **thinking, max_tokens=40, logprobs=True, extra_body={"thinking": True})
     jobs["required_no_room_stream"] = lambda: list(client.chat.completions.create(
-        **thinking, max_tokens=40, stream=True))
+        **thinking, max_tokens=40, stream=True, extra_body={"thinking": True}))
     jobs["plain_budget"] = lambda: client.chat.completions.create(
         model=MODEL, messages=ASK, max_tokens=12, seed=4, logprobs=True,
-        extra_body={"thinking_token_budget": 3})
+        extra_body={"thinking": True, "thinking_token_budget": 3})
     with cf.ThreadPoolExecutor(len(jobs)) as ex:
         futs = {k: ex.submit(f) for k, f in jobs.items()}
         return at, {k: f.result() for k, f in futs.items()}
