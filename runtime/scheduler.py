@@ -145,8 +145,10 @@ class Scheduler:
         vocab, cap = self.engine.cfg.vocab_size, self.engine.config.capacity
         for s in seqs:
             check_runnable(s, vocab, cap)
+        if any(s.prompt_logprobs is not None for s in seqs):
+            check_prompt_logprobs(self.engine)
+        for s in seqs:
             if s.prompt_logprobs is not None:
-                check_prompt_logprobs(self.engine)
                 s.prompt_lps = [None] * len(s.prompt_ids)
         with self._cv:
             if self.dead is not None:
@@ -365,7 +367,8 @@ class Scheduler:
             return False
         if s.num_known - s.scheduled > 1:
             self._add_chunk(s, self._chunk_len(s), add)
-        elif s.can_sample_more() and s.num_known - s.scheduled == 1 and self.cache.grow(s.seq_id, 1):
+        elif (s.can_sample_more() and s.num_known - s.scheduled == 1
+              and self.cache.grow(s.seq_id, 1)):
             add(s, [s.token_at(s.scheduled)], True)
         return bool(s.inflight)
 
