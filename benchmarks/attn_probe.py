@@ -1,4 +1,4 @@
-"""Times the prefill sparse attention (op sparse_attn_q, kernels/triton/attention.py) at launch
+"""Times the prefill sparse attention (op sparse_attn_q, kernels/attention/triton.py) at launch
 shapes given on the command line against the plan's default launch (attention.PREFILL), at the
 5-layer V4.1-Flash slice's prefill step: 2 requests x 4096 new tokens after a 131072-token
 context, 64 heads x 512, window 128, top-512 compressed entries, ratios 1 and 2 (the kernel-table
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("attn_probe: needs CUDA; nothing timed")
         return 0
-    from megagraph.kernels.triton import attention as A
+    from megagraph.kernels.attention import triton as A
 
     rows = []
     new, ctx = (64, 2048) if args.smoke else (4096, 131072 + 4096)

@@ -1,4 +1,4 @@
-"""The router's gate GEMM tile above 256 tokens (kernels/triton/moe.py GATE_BM / GATE_BE /
+"""The router's gate GEMM tile above 256 tokens (kernels/moe/triton.py GATE_BM / GATE_BE /
 GATE_WARPS / GATE_STAGES) timed alone: route_ids at V4.1-Flash dims (hidden 5120, 384
 experts, top-6, sqrtsoftplus with bias), each tile's ids and weights compared with the first
 tile's (a layer-level A/B cannot see a 40 us change through the H200's clock drift).
@@ -29,7 +29,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, default=8192)
     args = ap.parse_args()
-    from megagraph.kernels.triton import moe as tm
+    from megagraph.kernels.moe import triton as tm
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)

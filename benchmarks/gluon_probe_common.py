@@ -99,7 +99,7 @@ def build(T: int, d: int, F: int, E: int, k: int, seed: int = 0, routing: str = 
     the sorted pair list. routing: "balanced" (token t -> experts kt .. kt + k - 1 mod E),
     "poisson" (top-k of random normal router logits), "random" (top-k of uniform random
     scores: distinct experts per token, as the decode probe draws them)."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     torch.manual_seed(seed)
     dev = "cuda"
@@ -124,7 +124,7 @@ def route(T: int, E: int, k: int, routing: str, dev: str = "cuda"):
     list): "balanced" (token t -> experts kt .. kt + k - 1 mod E), "poisson" (top-k of random
     normal router logits), "random" (top-k of uniform random scores: distinct experts per
     token); the random ones draw from torch's global generator."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     if routing == "poisson":
         ids = torch.randn(T, E, device=dev).topk(k, dim=1).indices
@@ -249,7 +249,7 @@ def time_triton_l1(res: dict, write, rates, inputs, P: int, F: int, E: int, k: i
     expert) on inputs = build(...), into a NaN-poisoned fp16 H, a row in res (timed_row with
     rates), then its error against the fp32 math of the first experts' rows (reference_rows)
     as res["rel_err_triton_vs_fp32"], written. Returns (H, the reference, the rows it covers)."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     xq, xs, w1, w3, counts, srt = inputs
     rpg = P / max(1, min(E, P))
@@ -335,7 +335,7 @@ def build_l2(T: int, d: int, F: int, E: int, k: int, seed: int = 0, routing: str
     (the L1's output in expert-sorted rows; N(0, 1) values), a W2 bank [E, d, F / 2] (MXFP4,
     exponents 119 .. 124), top-k routing (route), the sorted pair list and the pair weights in
     [wts_lo, wts_lo + 1): (h, w2, counts, srt, wts [T, k]) on the GPU."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     torch.manual_seed(seed)
     dev = "cuda"

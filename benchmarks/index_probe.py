@@ -1,4 +1,4 @@
-"""Times the lightning indexer's scores (op index_scores) on the GPU: kernels/triton/indexer.py's
+"""Times the lightning indexer's scores (op index_scores) on the GPU: kernels/indexer/triton.py's
 query-stationary kernel (index_scores_stream: its default two-class launch and explicit launches)
 against the tile kernel it replaces (index_scores_fwd, queries reloaded per 64 entries), at the
 5-layer V4.1-Flash slice's shapes: a captured 8192-token prefill bucket (two requests of 4096 new
@@ -40,7 +40,7 @@ SMOKE = [("prefill smoke", 2, 64, 2048, 1, 256), ("decode smoke", 8, 1, 4096, 2,
 def make_case(R: int, new: int, ctx: int, ratio: int, rows: int, ikey_dtype, seed: int):
     """Inputs of one step: R requests of `new` tokens after `ctx` cached ones, in `rows` request
     rows (the rest empty, on slot R), MXFP4-valued queries and keys, f32 index-key cache."""
-    from megagraph.kernels.capturable.dense import fake_quant
+    from megagraph.kernels.dense.capturable import fake_quant
 
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -73,7 +73,7 @@ def parse_configs(spec: str) -> list[tuple]:
 
 
 def case_rows(name, R, new, ctx, ratio, rows, configs, ikey_dtype) -> list[dict]:
-    from megagraph.kernels.triton import indexer as I
+    from megagraph.kernels.indexer import triton as I
 
     args, kw, flops, byt = make_case(R, new, ctx, ratio, rows, ikey_dtype, seed=ctx + new + ratio)
     T, C = args[0].shape[0], args[2].shape[1]

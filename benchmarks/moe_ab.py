@@ -1,4 +1,4 @@
-"""A/B of MegaMoE configurations in one process: the kernel switches of kernels/triton/moe.py
+"""A/B of MegaMoE configurations in one process: the kernel switches of kernels/moe/triton.py
 (module attributes such as CUBLAS_PREFILL, GLUON_PREFILL_L2, SHARED_STREAM; "module.ATTR" for
 another module of kernels/triton, e.g. moe_gluon_decode.LOAD=cp.async) set per row,
 rows interleaved over rounds (each round's order rotated by one) so that they compare within
@@ -55,7 +55,7 @@ def main():
                          "8192 tokens); balanced: every expert T k / E rows, through tid2eid "
                          "(kernel_rows.moe.balanced_routing: #7's target case)")
     args = ap.parse_args()
-    from megagraph.kernels.triton import moe as tm
+    from megagraph.kernels.moe import triton as tm
 
     configs = parse_configs(args.configs)
     for _, knobs in configs:
@@ -112,7 +112,7 @@ def main():
 
 
 def _target(tm, knob: str):
-    """(module, attribute) of a switch: "ATTR" in kernels/triton/moe.py, "mod.ATTR" in
+    """(module, attribute) of a switch: "ATTR" in kernels/moe/triton.py, "mod.ATTR" in
     kernels/triton/mod.py, else in kernels/mod.py (e.g. cublas_fp8.FORM_PREFILL=)."""
     if "." not in knob:
         return tm, knob

@@ -1,4 +1,4 @@
-"""Times the Gluon DECODE L2 (kernels/triton/moe_gluon_decode_l2.py: swapped wgmma
+"""Times the Gluon DECODE L2 (kernels/moe/gluon_decode_l2.py: swapped wgmma
 with the MXFP4 W2 upcast to fp16 in registers as the A operand, a 4-stage cp.async ring or a
 TMA ring of the packed W2 rows, a token tile of 16 / 32 / 64 / 128 rows, the weighted scatter
 to y) against the Triton L2 launch that routed_experts makes for the same rows per expert
@@ -75,7 +75,7 @@ def check(T: int, dims: dict, ks: int, ydt: str, load: str = "cp.async", bt: int
     against the fp32 math of the first experts' rows, and - other than cp.async - against the
     cp.async kernel's bits at the same bt on the same inputs. Meant for a child process
     (--check-json)."""
-    from megagraph.kernels.triton import moe_gluon_decode_l2 as ml2
+    from megagraph.kernels.moe import gluon_decode_l2 as ml2
 
     d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
     h, w2, counts, srt, wts = build_l2(T, d, F, E, k, seed=1)
@@ -135,9 +135,9 @@ def main() -> None:
                                                     c["load"], c["bt"]))
         return
 
-    from megagraph.kernels.triton import moe
-    from megagraph.kernels.triton import moe_gluon_decode_l2 as ml2
-    from megagraph.kernels.triton.gluon_common import token_tile
+    from megagraph.kernels.moe import triton as moe
+    from megagraph.kernels.moe import gluon_decode_l2 as ml2
+    from megagraph.kernels.moe.gluon_common import token_tile
 
     loads = [x.strip() for x in args.load.split(",") if x.strip()]
     bts = [token_tile(int(x), ml2.BT, ml2.BTS) for x in args.bt.split(",") if x.strip()]
@@ -211,7 +211,7 @@ def time_prefill_l2(res, write, timed, inputs, T: int, dims: dict, ks: int, ydt:
     runs it past 48 rows per expert) into a NaN-poisoned y: a row where its shapes allow (d a
     multiple of its 128-column tile, F of its 3 x 64-column ring; the small dims' F = 256 is
     not), then its slot_errors vs the fp32 math as res["prefill_gluon"]."""
-    from megagraph.kernels.triton import moe_gluon_l2 as mgl
+    from megagraph.kernels.moe import gluon_l2 as mgl
 
     h, w2, counts, srt, wts = inputs
     d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
@@ -236,7 +236,7 @@ def time_load(res, write, timed, spec, bt, inputs, mtg, tiles, T, dims, ks, ydt)
     - only if both pass - its rows: the launch with a prebuilt tile list, with the list built
     in the call, with the integer-arithmetic upcast. Returns its y of the plain launch (None
     if not timed)."""
-    from megagraph.kernels.triton import moe_gluon_decode_l2 as ml2
+    from megagraph.kernels.moe import gluon_decode_l2 as ml2
 
     h, w2, counts, srt, wts = inputs
     d, k = dims["d"], dims["k"]

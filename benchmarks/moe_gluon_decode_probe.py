@@ -1,4 +1,4 @@
-"""Times the Gluon DECODE L1 (kernels/triton/moe_gluon_decode.py: swapped wgmma
+"""Times the Gluon DECODE L1 (kernels/moe/gluon_decode.py: swapped wgmma
 with the MXFP4 weights upcast in registers as the A operand, a cp.async or TMA weight ring, a
 token tile of 16 / 32 / 64 rows) against the Triton L1 launch that routed_experts makes for the
 same rows per expert (moe.gemm role "l1" with pick_config("l1", rows): the swapped 16 x 64 tile
@@ -68,7 +68,7 @@ def check(T: int, dims: dict, limit: float, load: str = "cp.async", bt: int = 16
     output) against the fp32 math of the first experts' rows, and - other than cp.async -
     against the cp.async kernel's bits at the same bt on the same inputs. Meant for a child
     process (--check-json)."""
-    from megagraph.kernels.triton import moe_gluon_decode as md
+    from megagraph.kernels.moe import gluon_decode as md
 
     d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
     xq, xs, w1, w3, counts, srt = build(T, d, F, E, k, seed=1, routing="random")
@@ -122,8 +122,8 @@ def main() -> None:
                    lambda c: check(c["tokens"], c["dims"], c["limit"], c["load"], c["bt"]))
         return
 
-    from megagraph.kernels.triton import moe
-    from megagraph.kernels.triton import moe_gluon_decode as md
+    from megagraph.kernels.moe import triton as moe
+    from megagraph.kernels.moe import gluon_decode as md
 
     loads = [x.strip() for x in args.load.split(",") if x.strip()]
     bts = [md._token_tile(int(x)) for x in args.bt.split(",") if x.strip()]
@@ -200,7 +200,7 @@ def time_cublas_l1(res, write, timed, inputs, P: int, F: int, k: int, limit: flo
     grouped FP8 GEMM, the SwiGLU) into a NaN-poisoned fp16 H: a row where supported() says yes,
     and its error vs the fp32 math (it rounds to bf16 before the SwiGLU) as
     res["rel_err_cublas_vs_fp32"]."""
-    from megagraph.kernels.triton import moe_grouped_cublas as mc
+    from megagraph.kernels.moe import grouped_cublas as mc
 
     xq, xs, w1, w3, counts, srt = inputs
     if not mc.supported(torch.cuda.current_device()):
@@ -221,7 +221,7 @@ def time_load(res, write, timed, spec, bt, limit, inputs, P, F, k, mtg, tiles, T
     - only if both pass - its rows: the launch with a prebuilt tile list, with the list built
     in the call, with the integer-arithmetic upcast. Returns its output of the plain launch
     (None if not timed)."""
-    from megagraph.kernels.triton import moe_gluon_decode as md
+    from megagraph.kernels.moe import gluon_decode as md
 
     xq, xs, w1, w3, counts, srt = inputs
     load, stages = parse_load(spec)

@@ -1,4 +1,4 @@
-"""Times the Gluon PREFILL L2 (kernels/triton/moe_gluon_l2.py: 128 x 128 tiles, the MXFP4 W2
+"""Times the Gluon PREFILL L2 (kernels/moe/gluon_l2.py: 128 x 128 tiles, the MXFP4 W2
 chunk upcast to exact fp16 under the chained async wgmma of the chunk before, the weighted
 scatter to y) against the Triton L2 launch that routed_experts makes (moe.triton_l2: moe.gemm
 role "l2" with pick_config's tile), at V4.1-Flash dims: d = 5120 output columns, 384 experts x
@@ -75,14 +75,14 @@ def check(T: int, dims: dict, ks: int, ydt: str, routing: str, kernel: str = "gl
     of the first experts' rows; kernel "ws": the warp-specialized twin at ring depths `rings`
     ("NS:NU[:BN[:UPP]]"), also compared bit for bit with one Gluon L2 launch
     (same_bits_as_gluon_l2, part of ok). Meant for the child process (--check-json)."""
-    from megagraph.kernels.triton import moe_gluon_l2 as mgl
+    from megagraph.kernels.moe import gluon_l2 as mgl
 
     d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
     h, w2, counts, srt, wts = build(T, d, F, E, k, seed=1, routing=routing)
     P = T * k
     launch = mgl.l2_gluon
     if kernel == "ws":
-        from megagraph.kernels.triton import moe_gluon_l2_ws as mlw
+        from megagraph.kernels.moe import gluon_l2_ws as mlw
 
         ns, nu, bn, upp = _rings(rings)
         launch = functools.partial(mlw.l2_gluon_ws, stages=ns, bstages=nu, bn=bn, upp=upp)
@@ -151,8 +151,8 @@ def main() -> None:
                                    c.get("kernel", "gluon"), c.get("rings")))
         return
 
-    from megagraph.kernels.triton import moe
-    from megagraph.kernels.triton import moe_gluon_l2 as mgl
+    from megagraph.kernels.moe import triton as moe
+    from megagraph.kernels.moe import gluon_l2 as mgl
 
     dims = SMOKE if args.smoke else REAL
     T = min(args.tokens, 1024) if args.smoke else args.tokens
@@ -207,7 +207,7 @@ def _gluon_rows(res, write, args, inputs, tiles, mtg, y_gl, idx, ref, y_tr, rate
     """The Gluon L2's rows (after its child check passed): timed, + tile_list, the arithmetic
     upcast, its errors, the --diag rows. Returns y_gl holding its output (None where its timed
     launch failed)."""
-    from megagraph.kernels.triton import moe_gluon_l2 as mgl
+    from megagraph.kernels.moe import gluon_l2 as mgl
 
     h, w2, counts, srt, wts = inputs
     k, ks = wts.shape[1], res["ks"]
@@ -250,7 +250,7 @@ def _ws_rows(res, write, specs, cases, inputs, tiles, mtg, y_gl, idx, ref, rates
     child process (the cases of the Gluon L2's check, + bit equality with it), timed if that
     passes, its output compared with the fp32 rows and bit for bit with the Gluon L2's (y_gl;
     None where that did not run)."""
-    from megagraph.kernels.triton import moe_gluon_l2_ws as mlw
+    from megagraph.kernels.moe import gluon_l2_ws as mlw
 
     h, w2, counts, srt, wts = inputs
     k, ks = wts.shape[1], res["ks"]

@@ -1,4 +1,4 @@
-"""Times the experimental Gluon L1 (kernels/triton/moe_gluon.py: hand-pipelined async wgmma, the
+"""Times the experimental Gluon L1 (kernels/moe/gluon_l1.py: hand-pipelined async wgmma, the
 MXFP4 upcast of chunk i + 1 under the MMA of chunk i) against the Triton L1 launch that
 routed_experts makes (moe.gemm role "l1"), at V4.1-Flash dims: hidden d = 5120, 384 experts
 x F = 2304 (MXFP4, E8M0 per 32), top-6, balanced routing (token t -> experts 6t .. 6t + 5 mod
@@ -56,7 +56,7 @@ def check(T: int, dims: dict, limit: float, routing: str = "balanced") -> dict:
     """One Gluon L1 call (into a NaN-poisoned output) against the fp32 math of the first experts'
     rows: every row written, relative error. Meant for a child process (--check): an illegal
     memory access there kills only that process's CUDA context."""
-    from megagraph.kernels.triton import moe_gluon as mg
+    from megagraph.kernels.moe import gluon_l1 as mg
 
     d, F, E, k = dims["d"], dims["F"], dims["E"], dims["k"]
     xq, xs, w1, w3, counts, srt = build(T, d, F, E, k, seed=1, routing=routing)
@@ -90,8 +90,8 @@ def main() -> None:
                    lambda c: check(c["tokens"], c["dims"], c["limit"], c["routing"]))
         return
 
-    from megagraph.kernels.triton import moe
-    from megagraph.kernels.triton import moe_gluon as mg
+    from megagraph.kernels.moe import triton as moe
+    from megagraph.kernels.moe import gluon_l1 as mg
 
     dims = SMOKE if args.smoke else REAL
     T = min(args.tokens, 512) if args.smoke else args.tokens

@@ -1,4 +1,4 @@
-"""Times the warp-specialized Gluon prefill L1 (kernels/triton/moe_gluon_ws.py: loader / upcast /
+"""Times the warp-specialized Gluon prefill L1 (kernels/moe/gluon_ws.py: loader / upcast /
 two MMA warpgroups on mbarrier rings, 128 rows x 64 columns of W1 and W3 per CTA) against the
 Triton L1 launch that routed_experts makes for the same rows per expert (moe.gemm role "l1") and
 the Gluon decode L1 at 64-token tiles with the TMA weight ring (moe_gluon_decode.l1_gluon_decode
@@ -78,7 +78,7 @@ def _parse_item(item: str) -> dict:
                                   built outside the timed launch);
       "ptwfrws ..." (r with f)     ... the A rows in registers once per chunk (areg; else the
                                   kernel's default, AREG)."""
-    from megagraph.kernels.triton import moe_gluon_ws as mw
+    from megagraph.kernels.moe import gluon_ws as mw
 
     if item.startswith("decode64"):
         _, _, st = item.partition(":")
@@ -110,8 +110,8 @@ def _parse_item(item: str) -> dict:
 def _launcher(item: str, inputs, out, k: int, limit: float, tiles=None):
     """A no-argument launch of item on inputs = build(...) into out (its own tile list unless
     `tiles` is given: the list at its row tile)."""
-    from megagraph.kernels.triton import moe_gluon_decode as md
-    from megagraph.kernels.triton import moe_gluon_ws as mw
+    from megagraph.kernels.moe import gluon_decode as md
+    from megagraph.kernels.moe import gluon_ws as mw
 
     xq, xs, w1, w3, counts, srt = inputs
     P, E = srt.numel(), counts.numel()
@@ -161,8 +161,8 @@ def time_item(res, write, rates, item, inputs, T, dims, k, limit, routing, h_tr,
     """item's child checks (small dims, then these dims), then - only if both pass - its row
     (CUDA graph of the launch with a prebuilt tile list) and its errors vs the Triton L1 and the
     fp32 math."""
-    from megagraph.kernels.triton import moe
-    from megagraph.kernels.triton import moe_gluon_ws as mw
+    from megagraph.kernels.moe import triton as moe
+    from megagraph.kernels.moe import gluon_ws as mw
 
     name = f"gluon {item}"
     diag = _parse_item(item)["kind"] == "diag"
@@ -221,7 +221,7 @@ def main() -> None:
                                                     c["item"], c["routing"]))
         return
 
-    from megagraph.kernels.triton import moe_gluon_ws as mw
+    from megagraph.kernels.moe import gluon_ws as mw
 
     rings = [x.strip() if x.strip()[:1].isalpha() else f"ws {x.strip()}"
              for x in args.rings.split(",") if x.strip()]

@@ -1,4 +1,4 @@
-"""Tile sweep of the routed-expert GEMMs (kernels/triton/moe.py: L1 = W1/W3 + SwiGLU, L2 = W2 +
+"""Tile sweep of the routed-expert GEMMs (kernels/moe/triton.py: L1 = W1/W3 + SwiGLU, L2 = W2 +
 routing weights) at V4.1-Flash dims on the GPU, one launch timed at a time (CUDA-graph replays),
 each candidate checked against the reference `moe_experts_q` before it counts.
 
@@ -32,7 +32,7 @@ swap]]]); at decode
 sizes the heuristic tile is also tried persistent (moe_gemm_persistent, 1-4 programs per SM)
 right after the default, so a short budget still times them.
 Writes OUT/moe_tune.json (every candidate: tile, ms, TB/s or TFLOP/s, error) and OUT/moe_tune.md
-(the best tile per (role, tokens) next to the heuristic's). `kernels/triton/moe.py:pick_config`
+(the best tile per (role, tokens) next to the heuristic's). `kernels/moe/triton.py:pick_config`
 takes its tiles from this table (the committed result is benchmarks/results/moe-tune-h200.md).
 """
 from __future__ import annotations
@@ -101,8 +101,8 @@ def main() -> None:
     if a.fuse and a.fp8_h:
         ap.error("--fuse tunes the fp16-H L1 (the FP8-H L1 quantizes its output: no fuse)")
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
-    from megagraph.kernels.reference import fused as rf
-    from megagraph.kernels.triton import moe as tm
+    from megagraph.kernels.fused import reference as rf
+    from megagraph.kernels.moe import triton as tm
 
     dims = mr.TINY if a.smoke else mr.V41
     t_end = time.perf_counter() + a.budget

@@ -27,10 +27,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--routing", default="balanced", choices=("gate", "balanced"))
     ap.add_argument("--warm", type=int, default=2)
-    ap.add_argument("--knobs", default="", help="ATTR=v,... of kernels/triton/moe.py (or "
+    ap.add_argument("--knobs", default="", help="ATTR=v,... of kernels/moe/triton.py (or "
                     "module.ATTR=v), as benchmarks/moe_ab.py takes them")
     args = ap.parse_args()
-    from megagraph.kernels.triton import moe as tm
+    from megagraph.kernels.moe import triton as tm
 
     from moe_ab import _target, parse_configs
 

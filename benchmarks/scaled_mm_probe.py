@@ -1,4 +1,4 @@
-"""cuBLAS block-scaled FP8 GEMMs (kernels/cublas_fp8.py) against the Triton FP8-block GEMM at
+"""cuBLAS block-scaled FP8 GEMMs (kernels/gemm/cublas_fp8.py) against the Triton FP8-block GEMM at
 V4.1-Flash's dense shapes, on one GPU: which call forms torch / cuBLAS accept, their error
 against fp32 math (of the reblocked weight: the call's own math; of the source 32 x 32 weight:
 what the model means), and times (CUDA-graph replays) next to moe.linear_q's Triton kernel.
@@ -32,10 +32,10 @@ def rel(a, b) -> float:
 
 
 def dense_rows(dev, budget_end, out_rows, write):
-    from megagraph.kernels import cublas_fp8 as cb
+    from megagraph.kernels.gemm import cublas_fp8 as cb
     from megagraph.kernels import formats
-    from megagraph.kernels.reference import fused as rf
-    from megagraph.kernels.triton import moe as tm
+    from megagraph.kernels.fused import reference as rf
+    from megagraph.kernels.moe import triton as tm
 
     g = torch.Generator(device=dev).manual_seed(0)
     for name, N, K in SHAPES:
@@ -139,7 +139,7 @@ def main():
     ap.add_argument("--budget", type=float, default=150.0, help="seconds")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    from megagraph.kernels import cublas_fp8 as cb
+    from megagraph.kernels.gemm import cublas_fp8 as cb
 
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                cuda=torch.version.cuda, supported_form=cb.supported(0), dense=[], grouped=[])

@@ -1,7 +1,7 @@
 """Times the indexer's top-k selection (op topk_select) and candidate mask (op candidate_mask) on
-the GPU: kernels/triton/topk.py's two variants - "radix" (the default: one program per row, every
+the GPU: kernels/indexer/triton_topk.py's two variants - "radix" (the default: one program per row, every
 8-bit radix digit re-reads the row) and "stream" (the row read once into a small candidate
-buffer per program, the exact select over the buffer; kernels/triton/NOTES-topk.md) - at the
+buffer per program, the exact select over the buffer; docs/kernels/topk.md) - at the
 V4.1 prefill shapes (8192 tokens over 135168 / 67584 / 34816 compressed entries: ratio-1 layers
 at a 131072-token context, and shorter) and decode shapes (64 x 135168, 128 x 32768), top-512;
 candidate blocks of 8, 2048 kept; topk_select also under that candidate mask (the reindex layers'
@@ -60,7 +60,7 @@ SEG_SWEEP = [1, 4, 8, 16]  # SEGMENTS at the decode shape (0 = auto is the defau
 def knobs(**values):
     """topk module attributes set for the block (read at each launch: a timed graph captures
     them), restored after."""
-    from megagraph.kernels.triton import topk as tk
+    from megagraph.kernels.indexer import triton_topk as tk
 
     old = {n: getattr(tk, n) for n in values}
     try:
@@ -100,9 +100,9 @@ def kind_row(name: str, T: int, C: int, kind: str, cap_ms: bool) -> dict:
     """One shape and row kind: both variants of topk_select, candidate_mask and topk_select
     under the candidate mask, checked (stream against radix, radix against the capturable
     kernel), then timed."""
-    from megagraph.kernels.capturable.indexer import candidate_mask as cap_cand
-    from megagraph.kernels.capturable.indexer import topk_select as cap_topk
-    from megagraph.kernels.triton import topk as tk
+    from megagraph.kernels.indexer.capturable import candidate_mask as cap_cand
+    from megagraph.kernels.indexer.capturable import topk_select as cap_topk
+    from megagraph.kernels.indexer import triton_topk as tk
 
     full = T * C <= 8192 * 34816
     s = make_scores(T, C, kind, seed=T + C)
@@ -151,7 +151,7 @@ def sweep_row(label: str, values: dict, s: torch.Tensor, cand: torch.Tensor, wan
               mwant: torch.Tensor, row: dict) -> dict:
     """The stream variant under one knob set: topk_select, masked topk_select, candidate_mask,
     each checked against the radix output, then timed."""
-    from megagraph.kernels.triton import topk as tk
+    from megagraph.kernels.indexer import triton_topk as tk
 
     try:
         with knobs(VARIANT="stream", **values):
@@ -172,7 +172,7 @@ def sweep_row(label: str, values: dict, s: torch.Tensor, cand: torch.Tensor, wan
 def sweep_rows(name: str, T: int, C: int) -> list[dict]:
     """The stream variant under each knob set of SWEEP (and SEGMENTS at few rows) on random
     normal rows."""
-    from megagraph.kernels.triton import topk as tk
+    from megagraph.kernels.indexer import triton_topk as tk
 
     s = make_scores(T, C, "randn", seed=T + C)
     want = tk.topk_select(s, None, k=K, variant="radix")
@@ -234,7 +234,7 @@ def main() -> None:
 
     import triton
 
-    from megagraph.kernels.triton import topk as tk
+    from megagraph.kernels.indexer import triton_topk as tk
 
     rows = [r for name, T, C in SHAPES for r in shape_rows(name, T, C, args.capturable_ms)]
     sweep = []

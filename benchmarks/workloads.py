@@ -179,7 +179,7 @@ def with_kernels(plan, which: str):
         return plan
     if which not in KERNEL_SETS:
         raise ValueError(f"unknown kernel set {which!r}")
-    from megagraph.kernels.capturable import CAPTURABLE
+    from megagraph.kernels.capturable_table import CAPTURABLE
     from megagraph.kernels.registry import kernel_key
 
     keys = {kernel_key(n.op, n.attr_dict): n.op for n in plan.graph.nodes}
@@ -326,9 +326,9 @@ def install_balanced_routing() -> None:
     token index t mod E through them; the capturable mega_moe's router and unfused `route` nodes
     are replaced by the capturable hash router over the same table. For the whole process
     (benchmarks only)."""
-    import megagraph.kernels.capturable.fused as capfused
+    import megagraph.kernels.fused.capturable as capfused
     import megagraph.runtime.engine as engine_mod
-    from megagraph.kernels.capturable.moe import hash_route
+    from megagraph.kernels.moe.capturable import hash_route
 
     if getattr(engine_mod, "_balanced_routing", False):
         return

@@ -1,6 +1,6 @@
 """The reference interpreter: executes a graph node by node with an implementation table.
 
-With the default table (kernels.reference) running the built graph, this *is* the model's
+With the default table (kernels.reference_table) running the built graph, this *is* the model's
 meaning: passes are tested by interpreting before/after graphs on the same inputs, and the
 runtime is tested against it. Values are freed after their last use so a prefill over a long
 prompt does not keep every intermediate alive.
@@ -28,12 +28,12 @@ assert set(TORCH_DTYPES) == set(DTYPES)
 
 
 def default_impls() -> dict[str, Impl]:
-    from megagraph.kernels.reference import REFERENCE
-    from megagraph.kernels.reference.dspark import DSPARK
-    from megagraph.kernels.reference.fused import FUSED
-    from megagraph.kernels.reference.parallel import PARALLEL
-    from megagraph.kernels.reference.structural import STRUCTURAL
-    from megagraph.kernels.reference.v4 import V4_REFERENCE
+    from megagraph.kernels.reference_table import REFERENCE
+    from megagraph.kernels.dspark.reference import DSPARK
+    from megagraph.kernels.fused.reference import FUSED
+    from megagraph.kernels.parallel.reference import PARALLEL
+    from megagraph.kernels.dense.structural import STRUCTURAL
+    from megagraph.kernels.v4.reference import V4_REFERENCE
 
     return {**REFERENCE, **STRUCTURAL, **V4_REFERENCE, **FUSED, **DSPARK, **PARALLEL}
 

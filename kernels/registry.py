@@ -33,9 +33,9 @@ def _k(name: str, needs: str, status: str = "planned", note: str = "") -> Kernel
 
 REFERENCE = KernelImpl("reference", frozenset(), "available", "pure torch (kernels/reference)")
 BLACKWELL_GEMM = "sm_100f deepgemm"
-TRITON_ATTN = "kernels/triton/attention.py: split-K MQA over ring + step rows + top-k, sink"
-TRITON_GEMM = "kernels/triton/moe.py: FP8-block weights, fp16 MMA with folded block scales"
-TRITON_MOE = "kernels/triton/moe.py: grouped MXFP4 GEMMs, FP4 -> FP8 upcast, fused SwiGLU/combine"
+TRITON_ATTN = "kernels/attention/triton.py: split-K MQA over ring + step rows + top-k, sink"
+TRITON_GEMM = "kernels/moe/triton.py: FP8-block weights, fp16 MMA with folded block scales"
+TRITON_MOE = "kernels/moe/triton.py: grouped MXFP4 GEMMs, FP4 -> FP8 upcast, fused SwiGLU/combine"
 
 # op (or "op[attr=value]" for a variant) -> implementations in order of preference
 KERNELS: dict[str, list[KernelImpl]] = {
@@ -60,10 +60,10 @@ KERNELS: dict[str, list[KernelImpl]] = {
                                            note=f"{TRITON_GEMM}, SwiGLU-clamp epilogue")],
     "mega_mhc": [_k("deepgemm.mega_mhc", f"{BLACKWELL_GEMM}"),
                  _k("triton.mega_mhc", "sm_90 triton", "available",
-                    note="kernels/triton/mhc.py: one launch at <= 64 tokens (split-K, last-arriver "
+                    note="kernels/mhc/triton.py: one launch at <= 64 tokens (split-K, last-arriver "
                          "finish), else projection + ordered reduce + finish")],
     "mega_moe": [_k("deepgemm.fp8_fp4_mega_moe", f"{BLACKWELL_GEMM} mxfp4", "unvalidated",
-                    note="kernels/deepgemm_mega.py, tried first by triton.mega_moe: DeepGEMM "
+                    note="kernels/moe/deepgemm_mega.py, tried first by triton.mega_moe: DeepGEMM "
                          "MegaMoE for the routed experts, router / shared expert / combine + "
                          "expand in Triton; never run (no sm_100 + DeepGEMM yet); needs a 1-rank "
                          "group (deepgemm_mega.init_single_rank_group) and a warm-up call "
@@ -71,19 +71,19 @@ KERNELS: dict[str, list[KernelImpl]] = {
                  _k("triton.mega_moe", "sm_90 triton", "available",
                     note=f"{TRITON_MOE}; router, permutation, shared expert, combine + expand")],
     "linear": [_k("cublas.linear_split", "sm_90", "available",
-                  note="kernels/cublas_dense.py: dense bf16 / fp16 weights on the half-precision "
+                  note="kernels/gemm/cublas_dense.py: dense bf16 / fp16 weights on the half-precision "
                        "GEMM with fp32 accumulation (fp32 x split exactly in three bf16 pieces, "
                        "one GEMM); the LM head without a per-call fp32 weight copy (tests on the "
                        "H200, session 10; decode step 18.07 -> 14.62 ms at B = 64 with "
                        "triton.rms_norm)"),
                _k("cublas.linear_split", "cuda", "unvalidated")],
     "rms_norm": [_k("triton.rms_norm", "sm_90 triton", "available",
-                    note="kernels/triton/norm.py: one program per row (the q / kv latent and final "
+                    note="kernels/dense/triton_norm.py: one program per row (the q / kv latent and final "
                          "norms; the sites' norms are inside mega_mhc; tests on the H200, "
                          "session 10)")],
     "hc_mixer": [_k("deepgemm.tf32_hc_prenorm_gemm+triton.sinkhorn", "cuda deepgemm triton")],
     "hc_expand": [_k("triton.hc_expand", "sm_90 triton", "available",
-                     note="kernels/triton/mhc.py: mega_moe's combine kernel with one slot (the "
+                     note="kernels/mhc/triton.py: mega_moe's combine kernel with one slot (the "
                           "attention sites' residual expand; the FFN sites' is inside mega_moe; "
                           "tests/kernels/test_triton_mhc.py on the H200)")],
     "sparse_attn": [_k("flashmla.sparse_fwd", "cuda flashmla"),
@@ -94,45 +94,45 @@ KERNELS: dict[str, list[KernelImpl]] = {
     "index_scores": [_k("deepgemm.fp8_fp4_mqa_logits", f"{BLACKWELL_GEMM} mxfp4"),
                      _k("deepgemm.fp8_mqa_logits", "sm_90 deepgemm"),
                      _k("triton.index_scores", "sm_90 triton", "available",
-                        note="kernels/triton/indexer.py: request tiles, tf32x3 products "
+                        note="kernels/indexer/triton.py: request tiles, tf32x3 products "
                               "(bf16 where the node says products=bf16)")],
     "candidate_mask": [_k("triton.candidate_mask", "sm_90 triton", "available",
-                          note="kernels/triton/topk.py: streaming select over the block maxima "
+                          note="kernels/indexer/triton_topk.py: streaming select over the block maxima "
                                "(row read twice), bitwise the reference (tests on the H200, "
                                "sessions 10-11; 26.2 -> 5.4 ms vs the radix kernel at 8192 x "
                                "135168: benchmarks/results/topk-probe-11-h200.md)"),
                        _k("capturable", "sm_90", "available", note="device torch, no host sync")],
     "topk_select": [_k("triton.topk_select", "sm_90 triton", "available",
-                       note="kernels/triton/topk.py: streaming select (row read once into a "
+                       note="kernels/indexer/triton_topk.py: streaming select (row read once into a "
                             "candidate buffer, exact radix select over it), bitwise the reference "
                             "(tests on the H200, sessions 10-11; top-512 at 8192 x 135168 20.7 -> "
                             "4.5 ms vs the radix kernel: benchmarks/results/topk-probe-11-h200.md)"),
                     _k("capturable", "sm_90", "available", note="device torch.topk + sort")],
     "quantize_act": [_k("triton.quantize_act", "sm_90 triton", "available",
-                        note="kernels/triton/quant.py: one pass per row, bitwise the reference "
+                        note="kernels/dense/triton_quant.py: one pass per row, bitwise the reference "
                              "(22 cases on the H200, tests/kernels/test_triton_quant.py)"),
                      _k("triton.quantize_act", "cuda triton", "unvalidated")],
     "rope": [_k("triton.rope", "sm_90 triton", "available",
-                note="kernels/triton/rope.py: one pass over x with the capturable version's "
+                note="kernels/dense/triton_rope.py: one pass over x with the capturable version's "
                      "cos/sin table, no FMA contraction: bitwise the capturable rope "
                      "(48 cases on the H200, tests/kernels/test_triton_dense.py)"),
              _k("triton.rope", "cuda triton", "unvalidated")],
     "fake_quant": [_k("triton.fake_quant", "sm_90 triton", "available",
-                      note="kernels/triton/quant.py: one pass per row, fp8_e4m3 / mxfp4 / nvfp4, "
+                      note="kernels/dense/triton_quant.py: one pass per row, fp8_e4m3 / mxfp4 / nvfp4, "
                            "bitwise the reference (16 cases on the H200, "
                            "tests/kernels/test_triton_dense.py)"),
                    _k("triton.fake_quant", "cuda triton", "unvalidated")],
     "compressor": [_k("triton.compressor", "sm_90 triton", "available",
-                      note="kernels/triton/compressor.py: GEMM + pool/norm/RoPE/fake-quant rows"),
+                      note="kernels/state/triton_compressor.py: GEMM + pool/norm/RoPE/fake-quant rows"),
                    _k("triton.compressor", "cuda triton")],
     "ring_update_batched": [_k("triton.ring_copy_batched", "sm_90 triton", "available",
-                               note="kernels/triton/ring.py: 8 rings per launch"),
+                               note="kernels/state/triton_ring.py: 8 rings per launch"),
                             _k("triton.ring_copy_batched", "cuda triton")],
     "ring_update": [_k("triton.ring_update", "sm_90 triton", "available")],
     "engram_hash": [_k("triton.engram_hash", "sm_90 triton", "available")],
     "engram_gate": [_k("triton.engram_gate", "sm_90 triton", "available")],
     "engram_lookup": [_k("host.engram_gather", "", note="CPU gather from the memory-mapped table")],
-    # expert parallelism (kernels/reference/parallel.py; docs/parallelism.md)
+    # expert parallelism (kernels/parallel/reference.py; docs/parallelism.md)
     "ep_place": [_k("torch.ep_place", "cuda", "available", note="sync-free torch, capturable")],
     "ep_dispatch": [_k("deepep.dispatch", "cuda deepep",
                        note="DeepEP V2 ElasticBuffer: low-latency for captured decode, normal for "
@@ -144,37 +144,37 @@ KERNELS: dict[str, list[KernelImpl]] = {
                       note="torch.distributed over static worst-case blocks; capturable")],
 }
 # available implementations other than the reference: name -> module defining a function per op
-LOADABLE: dict[str, str] = {"cublas.linear_split": "megagraph.kernels.cublas_dense",
-                            "torch.ep_place": "megagraph.kernels.reference.parallel",
-                            "nccl.all_to_all_single": "megagraph.kernels.reference.parallel"}
+LOADABLE: dict[str, str] = {"cublas.linear_split": "megagraph.kernels.gemm.cublas_dense",
+                            "torch.ep_place": "megagraph.kernels.parallel.reference",
+                            "nccl.all_to_all_single": "megagraph.kernels.parallel.reference"}
 # CSA2 attention path in Triton (Hopper; each falls back to kernels/capturable off the GPU).
 # State ops (compressor, ring copies) are functional here; `inplace=True` updates the state inputs.
 LOADABLE.update({
-    "triton.sparse_attn": "megagraph.kernels.triton.attention",
-    "triton.sparse_attn_q": "megagraph.kernels.triton.attention",
-    "triton.index_scores": "megagraph.kernels.triton.indexer",
-    "triton.compressor": "megagraph.kernels.triton.compressor",
-    "triton.ring_copy_batched": "megagraph.kernels.triton.ring",
-    "triton.ring_update": "megagraph.kernels.triton.ring",
-    "triton.engram_hash": "megagraph.kernels.triton.engram",
-    "triton.engram_gate": "megagraph.kernels.triton.engram",
+    "triton.sparse_attn": "megagraph.kernels.attention.triton",
+    "triton.sparse_attn_q": "megagraph.kernels.attention.triton",
+    "triton.index_scores": "megagraph.kernels.indexer.triton",
+    "triton.compressor": "megagraph.kernels.state.triton_compressor",
+    "triton.ring_copy_batched": "megagraph.kernels.state.triton_ring",
+    "triton.ring_update": "megagraph.kernels.state.triton_ring",
+    "triton.engram_hash": "megagraph.kernels.engram.triton",
+    "triton.engram_gate": "megagraph.kernels.engram.triton",
 })
 # MegaMoE path, FP8-block GEMMs and Mega-mHC in Triton (Hopper; capturable fallbacks elsewhere)
 LOADABLE.update({
-    "triton.mega_moe": "megagraph.kernels.triton.moe",
-    "deepgemm.fp8_fp4_mega_moe": "megagraph.kernels.triton.moe",  # deepgemm_mega, else Triton
-    "triton.moe_fp8_mxfp4": "megagraph.kernels.triton.moe",
-    "triton.swiglu_fp8_block": "megagraph.kernels.triton.moe",
-    "triton.fp8_block_gemm": "megagraph.kernels.triton.moe",
-    "triton.grouped_fp8_gemm": "megagraph.kernels.triton.moe",
-    "triton.mega_mhc": "megagraph.kernels.triton.mhc",
-    "triton.hc_expand": "megagraph.kernels.triton.mhc",
-    "triton.rms_norm": "megagraph.kernels.triton.norm",
-    "triton.topk_select": "megagraph.kernels.triton.topk",
-    "triton.candidate_mask": "megagraph.kernels.triton.topk",
-    "triton.quantize_act": "megagraph.kernels.triton.quant",
-    "triton.fake_quant": "megagraph.kernels.triton.quant",
-    "triton.rope": "megagraph.kernels.triton.rope",
+    "triton.mega_moe": "megagraph.kernels.moe.triton",
+    "deepgemm.fp8_fp4_mega_moe": "megagraph.kernels.moe.triton",  # deepgemm_mega, else Triton
+    "triton.moe_fp8_mxfp4": "megagraph.kernels.moe.triton",
+    "triton.swiglu_fp8_block": "megagraph.kernels.moe.triton",
+    "triton.fp8_block_gemm": "megagraph.kernels.moe.triton",
+    "triton.grouped_fp8_gemm": "megagraph.kernels.moe.triton",
+    "triton.mega_mhc": "megagraph.kernels.mhc.triton",
+    "triton.hc_expand": "megagraph.kernels.mhc.triton",
+    "triton.rms_norm": "megagraph.kernels.dense.triton_norm",
+    "triton.topk_select": "megagraph.kernels.indexer.triton_topk",
+    "triton.candidate_mask": "megagraph.kernels.indexer.triton_topk",
+    "triton.quantize_act": "megagraph.kernels.dense.triton_quant",
+    "triton.fake_quant": "megagraph.kernels.dense.triton_quant",
+    "triton.rope": "megagraph.kernels.dense.triton_rope",
 })
 
 
@@ -208,7 +208,7 @@ def use_unvalidated() -> bool:
 
 def _has_capturable(op: str) -> bool:
     try:
-        from megagraph.kernels.capturable import CAPTURABLE
+        from megagraph.kernels.capturable_table import CAPTURABLE
     except ImportError:
         return False
     return op in CAPTURABLE

@@ -19,7 +19,7 @@ from .config import ModelConfig
 
 @lru_cache(maxsize=8)
 def _layouts(cfg: ModelConfig):
-    from megagraph.kernels.reference.engram import engram_layout
+    from megagraph.kernels.engram.reference import engram_layout
 
     return engram_layout(list(cfg.engram_layers), list(cfg.engram_num_embeddings),
                          max_ngram=cfg.engram_max_ngram, n_heads=cfg.engram_n_heads,

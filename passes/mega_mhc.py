@@ -6,7 +6,7 @@ statistics, Sinkhorn on 4 x 4) gives this site's post / comb and the pre the nex
 with, the collapse of the streams with the previous site's pre, the attention norm, and the
 quantization for the q / kv projections. Unfused they are four ops (on the H200 the mixer alone
 is ~60 small torch kernels: sigmoids, softmax, 20 Sinkhorn iterations); fused, one kernel
-(kernels/triton/mhc.py: one launch at decode sizes) writes the norm output (read by the compressor
+(kernels/mhc/triton.py: one launch at decode sizes) writes the norm output (read by the compressor
 and the indexer's head weights as well), its quantized copy and the coefficients.
 
 Runs after mega-moe-fusion (its FFN sites are already fused; what is left are the attention

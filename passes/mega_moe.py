@@ -6,7 +6,7 @@ expand. Unfused, every step between them round-trips activations through memory.
 tensors in the two ops' signatures cross: x (for the router's bf16 gate GEMM), x_q/x_scale (the
 experts' FP8 input), pre (to the next layer), post/comb (to the residual expand), and the new
 streams. On Blackwell this is DeepGEMM's `mega_mhc` writing straight into `fp8_fp4_mega_moe`'s
-symmetric buffer; on Hopper our Triton path (kernels/triton/moe.py, mhc.py).
+symmetric buffer; on Hopper our Triton path (kernels/moe/triton.py, mhc.py).
 """
 
 from __future__ import annotations

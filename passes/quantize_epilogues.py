@@ -9,7 +9,7 @@ Where the profile's attention kernel can write its output quantized (FlashMLA Me
 inverse RoPE, head merge and quantization fold into the attention op itself (`sparse_attn_q`).
 
 This pass changes numerics (that is its point); the error bound is stated in
-kernels/reference/fused.py and tested per quantized GEMM.
+kernels/fused/reference.py and tested per quantized GEMM.
 """
 
 from __future__ import annotations

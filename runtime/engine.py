@@ -57,7 +57,7 @@ def untraced_nodes(g, tile_loops: bool = True) -> set[str]:
     INDUCTOR_UNSAFE_OPS), and with `tile_loops` those whose capturable kernel loops over tile chunks
     in Python (TILE_LOOP_OPS: minutes of tracing for little gain)."""
     try:
-        from megagraph.kernels.capturable import INDUCTOR_UNSAFE_OPS, TILE_LOOP_OPS
+        from megagraph.kernels.capturable_table import INDUCTOR_UNSAFE_OPS, TILE_LOOP_OPS
     except ImportError:
         return set()
     ops = set(INDUCTOR_UNSAFE_OPS) | (set(TILE_LOOP_OPS) if tile_loops else set())

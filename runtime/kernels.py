@@ -1,7 +1,7 @@
 """Kernel choices of the plan -> one implementation per node, with the fallbacks said out loud.
 
 Choice names map to tables: `reference` -> graph.interp.default_impls() (runs anywhere, may sync
-with the host, so never captured), `capturable` -> kernels.capturable.CAPTURABLE (vectorized,
+with the host, so never captured), `capturable` -> kernels.capturable_table.CAPTURABLE (vectorized,
 host-sync free: the only kernels a CUDA graph captures). Other names are loaded through
 kernels.registry when it can load them. Artifacts compiled for another device, or a choice this
 machine cannot load, are an error unless fallback to the reference kernels is allowed.
@@ -34,7 +34,7 @@ def capturable_tables(g: Graph) -> tuple[dict[str, Impl], dict[str, Impl], set[s
     """(functional table, in-place-state table, nodes that must stay functional) for `g`;
     empty tables when kernels/capturable is not installed."""
     try:
-        from megagraph.kernels.capturable import capturable_impls, inplace_hazards
+        from megagraph.kernels.capturable_table import capturable_impls, inplace_hazards
     except ImportError:
         return {}, {}, set()
     unsafe = {h.split(" ", 1)[0].lstrip("%") for h in inplace_hazards(g)}
@@ -159,7 +159,7 @@ def _state_in_place(fn: Impl, n: Node, unsafe: set[str]) -> Impl:
     place, like the capturable in-place table, unless a later node still reads the old state: the
     functional form copies every pool it updates (whole [slots, capacity, ...] tensors) per step."""
     try:
-        from megagraph.kernels.capturable import INPLACE_STATE_OPS
+        from megagraph.kernels.capturable_table import INPLACE_STATE_OPS
     except ImportError:
         return fn
     if n.op not in INPLACE_STATE_OPS or n.outputs[0] in unsafe:

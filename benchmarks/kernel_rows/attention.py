@@ -89,7 +89,7 @@ def _count_attn(args, ratio: int) -> tuple[int, int]:
 
 
 def index_case(device, R, ctx, ratio, new=1):
-    from megagraph.kernels.capturable.dense import fake_quant
+    from megagraph.kernels.dense.capturable import fake_quant
 
     reqs = [(i, ctx - new, new) for i in range(R)]
     pos, req, slots, _ = _meta(reqs, device)
@@ -157,14 +157,14 @@ def _variants_note(times: dict) -> str:
 
 
 def _deq(o):
-    from megagraph.kernels.reference.fused import dequant_act
+    from megagraph.kernels.fused.reference import dequant_act
 
     return dequant_act(o[0], o[1], act_fmt="fp8_1x128")
 
 
 def attention_rows(device, smoke, t_end) -> list[dict]:
-    from megagraph.kernels.capturable.fused import sparse_attn_q as cap
-    from megagraph.kernels.triton import attention as A
+    from megagraph.kernels.fused.capturable import sparse_attn_q as cap
+    from megagraph.kernels.attention import triton as A
 
     out = []
     decode = [(32, 8192), (64, 8192), (128, 8192), (256, 8192), (32, 32768), (128, 32768),
@@ -235,8 +235,8 @@ def attention_rows(device, smoke, t_end) -> list[dict]:
 
 
 def indexer_rows(device, smoke, t_end) -> list[dict]:
-    from megagraph.kernels.capturable.indexer import index_scores as cap, topk_select
-    from megagraph.kernels.triton.indexer import index_scores
+    from megagraph.kernels.indexer.capturable import index_scores as cap, topk_select
+    from megagraph.kernels.indexer.triton import index_scores
 
     out = []
     cases = [(32, 8192, 2), (128, 8192, 2), (256, 8192, 2), (32, 32768, 2), (256, 32768, 2),
@@ -276,8 +276,8 @@ def indexer_rows(device, smoke, t_end) -> list[dict]:
 
 
 def compressor_rows(device, smoke, t_end) -> list[dict]:
-    from megagraph.kernels.capturable.fused import compressor as cap
-    from megagraph.kernels.triton.compressor import compressor
+    from megagraph.kernels.fused.capturable import compressor as cap
+    from megagraph.kernels.state.triton_compressor import compressor
 
     out = []
     cases = [(256, 8192, 2, 1), (256, 8192, 1, 1), (1, 16384, 2, 8192), (1, 16384, 1, 8192)]
@@ -301,11 +301,11 @@ def compressor_rows(device, smoke, t_end) -> list[dict]:
 
 
 def ring_engram_rows(device, smoke) -> list[dict]:
-    from megagraph.kernels.capturable.attention import ring_update_batched as cap_rings
-    from megagraph.kernels.capturable.engram import engram_gate as cap_gate, engram_hash as cap_hash
-    from megagraph.kernels.reference.engram import engram_layout
-    from megagraph.kernels.triton.engram import engram_gate, engram_hash
-    from megagraph.kernels.triton.ring import ring_update_batched
+    from megagraph.kernels.attention.capturable import ring_update_batched as cap_rings
+    from megagraph.kernels.engram.capturable import engram_gate as cap_gate, engram_hash as cap_hash
+    from megagraph.kernels.engram.reference import engram_layout
+    from megagraph.kernels.engram.triton import engram_gate, engram_hash
+    from megagraph.kernels.state.triton_ring import ring_update_batched
 
     out = []
     R = 4 if smoke else 256

@@ -1,4 +1,4 @@
-"""Benchmark rows of the token-parallel Triton kernels (kernels/triton/rope.py, quant.py
+"""Benchmark rows of the token-parallel Triton kernels (kernels/dense/triton_rope.py, quant.py
 fake_quant) at the V4.1-Flash slice's shapes: RoPE of the q heads [T, 64, 512] (YaRN, rope_dim
 64), of the kv rows [T, 512] and of the index keys [T, 128]; fake quantization of the kv rows
 (fp8_e4m3 per 32) and of the index keys (mxfp4 per 32). bf16 activations.
@@ -30,14 +30,14 @@ BUDGET_S = 120.0
 
 def cases(dims: dict, T: int, dev, g) -> list[tuple]:
     """(kernel, case, triton fn, capturable fn, reference fn, args, kwargs, bytes)."""
-    from megagraph.kernels.capturable import dense as cd
-    from megagraph.kernels.reference.quant import fake_quant as ref_fq
-    from megagraph.kernels.reference.rope import rope as ref_rope
+    from megagraph.kernels.dense import capturable as cd
+    from megagraph.kernels.dense.quant import fake_quant as ref_fq
+    from megagraph.kernels.dense.rope import rope as ref_rope
 
     tr = tq = None
     if dev.type == "cuda" or _interpreting():
-        from megagraph.kernels.triton import quant as tq
-        from megagraph.kernels.triton import rope as tr
+        from megagraph.kernels.dense import triton_quant as tq
+        from megagraph.kernels.dense import triton_rope as tr
 
     H, d, di, rp = dims["heads"], dims["d"], dims["di"], dims["rope"]
     pos = torch.randint(0, 65536, (T,), device=dev, generator=g)

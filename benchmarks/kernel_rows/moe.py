@@ -1,4 +1,4 @@
-"""Benchmark rows of the MegaMoE path in Triton (kernels/triton/moe.py, mhc.py) at real
+"""Benchmark rows of the MegaMoE path in Triton (kernels/moe/triton.py, mhc.py) at real
 V4.1-Flash dims: hidden 5120, 384 routed experts x 2304 (MXFP4, E8M0 per 32), top-6 + 1 shared
 expert (FP8, 32x32 E8M0 blocks), 4 mHC streams; random weights made on the device.
 
@@ -98,12 +98,12 @@ def layer_inputs(dims: dict, w: dict, T: int, dev, seed: int):
     g = torch.Generator(device=dev)
     g.manual_seed(seed)
     streams = torch.randn(T, dims["n"], dims["d"], device=dev, generator=g).to(torch.bfloat16)
-    from megagraph.kernels.triton import moe as tm
+    from megagraph.kernels.moe import triton as tm
 
     if tm.available() and tm.on_device(streams):
-        from megagraph.kernels.triton.mhc import mega_mhc
+        from megagraph.kernels.mhc.triton import mega_mhc
     else:
-        from megagraph.kernels.reference.fused import mega_mhc
+        from megagraph.kernels.fused.reference import mega_mhc
     mhc = mega_mhc(streams, w["fn"], w["base"], w["scale"], None, w["nw"], **MHC_KW)
     return streams, mhc
 
@@ -139,8 +139,8 @@ def mhc_counts(dims: dict, T: int) -> tuple[int, int]:
 
 
 def cpu_rows(smoke: bool) -> list[dict]:
-    from megagraph.kernels.capturable import fused as cf
-    from megagraph.kernels.reference import fused as rf
+    from megagraph.kernels.fused import capturable as cf
+    from megagraph.kernels.fused import reference as rf
 
     dev = torch.device("cpu")
     dims = TINY
@@ -179,9 +179,9 @@ def _compiled(fn):
 
 
 def mhc_rows(dims, w, T, dev, t_end) -> list[dict]:
-    from megagraph.kernels.capturable import fused as cf
-    from megagraph.kernels.reference import fused as rf
-    from megagraph.kernels.triton import mhc as th
+    from megagraph.kernels.fused import capturable as cf
+    from megagraph.kernels.fused import reference as rf
+    from megagraph.kernels.mhc import triton as th
 
     g = torch.Generator(device=dev)
     g.manual_seed(T)
@@ -208,9 +208,9 @@ def mhc_rows(dims, w, T, dev, t_end) -> list[dict]:
 
 
 def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
-    from megagraph.kernels.capturable import fused as cf
-    from megagraph.kernels.reference import fused as rf
-    from megagraph.kernels.triton import moe as tm
+    from megagraph.kernels.fused import capturable as cf
+    from megagraph.kernels.fused import reference as rf
+    from megagraph.kernels.moe import triton as tm
 
     streams, (x, xq, xs, pre, post, comb) = layer_inputs(dims, w, T, dev, seed=T + 1)
     args = (x, xq, xs, streams, post, comb, w["gate"], w["bias"], *w["routed"], *w["shared"])
@@ -309,7 +309,7 @@ def layer_call(dims: dict, w: dict, T: int, dev, routing: str = "gate"):
     T + 1, the kernel table's inputs), routed by the gate ("gate") or balanced_routing
     ("balanced"): what benchmarks/moe_ab.py times and benchmarks/ncu_moe.py profiles. The
     kernel switches are read at each call."""
-    from megagraph.kernels.triton import moe as tm
+    from megagraph.kernels.moe import triton as tm
 
     streams, (x, xq, xs, _pre, post, comb) = layer_inputs(dims, w, T, dev, seed=T + 1)
     args = (x, xq, xs, streams, post, comb, w["gate"], w["bias"], *w["routed"], *w["shared"])
@@ -463,7 +463,7 @@ def fp8h_rows(dims, T, dev, tm, a2, kw2, ref2, touched, asm, base_ms, t_end,
     epilogue, FP8 L2) at the pick_config l1_fp8h / l2_fp8h tiles, then (sweeping) a few other
     tiles; the row carries the fastest, the default (fp16-H) best as baseline, and both errors.
     Leaves FP8_H / USE_ASM / CONFIG_OVERRIDE as it found them."""
-    from megagraph.kernels.reference import fused as rf
+    from megagraph.kernels.fused import reference as rf
 
     rpg = T * dims["k"] / min(dims["E"], T * dims["k"])
     G = tm.GemmConfig
@@ -542,7 +542,7 @@ def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> 
                 topk=k, max_tiles=min(P, P // c1.bm + E), limit=10.0)
 
     def l1c():  # the prefill default: cuBLAS grouped FP8 on the per-call E4M3 upcast
-        from megagraph.kernels.triton import moe_grouped_cublas as mgc
+        from megagraph.kernels.moe import grouped_cublas as mgc
 
         mgc.l1_swiglu(xq, xs, srt, b[0], b[1], counts, h, topk=k, limit=10.0)
 
@@ -605,7 +605,7 @@ def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> 
          2 * T * 3 * fs * d, 3 * fs * d + T * d + T * d * 2, "bf16"),
         ("combine + shared + mHC expand", comb_, 0, T * (k + 1) * d * 2 + 2 * T * 4 * d * 2, ""),
     ]
-    from megagraph.kernels.triton import moe_grouped_cublas as mgc
+    from megagraph.kernels.moe import grouped_cublas as mgc
 
     if not mgc.applies(xq, b[0], b[1], h, rpg):  # decode sizes / no device support
         pieces = [p for p in pieces if p[1] is not l1c]
@@ -621,7 +621,7 @@ def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> 
 def cublas_off(fn):
     """fn with kernels/cublas_fp8 switched off (the Triton FP8-block GEMMs run), for the rows
     that time Triton next to cuBLAS."""
-    from megagraph.kernels import cublas_fp8
+    from megagraph.kernels.gemm import cublas_fp8
 
     def run():
         mode, cublas_fp8.MODE = cublas_fp8.MODE, "0"
@@ -633,7 +633,7 @@ def cublas_off(fn):
 
 
 def cublas_note(dev) -> str:
-    from megagraph.kernels import cublas_fp8
+    from megagraph.kernels.gemm import cublas_fp8
 
     form = cublas_fp8.supported(dev.index or 0) if dev.type == "cuda" else None
     return f"cuBLAS block-scaled FP8, weight scales {form}" if form else ""
@@ -646,9 +646,9 @@ LINEAR_TINY = [("wq_a", 96, 256)]
 def quant_rows(dims, T, dev, g) -> list[dict]:
     """triton.quantize_act (FP8 1x128 of a bf16 activation) vs the capturable chain, at the widths
     the slice quantizes (hidden, and the attention output's 64 x 512); bytes: read + codes + scales."""
-    from megagraph.kernels.capturable import fused as cf
-    from megagraph.kernels.reference import fused as rf
-    from megagraph.kernels.triton import quant as tq
+    from megagraph.kernels.fused import capturable as cf
+    from megagraph.kernels.fused import reference as rf
+    from megagraph.kernels.dense import triton_quant as tq
 
     out = []
     for K in ((dims["d"], 32768) if dims["d"] == V41["d"] else (dims["d"],)):
@@ -666,9 +666,9 @@ def quant_rows(dims, T, dev, g) -> list[dict]:
 
 def linear_rows(dims, w, T, dev, t_end) -> list[dict]:
     from megagraph.kernels import formats
-    from megagraph.kernels.capturable import fused as cf
-    from megagraph.kernels.reference import fused as rf
-    from megagraph.kernels.triton import moe as tm
+    from megagraph.kernels.fused import capturable as cf
+    from megagraph.kernels.fused import reference as rf
+    from megagraph.kernels.moe import triton as tm
 
     g = torch.Generator(device=dev)
     g.manual_seed(T + 7)
@@ -714,7 +714,7 @@ def linear_rows(dims, w, T, dev, t_end) -> list[dict]:
                            flops=2 * T * N * K, bytes=N * K + N * K // 1024 + T * K + T * N * 2,
                            peak="fp8", baseline="triton", baseline_ms=ms,
                            rel_err=rel_err(cub, ref), notes=note + "; weight reblocked from 32x32 "
-                           "(kernels/cublas_fp8.py); linear_q's default"))
+                           "(kernels/gemm/cublas_fp8.py); linear_q's default"))
     if time.perf_counter() < t_end:
         G, O, In = (8, 1024, 4096) if dims["d"] == V41["d"] else (2, 64, 128)
         x = torch.randn(T, G * In, device=dev, generator=g)

@@ -2,7 +2,7 @@
 GEMMs that consume them, the Mega-mHC / MegaMoE pair, the fused compressor, the batched ring copy,
 and the row selection of bounded-suffix replay graphs.
 
-Each fused op's reference kernel (kernels/reference/fused.py) composes the reference kernels of
+Each fused op's reference kernel (kernels/fused/reference.py) composes the reference kernels of
 the ops listed in `fused_from`, so structural fusions are bit-exact against the unfused graph.
 """
 

@@ -106,7 +106,7 @@ def shutdown(ctx: DistContext | None = None, *, barrier: bool = False) -> None:
             dist.barrier(group=group)
         # a ProcessGroup object that outlives destroy_process_group() is destroyed at interpreter
         # exit, which can abort the process ("terminate called without an active exception")
-        from megagraph.kernels.reference.parallel import set_ep_group
+        from megagraph.kernels.parallel.reference import set_ep_group
 
         set_ep_group(None)
         if ctx is not None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from megagraph.kernels.reference.parallel import set_ep_group
+from megagraph.kernels.parallel.reference import set_ep_group
 from megagraph.passes.expert_parallel import (
     IDLE_GRAPH,
     ParallelLayout,

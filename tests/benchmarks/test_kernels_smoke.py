@@ -45,8 +45,8 @@ m.time_ms = lambda fn, **kw: kernel_rows.time_once_ms(fn, device="cpu")
 m.time_once_ms = m.time_ms
 rows = m.device_rows(torch.device("cpu"), m.TINY, (3,), 600.0, sweep=False)
 # the balanced-routing layer row (prefill sizes only in device_rows): 4 tokens x top-2 of 8
-from megagraph.kernels.reference import fused as rf
-from megagraph.kernels.triton import moe as tm
+from megagraph.kernels.fused import reference as rf
+from megagraph.kernels.moe import triton as tm
 cpu = torch.device("cpu")
 w = m.make_weights(m.TINY, cpu)
 streams, (x, xq, xs, _pre, post, comb) = m.layer_inputs(m.TINY, w, 4, cpu, seed=5)

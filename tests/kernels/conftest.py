@@ -13,6 +13,6 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def _fp16_h(monkeypatch):
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     monkeypatch.setattr(moe, "FP8_H_PREFILL", False)

@@ -36,7 +36,7 @@ def case(T, E, d, F, k, seed, subset=None, exps=(119, 125), distinct=False):
     [exps[0], exps[1])), random top-k routing from `subset` if given (the other experts stay
     empty): with replacement (a token may pick an expert twice), or `distinct` experts per
     token (the top-k of random scores, as a router). On the GPU: (xq, xs, w1, w3, counts, srt)."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, d, generator=g)
@@ -105,7 +105,7 @@ def sort_pairs(ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """The expert-sorted pair list: moe.permute on the GPU, a stable argsort elsewhere (the same
     groups; the order inside a group may differ, which no output depends on)."""
     if ids.is_cuda:
-        from megagraph.kernels.triton import moe
+        from megagraph.kernels.moe import triton as moe
 
         return moe.permute(ids.flatten(), counts, counts.numel())
     return torch.argsort(ids.flatten(), stable=True).to(torch.int32)
@@ -151,7 +151,7 @@ def check_l2_out(y, h, w2, counts, srt, wts, ks, tol):
     """An L2 kernel's y [T, ks, d] (its routed slots: the first k = wts.shape[1]) against the
     fp32 math (l2_reference) and against moe.triton_l2 (the Triton L2 as routed_experts
     launches it) on the same inputs: relative (Frobenius) error < tol for both."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     k = wts.shape[1]
     ref = l2_reference(h, w2, counts, srt, wts, ks)
@@ -167,7 +167,7 @@ def check_l2_out(y, h, w2, counts, srt, wts, ks, tol):
 def dbg_bank(codes: torch.Tensor, exps: torch.Tensor, device="cuda"):
     """An MXFP4 bank on `device` (the GPU unless said) from given codes [E, N, K/2] and E8M0
     exponents [E, N, K/32] (the debug tests' one-expert banks, the L2 tests' W2)."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     return moe.bank(codes.to(torch.int8).to(device),
                     exps.to(torch.uint8).view(torch.float8_e8m0fnu).to(device), "mxfp4")

@@ -17,7 +17,7 @@ from test_capturable_ops import ALL_META, ALL_PLAIN, PADDED, as_tuple, build_met
 from torch.utils._pytree import tree_map
 
 from megagraph.graph.interp import interpret
-from megagraph.kernels.capturable import CAPTURABLE, capturable_impls
+from megagraph.kernels.capturable_table import CAPTURABLE, capturable_impls
 from megagraph.models.session import initial_state, step_metadata
 from tests.tiny import SeqChunk, random_tokens, tiny
 

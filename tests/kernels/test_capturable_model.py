@@ -19,7 +19,7 @@ import torch
 from test_capturable_ops import HostTensorGuard, on_meta
 
 from megagraph.graph.interp import default_impls, interpret
-from megagraph.kernels.capturable import CAPTURABLE, capturable_impls, inplace_hazards
+from megagraph.kernels.capturable_table import CAPTURABLE, capturable_impls, inplace_hazards
 from megagraph.models.session import initial_state, step_metadata
 from tests.tiny import SeqChunk, random_tokens, session, tiny
 

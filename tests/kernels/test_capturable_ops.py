@@ -28,8 +28,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 from megagraph.graph.interp import default_impls
 from megagraph.graph.registry import all_ops
 from megagraph.kernels import formats
-from megagraph.kernels.capturable import CAPTURABLE, _common, capturable_impls
-from megagraph.kernels.reference.engram import engram_layout
+from megagraph.kernels.capturable_table import CAPTURABLE, capturable_impls
+from megagraph.kernels.common import capturable as _common
+from megagraph.kernels.engram.reference import engram_layout
 
 REF = default_impls()
 TOL = dict(rtol=1e-5, atol=1e-5)  # fp32 reorderings only
@@ -435,7 +436,7 @@ PLAIN_CASES = {
 
 # fused (pass-created) ops, composed from the above
 def quantized(g, T, d, act_fmt):
-    from megagraph.kernels.capturable.fused import quantize_act
+    from megagraph.kernels.fused.capturable import quantize_act
 
     return quantize_act(rnd(g, T, d), act_fmt=act_fmt)
 
@@ -665,8 +666,8 @@ def test_state_writes_do_not_depend_on_duplicate_order(name, monkeypatch):
     any of them): reversing the scatter order must not change the result."""
     import importlib
 
-    attention = importlib.import_module("megagraph.kernels.capturable.attention")
-    compressor = importlib.import_module("megagraph.kernels.capturable.compressor")
+    attention = importlib.import_module("megagraph.kernels.attention.capturable")
+    compressor = importlib.import_module("megagraph.kernels.state.capturable")
     orig = _common.final_writer_update
 
     def reversed_order(buf, slot, row, writer, use_new, src, *, inplace):

@@ -1,4 +1,4 @@
-"""kernels/cublas_dense.py: the dense half-precision linear with fp32 accumulation.
+"""kernels/gemm/cublas_dense.py: the dense half-precision linear with fp32 accumulation.
 
 CPU: the three-piece split of fp32 activations is exact (wide exponent ranges, signs, zeros), and
 the split GEMM through an fp32 matmul matches float64 math to fp32 summation order (1e-6); off
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megagraph.kernels import cublas_dense as cd
-from megagraph.kernels.capturable.dense import linear as cap_linear
-from megagraph.kernels.reference.linear import linear as ref_linear
+from megagraph.kernels.gemm import cublas_dense as cd
+from megagraph.kernels.dense.capturable import linear as cap_linear
+from megagraph.kernels.gemm.reference import linear as ref_linear
 
 GPU = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not GPU, reason="needs CUDA")

@@ -1,4 +1,4 @@
-"""kernels/cublas_fp8.py: the reblocked weights (CPU, exact bounds) and the cuBLAS block-scaled
+"""kernels/gemm/cublas_fp8.py: the reblocked weights (CPU, exact bounds) and the cuBLAS block-scaled
 FP8 GEMM against fp32 math (GPU; skipped without CUDA).
 
 Tolerances: the reblock is exact wherever a shifted element stays a normal E4M3 number and off by
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megagraph.kernels import cublas_fp8 as cb
+from megagraph.kernels.gemm import cublas_fp8 as cb
 from megagraph.kernels import formats
-from megagraph.kernels.reference import fused as rf
+from megagraph.kernels.fused import reference as rf
 
 CUDA = torch.cuda.is_available()
 
@@ -211,7 +211,7 @@ def test_capture_after_warmup_and_miss_inside_capture():
 def test_linear_q_takes_cublas():
     """moe.linear_q routes FP8-block weights to cuBLAS where the device check passed: same
     result as cublas_fp8.linear, within bf16 of the reference op."""
-    from megagraph.kernels.triton import moe as tm
+    from megagraph.kernels.moe import triton as tm
 
     _form()
     wq, ws = _weight(1280, 5120, 32, 3, seed=13, device="cuda")
@@ -229,7 +229,7 @@ def test_shared_expert_l1_on_cublas(T):
     """swiglu_mlp_q with FP8-block weights: [W1; W3] on cuBLAS (fp32 out) + the SwiGLU kernel,
     W2 as an exact bf16 copy on cuBLAS bf16 (bf16 H); within bf16 of the fp32 reference op (1e-2
     on norms)."""
-    from megagraph.kernels.triton import moe as tm
+    from megagraph.kernels.moe import triton as tm
 
     _form()
     d, F = 1024, 384
@@ -255,7 +255,7 @@ def test_grouped_linear_on_cublas(T):
     """grouped_linear_q (block-diagonal, wo_a-like) at >= CUBLAS_GROUPED_MIN_ROWS: one cuBLAS
     GEMM per group; each group's columns within bf16 of the reference (a group left unwritten
     would show there)."""
-    from megagraph.kernels.triton import moe as tm
+    from megagraph.kernels.moe import triton as tm
 
     _form()
     G, o, k = 4, 256, 512

@@ -1,4 +1,4 @@
-"""kernels/deepgemm_mega.py: DeepGEMM MegaMoE behind the `mega_moe` op.
+"""kernels/moe/deepgemm_mega.py: DeepGEMM MegaMoE behind the `mega_moe` op.
 
 On the CPU (no Blackwell, no DeepGEMM here): available()'s refusals, the weight / scale-factor
 conversions against their definitions (round trip through DeepGEMM's layout decodes to the same
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megagraph.kernels import deepgemm_mega as dgm
+from megagraph.kernels.moe import deepgemm_mega as dgm
 from megagraph.kernels import formats
-from megagraph.kernels.reference import fused as rf
+from megagraph.kernels.fused import reference as rf
 
 
 def gen(seed: int) -> torch.Generator:

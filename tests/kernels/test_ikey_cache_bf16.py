@@ -30,12 +30,12 @@ import torch
 
 from megagraph.graph.interp import default_impls
 from megagraph.graph.verify import verify_graph
-from megagraph.kernels.capturable import CAPTURABLE
-from megagraph.kernels.capturable import fused as cap_fused
-from megagraph.kernels.capturable import indexer as cap_indexer
-from megagraph.kernels.reference import fused as ref_fused
-from megagraph.kernels.reference import indexer as ref_indexer
-from megagraph.kernels.reference.quant import fake_quant
+from megagraph.kernels.capturable_table import CAPTURABLE
+from megagraph.kernels.fused import capturable as cap_fused
+from megagraph.kernels.indexer import capturable as cap_indexer
+from megagraph.kernels.fused import reference as ref_fused
+from megagraph.kernels.indexer import reference as ref_indexer
+from megagraph.kernels.dense.quant import fake_quant
 from megagraph.models.config import load_model_config
 from megagraph.passes import CompileOptions, compile_graph, compile_model, load_hw_profile
 from megagraph.passes.plan import state_plan
@@ -240,7 +240,7 @@ def test_index_scores_over_bf16_and_f32_caches_are_bitwise_equal(ratio, products
 def test_triton_compressor_bf16_ikey_store_is_exact(ratio, fmt, inplace):
     """The kernel fake-quantizes in fp32 registers, then casts to the cache's element type on the
     store (cast_to: round to nearest even under the interpreter too)."""
-    from megagraph.kernels.triton import compressor as tc
+    from megagraph.kernels.state import triton_compressor as tc
 
     args, m, kw = case(ratio, fmt, seed("triton", ratio, fmt, inplace))
     assert tc.supports(args[0], args[1], args[6], ratio, ROPE["rope_dim"])

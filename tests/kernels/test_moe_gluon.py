@@ -1,4 +1,4 @@
-"""The experimental Gluon L1 (kernels/triton/moe_gluon.py): SwiGLU of W1 / W3 on MXFP4 weights,
+"""The experimental Gluon L1 (kernels/moe/gluon_l1.py): SwiGLU of W1 / W3 on MXFP4 weights,
 E4M3 activations gathered per expert-sorted row.
 
 On a CUDA sm_90 device with Triton 3.6's Gluon: l1_gluon against the fp32 math of the same
@@ -27,7 +27,7 @@ import re
 import pytest
 import torch
 from gluon_cases import TYPES, case, debug_cases, diagnose, reference, rel
-from megagraph.kernels.triton import moe_gluon as mg
+from megagraph.kernels.moe import gluon_l1 as mg
 from sm90_build import gluon_sm90, last_loop, usage_and_sass
 from test_triton_moe import ACT, check_routed, routed_case
 
@@ -41,7 +41,7 @@ REPEATS = 10  # launches of each one-program debug case (bits compared with the 
 @pytest.mark.parametrize("T,E,subset", [(1, 8, None), (37, 8, None), (203, 8, [0, 3, 5]),
                                         (515, 16, None), (1024, 8, [1, 2])])
 def test_l1_gluon_matches(T, E, subset):
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     d, F, k, limit = 1024, 256, 2, 10.0
     xq, xs, w1, w3, counts, srt = case(T, E, d, F, k, seed=T, subset=subset)
@@ -71,7 +71,7 @@ def test_l1_gluon_no_limit_and_asm_off():
     moe_jit.FP4_E4M3_ASM reads from every byte (a kernel passing the old signed rel would decode
     rel - 6: off by 2^-6, or garbage for rel <= 0). Run 3 times: the outputs must be equal bit
     for bit."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     d, F, k, E, T = 512, 128, 3, 4, 77
     xq, xs, w1, w3, counts, srt = case(T, E, d, F, k, seed=5, exps=(108, 128))
@@ -155,7 +155,7 @@ def test_kernel_consts_and_launcher_checks():
     shapes off the tile raise ValueError; banks whose rows are not 4-byte aligned are fine (the
     upcast loads bytes); where Gluon is missing, a valid call says so (RuntimeError) instead of
     launching."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     assert mg.kernel_consts() == dict(USE_ASM=1, BM=128, BN=mg.BN, BK=mg.BK, NSA=mg.NSA, NW=8)
     assert mg.kernel_consts("arith")["USE_ASM"] == 0
@@ -323,7 +323,7 @@ def test_l1_gluon_sm90_build():
 
 
 def _cpu_banks(d=256, F=128, E=4, fmt="mxfp4"):
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     g = torch.Generator().manual_seed(3)
     w = torch.randint(-128, 128, (E, F, d // 2), dtype=torch.int8, generator=g)
@@ -342,8 +342,8 @@ def test_gluon_l1_choice(monkeypatch):
     K % 128), no CONFIG_OVERRIDE for the role, MEGAGRAPH_MOE_GLUON on (and
     MEGAGRAPH_MOE_GLUON_DECODE for the decode kernel), and available() (forced here: the
     predicate's own logic, on any machine)."""
-    from megagraph.kernels.triton import moe
-    from megagraph.kernels.triton import moe_gluon_decode as md
+    from megagraph.kernels.moe import triton as moe
+    from megagraph.kernels.moe import gluon_decode as md
 
     for mod in (mg, md):
         monkeypatch.setattr(mod, "available", lambda device=None: True)
@@ -416,7 +416,7 @@ def test_routed_experts_prefill_uses_gluon(gluon, monkeypatch):
     runs its L1 on l1_gluon when MEGAGRAPH_MOE_GLUON_PREFILL is on (once) and on moe_gemm when
     off (the default); both against the reference op within test_triton_moe's bound (2e-3,
     fp32 output)."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     monkeypatch.setattr(moe, "GLUON_PREFILL", gluon)
     monkeypatch.setattr(moe, "CUBLAS_PREFILL", False)  # the Triton L1 when Gluon is off

@@ -1,4 +1,4 @@
-"""The experimental Gluon DECODE L1 (kernels/triton/moe_gluon_decode.py): swapped wgmma (weight
+"""The experimental Gluon DECODE L1 (kernels/moe/gluon_decode.py): swapped wgmma (weight
 rows = M, <= bt tokens = N: 16 at decode, 32 / 64 for prefill sizes), the MXFP4 weights upcast
 to E4M3 in registers as the wgmma's A operand, gathered E4M3 activations as B in shared
 memory.
@@ -48,7 +48,7 @@ from gluon_cases import (
     rel,
     rows_case,
 )
-from megagraph.kernels.triton import moe_gluon_decode as md
+from megagraph.kernels.moe import gluon_decode as md
 from sm90_build import (SYNC_COUNTS, build_stats, count, gluon_sm90, loop_instructions,
                         usage_and_sass)
 from test_moe_gluon import proxy_fence_problems
@@ -72,7 +72,7 @@ def test_l1_decode_matches(T, E, subset, load, bt):
     """T = 64 with 64 experts: ~6 rows per expert (the decode regime); with 8 of 16 experts:
     48 rows per expert, several 16-row tiles per expert (the last partial; one partial tile at
     bt = 64). Every token tile bt within the bound of both references."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     d, F, k, limit = 1024, 256, 6, 10.0
     xq, xs, w1, w3, counts, srt = case(T, E, d, F, k, seed=T + E, subset=subset, distinct=True)
@@ -102,7 +102,7 @@ def test_l1_decode_asm_vs_arith_and_tiles(load, bt):
     table offset occurs and weights flush): the PTX table upcast and the arithmetic twin give the
     same bits; a prebuilt tile list gives the same output as the one built in the call; at every
     token tile bt."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     d, F, k, E, T = 512, 128, 3, 4, 21
     xq, xs, w1, w3, counts, srt = case(T, E, d, F, k, seed=5, exps=(108, 128), distinct=True)
@@ -134,7 +134,7 @@ def test_routed_experts_decode_uses_gluon(gluon, load, monkeypatch):
     its L1 on l1_gluon_decode when on (once; with the module's LOAD, as
     MEGAGRAPH_MOE_GLUON_DECODE_LOAD sets it) and on moe_gemm when MEGAGRAPH_MOE_GLUON_DECODE is
     off; both against the reference op within test_triton_moe's bound (2e-3, fp32 output)."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     monkeypatch.setattr(moe, "GLUON_DECODE", gluon)
     monkeypatch.setattr(md, "LOAD", load)
@@ -156,7 +156,7 @@ def test_routed_experts_prefill_uses_wide_tiles(wide, monkeypatch):
     runs its L1 on l1_gluon_decode with 64-token tiles by TMA when GLUON_WIDE_L1 is on (the
     default; once) and not when off (the cuBLAS / Triton L1); both against the reference op
     within test_triton_moe's bound (fp32 output). Passed on the H200 (tenth session)."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     monkeypatch.setattr(moe, "GLUON_WIDE_L1", wide)
     monkeypatch.setattr(moe, "GLUON_WS_L1", False)  # the warp-specialized L1 goes first
@@ -273,7 +273,7 @@ def test_l1_decode_sm90_build():
 def test_l1_decode_bit_stable(T, E, d, F, load, bt):
     """20 launches of one call give the same bits, and the first matches the fp32 math: one
     program (one expert, <= 16 rows, one 64-row block, 2 chunks: where the prefill kernel's
-    removed pack / bm 64 variants went wrong, kernels/triton/moe_gluon.py) and a multi-program
+    removed pack / bm 64 variants went wrong, kernels/moe/gluon_l1.py) and a multi-program
     decode grid; at every token tile bt."""
     k = min(6, E)
     xq, xs, w1, w3, counts, srt = case(T, E, d, F, k, seed=13, distinct=True)
@@ -374,7 +374,7 @@ def test_l1_decode_weight_desc():
     """The host TMA descriptor of a bank (CPU tensors: no launch): the packed bytes as one
     [E F, d / 2] uint8 matrix with the row stride, [64, 64] boxes in W_TMA_LAYOUT; a bank whose
     experts are not one row stride apart is refused."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     E, F, d = 3, 128, 512
     w = torch.zeros(E, F, d // 2, dtype=torch.int8)

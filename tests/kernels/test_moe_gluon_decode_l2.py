@@ -1,4 +1,4 @@
-"""The experimental Gluon DECODE L2 (kernels/triton/moe_gluon_decode_l2.py): swapped wgmma (64
+"""The experimental Gluon DECODE L2 (kernels/moe/gluon_decode_l2.py): swapped wgmma (64
 weight rows of W2 = M, <= bt tokens = N: 16 at decode, 32 / 64 / 128 for prefill sizes), the
 MXFP4 weights upcast to fp16 in registers as the wgmma's A operand, the fp16 H rows as B in
 shared memory, the weighted scatter to the (token, slot) rows of y.
@@ -54,7 +54,7 @@ from gluon_cases import (
     l2_reference,
     rel,
 )
-from megagraph.kernels.triton import moe_gluon_decode_l2 as ml2
+from megagraph.kernels.moe import gluon_decode_l2 as ml2
 from sm90_build import (SYNC_COUNTS, build_stats, count, gluon_sm90, loop_instructions,
                         usage_and_sass)
 from test_moe_gluon import proxy_fence_problems
@@ -168,7 +168,7 @@ def test_fp4_table_asm_bit_exact():
     of the word (random bytes in the other lanes) and every rel in [-9, 6], output $0 = the E4M3
     bytes of nibbles 0..3 (byte j = nibble j), $1 = nibbles 4..7, equal to torch's E4M3 of e2m1 x
     2^rel bit for bit (signs, -0 for code 8 and flushed negatives)."""
-    from megagraph.kernels.triton import moe_gluon_decode as md
+    from megagraph.kernels.moe import gluon_decode as md
 
     ops = _parse(md.FP4_TABLE_ASM_TEXT)
     g = torch.Generator().manual_seed(5)
@@ -277,7 +277,7 @@ def test_l2_decode_asm_vs_arith_and_tiles(load, bt):
     and weights flush): the PTX table upcast and the arithmetic twin give the same bits; a
     prebuilt tile list gives the same output as the one built in the call; at every token
     tile bt."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     d, F, k, E, T = 256, 384, 3, 4, 21
     h, w2, counts, srt, wts = l2_case(T, E, d, F, k, seed=5, exps=(108, 128))
@@ -361,7 +361,7 @@ def test_l2_decode_debug_pieces(load):
 def test_launcher_checks():
     """The launcher's argument checks run before any launch (CPU tensors suffice): fp16 H only,
     K a multiple of 128, ks >= topk, enough out rows for the scatter."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     if not ml2._IMPORT_OK:
         with pytest.raises(RuntimeError):
@@ -458,7 +458,7 @@ def test_gluon_l2_choice(monkeypatch):
     expert, an MXFP4 W2 with E8M0 per 32 whose shape fits (d % 64, F % 128), y fp32 / bf16 /
     fp16, MEGAGRAPH_MOE_GLUON and MEGAGRAPH_MOE_GLUON_DECODE_L2 on, no CONFIG_OVERRIDE for
     "l2", and available() (forced here: the predicate's own logic, on any machine)."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     monkeypatch.setattr(ml2, "available", lambda device=None: True)
     monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
@@ -505,7 +505,7 @@ def test_routed_experts_decode_uses_gluon_l2(gluon, load, monkeypatch):
     MEGAGRAPH_MOE_GLUON_DECODE_L2_LOAD sets it) and on moe_gemm when MEGAGRAPH_MOE_GLUON_DECODE_L2
     is off; fp32 and bf16 outputs against the reference op within test_triton_moe's bounds
     (2e-3 / 1e-2)."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     monkeypatch.setattr(moe, "GLUON_DECODE_L2", gluon)
     monkeypatch.setattr(ml2, "LOAD", load)
@@ -629,7 +629,7 @@ def test_l2_decode_load_args():
     """The launcher's load / stages / bt checks (plain Python, before any launch): the default
     is the module's LOAD with TMA_STAGES and the decode tile BT = 16; unknown loads, stages
     without load='tma', rings under 3 stages and token tiles outside BTS are refused."""
-    from megagraph.kernels.triton.gluon_common import token_tile
+    from megagraph.kernels.moe.gluon_common import token_tile
 
     assert ml2._load_and_stages(None, None) == (ml2.LOAD, ml2.TMA_STAGES)
     assert ml2._load_and_stages("tma", 6) == ("tma", 6)
@@ -650,7 +650,7 @@ def test_l2_decode_weight_desc():
     [E d, F / 2] uint8 matrix with the row stride, [64, 64] boxes in the layout the kernel's
     stages take; a bank whose experts are not one row stride apart does not fit (the default
     load falls back to cp.async) and is refused."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     E, d, F = 3, 128, 512
     w = torch.zeros(E, d, F // 2, dtype=torch.int8)

@@ -1,4 +1,4 @@
-"""The experimental Gluon PREFILL L2 (kernels/triton/moe_gluon_l2.py): 128 expert-sorted H rows x
+"""The experimental Gluon PREFILL L2 (kernels/moe/gluon_l2.py): 128 expert-sorted H rows x
 128 output columns per program, the MXFP4 W2 chunk upcast to exact fp16 (one frame per W2 row)
 under the async wgmma of the chunk before, the weighted scatter to the (token, slot) rows of y.
 
@@ -42,7 +42,7 @@ from gluon_cases import (
     l2_reference,
     rel,
 )
-from megagraph.kernels.triton import moe_gluon_l2 as mgl
+from megagraph.kernels.moe import gluon_l2 as mgl
 from sm90_build import count, gluon_sm90, loop_instructions, usage_and_sass
 from test_moe_gluon import proxy_fence_problems
 from test_moe_gluon_decode_l2 import _parse, _run, check_table_lanes, fp16_ref
@@ -124,7 +124,7 @@ def test_table_upcast_frame_bit_exact():
     of byte j's low nibble (bits 0..15) and high nibble (16..31), equal to torch's fp16 of
     e2m1 x 2^rel bit for bit (signs and -0 included, zero below rel -13, 6 x 2^13 = 49152 at the
     top); the Python twin fp16_bits (the formula of the kernel's arithmetic upcast) agrees."""
-    from megagraph.kernels.triton import moe_gluon_decode_l2 as ml2
+    from megagraph.kernels.moe import gluon_decode_l2 as ml2
 
     ops = _parse(ml2.FP16_TABLE_ASM_TEXT)
     g = torch.Generator().manual_seed(11)
@@ -145,7 +145,7 @@ def upcast_chunk(codes: torch.Tensor, exps: torch.Tensor, s0: torch.Tensor,
     registers per word (the PTX table, emulated, or fp16_bits), then the kernel's assembly
     replayed with torch.stack for ttgl.join (a new minor dimension): join(join(r0, r2),
     join(r1, r3)), its halves (join(low, high)), row-major reshape to [BN, 64]."""
-    from megagraph.kernels.triton import moe_gluon_decode_l2 as ml2
+    from megagraph.kernels.moe import gluon_decode_l2 as ml2
 
     ops = _parse(ml2.FP16_TABLE_ASM_TEXT)
     BN = codes.shape[0]
@@ -431,7 +431,7 @@ def test_l2_gluon_asm_vs_arith_and_tiles():
     one built in the call; y matches the kernel's torch model (emulate_l2, 1e-5: sum order
     only) and the fp32 math (nothing flushes at this spread). (moe.triton_l2 flushes weights 11
     binades below their chunk's largest here: not compared.)"""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     d, F, k, E, T = 256, 384, 3, 4, 171
     h, w2, counts, srt, wts = l2_case(T, E, d, F, k, seed=5, exps=(108, 128))
@@ -555,7 +555,7 @@ def test_routed_experts_prefill_uses_gluon_l2(on, monkeypatch):
     256, F 384) runs its L2 on l2_gluon when MEGAGRAPH_MOE_GLUON_PREFILL_L2 is on (once) and
     on the Triton L2 when off (the default); both within test_triton_moe's bound of the
     reference op (check_routed)."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
     from test_triton_moe import ACT, check_routed, routed_case
 
     monkeypatch.setattr(moe, "GLUON_PREFILL_L2", on)

@@ -34,8 +34,8 @@ import pytest
 import torch
 from gluon_cases import check_repeats_and_graph, dbg_bank, explicit_rows, l2_reference, rel, \
     rows_case
-from megagraph.kernels.triton import moe_gluon_l2_fp8 as m8
-from megagraph.kernels.triton import moe_gluon_ws as mw
+from megagraph.kernels.moe import gluon_l2_fp8 as m8
+from megagraph.kernels.moe import gluon_ws as mw
 from poisoned_alloc import poisoned
 
 GPU_OK = m8.available()
@@ -59,7 +59,7 @@ def _h_fp8(P, F, seed):
     """Random H quantized as the L1's epilogue does (quantize_act fp8_1x128): blocks of 128
     with magnitudes spread over 2^-8 .. 2^4. On the GPU: (codes E4M3 [P, F], scales f32 [P, F /
     128])."""
-    from megagraph.kernels.reference.fused import quantize_act
+    from megagraph.kernels.fused.reference import quantize_act
 
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(P, F // 128, 128, generator=g) * \
@@ -108,7 +108,7 @@ def _bits(y):
 
 def _triton_l2_fp8(hq, hs, w2, counts, srt, wts, ks, dtype):
     """The Triton FP8-H L2 as routed_experts launches it (moe.gemm role l2_fp8h)."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     T, k = wts.shape
     P, E = srt.numel(), counts.numel()
@@ -193,7 +193,7 @@ def test_l1_ws_fp8_h_epilogue(name, stma):
     """E4M3 H + scales = quantize_act(fp8_1x128) of the same kernel's fp32 H, bit for bit; every
     valid row written; each element within E4M3's half step of the fp32 H; with the loader's
     small copies by TMA too (stma, where K / 32 % 16 == 0)."""
-    from megagraph.kernels.reference.fused import quantize_act
+    from megagraph.kernels.fused.reference import quantize_act
 
     rows, T, k, d, F, exps, limit = L1_CASES[name]
     if stma and (d // 32) % 16:
@@ -228,7 +228,7 @@ def test_routed_experts_fp8_h_takes_ws(monkeypatch):
     off) within 8e-3; the default (fp8_h None) does the same with FP8_H_PREFILL on, keeps fp16 H
     at decode sizes and with FP8_H_PREFILL off (the fp16-H ws L1 then)."""
     from gluon_cases import case
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     T, E, d, F, k = 640, 4, 512, 256, 2  # ~320 rows per expert
     xq, xs, w1, w3, _, _ = case(T, E, d, F, k, seed=3)
@@ -328,7 +328,7 @@ def test_fp8_h_kernel_choice(monkeypatch):
     out_scale = those scales, and the down GEMM's launch; _prefill_fp8_h_may says yes there and
     no at 100 rows, with FP8_H_PREFILL off or without Gluon; a bank the down GEMM refuses (d =
     128: no 256-column tile) leaves its picker None (routed_experts then takes fp16 H)."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     for mod in (mw, m8):
         monkeypatch.setattr(mod, "available", lambda device=None: True)

@@ -1,4 +1,4 @@
-"""The warp-specialized Gluon prefill L2 (kernels/triton/moe_gluon_l2_ws.py): loader (TMA of the
+"""The warp-specialized Gluon prefill L2 (kernels/moe/gluon_l2_ws.py): loader (TMA of the
 H box and the packed W2 rows) / upcast (the PRMT table into the fp16 B ring) / two MMA
 warpgroups (m64n128k16 chained on one accumulator), persistent CTAs; moe_gluon_l2's numerics
 and call.
@@ -45,8 +45,8 @@ from gluon_cases import (
     l2_reference,
     rel,
 )
-from megagraph.kernels.triton import moe_gluon_l2 as mgl
-from megagraph.kernels.triton import moe_gluon_l2_ws as mlw
+from megagraph.kernels.moe import gluon_l2 as mgl
+from megagraph.kernels.moe import gluon_l2_ws as mlw
 from sm90_build import count, gluon_sm90, usage_and_sass
 
 GPU_OK = mlw.available()
@@ -283,7 +283,7 @@ def test_l2_ws_asm_vs_arith_and_tiles():
     """Exponents 108 .. 127 (rel over [-6, 13]): the PTX table upcast and the arithmetic twin
     give the same bits (and l2_gluon's); a prebuilt tile list gives the bits of the one built in
     the call."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     d, F, k, E, T = 256, 384, 3, 4, 171
     h, w2, counts, srt, wts = l2_case(T, E, d, F, k, seed=5, exps=(108, 128), wts_lo=0.25)
@@ -389,7 +389,7 @@ def test_routed_experts_prefill_uses_l2_ws(on, monkeypatch):
     """routed_experts at a prefill size (300 tokens, top-2 of 8 experts: 75 rows per expert, d
     256, F 384) runs its L2 on l2_gluon_ws when GLUON_PREFILL_L2_WS is on (once) and on l2_gluon
     when off (the default); both within test_triton_moe's bound of the reference op."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
     from test_triton_moe import ACT, check_routed, routed_case
 
     monkeypatch.setattr(moe, "GLUON_PREFILL_L2", True)
@@ -498,7 +498,7 @@ def test_gluon_l2_ws_choice(monkeypatch):
     GLUON_PREFILL_L2_WS is on (the default) and the call fits it (args_problem: W2 rows one
     stride apart); else l2_gluon as before (available() forced: the predicate's own logic, on
     any machine); the same 128-row tile (one tile list with the L1)."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     assert moe.GLUON_PREFILL_L2_WS is (os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL_L2_WS", "1")
                                        == "1")

@@ -1,4 +1,4 @@
-"""The warp-specialized Gluon prefill L1 (kernels/triton/moe_gluon_ws.py): loader / upcast / two
+"""The warp-specialized Gluon prefill L1 (kernels/moe/gluon_ws.py): loader / upcast / two
 MMA warpgroups on mbarrier rings, BM = 128 expert-sorted rows x BN = 64 or 128 (BN_WIDE) columns of
 W1 and W3; the 128-column tile's schedules (A by TMA, qlag, two upcast partitions) give the
 64-column tile's bits.
@@ -24,7 +24,7 @@ import re
 import pytest
 import torch
 from gluon_cases import TYPES, case, check_repeats_and_graph, reference, rel, rows_case
-from megagraph.kernels.triton import moe_gluon_ws as mw
+from megagraph.kernels.moe import gluon_ws as mw
 from poisoned_alloc import poisoned
 from sm90_build import count, gluon_sm90, usage_and_sass
 
@@ -59,7 +59,7 @@ def _launch(xq, xs, a_idx, w1, w3, counts, out, k, limit, **kw):
 
 def _triton_l1(xq, xs, a_idx, w1, w3, counts, k, limit, F):
     """The Triton L1 as routed_experts launches it at prefill sizes."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     P, E = a_idx.numel(), counts.numel()
     h = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
@@ -208,7 +208,7 @@ def test_l1_ws_small_tma_refused():
 def test_row_frames_cached_and_refused():
     """row_frames is built once per weight (the same tensors back) and refuses banks with a row
     spanning more than FRAME_SPAN binades (None: routed_experts keeps the per-chunk frames)."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     rows, T, k, d, F, exps, limit = CASES["tiles_1_128"]
     _, _, w1, w3, _, _ = rows_case(rows, T, k, d, F, seed=1, exps=exps)
@@ -252,7 +252,7 @@ def test_l1_ws_skip_idle(name):
 def test_l1_ws_balanced_case():
     """gluon_cases.case routing (every token top-k over 16 experts, ~110 rows each), fp32 and
     bf16 outputs besides fp16, and a prebuilt tile list."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     T, E, d, F, k = 293, 16, 512, 192, 6
     xq, xs, w1, w3, counts, srt = case(T, E, d, F, k, seed=3, distinct=True)
@@ -324,7 +324,7 @@ def test_routed_experts_prefill_uses_ws(ws, monkeypatch):
     (the default; once) and not when off (the wide decode L1 then); with WS_L1_BN = 128 on the
     128-column tile and its rings (WS_WIDE_STAGES / WS_WIDE_BSTAGES); each against the
     reference op within test_triton_moe's bound (fp32 output)."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
     from test_triton_moe import ACT, check_routed, routed_case
 
     monkeypatch.setattr(moe, "GLUON_WS_L1", bool(ws))
@@ -356,7 +356,7 @@ def test_gluon_l1_ws_choice(monkeypatch):
     not the ws kernel; the 128-column tile gets row_frames' answer with WS_L1_FRAMES (default)
     and None without, the 64-column tile None."""
     from gluon_cases import dbg_bank
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     assert moe.WS_L1_BN == int(os.environ.get("MEGAGRAPH_MOE_GLUON_WS_L1_BN", "128"))
     monkeypatch.setattr(mw, "available", lambda device=None: True)
@@ -400,7 +400,7 @@ def test_gluon_l1_ws_choice(monkeypatch):
 def test_l1_ws_args():
     """The launcher's checks run before any launch (CPU tensors): ring depths >= 2, K / N that
     fit the tile (64 or 128 columns), E4M3 activations."""
-    from megagraph.kernels.triton import moe
+    from megagraph.kernels.moe import triton as moe
 
     if not mw._IMPORT_OK:
         with pytest.raises(RuntimeError):
@@ -444,7 +444,7 @@ def test_l1_ws_args():
 def _types(a_tma: bool = False, bn: int = mw.BN):
     """TYPES with the TMA descriptors in place of the weight pointers and their strides (and A's
     for a_tma; else the placeholder the launcher passes); weight boxes of bn rows."""
-    from megagraph.kernels.triton import moe_gluon_decode as md
+    from megagraph.kernels.moe import gluon_decode as md
 
     desc = f"tensordesc<u8[{bn}, {mw.BK // 2}],{md.W_TMA_LAYOUT!r}>"
     types = {n: t for n, t in TYPES.items()

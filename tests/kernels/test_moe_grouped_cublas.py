@@ -1,4 +1,4 @@
-"""kernels/triton/moe_grouped_cublas.py: the prefill L1 on cuBLAS's rowwise grouped FP8 GEMM.
+"""kernels/moe/grouped_cublas.py: the prefill L1 on cuBLAS's rowwise grouped FP8 GEMM.
 
 CPU (Triton interpreter child, test_triton_interp.py): the MXFP4 -> E4M3 row upcast (bit-exact
 against its rule: exact within 11 binades of the row's largest group, zero below) and the
@@ -15,9 +15,9 @@ import torch
 pytest.importorskip("triton")
 
 from megagraph.kernels import formats  # noqa: E402
-from megagraph.kernels.reference import fused as rf  # noqa: E402
-from megagraph.kernels.triton import moe as tm  # noqa: E402
-from megagraph.kernels.triton import moe_grouped_cublas as mgc  # noqa: E402
+from megagraph.kernels.fused import reference as rf  # noqa: E402
+from megagraph.kernels.moe import triton as tm  # noqa: E402
+from megagraph.kernels.moe import grouped_cublas as mgc  # noqa: E402
 
 RUNNABLE = torch.cuda.is_available() or tm.INTERPRET
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason="runs in the interpreter child process")

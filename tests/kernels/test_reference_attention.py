@@ -7,7 +7,7 @@ import random
 import torch
 from _reference_helpers import random_chunks, step_meta
 
-from megagraph.kernels.reference import ring_update, sparse_attn
+from megagraph.kernels.reference_table import ring_update, sparse_attn
 
 H, D, W, RATIO = 3, 16, 6, 2
 SCALE = D ** -0.5

@@ -1,4 +1,4 @@
-"""The reference ops that run over row chunks (kernels/reference/_chunks.py) give bitwise the same
+"""The reference ops that run over row chunks (kernels/common/chunks.py) give bitwise the same
 result with a tiny chunk budget (one row per pass, or a few rows with a ragged last pass) as in one
 pass, on a mixed batch of requests of different lengths.
 
@@ -9,8 +9,10 @@ import pytest
 import torch
 from _reference_helpers import step_meta
 
-from megagraph.kernels.reference import _chunks, attention, indexer
-from megagraph.kernels.reference.fused import sparse_attn_q
+from megagraph.kernels.common import chunks as _chunks
+from megagraph.kernels.attention import reference as attention
+from megagraph.kernels.indexer import reference as indexer
+from megagraph.kernels.fused.reference import sparse_attn_q
 
 REQS = [(2, 0, 7), (0, 13, 1), (3, 4, 11), (1, 20, 6)]  # (slot, cached, new): 25 tokens
 H, D, W, S, C, K = 4, 16, 6, 4, 24, 5

@@ -8,7 +8,7 @@ import pytest
 import torch
 from _reference_helpers import random_chunks, step_meta
 
-from megagraph.kernels.reference import cache_write, compress_pool
+from megagraph.kernels.reference_table import cache_write, compress_pool
 
 DC = 8
 

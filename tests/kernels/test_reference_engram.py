@@ -8,7 +8,7 @@ import time
 import torch
 from _reference_helpers import random_chunks, step_meta
 
-from megagraph.kernels.reference import (engram_gate, engram_hash, engram_hist_update, engram_layout,
+from megagraph.kernels.reference_table import (engram_gate, engram_hash, engram_hist_update, engram_layout,
                                          engram_lookup, token_map)
 
 V41 = dict(max_ngram=4, n_heads=8, vocab_start=16000000, compressed_vocab=99092)

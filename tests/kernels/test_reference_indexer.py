@@ -5,7 +5,7 @@ import math
 import torch
 from _reference_helpers import step_meta
 
-from megagraph.kernels.reference import candidate_mask, index_scores, topk_select
+from megagraph.kernels.reference_table import candidate_mask, index_scores, topk_select
 
 INF = float("inf")
 
@@ -115,7 +115,7 @@ def test_indexer_pipeline_candidates_then_topk():
 def test_topk_ties_break_toward_lower_index_on_every_device():
     """ReLU-weighted index scores tie at exactly 0 and blocks share maxima; torch.topk's tie order
     differs between CPU and CUDA, so the selection fixes it: the lower index wins."""
-    from megagraph.kernels.reference.indexer import candidate_mask, topk_select
+    from megagraph.kernels.indexer.reference import candidate_mask, topk_select
 
     g = torch.Generator().manual_seed(7)
     s = torch.relu(torch.randn(40, 96, generator=g)).round(decimals=1)  # many exact ties
@@ -141,8 +141,8 @@ def test_topk_ties_break_toward_lower_index_on_every_device():
 
 def test_selections_in_row_chunks_equal_whole(monkeypatch):
     """The selections run over chunks of rows to bound their temporaries; chunking changes nothing."""
-    from megagraph.kernels.reference import _chunks
-    from megagraph.kernels.reference import indexer as ix
+    from megagraph.kernels.common import chunks as _chunks
+    from megagraph.kernels.indexer import reference as ix
 
     g = torch.Generator().manual_seed(11)
     s = torch.relu(torch.randn(37, 100, generator=g)).round(decimals=1)

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from megagraph.kernels.reference import hc_collapse, hc_embed, hc_expand, hc_mixer
+from megagraph.kernels.reference_table import hc_collapse, hc_embed, hc_expand, hc_mixer
 
 
 def naive_mixer(H, fn, base, scale, eps, hc_eps, iters):

@@ -7,7 +7,7 @@ import torch
 from _reference_helpers import (naive_dequant_fp8_block, naive_unpack_mxfp4, random_e8m0,
                                 random_mxfp4)
 
-from megagraph.kernels.reference import moe_experts, route, swiglu_mlp
+from megagraph.kernels.reference_table import moe_experts, route, swiglu_mlp
 
 
 def naive_route(x, gw, bias, k, route_scale, norm, func):

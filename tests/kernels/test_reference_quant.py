@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from megagraph.kernels.reference import fake_quant
+from megagraph.kernels.reference_table import fake_quant
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 # all non-negative finite e4m3fn values, indexed by code (code parity = mantissa LSB)
@@ -89,7 +89,7 @@ def test_ceil_log2_div_equals_the_correctly_rounded_quotient(c):
     approximate CUDA division cannot change a scale) equals frexp of torch's correctly rounded
     y / c: random magnitudes, and the f32 neighbours of every c·2^k (where an approximate quotient
     one ulp off would move the exponent)."""
-    from megagraph.kernels.reference.quant import ceil_log2_div
+    from megagraph.kernels.dense.quant import ceil_log2_div
 
     g = torch.Generator().manual_seed(11)
     rand = torch.exp2(torch.empty(20000).uniform_(-20, 20, generator=g)) * (

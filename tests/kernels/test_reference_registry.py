@@ -2,7 +2,7 @@
 import importlib
 import inspect
 
-from megagraph.kernels.reference import REFERENCE
+from megagraph.kernels.reference_table import REFERENCE
 
 EXPECTED = {
     "rms_norm", "linear", "grouped_linear", "rope", "fake_quant", "hc_embed", "hc_mixer",

@@ -30,9 +30,9 @@ import pytest
 import torch
 from test_capturable_ops import PADDED, REAL, meta, real_rows
 
-from megagraph.kernels.reference.attention import sparse_attn as ref_sparse_attn
-from megagraph.kernels.reference.fused import dequant_act, sparse_attn_q as ref_sparse_attn_q
-from megagraph.kernels.reference.rope import rope as ref_rope
+from megagraph.kernels.attention.reference import sparse_attn as ref_sparse_attn
+from megagraph.kernels.fused.reference import dequant_act, sparse_attn_q as ref_sparse_attn_q
+from megagraph.kernels.dense.rope import rope as ref_rope
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and not INTERP
@@ -47,7 +47,7 @@ S, W, H, D, C, K = 6, 8, 16, 128, 20, 6
 
 
 def ta():
-    from megagraph.kernels.triton import attention
+    from megagraph.kernels.attention import triton as attention
 
     return attention
 
@@ -249,8 +249,8 @@ def long_context_case(g, ratio, contexts, prefill=0, k=512, c_cap=131072):
 def test_real_dims_long_contexts(ratio):
     """1 token .. 128K contexts, positions at and next to group boundaries, plus a 300-token
     prefill chunk; vs the capturable kernel (fp32 math; itself tested against the reference)."""
-    from megagraph.kernels.capturable.attention import sparse_attn as cap
-    from megagraph.kernels.capturable.dense import rope as cap_rope
+    from megagraph.kernels.attention.capturable import sparse_attn as cap
+    from megagraph.kernels.dense.capturable import rope as cap_rope
 
     g = torch.Generator().manual_seed(ratio)
     ctx = [0, 1, 2, 126, 127, 128, 129, 1023, 1024, 8191, 32767, 65535, 65536, 131070, 131071]

@@ -11,7 +11,7 @@ import torch
 from test_capturable_ops import PADDED, meta
 
 from megagraph.kernels import registry
-from megagraph.kernels.capturable import CAPTURABLE
+from megagraph.kernels.capturable_table import CAPTURABLE
 
 ENTRIES = {"sparse_attn": "triton.sparse_attn", "sparse_attn_q": "triton.sparse_attn_q",
            "index_scores": "triton.index_scores", "compressor": "triton.compressor",

@@ -90,10 +90,10 @@ def fit(table: dict) -> dict:
 
 def triton_table(g, hw):
     """The capturable table with the registry's sm_90 kernels for OPS; state ops update in place
-    unless a later node still reads the old state (kernels.capturable.inplace_hazards: today the
+    unless a later node still reads the old state (kernels.capturable_table.inplace_hazards: today the
     batched ring copy sits before the last attention that reads a ring, so it stays functional)."""
     from megagraph.kernels import registry
-    from megagraph.kernels.capturable import INPLACE_STATE_OPS, capturable_impls, inplace_hazards
+    from megagraph.kernels.capturable_table import INPLACE_STATE_OPS, capturable_impls, inplace_hazards
 
     unsafe = {n.op for n in g.nodes if any(h.startswith(f"%{n.outputs[0]} ") for h in inplace_hazards(g))}
     table = capturable_impls(inplace_state=True)
@@ -113,7 +113,7 @@ def triton_table(g, hw):
 
 
 def step_inputs(g, chunks, cached, seed):
-    from megagraph.kernels.reference.quant import fake_quant
+    from megagraph.kernels.dense.quant import fake_quant
     from megagraph.models.session import initial_state, step_metadata
 
     gen = torch.Generator(DEV).manual_seed(seed)
@@ -201,8 +201,8 @@ def check_nodes(g, w, inputs, vals) -> dict:
     actually saw in the step (graph inputs before the step, intermediates as the step made them),
     within that kernel's bound (tests/kernels/test_triton_*.py). Returns {node: error}."""
     from megagraph.graph.registry import get_op
-    from megagraph.kernels.capturable import CAPTURABLE
-    from megagraph.kernels.reference.fused import dequant_act
+    from megagraph.kernels.capturable_table import CAPTURABLE
+    from megagraph.kernels.fused.reference import dequant_act
     from test_triton_compressor import check as check_compressor
 
     cap = fit(CAPTURABLE)
@@ -250,7 +250,7 @@ def test_slice_step_in_one_cuda_graph(fold, kind):
     capturable and reference runs (loosely: FP8 re-quantization at every GEMM input and MoE
     routing turn any legitimate rounding difference into a few % downstream)."""
     from megagraph.graph.interp import default_impls, interpret
-    from megagraph.kernels.capturable import CAPTURABLE
+    from megagraph.kernels.capturable_table import CAPTURABLE
 
     _, g, w = model(fold)
     ops = {n.op for n in g.nodes}

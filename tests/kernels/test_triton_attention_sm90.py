@@ -29,6 +29,23 @@ ATTN_C = dict(W=128, D=512, K=512, NT_STEP=4, BLOCK_H=16, BLOCK_N=32, NS=1, HAS_
               DOT_F32=False)
 
 
+# the cases name the jit modules by their short names
+TRITON_MODULES = {
+    "attention_jit": "megagraph.kernels.attention.triton_jit",
+    "indexer_jit": "megagraph.kernels.indexer.triton_jit",
+    "topk_jit": "megagraph.kernels.indexer.triton_topk_jit",
+    "compressor_jit": "megagraph.kernels.state.triton_compressor_jit",
+    "ring_jit": "megagraph.kernels.state.triton_ring_jit",
+    "engram_jit": "megagraph.kernels.engram.triton_jit",
+    "quant_jit": "megagraph.kernels.dense.triton_quant_jit",
+    "rope_jit": "megagraph.kernels.dense.triton_rope_jit",
+    "norm_jit": "megagraph.kernels.dense.triton_norm_jit",
+    "moe_jit": "megagraph.kernels.moe.triton_jit",
+    "mhc_jit": "megagraph.kernels.mhc.triton_jit",
+    "moe_grouped_cublas_jit": "megagraph.kernels.moe.grouped_cublas_jit",
+}
+
+
 def stream_cases(idx: dict, I) -> dict:
     """The query-stationary indexer kernel at the launches stream_configs picks for a prefill
     bucket (long class) and decode (short class), bf16 and tf32x3 products."""
@@ -49,9 +66,9 @@ def stream_cases(idx: dict, I) -> dict:
 def cases():
     import triton.language as tl
 
-    from megagraph.kernels.triton import attention as A
-    from megagraph.kernels.triton import compressor as C
-    from megagraph.kernels.triton import indexer as I
+    from megagraph.kernels.attention import triton as A
+    from megagraph.kernels.state import triton_compressor as C
+    from megagraph.kernels.indexer import triton as I
 
     a = A.NO_SPILL
     idx = dict(qi_ptr="*bf16", w_ptr="*bf16", ikey_ptr="*fp32", out_ptr="*fp32", pos_ptr="*i64",
@@ -166,7 +183,7 @@ def mhc_cases():
     no local memory."""
     import torch
 
-    from megagraph.kernels.triton import mhc as H
+    from megagraph.kernels.mhc import triton as H
 
     div = {n for n in MHC if n.endswith("_ptr")} | {"D", "KD", "k_per", "stride_h", "stride_fn",
                                                     "stride_x", "stride_xq"}
@@ -196,7 +213,7 @@ def moe_cases():
     arguments the launcher marks 16-divisible at V4.1-Flash dims (every pointer; L1 strides
     5120 / 2560 / 160, L2 2304 / 1152, N and K) and the stages: without the hints the loads do
     not vectorize and the L1 tile spills ~1 KB."""
-    from megagraph.kernels.triton import moe as M
+    from megagraph.kernels.moe import triton as M
 
     gemm = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", aidx_ptr="*i32", b1_ptr="*i8", bs1_ptr="*u8",
                 b2_ptr="*i8", bs2_ptr="*u8", c_ptr="*fp16", cidx_ptr="*i32", w_ptr="*fp32",
@@ -389,7 +406,7 @@ def test_compiles_for_sm90_without_spills(name, tmp_path):
         return v.get(version) if isinstance(v, dict) and all(
             isinstance(k, tuple) for k in v) else v
 
-    fn = getattr(importlib.import_module(f"megagraph.kernels.triton.{mod}"), fn_name)
+    fn = getattr(importlib.import_module(TRITON_MODULES[mod]), fn_name)
     # constexprs a case leaves out take the kernel's default, as a launch that omits them does
     consts = {**{n: p.default for n, p in inspect.signature(fn.fn).parameters.items()
                  if n not in consts and n not in types and p.default is not inspect.Parameter.empty},
@@ -453,7 +470,7 @@ def test_mhc_fused_sm90_registers_and_arrival(name):
     from sm90_build import usage_and_sass
 
     mod, fn_name, types, consts, warps, _, opts = mhc_cases()[name]
-    fn = getattr(importlib.import_module(f"megagraph.kernels.triton.{mod}"), fn_name)
+    fn = getattr(importlib.import_module(TRITON_MODULES[mod]), fn_name)
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in opts["div"]}
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),

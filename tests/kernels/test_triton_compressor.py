@@ -18,7 +18,7 @@ import torch
 from test_capturable_ops import PADDED, SCRATCH
 from test_triton_attention import CUDA, DEV, dev_meta, pytestmark, seed  # noqa: F401
 
-from megagraph.kernels.reference.fused import compressor as ref_compressor
+from megagraph.kernels.fused.reference import compressor as ref_compressor
 
 S, CAP = 6, 32
 ROPE = dict(rope_dim=16, theta=160000.0, yarn_factor=16.0, yarn_original=65536, yarn_beta_fast=32.0,
@@ -27,7 +27,7 @@ BLOCK = {"none": 32, "mxfp4": 32, "nvfp4": 16, "fp8_e4m3": 32}
 
 
 def tk():
-    from megagraph.kernels.triton import compressor
+    from megagraph.kernels.state import triton_compressor as compressor
 
     return compressor
 
@@ -104,7 +104,7 @@ REAL_ROPE = dict(rope_dim=64, theta=160000.0, yarn_factor=16.0, yarn_original=65
 def test_real_dims(ratio):
     """V4.1 dims (5120 -> 512 latent, 128 index dims, RoPE 64, MXFP4 keys / NVFP4 KV), decode rows
     at and next to group boundaries plus a 257-token prefill chunk; vs the capturable kernel."""
-    from megagraph.kernels.capturable.fused import compressor as cap
+    from megagraph.kernels.fused.capturable import compressor as cap
 
     g = torch.Generator().manual_seed(ratio)
     reqs = [(i, c, 1) for i, c in enumerate([0, 1, 2, 3, 126, 127, 4095, 4096, 8190])] + [(9, 301, 257)]

@@ -1,4 +1,4 @@
-"""kernels/triton/rope.py (RoPE) and kernels/triton/quant.py fake_quant vs the reference: bitwise.
+"""kernels/dense/triton_rope.py (RoPE) and kernels/dense/triton_quant.py fake_quant vs the reference: bitwise.
 
 CUDA GPU, or the CPU under TRITON_INTERPRET=1 (tests/kernels/test_triton_interp.py runs this file
 that way); skipped otherwise. Results are compared as bits (int views: torch.equal would take -0.0
@@ -14,9 +14,9 @@ import pytest
 import torch
 from test_triton_attention import CUDA, DEV, pytestmark  # noqa: F401
 
-from megagraph.kernels.capturable.dense import fake_quant as cap_fake_quant, rope as cap_rope
-from megagraph.kernels.reference.quant import fake_quant as ref_fake_quant
-from megagraph.kernels.reference.rope import rope as ref_rope
+from megagraph.kernels.dense.capturable import fake_quant as cap_fake_quant, rope as cap_rope
+from megagraph.kernels.dense.quant import fake_quant as ref_fake_quant
+from megagraph.kernels.dense.rope import rope as ref_rope
 
 YARN = dict(theta=160000.0, yarn_factor=16.0, yarn_original=65536, yarn_beta_fast=32.0,
             yarn_beta_slow=1.0)
@@ -55,7 +55,7 @@ def rope_inputs(g, shape, dtype):
 @pytest.mark.parametrize("yarn,inverse,offset", [(True, False, 0), (False, False, 0),
                                                  (True, True, -3), (False, True, 5)])
 def test_rope_bitwise(dtype, shape, rope_dim, yarn, inverse, offset):
-    from megagraph.kernels.triton.rope import rope
+    from megagraph.kernels.dense.triton_rope import rope
 
     g = torch.Generator().manual_seed(shape[-1] + 3 * len(shape) + 7 * offset)
     x, pos = rope_inputs(g, shape, dtype)
@@ -67,7 +67,7 @@ def test_rope_bitwise(dtype, shape, rope_dim, yarn, inverse, offset):
 
 
 def test_rope_strided_heads_and_fallbacks():
-    from megagraph.kernels.triton.rope import rope
+    from megagraph.kernels.dense.triton_rope import rope
 
     g = torch.Generator().manual_seed(11)
     big, pos = rope_inputs(g, (9, 6, 48), torch.bfloat16)
@@ -113,7 +113,7 @@ def fq_inputs(g, shape, dtype, block):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(3, 7, 512), (5, 128)])
 def test_fake_quant_bitwise(fmt, block, dtype, shape):
-    from megagraph.kernels.triton.quant import fake_quant
+    from megagraph.kernels.dense.triton_quant import fake_quant
 
     g = torch.Generator().manual_seed(block + shape[-1] + len(fmt))
     x = fq_inputs(g, shape, dtype, block)
@@ -122,7 +122,7 @@ def test_fake_quant_bitwise(fmt, block, dtype, shape):
 
 
 def test_fake_quant_fp16_strided_and_fallbacks():
-    from megagraph.kernels.triton.quant import fake_quant
+    from megagraph.kernels.dense.triton_quant import fake_quant
 
     g = torch.Generator().manual_seed(3)
     x = fq_inputs(g, (6, 256), torch.float32, 32).clamp(-6e4, 6e4).half()  # finite in fp16
@@ -146,7 +146,7 @@ def test_fake_quant_fp16_strided_and_fallbacks():
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_rope_captures_in_cuda_graph():
-    from megagraph.kernels.triton import rope as tr
+    from megagraph.kernels.dense import triton_rope as tr
 
     x = torch.randn(64, 64, 512, device=DEV, dtype=torch.bfloat16)
     pos = torch.randint(0, 65536, (64,), device=DEV)
@@ -167,7 +167,7 @@ def test_rope_captures_in_cuda_graph():
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_fake_quant_captures_in_cuda_graph():
-    from megagraph.kernels.triton.quant import fake_quant
+    from megagraph.kernels.dense.triton_quant import fake_quant
 
     x = torch.randn(256, 512, device=DEV, dtype=torch.bfloat16)
     outs = {}

@@ -14,15 +14,15 @@ import torch
 from test_capturable_ops import PADDED
 from test_triton_attention import CUDA, DEV, dev_meta, pytestmark, seed  # noqa: F401
 
-from megagraph.kernels.capturable.indexer import candidate_mask, topk_select
-from megagraph.kernels.reference.indexer import index_scores as ref_index_scores
-from megagraph.kernels.reference.quant import fake_quant
+from megagraph.kernels.indexer.capturable import candidate_mask, topk_select
+from megagraph.kernels.indexer.reference import index_scores as ref_index_scores
+from megagraph.kernels.dense.quant import fake_quant
 
 S, HI, DI = 6, 16, 32
 
 
 def tk():
-    from megagraph.kernels.triton import indexer
+    from megagraph.kernels.indexer import triton as indexer
 
     return indexer
 
@@ -186,7 +186,7 @@ def test_real_dims_long_contexts(ratio):
     """V4.1 dims (32 heads x 128), contexts 1 token .. 128K at group boundaries, a 200-token
     prefill chunk (the stream kernel's long class; the decode rows its short class); both
     kernels vs the capturable kernel (fp32), then the top-512 selections."""
-    from megagraph.kernels.capturable.indexer import index_scores as cap
+    from megagraph.kernels.indexer.capturable import index_scores as cap
 
     g = torch.Generator().manual_seed(ratio)
     ctx = [0, 1, 2, 127, 128, 1023, 1024, 8191, 65535, 65536, 131071]

@@ -1,4 +1,4 @@
-"""Mega-mHC (kernels/triton/mhc.py): the one-launch kernel (mhc_jit.mhc_fused: split-K with a
+"""Mega-mHC (kernels/mhc/triton.py): the one-launch kernel (mhc_jit.mhc_fused: split-K with a
 last-arriver finish, or projection + finish in one program unsplit) against the unfused 2-3
 launch path (bitwise, at every plan) and the reference; the split-K reduction's fixed order; the
 arrival counters (zero after every launch, CUDA-graph replays included).
@@ -7,7 +7,7 @@ Without CUDA this module runs under the Triton interpreter (test_triton_interp.p
 programs one after another in grid order: the last-arriver logic is exercised deterministically
 (the program with the highest split index arrives last), the races are not; the run-to-run and
 CUDA-graph tests only have teeth on the GPU. On the H200 (Triton 3.6) every test here passed once
-(kernels/triton/NOTES-mhc.md)."""
+(docs/kernels/mhc.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,10 +19,10 @@ from poisoned_alloc import poisoned  # noqa: E402
 
 pytest.importorskip("triton")
 
-from megagraph.kernels.reference import fused as rf  # noqa: E402
-from megagraph.kernels.triton import mhc as tmhc  # noqa: E402
-from megagraph.kernels.triton import mhc_jit  # noqa: E402
-from megagraph.kernels.triton import moe as tm  # noqa: E402
+from megagraph.kernels.fused import reference as rf  # noqa: E402
+from megagraph.kernels.mhc import triton as tmhc  # noqa: E402
+from megagraph.kernels.mhc import triton_jit as mhc_jit  # noqa: E402
+from megagraph.kernels.moe import triton as tm  # noqa: E402
 from test_triton_moe import check_mhc  # noqa: E402
 
 RUNNABLE = torch.cuda.is_available() or tm.INTERPRET
@@ -356,7 +356,7 @@ def test_hc_expand_matches_reference(T, d, dtype):
     order (the sum over source streams runs in the kernel's order: 1e-6 of the terms' magnitude,
     |post y| + sum |comb H|, which bounds cancellation). d = 200: a masked column tail. Without
     a GPU it runs in the interpreter child (test_triton_interp.py)."""
-    from megagraph.kernels.reference.mhc import hc_expand as ref
+    from megagraph.kernels.mhc.reference import hc_expand as ref
 
     n = 4
     g = torch.Generator().manual_seed(T * 7 + d)
@@ -378,7 +378,7 @@ def test_hc_expand_matches_reference(T, d, dtype):
 def test_hc_expand_strided_streams_and_fallback():
     """A non-contiguous stream view (the runtime's slot buffers) gives the same bits as its
     contiguous copy; an odd stream count (not a power of two) takes the capturable path."""
-    from megagraph.kernels.capturable.dense import hc_expand as cap
+    from megagraph.kernels.dense.capturable import hc_expand as cap
 
     T, n, d = 7, 4, 256
     g = torch.Generator().manual_seed(11)

@@ -1,4 +1,4 @@
-"""Triton MegaMoE / Mega-mHC / FP8-block GEMM kernels (kernels/triton/moe.py, mhc.py) against the
+"""Triton MegaMoE / Mega-mHC / FP8-block GEMM kernels (kernels/moe/triton.py, mhc.py) against the
 reference ops.
 
 Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1: this module is run
@@ -7,7 +7,7 @@ modes, scale folding, epilogues, combine, Sinkhorn - in every mode except the in
 whose bit logic is checked here by emulating the PTX. With CUDA the same tests run the compiled
 kernels, plus the GPU-only checks (CUDA-graph capture, the PTX upcast).
 
-Every output is checked against kernels.reference with fresh random inputs, under poisoned
+Every output is checked against kernels.reference_table with fresh random inputs, under poisoned
 allocations (every torch.empty of the call is filled with NaN / huge indices), so an element or
 a workspace row the kernels read without writing it shows up as NaN or a crash.
 Tolerances (relative Frobenius error; moe.py explains where the differences come from): fp32
@@ -24,10 +24,10 @@ from poisoned_alloc import poisoned  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from megagraph.kernels import formats  # noqa: E402
-from megagraph.kernels.reference import fused as rf  # noqa: E402
-from megagraph.kernels.reference.moe import route as ref_route  # noqa: E402
-from megagraph.kernels.triton import mhc as tmhc  # noqa: E402
-from megagraph.kernels.triton import moe as tm  # noqa: E402
+from megagraph.kernels.fused import reference as rf  # noqa: E402
+from megagraph.kernels.moe.reference import route as ref_route  # noqa: E402
+from megagraph.kernels.mhc import triton as tmhc  # noqa: E402
+from megagraph.kernels.moe import triton as tm  # noqa: E402
 
 # The interpreter must be chosen before triton is first imported (its own library functions are
 # built then), which a shared pytest process cannot promise: without CUDA this module runs in a
@@ -169,7 +169,7 @@ def test_ptx_upcast_bit_logic():
     each of the 4 byte lanes ($3 = rel + 6 per lane: a pack may span rows / scale groups - the
     sixth session's H200 failure of the swapped tiles, when one offset served the whole pack).
     The GPU tests check that it compiles and runs (moe.asm_ok's device check)."""
-    from megagraph.kernels.triton import moe_jit
+    from megagraph.kernels.moe import triton_jit as moe_jit
 
     asm = moe_jit.FP4_E4M3_ASM.value
     g = gen(0)
@@ -224,7 +224,7 @@ def _f32_bound(xq, ids, bank) -> float:
     """check_routed's bound for fp32 outputs: 2e-3 (fp16 H), 5e-3 where the prefill L1 runs on
     cuBLAS's grouped FP8 GEMM (moe_grouped_cublas), whose bf16 output rounds W1 x and W3 x
     before the SwiGLU: 2^-9 relative per element, ~1.5e-3 on the norm on top of fp16 H."""
-    from megagraph.kernels.triton import moe_grouped_cublas as mgc
+    from megagraph.kernels.moe import grouped_cublas as mgc
 
     b1, b3 = tm.bank(bank[0], bank[1], "mxfp4"), tm.bank(bank[2], bank[3], "mxfp4")
     if b1 is None or b3 is None:

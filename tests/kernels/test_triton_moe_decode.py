@@ -1,4 +1,4 @@
-"""GemmConfig.swap (kernels/triton/moe_jit.py: moe_acc_swap, off by default): the routed-expert
+"""GemmConfig.swap (kernels/moe/triton_jit.py: moe_acc_swap, off by default): the routed-expert
 GEMMs on MXFP4 weights with the MMA operands swapped (C^T = W A^T per K chunk: the weight rows are
 the MMA's M, the few rows of a decode tile its N, so a 16-row tile runs on wgmma m64n16 with the
 E4M3 weight tile instead of mma.sync on an fp16 copy routed through shared memory), against the
@@ -28,7 +28,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from megagraph.kernels.triton import moe as tm
+from megagraph.kernels.moe import triton as tm
 
 from test_triton_moe import (ACT, GPU, LaunchSpy, _experts, check_dense_swiglu, check_routed,
                              check_scale_spread, gen, routed_case)
@@ -51,7 +51,7 @@ def test_swap_matches_reference(T, subset, bm, bn, par, out, monkeypatch):
     experts (`subset`), several column tiles (bn 16 / 32 / 64 of F = 128 and d = 256), two K
     chunks in each GEMM (the exponent prefetch past K), with and without the parity split,
     under poisoned allocations; both launches really pass SWAP = 1."""
-    from megagraph.kernels.triton import moe_jit
+    from megagraph.kernels.moe import triton_jit as moe_jit
 
     cfg = _swap(bm, bn, par) if not GPU else _swap(16, 128, par)
     monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1": cfg, "l2": cfg})
@@ -135,7 +135,7 @@ def test_swap_fp8_h_routed(T, subset, bn2, par, out, l1_swap, monkeypatch):
     of H scales, two K chunks in L2; d = 256), empty experts, under poisoned allocations, against
     the reference that quantizes H the same way (reference moe.moe_experts(h_fmt="fp8_1x128"))
     and the fp32-H one; the launches really pass SWAP (L1 when asked, L2 always)."""
-    from megagraph.kernels.triton import moe_jit
+    from megagraph.kernels.moe import triton_jit as moe_jit
 
     monkeypatch.setattr(tm, "FP8_H", True)
     l1 = _swap_fp8h(128, par) if l1_swap else tm.GemmConfig(16, 128, 128, 4, 1 if not GPU else 3,
@@ -154,7 +154,7 @@ def test_swap_l2_fp8_h_vs_torch(T, E, k, F, subset, bn, par, monkeypatch):
     """L2 alone, swapped, on E4M3 H whose per-(row, 128) scales span 2^-8 .. 2^4: the activation
     scale is per column of the transposed accumulator (per token row), the weight scale per
     accumulator row; a swapped orientation would show at once."""
-    from megagraph.kernels.triton import moe_jit
+    from megagraph.kernels.moe import triton_jit as moe_jit
 
     monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l2_fp8h": _swap_fp8h(bn, par)})
     spy = LaunchSpy(moe_jit.moe_gemm, "SWAP")
@@ -169,7 +169,7 @@ def test_swap_l1_fp8_h_epilogue(T, E, k, F, subset, par, monkeypatch):
     """The FP8-H L1 on the swapped tile: its codes and scales are quantize_act of the same
     swapped tile's fp32 H, bit for bit in the interpreter (the epilogue sees the accumulators
     after the one transpose, in the default's [BM, BN] orientation)."""
-    from megagraph.kernels.triton import moe_jit
+    from megagraph.kernels.moe import triton_jit as moe_jit
 
     monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": _swap_fp8h(128, par)})
     spy = LaunchSpy(moe_jit.moe_gemm, "SWAP")

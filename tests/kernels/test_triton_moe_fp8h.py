@@ -1,4 +1,4 @@
-"""The FP8-H routed-expert path (kernels/triton/moe.py FP8_H / routed_experts(fp8_h=True);
+"""The FP8-H routed-expert path (kernels/moe/triton.py FP8_H / routed_experts(fp8_h=True);
 MEGAGRAPH_MOE_FP8_H=1, default OFF): L1's SwiGLU epilogue writes H as E4M3 codes with one
 power-of-two f32 scale per row and 128 columns (moe_jit.quantize_out), and L2 runs the FP8 MMA on
 them (A_SCALED, L1's machinery).
@@ -11,7 +11,7 @@ element nobody wrote shows up as NaN.
 Tolerances and where they come from (relative Frobenius error unless said otherwise):
 * L1 epilogue vs quantize_act: the same L1 tile run once with an fp32 output and once with the
   quantized one computes the same fp32 H, so the codes and scales must equal
-  kernels.reference.fused.quantize_act(H_fp32) bit for bit (interpreter); on the GPU the two
+  kernels.fused.reference.quantize_act(H_fp32) bit for bit (interpreter); on the GPU the two
   compiled variants may contract the SwiGLU epilogue differently: <= 0.1% of the codes one E4M3
   step apart, scales equal.
 * L2 on given FP8 H vs torch fp32 on the dequantized H: fp32 accumulation order only, TOL_GEMM
@@ -45,9 +45,9 @@ import torch
 triton = pytest.importorskip("triton")
 
 from megagraph.kernels import formats  # noqa: E402
-from megagraph.kernels.reference import fused as rf  # noqa: E402
-from megagraph.kernels.reference import moe as rmoe  # noqa: E402
-from megagraph.kernels.triton import moe as tm  # noqa: E402
+from megagraph.kernels.fused import reference as rf  # noqa: E402
+from megagraph.kernels.moe import reference as rmoe  # noqa: E402
+from megagraph.kernels.moe import triton as tm  # noqa: E402
 from test_triton_moe import (  # noqa: E402
     ACT,
     DEV,
@@ -336,7 +336,7 @@ def test_switch_defaults_off_and_default_path_unchanged(monkeypatch):
         pytest.skip("MEGAGRAPH_MOE_FP8_H=1 in this environment")
     assert tm.FP8_H is False
     env = {kk: v for kk, v in os.environ.items() if kk != "MEGAGRAPH_MOE_FP8_H"}
-    code = "from megagraph.kernels.triton import moe; print(moe.FP8_H)"
+    code = "from megagraph.kernels.moe import triton as moe; print(moe.FP8_H)"
     for val, want in ((None, "False"), ("0", "False"), ("1", "True")):
         e = dict(env, **({"MEGAGRAPH_MOE_FP8_H": val} if val else {}))
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e,

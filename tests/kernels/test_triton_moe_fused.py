@@ -1,4 +1,4 @@
-"""GemmConfig.fuse (kernels/triton/moe_jit.py: moe_acc_fused, off by default): the SwiGLU GEMM on
+"""GemmConfig.fuse (kernels/moe/triton_jit.py: moe_acc_fused, off by default): the SwiGLU GEMM on
 MXFP4 weights as one MMA per K chunk (W1 / W3 rows interleaved into one B tile, one wgmma group
 and one wait per chunk instead of four) against the reference ops, with the option forced on.
 
@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from megagraph.kernels.triton import moe as tm
+from megagraph.kernels.moe import triton as tm
 
 from test_triton_moe import (ACT, GPU, LaunchSpy, _experts, check_dense_swiglu, check_routed,
                              check_scale_spread, gen, routed_case)
@@ -41,7 +41,7 @@ def test_fused_l1_matches_reference(T, subset, bm, bn, out, monkeypatch):
     rows of the interleaved B tile past one tile), two K chunks (d = 256: the exponent
     prefetch past K), under poisoned allocations; the launches really pass FUSE = 1 for L1
     and not for L2."""
-    from megagraph.kernels.triton import moe_jit
+    from megagraph.kernels.moe import triton_jit as moe_jit
 
     cfg = _fused(bm, bn) if not GPU else _fused(64, 64)
     monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1": cfg})

@@ -1,4 +1,4 @@
-"""The persistent routed-expert GEMMs (kernels/triton/moe_jit.py: moe_tile_list +
+"""The persistent routed-expert GEMMs (kernels/moe/triton_jit.py: moe_tile_list +
 moe_gemm_persistent; selected by GemmConfig.persistent / MEGAGRAPH_MOE_PERSISTENT) against the
 reference MoE and against the static-grid moe_gemm, at decode sizes.
 
@@ -21,8 +21,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from megagraph.kernels.reference import fused as rf
-from megagraph.kernels.triton import moe as tm
+from megagraph.kernels.fused import reference as rf
+from megagraph.kernels.moe import triton as tm
 from test_triton_moe import (
     ACT,
     DEV,

@@ -1,4 +1,4 @@
-"""kernels/triton/norm.py (RMSNorm, one program per row) vs the reference: within one rounding of
+"""kernels/dense/triton_norm.py (RMSNorm, one program per row) vs the reference: within one rounding of
 the output dtype (bf16 / fp16; fp32: 1e-6 relative) - the sum of squares runs in Triton's
 reduction order, the rest is the reference's fp32 arithmetic (correctly rounded sqrt and
 reciprocal). Every element written (poisoned outputs), weightless and 3-D inputs, strided rows,
@@ -13,9 +13,9 @@ import torch
 from poisoned_alloc import poisoned
 from test_triton_attention import CUDA, DEV, pytestmark  # noqa: F401
 
-from megagraph.kernels.capturable.dense import rms_norm as cap_rms_norm
-from megagraph.kernels.reference.norm import rms_norm as ref_rms_norm
-from megagraph.kernels.triton import norm as tn
+from megagraph.kernels.dense.capturable import rms_norm as cap_rms_norm
+from megagraph.kernels.dense.norm import rms_norm as ref_rms_norm
+from megagraph.kernels.dense import triton_norm as tn
 
 ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 1e-6}
 

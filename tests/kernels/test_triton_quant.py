@@ -1,4 +1,4 @@
-"""kernels/triton/quant.py (activation quantization) vs the reference: bitwise.
+"""kernels/dense/triton_quant.py (activation quantization) vs the reference: bitwise.
 
 CUDA GPU, or the CPU under TRITON_INTERPRET=1 (tests/kernels/test_triton_interp.py runs this
 file that way); skipped otherwise. Codes and scales must be bitwise equal: the scale is a power of
@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_triton_attention import CUDA, DEV, pytestmark  # noqa: F401
 
-from megagraph.kernels.reference.fused import quantize_act as ref_quantize_act
+from megagraph.kernels.fused.reference import quantize_act as ref_quantize_act
 
 
 def inputs(g, shape, dtype):
@@ -27,7 +27,7 @@ def inputs(g, shape, dtype):
 @pytest.mark.parametrize("width", [40, 128, 300, 1600, 5120])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantize_act_bitwise(act_fmt, width, dtype):
-    from megagraph.kernels.triton.quant import quantize_act
+    from megagraph.kernels.dense.triton_quant import quantize_act
 
     g = torch.Generator().manual_seed(width + (act_fmt == "mxfp8"))
     x = inputs(g, (3, 7, width), dtype)
@@ -44,7 +44,7 @@ def test_quantize_act_exact_power_scales(act_fmt):
     mantissa in 128): the scale is 2^k only if that quotient is rounded correctly (an approximate
     division a hair above 2^k doubles the scale). The interpreter divides exactly; this is for the
     GPU, where Triton's `/` is div.approx."""
-    from megagraph.kernels.triton.quant import quantize_act
+    from megagraph.kernels.dense.triton_quant import quantize_act
 
     g = torch.Generator().manual_seed(9)
     block = 128 if act_fmt == "fp8_1x128" else 32
@@ -60,7 +60,7 @@ def test_quantize_act_exact_power_scales(act_fmt):
 
 
 def test_quantize_act_strided_rows_and_empty():
-    from megagraph.kernels.triton.quant import quantize_act
+    from megagraph.kernels.dense.triton_quant import quantize_act
 
     g = torch.Generator().manual_seed(5)
     big = inputs(g, (9, 1024), torch.bfloat16).to(DEV)
@@ -74,7 +74,7 @@ def test_quantize_act_strided_rows_and_empty():
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_quantize_act_captures_in_cuda_graph():
-    from megagraph.kernels.triton.quant import quantize_act
+    from megagraph.kernels.dense.triton_quant import quantize_act
 
     x = torch.randn(64, 5120, device=DEV, dtype=torch.bfloat16)
     quantize_act(x, act_fmt="fp8_1x128")  # compile outside capture

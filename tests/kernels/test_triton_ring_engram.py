@@ -11,9 +11,9 @@ import torch
 from test_capturable_ops import PADDED, SCRATCH
 from test_triton_attention import CUDA, DEV, dev_meta, pytestmark, seed  # noqa: F401
 
-from megagraph.kernels.reference.engram import engram_gate as ref_gate, engram_hash as ref_hash
-from megagraph.kernels.reference.engram import engram_layout
-from megagraph.kernels.reference.fused import ring_update_batched as ref_rings
+from megagraph.kernels.engram.reference import engram_gate as ref_gate, engram_hash as ref_hash
+from megagraph.kernels.engram.reference import engram_layout
+from megagraph.kernels.fused.reference import ring_update_batched as ref_rings
 
 S = 6
 
@@ -21,7 +21,7 @@ S = 6
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("pairs", [1, 11])
 def test_ring_update_batched_matches_reference(inplace, pairs):
-    from megagraph.kernels.triton.ring import ring_update_batched
+    from megagraph.kernels.state.triton_ring import ring_update_batched
 
     g = torch.Generator().manual_seed(seed(inplace, pairs))
     m = dev_meta(PADDED)
@@ -47,7 +47,7 @@ LAYOUTS = engram_layout([1, 14], None, max_ngram=4, n_heads=8, vocab_start=16_00
 
 @pytest.mark.parametrize("table", [1, 14])
 def test_engram_hash_matches_reference(table):
-    from megagraph.kernels.triton.engram import engram_hash
+    from megagraph.kernels.engram.triton import engram_hash
 
     lay = LAYOUTS[table]
     g = torch.Generator().manual_seed(table)
@@ -66,7 +66,7 @@ def test_engram_hash_matches_reference(table):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dims", [(4, 320), (4, 5120)])
 def test_engram_gate_matches_reference(dtype, dims):
-    from megagraph.kernels.triton.engram import engram_gate
+    from megagraph.kernels.engram.triton import engram_gate
 
     n, d = dims
     g = torch.Generator().manual_seed(seed(dtype, dims))
@@ -82,8 +82,8 @@ def test_engram_gate_matches_reference(dtype, dims):
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_capture_in_cuda_graph():
-    from megagraph.kernels.triton.engram import engram_gate, engram_hash
-    from megagraph.kernels.triton.ring import ring_update_batched
+    from megagraph.kernels.engram.triton import engram_gate, engram_hash
+    from megagraph.kernels.state.triton_ring import ring_update_batched
 
     lay = LAYOUTS[1]
     kw = dict(multipliers=lay.multipliers, primes=lay.primes, offsets=lay.offsets, pad_id=2, max_ngram=4)

@@ -1,5 +1,5 @@
-"""kernels/triton/topk.py (the indexer's top-k selection and two-level candidate mask, radix
-select per row) vs the reference kernels.reference.indexer.topk_select / candidate_mask:
+"""kernels/indexer/triton_topk.py (the indexer's top-k selection and two-level candidate mask, radix
+select per row) vs the reference kernels.indexer.reference.topk_select / candidate_mask:
 torch.equal on every case (integer / bool output, so bitwise).
 
 Cases: k above C, fewer selectable entries than k (rows fully -inf, -inf suffixes as the indexer
@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megagraph.kernels.reference.indexer import candidate_mask as ref_candidate_mask
-from megagraph.kernels.reference.indexer import topk_select as ref_topk_select
-from megagraph.kernels.triton import topk as tk
+from megagraph.kernels.indexer.reference import candidate_mask as ref_candidate_mask
+from megagraph.kernels.indexer.reference import topk_select as ref_topk_select
+from megagraph.kernels.indexer import triton_topk as tk
 from poisoned_alloc import poisoned
 from test_triton_attention import CUDA, DEV, pytestmark  # noqa: F401
 

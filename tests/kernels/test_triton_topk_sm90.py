@@ -1,5 +1,5 @@
-"""The indexer top-k / candidate-mask kernels (kernels/triton/topk_jit.py) compile for sm_90
-ahead of time, without a GPU, at the launchers' default knobs (kernels/triton/topk.py), with no
+"""The indexer top-k / candidate-mask kernels (kernels/indexer/triton_topk_jit.py) compile for sm_90
+ahead of time, without a GPU, at the launchers' default knobs (kernels/indexer/triton_topk.py), with no
 stack and no local memory (no spills), and the streaming kernels' score loads vectorized
 (LDG.E.128) where there is no per-entry load mask.
 
@@ -35,8 +35,8 @@ DIV = {"C", "SEG", "SEGB", "CAP"}
 def cases():
     """name -> (kernel, types, constexprs, warps, vectorized score loads expected) at the
     launchers' defaults (topk_select at k = 512, candidate_mask at blocks of 8)."""
-    from megagraph.kernels.triton import topk as tk
-    from megagraph.kernels.triton import topk_jit as J
+    from megagraph.kernels.indexer import triton_topk as tk
+    from megagraph.kernels.indexer import triton_topk_jit as J
 
     tb, mtb, w = tk.STREAM_TB, tk.STREAM_MERGE_TB, tk.STREAM_WARPS
     nbb = max(1, tk.CAND_STREAM_ELEMS // 8)

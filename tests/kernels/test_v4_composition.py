@@ -1,4 +1,4 @@
-"""The common reference op set + kernels/reference/v4.py express transformers' DeepseekV4 exactly.
+"""The common reference op set + kernels/v4/reference.py express transformers' DeepseekV4 exactly.
 
 A whole V4 forward is written here with the reference ops only (docs/transformers-v4.md §9 wiring)
 and compared with ``DeepseekV4ForCausalLM`` (fp32, same random weights incl. the parameters
@@ -15,15 +15,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megagraph.kernels.reference.attention import ring_update, sparse_attn
-from megagraph.kernels.reference.compressor import cache_write
-from megagraph.kernels.reference.indexer import index_scores, topk_select
-from megagraph.kernels.reference.linear import grouped_linear, linear
-from megagraph.kernels.reference.mhc import hc_collapse, hc_embed, hc_expand, hc_mixer
-from megagraph.kernels.reference.moe import moe_experts, route, swiglu_mlp
-from megagraph.kernels.reference.norm import rms_norm
-from megagraph.kernels.reference.rope import rope
-from megagraph.kernels.reference.v4 import hash_route, hc_head_mix, v4_compress_pool
+from megagraph.kernels.attention.reference import ring_update, sparse_attn
+from megagraph.kernels.state.reference import cache_write
+from megagraph.kernels.indexer.reference import index_scores, topk_select
+from megagraph.kernels.gemm.reference import grouped_linear, linear
+from megagraph.kernels.mhc.reference import hc_collapse, hc_embed, hc_expand, hc_mixer
+from megagraph.kernels.moe.reference import moe_experts, route, swiglu_mlp
+from megagraph.kernels.dense.norm import rms_norm
+from megagraph.kernels.dense.rope import rope
+from megagraph.kernels.v4.reference import hash_route, hc_head_mix, v4_compress_pool
 
 tfm = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 from transformers import DeepseekV4Config  # noqa: E402

@@ -1,4 +1,4 @@
-"""V4-specific reference ops (kernels/reference/v4.py) against transformers' DeepseekV4 submodules.
+"""V4-specific reference ops (kernels/v4/reference.py) against transformers' DeepseekV4 submodules.
 
 Fresh random inputs every run (the seed is in each assertion message). fp32 everywhere; tolerance
 rtol = atol = 1e-5 (values are O(1)). Also: step-splitting consistency of the stateful compressor
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megagraph.kernels.reference.v4 import V4_REFERENCE, hash_route, hc_head_mix, v4_compress_pool
+from megagraph.kernels.v4.reference import V4_REFERENCE, hash_route, hc_head_mix, v4_compress_pool
 
 tfm = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 from transformers import DeepseekV4Config  # noqa: E402

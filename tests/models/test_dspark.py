@@ -14,10 +14,10 @@ import torch
 
 from megagraph.graph.interp import interpret
 from megagraph.graph.text import parse_graph, print_graph
-from megagraph.kernels.reference.dspark import block_attn, draft_rows, markov_draft
-from megagraph.kernels.reference.linear import dequantize_weight
-from megagraph.kernels.reference.quant import fake_quant
-from megagraph.kernels.reference.rope import rope
+from megagraph.kernels.dspark.reference import block_attn, draft_rows, markov_draft
+from megagraph.kernels.gemm.reference import dequantize_weight
+from megagraph.kernels.dense.quant import fake_quant
+from megagraph.kernels.dense.rope import rope
 from megagraph.models.build import build_step
 from megagraph.models.checkpoint.synthetic import random_weights
 from megagraph.models.config import load_model_config
@@ -281,8 +281,8 @@ def test_draft_graph_outputs_follow_the_chain(model):
 
 def transcribed_draft(cfg, w, ring_state, anchor, slot, cached):
     """Spec §3.9 written out directly with the reference kernels (no graph): one request."""
-    from megagraph.kernels.reference import REFERENCE as K
-    from megagraph.kernels.reference.structural import merge_heads, split_heads
+    from megagraph.kernels.reference_table import REFERENCE as K
+    from megagraph.kernels.dense.structural import merge_heads, split_heads
 
     B, n, d, eps = cfg.dspark_block_size, cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps
     H, D, G = cfg.num_heads, cfg.head_dim, cfg.o_groups

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megagraph.graph.interp import interpret
-from megagraph.kernels.reference.indexer import index_scores, published_scores
+from megagraph.kernels.indexer.reference import index_scores, published_scores
 from megagraph.main import main as cli
 from megagraph.models.build import build_step
 from megagraph.models.config import ConfigError, ModelConfig, load_model_config
@@ -103,7 +103,7 @@ def test_vendor_graph_adds_one_score_and_a_row_choice_per_affected_layer(owner, 
         assert prod[n.inputs[1]].inputs[2] == f"L{src}.ikey"  # the pool as the step found it
         assert n.attr("ratio") == 2 and n.attr("published_ratio") == 1
     # every graph of the pipeline, every profile: the reading survives, no in-place hazard
-    from megagraph.kernels.capturable import inplace_hazards
+    from megagraph.kernels.capturable_table import inplace_hazards
 
     for hw in ("cpu", "h200", "gb300"):
         c = compile_model(vendor[0], load_hw_profile(hw), CompileOptions(bounded_replay=True))

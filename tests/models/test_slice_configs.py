@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from megagraph.kernels.reference.engram import engram_layout
+from megagraph.kernels.engram.reference import engram_layout
 from megagraph.models.config import known_models, load_model_config
 from megagraph.models.v41 import layer_roles
 

@@ -78,7 +78,7 @@ def test_engram_layout_reproduces_the_checkpoint_row_counts(full):
 def test_engram_hash_of_a_hand_computed_ngram(full):
     """Row ids of the 4-gram ending at position 3 of compressed ids (5, 17, 99, 1234), by hand:
     r2 = c3*m0 ^ c2*m1, r3 = r2 ^ c1*m2, r4 = r3 ^ c0*m3; id = r mod prime + offset."""
-    from megagraph.kernels.reference.engram import engram_hash
+    from megagraph.kernels.engram.reference import engram_hash
 
     lay = engram_layouts(full)[1]
     m = lay.multipliers

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megagraph.graph.interp import interpret
-from megagraph.kernels.reference.linear import dequantize_weight
+from megagraph.kernels.gemm.reference import dequantize_weight
 from megagraph.models.session import initial_state, step_metadata
 from tests.tiny import SeqChunk, random_tokens, session, tiny
 

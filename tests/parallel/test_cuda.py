@@ -14,8 +14,8 @@ PLACEMENT = [[0, 1, 2, 3], [4, 5, 0, 2]]  # 6 experts + 2 redundant over 2 ranks
 
 
 def _moe(x, ids, w, banks, rank, max_tokens):
-    from megagraph.kernels.capturable.moe import moe_experts
-    from megagraph.kernels.reference.parallel import ep_combine, ep_dispatch, ep_place
+    from megagraph.kernels.moe.capturable import moe_experts
+    from megagraph.kernels.parallel.reference import ep_combine, ep_dispatch, ep_place
 
     L = 4
     slots = ep_place(ids, banks["map"], ep_size=2, slots_per_rank=L)
@@ -34,8 +34,8 @@ def _data(T, seed, dev):
 
 
 def capture_rank(tokens) -> dict:
-    from megagraph.kernels.reference.moe import moe_experts as ref_moe
-    from megagraph.kernels.reference.parallel import set_ep_group, set_transfer
+    from megagraph.kernels.moe.reference import moe_experts as ref_moe
+    from megagraph.kernels.parallel.reference import set_ep_group, set_transfer
     from megagraph.runtime.distributed.eplb import expert_map
     from megagraph.runtime.distributed.group import init_from_env
 

@@ -8,8 +8,8 @@ import torch
 from megagraph.graph.errors import IRError
 from megagraph.graph.registry import get_op
 from megagraph.graph.types import T
-from megagraph.kernels.reference.moe import moe_experts
-from megagraph.kernels.reference.parallel import ep_combine, ep_dispatch, ep_place
+from megagraph.kernels.moe.reference import moe_experts
+from megagraph.kernels.parallel.reference import ep_combine, ep_dispatch, ep_place
 from megagraph.runtime.distributed.eplb import expert_map
 from megagraph.runtime.distributed.launch import launch
 
@@ -93,7 +93,7 @@ def test_place_replicas_and_balanced_routing():
 
 def dispatch_rank(placement, tokens_per_rank, max_tokens, transfer):
     """One rank of test_collectives: its EP result and the local reference for its tokens."""
-    from megagraph.kernels.reference.parallel import ep_group_and_rank, set_transfer
+    from megagraph.kernels.parallel.reference import ep_group_and_rank, set_transfer
     from megagraph.runtime.distributed.group import init_from_env
 
     ctx = init_from_env(device="cpu", timeout_s=60)

@@ -10,7 +10,7 @@ from megagraph.graph.ir import Node, freeze_attrs
 from megagraph.graph.registry import all_ops
 from megagraph.graph.text import parse_graph
 from megagraph.graph.verify import verify_graph
-from megagraph.kernels.reference.fused import FUSED
+from megagraph.kernels.fused.reference import FUSED
 from megagraph.passes import PASSES, PIPELINE, load_hw_profile
 from megagraph.passes.batch_window_copies import BatchWindowCopies
 from megagraph.passes.cleanup import CommonSubexpressions, DeadCode, FoldConstants
@@ -168,7 +168,7 @@ def test_indexer_products_marks_fake_quantized_operands_only():
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_e4m3"])
 def test_fake_quantized_values_and_their_products_are_exact_in_bf16(fmt):
     """The premise of indexer-products: fake-quantized values survive bf16, their products fp32."""
-    from megagraph.kernels.reference.quant import fake_quant
+    from megagraph.kernels.dense.quant import fake_quant
 
     g = torch.Generator().manual_seed(11)
     x = torch.randn(64, 128, generator=g) * torch.logspace(-6, 6, 128)  # 12 decades per row

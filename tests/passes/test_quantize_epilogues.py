@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from megagraph.graph.interp import interpret
-from megagraph.kernels.reference.fused import dequant_act, grouped_linear_q, linear_q, quantize_act
-from megagraph.kernels.reference.linear import dequantize_weight, grouped_linear, linear
+from megagraph.kernels.fused.reference import dequant_act, grouped_linear_q, linear_q, quantize_act
+from megagraph.kernels.gemm.reference import dequantize_weight, grouped_linear, linear
 from megagraph.models.session import initial_state, step_metadata
 from megagraph.passes import load_hw_profile
 from megagraph.passes.quantize_epilogues import QuantizeEpilogues

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megagraph.kernels.capturable.fused import quantize_act
+from megagraph.kernels.fused.capturable import quantize_act
 from tests.runtime.conftest import make_engine
 from tests.tiny import SeqChunk, random_tokens
 
@@ -91,7 +91,7 @@ def test_tile_loop_kernels_stay_untraced(compiled, monkeypatch, trace_loops):
     plan's one segment is marked `graph` so that it is wrapped; `wrap` itself is recorded.)"""
     import dataclasses
 
-    from megagraph.kernels.capturable import INDUCTOR_UNSAFE_OPS, TILE_LOOP_OPS
+    from megagraph.kernels.capturable_table import INDUCTOR_UNSAFE_OPS, TILE_LOOP_OPS
     from megagraph.runtime import compile as rc
     from megagraph.runtime.engine import Engine, EngineConfig
     from megagraph.runtime.plan import RunPlan, SegmentPlan

@@ -144,7 +144,7 @@ def test_engram_rows_gathered_in_storage_format():
     """Host-resident Engram tables: the step gathers its rows (FP8 + e8m0 scales) where the table
     lives and dequantizes them where the step runs; same values as dequantizing on the host."""
     from megagraph.kernels import formats
-    from megagraph.kernels.capturable import CAPTURABLE
+    from megagraph.kernels.capturable_table import CAPTURABLE
     from megagraph.runtime.kernels import gather_on_host, host_rows, on_host
 
     g = torch.Generator().manual_seed(3)

@@ -57,7 +57,7 @@ def test_h200_plan_on_cpu_writes_state_in_place_and_matches_reference(compiled):
     with --allow-fallback: the library state kernels (compressor, ring copies) get inplace=True
     where no later node reads the old state, so a step does not copy whole state pools, and the
     logits still equal the reference session's (1e-4: the capturable kernels sum in another order)."""
-    from megagraph.kernels.capturable import INPLACE_STATE_OPS
+    from megagraph.kernels.capturable_table import INPLACE_STATE_OPS
 
     model = TINY[0]
     eng = make_engine(compiled(model, hw="h200"), model, allow_fallback=True)

@@ -1,0 +1,1 @@
+"""attention: reference, capturable and fast kernels of the family."""

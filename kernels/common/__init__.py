@@ -1,0 +1,1 @@
+"""common: reference, capturable and fast kernels of the family."""

@@ -1,0 +1,1 @@
+"""dense: reference, capturable and fast kernels of the family."""

@@ -1,0 +1,1 @@
+"""dspark: reference, capturable and fast kernels of the family."""

@@ -1,0 +1,1 @@
+"""engram: reference, capturable and fast kernels of the family."""

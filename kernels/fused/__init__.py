@@ -1,0 +1,1 @@
+"""fused: reference, capturable and fast kernels of the family."""

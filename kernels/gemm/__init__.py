@@ -1,0 +1,1 @@
+"""gemm: reference, capturable and fast kernels of the family."""

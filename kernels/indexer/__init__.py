@@ -1,0 +1,1 @@
+"""indexer: reference, capturable and fast kernels of the family."""

@@ -1,0 +1,1 @@
+"""mhc: reference, capturable and fast kernels of the family."""

@@ -1,0 +1,1 @@
+"""moe: reference, capturable and fast kernels of the family."""

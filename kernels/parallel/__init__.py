@@ -1,0 +1,1 @@
+"""parallel: reference, capturable and fast kernels of the family."""

@@ -1,0 +1,1 @@
+"""state: reference, capturable and fast kernels of the family."""

@@ -1,0 +1,1 @@
+"""v4: reference, capturable and fast kernels of the family."""
