@@ -8,7 +8,14 @@ which pass fp8_h=True or set FP8_H_PREFILL themselves.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+# the shared helpers here (sm90_build, gluon_cases, poisoned_alloc, ...) import by their plain
+# names from the test modules of every family folder below
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @pytest.fixture(autouse=True)
