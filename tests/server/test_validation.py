@@ -130,8 +130,9 @@ def test_a_body_over_the_cap_is_a_413_before_it_is_read(server):
 
 
 def test_an_oversize_prompt_is_refused_untokenized_while_health_answers(server, client):
-    """31 MiB of text (the 32 MiB cap allows it) used to be tokenized in full for 35-40 s before
-    being refused, with /health stalled; its length alone proves it cannot fit 1024 tokens."""
+    """31 MiB of text (the 32 MiB cap allows it) is refused without being tokenized: its length
+    alone proves it cannot fit 1024 tokens, and tokenizing it in full takes 35-40 s with /health
+    stalled meanwhile."""
     tok = server.service.tokenizer
     real, lengths = tok.encode, []
 
