@@ -1,7 +1,7 @@
 """Bounded-suffix replay: long prompt chunks run the late layers on their last `keep` rows only.
 
 The runtime must equal the reference interpreter running the compiler's prefix and suffix graphs;
-against the exact path it is an approximation (benchmarks/results/bounded-replay-tiny.md)."""
+against the exact path it is an approximation (benchmarks/results/cpu/bounded-replay.md)."""
 
 from __future__ import annotations
 
