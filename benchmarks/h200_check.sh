@@ -8,7 +8,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"tests;kernels"}
 export PYTHONUNBUFFERED=1
 # the project's pytest addopts name a snapshot plugin option the device image lacks: every pytest
-# in a step runs without them (a bare `pytest` step failed on that alone in the tenth session)
+# in a step runs without them (with them, a bare `pytest` step fails on that option alone)
 export PYTEST_ADDOPTS="-o addopts= ${PYTEST_ADDOPTS:-}"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"

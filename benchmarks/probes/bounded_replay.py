@@ -9,26 +9,27 @@ Encoder replay: a prompt of C cached tokens whose rings were lost is rebuilt by 
 encoder-replay graph over its last `window` tokens, then 4 new tokens and 8 decode steps run
 exactly; compared on those logits.
 
-Run: .venv/bin/python benchmarks/bounded_replay.py   (writes benchmarks/results/bounded-replay-tiny.md)
+    python benchmarks/probes/bounded_replay.py [--out DIR]   (the table; DIR/bounded-replay.md)
+
+The runners below are the ones tests/passes/test_bounded_replay.py checks for exactness.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from megagraph.graph.interp import interpret  # noqa: E402
 from megagraph.models.session import ReferenceSession, SeqChunk, step_metadata  # noqa: E402
 from megagraph.passes import CompileOptions, compile_graph, load_hw_profile  # noqa: E402
-
-RESULTS = ROOT / "benchmarks" / "results" / "bounded-replay-tiny.md"
 
 
 # -- runners (used by tests/passes/test_bounded_replay.py too) -----------------------------------
@@ -159,7 +160,10 @@ def encoder_replay_case(model, seed: int, cached: int, new: int = 4, decode: int
     return new_rows, _agg(dec)
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="folder for bounded-replay.md")
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model, seeds = "v4.1-flash-tiny", (0, 1, 2)
     from megagraph.models.config import load_model_config
@@ -168,8 +172,8 @@ def main() -> int:
     default_keep = cfg.sliding_window + cfg.dspark_block_size + 1
     t0 = time.time()
     lines = ["# Bounded replay vs the exact path (tiny V4.1, random weights)", "",
-             f"Produced by `benchmarks/bounded_replay.py` ({time.strftime('%Y-%m-%d')}; CPU, reference "
-             "interpreter, fp32 activations, QAT fake-quant of cached rows on, seeds "
+             f"Produced by `benchmarks/probes/bounded_replay.py` ({time.strftime('%Y-%m-%d')}; CPU, "
+             "reference interpreter, fp32 activations, QAT fake-quant of cached rows on, seeds "
              f"{', '.join(map(str, seeds))}). Tiny V4.1: window {cfg.sliding_window}, last KV-source "
              f"layer 5, late layers 6-8 of 9; default keep = window + DSpark block + 1 = "
              f"{default_keep}.", "",
@@ -216,9 +220,12 @@ def main() -> int:
               "truncated windows cause, unlike a trained model; the numbers bound the mechanism, "
               "not the quality loss on real text, which must be measured with the real checkpoint.",
               "", f"Wall time: {time.time() - t0:.0f} s."]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(lines) + "\n")
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    if args.out is not None:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from harness.report import write_atomic
+
+        write_atomic(args.out / "bounded-replay.md", "\n".join(lines) + "\n")
+        print(f"wrote {args.out / 'bounded-replay.md'}")
     return 0
 
 

@@ -41,8 +41,8 @@ Every state pool (but its scratch slot, where pad rows write) is compared too, a
 and after each step: the first step whose pools
 differ is where the compiled engine leaves the uncompiled one, even where its logits do not show it.
 
-    python benchmarks/compile_parity.py --out /tmp/cp                # GPU
-    python benchmarks/compile_parity.py --out /tmp/cp --device cpu   # CPU (slow: Inductor on 2 cores)
+    python benchmarks/probes/compile_parity.py --out /tmp/cp                # GPU
+    python benchmarks/probes/compile_parity.py --out /tmp/cp --device cpu   # CPU (slow: Inductor on 2 cores)
 """
 
 from __future__ import annotations
@@ -56,10 +56,13 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for _p in (HERE, HERE.parent):  # the sibling probes, benchmarks/harness
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
-from workloads import environment, load_model, sync  # noqa: E402
+from harness.engines import sync  # noqa: E402
+from harness.env import environment  # noqa: E402
+from harness.models import load_model  # noqa: E402
 
 VARIANTS = ("padded", "aot_eager", "inductor", "inductor+emulate", "inductor+noalias",
             "inductor+functional", "inductor+clone", "inductor+nofusion", "inductor+static",

@@ -12,8 +12,8 @@ on the device. Its Engram table is cut from 384M to 2.4M rows (prime search from
 replay (or eager kernels) + logits copy, timed with a device synchronize around it; the table shows
 the median over `--steps` decode steps after a `--context`-token prefill of every request.
 
-    python benchmarks/decode_runtime.py --out benchmarks/results/decode_runtime   # GPU: everything
-    python benchmarks/decode_runtime.py --smoke --out /tmp/x                       # CPU, seconds
+    python benchmarks/probes/decode_runtime.py --out /tmp/dr            # GPU: everything
+    python benchmarks/probes/decode_runtime.py --smoke --out /tmp/x                       # CPU, seconds
 """
 
 from __future__ import annotations
@@ -30,10 +30,13 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for _p in (HERE, HERE.parent):  # the sibling probes, benchmarks/harness
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
-from workloads import environment, load_model, sync  # noqa: E402
+from harness.engines import sync  # noqa: E402
+from harness.env import environment  # noqa: E402
+from harness.models import load_model  # noqa: E402
 
 MODES = ("eager", "padded", "graphs", "graphs+compile")
 DEFAULT_MODES = ("eager", "graphs", "graphs+compile")

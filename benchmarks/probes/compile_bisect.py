@@ -9,7 +9,7 @@ floats by max |diff| / max |eager|, integers and FP8 codes by the fraction of el
 differ. Library kernels (the plan's Triton nodes) and the engine's untraced nodes
 (runtime/engine.py:untraced_nodes) run opaque, as in runtime/compile.py:wrap.
 
-    python benchmarks/compile_bisect.py --out /tmp/cb            # GPU, the tiny V4.1, B=8
+    python benchmarks/probes/compile_bisect.py --out /tmp/cb            # GPU, the tiny V4.1, B=8
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for _p in (HERE, HERE.parent):  # the sibling probes, benchmarks/harness
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 from compile_parity import make, parser, results, steps  # noqa: E402
-from workloads import load_model  # noqa: E402
+from harness.models import load_model  # noqa: E402
 
 
 def clone(v):
