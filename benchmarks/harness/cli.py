@@ -16,36 +16,6 @@ from .report import results_dir
 from .routing import install_balanced_routing
 from .sweep import MODES, Sweep
 
-def begin(kind: str, args, t0: float | None = None) -> tuple:
-    """The common start of prefill.py / decode.py: (res, budget, device, out, log); the budget
-    counts from `t0` (the script's start, imports included)."""
-    budget = Budget(args.time_budget, t0=t0)
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-
-    def log(msg):
-        print(f"[{kind} {budget.elapsed():6.1f}s] {msg}", flush=True)
-
-    res = {"benchmark": kind, "environment": environment(device), "args": dict(vars(args)),
-           "rows": [], "split": {}, "costs": {}, "libraries": libraries()}
-    if args.routing == "balanced":
-        install_balanced_routing()
-    row: dict = {}
-    attempt(budget, row, lambda: res.update(ceilings=ceilings(device, args.smoke)), log, "ceilings")
-    res.setdefault("ceilings", row)
-    log(f"ceilings: {res['ceilings']}")
-    return res, budget, device, out, log
-
-
-def describe_run(res: dict, model: Model) -> None:
-    """Model, profile peaks, kernel choices, 40-layer mapping into `res`."""
-    res.update(model=model.describe(), hw=hw_peaks(model.hw), kernels=kernel_summary(model.plan),
-               mapping=layer_mapping(model.cfg))
-
-
 
 def parser(doc: str, kind: str, *, context: int, batches: str, warmup: int, iters: int,
            graph_limit_help: str):
@@ -104,6 +74,36 @@ def parse_args(p, argv, smoke: dict):
     cb = args.compile_batches
     args.compile_batches = [int(b) for b in cb.split(",")] if cb else args.batches[:1]
     return args
+
+
+def begin(kind: str, args, t0: float | None = None) -> tuple:
+    """The common start of prefill.py / decode.py: (res, budget, device, out, log); the budget
+    counts from `t0` (the script's start, imports included)."""
+    budget = Budget(args.time_budget, t0=t0)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def log(msg):
+        print(f"[{kind} {budget.elapsed():6.1f}s] {msg}", flush=True)
+
+    res = {"benchmark": kind, "environment": environment(device), "args": dict(vars(args)),
+           "rows": [], "split": {}, "costs": {}, "libraries": libraries()}
+    if args.routing == "balanced":
+        install_balanced_routing()
+    row: dict = {}
+    attempt(budget, row, lambda: res.update(ceilings=ceilings(device, args.smoke)), log, "ceilings")
+    res.setdefault("ceilings", row)
+    log(f"ceilings: {res['ceilings']}")
+    return res, budget, device, out, log
+
+
+def describe_run(res: dict, model: Model) -> None:
+    """Model, profile peaks, kernel choices, 40-layer mapping into `res`."""
+    res.update(model=model.describe(), hw=hw_peaks(model.hw), kernels=kernel_summary(model.plan),
+               mapping=layer_mapping(model.cfg))
 
 
 def run_benchmark(kind: str, args, *, new_tokens, graph_limit, scale_exp: float, write,

@@ -62,7 +62,6 @@ def cell_status(row: dict | None) -> str | None:
     return None if row.get("ms") else "-"
 
 
-
 def pyplot():
     """matplotlib.pyplot on the Agg backend, or None when matplotlib is missing."""
     try:
@@ -239,7 +238,6 @@ def common_notes(res: dict) -> list[str]:
     return out + [""]
 
 
-
 def two_panels(plt, res: dict, path: Path, der: dict, *, y, x40: str, extra: tuple = (),
                xlabel: str, ylabel: str, title: str) -> None:
     """Left, on log axes over the batch sizes: every mode's y(row), the megagraph row's 40-layer
@@ -282,7 +280,6 @@ def mode_table_cell(res: dict, mode: str, B: int, value) -> str:
     row = next((r for r in res["rows"] if r["mode"] == mode and r["B"] == B), None)
     st = cell_status(row)
     return st if st is not None else value(row)
-
 
 
 def baseline_cells(res: dict, B: int, value) -> list[str]:

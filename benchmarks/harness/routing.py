@@ -14,6 +14,7 @@ import inspect
 import torch
 
 _BALANCED: dict = {}
+_INSTALLED = False
 
 
 def _balanced_table(E: int, k: int, device) -> torch.Tensor:
@@ -35,7 +36,8 @@ def install_balanced_routing() -> None:
     import megagraph.runtime.engine as engine_mod
     from megagraph.kernels.moe.capturable import hash_route
 
-    if getattr(engine_mod, "_balanced_routing", False):
+    global _INSTALLED
+    if _INSTALLED:
         return
 
     def route(x, gate_w, bias, *, topk, route_scale, norm_topk=True, score_func="sqrtsoftplus"):
@@ -44,6 +46,9 @@ def install_balanced_routing() -> None:
         return hash_route(x, gate_w, table, tok, topk=topk, route_scale=route_scale,
                           score_func=score_func, norm_topk=norm_topk)
 
+    if not callable(getattr(capfused, "route", None)):  # fail loudly, never route silently
+        raise RuntimeError("balanced routing: kernels.fused.capturable has no module-level "
+                           "`route` to replace")
     capfused.route = route  # what the capturable mega_moe calls
 
     def hashed(fn):
@@ -73,8 +78,8 @@ def install_balanced_routing() -> None:
                     ks.impls[n.outputs[0]] = route
         return ks
 
-    engine_mod.resolve_kernels = resolve_balanced
-    engine_mod._balanced_routing = True
+    engine_mod.resolve_kernels = resolve_balanced  # what Engine.__init__ calls
+    _INSTALLED = True
 
 
 def _takes(fn, param: str) -> bool:

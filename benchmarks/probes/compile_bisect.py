@@ -184,7 +184,8 @@ def engine_fn_check(plan, weights, args, device, seen, log) -> list[dict]:
                 r["value"], r["segment"], r["check"] = name, program.name, which
                 mine.append(r)
             recs += mine
-            log(f"  {which} {program.name}: {sum(r['bad'] for r in mine)} of {len(want)} outputs differ")
+            log(f"  {which} {program.name}: {sum(r['bad'] for r in mine)} of {len(want)} outputs "
+                "differ")
     return recs
 
 
@@ -234,8 +235,9 @@ def main(argv=None) -> int:
             every: list[dict] | None = [] if args.every else None
             res["segments"].append({"name": program.name, "calls": len(program.calls),
                                     "differing": found, "every": every})
-            bisect(program, env, eng.kernels.opaque | untraced_nodes(eng.plan.graph), args.chunk, args.backend, print, found, save,
-                   every, not args.no_refine)
+            opaque = eng.kernels.opaque | untraced_nodes(eng.plan.graph)
+            bisect(program, env, opaque, args.chunk, args.backend, print, found, save, every,
+                   not args.no_refine)
     save()
     return 0
 

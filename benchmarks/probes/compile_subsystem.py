@@ -8,7 +8,7 @@ then bisects how many applications of the guilty subsystem it takes (for lowerin
 lowering). Each try builds and compiles the engine anew (~20 s on the tiny model).
 
     python benchmarks/probes/compile_subsystem.py --out /tmp/cs        # GPU, the tiny V4.1, B=8
-    python benchmarks/probes/compile_subsystem.py --out /tmp/cs --only lowerings   # which op's lowering
+    python benchmarks/probes/compile_subsystem.py --out /tmp/cs --only lowerings  # which lowering
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def main(argv=None) -> int:
             ok = rel <= args.rel
             res["tries"].append({"backend": CompilerBisector.get_backend(),
                                  "subsystem": CompilerBisector.get_subsystem(),
-                                 "rel": rel, "ok": ok, "seconds": round(time.perf_counter() - t, 1)})
+                                 "rel": rel, "ok": ok,
+                                 "seconds": round(time.perf_counter() - t, 1)})
             print(json.dumps(res["tries"][-1]), flush=True)
             save()
             return ok
