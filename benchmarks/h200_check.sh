@@ -18,8 +18,9 @@ IFS=';' read -ra STEP_LIST <<< "$STEPS"
 for step in "${STEP_LIST[@]}"; do
   case $step in
     tests) timeout ${T_TESTS:-330} python3 -m pytest -q -o addopts="" -rfE --tb=short \
-             --durations=15 -p no:cacheprovider ${PYTEST_ARGS:-} ${TESTS:-tests/kernels/test_triton_*.py \
-             tests/kernels/test_capturable_cuda.py} > "$OUT/tests.log" 2>&1
+             --durations=15 -p no:cacheprovider ${PYTEST_ARGS:-} \
+             ${TESTS:-tests/kernels/test_triton_*.py tests/kernels/test_capturable_cuda.py} \
+             > "$OUT/tests.log" 2>&1
            echo "tests rc=$?" >> "$OUT/env.txt";;
     kernels) timeout ${T_KERNELS:-200} python3 benchmarks/kernels.py --out "$OUT/kernels" \
              ${KERNEL_ARGS:-} > "$OUT/kernels.log" 2>&1; echo "kernels rc=$?" >> "$OUT/env.txt";;
