@@ -14,15 +14,15 @@ Rows, measured in one run (each fails soft; nothing starts once --time-budget is
   compile     the capturable kernels under torch.compile (Inductor) + CUDA graphs, at the B of
               --compile-batches;
   DeepGEMM / FlashMLA: whether they are importable (they are not wired into the plan).
-Roofline: the bytes a step must read at least (workloads.step_costs: every weight once, routed
-experts only as far as B requests at top-6 of 384 touch them, window rings, the selected
+Roofline: the bytes a step must read at least (harness/costs.py, step_costs: every weight once,
+routed experts only as far as B requests at top-6 of 384 touch them, window rings, the selected
 compressed rows and every visible index key per request, the LM head) over the copy bandwidth
 measured in the same run (or its FLOPs over the measured FP8 ceiling, whichever is longer).
 Achieved bandwidth = those bytes / step time. Split and 40-layer extrapolation as in prefill.py.
 
-    python benchmarks/decode.py --out benchmarks/results/decode-h200 --time-budget 150    # GPU
-    python benchmarks/decode.py --smoke --out /tmp/d                                      # CPU
-    python benchmarks/decode.py --replot benchmarks/results/decode-h200/decode.json       # md+png
+    python benchmarks/decode.py --time-budget 150         # GPU: benchmarks/results/h200/decode.*
+    python benchmarks/decode.py --smoke --out /tmp/d                                    # CPU
+    python benchmarks/decode.py --replot benchmarks/results/h200/decode.json            # md+png
 """
 from __future__ import annotations
 
@@ -31,20 +31,21 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import workloads as wl  # first: the time budget counts from its import
+import harness  # noqa: F401,E402  first: the time budget counts from its import
+from harness import cli, report, sweep  # noqa: E402
 
 
 def parse(argv):
-    p = wl.parser(__doc__, "decode", context=32768, batches="8,16,32,64,128,256", warmup=2,
+    p = cli.parser(__doc__, "decode", context=32768, batches="8,16,32,64,128,256", warmup=2,
                   iters=5, graph_limit_help="B up to this run through CUDA graphs (default: the "
                                             "plan's largest decode bucket; every B on the CPU, "
                                             "padded, uncaptured)")
-    return wl.parse_args(p, argv, dict(context=40, batches="2,4"))
+    return cli.parse_args(p, argv, dict(context=40, batches="2,4"))
 
 
 def main(argv=None) -> int:
     args = parse(argv)
-    return wl.run_benchmark(
+    return cli.run_benchmark(
         "decode", args, new_tokens=lambda B: [1] * B, scale_exp=0.5, write=write_outputs,
         graph_limit=lambda plan, dev: (max(plan.decode_buckets, default=0) if dev.type == "cuda"
                                        else max(args.batches)))
@@ -67,7 +68,7 @@ def bandwidth(res: dict) -> tuple[float, str]:
 def roofline_ms(res: dict, flops: float, nbytes: float) -> float:
     """max(bytes at the bandwidth, FLOPs at the measured FP8 ceiling or the profile's peak)."""
     bw = bandwidth(res)[0]
-    flop_s = (res.get("ceilings", {}).get("fp8_tflops") or wl.peak_name(res)[1]) * 1e12
+    flop_s = (res.get("ceilings", {}).get("fp8_tflops") or report.peak_name(res)[1]) * 1e12
     return 1e3 * max(nbytes / bw if bw else 0.0, flops / flop_s if flop_s else 0.0)
 
 
@@ -78,8 +79,8 @@ def derive(res: dict) -> dict:
     for B in res["args"]["batches"]:
         cost = res.get("costs", {}).get(str(B), {})
         roof = roofline_ms(res, cost.get("flops", 0.0), cost.get("bytes", 0.0))
-        d = {**wl.derive_split(res, B), "roofline_ms": roof}
-        for mode, r in wl.mode_rates(res, B).items():
+        d = {**sweep.derive_split(res, B), "roofline_ms": roof}
+        for mode, r in sweep.mode_rates(res, B).items():
             gbs = cost.get("bytes", 0.0) / (r["ms"] / 1e3) / 1e9
             d[mode] = {**r, "gbps": gbs, "bw_frac": gbs * 1e9 / bw if bw else None,
                        "roof_frac": roof / r["ms"]}
@@ -95,10 +96,10 @@ def markdown(res: dict) -> str:
     a = res["args"]
     der = derive(res)
     bw_what = bandwidth(res)[1]
-    workload = wl.state_note(res, (
+    workload = report.state_note(res, (
         f"B requests per GPU, each decoding one token after {a['context']:,} cached tokens; B up "
         f"to {res.get('graph_limit')} runs through one CUDA graph per B."))
-    lines = wl.header_lines(res, "Decode step time", workload)
+    lines = report.header_lines(res, "Decode step time", workload)
     lines += ["## Step time of the layer slice (measured) and the roofline", "",
               "GB/step = the bytes a step must read at least (see Notes); achieved GB/s = GB/step "
               f"/ step time, % of the bandwidth it is compared with ({bw_what}); roofline = "
@@ -110,10 +111,10 @@ def markdown(res: dict) -> str:
     rows = []
     for B in a["batches"]:
         mg = next((r for r in res["rows"] if r["mode"] == "megagraph" and r["B"] == B), None)
-        st = wl.cell_status(mg)
+        st = report.cell_status(mg)
         d = der.get(B, {})
         gb = res.get("costs", {}).get(str(B), {}).get("bytes", 0.0) / 1e9
-        base = wl.baseline_cells(res, B, lambda r: f"{r['ms']:.2f}")
+        base = report.baseline_cells(res, B, lambda r: f"{r['ms']:.2f}")
         m = d.get("megagraph")
         if st is not None or m is None:
             rows.append([B, (mg or {}).get("path", "-"), st or "-", "-", f"{gb:.2f}", "-",
@@ -121,22 +122,22 @@ def markdown(res: dict) -> str:
             continue
         gbps = f"{m['gbps']:,.{0 if m['gbps'] >= 10 else 3}f}"
         rows.append([B, mg["path"], f"{mg['ms']:.3f}", f"{m['tok_s']:,.0f}", f"{gb:.2f}",
-                     f"{gbps} ({wl.pct(m['bw_frac'])})", f"{d['roofline_ms']:.3f}",
-                     wl.pct(m["roof_frac"]), *base])
-    lines += wl.md_table(hdr, rows) + [""]
+                     f"{gbps} ({report.pct(m['bw_frac'])})", f"{d['roofline_ms']:.3f}",
+                     report.pct(m["roof_frac"]), *base])
+    lines += report.md_table(hdr, rows) + [""]
     if res.get("mapping"):
-        lines += wl.x40_intro(res, "GB/step and the roofline: the 40-layer bytes and FLOPs")
+        lines += report.x40_intro(res, "GB/step and the roofline: the 40-layer bytes and FLOPs")
         xr = []
         for B in a["batches"]:
             x = der.get(B, {}).get("x40")
             gb40 = res.get("costs", {}).get(str(B), {}).get("bytes40", 0.0) / 1e9
             xr.append([B, f"{x['ms']:.2f}", f"{x['tok_s']:,.0f}", f"{gb40:.1f}",
-                       f"{x['roofline_ms']:.2f}", wl.pct(x["roof_frac"]),
+                       f"{x['roofline_ms']:.2f}", report.pct(x["roof_frac"]),
                        f"B={der[B]['split']['from']}"] if x else
                       [B, "-", "-", f"{gb40:.1f}", "-", "-", "no split or no time"])
-        lines += wl.md_table(["B", "ms/step (40 layers)", "tok/s/GPU", "GB/step", "roofline ms",
+        lines += report.md_table(["B", "ms/step (40 layers)", "tok/s/GPU", "GB/step", "roofline ms",
                               "% of roofline", "split from"], xr) + [""]
-    lines += wl.split_sections(res, der, a["batches"])
+    lines += report.split_sections(res, der, a["batches"])
     lines += ["## Notes", "",
               "- GB/step (the roofline's bytes): every device-resident weight once, routed experts "
               "only as far as the routing touches them (model routing: E (1 - (1 - k/E)^B) "
@@ -147,7 +148,7 @@ def markdown(res: dict) -> str:
               "host-resident (not counted); activations are not counted.",
               "- Roofline FLOPs: as in prefill.py (GEMMs from the weight shapes, sparse attention "
               "over window + top-k keys, indexer over every visible index key)."]
-    lines += wl.common_notes(res)
+    lines += report.common_notes(res)
     return "\n".join(lines) + "\n"
 
 
@@ -159,11 +160,11 @@ def plot(plt, res: dict, path: Path) -> None:
               {"color": "k", "linestyle": ":"}),
              ("roofline, 40 layers", [(B, der[B]["x40"]["roofline_ms"]) for B in x40],
               {"color": "grey", "linestyle": ":"})]
-    wl.two_panels(plt, res, path, der, y=lambda r: r["ms"], x40="ms", extra=roofs,
+    report.two_panels(plt, res, path, der, y=lambda r: r["ms"], x40="ms", extra=roofs,
                   xlabel="B: requests per GPU", ylabel="ms per decode step", title="decode")
 
 
-write_outputs = functools.partial(wl.write_outputs, name="decode", markdown=markdown, plot=plot)
+write_outputs = functools.partial(report.write_outputs, name="decode", markdown=markdown, plot=plot)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"tests;kernels"}
 export PYTHONUNBUFFERED=1
 # the project's pytest addopts name a snapshot plugin option the device image lacks: every pytest
-# in a step runs without them (a bare `pytest` step failed on that alone in the tenth session)
+# in a step runs without them (with them, a bare `pytest` step fails on that option alone)
 export PYTEST_ADDOPTS="-o addopts= ${PYTEST_ADDOPTS:-}"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -18,8 +18,9 @@ IFS=';' read -ra STEP_LIST <<< "$STEPS"
 for step in "${STEP_LIST[@]}"; do
   case $step in
     tests) timeout ${T_TESTS:-330} python3 -m pytest -q -o addopts="" -rfE --tb=short \
-             --durations=15 -p no:cacheprovider ${PYTEST_ARGS:-} ${TESTS:-tests/kernels/test_triton_*.py \
-             tests/kernels/test_capturable_cuda.py} > "$OUT/tests.log" 2>&1
+             --durations=15 -p no:cacheprovider ${PYTEST_ARGS:-} \
+             ${TESTS:-tests/kernels/test_triton_*.py tests/kernels/test_capturable_cuda.py} \
+             > "$OUT/tests.log" 2>&1
            echo "tests rc=$?" >> "$OUT/env.txt";;
     kernels) timeout ${T_KERNELS:-200} python3 benchmarks/kernels.py --out "$OUT/kernels" \
              ${KERNEL_ARGS:-} > "$OUT/kernels.log" 2>&1; echo "kernels rc=$?" >> "$OUT/env.txt";;

@@ -3,13 +3,14 @@
 ceilings measured in the same run: bf16 matmul TFLOP/s, FP8 `torch._scaled_mm` TFLOP/s and
 device-to-device copy bandwidth (bytes read + written).
 
-    python benchmarks/kernels.py --out benchmarks/results/kernels-h200        # GPU, every provider
+    python benchmarks/kernels.py                    # GPU, every provider: results/h200/kernels.*
     python benchmarks/kernels.py --only moe --out /tmp/k                        # one provider
     python benchmarks/kernels.py --device cpu --smoke --out /tmp/k              # CPU, seconds
 
 Writes OUT/kernels.md (the Markdown table, also printed) and OUT/kernels.json (ceilings,
-environment, every row with all its fields). Percentages: a row's TFLOP/s against the ceiling
-its `peak` names (fp8 or bf16), its GB/s against the copy bandwidth.
+environment, every row with all its fields), each atomically; OUT defaults to
+benchmarks/results/<hw>/ (hw: this device's profile, e.g. h200, or cpu). Percentages: a row's
+TFLOP/s against the ceiling its `peak` names (fp8 or bf16), its GB/s against the copy bandwidth.
 """
 from __future__ import annotations
 
@@ -29,48 +30,15 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from kernel_rows import time_ms  # noqa: E402 (after the sys.path entry)
+from harness.env import ceilings  # noqa: E402 (after the sys.path entry)
+from harness.models import hw_for  # noqa: E402
+from harness.report import results_dir, write_atomic  # noqa: E402
 
 
 def providers() -> list[str]:
     """Names of the modules in benchmarks/kernel_rows/ (each imported on its own)."""
     return sorted(m.name for m in pkgutil.iter_modules([str(HERE / "kernel_rows")])
                   if not m.name.startswith("_"))
-
-
-def ceilings(device: torch.device, smoke: bool) -> dict:
-    """Measured ceilings: bf16 GEMM, FP8 _scaled_mm (per-tensor scales), copy bandwidth."""
-    out: dict = {}
-    n = 256 if (smoke or device.type != "cuda") else 8192
-    try:
-        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-        b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-        ms = time_ms(lambda: a @ b, device=device, graph=False)
-        out["bf16_tflops"] = round(2 * n ** 3 / ms / 1e9, 1)
-    except Exception as e:  # noqa: BLE001
-        out["bf16_error"] = f"{type(e).__name__}: {e}"
-    if device.type == "cuda":
-        try:
-            a8 = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
-            b8 = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
-            one = torch.ones((), device=device)
-            ms = time_ms(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
-                                                  out_dtype=torch.bfloat16),
-                         device=device, graph=False)
-            out["fp8_tflops"] = round(2 * n ** 3 / ms / 1e9, 1)
-        except Exception as e:  # noqa: BLE001
-            out["fp8_error"] = f"{type(e).__name__}: {e}"
-    try:
-        nb = (1 << 30) if (device.type == "cuda" and not smoke) else (1 << 24)
-        src = torch.empty(nb, dtype=torch.uint8, device=device).random_(0, 255)
-        dst = torch.empty_like(src)
-        ms = time_ms(lambda: dst.copy_(src), device=device, graph=False)
-        out["copy_tbps"] = round(2 * nb / ms / 1e9, 3)
-    except Exception as e:  # noqa: BLE001
-        out["copy_error"] = f"{type(e).__name__}: {e}"
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return out
 
 
 def collect(device: torch.device, smoke: bool, only: list[str] | None) -> list[dict]:
@@ -106,8 +74,8 @@ def markdown(rows: list[dict], ceil: dict, env: dict) -> str:
              f"Ceilings measured in this run: bf16 matmul {bf} TFLOP/s, FP8 `_scaled_mm` {f8} "
              f"TFLOP/s, copy {bw} TB/s (read + write).", "",
              "Times in us unless marked ms. % = of the ceiling named in the column (TFLOP/s: the "
-             "row's FP8 or bf16 peak; GB/s: copy bandwidth). baseline = the torch path the plan ran "
-             "before (capturable unless noted), compile = torch.compile of it, rel. err = vs the "
+             "row's FP8 or bf16 peak; GB/s: copy bandwidth). baseline = the torch path of the same "
+             "op (capturable unless noted), compile = torch.compile of it, rel. err = vs the "
              "reference op on the row's inputs.", "",
              "| group | kernel | case | time | TFLOP/s (%) | GB/s (%) | baseline | compile | "
              "speed-up | rel. err | notes |",
@@ -147,7 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"),
                     default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: seconds)")
-    ap.add_argument("--out", type=Path, default=None, help="folder for kernels.md / kernels.json")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="folder for kernels.md / kernels.json (default: benchmarks/results/<hw>/)")
     ap.add_argument("--only", default="", help="comma-separated provider names (default: all)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -173,11 +142,10 @@ def main(argv=None) -> int:
     rows = collect(dev, args.smoke, only)
     md = markdown(rows, ceil, env)
     print(md)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "kernels.md").write_text(md)
-        (args.out / "kernels.json").write_text(json.dumps(
-            {"env": env, "ceilings": ceil, "rows": rows}, indent=1, default=str) + "\n")
+    out = args.out or results_dir(hw_for(dev))
+    write_atomic(out / "kernels.json", json.dumps({"env": env, "ceilings": ceil, "rows": rows},
+                                                  indent=1, default=str) + "\n")
+    write_atomic(out / "kernels.md", md)
     return 1 if any("error" in r for r in rows) and args.smoke else 0
 
 

@@ -18,15 +18,16 @@ Rows, measured in one run (each fails soft; nothing starts once --time-budget is
               --compile-batches;
   DeepGEMM / FlashMLA: whether they are importable (they are not wired into the plan).
 Split: one eager step per B with every node timed (torch.profiler device time per node), grouped
-into attention / MoE / mHC / other, applied to the megagraph row's step (workloads.split_step).
-MFU: the step's model FLOPs (workloads.step_costs: GEMMs from the compiled graph's weights, sparse
-attention over window + top-k keys, indexer over every visible index key) / time, against the
+into attention / MoE / mHC / other, applied to the megagraph row's step (harness/optime.py).
+MFU: the step's model FLOPs (harness/costs.py, step_costs: GEMMs from the compiled graph's
+weights, sparse attention over window + top-k keys, indexer over every visible index key) / time,
+against the
 profile's dense FP8 peak and against the FP8 GEMM ceiling measured in the same run. 40 layers:
-extrapolated from the slice (workloads.layer_mapping), clearly labelled, never measured.
+extrapolated from the slice (harness/costs.py layer_mapping), clearly labelled, never measured.
 
-    python benchmarks/prefill.py --out benchmarks/results/prefill-h200 --time-budget 150  # GPU
-    python benchmarks/prefill.py --smoke --out /tmp/p                                     # CPU
-    python benchmarks/prefill.py --replot benchmarks/results/prefill-h200/prefill.json    # md+png
+    python benchmarks/prefill.py --time-budget 150       # GPU: benchmarks/results/h200/prefill.*
+    python benchmarks/prefill.py --smoke --out /tmp/p                                   # CPU
+    python benchmarks/prefill.py --replot benchmarks/results/h200/prefill.json          # md+png
 """
 from __future__ import annotations
 
@@ -35,16 +36,17 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import workloads as wl  # first: the time budget counts from its import
+import harness  # noqa: F401,E402  first: the time budget counts from its import
+from harness import cli, report, sweep  # noqa: E402
 
 
 def parse(argv):
-    p = wl.parser(__doc__, "prefill", context=131072, batches="4096,8192,16384,32768,65536",
+    p = cli.parser(__doc__, "prefill", context=131072, batches="4096,8192,16384,32768,65536",
                   warmup=1, iters=2,
                   graph_limit_help="B up to this run through CUDA-graph buckets (default: the "
                                    "plan's largest prefill bucket, 8192 on the H200)")
     p.add_argument("--new-tokens", type=int, default=4096, help="new tokens per request")
-    return wl.parse_args(p, argv, dict(context=48, new_tokens=16, batches="16,32",
+    return cli.parse_args(p, argv, dict(context=48, new_tokens=16, batches="16,32",
                                        graph_limit=16))
 
 
@@ -56,7 +58,7 @@ def requests_for(B: int, new: int) -> list[int]:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    return wl.run_benchmark(
+    return cli.run_benchmark(
         "prefill", args, new_tokens=lambda B: requests_for(B, args.new_tokens),
         graph_limit=lambda plan, dev: max(plan.prefill_buckets, default=0), scale_exp=1.0,
         write=write_outputs)
@@ -69,13 +71,13 @@ def main(argv=None) -> int:
 
 def derive(res: dict) -> dict:
     """Per B: every mode's tok/s, TFLOP/s, MFU; the split; the 40-layer extrapolation."""
-    _, peak = wl.peak_name(res)
+    _, peak = report.peak_name(res)
     meas = res.get("ceilings", {}).get("fp8_tflops") or 0.0
     out = {}
     for B in res["args"]["batches"]:
         cost = res.get("costs", {}).get(str(B), {})
-        d = wl.derive_split(res, B)
-        for mode, r in wl.mode_rates(res, B).items():
+        d = sweep.derive_split(res, B)
+        for mode, r in sweep.mode_rates(res, B).items():
             tf = cost.get("flops", 0.0) / r["ms"] / 1e9
             d[mode] = {**r, "tflops": tf, "mfu_peak": tf / peak if peak else None,
                        "mfu_measured": tf / meas if meas else None}
@@ -90,13 +92,13 @@ def derive(res: dict) -> dict:
 def markdown(res: dict) -> str:
     a = res["args"]
     der = derive(res)
-    pname, _ = wl.peak_name(res)
-    workload = wl.state_note(res, (
+    pname, _ = report.peak_name(res)
+    workload = report.state_note(res, (
         f"B new tokens per GPU per step in B / {a['new_tokens']} requests, each with "
         f"{a['context']:,} cached tokens and {a['new_tokens']} new ones; B up to "
         f"{res.get('graph_limit')} runs through a CUDA-graph bucket of size B, larger B eagerly "
         "(the plan's graph token limit)."))
-    lines = wl.header_lines(res, "Prefill throughput", workload)
+    lines = report.header_lines(res, "Prefill throughput", workload)
     lines += ["## Throughput of the layer slice (measured)", "",
               "tok/s = new tokens per second on this GPU. MFU = model FLOPs of the step / time / "
               "peak (the profile's dense peak; and the FP8 GEMM ceiling measured above).", ""]
@@ -106,27 +108,28 @@ def markdown(res: dict) -> str:
     rows = []
     for B in a["batches"]:
         mg = next((r for r in res["rows"] if r["mode"] == "megagraph" and r["B"] == B), None)
-        st = wl.cell_status(mg)
+        st = report.cell_status(mg)
         d = der.get(B, {}).get("megagraph")
         req = (mg or {}).get("requests", len(requests_for(B, a["new_tokens"])))
-        base = wl.baseline_cells(res, B, lambda r: f"{r['tokens'] / (r['ms'] / 1e3):,.0f}")
+        base = report.baseline_cells(res, B, lambda r: f"{r['tokens'] / (r['ms'] / 1e3):,.0f}")
         if st is not None or d is None:
             rows.append([B, req, (mg or {}).get("path", "-"), st or "-", "-", "-", "-", "-", *base])
             continue
         rows.append([B, req, mg["path"], f"{mg['ms']:.2f}", f"{d['tok_s']:,.0f}",
-                     f"{d['tflops']:.1f}", wl.pct(d["mfu_peak"]), wl.pct(d["mfu_measured"]), *base])
-    lines += wl.md_table(hdr, rows) + [""]
+                     f"{d['tflops']:.1f}", report.pct(d["mfu_peak"]),
+                     report.pct(d["mfu_measured"]), *base])
+    lines += report.md_table(hdr, rows) + [""]
     if res.get("mapping"):
-        lines += wl.x40_intro(res, "MFU: the 40-layer FLOPs")
+        lines += report.x40_intro(res, "MFU: the 40-layer FLOPs")
         xr = []
         for B in a["batches"]:
             x = der.get(B, {}).get("x40")
             xr.append([B, f"{x['ms']:.1f}", f"{x['tok_s']:,.0f}", f"{x['tflops']:.1f}",
-                       wl.pct(x["mfu_peak"]), f"B={der[B]['split']['from']}"] if x else
+                       report.pct(x["mfu_peak"]), f"B={der[B]['split']['from']}"] if x else
                       [B, "-", "-", "-", "-", "no split or no time"])
-        lines += wl.md_table(["B", "ms/step (40 layers)", "tok/s/GPU", "TFLOP/s", f"MFU vs {pname}",
-                              "split from"], xr) + [""]
-    lines += wl.split_sections(res, der, a["batches"])
+        lines += report.md_table(["B", "ms/step (40 layers)", "tok/s/GPU", "TFLOP/s",
+                                  f"MFU vs {pname}", "split from"], xr) + [""]
+    lines += report.split_sections(res, der, a["batches"])
     lines += ["## Notes", "",
               "- Graph path: a bucket b holds a step of up to b tokens in up to b requests "
               "(requests padded to b rows on a scratch slot), so a captured prefill step of B "
@@ -137,17 +140,18 @@ def markdown(res: dict) -> str:
               "attention 2 x H x D per key for QK and PV over min(window, p+1) + min(top-k, "
               "(p+1)/ratio) keys, indexer Hi x Di per visible index key (p+1)/ratio of every index "
               "layer (the indexer scores every visible key, reindex layers too)."]
-    lines += wl.common_notes(res)
+    lines += report.common_notes(res)
     return "\n".join(lines) + "\n"
 
 
 def plot(plt, res: dict, path: Path) -> None:
-    wl.two_panels(plt, res, path, derive(res), y=lambda r: r["tokens"] / (r["ms"] / 1e3),
+    report.two_panels(plt, res, path, derive(res), y=lambda r: r["tokens"] / (r["ms"] / 1e3),
                   x40="tok_s", xlabel="B: new tokens per GPU per step",
                   ylabel="tokens / s / GPU", title="prefill")
 
 
-write_outputs = functools.partial(wl.write_outputs, name="prefill", markdown=markdown, plot=plot)
+write_outputs = functools.partial(report.write_outputs, name="prefill", markdown=markdown,
+                                  plot=plot)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ and, where they apply,
   flops   int    arithmetic the op must do (2 per multiply-add)
   bytes   int    bytes the op must move at least (each input read once, each output written once)
   peak    str    which measured matrix ceiling the FLOP rate is compared with: "fp8" or "bf16"
-  baseline, baseline_ms   the torch path the plan ran before (capturable / reference) and its time
+  baseline, baseline_ms   the torch path of the same op (capturable / reference) and its time
   compile_ms              torch.compile of that path
   ref_ms                  the pure-torch reference kernel
   rel_err                 ||out - reference|| / ||reference|| on the row's inputs

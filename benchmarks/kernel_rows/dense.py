@@ -4,7 +4,8 @@ fake_quant) at the V4.1-Flash slice's shapes: RoPE of the q heads [T, 64, 512] (
 (fp8_e4m3 per 32) and of the index keys (mxfp4 per 32). bf16 activations.
 
 Per op and token count (256 = decode at 256 requests, 8192 = prefill): Triton vs the capturable
-chain (what the plan runs until the kernels are validated), time by CUDA-graph replay;
+chain (what the plan runs on devices where the Triton kernels are not validated), time by
+CUDA-graph replay;
 rel_err vs the reference op on the same inputs, and in the notes whether the output is bitwise
 the capturable version's (the kernels' claim; RoPE's table comes from torch on the device, so
 against the reference it is bitwise only where torch's device frequencies equal the host's).
@@ -77,7 +78,8 @@ def device_rows(dev, dims: dict, Ts, budget_s: float) -> list[dict]:
     for T in Ts:
         for op, case, fn, cap, ref, args, kw, by in cases(dims, T, dev, g):
             if time.perf_counter() > t_end:
-                out.append({"kernel": f"triton.{op}", "case": case, "error": "skipped: time budget"})
+                out.append({"kernel": f"triton.{op}", "case": case,
+                            "error": "skipped: time budget"})
                 continue
             try:
                 got, want = fn(*args, **kw), cap(*args, **kw)
@@ -104,8 +106,9 @@ def cpu_rows() -> list[dict]:
     g.manual_seed(0)
     out = []
     for op, case, _, cap, ref, args, kw, by in cases(TINY, 8, dev, g):
-        out.append(row(f"capturable.{op}", f"{case} tiny", time_ms(lambda: cap(*args, **kw), device=dev),
-                       bytes=by, ref_ms=time_once_ms(lambda: ref(*args, **kw), device=dev),
+        ms = time_ms(lambda: cap(*args, **kw), device=dev)
+        out.append(row(f"capturable.{op}", f"{case} tiny", ms, bytes=by,
+                       ref_ms=time_once_ms(lambda: ref(*args, **kw), device=dev),
                        rel_err=rel_err(cap(*args, **kw), ref(*args, **kw))))
     return out
 

@@ -1,5 +1,6 @@
-"""The torch.compile diagnostics (benchmarks/compile_parity.py, compile_bisect.py) on the CPU:
-they run, compare what they claim to, and flag a difference when there is one."""
+"""The torch.compile diagnostics (benchmarks/probes/compile_parity.py, compile_bisect.py,
+compile_subsystem.py) on the CPU: they run, compare what they claim to, and flag a difference when
+there is one."""
 from __future__ import annotations
 
 import json
@@ -8,21 +9,22 @@ from pathlib import Path
 
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+PROBES = Path(__file__).resolve().parents[2] / "benchmarks" / "probes"
 
 TINY = ["--device", "cpu", "--hw", "h200", "--batch", "2", "--context", "8"]
 
 
 def test_parity_and_bisect_run(run_bench, tmp_path):
-    run_bench("compile_parity.py", "--out", str(tmp_path), *TINY, "--steps", "1",
+    run_bench("probes/compile_parity.py", "--out", str(tmp_path), *TINY, "--steps", "1",
               "--variants", "aot_eager")
-    rows = json.loads((tmp_path / "compile_parity.json").read_text())["variants"]["aot_eager"]["steps"]
+    parity = json.loads((tmp_path / "compile_parity.json").read_text())["variants"]["aot_eager"]
+    rows = parity["steps"]
     assert [r["step"] for r in rows] == ["prefill", "decode 1"]
-    assert all(r["max_abs_diff"] == 0 and r["argmax_agree"] == 1 for r in rows)  # aot_eager is exact
-    states = json.loads((tmp_path / "compile_parity.json").read_text())["variants"]["aot_eager"]["state"]
+    assert all(r["max_abs_diff"] == 0 and r["argmax_agree"] == 1 for r in rows)  # exact
+    states = parity["state"]
     assert [r["after"] for r in states] == ["start-up", "prefill", "decode 1"]
     assert not any(r["differing_pools"] for r in states)
-    run_bench("compile_bisect.py", "--out", str(tmp_path), *TINY, "--chunk", "400",
+    run_bench("probes/compile_bisect.py", "--out", str(tmp_path), *TINY, "--chunk", "400",
               "--backend", "aot_eager", "--every", "--no-refine", "--engine-fn")
     res = json.loads((tmp_path / "compile_bisect.json").read_text())
     segs = res["segments"]
@@ -34,8 +36,8 @@ def test_parity_and_bisect_run(run_bench, tmp_path):
 
 
 def test_state_diffs_name_the_pool():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
+    if str(PROBES) not in sys.path:
+        sys.path.insert(0, str(PROBES))
     from compile_parity import state_diffs
 
     g = torch.Generator().manual_seed(4)
@@ -47,8 +49,8 @@ def test_state_diffs_name_the_pool():
 
 
 def test_compare_flags_differences():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
+    if str(PROBES) not in sys.path:
+        sys.path.insert(0, str(PROBES))
     from compile_bisect import compare
 
     g = torch.Generator().manual_seed(3)
@@ -72,13 +74,14 @@ def test_subsystem_bisect_can_be_restricted():
     import pytest
     from torch._inductor import compiler_bisector as cb
 
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
+    if str(PROBES) not in sys.path:
+        sys.path.insert(0, str(PROBES))
     from compile_subsystem import only_subsystems
 
     before = {k: [s.name for s in v] for k, v in cb.BACKENDS.items()}
     with only_subsystems("lowerings"):
-        assert {k: [s.name for s in v] for k, v in cb.BACKENDS.items()} == {"inductor": ["lowerings"]}
+        assert {k: [s.name for s in v] for k, v in cb.BACKENDS.items()} == {
+            "inductor": ["lowerings"]}
     assert {k: [s.name for s in v] for k, v in cb.BACKENDS.items()} == before
     with pytest.raises(ValueError, match="unknown Inductor subsystem"), only_subsystems("nope"):
         pass

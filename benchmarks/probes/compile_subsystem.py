@@ -7,8 +7,8 @@ check with backends, then Inductor subsystems (pre/post-grad passes, lowerings, 
 then bisects how many applications of the guilty subsystem it takes (for lowerings: which op's
 lowering). Each try builds and compiles the engine anew (~20 s on the tiny model).
 
-    python benchmarks/compile_subsystem.py --out /tmp/cs        # GPU, the tiny V4.1, B=8
-    python benchmarks/compile_subsystem.py --out /tmp/cs --only lowerings   # which op's lowering
+    python benchmarks/probes/compile_subsystem.py --out /tmp/cs        # GPU, the tiny V4.1, B=8
+    python benchmarks/probes/compile_subsystem.py --out /tmp/cs --only lowerings  # which lowering
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for _p in (HERE, HERE.parent):  # the sibling probes, benchmarks/harness
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 from compile_parity import make, parser, results, run  # noqa: E402
-from workloads import load_model  # noqa: E402
+from harness.models import load_model  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -78,7 +79,8 @@ def main(argv=None) -> int:
             ok = rel <= args.rel
             res["tries"].append({"backend": CompilerBisector.get_backend(),
                                  "subsystem": CompilerBisector.get_subsystem(),
-                                 "rel": rel, "ok": ok, "seconds": round(time.perf_counter() - t, 1)})
+                                 "rel": rel, "ok": ok,
+                                 "seconds": round(time.perf_counter() - t, 1)})
             print(json.dumps(res["tries"][-1]), flush=True)
             save()
             return ok

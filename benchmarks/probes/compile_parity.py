@@ -1,9 +1,9 @@
 """Where torch.compile's logits leave the uncompiled engine's: per step, per compile variant.
 
-decode_runtime.py found the compiled tiny model's tokens disagreeing with eager on the H200 while
-the CPU test (tests/runtime/test_compile_parity.py, fp32 activations) agrees to 1e-4. This separates
-the candidate causes with the same inputs and buffers (the `padded` engine: same buckets, no
-capture) as the reference:
+On the H200 the compiled tiny model's tokens can disagree with eager (decode_runtime.py shows it)
+while the CPU test (tests/runtime/test_compile_parity.py, fp32 activations) agrees to 1e-4. This
+separates the candidate causes with the same inputs and buffers (the `padded` engine: same
+buckets, no capture) as the reference:
 
 - `aot_eager`: Dynamo + AOTAutograd (functionalization, graph breaks around the Triton kernels,
   in-place state) without Inductor's code: a difference here is a tracing / mutation bug;
@@ -21,28 +21,27 @@ capture) as the reference:
   or a pool: the state a step writes is lost, so only `decode 1` counts);
 - `inductor+nofusion`: Inductor fuses nothing (`max_fusion_size = 1`, no pattern matcher);
 - `inductor+static`: Dynamo never turns a recompile dynamic (`automatic_dynamic_shapes` off; the
-  engine asks for static shapes, but frames between graph breaks recompiled up to the limit on
-  the H200);
+  engine asks for static shapes, but frames between graph breaks can recompile up to the
+  limit);
 - `inductor+e8m0`: E8M0 scale weights enter the compiled segments as float8_e8m0fnu, not as their
-  uint8 bytes (runtime/compile.py:wrap; compile_bisect.py, which passes them as they are, found
-  the whole decode segment compiled from eager inputs equal on the H200). Compiling may fail;
+  uint8 bytes (runtime/compile.py:wrap; compile_bisect.py passes them as they are). Compiling
+  may fail;
 - `padded+again`: the uncompiled engine a second time: any difference here is eager's own
   run-to-run nondeterminism (atomic adds), which no compiled variant can be expected to beat;
 - `inductor+fast`: Inductor's own numerics (`--compile-numerics fast`); every other Inductor
   variant compiles with the engine's default eager numerics (fp32 division and bf16 casts rounded
-  as eager rounds them, runtime/compile.py:numerics_options). The H200 runs before that default
-  (2026-11-29) were all `fast`;
+  as eager rounds them, runtime/compile.py:numerics_options);
 - `inductor+deterministic`: `torch.use_deterministic_algorithms(True)` while building and
   running (Inductor then emits no atomic scatter-adds); if it agrees where `inductor` does not,
   the difference is summation order, not a miscompile.
 Each variant also records Dynamo's graph and recompile counts.
 
 Every state pool (but its scratch slot, where pad rows write) is compared too, after start-up
-and after each step: the first step whose pools
-differ is where the compiled engine leaves the uncompiled one, even where its logits do not show it.
+and after each step: the first step whose pools differ is where the compiled engine leaves the
+uncompiled one, even where its logits do not show it.
 
-    python benchmarks/compile_parity.py --out /tmp/cp                # GPU
-    python benchmarks/compile_parity.py --out /tmp/cp --device cpu   # CPU (slow: Inductor on 2 cores)
+    python benchmarks/probes/compile_parity.py --out /tmp/cp                # GPU
+    python benchmarks/probes/compile_parity.py --out /tmp/cp --device cpu   # CPU (slow: Inductor)
 """
 
 from __future__ import annotations
@@ -56,10 +55,13 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for _p in (HERE, HERE.parent):  # the sibling probes, benchmarks/harness
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
-from workloads import environment, load_model, sync  # noqa: E402
+from harness.engines import sync  # noqa: E402
+from harness.env import environment  # noqa: E402
+from harness.models import load_model  # noqa: E402
 
 VARIANTS = ("padded", "aot_eager", "inductor", "inductor+emulate", "inductor+noalias",
             "inductor+functional", "inductor+clone", "inductor+nofusion", "inductor+static",
@@ -77,7 +79,8 @@ def make(plan, weights, variant: str, args, device):
     from megagraph.runtime.engine import Engine, EngineConfig
     from megagraph.runtime.token_map import stand_in_token_map
 
-    backend = {"padded": "none", "padded+again": "none", "aot_eager": "aot_eager"}.get(variant, "inductor")
+    backend = {"padded": "none", "padded+again": "none",
+               "aot_eager": "aot_eager"}.get(variant, "inductor")
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     torch._inductor.config.emulate_precision_casts = variant == "inductor+emulate"
@@ -93,12 +96,16 @@ def make(plan, weights, variant: str, args, device):
 
     def wrap_cloned(program, *a, **k):
         f = rc_wrap(program, *a, **k)
-        return lambda env: f({n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in env.items()})
+        return lambda env: f({n: v.clone() if isinstance(v, torch.Tensor) else v
+                              for n, v in env.items()})
     rc_wrap = rc.wrap
     off = {"inductor+clone": mock.patch.object(rc, "wrap", wrap_cloned),
-           "inductor+e8m0": mock.patch.object(rc, "wrap", functools.partial(rc_wrap, e8m0_as_bytes=False)),
-           "inductor+noalias": mock.patch.object(cuda_graphs.GraphRunner, "_aliasable", lambda self: {}),
-           "inductor+functional": mock.patch.object(kernels, "_state_in_place", lambda fn, n, unsafe: fn)}
+           "inductor+e8m0": mock.patch.object(rc, "wrap",
+                                              functools.partial(rc_wrap, e8m0_as_bytes=False)),
+           "inductor+noalias": mock.patch.object(cuda_graphs.GraphRunner, "_aliasable",
+                                                 lambda self: {}),
+           "inductor+functional": mock.patch.object(kernels, "_state_in_place",
+                                                    lambda fn, n, unsafe: fn)}
     with off.get(variant, contextlib.nullcontext()):
         return Engine(plan, dict(weights), conf, token_map=stand_in_token_map(plan.cfg))
 
@@ -127,8 +134,8 @@ def run(eng, args, states: list | None = None) -> list[torch.Tensor]:
         # the scratch slot (where every pad row writes) is left out: pad rows' values are never
         # read by a request, and compiled code may compute them differently (empty contexts)
         if states is not None:
-            states.append({k: (v[:scratch] if v.dim() and v.shape[0] == scratch + 1 else v).cpu().clone()
-                           for k, v in eng.state.items()})
+            states.append({k: (v[:scratch] if v.dim() and v.shape[0] == scratch + 1 else v)
+                           .cpu().clone() for k, v in eng.state.items()})
     snap()
     it = steps(eng, args)
     outs = []

@@ -9,26 +9,27 @@ Encoder replay: a prompt of C cached tokens whose rings were lost is rebuilt by 
 encoder-replay graph over its last `window` tokens, then 4 new tokens and 8 decode steps run
 exactly; compared on those logits.
 
-Run: .venv/bin/python benchmarks/bounded_replay.py   (writes benchmarks/results/bounded-replay-tiny.md)
+    python benchmarks/probes/bounded_replay.py [--out DIR]   (the table; DIR/bounded-replay.md)
+
+The runners below are the ones tests/passes/test_bounded_replay.py checks for exactness.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from megagraph.graph.interp import interpret  # noqa: E402
 from megagraph.models.session import ReferenceSession, SeqChunk, step_metadata  # noqa: E402
 from megagraph.passes import CompileOptions, compile_graph, load_hw_profile  # noqa: E402
-
-RESULTS = ROOT / "benchmarks" / "results" / "bounded-replay-tiny.md"
 
 
 # -- runners (used by tests/passes/test_bounded_replay.py too) -----------------------------------
@@ -159,7 +160,10 @@ def encoder_replay_case(model, seed: int, cached: int, new: int = 4, decode: int
     return new_rows, _agg(dec)
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="folder for bounded-replay.md")
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model, seeds = "v4.1-flash-tiny", (0, 1, 2)
     from megagraph.models.config import load_model_config
@@ -168,17 +172,18 @@ def main() -> int:
     default_keep = cfg.sliding_window + cfg.dspark_block_size + 1
     t0 = time.time()
     lines = ["# Bounded replay vs the exact path (tiny V4.1, random weights)", "",
-             f"Produced by `benchmarks/bounded_replay.py` ({time.strftime('%Y-%m-%d')}; CPU, reference "
-             "interpreter, fp32 activations, QAT fake-quant of cached rows on, seeds "
-             f"{', '.join(map(str, seeds))}). Tiny V4.1: window {cfg.sliding_window}, last KV-source "
-             f"layer 5, late layers 6-8 of 9; default keep = window + DSpark block + 1 = "
-             f"{default_keep}.", "",
+             f"Produced by `benchmarks/probes/bounded_replay.py` ({time.strftime('%Y-%m-%d')}; "
+             "CPU, reference interpreter, fp32 activations, QAT fake-quant of cached rows on, "
+             f"seeds {', '.join(map(str, seeds))}). Tiny V4.1: window {cfg.sliding_window}, "
+             "last KV-source layer 5, late layers 6-8 of 9; default keep = window + DSpark "
+             f"block + 1 = {default_keep}.", "",
              "Metrics, worst case over seeds (top-1: mean agreement): `rel` = max over rows of "
              "||approx - exact|| / ||exact|| of a logit row; `max|d|` = largest logit difference; "
              "`KL` = KL(exact || approx) of the softmax, max over rows; `top1` = fraction of rows "
              "with the same argmax.", "",
              "## Decoder replay (late layers on the last `keep` rows of the prefill)", "",
-             "| prompt | keep | prefill last row: rel | max abs | KL | top1 | next 8 decodes: rel | max abs | KL | top1 |",
+             "| prompt | keep | prefill last row: rel | max abs | KL | top1 | next 8 decodes: rel "
+             "| max abs | KL | top1 |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for prompt in (16, 32, 64):
         for keep in (cfg.sliding_window, default_keep, 32):
@@ -186,13 +191,14 @@ def main() -> int:
                 continue
             res = [decoder_replay_case(model, s, prompt, keep) for s in seeds]
             p, d = _agg([r[0] for r in res]), _agg([r[1] for r in res])
-            lines.append(f"| {prompt} | {keep} | {p['rel']:.2e} | {p['maxabs']:.2e} | {p['kl']:.2e} | "
-                         f"{p['top1']:.2f} | {d['rel']:.2e} | {d['maxabs']:.2e} | {d['kl']:.2e} | "
-                         f"{d['top1']:.2f} |")
+            lines.append(f"| {prompt} | {keep} | {p['rel']:.2e} | {p['maxabs']:.2e} | "
+                         f"{p['kl']:.2e} | {p['top1']:.2f} | {d['rel']:.2e} | "
+                         f"{d['maxabs']:.2e} | {d['kl']:.2e} | {d['top1']:.2f} |")
             print(lines[-1], flush=True)
-    lines += ["", "## Encoder replay (rings rebuilt after a prefix-cache hit by re-running the last "
-              "`fold` cached tokens)", "",
-              "| cached | fold | 4 new rows: rel | max abs | KL | top1 | next 8 decodes: rel | max abs | KL | top1 |",
+    lines += ["", "## Encoder replay (rings rebuilt after a prefix-cache hit by re-running the "
+              "last `fold` cached tokens)", "",
+              "| cached | fold | 4 new rows: rel | max abs | KL | top1 | next 8 decodes: rel | "
+              "max abs | KL | top1 |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     w = cfg.sliding_window
     for cached, fold in ((w, w), (64, w), (64, 2 * w), (64, 4 * w), (64, 6 * w)):
@@ -203,22 +209,26 @@ def main() -> int:
                      f"{d['top1']:.2f} |")
         print(lines[-1], flush=True)
     lines += ["", "Reading it:", "",
-              "* cached = fold: the replayed tokens start at position 0, so nothing is truncated and "
-              "the rebuild is exact (a test checks this bit for bit); likewise keep >= prompt makes "
-              "decoder replay exact.",
+              "* cached = fold: the replayed tokens start at position 0, so nothing is truncated "
+              "and the rebuild is exact (a test checks this bit for bit); likewise keep >= prompt "
+              "makes decoder replay exact.",
               "* A truncated window at one layer perturbs the next layer's keys up to a window "
               "further on, so the error reaches as far as (layers x window) positions and falls "
               "with the distance between the truncation and the rows that matter: with `keep` for "
               "decoder replay (only the 3 late layers are truncated) and with `fold` for encoder "
               "replay (every layer is). Folding just one window (SGLang's choice for window 128) "
-              "leaves the rebuilt ring rows close to the truncation; several windows make it small.",
+              "leaves the rebuilt ring rows close to the truncation; several windows make it "
+              "small.",
               "* Random weights are a stress test: nothing in them damps the perturbation the "
               "truncated windows cause, unlike a trained model; the numbers bound the mechanism, "
               "not the quality loss on real text, which must be measured with the real checkpoint.",
               "", f"Wall time: {time.time() - t0:.0f} s."]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(lines) + "\n")
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    if args.out is not None:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from harness.report import write_atomic
+
+        write_atomic(args.out / "bounded-replay.md", "\n".join(lines) + "\n")
+        print(f"wrote {args.out / 'bounded-replay.md'}")
     return 0
 
 

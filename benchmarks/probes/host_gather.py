@@ -1,9 +1,9 @@
-"""Times the host-side Engram row gather (runtime/host_gather.py) against the per-step fresh gather
-it replaced, at a prefill step's size: T tokens x 24 heads rows of 256 FP8 bytes + 8 e8m0 scale
+"""Times the host-side Engram row gather (runtime/host_gather.py) against a plain per-step gather,
+at a prefill step's size: T tokens x 24 heads rows of 256 FP8 bytes + 8 e8m0 scale
 bytes from a table of R rows (the 5-layer slice's 2.4M-row Engram table by default).
 
 Rows (median of --reps, after one warm-up):
-  fresh     table.index_select(0, ids).to(dev) per call (the old runtime.kernels.host_rows)
+  fresh     table.index_select(0, ids).to(dev) per call (a plain gather into new tensors)
   staged    HostStaging.gather into the reused (pinned for CUDA) buffer, async copy for CUDA;
             with a CPU destination only its host half (HostStaging.stage: the gather into the
             reused buffer), against the fresh gather alone
@@ -11,8 +11,8 @@ Rows (median of --reps, after one warm-up):
             memory-bandwidth roofline for moving them once (a gather reads them scattered)
 Each time is the gather of rows + scales, synchronized (CUDA) so the device copy is included.
 
-    python benchmarks/host_gather.py --out /tmp/hg              # CPU destination
-    python benchmarks/host_gather.py --device cuda --out /tmp/hg
+    python benchmarks/probes/host_gather.py --out /tmp/hg              # CPU destination
+    python benchmarks/probes/host_gather.py --device cuda --out /tmp/hg
 """
 from __future__ import annotations
 

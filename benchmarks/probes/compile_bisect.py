@@ -9,7 +9,7 @@ floats by max |diff| / max |eager|, integers and FP8 codes by the fraction of el
 differ. Library kernels (the plan's Triton nodes) and the engine's untraced nodes
 (runtime/engine.py:untraced_nodes) run opaque, as in runtime/compile.py:wrap.
 
-    python benchmarks/compile_bisect.py --out /tmp/cb            # GPU, the tiny V4.1, B=8
+    python benchmarks/probes/compile_bisect.py --out /tmp/cb            # GPU, the tiny V4.1, B=8
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for _p in (HERE, HERE.parent):  # the sibling probes, benchmarks/harness
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 from compile_parity import make, parser, results, steps  # noqa: E402
-from workloads import load_model  # noqa: E402
+from harness.models import load_model  # noqa: E402
 
 
 def clone(v):
@@ -183,7 +184,8 @@ def engine_fn_check(plan, weights, args, device, seen, log) -> list[dict]:
                 r["value"], r["segment"], r["check"] = name, program.name, which
                 mine.append(r)
             recs += mine
-            log(f"  {which} {program.name}: {sum(r['bad'] for r in mine)} of {len(want)} outputs differ")
+            log(f"  {which} {program.name}: {sum(r['bad'] for r in mine)} of {len(want)} outputs "
+                "differ")
     return recs
 
 
@@ -233,8 +235,9 @@ def main(argv=None) -> int:
             every: list[dict] | None = [] if args.every else None
             res["segments"].append({"name": program.name, "calls": len(program.calls),
                                     "differing": found, "every": every})
-            bisect(program, env, eng.kernels.opaque | untraced_nodes(eng.plan.graph), args.chunk, args.backend, print, found, save,
-                   every, not args.no_refine)
+            opaque = eng.kernels.opaque | untraced_nodes(eng.plan.graph)
+            bisect(program, env, opaque, args.chunk, args.backend, print, found, save, every,
+                   not args.no_refine)
     save()
     return 0
 

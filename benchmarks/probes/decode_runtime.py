@@ -12,8 +12,8 @@ on the device. Its Engram table is cut from 384M to 2.4M rows (prime search from
 replay (or eager kernels) + logits copy, timed with a device synchronize around it; the table shows
 the median over `--steps` decode steps after a `--context`-token prefill of every request.
 
-    python benchmarks/decode_runtime.py --out benchmarks/results/decode_runtime   # GPU: everything
-    python benchmarks/decode_runtime.py --smoke --out /tmp/x                       # CPU, seconds
+    python benchmarks/probes/decode_runtime.py --out /tmp/dr            # GPU: everything
+    python benchmarks/probes/decode_runtime.py --smoke --out /tmp/x     # CPU, seconds
 """
 
 from __future__ import annotations
@@ -30,10 +30,13 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for _p in (HERE, HERE.parent):  # the sibling probes, benchmarks/harness
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
-from workloads import environment, load_model, sync  # noqa: E402
+from harness.engines import sync  # noqa: E402
+from harness.env import environment  # noqa: E402
+from harness.models import load_model  # noqa: E402
 
 MODES = ("eager", "padded", "graphs", "graphs+compile")
 DEFAULT_MODES = ("eager", "graphs", "graphs+compile")
@@ -74,7 +77,8 @@ def run_batch(eng, n: int, args, device) -> tuple[float, list[list[int]], torch.
     try:
         per_step = max(1, args.prefill_tokens // args.context)
         for i in range(0, n, per_step):
-            eng.step([SeqChunk(slots[j], tuple(prompts[j])) for j in range(i, min(n, i + per_step))])
+            eng.step([SeqChunk(slots[j], tuple(prompts[j]))
+                      for j in range(i, min(n, i + per_step))])
         times, tokens = [], []
         for k, row in enumerate(inputs):
             sync(device)
@@ -99,9 +103,9 @@ def setup_model(name: str, args, device, root: Path, log) -> tuple[dict, object,
     """Compile the model's artifacts for this device's profile and make its weights once."""
     m = load_model(name, device, root, log=log)
     cfg = m.cfg
-    res = {"model": cfg.name, "hw_profile": m.hw, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
-           "experts": cfg.n_routed_experts, "weight_bytes": m.weight_bytes, "setup_s": m.setup_s,
-           "modes": {}, "tokens": {}}
+    res = {"model": cfg.name, "hw_profile": m.hw, "layers": cfg.num_layers,
+           "hidden": cfg.hidden_size, "experts": cfg.n_routed_experts,
+           "weight_bytes": m.weight_bytes, "setup_s": m.setup_s, "modes": {}, "tokens": {}}
     return res, m.plan, m.weights
 
 
@@ -120,7 +124,8 @@ def run_mode(res: dict, plan, weights, mode: str, batches: list[int], args, devi
             rep = eng.report
             row["startup_s"] = round(row["startup_s"] + time.perf_counter() - t1, 2)
             row["capture_s"] = round(row["capture_s"] + rep.phases.get("warm-up+capture", 0.0), 2)
-            row["graph_memory_mib"] = round(row["graph_memory_mib"] + rep.graph_memory_bytes / 2**20, 1)
+            row["graph_memory_mib"] = round(
+                row["graph_memory_mib"] + rep.graph_memory_bytes / 2**20, 1)
             row.update(captured_segments=rep.captured_segments, cache=rep.cache,
                        eager_segments={str(k): v for k, v in rep.eager_segments.items()})
             log(f"  {res['model']} {mode}: start-up {time.perf_counter() - t1:.1f}s for buckets "
@@ -169,9 +174,11 @@ def markdown(results: dict) -> str:
              f"{env.get('commit', '?')}", f"`{env['command']}`", ""]
     for m in results["models"]:
         bs = [str(b) for b in results["batches"]]
-        lines += [f"## {m['model']} ({m['layers']} layers, hidden {m['hidden']}, {m['experts']} experts, "
+        lines += [f"## {m['model']} ({m['layers']} layers, hidden {m['hidden']}, {m['experts']} "
+                  "experts, "
                   f"weights {m['weight_bytes'] / 2**30:.2f} GiB, profile {m['hw_profile']})", "",
-                  "| mode | " + " | ".join(f"B={b} ms/step" for b in bs) + " | capture s | graph MiB |",
+                  "| mode | " + " | ".join(f"B={b} ms/step" for b in bs)
+                  + " | capture s | graph MiB |",
                   "|---|" + "---|" * (len(bs) + 2)]
         for mode, row in m["modes"].items():
             if "error" in row:
@@ -185,7 +192,8 @@ def markdown(results: dict) -> str:
         for k, v in m.get("tokens", {}).items():
             lines.append(f"- tokens {k}: {'identical' if v['identical'] else 'differ'} "
                          f"(agreement {100 * v['agreement']:.1f}%; last-step logits max |diff| "
-                         f"{v['logits_max_abs_diff']:.3g} of max |logit| {v['logits_max_abs']:.3g})")
+                         f"{v['logits_max_abs_diff']:.3g} of max |logit| "
+                         f"{v['logits_max_abs']:.3g})")
         lines.append("")
     return "\n".join(lines)
 
