@@ -6,7 +6,7 @@ windows, so in prefill only each request's last `keep` rows (window + draft back
 for the next decode. The step splits into a prefix graph (every layer up to the boundary, all rows)
 and a suffix graph that selects the kept rows (`select_rows`, new dim K) and runs the late layers
 and the LM head on them only. Rows before the kept suffix lose their late-layer keys, so the first
-kept rows see truncated windows: an approximation (measured in benchmarks/bounded_replay.py), never
+kept rows see truncated windows: an approximation (measured in benchmarks/probes/bounded_replay.py), never
 used for requests that want prompt logprobs.
 
 Encoder replay. A prefix-cache hit restores compressed KV, index keys and pending rows but not the

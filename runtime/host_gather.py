@@ -56,7 +56,7 @@ class HostStaging:
 
     def stage(self, table: torch.Tensor, flat: torch.Tensor, pin: bool):
         """(slot, table[flat] as a view of the slot's buffer): the host half of gather, without
-        its lock (gather holds it; benchmarks/host_gather.py times this alone). The view is
+        its lock (gather holds it; benchmarks/probes/host_gather.py times this alone). The view is
         valid until the next stage of the same (dtype, width, pin)."""
         n = flat.numel()
         width = tuple(table.shape[1:])

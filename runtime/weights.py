@@ -89,7 +89,7 @@ def check_fit(cfg: ModelConfig, need: MemoryNeed, available: int, where: str) ->
         f"{_size(need.weights)} in storage format, state {_size(need.state)}, graph pools "
         f"{_size(need.graph_pools)}) and {_size(available)} is available.\n"
         f"What would fit: a layer slice of at most {min(layers, cfg.num_layers)} of "
-        f"{cfg.num_layers} layers ({_size(per_layer)} each; benchmarks/decode_runtime.py builds "
+        f"{cfg.num_layers} layers ({_size(per_layer)} each; benchmarks/probes/decode_runtime.py builds "
         f"one), fewer slots or a shorter context (state), or about {gpus} GPUs with the experts "
         "split across them (expert parallelism is a later issue).")
 

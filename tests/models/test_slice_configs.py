@@ -2,7 +2,7 @@
 v4.1-flash.yaml with only the layer schedule, the CSA2 sources, the Engram table and the draft
 stages changed.
 
-The GPU benchmarks (benchmarks/workloads.py: slice_config) and `megagraph compile --model
+The GPU benchmarks (benchmarks/harness/models.py: slice_config) and `megagraph compile --model
 v4.1-flash-slice5` both read these files; deriving them here from the release config keeps a later
 edit of either YAML from giving the server and the benchmarks different models.
 """
@@ -62,7 +62,7 @@ def test_benchmarks_slice_config_reads_the_shipped_yaml():
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import workloads
+    from harness import models as workloads
 
     assert workloads.slice_config(5) == load_model_config("v4.1-flash-slice5")
     assert workloads.model_config("slice") == load_model_config("v4.1-flash-slice4")

@@ -1,12 +1,12 @@
 """bounded-replay: off by default (step unchanged), exact when every row is kept / when the
 replayed tokens start at position 0, approximate otherwise (error measured in
-benchmarks/bounded_replay.py), and skipped with a reason where it cannot apply."""
+benchmarks/probes/bounded_replay.py), and skipped with a reason where it cannot apply."""
 
 import pytest
 import torch
 
-from benchmarks.bounded_replay import (bounded_graphs, bounded_step, drop_rings, encoder_replay,
-                                       keep_rows)
+from benchmarks.probes.bounded_replay import (bounded_graphs, bounded_step, drop_rings, encoder_replay,
+                                              keep_rows)
 from megagraph.passes import load_hw_profile
 from megagraph.passes.bounded_replay import BoundedReplay
 from tests.tiny import SeqChunk, random_tokens, session, tiny
