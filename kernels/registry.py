@@ -180,12 +180,26 @@ LOADABLE.update({
 
 def load_impl(name: str, op: str):
     """The function implementing `op` as `name` (a KERNELS entry marked available), or None."""
+    return try_load(name, op)[0]
+
+
+def try_load(name: str, op: str):
+    """(function, "") implementing `op` as `name`, or (None, why it cannot load): no module
+    registered for the name, the module failing to import (e.g. no Triton), or no such function
+    in it. The runtime states the reason at start-up."""
     mod = LOADABLE.get(name)
     if mod is None:
-        return None
+        return None, f"no module provides {name}"
     import importlib
 
-    return getattr(importlib.import_module(mod), op, None)
+    try:
+        module = importlib.import_module(mod)
+    except Exception as e:  # noqa: BLE001 - any import failure is a reason to report, not raise
+        return None, f"{mod} does not import: {type(e).__name__}: {e}"
+    fn = getattr(module, op, None)
+    if fn is None:
+        return None, f"{mod} defines no {op!r}"
+    return fn, ""
 
 
 def kernel_key(op: str, attrs: dict) -> str:
@@ -197,15 +211,6 @@ def kernel_key(op: str, attrs: dict) -> str:
     return op
 
 
-UNVALIDATED_ENV = "MEGAGRAPH_UNVALIDATED_KERNELS"  # "1": plans may pick kernels not yet run on a device
-
-
-def use_unvalidated() -> bool:
-    import os
-
-    return os.environ.get(UNVALIDATED_ENV, "") == "1"
-
-
 def _has_capturable(op: str) -> bool:
     try:
         from megagraph.kernels.capturable_table import CAPTURABLE
@@ -214,13 +219,14 @@ def _has_capturable(op: str) -> bool:
     return op in CAPTURABLE
 
 
-def choose_kernel(op: str, attrs: dict, caps: frozenset[str], arch: str) -> tuple[str, str]:
+def choose_kernel(op: str, attrs: dict, caps: frozenset[str], arch: str, *,
+                  allow_unvalidated: bool = False) -> tuple[str, str]:
     """(implementation name, reason) for one op variant on a device with `caps`.
 
-    Preference: a validated fast kernel; an unvalidated one only when MEGAGRAPH_UNVALIDATED_KERNELS=1
-    (so nobody runs a kernel that never ran on its device without asking for it); on a GPU the
-    capturable torch kernel (host-sync free, CUDA-graph capturable, validated on the H200); else
-    the reference kernel."""
+    Preference: a validated fast kernel; an unvalidated one only with `allow_unvalidated`
+    (`compile --allow-unvalidated`, recorded in the manifest, so nobody runs a kernel that never
+    ran on its device without asking for it); on a GPU the capturable torch kernel (host-sync
+    free, CUDA-graph capturable); else the reference kernel."""
     key = kernel_key(op, attrs)
     impls = KERNELS.get(key, [])
     skipped = []
@@ -228,15 +234,17 @@ def choose_kernel(op: str, attrs: dict, caps: frozenset[str], arch: str) -> tupl
         if impl.needs <= caps and impl.status == "available":
             return impl.name, f"{impl.name}: available, needs {sorted(impl.needs) or 'nothing'}"
         if impl.needs <= caps and impl.status == "unvalidated":
-            if use_unvalidated():
-                return impl.name, f"{impl.name}: not yet validated on {arch}, enabled by {UNVALIDATED_ENV}=1"
+            if allow_unvalidated:
+                return impl.name, (f"{impl.name}: not yet validated on {arch}, enabled by "
+                                   "compile --allow-unvalidated")
             skipped.append(impl.name)
     fitting = [i.name for i in impls if i.needs <= caps and i.status == "planned"]
     if arch == "cpu":
         return "reference", "reference (the CPU target runs every op's reference kernel)"
     notes = []
     if skipped:
-        notes.append(f"built, not yet validated on {arch}: {', '.join(skipped)} ({UNVALIDATED_ENV}=1 to use)")
+        notes.append(f"built, not yet validated on {arch}: {', '.join(skipped)} "
+                     "(compile --allow-unvalidated to use)")
     if fitting:
         notes.append(f"planned: {', '.join(fitting)}")
     if _has_capturable(op):

@@ -1,12 +1,15 @@
-"""inspect: summarize an artifact dir (ops per kind per pass, segments, buckets, memory), diff two,
-or render the step graph as Graphviz."""
+"""inspect: summarize an artifact dir (ops per kind per pass, segments, buckets, memory, kernel
+configs), diff two, or render the step graph as Graphviz.
+
+It sits next to the artifacts code it reads (passes/artifacts.py), above the IR: graph/ imports
+nothing from passes/."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .ir import Graph
+from megagraph.graph.ir import Graph
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megagraph.passes.artifacts import ArtifactError, load_artifacts
+    from .artifacts import ArtifactError, load_artifacts
 
     try:
         a = load_artifacts(args.dir)
@@ -103,7 +106,33 @@ def summary(a) -> str:
     kernels = plan["kernels"]
     fast = {k: v for k, v in kernels.items() if v["kernel"] != "reference"}
     out += ["", f"kernels: {len(kernels)} op variants, {len(fast)} with a non-reference kernel"]
+    out += kernel_config_lines(plan.get("kernel_configs") or {}, m.get("kernel_config_hash"))
     return "\n".join(out) + "\n"
+
+
+def kernel_config_lines(section: dict, digest: str | None) -> list[str]:
+    """Each family's resolved fields, the ops using it, and its choice per bucket run."""
+    if not section:
+        return ["kernel configs: none (no op of this graph has a kernel family)"]
+    out = ["", f"kernel configs (hash {(digest or '-')[:12]}):"]
+    for fam, row in section.items():
+        ops = ", ".join(f"{k} x{n}" for k, n in row["ops"].items())
+        out.append(f"  {fam} [{ops}]: " + _fields(row["fields"]))
+        for kind in ("prefill", "decode"):
+            runs = row.get("choose", {}).get(kind) or []
+            if runs and any(r["choose"] for r in runs):
+                out.append(f"    {kind}: " + "; ".join(_run(r) for r in runs))
+    return out
+
+
+def _fields(d: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in d.items())
+
+
+def _run(r: dict) -> str:
+    a, b = r["buckets"]
+    span = f"{a}" if a == b else f"{a}..{b}"
+    return f"{span}: {_fields(r['choose']) or '-'}"
 
 
 def _index_keys(plan: dict) -> list[str]:
@@ -159,6 +188,8 @@ def diff(a, b) -> str:
         x, y = ka.get(k, {}).get("kernel"), kb.get(k, {}).get("kernel")
         if x != y:
             out.append(f"kernel {k}: {x or '-'} -> {y or '-'}")
+    out += kernel_config_diff(a.plan.get("kernel_configs") or {},
+                              b.plan.get("kernel_configs") or {}, a.path, b.path)
     pools_a, pools_b = a.plan["memory"]["graph_pools_bytes"], b.plan["memory"]["graph_pools_bytes"]
     if pools_a != pools_b:
         out.append("graph pools: " + ", ".join(f"{k} {_gib(pools_a.get(k))} -> {_gib(pools_b.get(k))}"
@@ -166,6 +197,27 @@ def diff(a, b) -> str:
     if len(out) == 2:
         out.append("(no differences)")
     return "\n".join(out) + "\n"
+
+
+def kernel_config_diff(ca: dict, cb: dict, pa, pb) -> list[str]:
+    """Kernel configs field by field: a family in one plan only, each field whose value differs,
+    and each bucket kind whose choices differ."""
+    out = []
+    for fam in sorted(set(ca) | set(cb)):
+        x, y = ca.get(fam), cb.get(fam)
+        if x is None or y is None:
+            out.append(f"kernel config {fam}: only in {pb if x is None else pa}")
+            continue
+        fx, fy = x["fields"], y["fields"]
+        for k in dict.fromkeys([*fx, *fy]):
+            if fx.get(k, "-") != fy.get(k, "-"):
+                out.append(f"kernel config {fam}.{k}: {fx.get(k, '-')} -> {fy.get(k, '-')}")
+        for kind in ("prefill", "decode"):
+            rx, ry = x.get("choose", {}).get(kind, []), y.get("choose", {}).get(kind, [])
+            if rx != ry:
+                out.append(f"kernel config {fam} {kind} choice: "
+                           f"{'; '.join(map(_run, rx)) or '-'} -> {'; '.join(map(_run, ry)) or '-'}")
+    return out
 
 
 def _segs(segs: list[dict]) -> str:
