@@ -1,9 +1,10 @@
 """Kernel choices of the plan -> one implementation per node, with the fallbacks said out loud.
 
-Choice names map to tables: `reference` -> graph.interp.default_impls() (runs anywhere, may sync
-with the host, so never captured), `capturable` -> kernels.capturable_table.CAPTURABLE (vectorized,
-host-sync free: the only kernels a CUDA graph captures). Other names are loaded through
-kernels.registry when it can load them. Artifacts compiled for another device, or a choice this
+Choice names map to tables: `reference` -> kernels.reference_table.reference_impls() (runs
+anywhere, may sync with the host, so never captured), `capturable` ->
+kernels.capturable_table.CAPTURABLE (vectorized, host-sync free: the only kernels a CUDA graph
+captures). Other names are loaded through kernels.registry when it can load them, with the plan's
+config of their kernel family bound as `kernel_config`. Artifacts compiled for another device, or a choice this
 machine cannot load, are an error unless fallback to the reference kernels is allowed.
 """
 
@@ -15,7 +16,8 @@ from functools import partial
 
 import torch
 
-from megagraph.graph.interp import Impl, default_impls
+from megagraph.graph.interp import Impl
+from megagraph.kernels.reference_table import reference_impls
 from megagraph.graph.ir import Graph, Node
 
 from .host_gather import host_rows
@@ -120,7 +122,7 @@ def resolve_kernels(plan: RunPlan, graphs: list[Graph], device: torch.device, *,
     ks = KernelSet({}, set())
     for g in graphs:
         functional, inplace, unsafe = capturable_tables(g)
-        tables = {"reference": default_impls(), "capturable": functional}
+        tables = {"reference": reference_impls(), "capturable": functional}
         for n in g.nodes:
             key = kernel_key(n.op, n.attr_dict)
             want = plan.kernels.get(key, "reference")
