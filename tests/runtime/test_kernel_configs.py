@@ -226,3 +226,46 @@ def test_inspect_shows_and_diffs_configs(toy, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "kernel config toy.block: 16 -> 64" in out
     assert "kernel config toy prefill choice: " in out
+
+
+class _Zero(float):
+    """Stands for every scheduler / cache figure /metrics reads: 0 however it is read."""
+
+    def __new__(cls):
+        return super().__new__(cls, 0.0)
+
+    def __getattr__(self, name):
+        return _Zero()
+
+    def __call__(self, *args, **kw):
+        return _Zero()
+
+    def __len__(self):
+        return 0
+
+    def items(self):
+        return []
+
+
+def test_fallbacks_in_startup_report_and_metrics(toy, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from megagraph.runtime.compile import StartupReport
+    from megagraph.runtime.server.metrics import Metrics
+
+    out = compile_to(tmp_path, "a")
+    monkeypatch.setitem(registry.LOADABLE, "triton.rms_norm", "megagraph.no_such_module")
+    monkeypatch.setattr(rk, "device_arch", lambda device: "sm_90")
+    plan = RunPlan.from_artifacts(out)
+    ks = rk.resolve_kernels(plan, [plan.graph], torch.device("cpu"), allow_fallback=True)
+    report = StartupReport(kernel_fallbacks=dict(ks.fallbacks),
+                           kernel_configs={"toy": "block=64, variant=a"})
+    lines = "\n".join(report.lines())
+    assert "kernel fallbacks: rms_norm: triton.rms_norm -> reference (" in lines
+    assert "kernel config toy: block=64, variant=a" in lines
+    svc = SimpleNamespace(scheduler=_Zero(), cache=_Zero(), model_name="m", capacity=1,
+                          healthy=True, engine=SimpleNamespace(kernels=ks))
+    text = Metrics(svc).render()
+    assert '\nmegagraph_kernel_fallback{kernel="rms_norm"} 1\n' in text
+    svc.engine.kernels = rk.KernelSet({}, set())
+    assert "megagraph_kernel_fallback{" not in Metrics(svc).render()
