@@ -276,6 +276,7 @@ def build_plan(g: Graph, hw: HwProfile, *, context: int, extra: dict[str, Graph]
         "static_buffer_bytes": {b: buf_total.at(b) for b in prefill} if bufs else {},
         "graph_memory_bytes": graph_mem,
         "kernels": kernels,
+        "kernel_options": {"allow_unvalidated": allow_unvalidated},
         "kernel_configs": kernel_configs_plan(kernels, cfg, hw, prefill=prefill, decode=decode,
                                               overrides=kernel_overrides),
         **({"bounded_replay": replay_plan} if replay_plan else {}),

@@ -4,8 +4,9 @@ Choice names map to tables: `reference` -> kernels.reference_table.reference_imp
 anywhere, may sync with the host, so never captured), `capturable` ->
 kernels.capturable_table.CAPTURABLE (vectorized, host-sync free: the only kernels a CUDA graph
 captures). Other names are loaded through kernels.registry when it can load them, with the plan's
-config of their kernel family bound as `kernel_config`. Artifacts compiled for another device, or a choice this
-machine cannot load, are an error unless fallback to the reference kernels is allowed.
+config of their kernel family bound as `kernel_config`. Artifacts compiled for another device, or
+a choice this machine cannot load, are an error (naming why) unless fallback to the reference
+kernels is allowed.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from functools import partial
 import torch
 
 from megagraph.graph.interp import Impl
-from megagraph.kernels.reference_table import reference_impls
 from megagraph.graph.ir import Graph, Node
+from megagraph.kernels.reference_table import reference_impls
 
 from .host_gather import host_rows
 from .plan import ArtifactsError, RunPlan

@@ -190,7 +190,8 @@ def test_dspark_weights_load_with_the_model(ckpts):
         outs.append(interpret(draft, {"anchor_ids": i64([anchor]), "seq_slots": i64([1]),
                                       "seq_cached": i64([len(toks)]),
                                       **{ring_name(st): s.state[ring_name(st)]
-                                         for st in range(c.num_mtp_layers)}}, weights, reference_impls()))
+                                         for st in range(c.num_mtp_layers)}}, weights,
+                                      reference_impls()))
     (a, b) = outs
     assert torch.equal(a["drafts"], b["drafts"]), f"SEED {SEED}"
     for k in ("confidence", "logits"):

@@ -89,7 +89,8 @@ def test_features_are_the_stream_means_at_the_target_layer_inputs(model):
     toks = random_tokens(13, 11)
     inputs = {**step_metadata([SeqChunk(0, toks)], {}), **initial_state(g, slots=2, capacity=64),
               **consts}
-    out = interpret(g, inputs, w, reference_impls(), keep=(*taps, "dspark.features", "dspark.main_x"))
+    out = interpret(g, inputs, w, reference_impls(),
+                    keep=(*taps, "dspark.features", "dspark.main_x"))
     F = torch.cat([out[t].mean(dim=1) for t in taps], dim=-1)
     assert F.shape == (13, len(cfg.dspark_target_layers) * cfg.hidden_size)
     torch.testing.assert_close(out["dspark.features"], F, rtol=1e-6, atol=1e-6)

@@ -164,7 +164,8 @@ def test_vendor_differs_from_owner_exactly_where_the_rule_says(owner, vendor):
             meta = step_metadata(step, b.cached)
             own = vendor[1].producers()["L2.attn.indexer.scores"]  # index_scores(qi, w, ikey, ...)
             out = interpret(vendor[1], {**meta, **b.state, **vendor[3]}, vendor[2],
-                            reference_impls(), keep=(*own.inputs[:2], own.outputs[0], "L2.attn.indexer.scores_read"))
+                            reference_impls(),
+                            keep=(*own.inputs[:2], own.outputs[0], "L2.attn.indexer.scores_read"))
             if p % 2 == 0:
                 pub = index_scores(out[own.inputs[0]], out[own.inputs[1]], b.state["L5.ikey"],
                                    meta["positions"], meta["token_req"], meta["seq_slots"], ratio=2,

@@ -198,7 +198,8 @@ def test_compile_options_recorded(tmp_path):
     assert m["options"]["disable_passes"] == ["cse"]
     cse = next(p for p in m["passes"] if p["name"] == "cse")
     assert cse["status"] == "skipped" and "--disable-pass" in cse["note"]
-    assert read(out, "plan.yaml")["kernel_configs"] == {}
+    plan = read(out, "plan.yaml")
+    assert plan["kernel_configs"] == {} and plan["kernel_options"] == {"allow_unvalidated": True}
 
 
 def test_unvalidated_kernels_need_the_option():
