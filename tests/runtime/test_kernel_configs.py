@@ -270,3 +270,20 @@ def test_fallbacks_in_startup_report_and_metrics(toy, tmp_path, monkeypatch):
     assert '\nmegagraph_kernel_fallback{kernel="rms_norm"} 1\n' in text
     svc.engine.kernels = rk.KernelSet({}, set())
     assert "megagraph_kernel_fallback{" not in Metrics(svc).render()
+
+
+def test_edited_plan_configs(toy, tmp_path):
+    """plan.yaml's configs are covered by its file hash; an edited one loads only when asked,
+    and then its values are what the runtime binds."""
+    out = compile_to(tmp_path, "a")
+    path = out / "plan.yaml"
+    plan = yaml.safe_load(path.read_text())
+    plan["kernel_configs"]["toy"]["fields"]["block"] = 99
+    path.write_text(yaml.safe_dump(plan))
+    with pytest.raises(ArtifactsError, match="plan.yaml: content does not match"):
+        RunPlan.from_artifacts(out)
+    assert RunPlan.from_artifacts(out, allow_edited=True).kernel_configs["toy"].block == 99
+    plan["kernel_configs"]["toy"]["fields"]["block"] = "big"
+    path.write_text(yaml.safe_dump(plan))
+    with pytest.raises(ArtifactsError, match="toy.block: expected an integer, got 'big'"):
+        RunPlan.from_artifacts(out, allow_edited=True)
