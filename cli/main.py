@@ -9,7 +9,7 @@ import sys
 # verb -> module exposing add_arguments(parser) and main(args) -> int
 VERBS = {
     "compile": "megagraph.passes.cli",
-    "inspect": "megagraph.graph.cli",
+    "inspect": "megagraph.passes.inspect",
     "runtime": "megagraph.runtime.cli",
 }
 

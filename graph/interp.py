@@ -1,9 +1,10 @@
 """The reference interpreter: executes a graph node by node with an implementation table.
 
-With the default table (kernels.reference_table) running the built graph, this *is* the model's
-meaning: passes are tested by interpreting before/after graphs on the same inputs, and the
-runtime is tested against it. Values are freed after their last use so a prefill over a long
-prompt does not keep every intermediate alive.
+The table is the caller's: the IR stands below the kernels and imports none of them. With the
+reference table (`megagraph.kernels.reference_table.reference_impls()`) running the built graph,
+this *is* the model's meaning: passes are tested by interpreting before/after graphs on the same
+inputs, and the runtime is tested against it. Values are freed after their last use so a prefill
+over a long prompt does not keep every intermediate alive.
 """
 
 from __future__ import annotations
@@ -15,27 +16,9 @@ import torch
 from .errors import IRError
 from .ir import Graph
 from .registry import get_op
-from .types import DTYPES, dim_symbol, eval_dim
+from .types import TORCH_DTYPES, dim_symbol, eval_dim
 
 Impl = Callable[..., "torch.Tensor | tuple[torch.Tensor, ...]"]
-
-TORCH_DTYPES = {
-    "bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "f64": torch.float64,
-    "fp8e4m3": torch.float8_e4m3fn, "e8m0": torch.float8_e8m0fnu, "fp4x2": torch.int8,
-    "i8": torch.int8, "u8": torch.uint8, "i32": torch.int32, "i64": torch.int64, "bool": torch.bool,
-}
-assert set(TORCH_DTYPES) == set(DTYPES)
-
-
-def default_impls() -> dict[str, Impl]:
-    from megagraph.kernels.reference_table import REFERENCE
-    from megagraph.kernels.dspark.reference import DSPARK
-    from megagraph.kernels.fused.reference import FUSED
-    from megagraph.kernels.parallel.reference import PARALLEL
-    from megagraph.kernels.dense.structural import STRUCTURAL
-    from megagraph.kernels.v4.reference import V4_REFERENCE
-
-    return {**REFERENCE, **STRUCTURAL, **V4_REFERENCE, **FUSED, **DSPARK, **PARALLEL}
 
 
 def bind_dims(g: Graph, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
@@ -69,10 +52,10 @@ def bind_dims(g: Graph, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
 
 
 def interpret(g: Graph, inputs: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor],
-              impls: Mapping[str, Impl] | None = None, *, check_types: bool = True,
+              impls: Mapping[str, Impl], *, check_types: bool = True,
               keep: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-    """Run `g`; returns {output label: tensor} plus any value named in `keep`."""
-    impls = default_impls() if impls is None else impls
+    """Run `g` with `impls` (op name -> function); returns {output label: tensor} plus any value
+    named in `keep`."""
     env_vals: dict[str, torch.Tensor] = {**weights, **inputs}
     dims = bind_dims(g, env_vals)
     last_use: dict[str, int] = {}

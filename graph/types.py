@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
+
 from .errors import IRError
 
 # IR dtype name -> (bits per element as stored, description). fp4x2 packs two E2M1 values per byte.
@@ -27,6 +29,15 @@ DTYPES: dict[str, tuple[int, str]] = {
     "i64": (64, "int64"),
     "bool": (8, "bool"),
 }
+# IR dtype name -> the torch dtype a tensor of it has (fp4x2 is stored as int8 bytes); the one
+# table the interpreter, the kernels and the runtime read, kept here so that nothing above the
+# IR has to be imported for it.
+TORCH_DTYPES = {
+    "bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "f64": torch.float64,
+    "fp8e4m3": torch.float8_e4m3fn, "e8m0": torch.float8_e8m0fnu, "fp4x2": torch.int8,
+    "i8": torch.int8, "u8": torch.uint8, "i32": torch.int32, "i64": torch.int64, "bool": torch.bool,
+}
+assert set(TORCH_DTYPES) == set(DTYPES)
 FLOAT_DTYPES = frozenset({"bf16", "f16", "f32", "f64"})
 INT_DTYPES = frozenset({"i8", "u8", "i32", "i64"})
 

@@ -226,3 +226,59 @@ def config_hash(configs: dict[str, KernelConfig]) -> str:
     """sha256 of the configs' canonical JSON (recorded in the manifest)."""
     blob = json.dumps({k: v.to_dict() for k, v in sorted(configs.items())}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+# -- the compiler's side -------------------------------------------------------------------------
+# The problem facts `choose(shape)` receives from the plan, one shape per bucket: `tokens` is the
+# bucket's rows (prefill tokens or decode rows), `decode` 1 for a decode bucket, the rest the
+# model's widths. A family reads only the keys it needs; the plan always passes all of them.
+SHAPE_KEYS = ("tokens", "decode", "hidden", "intermediate", "experts", "topk", "heads",
+              "head_dim", "index_topk", "vocab")
+
+
+def user_overrides(file: str | Path | None = None, sets: list[str] = ()) -> dict[str, dict]:
+    """The user's layers of `compile`: `--kernel-config FILE`, then each `--set` item, every layer
+    checked on its own so that an error names the file or the item it came from."""
+    layers = [load_overrides(Path(file))] if file else []
+    for item in sets:
+        one = parse_set([item])
+        resolve(one, where=f"--set {item}")
+        layers.append(one)
+    return merge(*layers)
+
+
+def compile_configs(hw_name: str, overrides: dict[str, dict] | None = None
+                    ) -> dict[str, KernelConfig]:
+    """Every family's config for a compile: defaults <- configs/kernels/<hw_name>.yaml <-
+    `overrides` (the user's layers, `user_overrides`)."""
+    return resolve(merge(profile_overrides(hw_name), overrides or {}),
+                   where=f"kernel config for profile {hw_name}")
+
+
+def choice_runs(cfg: KernelConfig, shapes: list[dict[str, int]]) -> list[dict]:
+    """`cfg.choose` over consecutive buckets, as runs of buckets with the same choice:
+    [{"buckets": [first, last], "count": n, "choose": {...}}, ...] (the plan's compact form)."""
+    runs: list[dict] = []
+    for shape in shapes:
+        try:
+            got = cfg.choose(dict(shape))
+        except KeyError as e:
+            raise KernelConfigError(
+                f"{cfg.FAMILY}.choose reads shape key {e.args[0]!r}, which the plan does not "
+                f"pass; it passes {', '.join(SHAPE_KEYS)}") from None
+        got = {k: str(v) for k, v in sorted(got.items())}
+        if runs and runs[-1]["choose"] == got:
+            runs[-1]["buckets"][1] = shape["tokens"]
+            runs[-1]["count"] += 1
+        else:
+            runs.append({"buckets": [shape["tokens"], shape["tokens"]], "count": 1,
+                         "choose": got})
+    return runs
+
+
+def plan_hash(section: dict[str, dict]) -> str:
+    """`config_hash` of a plan's `kernel_configs` section (its families' fields), as the
+    manifest records it; a section whose fields no longer resolve is a KernelConfigError."""
+    fields_ = {fam: row.get("fields", {}) for fam, row in section.items()}
+    objs = from_plan(fields_)
+    return config_hash({fam: objs[fam] for fam in fields_})

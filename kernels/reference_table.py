@@ -49,4 +49,18 @@ REFERENCE: dict[str, Callable] = {
     "engram_gate": engram_gate,
 }
 
-__all__ = ["REFERENCE", "engram_layout", "rope_frequencies", *REFERENCE]
+
+
+def reference_impls() -> dict[str, Callable]:
+    """The whole reference table the interpreter runs by default: the op kernels above plus the
+    structural, V4, fused, DSpark and parallel ones (each family's reference module)."""
+    from megagraph.kernels.dense.structural import STRUCTURAL
+    from megagraph.kernels.dspark.reference import DSPARK
+    from megagraph.kernels.fused.reference import FUSED
+    from megagraph.kernels.parallel.reference import PARALLEL
+    from megagraph.kernels.v4.reference import V4_REFERENCE
+
+    return {**REFERENCE, **STRUCTURAL, **V4_REFERENCE, **FUSED, **DSPARK, **PARALLEL}
+
+
+__all__ = ["REFERENCE", "reference_impls", "engram_layout", "rope_frequencies", *REFERENCE]

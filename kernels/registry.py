@@ -1,11 +1,12 @@
 """Which implementations exist per op, what each needs, and which one a hardware profile gets.
 
-Every op has a pure-torch `reference` kernel (any device) and most a `capturable` one (device torch,
-no host sync). Fast kernels carry a status: `available` once they ran against their references on
-their device (the Hopper Triton kernels: tests/kernels/test_triton_*.py on an H200, 2026-11-29,
-benchmarks/results/kernels-h200.md), `unvalidated` while built but never run there (opt-in), and
-`planned` with the capability they need, so the plan says what a profile would use and what it
-actually gets.
+Every op has a pure-torch `reference` kernel (any device) and most a `capturable` one (device
+torch, no host sync). Fast kernels carry a status: `available` once they ran against their
+references on their device (the Hopper Triton kernels: tests/kernels/test_triton_*.py on an H200),
+`unvalidated` while built but never run there (chosen only with `compile --allow-unvalidated`),
+and `planned` with the capability they need, so the plan says what a profile would use and what
+it actually gets. A fast kernel whose key a kernel family claims (kernel_config.py, `OPS`) takes
+that family's config as its `kernel_config` keyword.
 Capabilities are the strings of `HwProfile.capabilities`: arch (`sm_90`, `sm_100`, `sm_103`,
 `sm_100f` = the Blackwell family), tensor-core formats (`mxfp8`, `mxfp4`, ...), libraries
 (`deepgemm`, `flashmla`, `deepep`, `triton`).
@@ -60,27 +61,26 @@ KERNELS: dict[str, list[KernelImpl]] = {
                                            note=f"{TRITON_GEMM}, SwiGLU-clamp epilogue")],
     "mega_mhc": [_k("deepgemm.mega_mhc", f"{BLACKWELL_GEMM}"),
                  _k("triton.mega_mhc", "sm_90 triton", "available",
-                    note="kernels/mhc/triton.py: one launch at <= 64 tokens (split-K, last-arriver "
-                         "finish), else projection + ordered reduce + finish")],
+                    note="kernels/mhc/triton.py: one launch at <= 64 tokens (split-K, "
+                         "last-arriver finish), else projection + ordered reduce + finish")],
     "mega_moe": [_k("deepgemm.fp8_fp4_mega_moe", f"{BLACKWELL_GEMM} mxfp4", "unvalidated",
                     note="kernels/moe/deepgemm_mega.py, tried first by triton.mega_moe: DeepGEMM "
                          "MegaMoE for the routed experts, router / shared expert / combine + "
-                         "expand in Triton; never run (no sm_100 + DeepGEMM yet); needs a 1-rank "
-                         "group (deepgemm_mega.init_single_rank_group) and a warm-up call "
-                         "before capture"),
+                         "expand in Triton; not run on an sm_100 device with DeepGEMM; needs a "
+                         "1-rank group (deepgemm_mega.init_single_rank_group) and a warm-up "
+                         "call before capture"),
                  _k("triton.mega_moe", "sm_90 triton", "available",
                     note=f"{TRITON_MOE}; router, permutation, shared expert, combine + expand")],
     "linear": [_k("cublas.linear_split", "sm_90", "available",
-                  note="kernels/gemm/cublas_dense.py: dense bf16 / fp16 weights on the half-precision "
-                       "GEMM with fp32 accumulation (fp32 x split exactly in three bf16 pieces, "
-                       "one GEMM); the LM head without a per-call fp32 weight copy (tests on the "
-                       "H200, session 10; decode step 18.07 -> 14.62 ms at B = 64 with "
+                  note="kernels/gemm/cublas_dense.py: dense bf16 / fp16 weights on the "
+                       "half-precision GEMM with fp32 accumulation (fp32 x split exactly in "
+                       "three bf16 pieces, one GEMM); the LM head without a per-call fp32 "
+                       "weight copy (decode step 18.07 -> 14.62 ms at B = 64 on the H200, with "
                        "triton.rms_norm)"),
                _k("cublas.linear_split", "cuda", "unvalidated")],
     "rms_norm": [_k("triton.rms_norm", "sm_90 triton", "available",
-                    note="kernels/dense/triton_norm.py: one program per row (the q / kv latent and final "
-                         "norms; the sites' norms are inside mega_mhc; tests on the H200, "
-                         "session 10)")],
+                    note="kernels/dense/triton_norm.py: one program per row (the q / kv latent "
+                         "and final norms; the sites' norms are inside mega_mhc)")],
     "hc_mixer": [_k("deepgemm.tf32_hc_prenorm_gemm+triton.sinkhorn", "cuda deepgemm triton")],
     "hc_expand": [_k("triton.hc_expand", "sm_90 triton", "available",
                      note="kernels/mhc/triton.py: mega_moe's combine kernel with one slot (the "
@@ -97,33 +97,33 @@ KERNELS: dict[str, list[KernelImpl]] = {
                         note="kernels/indexer/triton.py: request tiles, tf32x3 products "
                               "(bf16 where the node says products=bf16)")],
     "candidate_mask": [_k("triton.candidate_mask", "sm_90 triton", "available",
-                          note="kernels/indexer/triton_topk.py: streaming select over the block maxima "
-                               "(row read twice), bitwise the reference (tests on the H200, "
-                               "sessions 10-11; 26.2 -> 5.4 ms vs the radix kernel at 8192 x "
-                               "135168: benchmarks/results/topk-probe-11-h200.md)"),
+                          note="kernels/indexer/triton_topk.py: streaming select over the block "
+                               "maxima (row read twice), bitwise the reference (5.4 ms against "
+                               "26.2 for a radix select at 8192 x 135168 on the H200; "
+                               "docs/kernels/topk.md)"),
                        _k("capturable", "sm_90", "available", note="device torch, no host sync")],
     "topk_select": [_k("triton.topk_select", "sm_90 triton", "available",
-                       note="kernels/indexer/triton_topk.py: streaming select (row read once into a "
-                            "candidate buffer, exact radix select over it), bitwise the reference "
-                            "(tests on the H200, sessions 10-11; top-512 at 8192 x 135168 20.7 -> "
-                            "4.5 ms vs the radix kernel: benchmarks/results/topk-probe-11-h200.md)"),
+                       note="kernels/indexer/triton_topk.py: streaming select (row read once into "
+                            "a candidate buffer, exact radix select over it), bitwise the "
+                            "reference (top-512 at 8192 x 135168: 4.5 ms against 20.7 for a "
+                            "radix select on the H200; docs/kernels/topk.md)"),
                     _k("capturable", "sm_90", "available", note="device torch.topk + sort")],
     "quantize_act": [_k("triton.quantize_act", "sm_90 triton", "available",
-                        note="kernels/dense/triton_quant.py: one pass per row, bitwise the reference "
-                             "(22 cases on the H200, tests/kernels/test_triton_quant.py)"),
+                        note="kernels/dense/triton_quant.py: one pass per row, bitwise the "
+                             "reference (tests/kernels/test_triton_quant.py)"),
                      _k("triton.quantize_act", "cuda triton", "unvalidated")],
     "rope": [_k("triton.rope", "sm_90 triton", "available",
-                note="kernels/dense/triton_rope.py: one pass over x with the capturable version's "
-                     "cos/sin table, no FMA contraction: bitwise the capturable rope "
-                     "(48 cases on the H200, tests/kernels/test_triton_dense.py)"),
+                note="kernels/dense/triton_rope.py: one pass over x with the capturable "
+                     "version's cos/sin table, no FMA contraction: bitwise the capturable rope "
+                     "(tests/kernels/test_triton_dense.py)"),
              _k("triton.rope", "cuda triton", "unvalidated")],
     "fake_quant": [_k("triton.fake_quant", "sm_90 triton", "available",
-                      note="kernels/dense/triton_quant.py: one pass per row, fp8_e4m3 / mxfp4 / nvfp4, "
-                           "bitwise the reference (16 cases on the H200, "
-                           "tests/kernels/test_triton_dense.py)"),
+                      note="kernels/dense/triton_quant.py: one pass per row, fp8_e4m3 / mxfp4 / "
+                           "nvfp4, bitwise the reference (tests/kernels/test_triton_dense.py)"),
                    _k("triton.fake_quant", "cuda triton", "unvalidated")],
     "compressor": [_k("triton.compressor", "sm_90 triton", "available",
-                      note="kernels/state/triton_compressor.py: GEMM + pool/norm/RoPE/fake-quant rows"),
+                      note="kernels/state/triton_compressor.py: GEMM + pool / norm / RoPE / "
+                           "fake-quant rows"),
                    _k("triton.compressor", "cuda triton")],
     "ring_update_batched": [_k("triton.ring_copy_batched", "sm_90 triton", "available",
                                note="kernels/state/triton_ring.py: 8 rings per launch"),
@@ -180,12 +180,26 @@ LOADABLE.update({
 
 def load_impl(name: str, op: str):
     """The function implementing `op` as `name` (a KERNELS entry marked available), or None."""
+    return try_load(name, op)[0]
+
+
+def try_load(name: str, op: str):
+    """(function, "") implementing `op` as `name`, or (None, why it cannot load): no module
+    registered for the name, the module failing to import (e.g. no Triton), or no such function
+    in it. The runtime states the reason at start-up."""
     mod = LOADABLE.get(name)
     if mod is None:
-        return None
+        return None, f"no module provides {name}"
     import importlib
 
-    return getattr(importlib.import_module(mod), op, None)
+    try:
+        module = importlib.import_module(mod)
+    except Exception as e:  # noqa: BLE001 - any import failure is a reason to report, not raise
+        return None, f"{mod} does not import: {type(e).__name__}: {e}"
+    fn = getattr(module, op, None)
+    if fn is None:
+        return None, f"{mod} defines no {op!r}"
+    return fn, ""
 
 
 def kernel_key(op: str, attrs: dict) -> str:
@@ -197,15 +211,6 @@ def kernel_key(op: str, attrs: dict) -> str:
     return op
 
 
-UNVALIDATED_ENV = "MEGAGRAPH_UNVALIDATED_KERNELS"  # "1": plans may pick kernels not yet run on a device
-
-
-def use_unvalidated() -> bool:
-    import os
-
-    return os.environ.get(UNVALIDATED_ENV, "") == "1"
-
-
 def _has_capturable(op: str) -> bool:
     try:
         from megagraph.kernels.capturable_table import CAPTURABLE
@@ -214,13 +219,14 @@ def _has_capturable(op: str) -> bool:
     return op in CAPTURABLE
 
 
-def choose_kernel(op: str, attrs: dict, caps: frozenset[str], arch: str) -> tuple[str, str]:
+def choose_kernel(op: str, attrs: dict, caps: frozenset[str], arch: str, *,
+                  allow_unvalidated: bool = False) -> tuple[str, str]:
     """(implementation name, reason) for one op variant on a device with `caps`.
 
-    Preference: a validated fast kernel; an unvalidated one only when MEGAGRAPH_UNVALIDATED_KERNELS=1
-    (so nobody runs a kernel that never ran on its device without asking for it); on a GPU the
-    capturable torch kernel (host-sync free, CUDA-graph capturable, validated on the H200); else
-    the reference kernel."""
+    Preference: a validated fast kernel; an unvalidated one only with `allow_unvalidated`
+    (`compile --allow-unvalidated`, recorded in the manifest, so nobody runs a kernel that never
+    ran on its device without asking for it); on a GPU the capturable torch kernel (host-sync
+    free, CUDA-graph capturable); else the reference kernel."""
     key = kernel_key(op, attrs)
     impls = KERNELS.get(key, [])
     skipped = []
@@ -228,15 +234,17 @@ def choose_kernel(op: str, attrs: dict, caps: frozenset[str], arch: str) -> tupl
         if impl.needs <= caps and impl.status == "available":
             return impl.name, f"{impl.name}: available, needs {sorted(impl.needs) or 'nothing'}"
         if impl.needs <= caps and impl.status == "unvalidated":
-            if use_unvalidated():
-                return impl.name, f"{impl.name}: not yet validated on {arch}, enabled by {UNVALIDATED_ENV}=1"
+            if allow_unvalidated:
+                return impl.name, (f"{impl.name}: not yet validated on {arch}, enabled by "
+                                   "compile --allow-unvalidated")
             skipped.append(impl.name)
     fitting = [i.name for i in impls if i.needs <= caps and i.status == "planned"]
     if arch == "cpu":
         return "reference", "reference (the CPU target runs every op's reference kernel)"
     notes = []
     if skipped:
-        notes.append(f"built, not yet validated on {arch}: {', '.join(skipped)} ({UNVALIDATED_ENV}=1 to use)")
+        notes.append(f"built, not yet validated on {arch}: {', '.join(skipped)} "
+                     "(compile --allow-unvalidated to use)")
     if fitting:
         notes.append(f"planned: {', '.join(fitting)}")
     if _has_capturable(op):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from megagraph.graph.interp import TORCH_DTYPES
+from megagraph.graph.types import TORCH_DTYPES
 from megagraph.graph.ir import Graph
 
 from .build import build_step

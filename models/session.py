@@ -13,9 +13,9 @@ from typing import Mapping, Sequence
 
 import torch
 
-from megagraph.graph.interp import TORCH_DTYPES, Impl, interpret
+from megagraph.graph.interp import Impl, interpret
 from megagraph.graph.ir import Graph
-from megagraph.graph.types import eval_dim
+from megagraph.graph.types import TORCH_DTYPES, eval_dim
 
 from .checkpoint.spec import WeightSpec
 
@@ -76,6 +76,10 @@ class ReferenceSession:
     def __init__(self, g: Graph, weights: Mapping[str, torch.Tensor], *, slots: int, capacity: int,
                  constants: Mapping[str, torch.Tensor] | None = None,
                  impls: Mapping[str, Impl] | None = None):
+        if impls is None:  # the reference kernels: the model's meaning
+            from megagraph.kernels.reference_table import reference_impls
+
+            impls = reference_impls()
         self.graph, self.weights, self.impls = g, weights, impls
         self.slots, self.capacity = slots, capacity
         self.constants = dict(constants or {})

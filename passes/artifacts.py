@@ -27,6 +27,7 @@ import yaml
 
 from megagraph.graph.ir import Graph
 from megagraph.graph.text import parse_graph, print_graph
+from megagraph.kernels.kernel_config import KernelConfigError, plan_hash
 
 from .pipeline import Compiled
 from .plan import build_plan
@@ -78,10 +79,12 @@ def render(c: Compiled, *, model_arg: str | None = None) -> dict[str, str]:
         path = f"{GRAPH_DIR}/{name}.mgir"
         files[path] = print_graph(g)
         graphs[name] = path
-    plan = build_plan(c.graph, c.hw, context=c.options.context, extra=c.extra_graphs, cfg=c.cfg)
+    opt = c.options
+    plan = build_plan(c.graph, c.hw, context=opt.context, extra=c.extra_graphs, cfg=c.cfg,
+                      kernel_overrides=opt.kernel_config,
+                      allow_unvalidated=opt.allow_unvalidated)
     files["plan.yaml"] = dump_yaml(plan)
     files["model.yaml"] = dump_yaml(c.cfg.to_dict())
-    opt = c.options
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "megagraph_version": megagraph_version(),
@@ -91,7 +94,11 @@ def render(c: Compiled, *, model_arg: str | None = None) -> dict[str, str]:
         "options": {"bounded_replay": opt.bounded_replay, "logits": opt.logits,
                     "keep": opt.resolved_keep(c.cfg) if opt.bounded_replay else None,
                     "context": opt.context, "passes": list(opt.passes) if opt.passes else None,
-                    "numerics": opt.numerics},
+                    "numerics": opt.numerics,
+                    "disable_passes": list(opt.disable_passes),
+                    "kernel_config": opt.kernel_config,
+                    "allow_unvalidated": opt.allow_unvalidated},
+        "kernel_config_hash": plan_hash(plan["kernel_configs"]),
         "graphs": graphs,
         "stages": stage_rows,
         "passes": [{**r.summary(), "file": stage_rows[r.index]["file"]} for r in c.records],
@@ -265,5 +272,26 @@ def load_artifacts(path: str | Path, *, allow_edited: bool = False) -> Artifacts
     allowed = tuple(edited)
     graphs = {name: _read_graph(root, rel, manifest, allowed)
               for name, rel in manifest["graphs"].items()}
-    return Artifacts(root, manifest, _read_yaml(root / "model.yaml"), _read_yaml(root / "plan.yaml"),
-                     graphs, allowed)
+    plan = _read_yaml(root / "plan.yaml")
+    check_kernel_configs(root, manifest, plan, edited=allowed)
+    return Artifacts(root, manifest, _read_yaml(root / "model.yaml"), plan, graphs, allowed)
+
+
+def check_kernel_configs(root: Path, manifest: dict, plan: dict, *, edited=()) -> None:
+    """The plan's kernel configs must resolve, with this megagraph's families, to the hash the
+    manifest recorded: a family whose fields changed since the compile would otherwise hand its
+    kernels values nobody chose. An edited plan.yaml (loaded with allow_edited) is exempt."""
+    want = manifest.get("kernel_config_hash")
+    if want is None or "plan.yaml" in edited:
+        return
+    where = root / "plan.yaml"
+    try:
+        got = plan_hash(plan.get("kernel_configs") or {})
+    except KernelConfigError as e:
+        raise ArtifactError(f"{where}: kernel_configs: {e}; recompile with "
+                            f"`{recompile_command(root, manifest)}`") from None
+    if got != want:
+        raise ArtifactError(
+            f"{where}: kernel_configs resolve to hash {got[:12]} with this megagraph, the "
+            f"manifest recorded {want[:12]} (a kernel family's fields changed since compile); "
+            f"recompile with `{recompile_command(root, manifest)}`")

@@ -38,6 +38,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="V4.1 decode index-key reading: owner (each indexer reads its own KV owner's "
                         "keys; decode == prefill) or vendor (as DeepSeek's inference/model.py); "
                         "default: the model config's (owner); see docs/index-key-reading.md")
+    p.add_argument("--disable-pass", action="append", default=[], metavar="NAME",
+                   help="run the pipeline with pass NAME recorded as skipped (repeatable; -p "
+                        "gives the whole list instead)")
+    kc = p.add_argument_group("kernel configs (docs/compile.md, configs/kernels/)")
+    kc.add_argument("--kernel-config", metavar="FILE",
+                    help="YAML {family: {field: value}} over the profile's configs/kernels/HW.yaml")
+    kc.add_argument("--set", action="append", default=[], metavar="FAMILY.FIELD=VALUE",
+                    dest="set_", help="one kernel-config field, over --kernel-config (repeatable; "
+                                      "e.g. --set moe.shared_stream=true)")
+    kc.add_argument("--allow-unvalidated", action="store_true",
+                    help="let the plan pick fast kernels built but not yet run on their device")
     par = p.add_argument_group("parallel layout (docs/parallelism.md)")
     par.add_argument("--dp", type=int, default=DEFAULTS.dp, metavar="N",
                      help="data-parallel attention ranks: each owns its requests' attention and state")
@@ -54,6 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from megagraph.graph.errors import IRError
+    from megagraph.kernels.kernel_config import KernelConfigError, user_overrides
     from megagraph.models.config import ConfigError, load_model_config
 
     from .artifacts import ArtifactError, check_output_dir, write_artifacts
@@ -72,18 +84,21 @@ def main(args: argparse.Namespace) -> int:
             unknown = [x for x in passes if x not in PASSES]
             if unknown:
                 raise ConfigError(f"-p: unknown pass(es) {unknown}; known: {', '.join(sorted(PASSES))}")
+        overrides = user_overrides(args.kernel_config, args.set_)
         opt = CompileOptions(bounded_replay=args.bounded_replay, logits=args.logits, passes=passes,
                              keep=args.keep, context=args.context, dp=args.dp, ep=args.ep,
                              redundant_experts=args.redundant_experts,
                              ep_max_tokens=args.ep_max_tokens,
-                             balanced_routing=args.balanced_routing, numerics=args.numerics)
+                             balanced_routing=args.balanced_routing, numerics=args.numerics,
+                             disable_passes=tuple(args.disable_pass), kernel_config=overrides,
+                             allow_unvalidated=args.allow_unvalidated)
         check_output_dir(Path(args.out), force=args.force)
         t0 = time.perf_counter()
         compiled = compile_model(cfg, hw, opt)
         out = write_artifacts(compiled, args.out, force=args.force, model_arg=args.model,
                               note=lambda line: print(line, file=sys.stderr))
         secs = time.perf_counter() - t0
-    except (ConfigError, ArtifactError, PassError, IRError) as e:
+    except (ConfigError, ArtifactError, PassError, IRError, KernelConfigError) as e:
         print(f"megagraph compile: error: {e}", file=sys.stderr)
         return 2
     extra = f" with {opt.numerics} numerics" if opt.numerics != "default" else ""

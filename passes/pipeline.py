@@ -8,7 +8,6 @@ records (and the manifest's `timing` section).
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -55,6 +54,11 @@ class CompileOptions:
     balanced_routing: bool = False  # benchmarks: experts assigned round-robin, not by the router
     numerics: str = "default"  # "reference": f32 activations, no KV / activation quantization
     #                            (models/numerics.py; the config is changed before building)
+    disable_passes: tuple[str, ...] = ()  # --disable-pass: pipeline passes recorded as skipped
+    kernel_config: dict = field(default_factory=dict)  # --kernel-config / --set layers,
+    #                            {family: {field: value}} over configs/kernels/<profile>.yaml
+    allow_unvalidated: bool = False  # --allow-unvalidated: plans may pick kernels not yet run
+    #                                  on their device (registry status "unvalidated")
 
     @property
     def parallel(self) -> bool:
@@ -115,10 +119,9 @@ def make_pass(name: str, hw: HwProfile, opt: CompileOptions, keep: int = 0) -> P
 
 def stage(g: Graph, p: Pass, index: int, opt: CompileOptions, done: list[str]) -> StageRecord:
     """Run one pass: verify the result, record what changed, and note why in the graph's meta."""
-    disabled = {s.strip() for s in os.environ.get("MEGAGRAPH_DISABLE_PASSES", "").split(",")}
     t0 = time.perf_counter()
-    if p.name in disabled:
-        res = p.skip(g, "disabled by MEGAGRAPH_DISABLE_PASSES")
+    if p.name in opt.disable_passes:
+        res = p.skip(g, "disabled by --disable-pass")
     else:
         try:
             res = p.run(g)
@@ -146,6 +149,10 @@ def compile_graph(g: Graph, hw: HwProfile, options: CompileOptions | None = None
     """Run the pipeline (or `options.passes`) on a built step graph."""
     opt = options or CompileOptions()
     expert_parallel.check_options(opt)
+    unknown = [x for x in opt.disable_passes if x not in PASSES]
+    if unknown:
+        raise IRError(f"--disable-pass: unknown pass(es) {unknown}; known: "
+                      f"{', '.join(sorted(PASSES))}")
     names = opt.passes if opt.passes is not None else tuple(
         n for n in PIPELINE if n != "expert-parallel" or opt.parallel)  # single rank: no record
     records: list[StageRecord] = []

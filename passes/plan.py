@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from megagraph.graph.ir import Graph
 from megagraph.graph.registry import get_op
 from megagraph.graph.types import TensorType
+from megagraph.kernels import kernel_config as kc
 from megagraph.kernels.registry import choose_kernel, kernel_key
 from megagraph.models.config import ModelConfig
 
@@ -102,21 +103,57 @@ def static_buffers(g: Graph, segs, *, context: int) -> list[dict]:
     return out
 
 
-def kernel_table(graphs: dict[str, Graph], hw: HwProfile) -> dict:
+def kernel_table(graphs: dict[str, Graph], hw: HwProfile, *,
+                 allow_unvalidated: bool = False) -> dict:
     """Kernel choice per op variant (op[attr=value]) with the reason, its node count in the step
-    graph, and the graphs it appears in."""
+    graph, the graphs it appears in, and the kernel family whose config its fast kernel takes."""
     rows: dict[str, dict] = {}
     for name, g in graphs.items():
         for n in g.nodes:
             attrs = n.attr_dict
             key = kernel_key(n.op, attrs)
             if key not in rows:
-                impl, why = choose_kernel(n.op, attrs, hw.capabilities, hw.arch)
+                impl, why = choose_kernel(n.op, attrs, hw.capabilities, hw.arch,
+                                          allow_unvalidated=allow_unvalidated)
                 rows[key] = {"kernel": impl, "reason": why, "nodes": 0, "graphs": []}
+                fam = kc.family_of(key)
+                if fam is not None:
+                    rows[key]["family"] = fam
             rows[key]["nodes"] += name == "step"
             if name not in rows[key]["graphs"]:
                 rows[key]["graphs"].append(name)
     return dict(sorted(rows.items()))
+
+
+def bucket_shapes(cfg: ModelConfig, buckets: list[int], *, decode: bool) -> list[dict[str, int]]:
+    """The problem facts `KernelConfig.choose` receives per bucket (kernel_config.SHAPE_KEYS)."""
+    fixed = {"decode": int(decode), "hidden": cfg.hidden_size,
+             "intermediate": cfg.moe_intermediate_size, "experts": cfg.n_routed_experts,
+             "topk": cfg.experts_per_token, "heads": cfg.num_heads, "head_dim": cfg.head_dim,
+             "index_topk": cfg.index_topk, "vocab": cfg.vocab_size}
+    return [{"tokens": b, **fixed} for b in buckets]
+
+
+def kernel_configs_plan(kernels: dict, cfg: ModelConfig, hw: HwProfile, *, prefill: list[int],
+                        decode: list[int], overrides: dict | None = None) -> dict:
+    """Per family used by the graphs' ops: its resolved fields (defaults <- configs/kernels/
+    <profile>.yaml <- the compile's overrides), the kernel keys and step-graph node counts that
+    use it, and its `choose()` per prefill and per decode bucket as runs of equal choices (none
+    on a profile without captured buckets: its kernels call `choose` per launch)."""
+    used: dict[str, dict[str, int]] = {}
+    for key, row in kernels.items():
+        if "family" in row:
+            used.setdefault(row["family"], {})[key] = row["nodes"]
+    configs = kc.compile_configs(hw.name, overrides)  # checks the layers even when none is used
+    out = {}
+    for fam, ops in sorted(used.items()):
+        c = configs[fam]
+        out[fam] = {
+            "fields": c.to_dict(),
+            "ops": dict(sorted(ops.items())),
+            "choose": {"prefill": kc.choice_runs(c, bucket_shapes(cfg, prefill, decode=False)),
+                       "decode": kc.choice_runs(c, bucket_shapes(cfg, decode, decode=True))}}
+    return out
 
 
 STATE_KINDS = ((".ring", "rings"), (".ckv", "compressed_kv"), (".ikey", "index_keys"),
@@ -171,8 +208,11 @@ def index_keys_plan(g: Graph, cfg: ModelConfig) -> dict:
 
 
 def build_plan(g: Graph, hw: HwProfile, *, context: int, extra: dict[str, Graph],
-               cfg: ModelConfig) -> dict:
-    """The plan of a compiled step graph (+ bounded-replay graphs, if any) of model `cfg`."""
+               cfg: ModelConfig, kernel_overrides: dict | None = None,
+               allow_unvalidated: bool = False) -> dict:
+    """The plan of a compiled step graph (+ bounded-replay graphs, if any) of model `cfg`;
+    `kernel_overrides` ({family: {field: value}}) are the compile's kernel-config layers above
+    the profile's, `allow_unvalidated` lets kernels not yet run on their device be chosen."""
     segs = segments(g)
     captured = hw.cuda_graphs
     prefill = hw.prefill_token_buckets() if captured else []
@@ -226,6 +266,7 @@ def build_plan(g: Graph, hw: HwProfile, *, context: int, extra: dict[str, Graph]
               "device_memory_bytes": device,
               "one_slot_at_context_bytes": need,
               "fits_one_device": (need <= device) if device else None}
+    kernels = kernel_table({"step": g, **extra}, hw, allow_unvalidated=allow_unvalidated)
     return {
         "assumptions": {"context_tokens": context, "requests": "R = T (upper bound)",
                         "bytes": "intermediates only; views and in-place state updates own none"},
@@ -234,7 +275,10 @@ def build_plan(g: Graph, hw: HwProfile, *, context: int, extra: dict[str, Graph]
         "static_buffers": bufs,
         "static_buffer_bytes": {b: buf_total.at(b) for b in prefill} if bufs else {},
         "graph_memory_bytes": graph_mem,
-        "kernels": kernel_table({"step": g, **extra}, hw),
+        "kernels": kernels,
+        "kernel_options": {"allow_unvalidated": allow_unvalidated},
+        "kernel_configs": kernel_configs_plan(kernels, cfg, hw, prefill=prefill, decode=decode,
+                                              overrides=kernel_overrides),
         **({"bounded_replay": replay_plan} if replay_plan else {}),
         "memory": memory,
         "index_keys": index_keys_plan(g, cfg),

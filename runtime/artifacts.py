@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megagraph.kernels.kernel_config import KernelConfigError, from_plan
 from megagraph.models.config import ModelConfig
 
 from .plan import ArtifactsError, RunPlan, default_tokenizer, segments_from_rows
@@ -24,6 +25,9 @@ def load_run_plan(path: Path, *, allow_edited: bool = False) -> RunPlan:
         segments = segments_from_rows(graph, plan["segments"], where)
         buckets = plan.get("buckets", {})
         kernels = {k: row["kernel"] for k, row in plan.get("kernels", {}).items()}
+        families = {k: row["family"] for k, row in plan.get("kernels", {}).items()
+                    if "family" in row}
+        configs = kernel_configs(plan.get("kernel_configs") or {}, where)
     except KeyError as e:
         raise ArtifactsError(f"{where}: missing field {e.args[0]!r} (artifacts from an older "
                              "compiler? recompile with --force)") from None
@@ -31,8 +35,19 @@ def load_run_plan(path: Path, *, allow_edited: bool = False) -> RunPlan:
     return RunPlan(cfg, graph, hw.get("name", "?"), hw.get("arch", "?"), segments,
                    decode_buckets=tuple(buckets.get("decode_rows", ())),
                    prefill_buckets=tuple(buckets.get("prefill_tokens", ())),
-                   kernels=kernels, compile_backend=plan.get("compile_backend"),
+                   kernels=kernels, kernel_families=families, kernel_configs=configs,
+                   compile_backend=plan.get("compile_backend"),
                    extra_graphs=extra, memory=plan.get("memory", {}),
                    replay=plan.get("bounded_replay") or {},
                    tokenizer=arts.manifest.get("model", {}).get("tokenizer") or default_tokenizer(cfg),
                    source=Path(path), edited=arts.edited)
+
+
+def kernel_configs(section: dict, where: str) -> dict:
+    """The plan's `kernel_configs` section -> {family: KernelConfig} (kernel_config.from_plan)."""
+    try:
+        objs = from_plan({fam: row["fields"] for fam, row in section.items()},
+                         where=f"{where}: kernel_configs")
+    except KernelConfigError as e:
+        raise ArtifactsError(str(e)) from None
+    return {fam: objs[fam] for fam in section}

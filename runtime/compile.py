@@ -62,7 +62,9 @@ def numerics_options(backend: str, numerics: str) -> dict[str, bool]:
 
 def cache_dir(artifacts: Path | None, key: str) -> Path:
     """Where this start's compile caches go (created)."""
-    root = os.environ.get("MEGAGRAPH_CACHE")
+    from megagraph.configs.process import cache_root
+
+    root = cache_root()
     if root:
         base = Path(root)
     elif artifacts is not None and os.access(artifacts, os.W_OK):
@@ -166,6 +168,7 @@ class StartupReport:
     buckets: list[int] = field(default_factory=list)
     graph_memory_bytes: int = 0
     kernel_fallbacks: dict[str, str] = field(default_factory=dict)
+    kernel_configs: dict[str, str] = field(default_factory=dict)  # family -> its bound fields
     weights: str = ""  # where the weights came from
     hardware: str = ""  # artifacts' profile vs this device
     token_map: str = ""  # where the Engram token map came from (V4.1; runtime/token_map.py)
@@ -205,6 +208,8 @@ class StartupReport:
             out.append(f"engram token map: {self.token_map}")
         if self.kernel_fallbacks:
             out.append("kernel fallbacks: " + "; ".join(f"{k}: {v}" for k, v in self.kernel_fallbacks.items()))
+        for fam, fields_ in sorted(self.kernel_configs.items()):
+            out.append(f"kernel config {fam}: {fields_}")
         if self.buckets:
             out.append(f"buckets {self.buckets}; captured segments {self.captured_segments or 'none'}; "
                        f"graph memory {self.graph_memory_bytes / 2**20:.1f} MiB")

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from megagraph.graph.interp import TORCH_DTYPES
+from megagraph.graph.types import TORCH_DTYPES
 
 from .batch import StepBatch
 from .step import METADATA, StepProgram

@@ -94,6 +94,8 @@ class Engine:
             self.kernels = resolve_kernels(plan, [g], self.device, allow_fallback=c.allow_fallback,
                                            override=c.kernels)
         self.report.kernel_fallbacks = dict(self.kernels.fallbacks)
+        self.report.kernel_configs = {fam: ", ".join(f"{k}={v}" for k, v in c.to_dict().items())
+                                      for fam, c in plan.kernel_configs.items()}
         self.report.hardware = f"artifacts for {plan.hw_name} ({plan.hw_arch}) on {self.device}"
         specs = graph_weight_specs([g])
         host = host_resident(g) if self.device.type == "cuda" else set()

@@ -1,10 +1,12 @@
 """Kernel choices of the plan -> one implementation per node, with the fallbacks said out loud.
 
-Choice names map to tables: `reference` -> graph.interp.default_impls() (runs anywhere, may sync
-with the host, so never captured), `capturable` -> kernels.capturable_table.CAPTURABLE (vectorized,
-host-sync free: the only kernels a CUDA graph captures). Other names are loaded through
-kernels.registry when it can load them. Artifacts compiled for another device, or a choice this
-machine cannot load, are an error unless fallback to the reference kernels is allowed.
+Choice names map to tables: `reference` -> kernels.reference_table.reference_impls() (runs
+anywhere, may sync with the host, so never captured), `capturable` ->
+kernels.capturable_table.CAPTURABLE (vectorized, host-sync free: the only kernels a CUDA graph
+captures). Other names are loaded through kernels.registry when it can load them, with the plan's
+config of their kernel family bound as `kernel_config`. Artifacts compiled for another device, or
+a choice this machine cannot load, are an error (naming why) unless fallback to the reference
+kernels is allowed.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from functools import partial
 
 import torch
 
-from megagraph.graph.interp import Impl, default_impls
+from megagraph.graph.interp import Impl
 from megagraph.graph.ir import Graph, Node
+from megagraph.kernels.reference_table import reference_impls
 
 from .host_gather import host_rows
 from .plan import ArtifactsError, RunPlan
@@ -41,13 +44,38 @@ def capturable_tables(g: Graph) -> tuple[dict[str, Impl], dict[str, Impl], set[s
     return capturable_impls(), capturable_impls(inplace_state=True), unsafe
 
 
-def _named_kernel(name: str, op: str) -> Impl | None:
+def _named_kernel(name: str, op: str) -> tuple[Impl | None, str]:
+    """(function, "") or (None, why it cannot load), through kernels.registry.try_load."""
     try:
         from megagraph.kernels import registry
-    except ImportError:
-        return None
-    load = getattr(registry, "load_impl", None)
-    return load(name, op) if load else None
+    except ImportError as e:
+        return None, f"megagraph.kernels.registry does not import: {e}"
+    return registry.try_load(name, op)
+
+
+def bind_config(fn: Impl, key: str, want: str, plan: RunPlan) -> Impl:
+    """`fn` (the fast kernel `want` of kernel key `key`) with the plan's config of its family
+    bound as `kernel_config`, so that it runs exactly the values plan.yaml records; unchanged
+    for a key of no family. A kernel whose entry point takes no `kernel_config` is an error."""
+    fam = plan.kernel_families.get(key)
+    if fam is None:
+        return fn
+    cfg = plan.kernel_configs.get(fam)
+    where = plan.source or "artifacts"
+    if cfg is None:
+        raise ArtifactsError(f"{where}: the plan gives {key} kernel family {fam!r}, but its "
+                             "kernel_configs section has no such family")
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    takes = "kernel_config" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if not takes:
+        raise ArtifactsError(f"{where}: {want} (for {key}) takes no kernel_config keyword, but "
+                             f"the plan gives it the {fam} config")
+    bound = partial(fn, kernel_config=cfg)
+    bound.capturable = getattr(fn, "capturable", False)  # type: ignore[attr-defined]
+    return bound
 
 
 @dataclass
@@ -95,24 +123,24 @@ def resolve_kernels(plan: RunPlan, graphs: list[Graph], device: torch.device, *,
     ks = KernelSet({}, set())
     for g in graphs:
         functional, inplace, unsafe = capturable_tables(g)
-        tables = {"reference": default_impls(), "capturable": functional}
+        tables = {"reference": reference_impls(), "capturable": functional}
         for n in g.nodes:
             key = kernel_key(n.op, n.attr_dict)
             want = plan.kernels.get(key, "reference")
             if override == "capturable" and want == "reference" and n.op in functional:
                 want = "capturable"
             tables["capturable"] = functional if n.outputs[0] in unsafe else inplace
-            fn, safe = _lookup(tables, want, n.op)
+            fn, safe, why = _lookup(tables, want, n.op)
             if fn is not None and want.split(".")[0] not in tables:
-                fn = _state_in_place(fn, n, unsafe)
+                fn = _state_in_place(bind_config(fn, key, want, plan), n, unsafe)
             if fn is None:
                 if not allow_fallback:
                     raise ArtifactsError(
                         f"{plan.source or 'artifacts'}: the plan runs {key} with kernel {want!r}, "
-                        f"which is not available on this {arch} machine; pass --allow-fallback "
-                        "to use the reference kernel")
+                        f"which cannot run on this {arch} machine ({why}); pass "
+                        "--allow-fallback to use the reference kernel")
                 fn, safe = tables["reference"][n.op], False
-                ks.fallbacks[key] = f"{want} -> reference"
+                ks.fallbacks[key] = f"{want} -> reference ({why})"
             ks.impls[n.outputs[0]] = fn
             if want.split(".")[0] not in tables:
                 ks.opaque.add(n.outputs[0])
@@ -175,11 +203,12 @@ def _state_in_place(fn: Impl, n: Node, unsafe: set[str]) -> Impl:
     return wrapped
 
 
-def _lookup(tables: dict[str, dict[str, Impl]], want: str, op: str) -> tuple[Impl | None, bool]:
+def _lookup(tables: dict[str, dict[str, Impl]], want: str, op: str
+            ) -> tuple[Impl | None, bool, str]:
+    """(function, capture-safe, why it is missing)."""
     base = want.split(".")[0]
     if base in tables:
         fn = tables[base].get(op)
-        return fn, base == "capturable" and fn is not None
-    fn = _named_kernel(want, op)
-    return fn, fn is not None and getattr(fn, "capturable", False)
-
+        return fn, base == "capturable" and fn is not None, "" if fn else f"no {base} {op}"
+    fn, why = _named_kernel(want, op)
+    return fn, fn is not None and getattr(fn, "capturable", False), why

@@ -40,6 +40,8 @@ class RunPlan:
     decode_buckets: tuple[int, ...] = ()  # captured decode batch sizes (rows)
     prefill_buckets: tuple[int, ...] = ()  # captured prefill token counts
     kernels: dict[str, str] = field(default_factory=dict)  # kernel key -> implementation name
+    kernel_families: dict[str, str] = field(default_factory=dict)  # kernel key -> config family
+    kernel_configs: dict = field(default_factory=dict)  # family -> its KernelConfig (plan.yaml)
     compile_backend: str | None = None  # torch.compile backend the plan asks for, if any
     extra_graphs: dict[str, Graph] = field(default_factory=dict)  # bounded replay, by name
     memory: dict = field(default_factory=dict)  # the plan's memory section

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from megagraph.graph.interp import TORCH_DTYPES
+from megagraph.graph.types import TORCH_DTYPES
 from megagraph.graph.ir import Graph
 from megagraph.models.session import initial_state
 

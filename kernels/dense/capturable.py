@@ -11,7 +11,7 @@ import math
 import torch
 from torch import Tensor
 
-from megagraph.graph.interp import TORCH_DTYPES
+from megagraph.graph.types import TORCH_DTYPES
 
 from megagraph.kernels.mhc.reference import hc_coefficients
 from megagraph.kernels.dense.quant import E2M1_MAX, fake_quant_with

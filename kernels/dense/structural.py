@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megagraph.graph.interp import TORCH_DTYPES
+from megagraph.graph.types import TORCH_DTYPES
 
 
 def split_heads(x: Tensor, *, heads: int) -> Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megagraph.graph.interp import TORCH_DTYPES
+from megagraph.graph.types import TORCH_DTYPES
 
 from megagraph.kernels.common.capturable import I64
 

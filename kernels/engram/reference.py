@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from megagraph.graph.interp import TORCH_DTYPES
+from megagraph.graph.types import TORCH_DTYPES
 
 # ----------------------------------------------------------------------------------------------------
 # layout (host-side helper, not an op)

@@ -43,8 +43,7 @@ Numerics (expected, unmeasured): like moe.py's FP8_H variant plus bf16 gate/up r
 % relative (Frobenius) against kernels.reference_table, not the Triton default's ~3e-3.
 
 Conditions under which this returns None (Triton runs), in the order checked:
-  * disabled: MEGAGRAPH_DEEPGEMM_MEGA_MOE "0"; unset it follows the registry's opt-in for
-    unvalidated kernels (MEGAGRAPH_UNVALIDATED_KERNELS=1); "1" turns it on
+  * disabled: MEGAGRAPH_DEEPGEMM_MEGA_MOE unset or "0" (an unvalidated path); "1" turns it on
   * `unsupported(...)`: routed fmt not "mxfp4" (1x32 E8M0 banks [E, F, d/2], [E, d, F/2]);
     act_fmt not "fp8_1x128" (e4m3 x_q [T, d], f32 power-of-two x_scale [T, d/128]); x not bf16
     (DeepGEMM's y is bf16) or not 2-D; streams not [T, n, d] in f32/bf16/f16; the bank does not
@@ -86,7 +85,7 @@ import warnings
 import torch
 from torch import Tensor
 
-ENV_ENABLE = "MEGAGRAPH_DEEPGEMM_MEGA_MOE"  # "1" on, "0" off, unset: MEGAGRAPH_UNVALIDATED_KERNELS
+ENV_ENABLE = "MEGAGRAPH_DEEPGEMM_MEGA_MOE"  # "1" on; "0" or unset: off (never ran on its device)
 MAX_TOKENS = int(os.environ.get("MEGAGRAPH_DEEPGEMM_MEGA_MAX_TOKENS", "8192"))  # per step
 MIN_BUFFER_TOKENS = 128
 FAST_MATH = os.environ.get("MEGAGRAPH_DEEPGEMM_MEGA_FAST_MATH", "1") == "1"  # DeepGEMM's default
@@ -109,14 +108,9 @@ class WarmupRequired(RuntimeError):
 
 
 def enabled() -> bool:
-    """MEGAGRAPH_DEEPGEMM_MEGA_MOE: "1" on, "0" off; unset: on only when unvalidated kernels are
-    opted in (registry status "unvalidated": never ran on its device)."""
-    v = os.environ.get(ENV_ENABLE, "")
-    if v in ("0", "1"):
-        return v == "1"
-    from megagraph.kernels import registry
-
-    return registry.use_unvalidated()
+    """MEGAGRAPH_DEEPGEMM_MEGA_MOE: "1" on; "0" or unset off (registry status "unvalidated":
+    never ran on its device)."""
+    return os.environ.get(ENV_ENABLE, "") == "1"
 
 
 _IMPORT_ERROR: list[str] = []
@@ -606,8 +600,7 @@ def _config(x, w1, topk, group, swiglu_limit, cap) -> tuple:
 def decline_reason(*args, **kw) -> str | None:
     """Why mega_moe(*args, **kw) would return None here, or None when it runs DeepGEMM."""
     if not enabled():
-        return (f"disabled ({ENV_ENABLE}=1 or MEGAGRAPH_UNVALIDATED_KERNELS=1 enables this "
-                "unvalidated path)")
+        return f"disabled ({ENV_ENABLE}=1 enables this unvalidated path)"
     why = unsupported(*args, **kw)
     if why:
         return why

@@ -228,7 +228,7 @@ class RankEngine(Engine):
         for name in g.inputs:
             t = g.types[name]
             shape = tuple(0 if d == "T" else d for d in t.shape)
-            from megagraph.graph.interp import TORCH_DTYPES
+            from megagraph.graph.types import TORCH_DTYPES
 
             env[name] = torch.zeros(shape, dtype=TORCH_DTYPES[t.dtype], device=self.device)
         self.idle_program(env)

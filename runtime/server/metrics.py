@@ -157,5 +157,9 @@ class Metrics:
         metric("megagraph_engine_errors_total", "counter", "failed engine steps", st.errors)
         metric("megagraph_engine_healthy", "gauge", "1 while the engine loop runs",
                int(svc.healthy))
+        metric("megagraph_kernel_fallback", "gauge", "1 per kernel key the plan asked for that "
+               "could not load here and runs its reference kernel (--allow-fallback)")
+        for key in sorted(getattr(getattr(svc.engine, "kernels", None), "fallbacks", {}) or {}):
+            out.append(f'megagraph_kernel_fallback{{kernel="{key}"}} 1')
         out.append(f'megagraph_model_info{{model="{model}",capacity="{svc.capacity}"}} 1')
         return "\n".join(out) + "\n"

@@ -9,6 +9,7 @@ from megagraph.graph.interp import interpret
 from megagraph.graph.registry import all_ops, get_op
 from megagraph.graph.text import parse_graph, print_graph
 from megagraph.graph.types import T, TensorType, eval_dim, parse_dim, scale_dim
+from megagraph.kernels.reference_table import reference_impls
 
 SMALL = """\
 graph small {
@@ -44,13 +45,13 @@ def test_round_trip_small():
 def test_interpret_small():
     g = parse_graph(SMALL)
     x, w, n = torch.randn(3, 8), torch.randn(4, 8), torch.rand(4) + 0.5
-    y = interpret(g, {"x": x}, {"w": w, "n": n})["y"]
+    y = interpret(g, {"x": x}, {"w": w, "n": n}, reference_impls())["y"]
     h = x @ w.T
     torch.testing.assert_close(y, n * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
     with pytest.raises(IRError, match="x has shape"):
-        interpret(g, {"x": torch.randn(3, 7)}, {"w": w, "n": n})
+        interpret(g, {"x": torch.randn(3, 7)}, {"w": w, "n": n}, reference_impls())
     with pytest.raises(IRError, match="missing weight 'n'"):
-        interpret(g, {"x": x}, {"w": w})
+        interpret(g, {"x": x}, {"w": w}, reference_impls())
 
 
 @pytest.mark.parametrize("edit,match", [
@@ -93,9 +94,7 @@ def test_builder_scopes_and_errors():
 
 
 def test_every_op_has_a_doc_and_a_reference_kernel():
-    from megagraph.graph.interp import default_impls
-
-    impls = default_impls()
+    impls = reference_impls()
     for name, d in all_ops().items():
         assert d.doc, f"op {name} has no docstring"
         assert name in impls, f"op {name} has no reference kernel"

@@ -17,6 +17,7 @@ from test_capturable_ops import ALL_META, ALL_PLAIN, PADDED, as_tuple, build_met
 from torch.utils._pytree import tree_map
 
 from megagraph.graph.interp import interpret
+from megagraph.kernels.reference_table import reference_impls
 from megagraph.kernels.capturable_table import CAPTURABLE, capturable_impls
 from megagraph.models.session import initial_state, step_metadata
 from tests.tiny import SeqChunk, random_tokens, tiny
@@ -110,7 +111,7 @@ def test_model_step_captures_and_replays(name, kind, inplace):
         graph.replay()
         torch.cuda.synchronize()
         want = interpret(g, to_dev(new), wd, CAPTURABLE)
-        ref = interpret(g, new, w, None)
+        ref = interpret(g, new, w, reference_impls())
         for k in want:
             close(out[k], want[k], 1e-5, f"{k} vs eager")  # in place: out[k] is the static buffer
             close(out[k], ref[k], 1e-4, f"{k} vs CPU reference")

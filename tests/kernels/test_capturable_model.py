@@ -18,13 +18,14 @@ import pytest
 import torch
 from test_capturable_ops import HostTensorGuard, on_meta
 
-from megagraph.graph.interp import default_impls, interpret
+from megagraph.graph.interp import interpret
+from megagraph.kernels.reference_table import reference_impls
 from megagraph.kernels.capturable_table import CAPTURABLE, capturable_impls, inplace_hazards
 from megagraph.models.session import initial_state, step_metadata
 from tests.tiny import SeqChunk, random_tokens, session, tiny
 
 V41, V4 = "v4.1-flash-tiny", "v4-flash-tiny"
-IMPLS = {**default_impls(), **CAPTURABLE}
+IMPLS = {**reference_impls(), **CAPTURABLE}
 
 
 def model(name, quantize_kv=False):
@@ -168,7 +169,7 @@ def test_pad_requests_and_empty_rows_leave_real_requests_unchanged(name):
     for step in steps:
         plain = step_metadata(step, cached)
         padm, rows = padded_inputs(step, cached, pads)
-        out_ref = interpret(g, {**plain, **state, **consts}, w, None)
+        out_ref = interpret(g, {**plain, **state, **consts}, w, reference_impls())
         out_plain = interpret(g, {**plain, **state, **consts}, w, IMPLS)
         out_pad = interpret(g, {**padm, **state, **consts}, w, IMPLS)
         torch.testing.assert_close(out_plain["logits"], out_ref["logits"], rtol=1e-4, atol=1e-4)

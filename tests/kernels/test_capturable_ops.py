@@ -25,14 +25,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from megagraph.graph.interp import default_impls
+from megagraph.kernels.reference_table import reference_impls
 from megagraph.graph.registry import all_ops
 from megagraph.kernels import formats
 from megagraph.kernels.capturable_table import CAPTURABLE, capturable_impls
 from megagraph.kernels.common import capturable as _common
 from megagraph.kernels.engram.reference import engram_layout
 
-REF = default_impls()
+REF = reference_impls()
 TOL = dict(rtol=1e-5, atol=1e-5)  # fp32 reorderings only
 
 # ---------------------------------------------------------------------------------------------

@@ -370,10 +370,7 @@ def test_unsupported_conditions(monkeypatch):
 def test_mega_moe_declines_here(monkeypatch):
     args = case()
     monkeypatch.delenv(dgm.ENV_ENABLE, raising=False)
-    monkeypatch.delenv("MEGAGRAPH_UNVALIDATED_KERNELS", raising=False)
     assert not dgm.enabled() and "disabled" in dgm.decline_reason(*args, **KW)
-    monkeypatch.setenv("MEGAGRAPH_UNVALIDATED_KERNELS", "1")
-    assert dgm.enabled()
     monkeypatch.setenv(dgm.ENV_ENABLE, "0")
     assert not dgm.enabled()
     monkeypatch.setenv(dgm.ENV_ENABLE, "1")

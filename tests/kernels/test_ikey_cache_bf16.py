@@ -28,7 +28,7 @@ import zlib
 import pytest
 import torch
 
-from megagraph.graph.interp import default_impls
+from megagraph.kernels.reference_table import reference_impls
 from megagraph.graph.verify import verify_graph
 from megagraph.kernels.capturable_table import CAPTURABLE
 from megagraph.kernels.fused import capturable as cap_fused
@@ -285,7 +285,7 @@ def test_model_with_bf16_ikey_equals_f32_ikey_bitwise(graph, impls):
         assert all(n.attr("products") == "bf16" for n in g.nodes if n.op == "index_scores")
     assert set(ikey_types(g).values()) == {"bf16"}
     g32 = with_f32_ikey(g)
-    im = None if impls == "reference" else {**default_impls(), **CAPTURABLE}
+    im = None if impls == "reference" else {**reference_impls(), **CAPTURABLE}
     s16, s32 = (session(cfg, x, w, consts, slots=4, capacity=64, impls=im) for x in (g, g32))
     for i, st in enumerate(STEPS):
         a, b = s32.step(st), s16.step(st)

@@ -521,7 +521,6 @@ def test_registry_h200_picks_triton(monkeypatch):
     from megagraph.passes.hw import load_hw_profile as load_profile
 
     hw = load_profile("h200")
-    monkeypatch.delenv(registry.UNVALIDATED_ENV, raising=False)
     for op, attrs, name in (("mega_moe", {}, "triton.mega_moe"),
                             ("mega_mhc", {}, "triton.mega_mhc"),
                             ("moe_experts_q", {"act_fmt": ACT}, "triton.moe_fp8_mxfp4"),

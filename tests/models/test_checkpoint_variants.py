@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from megagraph.graph.interp import interpret
+from megagraph.kernels.reference_table import reference_impls
 from megagraph.models.build import build_step
 from megagraph.models.checkpoint import CheckpointError, random_weights, write_checkpoint
 from megagraph.models.config import ModelConfig, load_model_config
@@ -189,7 +190,8 @@ def test_dspark_weights_load_with_the_model(ckpts):
         outs.append(interpret(draft, {"anchor_ids": i64([anchor]), "seq_slots": i64([1]),
                                       "seq_cached": i64([len(toks)]),
                                       **{ring_name(st): s.state[ring_name(st)]
-                                         for st in range(c.num_mtp_layers)}}, weights))
+                                         for st in range(c.num_mtp_layers)}}, weights,
+                                      reference_impls()))
     (a, b) = outs
     assert torch.equal(a["drafts"], b["drafts"]), f"SEED {SEED}"
     for k in ("confidence", "logits"):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megagraph.graph.interp import interpret
+from megagraph.kernels.reference_table import reference_impls
 from megagraph.graph.text import parse_graph, print_graph
 from megagraph.kernels.dspark.reference import block_attn, draft_rows, markov_draft
 from megagraph.kernels.gemm.reference import dequantize_weight
@@ -61,7 +62,7 @@ def run_draft(model, state, anchors, slots, cached, keep=()):
     i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     inputs = {"anchor_ids": i64(anchors), "seq_slots": i64(slots), "seq_cached": i64(cached),
               **rings(state, cfg)}
-    return interpret(d, inputs, w, keep=keep)
+    return interpret(d, inputs, w, reference_impls(), keep=keep)
 
 
 def prefilled(model, prompts: dict[int, tuple[int, ...]]):
@@ -88,7 +89,8 @@ def test_features_are_the_stream_means_at_the_target_layer_inputs(model):
     toks = random_tokens(13, 11)
     inputs = {**step_metadata([SeqChunk(0, toks)], {}), **initial_state(g, slots=2, capacity=64),
               **consts}
-    out = interpret(g, inputs, w, keep=(*taps, "dspark.features", "dspark.main_x"))
+    out = interpret(g, inputs, w, reference_impls(),
+                    keep=(*taps, "dspark.features", "dspark.main_x"))
     F = torch.cat([out[t].mean(dim=1) for t in taps], dim=-1)
     assert F.shape == (13, len(cfg.dspark_target_layers) * cfg.hidden_size)
     torch.testing.assert_close(out["dspark.features"], F, rtol=1e-6, atol=1e-6)

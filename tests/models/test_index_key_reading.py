@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megagraph.graph.interp import interpret
+from megagraph.kernels.reference_table import reference_impls
 from megagraph.kernels.indexer.reference import index_scores, published_scores
 from megagraph.main import main as cli
 from megagraph.models.build import build_step
@@ -163,6 +164,7 @@ def test_vendor_differs_from_owner_exactly_where_the_rule_says(owner, vendor):
             meta = step_metadata(step, b.cached)
             own = vendor[1].producers()["L2.attn.indexer.scores"]  # index_scores(qi, w, ikey, ...)
             out = interpret(vendor[1], {**meta, **b.state, **vendor[3]}, vendor[2],
+                            reference_impls(),
                             keep=(*own.inputs[:2], own.outputs[0], "L2.attn.indexer.scores_read"))
             if p % 2 == 0:
                 pub = index_scores(out[own.inputs[0]], out[own.inputs[1]], b.state["L5.ikey"],
@@ -216,7 +218,7 @@ def _draft(model, s, anchor, slot):
     i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     rings = {k: v for k, v in s.state.items() if k.startswith("mtp.")}
     out = interpret(d, {"anchor_ids": i64([anchor]), "seq_slots": i64([slot]),
-                        "seq_cached": i64([s.cached[slot]]), **rings}, w)
+                        "seq_cached": i64([s.cached[slot]]), **rings}, w, reference_impls())
     return out["drafts"][0].tolist()
 
 

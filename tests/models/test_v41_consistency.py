@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from megagraph.graph.interp import interpret
+from megagraph.kernels.reference_table import reference_impls
 from megagraph.kernels.gemm.reference import dequantize_weight
 from megagraph.models.session import initial_state, step_metadata
 from tests.tiny import SeqChunk, random_tokens, session, tiny
@@ -116,7 +117,7 @@ def test_f32_engram_rows_and_projection_are_f32(model):
     inputs = {**step_metadata([SeqChunk(0, toks)], {}), **initial_state(g, slots=2, capacity=32),
               **consts}
     keep = tuple(f"L{i}.engram.{v}" for i in cfg.engram_layers for v in ("ids", "rows", "kv"))
-    out = interpret(g, inputs, w, keep=keep)
+    out = interpret(g, inputs, w, reference_impls(), keep=keep)
     for i in cfg.engram_layers:
         pfx = f"layers.{i}.engram"
         ids, rows, kv = (out[f"L{i}.engram.{v}"] for v in ("ids", "rows", "kv"))

@@ -3,7 +3,7 @@
 
 import pytest
 
-from megagraph.graph.cli import op_count_table
+from megagraph.passes.inspect import op_count_table
 from megagraph.graph.text import parse_graph, print_graph
 from tests.passes.helpers import HW, compiled, model_params
 

@@ -194,13 +194,16 @@ def test_partition_hoists_host_breaks_into_one_island():
     assert len(segments(keep.graph)) == 5
 
 
-def test_disabled_passes_are_skipped_and_say_so(monkeypatch):
-    from megagraph.passes import compile_graph
+def test_disabled_passes_are_skipped_and_say_so():
+    from megagraph.graph.errors import IRError
+    from megagraph.passes import CompileOptions, compile_graph
 
     _, g, _, _ = tiny("v4.1-flash-tiny", "bf16")
-    monkeypatch.setenv("MEGAGRAPH_DISABLE_PASSES", "mega-moe-fusion")
-    final, records = compile_graph(g, GB300)
+    opt = CompileOptions(disable_passes=("mega-moe-fusion",))
+    final, records = compile_graph(g, GB300, opt)
     rec = {r.name: r for r in records}["mega-moe-fusion"]
-    assert rec.status == "skipped" and rec.note == "disabled by MEGAGRAPH_DISABLE_PASSES"
+    assert rec.status == "skipped" and rec.note == "disabled by --disable-pass"
     assert "mega_moe" not in final.op_counts() and "moe_experts_q" in final.op_counts()
-    assert "mega-moe-fusion: skipped: disabled by MEGAGRAPH_DISABLE_PASSES" in final.meta_value("notes")
+    assert "mega-moe-fusion: skipped: disabled by --disable-pass" in final.meta_value("notes")
+    with pytest.raises(IRError, match="--disable-pass: unknown pass"):
+        compile_graph(g, GB300, CompileOptions(disable_passes=("no-such-pass",)))

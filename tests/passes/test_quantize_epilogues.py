@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megagraph.graph.interp import interpret
+from megagraph.kernels.reference_table import reference_impls
 from megagraph.kernels.fused.reference import dequant_act, grouped_linear_q, linear_q, quantize_act
 from megagraph.kernels.gemm.reference import dequantize_weight, grouped_linear, linear
 from megagraph.models.session import initial_state, step_metadata
@@ -55,7 +56,7 @@ def _all_values(cfg, g, w, consts):
     chunks = [SeqChunk(0, random_tokens(20, 5)), SeqChunk(1, random_tokens(7, 6))]
     inputs = {**step_metadata(chunks, {}), **initial_state(g, slots=2, capacity=128), **consts}
     names = tuple(o for n in g.nodes for o in n.outputs)
-    return interpret(g, inputs, w, keep=names)
+    return interpret(g, inputs, w, reference_impls(), keep=names)
 
 
 @pytest.mark.parametrize("hw", ("gb300", "h200"))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megagraph.graph.interp import interpret
+from megagraph.kernels.reference_table import reference_impls
 from megagraph.models.session import initial_state, step_metadata
 from megagraph.runtime.plan import ArtifactsError, RunPlan
 from megagraph.runtime.replay import keep_rows
@@ -27,13 +28,13 @@ def test_equals_the_interpreter_on_the_replay_graphs(compiled_replay):
     _, _, w, c = tiny(MODEL, act_dtype="f32")
     meta = step_metadata(PREFILL, {})
     state = initial_state(plan.graph, slots=5, capacity=128)
-    out = interpret(pre, {**meta, **state, **c}, w)
+    out = interpret(pre, {**meta, **state, **c}, w, reference_impls())
     made = {v: lab for lab, v in pre.outputs}
     env = {k: meta[k] for k in meta if k in suf.inputs}
     env["keep_rows"] = keep_rows(meta["seq_new"], plan.replay["keep"])
     env.update({v: out[made[v]] for v in suf.inputs if v in made})
     env.update({k: state[k] for k in suf.inputs if k in state and k not in env})
-    want = interpret(suf, env, w)["logits"]
+    want = interpret(suf, env, w, reference_impls())["logits"]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert got.shape[0] == plan.replay["keep"] + 5  # request 0 keeps `keep` rows, request 1 all 5
 

@@ -1,22 +1,27 @@
-"""inspect: summarize an artifact dir (ops per kind per pass, segments, buckets, memory), diff two,
-or render the step graph as Graphviz."""
+"""inspect: summarize an artifact dir (ops per kind per pass, segments, buckets, memory, kernel
+configs), diff two, or render the step graph as Graphviz.
+
+It sits next to the artifacts code it reads (passes/artifacts.py), above the IR: graph/ imports
+nothing from passes/."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .ir import Graph
+from megagraph.graph.ir import Graph
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", metavar="DIR", help="artifact directory written by `megagraph compile`")
-    p.add_argument("dir2", metavar="DIR2", nargs="?", help="a second artifact directory to diff against")
-    p.add_argument("--dot", action="store_true", help="print the step graph as Graphviz (DOT) instead")
+    p.add_argument("dir2", metavar="DIR2", nargs="?",
+                   help="a second artifact directory to diff against")
+    p.add_argument("--dot", action="store_true",
+                   help="print the step graph as Graphviz (DOT) instead")
 
 
 def main(args: argparse.Namespace) -> int:
-    from megagraph.passes.artifacts import ArtifactError, load_artifacts
+    from .artifacts import ArtifactError, load_artifacts
 
     try:
         a = load_artifacts(args.dir)
@@ -76,8 +81,8 @@ def summary(a) -> str:
     out += ["", "segments:"]
     for s in plan["segments"]:
         why = "; ".join(s.get("breaks", [])) or s.get("why_eager", "")
-        out.append(f"  {s['index']} {s['kind']:<5} {s['nodes']:>5} node(s)  {s['first']} .. {s['last']}"
-                   + (f"  [{why}]" if why else ""))
+        out.append(f"  {s['index']} {s['kind']:<5} {s['nodes']:>5} node(s)  "
+                   f"{s['first']} .. {s['last']}" + (f"  [{why}]" if why else ""))
     bk = plan["buckets"]
     pre = bk["prefill_tokens"]
     out += ["", "buckets:",
@@ -103,7 +108,33 @@ def summary(a) -> str:
     kernels = plan["kernels"]
     fast = {k: v for k, v in kernels.items() if v["kernel"] != "reference"}
     out += ["", f"kernels: {len(kernels)} op variants, {len(fast)} with a non-reference kernel"]
+    out += kernel_config_lines(plan.get("kernel_configs") or {}, m.get("kernel_config_hash"))
     return "\n".join(out) + "\n"
+
+
+def kernel_config_lines(section: dict, digest: str | None) -> list[str]:
+    """Each family's resolved fields, the ops using it, and its choice per bucket run."""
+    if not section:
+        return ["kernel configs: none (no op of this graph has a kernel family)"]
+    out = ["", f"kernel configs (hash {(digest or '-')[:12]}):"]
+    for fam, row in section.items():
+        ops = ", ".join(f"{k} x{n}" for k, n in row["ops"].items())
+        out.append(f"  {fam} [{ops}]: " + _fields(row["fields"]))
+        for kind in ("prefill", "decode"):
+            runs = row.get("choose", {}).get(kind) or []
+            if runs and any(r["choose"] for r in runs):
+                out.append(f"    {kind}: " + "; ".join(_run(r) for r in runs))
+    return out
+
+
+def _fields(d: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in d.items())
+
+
+def _run(r: dict) -> str:
+    a, b = r["buckets"]
+    span = f"{a}" if a == b else f"{a}..{b}"
+    return f"{span}: {_fields(r['choose']) or '-'}"
 
 
 def _index_keys(plan: dict) -> list[str]:
@@ -115,8 +146,8 @@ def _index_keys(plan: dict) -> list[str]:
     if ik["reading"] == "owner":
         return ["index keys: owner (each indexer reads its own KV owner's keys; decode == prefill)"]
     reads = ", ".join(f"{a} <- {b}" for a, b in ik["published_reads"].items()) or "none here"
-    return [f"index keys: {ik['reading']} (decode rows whose owner leaves a group open read the last "
-            f"published keys: {reads}; decode != prefill)"]
+    return [f"index keys: {ik['reading']} (decode rows whose owner leaves a group open read the "
+            f"last published keys: {reads}; decode != prefill)"]
 
 
 def _span(xs: list[int]) -> str:
@@ -139,8 +170,9 @@ def diff(a, b) -> str:
     for name in dict.fromkeys([*pa, *pb]):
         x, y = pa.get(name), pb.get(name)
         if x is None or y is None:
-            out.append(f"pass {name}: {'only in ' + str(b.path) if x is None else 'only in ' + str(a.path)}")
-        elif (x["status"], x["note"], x["nodes_after"]) != (y["status"], y["note"], y["nodes_after"]):
+            out.append(f"pass {name}: only in {b.path if x is None else a.path}")
+        elif ((x["status"], x["note"], x["nodes_after"])
+              != (y["status"], y["note"], y["nodes_after"])):
             out += [f"pass {name}:", f"  - {x['status']} ({x['nodes_after']} nodes) {x['note']}",
                     f"  + {y['status']} ({y['nodes_after']} nodes) {y['note']}"]
     oa, ob = ma["stages"][-1]["ops"], mb["stages"][-1]["ops"]
@@ -159,13 +191,37 @@ def diff(a, b) -> str:
         x, y = ka.get(k, {}).get("kernel"), kb.get(k, {}).get("kernel")
         if x != y:
             out.append(f"kernel {k}: {x or '-'} -> {y or '-'}")
+    out += kernel_config_diff(a.plan.get("kernel_configs") or {},
+                              b.plan.get("kernel_configs") or {}, a.path, b.path)
     pools_a, pools_b = a.plan["memory"]["graph_pools_bytes"], b.plan["memory"]["graph_pools_bytes"]
     if pools_a != pools_b:
-        out.append("graph pools: " + ", ".join(f"{k} {_gib(pools_a.get(k))} -> {_gib(pools_b.get(k))}"
-                                             for k in sorted(set(pools_a) | set(pools_b))))
+        out.append("graph pools: " + ", ".join(
+            f"{k} {_gib(pools_a.get(k))} -> {_gib(pools_b.get(k))}"
+            for k in sorted(set(pools_a) | set(pools_b))))
     if len(out) == 2:
         out.append("(no differences)")
     return "\n".join(out) + "\n"
+
+
+def kernel_config_diff(ca: dict, cb: dict, pa, pb) -> list[str]:
+    """Kernel configs field by field: a family in one plan only, each field whose value differs,
+    and each bucket kind whose choices differ."""
+    out = []
+    for fam in sorted(set(ca) | set(cb)):
+        x, y = ca.get(fam), cb.get(fam)
+        if x is None or y is None:
+            out.append(f"kernel config {fam}: only in {pb if x is None else pa}")
+            continue
+        fx, fy = x["fields"], y["fields"]
+        for k in dict.fromkeys([*fx, *fy]):
+            if fx.get(k, "-") != fy.get(k, "-"):
+                out.append(f"kernel config {fam}.{k}: {fx.get(k, '-')} -> {fy.get(k, '-')}")
+        for kind in ("prefill", "decode"):
+            rx, ry = x.get("choose", {}).get(kind, []), y.get("choose", {}).get(kind, [])
+            if rx != ry:
+                was, now = "; ".join(map(_run, rx)) or "-", "; ".join(map(_run, ry)) or "-"
+                out.append(f"kernel config {fam} {kind} choice: {was} -> {now}")
+    return out
 
 
 def _segs(segs: list[dict]) -> str:
@@ -191,8 +247,8 @@ def to_dot(g: Graph, plan: dict | None = None) -> str:
     lines = [f"digraph {q(g.name)} {{", "  rankdir=TB;", "  node [shape=box, fontsize=10];"]
     for s in segs:
         color = "red" if s["kind"] == "eager" else "blue"
-        lines.append(f"  subgraph cluster_{s['index']} {{ label={q(s['kind'] + ' ' + str(s['index']))}; "
-                     f"color={color};")
+        label = q(f"{s['kind']} {s['index']}")
+        lines.append(f"  subgraph cluster_{s['index']} {{ label={label}; color={color};")
         lines += [f"    {q(n)};" for n, i in seg_of.items() if i == s["index"]]
         lines.append("  }")
     for n in g.nodes:
