@@ -77,7 +77,6 @@ tensor core's sum order inside a chunk differs (as for every wgmma kernel here).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -107,7 +106,7 @@ BTS = (16, 32, 64)
 # unless the call says otherwise; the default) or "cp.async" (l1_decode_kernel); the same bits.
 # A bank whose expert rows are not one stride apart takes cp.async when the call did not ask.
 LOADS = ("cp.async", "tma")
-LOAD = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE_LOAD", "tma")
+LOAD = "tma"  # the dispatcher passes MoeConfig.gluon_decode_load
 TMA_STAGES = 3
 
 
@@ -533,7 +532,7 @@ def l1_gluon_decode(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_
     formula: min(P, P // bt + E)); tiles: moe.tile_list(counts, bt, max_tiles) if already built
     (else built here: one tiny launch, no host sync, CUDA-graph capturable). use_asm: the PRMT
     table upcast (default) or its integer-arithmetic twin. load: how the packed weights are
-    streamed, "cp.async" or "tma" (default LOAD, env MEGAGRAPH_MOE_GLUON_DECODE_LOAD); stages:
+    streamed, "cp.async" or "tma" (default LOAD; routed_experts passes MoeConfig.gluon_decode_load); stages:
     the TMA ring's depth (>= 3, default TMA_STAGES). Both loads give the same bits at one bt;
     different bt need not (the wgmma's n changes the tensor core's sum order)."""
     if not _IMPORT_OK:

@@ -27,7 +27,7 @@ A stage: the packed W2 rows [64, 64 bytes] (2 x 16-byte cp.async per thread), th
 exponents [64, 4] (4-byte cp.async), H [16, 128] fp16 (eight 4-byte cp.async per thread, in the
 k order below, zero-filled past the tile's rows). No A scales (H is fp16).
 
-The TMA variant (l2_decode_tma_kernel; load="tma" or MEGAGRAPH_MOE_GLUON_DECODE_L2_LOAD=tma; NOT
+The TMA variant (l2_decode_tma_kernel; load="tma", MoeConfig.gluon_decode_l2_load; NOT
 the default: correct on the H200 - the same bits, every test passed - but not faster, 0.642 ms at
 3 stages, 0.693 at 4, 0.721 at 6 against the cp.async kernel's 0.621 at 64 tokens, and mega_moe
 1.650 against 1.633 ms; unlike the L1, the L2's weight stream is not what bounds it:
@@ -87,7 +87,6 @@ chunk differs (as for every wgmma kernel here).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -108,7 +107,7 @@ H_SLAB = 16
 # "tma" (l2_decode_tma_kernel, TMA_STAGES stages unless the call says otherwise); the same bits.
 # A bank whose expert rows are not one stride apart takes cp.async when the call did not ask.
 LOADS = ("cp.async", "tma")
-LOAD = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE_L2_LOAD", "cp.async")
+LOAD = "cp.async"  # the dispatcher passes MoeConfig.gluon_decode_l2_load
 TMA_STAGES = 3
 
 # the decode L1's TMA pieces (the host descriptor and its fit check here; W_TMA_LAYOUT,

@@ -63,7 +63,7 @@ def down_frames(w2) -> torch.Tensor | None:
 
 def args_problem(h, h_scale, w2, y, P: int | None = None) -> str | None:
     """Why l2_gluon_ws_fp8 cannot take these arguments, or None (its launcher raises it;
-    moe._gluon_l2 asks first and falls back to the Triton FP8-H L2): an MXFP4 W2 whose expert
+    moe._l2_kernel asks first and falls back to the Triton FP8-H L2): an MXFP4 W2 whose expert
     rows are one TMA stream, d % 256 and F % 128, FP8 H (moe_gluon_ws._fp8_h_problem), y rows
     contiguous in one of OUT_DTYPES."""
     from megagraph.kernels.moe.gluon_decode import _tma_fits

@@ -711,7 +711,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
 
 def args_problem(h, w2, y=None, bn: int = BN) -> str | None:
     """Why l2_gluon_ws cannot take these arguments beyond moe_gluon_l2's own checks (its
-    launcher raises it; moe._gluon_l2 asks first and falls back to moe_gluon_l2), or None: the
+    launcher raises it; moe._l2_kernel asks first and falls back to moe_gluon_l2), or None: the
     TMA streams - W2's expert rows one stride apart (one [G N, K / 8] word matrix), G N < 2^31,
     16-byte W2 / H rows (moe_gluon_l2 checks those too) - y's dtype (None: not checked) and the
     tile's bn output columns (d % bn)."""

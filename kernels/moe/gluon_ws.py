@@ -111,7 +111,6 @@ K = 5120).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -203,8 +202,8 @@ LUP_LAG = 2
 # Default since the fifteenth session on the 128-column tile (routed_experts' L1; the tile
 # it was measured and tested on): H200, 8192 tokens, the MegaMoE layer 6.48 -> 6.30 ms balanced
 # (faster in each of 3 rounds), 8.04 -> 8.00 gate-routed, the same bits
-# (benchmarks/results/moe-fp8h-15-h200.md); MEGAGRAPH_MOE_WS_SMALL_TMA=0 turns it off.
-SMALL_TMA = os.environ.get("MEGAGRAPH_MOE_WS_SMALL_TMA", "1") == "1"
+# (benchmarks/results/moe-fp8h-15-h200.md); MoeConfig.ws_small_tma=false turns it off.
+SMALL_TMA = True
 
 
 def _lup_fits(lag: int, stages: int) -> bool:
@@ -1079,7 +1078,7 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
                 frames: tuple[torch.Tensor, torch.Tensor] | None = None,
                 areg: bool | None = None, lup: bool | None = None,
                 out_scale: torch.Tensor | None = None,
-                stma: bool | None = None) -> torch.Tensor:
+                stma: bool | None = None, a_prep: bool = True) -> torch.Tensor:
     """out [P, F] (expert-sorted rows; fp16 in routed_experts, fp32 / bf16 fine; a row-strided
     view is fine) = swiglu(A W1^T, A W3^T) per expert, A row of sorted row r = a_q[a_idx[r] //
     topk] (E4M3 [T, d] with 16-byte aligned rows, a_scale [T, d / 128] f32); w1 / w3: moe.Bank
@@ -1107,7 +1106,8 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     transposed expert-sorted copy made here), the exponents and the frames by TMA as well, so
     the loader neither waits for nor publishes cp.async copies (None: SMALL_TMA on the
     128-column tile where it applies: A by TMA and the exponent rows a TMA stream, K / 32 % 16
-    == 0); the same bits."""
+    == 0); the same bits. a_prep: the A copies (sorted rows, tile-ordered scales) by Triton
+    kernels (MoeConfig.a_prep_triton), else torch ops."""
     from megagraph.kernels.moe.gluon_decode import _weight_desc
 
     if not _IMPORT_OK:
@@ -1158,7 +1158,7 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
         from megagraph.kernels.moe import triton as moe
         from megagraph.kernels.moe.gluon_common import TensorDescriptor
 
-        a_sorted = moe.sorted_rows(a_q, a_idx, topk)
+        a_sorted = moe.sorted_rows(a_q, a_idx, topk, a_prep)
         a_desc = TensorDescriptor(a_sorted, [P, K], [a_sorted.stride(0), 1], [BM, BK],
                                   A_TMA_LAYOUT)
     sdesc = (w1_desc,) * 5  # placeholders of the right kind where STMA is off (never read)
@@ -1197,7 +1197,7 @@ def _small_descs(a_scale, a_idx, topk: int, tiles, MT: int, w1, w3, frames, K: i
     from megagraph.kernels.moe.gluon_common import TensorDescriptor
 
     kc = K // 128
-    sa_t = moe.tile_scales(a_scale, a_idx, topk, tiles, MT, kc, BM)
+    sa_t = moe.tile_scales(a_scale, a_idx, topk, tiles, MT, kc, BM, a_prep)
     P4 = sa_t.shape[1]
     G, N = w1.s.shape[0], w1.s.shape[1]
     e = [TensorDescriptor(b.s.view(torch.uint8).view(G * N, K // 32), [G * N, K // 32],
@@ -1275,7 +1275,7 @@ def row_frames(w1, w3) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def args_problem(a_q, a_scale, w1, w3, counts, out, bn: int = BN) -> str | None:
     """Why l1_gluon_ws cannot take these arguments, or None (its launcher raises it;
-    moe._gluon_l1 asks first and falls through to another L1): the formats, the tile, the
+    moe._l1_kernel asks first and falls through to another L1): the formats, the tile, the
     banks' copies, the TMA weight stream, 16-byte A rows and contiguous out rows. counts None:
     not checked."""
     from megagraph.kernels.moe.gluon_decode import _tma_fits
