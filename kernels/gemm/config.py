@@ -23,14 +23,11 @@ CublasForm = Literal["1x128", "128x128"]
 class Tile:
     """Tile of one Triton GEMM launch (kernels/moe/triton_jit.moe_gemm): rows, columns (per
     weight matrix), K chunk (divides 128 or is 128), warps, software-pipeline stages; par: MXFP4
-    K split by column parity (A split in registers instead of interleaving the upcast weights);
-    persistent: grouped GEMMs only, > 0 launches that many programs per SM looping over a
-    device-built list of the non-empty tiles (moe_gemm_persistent), 0 the static worst-case grid.
+    K split by column parity (A split in registers instead of interleaving the upcast weights).
     A GEMM that quantizes its output (the FP8-H L1, role "l1_fp8h") needs bn a multiple of 128;
     qsplit = 2 (bn = 128 only) computes those 128 columns as two 64-column K loops in one program
-    (the 64-column tile's registers, same numbers). fuse (SwiGLU GEMM on MXFP4 weights, static
-    grid): one MMA per K chunk on W1 / W3 rows interleaved into one [2 bn, bk] B tile. swap
-    (MXFP4 weights, fp8 / fp16 MMA, not with fuse or qsplit 2): the K loop with the operands
+    (the 64-column tile's registers, same numbers). swap (MXFP4 weights, fp8 / fp16 MMA, not
+    with qsplit 2): the K loop with the operands
     swapped (C^T = W A^T per chunk), so a 16-row decode tile runs on wgmma m64n16."""
 
     bm: int
@@ -39,9 +36,7 @@ class Tile:
     num_warps: int = 4
     num_stages: int = 3
     par: bool = False
-    persistent: int = 0
     qsplit: int = 1
-    fuse: bool = False
     swap: bool = False
 
     def spec(self, role: str) -> str:

@@ -83,8 +83,6 @@ class MoeConfig(KernelConfig):
     # every GEMM on fully dequantized bf16 (fp32 in the interpreter) operands: debugging only
     exact: bool = False
     # -- Triton grouped GEMMs ----------------------------------------------------------------
-    persistent: bool = False  # decode-size GEMMs as persistent programs over a tile list
-    persistent_per_sm: int = 2
     # tiles pinned per role (l1, l2, l1_fp8h, l2_fp8h, dense, dense_swiglu): a pinned role runs
     # the Triton GEMM with that tile ("l1:bm=16,bn=64,bk=128,num_warps=4,num_stages=3,par=1")
     tiles: tuple[str, ...] = ()

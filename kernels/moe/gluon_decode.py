@@ -1,7 +1,7 @@
 """Gluon (Triton 3.6, sm_90) kernel for the DECODE routed-expert L1 GEMM: the SwiGLU
 of W1 / W3 on MXFP4 weights with E4M3 activations gathered per expert-sorted row - the launch
 `routed_experts` makes through `moe.gemm` at <= 12 rows per expert (GemmConfig.swap,
-moe_jit.moe_acc_swap). routed_experts runs it there by default where available (moe._gluon_l1:
+moe_jit.moe_acc_swap). routed_experts runs it there by default where available (moe._l1_kernel:
 Triton 3.6 on sm_90): 1.664 -> 1.106 ms at 64 tokens on the H200, 64% of HBM bandwidth
 (benchmarks/moe_gluon_decode_probe.py, benchmarks/results/moe-gluon-decode-h200.md).
 
@@ -81,7 +81,7 @@ from __future__ import annotations
 import torch
 
 from megagraph.kernels.moe.gluon_common import IMPORT_OK as _IMPORT_OK
-from megagraph.kernels.moe.gluon_common import available  # noqa: F401  (moe._gluon_l1 and the tests call it here)
+from megagraph.kernels.moe.gluon_common import available  # noqa: F401  (moe._l1_kernel and the tests call it here)
 from megagraph.kernels.moe.gluon_common import (
     check_rows,
     l1_bank_problem,

@@ -95,23 +95,21 @@ WFMT = {"mxfp4": 0, "fp8_block": 1}
 RDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MOE = MoeConfig()
 _GEMM = GemmConfig()
-_ROUTED_ROLES = ("l1", "l2", "l1_fp8h", "l2_fp8h")
 
 
-def pick_tile(role: str, rows_per_group: float, kc: MoeConfig | GemmConfig | None = None) -> Tile:
+def pick_tile(role: str, rows_per_group: float, kc: MoeConfig | GemmConfig | None = None,
+              interpret: bool = INTERPRET) -> Tile:
     """Tile per role and expected rows per group (expert or dense M): kc.tiles' entry for the role
     where it pins one, else the tuned table below. The routed-expert tiles come from the H200
     sweep (benchmarks/moe_tune.py -> benchmarks/results/moe-tune-h200.md: routed experts at 64
     tokens 3.91 -> 2.98 ms with 16-row L1 tiles; at 8192 tokens 18.6 -> 16.5 / 17.5 ms with a
     64-row, 4-warp L1 / L2 tile); the dense FP8-block tiles and the middle range (12 < rows <=
-    48) are SASS-based picks (issue slots per KB of weights in the K loop, spills)."""
+    48) are SASS-based picks (issue slots per KB of weights in the K loop, spills). interpret:
+    the interpreter's small tiles (the process's mode; tests ask for the device's table)."""
     kc = kc or _MOE
     pinned = kc.tile_overrides()
     if role in pinned:
         return pinned[role]
-    # decode: most experts hold 1-2 rows, the static grid is mostly programs that exit at once
-    pers = kc.persistent_per_sm if (getattr(kc, "persistent", False) and role in _ROUTED_ROLES
-                                    and rows_per_group <= 12) else 0
     # FP8-H tiles: the L1 quantizes H per 128 columns in its epilogue, so a program owns 128
     # columns; one [64, 128] x 2 K loop needs 8 warps (1 program per SM: 21.7 ms on the H200
     # against 9.7 ms for the default L1) or spills at 4 warps. qsplit = 2 runs the 64 x 64 x
@@ -120,33 +118,30 @@ def pick_tile(role: str, rows_per_group: float, kc: MoeConfig | GemmConfig | Non
     # where the H200 sweep timed it faster (moe_tune --swap, routed experts at 64 tokens,
     # benchmarks/results/moe-tune-swap-h200.md): L1 16 x 64 3.20 -> 2.74 ms, FP8-H L1 / L2
     # 16 x 128 1.11x / 1.13x; the fp16-H L2 swapped was no faster and stays on mma.sync.
-    swap = pers == 0
     if role == "l1_fp8h":
-        if INTERPRET:
-            return Tile(16, 128, 128, 4, 1, par=True, persistent=pers)
+        if interpret:
+            return Tile(16, 128, 128, 4, 1, par=True)
         if rows_per_group <= 12:
-            return Tile(16, 128, 128, 4, 3, par=True, persistent=pers, swap=swap)
+            return Tile(16, 128, 128, 4, 3, par=True, swap=True)
         return Tile(64, 128, 128, 4, 3, par=True, qsplit=2)
     if role == "l2_fp8h":
-        if INTERPRET:
+        if interpret:
             role = "l2"
         elif rows_per_group <= 12:
-            return Tile(16, 128, 128, 4, 3, par=True, persistent=pers, swap=swap)
+            return Tile(16, 128, 128, 4, 3, par=True, swap=True)
         else:
             return Tile(64, 128, 128, 4, 4, par=True)
-    if INTERPRET:
-        return Tile(16, 32, 128, 4, 1, par=role in ("l1", "l2"), persistent=pers)
+    if interpret:
+        return Tile(16, 32, 128, 4, 1, par=role in ("l1", "l2"))
     if role == "l1":
         if rows_per_group <= 12:
-            if swap:
-                return Tile(16, 64, 128, 4, 3, par=True, swap=True)
-            return Tile(16, 128, 128, 4, 3, par=True, persistent=pers)
+            return Tile(16, 64, 128, 4, 3, par=True, swap=True)
         if rows_per_group <= 48:
             return Tile(64, 64, 128, 4, 4, par=True)
         return Tile(64, 64, 128, 4, 3, par=True)
     if role == "l2":
         if rows_per_group <= 12:
-            return Tile(16, 128, 128, 4, 3, par=True, persistent=pers)
+            return Tile(16, 128, 128, 4, 3, par=True)
         if rows_per_group <= 48:
             return Tile(64, 128, 128, 4, 4, par=True)
         return Tile(64, 128, 128, 4, 3, par=True)
@@ -191,8 +186,7 @@ def _cuda_ok(index: int) -> bool:
 
 @functools.cache
 def num_sms(index: int) -> int:
-    """Streaming multiprocessors of CUDA device `index` (1 under the interpreter: the persistent
-    grid is then Tile.persistent programs)."""
+    """Streaming multiprocessors of CUDA device `index` (1 under the interpreter)."""
     if INTERPRET:
         return 1
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -341,13 +335,12 @@ def gemm(a: Tensor, a_scale: Tensor | None, b1: Bank, out: Tensor, *, b2: Bank |
          topk: int = 1, ks: int = 1, m: int | None = None, max_tiles: int | None = None,
          limit: float | None = None, batched: bool = False,
          a_group_stride: int = 0, as_group_stride: int = 0, c_group_stride: int = 0,
-         tiles: Tensor | None = None, out_scale: Tensor | None = None,
+         out_scale: Tensor | None = None,
          kc: MoeConfig | GemmConfig | None = None) -> Tensor:
     """One moe_gemm launch. a [R, K] (fp8 with a_scale [R, K/128] f32, fp16, or fp32);
     out [rows, N] rows (stride(0) = row stride; a view is fine). Grouped when `counts` is given
     (rows sorted by group, `max_tiles` row tiles), else dense over m rows (x G groups with
-    per-group offsets when `batched`). Grouped with a persistent config: moe_gemm_persistent
-    over `tiles` (tile_list of counts at this config's bm; built here when not given).
+    per-group offsets when `batched`).
     out_scale (the FP8-H L1): out is e4m3 and gets the codes, out_scale [rows, N/128] f32 the
     power-of-two scale of each row's 128 columns (moe_jit.quantize_out). kc: the config whose
     tiles, exact and fp4_asm apply (None: MoeConfig's defaults)."""
@@ -356,10 +349,6 @@ def gemm(a: Tensor, a_scale: Tensor | None, b1: Bank, out: Tensor, *, b2: Bank |
     cfg = pick_tile(role, rows_per_group, kc)
     if out_scale is not None:
         _check_quant_out(cfg, b1, out, out_scale, batched)
-    if counts is not None and cfg.persistent > 0:
-        return _gemm_persistent(a, a_scale, b1, out, cfg, b2=b2, counts=counts, a_idx=a_idx,
-                                c_idx=c_idx, row_w=row_w, topk=topk, ks=ks, max_tiles=max_tiles,
-                                limit=limit, tiles=tiles, out_scale=out_scale, kc=kc)
     bk = cfg.bk
     K = b1.k
     if K % bk or (a_scale is not None and 128 % bk):
@@ -400,30 +389,19 @@ def gemm(a: Tensor, a_scale: Tensor | None, b1: Bank, out: Tensor, *, b2: Bank |
         BM=bm, BN=bn, BK=bk, G_PAD=_next_pow2(G) if grouped else 1,
         QUANT_OUT=out_scale is not None, QSPLIT=cfg.qsplit if out_scale is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"FUSE": 1} if _fuse_ok(cfg, b1, b2, mma, out_scale) else {}),
         **({"SWAP": 1} if _swap_ok(cfg, b1, mma, out_scale) else {}))
     return out
 
 
 def _swap_ok(cfg: Tile, b1: Bank, mma: int, out_scale: Tensor | None) -> bool:
-    """Tile.swap applies: MXFP4 weights (E8M0 per 32 columns of one row) with the fp8 /
-    fp16 MMA, a 128-column K chunk, not fused (fuse wins); a quantized output (the FP8-H L1)
-    only unsplit (qsplit 1: moe_tile's QSPLIT = 2 path has its own K loops). The FP8-H L2 (E4M3
-    H with per-128 scales, A_SCALED) is the fp8 MMA: QGMMA m64n16 on the E4M3 W2 tile. SWAP is
-    passed only when on, so the default launch compiles the same kernel as before the option
-    existed."""
-    return (cfg.swap and not cfg.fuse and b1.wfmt == 0 and b1.bn == 1 and b1.bk == 32
+    """Tile.swap applies: MXFP4 weights (E8M0 per 32 columns of one row) with the fp8 / fp16
+    MMA, a 128-column K chunk; a quantized output (the FP8-H L1) only unsplit (qsplit 1:
+    moe_tile's QSPLIT = 2 path has its own K loops). The FP8-H L2 (E4M3 H with per-128 scales,
+    A_SCALED) is the fp8 MMA: QGMMA m64n16 on the E4M3 W2 tile. SWAP is passed only when on, so
+    an unswapped launch compiles the kernel without the option."""
+    return (cfg.swap and b1.wfmt == 0 and b1.bn == 1 and b1.bk == 32
             and mma in (MMA_FP8, MMA_FP16) and cfg.bk == 128
             and (out_scale is None or cfg.qsplit == 1))
-
-
-def _fuse_ok(cfg: Tile, b1: Bank, b2: Bank, mma: int, out_scale: Tensor | None) -> bool:
-    """Tile.fuse applies: the SwiGLU GEMM (two weight banks) on MXFP4 (E8M0 per 32 columns
-    of one row) with the fp8 / fp16 MMA, a 128-column K chunk, no quantized output (moe_tile's
-    QSPLIT path) and a power-of-two tile. FUSE is passed only when on, so the default launch
-    compiles the same kernel as before the option existed."""
-    return (cfg.fuse and b2 is not b1 and b1.wfmt == 0 and b1.bn == 1 and b1.bk == 32
-            and mma in (MMA_FP8, MMA_FP16) and cfg.bk == 128 and out_scale is None)
 
 
 def _check_quant_out(cfg: Tile, b1: Bank, out: Tensor, out_scale: Tensor,
@@ -439,47 +417,6 @@ def _check_quant_out(cfg: Tile, b1: Bank, out: Tensor, out_scale: Tensor,
             or out_scale.shape[-1] != b1.n // 128 or out_scale.stride(-1) != 1
             or out.stride(-1) != 1):
         raise ValueError("quantized output: out e4m3 [rows, N], out_scale f32 [rows, N / 128]")
-
-
-def _gemm_persistent(a, a_scale, b1: Bank, out, cfg: Tile, *, b2, counts, a_idx, c_idx,
-                     row_w, topk, ks, max_tiles, limit, tiles, out_scale=None,
-                     kc: MoeConfig | GemmConfig = _MOE) -> Tensor:
-    """The grouped moe_gemm as moe_gemm_persistent: min(persistent x SMs, worst-case items)
-    programs (static: CUDA-graph capturable), same tile, flags and numerics."""
-    jit = _jit()
-    bk, bm = cfg.bk, cfg.bm
-    K, N = b1.k, b1.n
-    if K % bk or (a_scale is not None and 128 % bk):
-        raise ValueError(f"K {K} and the chunk {bk} do not fit")
-    mma = _mma_for(a.dtype, b1, bk, kc.exact)
-    bn = cfg.bn if out_scale is not None else max(16, min(cfg.bn, _next_pow2(N)))
-    items = max_tiles * -(-N // bn)
-    if items == 0:
-        return out
-    if tiles is None:
-        tiles = tile_list(counts, bm, max_tiles)
-    grid = (min(items, cfg.persistent * num_sms(out.device.index or 0)),)
-    dummy = out
-    b2 = b2 or b1
-    jit.moe_gemm_persistent[grid](
-        a, a_scale if a_scale is not None else dummy, a_idx if a_idx is not None else dummy,
-        b1.w, b1.s, b2.w, b2.s, out, c_idx if c_idx is not None else dummy,
-        row_w if row_w is not None else dummy, tiles, max_tiles, N, K, float(limit or 0.0),
-        a.stride(0), a_scale.stride(0) if a_scale is not None else 0, b1.w.stride(0),
-        b1.w.stride(1), b1.s.stride(0), b1.s.stride(1), out.stride(0),
-        out_scale if out_scale is not None else dummy,
-        out_scale.stride(0) if out_scale is not None else 0,
-        TOPK=topk, KS=ks, GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None,
-        WEIGHTED=row_w is not None, SWIGLU=b2 is not b1,
-        HAS_LIMIT=limit is not None and limit > 0, A_SCALED=a_scale is not None,
-        WFMT=b1.wfmt, MMA=mma, BLK_N_S=b1.bn, BLK_K_S=b1.bk, NSUB=bk // min(bk, b1.bk),
-        USE_ASM=b1.wfmt == 0 and mma in (MMA_FP8, MMA_FP16) and asm_ok(out.device,
-                                                                           kc.fp4_asm),
-        MANUAL=INTERPRET, PAR=cfg.par and b1.wfmt == 0 and mma in (MMA_FP8, MMA_FP16),
-        BM=bm, BN=bn, BK=bk, QUANT_OUT=out_scale is not None,
-        QSPLIT=cfg.qsplit if out_scale is not None else 1, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -643,7 +580,6 @@ def routed_experts(x_q: Tensor, x_scale: Tensor, ids: Tensor, wts: Tensor, count
     r1, r2 = ("l1_fp8h", "l2_fp8h") if fp8_h else ("l1", "l2")
     cfg1 = pick_tile(r1, rpg, cfg)
     mt1 = min(P, P // cfg1.bm + E)
-    tiles1 = tile_list(counts, cfg1.bm, mt1) if cfg1.persistent else None
     shared_tiles = None  # one device tile list for both Gluon decode kernels (same row tile)
     if k1[1] is not None and k2[1] is not None and k1[2] == k2[2]:
         shared_tiles = tile_list(counts, k1[2], min(P, P // k1[2] + E))
@@ -658,20 +594,18 @@ def routed_experts(x_q: Tensor, x_scale: Tensor, ids: Tensor, wts: Tensor, count
                max_tiles=min(P, P // rows + E), limit=swiglu_limit, tiles=shared_tiles)
     else:
         gemm(x_q, x_scale, w1, h, b2=w3, role=r1, rows_per_group=rpg, counts=counts,
-             a_idx=srt, topk=topk, max_tiles=mt1, limit=swiglu_limit, tiles=tiles1,
-             out_scale=h_scale, kc=cfg)
+             a_idx=srt, topk=topk, max_tiles=mt1, limit=swiglu_limit, out_scale=h_scale,
+             kc=cfg)
     cfg2 = pick_tile(r2, rpg, cfg)
     ks = y.shape[1]
     mt2 = min(P, P // cfg2.bm + E)
-    tiles2 = tiles1 if (tiles1 is not None and cfg2.bm == cfg1.bm) else None  # one list for both
     if k2[1] is not None:
         _, launch, rows = k2
         launch(h, w2, counts, srt, wts.reshape(-1), y.view(T * ks, -1), topk=topk, ks=ks,
                max_tiles=min(P, P // rows + E), tiles=shared_tiles)
     else:
         gemm(h, h_scale, w2, y.view(T * ks, -1), role=r2, rows_per_group=rpg, counts=counts,
-             c_idx=srt, row_w=wts.reshape(-1), topk=topk, ks=ks, max_tiles=mt2, tiles=tiles2,
-             kc=cfg)
+             c_idx=srt, row_w=wts.reshape(-1), topk=topk, ks=ks, max_tiles=mt2, kc=cfg)
     return y
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megagraph.kernels.gemm import cublas_fp8 as cb
+from megagraph.kernels.gemm.config import GemmConfig
 from megagraph.kernels import formats
 from megagraph.kernels.fused import reference as rf
 
@@ -125,14 +126,14 @@ def test_linear_matches_fp32_math(M, N, K):
     assert float((y.float() - src).norm() / src.norm()) < 1e-2
 
 
-def test_prefill_form_picks_by_rows(monkeypatch):
-    """prefill_form: FORM_PREFILL from PREFILL_ROWS rows on, the device default (None) below
-    and where FORM_PREFILL is "" (the knob off)."""
-    monkeypatch.setattr(cb, "FORM_PREFILL", "128x128")
-    assert cb.prefill_form(cb.PREFILL_ROWS) == "128x128"
-    assert cb.prefill_form(cb.PREFILL_ROWS - 1) is None
-    monkeypatch.setattr(cb, "FORM_PREFILL", "")
-    assert cb.prefill_form(1 << 20) is None
+def test_prefill_form_picks_by_rows():
+    """GemmConfig.prefill_form: cublas_form_prefill from cublas_prefill_rows rows on, the
+    device default (None) below and where cublas_form_prefill is "" (off)."""
+    cfg = GemmConfig()
+    assert cfg.cublas_form_prefill == "128x128"
+    assert cfg.prefill_form(cfg.cublas_prefill_rows) == "128x128"
+    assert cfg.prefill_form(cfg.cublas_prefill_rows - 1) is None
+    assert GemmConfig(cublas_form_prefill="").prefill_form(1 << 20) is None
     assert cb.form_ok(0, "4x4") is False  # an unknown recipe is never taken
 
 
