@@ -253,7 +253,7 @@ def test_shared_expert_l1_on_cublas(T):
 @gpu
 @pytest.mark.parametrize("T", [256, 517])
 def test_grouped_linear_on_cublas(T):
-    """grouped_linear_q (block-diagonal, wo_a-like) at >= CUBLAS_GROUPED_MIN_ROWS: one cuBLAS
+    """grouped_linear_q (block-diagonal, wo_a-like) at >= cublas_grouped_min_rows: one cuBLAS
     GEMM per group; each group's columns within bf16 of the reference (a group left unwritten
     would show there)."""
     from megagraph.kernels.moe import triton as tm
@@ -263,7 +263,7 @@ def test_grouped_linear_on_cublas(T):
     w, s = _weight(G * o, k, 32, 3, seed=T, device="cuda")
     xq, xs = rf.quantize_act(torch.randn(T, G * k, device="cuda"), act_fmt="fp8_1x128")
     kw = dict(groups=G, fmt="fp8_block", act_fmt="fp8_1x128", out_dtype="bf16")
-    assert T >= tm.CUBLAS_GROUPED_MIN_ROWS
+    assert T >= GemmConfig().cublas_grouped_min_rows
     y = tm.grouped_linear_q(xq, xs, w, s, **kw)
     ref = rf.grouped_linear_q(xq, xs, w, s, **kw)
     assert torch.isfinite(y).all()
