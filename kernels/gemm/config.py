@@ -86,6 +86,9 @@ class GemmConfig(KernelConfig):
 
     # DeepGEMM's fp8_gemm_nt first where it imports and the weight blocks are 128 x 128
     deepgemm: bool = True
+    # `linear` on dense half-precision weights: cuBLAS's half GEMM with fp32 accumulation
+    # (cublas_dense, exact products), else the capturable fp32 GEMM
+    cublas_dense: bool = True
     # cuBLAS's block-scaled FP8 GEMM (cublas_fp8) where its device check passes
     cublas_fp8: bool = True
     # the recipe tried first by the device check; 1x128 is 1.5-2x faster at <= 64 rows
