@@ -2,8 +2,8 @@
 "`torch._scaled_mm` where it fits" for the attention projections and the shared expert.
 
 Why: the Triton FP8-block GEMM (kernels/moe/triton.py, role "dense") ran at 17-18% of the FP8
-peak at 8192 rows and 5-29% of the copy bandwidth at 64 rows on the H200 (seventh session,
-benchmarks/results/kernels-moe-h200.md), while cuBLAS's per-tensor FP8 GEMM at the same shapes
+peak at 8192 rows and 5-29% of the copy bandwidth at 64 rows on the H200
+(benchmarks/results/kernels-moe-h200.md), while cuBLAS's per-tensor FP8 GEMM at the same shapes
 was 3-6x faster. Since CUDA 12.9 cuBLAS also takes DeepSeek's block scales on sm_90: activation
 scales per (row, 128 columns) and weight scales per (row, 128 columns) or per 128 x 128 block,
 fp32, through ``torch.nn.functional.scaled_mm`` (ScalingType.BlockWise1x128 / BlockWise128x128).
@@ -45,8 +45,8 @@ ACT_BLOCK = 128
 REBLOCK_ABS_ERR = 2.0 ** -10
 # the call forms (torch's scaled_mm takes the weight's block scales either per (row, 128 columns)
 # or per 128 x 128 block on sm_90); supported() takes the first one the device accepts,
-# GemmConfig.cublas_form first. Measured on the H200 (eighth session,
-# benchmarks/results/scaled-mm-probe-h200.md): 1x128 is 1.5-2x faster at <= 64 rows (decode),
+# GemmConfig.cublas_form first. Measured on the H200
+# (benchmarks/results/scaled-mm-probe-h200.md): 1x128 is 1.5-2x faster at <= 64 rows (decode),
 # 128x128 20-25% faster at >= 1024 rows; both 4-5x faster than the Triton GEMM at 8192 rows.
 # 1x128 is the default: decode-bound serving, and it re-rounds fewer elements (one row's blocks).
 FORMS = ("1x128", "128x128")
