@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_rows import time_ms  # noqa: E402
 
-# (rows, experts, warps, stages) per tile; the first is the default (the sixteenth session's)
+# (rows, experts, warps, stages) per tile; the first is the default (MoeConfig.gate_tile)
 TILES = [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 128, 4, 4),
          (128, 64, 8, 4)]
 

@@ -49,8 +49,8 @@ Conditions under which this returns None (Triton runs), in the order checked:
     act_fmt not "fp8_1x128" (e4m3 x_q [T, d], f32 power-of-two x_scale [T, d/128]); x not bf16
     (DeepGEMM's y is bf16) or not 2-D; streams not [T, n, d] in f32/bf16/f16; the bank does not
     hold every expert (E != gate_w rows); d or F not a multiple of 128; topk outside
-    [1, min(E, 32)]; T == 0 or T > MoeConfig.deepgemm_mega_max_tokens; score_func unknown; a shared expert the Triton
-    GEMM cannot take (moe.bank None or stacked)
+    [1, min(E, 32)]; T == 0 or T > MoeConfig.deepgemm_mega_max_tokens; score_func unknown;
+    a shared expert the Triton GEMM cannot take (moe.bank None or stacked)
   * `available(device)` false: not CUDA, compute capability major not 10, deep_gemm not
     importable or without the MegaMoE entry points, torch.distributed / symmetric memory
     missing, no usable 1-rank group (below)
@@ -495,7 +495,8 @@ def symm_buffer(group, device: torch.device, num_experts: int, tokens: int, topk
         raise _warmup_error(f"a MegaMoE symmetric buffer for {tokens} tokens")
     dg = _deep_gemm()
     with torch.cuda.device(device):
-        new = dg.get_symm_buffer_for_mega_moe(group, num_experts, _capacity(tokens, max_tokens), topk,
+        new = dg.get_symm_buffer_for_mega_moe(group, num_experts,
+                                              _capacity(tokens, max_tokens), topk,
                                               hidden, intermediate)
     cap = new.num_max_tokens_per_rank
     expect = {"x": (torch.float8_e4m3fn, (cap, hidden)),
@@ -680,7 +681,8 @@ def _run(group, x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_
     buf.topk_weights[:T].copy_(wts)
     routed = torch.empty(T, d, dtype=torch.bfloat16, device=dev)
     clamp = float(swiglu_limit) if swiglu_limit and swiglu_limit > 0 else None
-    dg.fp8_fp4_mega_moe(routed, l1, l2, buf, activation_clamp=clamp, fast_math=kernel_config.deepgemm_mega_fast_math)
+    dg.fp8_fp4_mega_moe(routed, l1, l2, buf, activation_clamp=clamp,
+                        fast_math=kernel_config.deepgemm_mega_fast_math)
     shared = sw1 is not None
     y = torch.empty(T, 1 + int(shared), d, dtype=torch.bfloat16, device=dev)
     y[:, 0].copy_(routed)

@@ -4,7 +4,7 @@ projection): Y = row_w x (H W2^T) on MXFP4 W2 with the fp16 H of the L1, scatter
 <= 12 rows per expert (moe_jit.moe_tile with SCATTER_C / WEIGHTED, load_b_tile's MXFP4 x fp16
 MMA). The Triton L2 runs there at ~33% of the H200's HBM bandwidth; this is the L2 twin of
 moe_gluon_decode.py (the decode L1: 1.66 -> 1.11 ms, 64%). routed_experts runs it there by
-default where available (moe._gluon_l2): 1.035 -> 0.607 ms at 64 tokens on the H200, 59% of HBM
+default where available (moe._l2_kernel): 1.035 -> 0.607 ms at 64 tokens on the H200, 59% of HBM
 bandwidth (benchmarks/moe_gluon_decode_l2_probe.py, benchmarks/results/moe-gluon-decode-h200.md).
 
 Swap AB, as the decode L1: per program one row tile of <= BT = 16 expert-sorted rows of one
@@ -567,8 +567,8 @@ def l2_gluon_decode(h, w2, counts, c_idx, row_w, out, *, topk: int, ks: int, max
     min(P, P // bt + E)); tiles: moe.tile_list(counts, bt, max_tiles) if already built (else
     built here: one tiny launch, no host sync, CUDA-graph capturable).
     use_asm: the PTX table upcast (default) or its integer-arithmetic twin. load: how the packed
-    W2 rows are streamed, "cp.async" or "tma" (default LOAD, env
-    MEGAGRAPH_MOE_GLUON_DECODE_L2_LOAD; a bank TMA cannot describe takes cp.async unless the
+    W2 rows are streamed, "cp.async" or "tma" (default LOAD; routed_experts
+    passes MoeConfig.gluon_decode_l2_load; a bank TMA cannot describe takes cp.async unless the
     call asked); stages: the TMA ring's depth (>= 3, default TMA_STAGES). Both loads give the
     same bits at one bt; different bt need not (the wgmma's n changes the tensor core's sum
     order)."""

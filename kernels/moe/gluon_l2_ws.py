@@ -5,7 +5,7 @@ arguments, same numerics, the same bits expected), with persistent CTAs and the 
 own warps. NOT yet run on a GPU (built and checked ahead of time for sm_90 on the CPU:
 tests/kernels/test_moe_gluon_l2_ws.py).
 
-Why: the DIAG run of moe_gluon_l2 on the H200 (NOTES-moe.md, eleventh session) - everything 4.00
+Why: the DIAG run of moe_gluon_l2 on the H200 (docs/kernels/moe.md) - everything 4.00
 ms at 8192 tokens, 2.76 without the W2 loads / upcast, 2.34 for the wgmma + epilogue alone: the
 W2 path (exponent loads, PRMT upcast, shared stores) serializes with the MMA chain in the one set
 of 8 warps that does everything. Here each job has its own warps (moe_gluon_ws's structure, which
@@ -77,7 +77,7 @@ the two 128-row halves one after the other (frame scans looped, not unrolled: re
 the H bytes (TMA and shared-memory writes) per FLOP. Rings NS_256:NU_256 = 4:3 (~195 KB),
 setmaxnreg REGS_256.
 
-upp = 2 (the default at bn 256 since the thirteenth session, UPP; bn 128 keeps one): two upcast
+upp = 2 (the default at bn 256, UPP; bn 128 keeps one): two upcast
 partitions,
 each the rows of one half of the tile (bn 256: rows 0..127 / 128..255, the halves the one
 partition does one after the other; bn 128: 0..63 / 64..127), with the same upcast code per row
@@ -86,8 +86,8 @@ MMA warpgroups spin on b_ready, the loader on r_free, the one upcast partition n
 instructions per chunk and warp). 20 warps: launch maxnreg MAXNREG_U2 = 96, setmaxnreg
 REGS_256_U2 / REGS_U2 (bn 256 / 128: each MMA warpgroup 176 / 128, each upcast 48 / 96).
 
-Triton 3.6 sm_90 build (tests/kernels/test_moe_gluon_l2_ws.py::test_l2_ws_sm90_build): see
-NOTES-moe.md, twelfth session, for the numbers at the time of writing. upp 2
+Triton 3.6 sm_90 build (tests/kernels/test_moe_gluon_l2_ws.py::test_l2_ws_sm90_build): the
+test pins the numbers. upp 2
 (test_l2_ws_sm90_build_two_upcasts): no stack / spills; per chunk each upcast loop 67 PRMT /
 ~190 instructions at bn 256 (one partition: 134 / 328), 33 / ~108 at bn 128 (67 / 181).
 """
@@ -121,7 +121,7 @@ REGS_256 = (176, 128, 32)
 # bn 256 is bound by its one upcast partition - the MMA warpgroups spin on b_ready, the upcast
 # never waits): 20 warps at a launch cap of MAXNREG_U2 = 96 (20 x 32 x 96 <= 64K registers), so
 # per warpgroup lane 5 x 96 = 480 = the default MMA warpgroup (what Triton leaves it: 480 - the
-# workers' sum) + R_MMA + 2 R_UP + R_LD. Default at bn 256 since the thirteenth session (H200,
+# workers' sum) + R_MMA + 2 R_UP + R_LD. Default at bn 256 (H200,
 # 8192 tokens, balanced routing: the L2 2.69 -> 2.55 ms, mega_moe 7.85 -> 7.55 ms in one A/B, the
 # same bits; at bn 128 two partitions were slower, 2.89 -> 3.00 ms: one there)
 UPP = 2
@@ -138,13 +138,13 @@ REGS_U2 = (128, 96, 32)
 # a chunk ahead), with the rows' frames from the weight's cached row frames (row_frames: the
 # values the upcasts' scans compute, which they then skip); each upcast partition does 96 of its
 # 128 rows (a 64- and a 32-row block). The L1's twin (moe_gluon_ws.LOADER_UPCAST) won 0.4 ms;
-# this one LOST on the H200 (fourteenth session, 8192 tokens, one A/B each, the same bits):
+# this one LOST on the H200 (8192 tokens, one A/B each, the same bits):
 # balanced 6.81 -> 7.13 ms, gate routing 8.61 -> 9.20 ms (with the exponent loads not prefetched:
 # 6.84 -> 7.34; LUP_LAG 1: level balanced, slower gate-routed). Off. Why (ncu): the upcasts spin
 # on b_free and the MMA on b_ready - it waits for the loader. This kernel's MMA releases a raw
 # stage one chunk late, so the loader's load of chunk c waits for the MMA's issue of c - 3, and
 # its share of c - 2 comes after that wait: the loader sits on the MMA's critical path
-# (benchmarks/results/moe-ws-14-h200.md; NOTES-moe.md's fifteenth-session plan, item b)
+# (benchmarks/results/moe-ws-14-h200.md)
 LOADER_UPCAST = False
 LUP_LAG = 2
 # LUP's setmaxnreg: the loader holds both shares' exponent and frame loads and the tile

@@ -866,8 +866,8 @@ def _bf16_w2(w2: Bank, gemm_cfg: GemmConfig) -> Tensor | None:
     """The shared expert's W2 as a cached bf16 matrix (kernels/cublas_fp8.dense_bf16: exact) for
     a cuBLAS bf16 GEMM on bf16 H, where the first GEMM ran on cuBLAS; None keeps the Triton L2 on
     fp16 H. Why bf16 and not FP8 H: the reference keeps H in high precision (E4M3 H costs ~3% on
-    the output, MoeConfig.fp8_h); why not the Triton GEMM: 24 us at 64 rows and 0.79 ms at 8192 on the
-    H200 for 24 MB of weights, 5-13% of the bandwidth / bf16 roofline."""
+    the output, MoeConfig.fp8_h); why not the Triton GEMM: 24 us at 64 rows and 0.79 ms at 8192 on
+    the H200 for 24 MB of weights, 5-13% of the bandwidth / bf16 roofline."""
     if w2.wfmt != 1 or w2.groups != 1:
         return None
     from megagraph.kernels.gemm import cublas_fp8

@@ -25,7 +25,7 @@ WFMT_FP8 = 1
 
 # E2M1 -> E4M3 in SIMD-within-a-register PTX (4 packed bytes = 8 codes per call). Every byte
 # lane carries its OWN exponent offset: $3 holds rel + 6 (in [0, 12], see fp4_rel6) for each of
-# the 4 elements of the pack. (The sixth session found the first version, which read one offset
+# the 4 elements of the pack. (A first version, which read one offset
 # from byte 0 for all four, wrong on the H200 whenever Triton laid a pack across two rows -
 # the dot-operand register layouts of the swapped decode tiles do; the element-wise contract
 # of inline_asm_elementwise promises nothing about which elements share a pack.)
@@ -426,8 +426,8 @@ def moe_acc_swap(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask, K, str
                  stride_bsn, SWIGLU: tl.constexpr, A_SCALED: tl.constexpr, MMA: tl.constexpr,
                  NSUB: tl.constexpr, USE_ASM: tl.constexpr, PAR: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr):
-    """The K loop of one [BM, BN] tile on MXFP4 weights with the operands swapped (GemmConfig.swap,
-    off by default; docs/kernels/moe.md, fifth session, "decode MoE at 36%"): each chunk
+    """The K loop of one [BM, BN] tile on MXFP4 weights with the operands swapped (Tile.swap,
+    the default decode tiles; docs/kernels/moe.md): each chunk
     is C^T [BN, BM] += W [BN, BK] @ A [BM, BK]^T, so the BN weight rows are the MMA's M (64 per
     warpgroup instruction) and the BM (16) activation rows its N. At BM = 16 the default loop is
     on mma.sync (Triton's wgmma needs M >= 64), which upcasts the E4M3 weight tile to fp16 in
@@ -873,9 +873,8 @@ def moe_gather_rows(src_ptr, idx_ptr, dst_ptr, P, W, stride_src, stride_dst,
     """dst[r] = src[idx[r] // TOPK] for sorted rows r < P, rows of W 32-bit words (the E4M3 A
     rows seen as int32: 16-byte accesses where the strides allow, which Triton's divisibility
     specialization sees). Why not index_select: its generic gather moved the 252 MB of A at
-    8192 tokens in 117 us on the H200 (fifteenth session, ncu), a third below the copy
-    bandwidth; and its `idx // topk` is one more launch. This kernel: 79.7 us (sixteenth
-    session)."""
+    8192 tokens in 117 us on the H200 (ncu), a third below the copy
+    bandwidth; and its `idx // topk` is one more launch. This kernel: 79.7 us."""
     rr = tl.program_id(0) * BR + tl.arange(0, BR)
     rm = rr < P
     tok = (tl.load(idx_ptr + rr, mask=rm, other=0) // TOPK).to(tl.int64)

@@ -215,11 +215,11 @@ def test_l1_decode_sm90_build():
     128 registers (4 CTAs of 4 warps per SM), and per K chunk (the loop holds NS = 4): 8 register-
     A QGMMA 64x16x32 (W1, W3: 4 k32 steps each), 2 WARPGROUP.ARRIVE, 2 WARPGROUP.DEPBAR (the W1
     wait after the W3 wgmmas are issued), 2 BAR.SYNC (Triton's membar barrier after the cp.async
-    wait, then the one after every thread's proxy fence: the fence is writer-side since the
-    eighth session, proxy_fence_problems), 1 DEPBAR (cp.async wait), 4 LDGSTS.128 (weights) +
+    wait, then the one after every thread's proxy fence: the fence is writer-side,
+    proxy_fence_problems), 1 DEPBAR (cp.async wait), 4 LDGSTS.128 (weights) +
     5 LDGSTS (4 of X, 1 of the exponents), 4 LDS.128 (the packed bytes: one per row and
     matrix), no STS (no upcast tile stored), 64 PRMT (16 packs x 4); the loop's instruction
-    count is pinned (1231 with the fourteenth session's table, 3 SASS a pack shorter; 1423
+    count is pinned (1231 with the sign-by-prmt table, 3 SASS a pack shorter; 1423
     with the byte-spread table, 1407 with the old reader-side fence and one barrier per chunk;
     +- 8%)."""
     consts = dict(TOPK=6, HAS_LIMIT=True, USE_ASM=True, BW=md.BW, BT=md.BT, BK=md.BK, NS=md.NS,
@@ -411,7 +411,7 @@ def test_l1_decode_tma_sm90_build():
     (proxy_fence_problems) and the only one (Triton adds none of its own before the copies);
     the loop's instruction count per chunk pinned (the loop is unrolled by the stage count:
     1551 at 4 stages, 1141 at 3 when written, ~388 / ~380 per chunk; ~332 per chunk at 3 with
-    the fourteenth session's table, +- 8%; cp.async 1231 / 4)."""
+    the sign-by-prmt table, +- 8%; cp.async 1231 / 4)."""
     consts = dict(TOPK=6, HAS_LIMIT=True, USE_ASM=True, BW=md.BW, BT=md.BT, BK=md.BK, NKP=64,
                   NW=md.NUM_WARPS)
     ns = md.TMA_STAGES

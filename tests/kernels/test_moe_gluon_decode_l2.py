@@ -409,8 +409,8 @@ def test_l2_decode_sm90_build(use_asm):
     PTX upcast at most 96 registers (91 at the time of writing: 5 CTAs of 4 warps per SM) and,
     per K chunk (the loop holds NS = 4): 8 register-A HGMMA 64x16x16 (fp16, 8 k16 steps),
     1 WARPGROUP.ARRIVE, 1 WARPGROUP.DEPBAR, 2 BAR.SYNC (Triton's membar barrier after the
-    cp.async wait, then the one after every thread's proxy fence: writer-side since the eighth
-    session, proxy_fence_problems), 1 DEPBAR (cp.async wait), 2 LDGSTS.128 (weights) + 9 LDGSTS
+    cp.async wait, then the one after every thread's proxy fence: writer-side,
+    proxy_fence_problems), 1 DEPBAR (cp.async wait), 2 LDGSTS.128 (weights) + 9 LDGSTS
     (8 of H, 1 of the exponents), 2 LDS.128 (the packed words: one per row), no STS (no upcast
     tile stored), 64 PRMT (8 words x (2 table + 2 sign + 4 spread): the fp16 halves' joins
     cost no repacking), the loop's instruction count pinned (846 for 4 chunks at the time of

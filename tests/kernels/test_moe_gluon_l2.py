@@ -24,7 +24,7 @@ every routed one written), fp32 / bf16 / fp16 y; tolerance 2e-3 relative (Froben
 y (H exact fp16, every weight an exact fp16, exact products, fp32 sums: the error is sum order,
 ~1e-6), 1e-2 for bf16 / fp16 (one rounding). The PTX table and its arithmetic twin give the same
 bits (also on 20-binade exponent spreads); every multi-launch case repeats its launch
-(REPEATS) and compares bits (the seventh / eighth sessions' nondeterminism: NOTES-moe.md); a
+(REPEATS) and compares bits (a nondeterministic pipeline shows as changed bits); a
 debug test of isolated pieces (one expert) names what fails.
 """
 from __future__ import annotations

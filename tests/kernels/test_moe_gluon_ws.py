@@ -595,7 +595,7 @@ WIDE_LOOP_COUNTS = {
                    LDS128=(r"\bLDS\.128\b", 8), STS128=(r"\bSTS\.128\b", 16)),
     "loader": dict(LOOP_COUNTS["loader"], LDGSTS4=(r"\bLDGSTS\.E\s", 3)),
 }
-# (upcast 571 with the byte-spread table before the fourteenth session)
+# (upcast 571 with the byte-spread table the sign-by-prmt one replaced)
 WIDE_LOOP_SIZES = {"mma": 390, "upcast": 475, "loader": 138}
 
 
@@ -712,7 +712,7 @@ def test_l1_ws_sm90_build_wide_qlag():
 def test_l1_ws_sm90_build_skip(kw):
     """skip=True (the rows 64.. warpgroup idle on tiles of <= 64 rows): no stack / spills, the
     same per-chunk wgmma / promotion counts and release order as without, the loop a branch
-    longer; skip=False (the default until the thirteenth session) is the same SASS as before the
+    longer; skip=False is the same SASS as before the
     switch existed."""
     on, off = _compile(skip=True, **kw), _compile(skip=False, **kw)
     for k in (on, off):

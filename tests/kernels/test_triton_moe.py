@@ -181,7 +181,7 @@ def test_ptx_upcast_bit_logic():
     """The prmt-based PTX upcast (4 packed bytes -> low-nibble and high-nibble E4M3 bytes)
     equals the arithmetic helper for every byte value and offset, with an independent offset in
     each of the 4 byte lanes ($3 = rel + 6 per lane: a pack may span rows / scale groups - the
-    sixth session's H200 failure of the swapped tiles, when one offset served the whole pack).
+    H200 failure of the swapped tiles when one offset served the whole pack).
     The GPU tests check that it compiles and runs (moe.asm_ok's device check)."""
     from megagraph.kernels.moe import triton_jit as moe_jit
 
