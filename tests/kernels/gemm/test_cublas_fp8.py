@@ -95,7 +95,7 @@ def test_cpu_tensors_keep_the_caller_kernel():
 # GPU
 # ---------------------------------------------------------------------------------------------
 
-gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (cuBLAS block-scaled FP8)")
+gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 def _form():

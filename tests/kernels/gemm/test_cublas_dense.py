@@ -16,7 +16,7 @@ from megagraph.kernels.dense.capturable import linear as cap_linear
 from megagraph.kernels.gemm.reference import linear as ref_linear
 
 GPU = torch.cuda.is_available()
-gpu = pytest.mark.skipif(not GPU, reason="needs CUDA")
+gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 def wide_fp32(shape, seed: int) -> torch.Tensor:

@@ -420,6 +420,7 @@ def test_combine_reads_the_shared_output_from_its_own_tensor():
                    shared=True, rdt=torch.bfloat16, shared_out=y[:, k].t().contiguous().t())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="cuBLAS's FP8 GEMM: CUDA only")
 @pytest.mark.parametrize("T,d,F", [(37, 256, 384), (256, 512, 1024), (1101, 512, 1024)])
 def test_shared_expert_fp8h(T, d, F):

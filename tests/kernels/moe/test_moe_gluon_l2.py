@@ -48,7 +48,13 @@ from sm90_build import count, gluon_sm90, loop_instructions, usage_and_sass
 from test_moe_gluon_decode_l2 import _parse, _run, check_table_lanes, fp16_ref
 
 GPU_OK = mgl.available()
-gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and Triton 3.6 Gluon")
+
+
+def gpu(test):
+    """GPU-only (pytest.mark.gpu), and skipped without sm_90 and Triton 3.6's Gluon."""
+    return pytest.mark.gpu(pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and "
+                                              "Triton 3.6 Gluon")(test))
+
 
 REPEATS = 10  # launches of each repeated case (bits compared with the first)
 M32 = 0xFFFFFFFF

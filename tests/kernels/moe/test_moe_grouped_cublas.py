@@ -22,7 +22,7 @@ from megagraph.kernels.moe import grouped_cublas as mgc  # noqa: E402
 RUNNABLE = torch.cuda.is_available() or tm.INTERPRET
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason="runs in the interpreter child process")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuBLAS grouped GEMM)")
+gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 def _bank(E, N, K, seed, spread=4):

@@ -65,7 +65,13 @@ from test_moe_gluon_decode import _ctas_per_sm
 from test_triton_moe import ACT, FP16_H, _prmt, check_routed, pinned, routed_case
 
 GPU_OK = ml2.available()
-gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and Triton 3.6 Gluon")
+
+
+def gpu(test):
+    """GPU-only (pytest.mark.gpu), and skipped without sm_90 and Triton 3.6's Gluon."""
+    return pytest.mark.gpu(pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and "
+                                              "Triton 3.6 Gluon")(test))
+
 
 # ---------------------------------------------------------------------------------------------
 # the PTX table upcast, emulated (CPU)
