@@ -3,6 +3,8 @@
 NOT RUN YET: written on a CPU-only machine without DeepGEMM (the GPU at hand is an H200, sm_90;
 the kernel is Blackwell-only). The layout code below is tested on the CPU against its
 definitions (tests/kernels/test_deepgemm_mega.py); everything that calls DeepGEMM is unverified.
+One file of ~700 lines: the weight / scale layout conversions and the buffer lifecycle of one
+external kernel.
 
 Same signature and semantics as kernels/moe/triton.py's `mega_moe` (router, routed experts,
 shared expert, combine + mHC expand); returns None wherever this path does not apply, so the

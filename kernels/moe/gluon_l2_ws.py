@@ -2,8 +2,9 @@
 down projection, > 48 rows per expert): Y = row_w x (H W2^T) on MXFP4 W2 with the fp16 H of the
 L1, scattered to the (token, slot) rows of y - the drop-in twin of moe_gluon_l2.l2_gluon (same
 arguments, same numerics, the same bits expected), with persistent CTAs and the W2 upcast in its
-own warps. NOT yet run on a GPU (built and checked ahead of time for sm_90 on the CPU:
-tests/kernels/test_moe_gluon_l2_ws.py).
+own warps. routed_experts' prefill L2 by default (H200, 8192 tokens: 3.99 -> 3.45 ms at
+256-column tiles, benchmarks/results/moe-gluon-l2-ws-h200.md). One file of ~800 lines: the
+partitions, their rings and the launcher's register and shared-memory budget are one design.
 
 Why: the DIAG run of moe_gluon_l2 on the H200 (docs/kernels/moe.md) - everything 4.00
 ms at 8192 tokens, 2.76 without the W2 loads / upcast, 2.34 for the wgmma + epilogue alone: the

@@ -5,9 +5,10 @@ rows gathered through a_idx (row r reads token a_idx[r] // topk).
 
 Why: the decode kernel at 64-token tiles (moe_gluon_decode, bt=64) upcasts the weights in the same
 registers the wgmma accumulates in (247 registers, 2 CTAs of 4 warps per SM) and is latency-bound at
-~280 TFLOP/s; moe_gluon.py overlaps upcast and wgmma by hand inside one set of warps and was
-nondeterministic on the H200 in some variants. Here every job has its own warps (CUTLASS / DeepGEMM
-style), synchronized only by mbarriers:
+~280 TFLOP/s; overlapping upcast and wgmma by hand inside one set of warps gave wrong outputs on
+the H200 (docs/kernels/moe.md, "Tried and dropped"). Here every job has its own warps (CUTLASS /
+DeepGEMM style), synchronized only by mbarriers (one file of ~1300 lines: the partitions, rings
+and register budget are one design):
 
   loader  (worker, 4 warps): per K chunk c into ring stage s = c % NS - TMA of the packed W1 / W3
           rows [BN, BK / 2] bytes (moe_gluon_decode's host descriptors), cp.async of the gathered

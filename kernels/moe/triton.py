@@ -3,9 +3,9 @@ MXFP4 weights with the SwiGLU clamp fused into the first GEMM and the combine we
 second, the shared expert through the FP8-block GEMM, and the combine + mHC residual expand; plus
 the dense FP8-block GEMMs (`linear_q`, `grouped_linear_q`, `swiglu_mlp_q`).
 
-Why one module holds both: the shared expert is a dense FP8-block GEMM pair inside mega_moe, and
-the Triton GEMM launcher (`gemm`, `pick_tile`, `Bank`) serves the routed and the dense GEMMs
-alike. Every choice (which kernel each stage runs, tiles, rings, thresholds) comes from the
+Why one module holds both (and ~1300 lines): the shared expert is a dense FP8-block GEMM pair
+inside mega_moe, and the Triton GEMM launcher (`gemm`, `pick_tile`, `Bank`) serves the routed and
+the dense GEMMs alike. Every choice (which kernel each stage runs, tiles, rings, thresholds) comes from the
 `kernel_config` the runtime binds: MoeConfig (kernels/moe/config.py) for mega_moe /
 moe_experts_q, GemmConfig (kernels/gemm/config.py) for the dense GEMMs; None means the family's
 defaults. Nothing here reads the process environment but Triton's interpreter switch.

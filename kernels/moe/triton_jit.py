@@ -1,7 +1,9 @@
 """Triton code of the MoE path (imported only by kernels/moe/triton.py, after triton): router
 scores and top-k, the expert permutation, the grouped / dense GEMM on MXFP4 or FP8-block
 weights with fused SwiGLU-clamp and fused combine weights, and the combine + mHC residual
-expand. Docs of the design and the numerics: kernels/moe/triton.py.
+expand. Docs of the design and the numerics: kernels/moe/triton.py. One file of ~950 lines:
+the jit functions share the tile helpers (upcast, scale folding, promotion), and Triton resolves
+a jit function's callees in its own module.
 
 Formats: MXFP4 weights [G, N, K/2] int8 (two E2M1 codes per byte, low nibble = even column) with
 E8M0 scales [G, N, K/32]; FP8-block weights [G, N, K] e4m3 with E8M0 scales
