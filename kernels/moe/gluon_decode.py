@@ -16,7 +16,7 @@ upcast tile, no fence for it. X^T (the gathered activations of the chunk, E4M3) 
 in shared memory.
 
 Pipeline (NS = 4 stages, one warpgroup = 4 warps, every stage its own allocation and the loop
-unrolled by NS, as moe_gluon.py, so Gluon's barrier analysis sees static stages): per chunk i
+unrolled by NS, so Gluon's barrier analysis sees static stages): per chunk i
     cp.async.wait_group(NS - 2); fence.proxy.async; bar.sync        (stage i % NS landed)
     cp.async chunk i + NS - 1 into the stage chunk i - 1 used (its LDS and wgmmas are done)
     W1: LDS the packed bytes + exponents, tables, upcast -> wgmma (async)
