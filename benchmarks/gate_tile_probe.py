@@ -1,5 +1,5 @@
-"""The router's gate GEMM tile above 256 tokens (kernels/moe/triton.py GATE_BM / GATE_BE /
-GATE_WARPS / GATE_STAGES) timed alone: route_ids at V4.1-Flash dims (hidden 5120, 384
+"""The router's gate GEMM tile above 256 tokens (MoeConfig.gate_tile: rows, experts, warps,
+stages) timed alone: route_ids at V4.1-Flash dims (hidden 5120, 384
 experts, top-6, sqrtsoftplus with bias), each tile's ids and weights compared with the first
 tile's (a layer-level A/B cannot see a 40 us change through the H200's clock drift).
 
@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_rows import time_ms  # noqa: E402
 
-# (rows, experts, warps, stages) per tile; the first is the default (the sixteenth session's)
+# (rows, experts, warps, stages) per tile; the first is the default (MoeConfig.gate_tile)
 TILES = [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 128, 4, 4),
          (128, 64, 8, 4)]
 
@@ -39,25 +39,26 @@ def main():
     bias = torch.randn(E, device=dev, generator=g) * 0.1
     counts = torch.zeros(E, dtype=torch.int32, device=dev)
 
-    def call():
+    from megagraph.kernels.moe.config import MoeConfig
+
+    def call(cfg):
         counts.zero_()
         return tm.route_ids(x, gw, bias, topk=k, route_scale=1.5, norm_topk=True,
-                            score_func="sqrtsoftplus", counts=counts)
+                            score_func="sqrtsoftplus", counts=counts, cfg=cfg)
 
-    saved = (tm.GATE_BM, tm.GATE_BE, tm.GATE_WARPS, tm.GATE_STAGES)
     rows, ref = [], None
     for tile in TILES:
-        tm.GATE_BM, tm.GATE_BE, tm.GATE_WARPS, tm.GATE_STAGES = tile
+        cfg = MoeConfig(gate_tile=tuple(tile))
         try:
-            ids, wts = call()
+            ids, wts = call(cfg)
             if ref is None:
                 ref = (ids.clone(), wts.clone())
             same = bool(torch.equal(ids, ref[0]) and torch.equal(wts, ref[1]))
-            rows.append(dict(tile=list(tile), us=1e3 * time_ms(call), same_bits=same))
+            rows.append(dict(tile=list(tile), us=1e3 * time_ms(lambda: call(cfg)),
+                             same_bits=same))
         except Exception as e:  # a tile that does not compile is a row, not the end
             rows.append(dict(tile=list(tile), error=f"{type(e).__name__}: {e}"))
         print(rows[-1], flush=True)
-    tm.GATE_BM, tm.GATE_BE, tm.GATE_WARPS, tm.GATE_STAGES = saved
     os.makedirs(args.out, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, tokens=T, rows=rows)
     with open(os.path.join(args.out, "gate-tiles.json"), "w") as f:

@@ -245,7 +245,7 @@ def timed_row(res: dict, write, name: str, fn, tile, rates) -> bool:
 def time_triton_l1(res: dict, write, rates, inputs, P: int, F: int, E: int, k: int,
                    limit: float, experts: int, nonempty: bool = False):
     """The baseline, timed first (its row survives whatever the Gluon kernel does): the Triton
-    L1 as routed_experts launches it (moe.gemm role "l1", pick_config's tile for these rows per
+    L1 as routed_experts launches it (moe.gemm role "l1", pick_tile's tile for these rows per
     expert) on inputs = build(...), into a NaN-poisoned fp16 H, a row in res (timed_row with
     rates), then its error against the fp32 math of the first experts' rows (reference_rows)
     as res["rel_err_triton_vs_fp32"], written. Returns (H, the reference, the rows it covers)."""
@@ -253,7 +253,7 @@ def time_triton_l1(res: dict, write, rates, inputs, P: int, F: int, E: int, k: i
 
     xq, xs, w1, w3, counts, srt = inputs
     rpg = P / max(1, min(E, P))
-    cfg = moe.pick_config("l1", rpg)
+    cfg = moe.pick_tile("l1", rpg)
     mt1 = min(P, P // cfg.bm + E)
     h_tr = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
 

@@ -1,14 +1,13 @@
-"""A/B of MegaMoE configurations in one process: the kernel switches of kernels/moe/triton.py
-(module attributes such as CUBLAS_PREFILL, GLUON_PREFILL_L2, SHARED_STREAM; "module.ATTR" for
-another module of kernels/triton, e.g. moe_gluon_decode.LOAD=cp.async) set per row,
-rows interleaved over rounds (each round's order rotated by one) so that they compare within
+"""A/B of MegaMoE configurations in one process: kernel-config fields (MoeConfig / GemmConfig,
+"family.field=value" as `compile --set` takes them, e.g. moe.cublas_prefill=false,
+moe.gluon_decode_load=cp.async, gemm.cublas_form_prefill=1x128) set per row, rows interleaved over rounds (each round's order rotated by one) so that they compare within
 one run (between device calls the same row moves by up to 5%). Real V4.1-Flash dims and the
 inputs of benchmarks/kernels.py's MoE rows.
 Each configuration's output is compared with the first configuration's (relative Frobenius
 error), so a faster row that is wrong shows.
 
     python3 benchmarks/moe_ab.py --out DIR --tokens 8192 \
-        --configs "base:/cublas_l1:CUBLAS_PREFILL=1/gluon_l2:GLUON_PREFILL_L2=1"
+        --configs "base:/no_fp8h:moe.fp8_h_prefill=false/triton_l2:moe.gluon_prefill_l2=false"
 
 Writes DIR/moe-ab.json and DIR/moe-ab.md.
 """
@@ -26,19 +25,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_rows import moe as m, time_ms  # noqa: E402
 
 
-def parse_configs(spec: str) -> list[tuple[str, dict]]:
-    """"name:ATTR=v,ATTR=v/name2:..." -> [(name, {ATTR: bool|int|str})]; "1"/"0" are booleans,
-    other digit strings ints.
-    Configurations are separated by "/" (or ";", which benchmarks/h200_check.sh splits steps on)."""
+def parse_configs(spec: str) -> list[tuple[str, list[str], dict]]:
+    """"name:fam.field=v,fam.field=v/name2:..." -> [(name, settings, {family: KernelConfig})]:
+    the settings resolved by kernel_config (values are YAML scalars; the settings are
+    comma-separated, so a list-valued field needs a kernel-config file instead).
+    Configurations are separated by "/" (or ";", which benchmarks/h200_check.sh splits steps
+    on)."""
+    from megagraph.kernels import kernel_config as kc
+
     out = []
     for part in filter(None, (p.strip() for p in spec.replace(";", "/").split("/"))):
         name, _, knobs = part.partition(":")
-        d = {}
-        for kv in filter(None, knobs.split(",")):
-            k, _, v = kv.partition("=")
-            v = v.strip()
-            d[k.strip()] = {"1": True, "0": False}.get(v, int(v) if v.isdigit() else v)
-        out.append((name.strip(), d))
+        sets = [kv.strip() for kv in knobs.split(",") if kv.strip()]
+        try:
+            out.append((name.strip(), sets, kc.resolve(kc.parse_set(sets), where=name)))
+        except kc.KernelConfigError as e:
+            raise SystemExit(f"--configs: {e}") from e
     if not out:
         raise SystemExit("--configs: no configuration given")
     return out
@@ -55,31 +57,23 @@ def main():
                          "8192 tokens); balanced: every expert T k / E rows, through tid2eid "
                          "(kernel_rows.moe.balanced_routing: #7's target case)")
     args = ap.parse_args()
-    from megagraph.kernels.moe import triton as tm
-
     configs = parse_configs(args.configs)
-    for _, knobs in configs:
-        for k in knobs:
-            mod, attr = _target(tm, k)
-            if not hasattr(mod, attr):
-                raise SystemExit(f"--configs: {mod.__name__} has no switch {attr!r}")
     dev = torch.device("cuda")
     w = m.make_weights(m.V41, dev)
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):
-        call = m.layer_call(m.V41, w, T, dev, args.routing)
-        saved = {k: getattr(*_target(tm, k)) for _, kn in configs for k in kn}
-        ref, times = None, {name: [] for name, _ in configs}
+        calls = {name: m.layer_call(m.V41, w, T, dev, args.routing, cfgs)
+                 for name, _, cfgs in configs}
+        ref, times = None, {name: [] for name, _, _ in configs}
         errs = {}
         for rnd in range(args.rounds):
             # each round starts one configuration later: the H200's clocks drift down as it
             # heats under this load (5.80 -> 6.32 ms for one configuration between the first two
-            # rounds, sixteenth session), so a fixed order would favour whichever runs first
+            # rounds), so a fixed order would favour whichever runs first
             # (round 0 in the given order: the first configuration is the rel errs' reference)
             order = configs[rnd % len(configs):] + configs[:rnd % len(configs)]
-            for name, knobs in order:
-                for k, v in saved.items():
-                    setattr(*_target(tm, k), knobs.get(k, v))
+            for name, _, _ in order:
+                call = calls[name]
                 try:
                     if rnd == 0:
                         out = call().float()
@@ -94,10 +88,8 @@ def main():
                     print(f"T={T} {name}: {type(e).__name__}: {e}", flush=True)
                 print(f"T={T} round {rnd} {name}: {times[name][-1]:.4f} ms "
                       f"rel_err {errs[name]:.2e}", flush=True)
-        for k, v in saved.items():
-            setattr(*_target(tm, k), v)
-        for name, knobs in configs:
-            rows.append(dict(tokens=T, config=name, knobs={k: str(v) for k, v in knobs.items()},
+        for name, sets, _ in configs:
+            rows.append(dict(tokens=T, config=name, settings=sets,
                              ms=times[name], median_ms=statistics.median(times[name]),
                              rel_err_vs_first=errs[name]))
     os.makedirs(args.out, exist_ok=True)
@@ -109,20 +101,6 @@ def main():
         with open(path + ".tmp", "w") as f:
             f.write(text)
         os.replace(path + ".tmp", path)
-
-
-def _target(tm, knob: str):
-    """(module, attribute) of a switch: "ATTR" in kernels/moe/triton.py, "mod.ATTR" in
-    kernels/triton/mod.py, else in kernels/mod.py (e.g. cublas_fp8.FORM_PREFILL=)."""
-    if "." not in knob:
-        return tm, knob
-    import importlib
-
-    mod, attr = knob.rsplit(".", 1)
-    try:
-        return importlib.import_module(f"megagraph.kernels.triton.{mod}"), attr
-    except ModuleNotFoundError:
-        return importlib.import_module(f"megagraph.kernels.{mod}"), attr
 
 
 def _md(meta: dict) -> str:

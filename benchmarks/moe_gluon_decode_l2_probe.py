@@ -2,7 +2,7 @@
 with the MXFP4 W2 upcast to fp16 in registers as the A operand, a 4-stage cp.async ring or a
 TMA ring of the packed W2 rows, a token tile of 16 / 32 / 64 / 128 rows, the weighted scatter
 to y) against the Triton L2 launch that routed_experts makes for the same rows per expert
-(moe.gemm role "l2" with pick_config("l2", rows)) and, where its shapes allow (d % 128,
+(moe.gemm role "l2" with pick_tile("l2", rows)) and, where its shapes allow (d % 128,
 F % 192), the Gluon prefill L2 (moe_gluon_l2.l2_gluon: 128 x 128 tiles), at V4.1-Flash dims:
 d = 5120 output columns, 384 experts x F = 2304 (MXFP4 W2, E8M0 per 32), top-6, 64 tokens
 with random routing (~240 experts touched, 1..5 rows each) or a prefill size (--tokens 8192:
@@ -165,7 +165,7 @@ def main() -> None:
     y_tr = torch.full((T, ks, d), float("nan"), dtype=YDT[ydt], device="cuda")
     rpg = P / max(1, min(E, P))
     timed("triton l2 (moe.gemm)", lambda: moe.triton_l2(h, w2, counts, srt, wts, y_tr),
-          moe.pick_config("l2", rpg).__dict__)
+          moe.pick_tile("l2", rpg).__dict__)
     idx, ref = reference_l2_slots(h, w2, counts, srt, wts, ks, experts=8)
     res["triton"] = slot_errors(y_tr, idx, ref, k)
     write()

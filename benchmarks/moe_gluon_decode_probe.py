@@ -1,7 +1,7 @@
 """Times the Gluon DECODE L1 (kernels/moe/gluon_decode.py: swapped wgmma
 with the MXFP4 weights upcast in registers as the A operand, a cp.async or TMA weight ring, a
 token tile of 16 / 32 / 64 rows) against the Triton L1 launch that routed_experts makes for the
-same rows per expert (moe.gemm role "l1" with pick_config("l1", rows): the swapped 16 x 64 tile
+same rows per expert (moe.gemm role "l1" with pick_tile("l1", rows): the swapped 16 x 64 tile
 at decode) and - past decode sizes - the cuBLAS grouped L1, at V4.1-Flash dims: hidden
 d = 5120, 384 experts x F = 2304 (MXFP4, E8M0 per 32), top-6, 64 tokens with random routing
 (~240 experts touched, 1..5 rows each) or a prefill size (--tokens 8192: ~128 rows per expert).

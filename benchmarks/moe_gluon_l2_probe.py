@@ -1,7 +1,7 @@
 """Times the Gluon PREFILL L2 (kernels/moe/gluon_l2.py: 128 x 128 tiles, the MXFP4 W2
 chunk upcast to exact fp16 under the chained async wgmma of the chunk before, the weighted
 scatter to y) against the Triton L2 launch that routed_experts makes (moe.triton_l2: moe.gemm
-role "l2" with pick_config's tile), at V4.1-Flash dims: d = 5120 output columns, 384 experts x
+role "l2" with pick_tile's tile), at V4.1-Flash dims: d = 5120 output columns, 384 experts x
 F = 2304 (MXFP4 W2, E8M0 per 32), top-6, 8192 tokens, y [T, ks = 7, d] bf16 (mega_moe's: topk +
 the shared expert's slot). H is random fp16 (the L1's output, expert-sorted rows), weights made
 on the device. Each launch is timed as CUDA-graph replays (events, median of batches).
@@ -175,7 +175,7 @@ def main() -> None:
     rpg = P / max(1, min(E, P))
     timed_row(res, write, "triton l2 (moe.gemm)",
               lambda: moe.triton_l2(h, w2, counts, srt, wts, y_tr),
-              moe.pick_config("l2", rpg).__dict__, rates)
+              moe.pick_tile("l2", rpg).__dict__, rates)
     idx, ref = reference_l2_slots(h, w2, counts, srt, wts, ks, experts=4)
     res["triton"] = slot_errors(y_tr, idx, ref, k)
     write()

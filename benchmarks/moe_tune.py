@@ -5,21 +5,16 @@ each candidate checked against the reference `moe_experts_q` before it counts.
     python benchmarks/moe_tune.py --out /tmp/tune --budget 200          # H200
     python benchmarks/moe_tune.py --smoke --out /tmp/tune               # CPU: Triton interpreter
     python benchmarks/moe_tune.py --fp8-h --tokens 8192 --out /tmp/tune8  # the FP8-H roles
-    python benchmarks/moe_tune.py --fuse --tokens 8192 --out /tmp/tunef   # L1 one-MMA-per-chunk
     python benchmarks/moe_tune.py --swap --tokens 64 --out /tmp/tunes     # decode, swapped MMA
     python benchmarks/moe_tune.py --swap --fp8-h --tokens 64 --out /tmp/tunesq  # same, FP8-H
 
 --fp8-h tunes the FP8-H path's roles (l1_fp8h: L1 with H quantized to E4M3 per 128 in the
-epilogue, bn a multiple of 128; l2_fp8h: L2 on E4M3 H) with MEGAGRAPH_MOE_FP8_H's numerics on;
+epilogue, bn a multiple of 128; l2_fp8h: L2 on E4M3 H) with MoeConfig.fp8_h on;
 each candidate is checked against the reference that quantizes H the same way
 (reference moe_experts_q(h_fmt="fp8_1x128"), rel err < 1.5e-2 at bf16 output) and its error vs
 the fp32-H reference is recorded too (rel_err_fp32h, ~2-3%).
 
---fuse times only the L1 role at prefill sizes: the heuristic tile, then the GemmConfig.fuse
-tiles (moe_jit.moe_acc_fused: W1 / W3 in one wgmma per K chunk, one wait instead of four; 64 x 64
-x 4 warps and 128 x 64 x 8 warps, 3 / 4 stages: the sm_90 builds without spills), then the rest.
-
---swap times L1 and L2 at decode sizes with the GemmConfig.swap tiles first (moe_jit.moe_acc_swap:
+--swap times L1 and L2 at decode sizes with the Tile.swap tiles first (moe_jit.moe_acc_swap:
 C^T = W A^T per K chunk, so the 16-row tile runs on wgmma m64n16 with the E4M3 weight tile instead
 of mma.sync on an fp16 copy staged through shared memory; 16 x 128 x 4 warps with / without the
 parity split, 16 x 64 x 4 warps (128 registers: 4 programs per SM), 16 x 128 / 16 x 256 x 8
@@ -27,12 +22,10 @@ warps), then the heuristic's neighbours (8 warps included). With --fp8-h: the sa
 l2_fp8h (L2 on E4M3 H: QGMMA m64n16 on the E4M3 W2 tile, no fp16 copy) and, bn 128 only (whole
 scale blocks), for l1_fp8h (the swapped L1 with the quantizing epilogue).
 
-Tiles are GemmConfig fields in order (bm, bn, bk, warps, stages, par, persistent[, qsplit[, fuse[,
-swap]]]); at decode
-sizes the heuristic tile is also tried persistent (moe_gemm_persistent, 1-4 programs per SM)
-right after the default, so a short budget still times them.
+Tiles are Tile fields in order (bm, bn, bk, warps, stages, par[, qsplit[, swap]]), each timed as
+the role's pinned tile (MoeConfig.tiles) next to the other role's default.
 Writes OUT/moe_tune.json (every candidate: tile, ms, TB/s or TFLOP/s, error) and OUT/moe_tune.md
-(the best tile per (role, tokens) next to the heuristic's). `kernels/moe/triton.py:pick_config`
+(the best tile per (role, tokens) next to the heuristic's). `kernels/moe/triton.py:pick_tile`
 takes its tiles from this table (the committed result is benchmarks/results/moe-tune-h200.md).
 """
 from __future__ import annotations
@@ -43,6 +36,7 @@ import json
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -55,29 +49,25 @@ from kernel_rows import rel_err, time_ms  # noqa: E402
 from kernel_rows import moe as mr  # noqa: E402
 
 
-def candidates(role: str, decode: bool, fuse: bool = False, swap: bool = False):
-    """(bm, bn, bk, warps, stages, par) to try: small-row tiles for decode, large for prefill
-    (static grid; the persistent variants are added by main). l1_fp8h: bn multiple of 128 (its
-    epilogue owns whole 128-column scale blocks)."""
+def candidates(role: str, decode: bool, swap: bool = False):
+    """(bm, bn, bk, warps, stages, par[, qsplit[, swap]]) to try: small-row tiles for decode,
+    large for prefill. l1_fp8h: bn multiple of 128 (its epilogue owns whole 128-column scale
+    blocks)."""
     if decode:
         bms, bns, warps, stages = (16, 64), (64, 128), (4,), (3, 4)
     else:
         bms, bns, warps, stages = (64, 128), (64, 128), (4, 8), (3, 4)
-    if swap and decode:  # swapped MMA operands (GemmConfig.swap) first
+    if swap and decode:  # swapped MMA operands (Tile.swap) first
         for bn, w, st, par in ((128, 4, 3, True), (128, 4, 4, True), (128, 4, 3, False),
                                (64, 4, 3, True), (128, 8, 3, True), (256, 8, 3, True)):
             if role != "l1_fp8h" or bn == 128:  # the FP8-H L1 owns whole 128-column blocks
-                yield (16, bn, 128, w, st, par, 0, 1, False, True)
+                yield (16, bn, 128, w, st, par, 1, True)
         warps = (4, 8)
-    if fuse and role == "l1" and not decode:  # one MMA per K chunk (GemmConfig.fuse) first
-        for bm, w in ((64, 4), (128, 8)):
-            for st in (3, 4):
-                yield (bm, 64, 128, w, st, False, 0, 1, True)
     if role == "l1_fp8h":
         bns = (128, 256) if not decode else (128,)
         if not decode:  # 128 columns as two 64-column K loops (qsplit 2), then the one-loop tiles
             for bm, s, par in itertools.product((64, 128), stages, (True, False)):
-                yield (bm, 128, 128, 4 if bm == 64 else 8, s, par, 0, 2)
+                yield (bm, 128, 128, 4 if bm == 64 else 8, s, par, 2)
     for bm, bn, w, s, par in itertools.product(bms, bns, warps, stages, (True, False)):
         if bm == 128 and w == 4:
             continue
@@ -91,23 +81,21 @@ def main() -> None:
     ap.add_argument("--tokens", default="64,8192")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--fp8-h", action="store_true",
-                    help="tune the FP8-H roles (l1_fp8h / l2_fp8h, MEGAGRAPH_MOE_FP8_H numerics)")
-    ap.add_argument("--fuse", action="store_true",
-                    help="time only L1 (the default tile, then the GemmConfig.fuse tiles first)")
+                    help="tune the FP8-H roles (l1_fp8h / l2_fp8h, MoeConfig.fp8_h numerics)")
     ap.add_argument("--swap", action="store_true",
-                    help="decode: the GemmConfig.swap tiles first for L1 and L2 (swapped MMA); "
+                    help="decode: the Tile.swap tiles first for L1 and L2 (swapped MMA); "
                          "with --fp8-h for l1_fp8h / l2_fp8h")
     a = ap.parse_args()
-    if a.fuse and a.fp8_h:
-        ap.error("--fuse tunes the fp16-H L1 (the FP8-H L1 quantizes its output: no fuse)")
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     from megagraph.kernels.fused import reference as rf
+    from megagraph.kernels.gemm.config import Tile
     from megagraph.kernels.moe import triton as tm
+    from megagraph.kernels.moe.config import MoeConfig
 
     dims = mr.TINY if a.smoke else mr.V41
     t_end = time.perf_counter() + a.budget
     w = mr.make_weights(dims, dev)
-    auto = tm.asm_ok(dev) if (tm.USE_ASM is None and dev.type == "cuda") else bool(tm.USE_ASM)
+    auto = tm.asm_ok(dev) if dev.type == "cuda" else False
     results = []
     Ts = [int(x) for x in a.tokens.split(",")] if not a.smoke else [8]
     for T in Ts:
@@ -122,33 +110,28 @@ def main() -> None:
             ref = rf.moe_experts_q(*a2, **kw2, h_fmt="fp8_1x128")
         tol = 1.5e-2 if a.fp8_h else 1e-2
         r1, r2 = ("l1_fp8h", "l2_fp8h") if a.fp8_h else ("l1", "l2")
-        tm.FP8_H = a.fp8_h
+        base = MoeConfig(fp8_h=a.fp8_h, fp8_h_prefill=False, fp4_asm="on" if auto else "off")
         P = T * k
         rpg = P / min(E, P)
         touched = int((torch.bincount(ids.flatten(), minlength=E) > 0).sum())
         fl, by = mr.routed_counts(dims, T, touched)
-        d1, d2 = tm.pick_config(r1, rpg), tm.pick_config(r2, rpg)
-        for role, other in ((r1, r2),) if a.fuse else ((r1, r2), (r2, r1)):
+        d1, d2 = tm.pick_tile(r1, rpg), tm.pick_tile(r2, rpg)
+        for role, other in ((r1, r2), (r2, r1)):
             fixed = d2 if role == r1 else d1
             cands = [tuple(vars(d1 if role == r1 else d2).values())]
-            if T <= 256 and not a.swap:  # the heuristic tile on the static grid (0) and persistent, 1-4 per SM
-                cands += [cands[0][:6] + (p,) for p in (0, 1, 2, 3, 4) if p != cands[0][6]]
-            cands += [c for c in candidates(role, T <= 256, a.fuse, a.swap)
-                      if tuple(vars(tm.GemmConfig(*c)).values()) != cands[0]]
-            per_t = 1 if a.fuse else 2
+            cands += [c for c in candidates(role, T <= 256, a.swap)
+                      if tuple(vars(Tile(*c)).values()) != cands[0]]
+            per_t = 2
             n_groups_left = (per_t if role == r1 else 1) + per_t * (len(Ts) - 1 - Ts.index(T))
             g_end = time.perf_counter() + (t_end - time.perf_counter()) / n_groups_left
             for c in cands:
                 if time.perf_counter() > g_end:
                     results.append(dict(T=T, role=role, tile=list(c), error="skipped: budget"))
                     continue
-                cfg = tm.GemmConfig(*c)
-                tm.CONFIG_OVERRIDE.clear()
-                tm.CONFIG_OVERRIDE.update({role: cfg, other: fixed})
-                tm.USE_ASM = auto
+                cfg = replace(base, tiles=(Tile(*c).spec(role), fixed.spec(other)))
                 r = dict(T=T, role=role, tile=list(c), default=c == cands[0])
                 try:
-                    y = tm.moe_experts_q(*a2, **kw2)
+                    y = tm.moe_experts_q(*a2, **kw2, kernel_config=cfg)
                     e = rel_err(y, ref)
                     r["rel_err"] = e
                     if a.fp8_h:
@@ -156,7 +139,9 @@ def main() -> None:
                     if not e < tol:
                         r["error"] = f"wrong: rel err {e:.2e}"
                     else:
-                        r["ms"] = round(time_ms(lambda: tm.moe_experts_q(*a2, **kw2), device=dev), 4)
+                        r["ms"] = round(time_ms(lambda: tm.moe_experts_q(*a2, **kw2,
+                                                                         kernel_config=cfg),
+                                                device=dev), 4)
                         r["tflops"] = round(fl / r["ms"] / 1e9, 1)
                         r["tbps"] = round(by / r["ms"] / 1e9, 3)
                 except Exception as ex:  # noqa: BLE001
@@ -164,8 +149,6 @@ def main() -> None:
                     print(traceback.format_exc(limit=2), file=sys.stderr)
                 results.append(r)
                 print(json.dumps(r), flush=True)
-        tm.CONFIG_OVERRIDE.clear()
-    tm.FP8_H = False
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "moe_tune.json").write_text(json.dumps(results, indent=1))
     lines = ["| tokens | role | heuristic tile (ms) | best tile (ms) | speed-up |", "|---|---|---|---|---:|"]

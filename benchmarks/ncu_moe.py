@@ -27,19 +27,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--routing", default="balanced", choices=("gate", "balanced"))
     ap.add_argument("--warm", type=int, default=2)
-    ap.add_argument("--knobs", default="", help="ATTR=v,... of kernels/moe/triton.py (or "
-                    "module.ATTR=v), as benchmarks/moe_ab.py takes them")
+    ap.add_argument("--set", dest="sets", default="",
+                    help="family.field=v,... kernel-config settings (moe.fp8_h_prefill=false), "
+                         "as benchmarks/moe_ab.py takes them")
     args = ap.parse_args()
-    from megagraph.kernels.moe import triton as tm
+    from moe_ab import parse_configs
 
-    from moe_ab import _target, parse_configs
-
-    for k, v in (parse_configs(f"x:{args.knobs}")[0][1]).items():
-        setattr(*_target(tm, k), v)
+    configs = parse_configs(f"x:{args.sets}")[0][2]
     dev = torch.device("cuda")
     w = m.make_weights(m.V41, dev)
     T = args.tokens
-    call = m.layer_call(m.V41, w, T, dev, args.routing)
+    call = m.layer_call(m.V41, w, T, dev, args.routing, configs)
 
     for _ in range(args.warm):
         call()

@@ -33,6 +33,9 @@ def rel(a, b) -> float:
 
 def dense_rows(dev, budget_end, out_rows, write):
     from megagraph.kernels.gemm import cublas_fp8 as cb
+    from megagraph.kernels.gemm.config import GemmConfig
+
+    NO_CUBLAS = GemmConfig(cublas_fp8=False)  # the Triton FP8-block GEMM
     from megagraph.kernels import formats
     from megagraph.kernels.fused import reference as rf
     from megagraph.kernels.moe import triton as tm
@@ -64,11 +67,9 @@ def dense_rows(dev, budget_end, out_rows, write):
             xf = rf.dequant_act(xq, xs, act_fmt="fp8_1x128")
             want_src = xf @ w_src.t()
             kw = dict(fmt="fp8_block", act_fmt="fp8_1x128", out_dtype="bf16")
-            os.environ["MEGAGRAPH_CUBLAS_FP8"] = "0"
-            cb.MODE = "0"
-            tri = tm.linear_q(xq, xs, wq, ws, **kw)
-            t_tri = time_ms(lambda: tm.linear_q(xq, xs, wq, ws, **kw), device=dev)
-            cb.MODE = "1"
+            tri = tm.linear_q(xq, xs, wq, ws, **kw, kernel_config=NO_CUBLAS)
+            t_tri = time_ms(lambda: tm.linear_q(xq, xs, wq, ws, **kw, kernel_config=NO_CUBLAS),
+                            device=dev)
             row = dict(name=name, N=N, K=K, M=M, triton_us=1e3 * t_tri,
                        triton_rel_src=rel(tri, want_src), flops=2 * M * N * K,
                        bytes=N * K + M * K + 2 * M * N)

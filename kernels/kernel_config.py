@@ -128,7 +128,10 @@ def _coerce(v, hint, where: str):
 
 # -- the families ----------------------------------------------------------------------------------
 # modules that define (and register) one family's config each; imported by `families()`
-FAMILY_MODULES: tuple[str, ...] = ()
+FAMILY_MODULES: tuple[str, ...] = (
+    "megagraph.kernels.moe.config",
+    "megagraph.kernels.gemm.config",
+)
 _FAMILIES: dict[str, type[KernelConfig]] = {}
 
 

@@ -162,7 +162,7 @@ LOADABLE.update({
 # MegaMoE path, FP8-block GEMMs and Mega-mHC in Triton (Hopper; capturable fallbacks elsewhere)
 LOADABLE.update({
     "triton.mega_moe": "megagraph.kernels.moe.triton",
-    "deepgemm.fp8_fp4_mega_moe": "megagraph.kernels.moe.triton",  # deepgemm_mega, else Triton
+    "deepgemm.fp8_fp4_mega_moe": "megagraph.kernels.moe.deepgemm_entry",  # DeepGEMM, else Triton
     "triton.moe_fp8_mxfp4": "megagraph.kernels.moe.triton",
     "triton.swiglu_fp8_block": "megagraph.kernels.moe.triton",
     "triton.fp8_block_gemm": "megagraph.kernels.moe.triton",

@@ -55,7 +55,8 @@ def _named_kernel(name: str, op: str) -> tuple[Impl | None, str]:
 
 def bind_config(fn: Impl, key: str, want: str, plan: RunPlan) -> Impl:
     """`fn` (the fast kernel `want` of kernel key `key`) with the plan's config of its family
-    bound as `kernel_config`, so that it runs exactly the values plan.yaml records; unchanged
+    bound as `kernel_config` (and another family's as `<family>_config` where the entry point
+    takes one), so that it runs exactly the values plan.yaml records; unchanged
     for a key of no family. A kernel whose entry point takes no `kernel_config` is an error."""
     fam = plan.kernel_families.get(key)
     if fam is None:
@@ -73,7 +74,11 @@ def bind_config(fn: Impl, key: str, want: str, plan: RunPlan) -> Impl:
     if not takes:
         raise ArtifactsError(f"{where}: {want} (for {key}) takes no kernel_config keyword, but "
                              f"the plan gives it the {fam} config")
-    bound = partial(fn, kernel_config=cfg)
+    # a kernel that composes another family's kernels (mega_moe's shared expert on the dense
+    # GEMMs) takes that family's config as `<family>_config`
+    others = {f"{name}_config": c for name, c in plan.kernel_configs.items()
+              if name != fam and f"{name}_config" in params}
+    bound = partial(fn, kernel_config=cfg, **others)
     bound.capturable = getattr(fn, "capturable", False)  # type: ignore[attr-defined]
     return bound
 

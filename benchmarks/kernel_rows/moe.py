@@ -10,13 +10,9 @@ Rows per token count (64 = decode, 8192 = prefill; --smoke / CPU: tiny dims, tor
   routed experts    moe_experts_q alone (the routed-expert GEMMs + permutation + combine): the row
                     to read next to DeepGEMM's grouped FP8 GEMMs on this H200 (4.23 ms at 8192
                     tokens, 2.23 ms at 64 decode tokens; experts upcast to FP8), with a sweep of
-                    tiles and of the PTX upcast (MEGAGRAPH_FP4_ASM) in its notes;
-  routed persistent (decode only) the same op with the persistent grouped GEMMs
-                    (MEGAGRAPH_MOE_PERSISTENT; GemmConfig.persistent programs per SM, 1..4 in
-                    its notes), baseline = the best static-grid variant above;
+                    tiles and of the PTX upcast (MoeConfig.fp4_asm) in its notes;
   routed FP8-H      the same op with H quantized to E4M3 per 128 in L1's epilogue and the FP8
-                    L2 (MEGAGRAPH_MOE_FP8_H, default off; roles l1_fp8h / l2_fp8h, a few tiles
-                    in its notes), baseline = the best default (fp16-H) variant above; rel_err
+                    L2 (MoeConfig.fp8_h; roles l1_fp8h / l2_fp8h, a few tiles in its notes), baseline = the best default (fp16-H) variant above; rel_err
                     vs the fp32-H reference (expected ~2-3%: H's E4M3 rounding) and
                     rel_err_q vs the reference that quantizes H the same way (the kernel's
                     own numerics: ~1e-2 at most, bf16 output);
@@ -27,7 +23,8 @@ Rows per token count (64 = decode, 8192 = prefill; --smoke / CPU: tiny dims, tor
                     reference, not the same numerics).
 Bytes are the floor: weights of the experts the routing touched (FP4 + scales) + every
 activation read once and written once; FLOPs count the multiply-adds the op must do (x2).
-Each Triton row carries its relative error vs the reference op on the same inputs.
+Each Triton row carries its relative error vs the reference op on the same inputs. Every
+variant is a MoeConfig / GemmConfig passed as the ops' kernel_config, as the plan binds it.
 Time: CUDA-graph replays (kernel_rows.time_ms); slow torch baselines: one timed call after a
 warm-up call. Rows stop being added after BUDGET_S seconds.
 """
@@ -39,6 +36,9 @@ import traceback
 from dataclasses import replace
 
 import torch
+
+from megagraph.kernels.gemm.config import GemmConfig, Tile
+from megagraph.kernels.moe.config import MoeConfig
 
 from . import rel_err, row, time_ms, time_once_ms
 
@@ -245,21 +245,16 @@ def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
     rpg = T * k / min(E, T * k)
     variants = {}
     best = None
-    asm_default = tm.USE_ASM
-    auto = tm.asm_ok(dev) if asm_default is None else asm_default
-    for name, l1, l2, asm, knobs in _variants(rpg, tm, auto)[:None if sweep else 1]:
+    auto = tm.asm_ok(dev)
+    for name, asm, cfg in _variants(rpg, tm, auto)[:None if sweep else 1]:
         if time.perf_counter() > t_end - 40:
             break
         tag = f"{name}{'+ptx' if asm else ''}"
-        # fp16 H: this row's sweep and its DeepGEMM comparison stay the fp16-H kernels' (the
-        # FP8-H default at prefill sizes has its own row, fp8h_rows)
-        r = timed_variant(tm, {"USE_ASM": asm, "FP8_H_PREFILL": False, **knobs},
-                          _tiles(l1, l2),
-                          lambda: tm.moe_experts_q(*a2, **kw2),
+        r = timed_variant(cfg, lambda c: tm.moe_experts_q(*a2, **kw2, kernel_config=c),
                           lambda y: within(rel_err(y, ref2), 1e-2), dev, variants, tag,
                           lambda: log(f"variant {tag}: {traceback.format_exc(limit=3)}"))
         if r and (best is None or r[0] < best[1]):
-            best = (tag, r[0], r[1][0], asm, l1, l2, knobs)
+            best = (tag, r[0], r[1][0], cfg)
     if best is not None:
         fl, by = routed_counts(dims, T, touched)
         dg = DEEPGEMM_MS.get(T)
@@ -271,26 +266,24 @@ def moe_rows(dims, w, T, dev, t_end, sweep: bool = True) -> list[dict]:
                               if dg else f"best {best[0]}") + f"; PTX upcast check: {auto}"
                        + "; variants (ms): "
                        + ", ".join(f"{kk} {vv}" for kk, vv in variants.items())))
-        # the rows below time Triton kernels: the PTX upcast wherever its check passed (the
-        # best variant's upcast setting may be the other one by noise where the Gluon kernels,
-        # which ignore it, won: the seventh session's first table timed them all on the
-        # 3x slower arithmetic upcast that way)
-        tm.USE_ASM = auto
-        tm.CONFIG_OVERRIDE.update(_tiles(best[4], best[5]))
     else:
         out.append({"kernel": "triton.moe_experts_q", "case": f"T={T}", "error":
                     f"no variant ran: {variants}"})
-    try:
-        if rpg <= 12:
-            out += persistent_rows(dims, T, dev, tm, a2, kw2, ref2, touched,
-                                   auto, best[1] if best else None, t_end, sweep)
-        out += fp8h_rows(dims, T, dev, tm, a2, kw2, ref2, touched,
-                         auto, best[1] if best else None, t_end, sweep)
-        out += piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched)
-    finally:
-        tm.USE_ASM = asm_default
-        tm.CONFIG_OVERRIDE.clear()
+    # the rows below time Triton kernels at the best variant's tiles with the PTX upcast
+    # wherever its check passed (the best variant's upcast setting may be the other one by
+    # noise where the Gluon kernels, which ignore it, won)
+    cur = replace(best[3] if best else _fp16_h(auto), fp4_asm="on" if auto else "off")
+    out += fp8h_rows(dims, T, dev, tm, a2, kw2, ref2, touched, cur,
+                     best[1] if best else None, t_end, sweep)
+    out += piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched, cur)
     return out
+
+
+def _fp16_h(asm: bool) -> MoeConfig:
+    """The defaults with fp16 H at every size and the given upcast: the routed-expert sweep and
+    its DeepGEMM comparison stay the fp16-H kernels' (the FP8-H default at prefill sizes has
+    its own row, fp8h_rows)."""
+    return MoeConfig(fp8_h_prefill=False, fp4_asm="on" if asm else "off")
 
 
 def balanced_routing(T: int, E: int, k: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,11 +297,12 @@ def balanced_routing(T: int, E: int, k: int, dev) -> tuple[torch.Tensor, torch.T
     return tid2eid.contiguous(), t
 
 
-def layer_call(dims: dict, w: dict, T: int, dev, routing: str = "gate"):
+def layer_call(dims: dict, w: dict, T: int, dev, routing: str = "gate", configs=None):
     """A no-argument call of the whole Triton MegaMoE layer on layer_inputs at T tokens (seed
     T + 1, the kernel table's inputs), routed by the gate ("gate") or balanced_routing
-    ("balanced"): what benchmarks/moe_ab.py times and benchmarks/ncu_moe.py profiles. The
-    kernel switches are read at each call."""
+    ("balanced"): what benchmarks/moe_ab.py times and benchmarks/ncu_moe.py profiles, with
+    `configs` (family -> KernelConfig, kernel_config.resolve's answer; None: the defaults) bound
+    as the plan binds them: MoeConfig as kernel_config, GemmConfig as gemm_config."""
     from megagraph.kernels.moe import triton as tm
 
     streams, (x, xq, xs, _pre, post, comb) = layer_inputs(dims, w, T, dev, seed=T + 1)
@@ -316,6 +310,8 @@ def layer_call(dims: dict, w: dict, T: int, dev, routing: str = "gate"):
     if routing == "balanced":
         args += balanced_routing(T, dims["E"], dims["k"], dev)
     kw = dict(topk=dims["k"], **MOE_KW)
+    if configs:
+        kw.update(kernel_config=configs["moe"], gemm_config=configs["gemm"])
     return lambda: tm.mega_moe(*args, **kw)
 
 
@@ -323,7 +319,7 @@ def balanced_row(dims, w, T, dev, tm, rf, args, kw, random_ms: float) -> list[di
     """The whole layer at balanced routing (balanced_routing): every tile of the grouped GEMMs
     full, the case #7's "MoE layer at 8192 tokens with balanced routing" target is stated for;
     baseline = the same layer at the gate's (random-weight) routing above. Then the same with
-    fp16 H (FP8_H_PREFILL off), its baseline the default row."""
+    fp16 H (fp8_h_prefill off), its baseline the default row."""
     E, k = dims["E"], dims["k"]
     hashed = (*args, *balanced_routing(T, E, k, dev))
     tri = tm.mega_moe(*hashed, **kw)
@@ -332,24 +328,20 @@ def balanced_row(dims, w, T, dev, tm, rf, args, kw, random_ms: float) -> list[di
     ms = time_ms(lambda: tm.mega_moe(*hashed, **kw), device=dev)
     fl, by = moe_counts(dims, T, E)
     log(f"T={T} mega_moe balanced {ms:.3f} ms, err {err:.2e}")
-    saved = tm.FP8_H_PREFILL
-    try:  # the same layer with fp16 H (the default before the fifteenth session)
-        tm.FP8_H_PREFILL = False
-        tri16 = tm.mega_moe(*hashed, **kw)
-        ms16 = time_ms(lambda: tm.mega_moe(*hashed, **kw), device=dev)
-    finally:
-        tm.FP8_H_PREFILL = saved
+    fp16 = MoeConfig(fp8_h_prefill=False)  # the same layer with fp16 H
+    tri16 = tm.mega_moe(*hashed, **kw, kernel_config=fp16)
+    ms16 = time_ms(lambda: tm.mega_moe(*hashed, **kw, kernel_config=fp16), device=dev)
     err16 = rel_err(tri16, ref)
     log(f"T={T} mega_moe balanced, fp16 H {ms16:.3f} ms, err {err16:.2e}")
     rows = "rows (token t -> experts {k}t..{k}t+{k - 1} mod E, through tid2eid)"
     return [row("triton.mega_moe", f"T={T} prefill, balanced routing", ms, flops=fl, bytes=by,
                 peak="fp8", baseline="gate-routed", baseline_ms=random_ms, rel_err=err,
                 notes=f"{E} experts x {T * k // E} {rows}; H in FP8 where "
-                      "moe.FP8_H_PREFILL picks it (the default); baseline = the gate-routed "
-                      "row above"),
+                      "MoeConfig.fp8_h_prefill picks it (the default); baseline = the "
+                      "gate-routed row above"),
             row("triton.mega_moe", f"T={T} prefill, balanced routing, fp16 H", ms16, flops=fl,
                 bytes=by, peak="fp8", baseline="FP8 H (default)", baseline_ms=ms,
-                rel_err=err16, notes=f"the row above with MEGAGRAPH_MOE_FP8_H_PREFILL=0; "
+                rel_err=err16, notes=f"the row above with moe.fp8_h_prefill=false; "
                                      f"rel diff to it {rel_err(tri, tri16):.2e}")]
 
 
@@ -358,118 +350,66 @@ def within(err: float, bound: float):
     return (err,), (None if err < bound else f"rel err {err:.2e}")
 
 
-def timed_variant(tm, knobs: dict, overrides: dict, run, check, dev, times: dict, key, on_fail):
-    """One candidate of a sweep: `run()` with the module knobs of `tm` (USE_ASM, FP8_H, ...) and
-    CONFIG_OVERRIDE entries set, both restored afterwards. check(y) -> (errors, why wrong or
-    None). Records times[key] = ms, or why there is none ("wrong: ...", "failed: ..."; on_fail()
-    logs the traceback); returns (ms, errors), or None."""
-    saved = {k: getattr(tm, k) for k in knobs}, dict(tm.CONFIG_OVERRIDE)
+def timed_variant(cfg, run, check, dev, times: dict, key, on_fail):
+    """One candidate of a sweep: `run(cfg)` (cfg the kernel_config of the variant). check(y) ->
+    (errors, why wrong or None). Records times[key] = ms, or why there is none ("wrong: ...",
+    "failed: ..."; on_fail() logs the traceback); returns (ms, errors), or None."""
     try:
-        for k, v in knobs.items():
-            setattr(tm, k, v)
-        tm.CONFIG_OVERRIDE.update(overrides)
-        errors, wrong = check(run())
+        errors, wrong = check(run(cfg))
         if wrong:
             times[key] = f"wrong: {wrong}"
             return None
-        ms = time_ms(run, device=dev)
+        ms = time_ms(lambda: run(cfg), device=dev)
         times[key] = round(ms, 4)
         return ms, errors
     except Exception as ex:  # noqa: BLE001
         times[key] = f"failed: {type(ex).__name__}: {str(ex)[:200]}"
         on_fail()
         return None
-    finally:
-        for k, v in saved[0].items():
-            setattr(tm, k, v)
-        tm.CONFIG_OVERRIDE.clear()
-        tm.CONFIG_OVERRIDE.update(saved[1])
 
 
-def _variants(rpg: float, tm, auto: bool):
-    """(name, L1 tile, L2 tile, PTX upcast, module knobs) to time: the defaults (tiles None = no
-    CONFIG_OVERRIDE, so routed_experts picks as in serving: the Gluon decode L1 / L2 where
-    available) with the default upcast, the same with the other upcast, at decode the Triton
-    kernels instead of the Gluon ones (both: "triton", one at a time: "triton-l1" /
-    "triton-l2"), at prefill the Triton L1 ("triton-l1") and the opt-in Gluon L1 ("gluon-l1")
-    and the cuBLAS one ("cublas-l1", from 100 rows per expert) instead of the default Gluon L1 with
-    64-token tiles, and the Triton L2 ("triton-l2")
-    instead of the Gluon one, one alternative tile each for L1 and L2."""
-    G = tm.GemmConfig
-    out = [("default", None, None, auto, {})]
+def _variants(rpg: float, tm, auto: bool) -> list[tuple[str, bool, MoeConfig]]:
+    """(name, PTX upcast, config) to time: the defaults (fp16 H, _fp16_h: routed_experts picks as
+    in serving, the Gluon decode L1 / L2 where available) with the default upcast, the same with
+    the other upcast, at decode the Triton kernels instead of the Gluon ones (both: "triton",
+    one at a time: "triton-l1" / "triton-l2"), at prefill the Triton L1 ("triton-l1") and the
+    cuBLAS one ("cublas-l1", from 100 rows per expert) instead of the default Gluon L1s, and the
+    Triton L2 ("triton-l2") instead of the Gluon one, one alternative tile each for L1 and
+    L2."""
+    base = _fp16_h(auto)
+    out = [("default", auto, base)]
     if not tm.INTERPRET:
-        out.append(("default", None, None, not auto, {}))
+        out.append(("default", not auto, _fp16_h(not auto)))
     if rpg <= 12:  # the Gluon decode L1 / L2 (default) against the Triton kernels
-        out[1:1] = [("triton", None, None, auto, {"GLUON": False}),
-                    ("triton-l1", None, None, auto, {"GLUON_DECODE": False}),
-                    ("triton-l2", None, None, auto, {"GLUON_DECODE_L2": False})]
-    elif rpg > 48:  # the L1 on the Triton kernel, on the opt-in Gluon one; the L2 on Triton
-        out[1:1] = [("triton-l1", None, None, auto, {"CUBLAS_PREFILL": False,
-                                                     "GLUON_WIDE_L1": False}),
-                    ("cublas-l1", None, None, auto, {"GLUON_WIDE_L1": False}),
-                    ("gluon-l1", None, None, auto, {"GLUON_PREFILL": True}),
-                    ("triton-l2", None, None, auto, {"GLUON_PREFILL_L2": False})]
+        out[1:1] = [("triton", auto, replace(base, gluon=False)),
+                    ("triton-l1", auto, replace(base, gluon_decode=False)),
+                    ("triton-l2", auto, replace(base, gluon_decode_l2=False))]
+    elif rpg > 48:  # the L1 on the Triton kernel, on cuBLAS; the L2 on Triton
+        out[1:1] = [("triton-l1", auto, replace(base, cublas_prefill=False, gluon_ws_l1=False,
+                                                gluon_wide_l1=False)),
+                    ("cublas-l1", auto, replace(base, gluon_ws_l1=False, gluon_wide_l1=False)),
+                    ("triton-l2", auto, replace(base, gluon_prefill_l2=False))]
     if rpg <= 12:
-        out.append(("alt", G(16, 64, 128, 4, 4, par=True), G(64, 64, 128, 4, 4, par=True), auto,
-                    {}))
+        alt = (Tile(16, 64, 128, 4, 4, par=True), Tile(64, 64, 128, 4, 4, par=True))
     else:
-        out.append(("alt", G(128, 64, 128, 8, 4, par=True), G(128, 128, 64, 8, 4, par=True),
-                    auto, {}))
+        alt = (Tile(128, 64, 128, 8, 4, par=True), Tile(128, 128, 64, 8, 4, par=True))
+    out.append(("alt", auto, replace(base, tiles=(alt[0].spec("l1"), alt[1].spec("l2")))))
     return out
 
 
-def _tiles(l1, l2) -> dict:
-    """CONFIG_OVERRIDE entries of a variant (None: the role's default pick, no override)."""
-    return {role: cfg for role, cfg in (("l1", l1), ("l2", l2)) if cfg is not None}
-
-
-def persistent_rows(dims, T, dev, tm, a2, kw2, ref2, touched, asm, static_ms, t_end,
-                    sweep: bool) -> list[dict]:
-    """moe_experts_q with the persistent grouped GEMMs (moe_gemm_persistent) at the current
-    tiles (the best static variant's, set by moe_rows), per programs-per-SM count (only the
-    default one when not sweeping); the row carries the best count, the static-grid time as
-    baseline, and every count in its notes. Leaves USE_ASM / CONFIG_OVERRIDE as it found them."""
-    rpg = T * dims["k"] / min(dims["E"], T * dims["k"])
-    d1, d2 = tm.pick_config("l1", rpg), tm.pick_config("l2", rpg)
-    times, best = {}, None
-    for per_sm in ((1, 2, 3, 4) if sweep else (tm.PERSISTENT_PER_SM,)):
-        if time.perf_counter() > t_end - 20:
-            times[per_sm] = "skipped: budget"
-            continue
-        r = timed_variant(tm, {"USE_ASM": asm}, {"l1": replace(d1, persistent=per_sm),
-                                                 "l2": replace(d2, persistent=per_sm)},
-                          lambda: tm.moe_experts_q(*a2, **kw2),
-                          lambda y: within(rel_err(y, ref2), 1e-2), dev, times, per_sm,
-                          lambda: log(f"persistent x{per_sm}: {traceback.format_exc(limit=3)}"))
-        if r and (best is None or r[0] < best[1]):
-            best = (per_sm, r[0], r[1][0])
-    notes = "programs per SM (ms): " + ", ".join(f"{k} {v}" for k, v in times.items())
-    if best is None:
-        return [{"kernel": "triton.moe_experts_q persistent", "case": f"T={T}",
-                 "error": f"no count ran: {notes}"}]
-    fl, by = routed_counts(dims, T, touched)
-    log(f"T={T} routed persistent x{best[0]} {best[1]:.3f} ms (static {static_ms})")
-    return [row("triton.moe_experts_q persistent", f"T={T} routed experts", best[1], flops=fl,
-                bytes=by, peak="fp8", rel_err=best[2], baseline="static grid",
-                baseline_ms=static_ms, per_sm=best[0], persistent_ms=times,
-                deepgemm_fp8_ms=DEEPGEMM_MS.get(T),
-                notes=f"best {best[0]} programs/SM, tiles {tuple(vars(d1).values())[:6]} / "
-                      f"{tuple(vars(d2).values())[:6]}; {notes}")]
-
-
-def fp8h_rows(dims, T, dev, tm, a2, kw2, ref2, touched, asm, base_ms, t_end,
+def fp8h_rows(dims, T, dev, tm, a2, kw2, ref2, touched, cur: MoeConfig, base_ms, t_end,
               sweep: bool) -> list[dict]:
-    """moe_experts_q with the FP8-H path (routed_experts fp8_h: E4M3 H + per-128 scales from L1's
-    epilogue, FP8 L2) at the pick_config l1_fp8h / l2_fp8h tiles, then (sweeping) a few other
+    """moe_experts_q with the FP8-H path (MoeConfig.fp8_h: E4M3 H + per-128 scales from L1's
+    epilogue, FP8 L2) at the pick_tile l1_fp8h / l2_fp8h tiles, then (sweeping) a few other
     tiles; the row carries the fastest, the default (fp16-H) best as baseline, and both errors.
-    Leaves FP8_H / USE_ASM / CONFIG_OVERRIDE as it found them."""
+    cur: the config the other settings come from (the upcast)."""
     from megagraph.kernels.fused import reference as rf
 
     rpg = T * dims["k"] / min(dims["E"], T * dims["k"])
-    G = tm.GemmConfig
-    d1, d2 = tm.pick_config("l1_fp8h", rpg), tm.pick_config("l2_fp8h", rpg)
+    G = Tile
+    d1, d2 = tm.pick_tile("l1_fp8h", rpg), tm.pick_tile("l2_fp8h", rpg)
     tiles = [("default", d1, d2)]
-    if rpg > tm.WIDE_L1_MIN_ROWS:  # the warp-specialized FP8-H kernels: no tile overrides
+    if rpg > cur.wide_l1_min_rows:  # the warp-specialized FP8-H kernels: no tile overrides
         tiles.insert(0, ("gluon-ws", None, None))
     if sweep and rpg > 12:
         tiles += [("l1 128x128", G(128, 128, 128, 8, 3, par=True), d2),
@@ -489,9 +429,10 @@ def fp8h_rows(dims, T, dev, tm, a2, kw2, ref2, touched, asm, base_ms, t_end,
         if time.perf_counter() > t_end - 20:
             times[name] = "skipped: budget"
             continue
-        over = {} if c1 is None else {"l1_fp8h": c1, "l2_fp8h": c2}
-        r = timed_variant(tm, {"FP8_H": True, "USE_ASM": asm}, over,
-                          lambda: tm.moe_experts_q(*a2, **kw2), fp8h_errors, dev, times, name,
+        pins = () if c1 is None else (c1.spec("l1_fp8h"), c2.spec("l2_fp8h"))
+        cfg = replace(cur, fp8_h=True, tiles=pins)
+        r = timed_variant(cfg, lambda c: tm.moe_experts_q(*a2, **kw2, kernel_config=c),
+                          fp8h_errors, dev, times, name,
                           lambda: log(f"fp8-H {name}: {traceback.format_exc(limit=3)}"))
         if r and (best is None or r[0] < best[1]):
             best = (name, r[0], *r[1], c1, c2)
@@ -506,8 +447,8 @@ def fp8h_rows(dims, T, dev, tm, a2, kw2, ref2, touched, asm, base_ms, t_end,
                 bytes=by, peak="fp8", rel_err=best[2], rel_err_q=best[3],
                 baseline="fp16 H (default)", baseline_ms=base_ms, fp8h_ms=times,
                 deepgemm_fp8_ms=DEEPGEMM_MS.get(T),
-                notes=f"FP8 H (the default at prefill sizes on sm_90: moe.FP8_H_PREFILL; "
-                      f"MEGAGRAPH_MOE_FP8_H=1 everywhere); best {best[0]}"
+                notes=f"FP8 H (the default at prefill sizes on sm_90: moe.fp8_h_prefill; "
+                      f"moe.fp8_h=true everywhere); best {best[0]}"
                       + ("" if best[4] is None else
                          f": l1 {tuple(vars(best[4]).values())[:6]}, "
                          f"l2 {tuple(vars(best[5]).values())[:6]}") + "; "
@@ -515,8 +456,9 @@ def fp8h_rows(dims, T, dev, tm, a2, kw2, ref2, touched, asm, base_ms, t_end,
                       f"{best[3]:.2e}; {notes}")]
 
 
-def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> list[dict]:
-    """The launches of mega_moe timed one by one (same inputs, current tile choice)."""
+def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched,
+               cur: MoeConfig) -> list[dict]:
+    """The launches of mega_moe timed one by one (same inputs, cur's tiles and upcast)."""
     E, k, d, F, fs = dims["E"], dims["k"], dims["d"], dims["F"], dims["fs"]
     P = T * k
     b = [tm.bank(wt, s, "mxfp4") for wt, s in zip(w["routed"][0::2], w["routed"][1::2],
@@ -535,11 +477,11 @@ def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> 
     rpg = P / min(E, P)
     h = torch.empty(P, F, dtype=torch.float16, device=dev)
     y = torch.empty(T, k + 1, d, dtype=torch.bfloat16, device=dev)
-    c1, c2 = tm.pick_config("l1", rpg), tm.pick_config("l2", rpg)
+    c1, c2 = tm.pick_tile("l1", rpg, cur), tm.pick_tile("l2", rpg, cur)
 
     def l1():
         tm.gemm(xq, xs, b[0], h, b2=b[1], role="l1", rows_per_group=rpg, counts=counts, a_idx=srt,
-                topk=k, max_tiles=min(P, P // c1.bm + E), limit=10.0)
+                topk=k, max_tiles=min(P, P // c1.bm + E), limit=10.0, kc=cur)
 
     def l1c():  # the prefill default: cuBLAS grouped FP8 on the per-call E4M3 upcast
         from megagraph.kernels.moe import grouped_cublas as mgc
@@ -549,23 +491,24 @@ def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> 
     def l2():
         tm.gemm(h, None, b[2], y.view(T * (k + 1), d), role="l2", rows_per_group=rpg,
                 counts=counts, c_idx=srt, row_w=wts.reshape(-1), topk=k, ks=k + 1,
-                max_tiles=min(P, P // c2.bm + E))
+                max_tiles=min(P, P // c2.bm + E), kc=cur)
 
     hq = torch.empty(P, F, dtype=torch.float8_e4m3fn, device=dev)
     hs = torch.empty(P, F // 128, dtype=torch.float32, device=dev)
-    q1, q2 = tm.pick_config("l1_fp8h", rpg), tm.pick_config("l2_fp8h", rpg)
+    q1, q2 = tm.pick_tile("l1_fp8h", rpg, cur), tm.pick_tile("l2_fp8h", rpg, cur)
 
     def l1q():
         tm.gemm(xq, xs, b[0], hq, b2=b[1], role="l1_fp8h", rows_per_group=rpg, counts=counts,
-                a_idx=srt, topk=k, max_tiles=min(P, P // q1.bm + E), limit=10.0, out_scale=hs)
+                a_idx=srt, topk=k, max_tiles=min(P, P // q1.bm + E), limit=10.0, out_scale=hs,
+                kc=cur)
 
     def l2q():
         tm.gemm(hq, hs, b[2], y.view(T * (k + 1), d), role="l2_fp8h", rows_per_group=rpg,
                 counts=counts, c_idx=srt, row_w=wts.reshape(-1), topk=k, ks=k + 1,
-                max_tiles=min(P, P // q2.bm + E))
+                max_tiles=min(P, P // q2.bm + E), kc=cur)
 
-    def shared():
-        tm.shared_expert(xq, xs, *sb, y[:, k], swiglu_limit=10.0)
+    def shared(gemm_cfg=None):
+        tm.shared_expert(xq, xs, *sb, y[:, k], swiglu_limit=10.0, cfg=cur, gemm_cfg=gemm_cfg)
 
     def shared_q():  # FP8 H, both GEMMs on cuBLAS's FP8 GEMM (the prefill default)
         return tm.shared_expert_fp8h(xq, xs, *sb, swiglu_limit=10.0, out_dtype=torch.bfloat16)
@@ -593,15 +536,15 @@ def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> 
          touched * expert * 2 // 3 * 3 + T * d + P * 2 * F * 2 * 2 + P * F * 2, "fp8"),
         ("L2: W2 + weights -> (token, slot)", l2, 2 * P * F * d,
          touched * expert // 3 + P * F * 2 + P * d * 2, "fp8"),
-        ("L1 FP8-H: W1/W3 + SwiGLU + H to E4M3 (MEGAGRAPH_MOE_FP8_H)", l1q, 2 * P * 2 * F * d,
+        ("L1 FP8-H: W1/W3 + SwiGLU + H to E4M3 (moe.fp8_h)", l1q, 2 * P * 2 * F * d,
          touched * expert * 2 // 3 + T * d + P * F + P * F // 32, "fp8"),
-        ("L2 FP8-H: W2 on E4M3 H + weights (MEGAGRAPH_MOE_FP8_H)", l2q, 2 * P * F * d,
+        ("L2 FP8-H: W2 on E4M3 H + weights (moe.fp8_h)", l2q, 2 * P * F * d,
          touched * expert // 3 + P * F + P * F // 32 + P * d * 2, "fp8"),
         ("shared expert (FP8 blocks, L1 + L2)", shared, 2 * T * 3 * fs * d,
          3 * fs * d + T * d + T * d * 2, "bf16"),
-        ("shared expert FP8 H: both GEMMs on cuBLAS FP8 (MEGAGRAPH_MOE_SHARED_FP8_H)",
+        ("shared expert FP8 H: both GEMMs on cuBLAS FP8 (moe.shared_fp8_h)",
          shared_q, 2 * T * 3 * fs * d, 3 * fs * d + T * d + T * d * 2, "fp8"),
-        ("shared expert, Triton L1 (MEGAGRAPH_CUBLAS_FP8=0)", cublas_off(shared),
+        ("shared expert, Triton L1 (gemm.cublas_fp8=false)", lambda: shared(NO_CUBLAS),
          2 * T * 3 * fs * d, 3 * fs * d + T * d + T * d * 2, "bf16"),
         ("combine + shared + mHC expand", comb_, 0, T * (k + 1) * d * 2 + 2 * T * 4 * d * 2, ""),
     ]
@@ -618,18 +561,8 @@ def piece_rows(dims, w, T, dev, tm, x, xq, xs, streams, post, comb, touched) -> 
     return out
 
 
-def cublas_off(fn):
-    """fn with kernels/cublas_fp8 switched off (the Triton FP8-block GEMMs run), for the rows
-    that time Triton next to cuBLAS."""
-    from megagraph.kernels.gemm import cublas_fp8
-
-    def run():
-        mode, cublas_fp8.MODE = cublas_fp8.MODE, "0"
-        try:
-            return fn()
-        finally:
-            cublas_fp8.MODE = mode
-    return run
+# cuBLAS switched off (the Triton FP8-block GEMMs run), for the rows that time Triton next to it
+NO_CUBLAS = GemmConfig(cublas_fp8=False)
 
 
 def cublas_note(dev) -> str:
@@ -681,9 +614,10 @@ def linear_rows(dims, w, T, dev, t_end) -> list[dict]:
         xq, xs = rf.quantize_act(x, act_fmt="fp8_1x128")
         wq, ws = formats.quantize_fp8_block(torch.randn(N, K, device=dev, generator=g) * 0.02, 32)
         kw = dict(fmt="fp8_block", act_fmt="fp8_1x128", out_dtype="bf16")
-        tri = cublas_off(lambda: tm.linear_q(xq, xs, wq, ws, **kw))()
+        tri = tm.linear_q(xq, xs, wq, ws, **kw, kernel_config=NO_CUBLAS)
         ref = rf.linear_q(xq, xs, wq, ws, **kw)
-        ms = time_ms(cublas_off(lambda: tm.linear_q(xq, xs, wq, ws, **kw)), device=dev)
+        ms = time_ms(lambda: tm.linear_q(xq, xs, wq, ws, **kw, kernel_config=NO_CUBLAS),
+                     device=dev)
         base = time_ms(lambda: cf.linear_q(xq, xs, wq, ws, **kw), device=dev)
         comp = None
         if COMPILE and name == "wq_a" and T <= 256 and time.perf_counter() < t_end - 60:
@@ -722,9 +656,10 @@ def linear_rows(dims, w, T, dev, t_end) -> list[dict]:
         wq, ws = formats.quantize_fp8_block(torch.randn(G * O, In, device=dev, generator=g) * 0.02,
                                             32)
         kw = dict(groups=G, fmt="fp8_block", act_fmt="fp8_1x128", out_dtype="bf16")
-        tri = cublas_off(lambda: tm.grouped_linear_q(xq, xs, wq, ws, **kw))()
+        tri = tm.grouped_linear_q(xq, xs, wq, ws, **kw, kernel_config=NO_CUBLAS)
         ref = rf.grouped_linear_q(xq, xs, wq, ws, **kw)
-        ms = time_ms(cublas_off(lambda: tm.grouped_linear_q(xq, xs, wq, ws, **kw)), device=dev)
+        ms = time_ms(lambda: tm.grouped_linear_q(xq, xs, wq, ws, **kw, kernel_config=NO_CUBLAS),
+                     device=dev)
         base = time_ms(lambda: cf.grouped_linear_q(xq, xs, wq, ws, **kw), device=dev)
         out.append(row("triton.grouped_fp8_gemm", f"T={T} wo_a 8x{O}x{In}", ms,
                        flops=2 * T * G * O * In, bytes=G * O * In + T * G * In + T * G * O * 2,
@@ -734,14 +669,16 @@ def linear_rows(dims, w, T, dev, t_end) -> list[dict]:
         if note:  # one cuBLAS GEMM per group (grouped_linear_q's default from 256 rows)
             yc = torch.empty_like(tri)
             b = tm.bank(wq, ws, "fp8_block")
-            if tm._cublas_groups(xq, xs, wq, ws, G, b, yc):
-                ms_c = time_ms(lambda: tm._cublas_groups(xq, xs, wq, ws, G, b, yc), device=dev)
+            gc = GemmConfig()
+            if tm._cublas_groups(xq, xs, wq, ws, G, b, yc, gc):
+                ms_c = time_ms(lambda: tm._cublas_groups(xq, xs, wq, ws, G, b, yc, gc),
+                               device=dev)
                 out.append(row("cublas.grouped_fp8_gemm", f"T={T} wo_a 8x{O}x{In}", ms_c,
                                flops=2 * T * G * O * In,
                                bytes=G * O * In + T * G * In + T * G * O * 2, peak="fp8",
                                baseline="triton", baseline_ms=ms, rel_err=rel_err(yc, ref),
                                notes=note + f"; {G} GEMMs; grouped_linear_q's default from "
-                               f"{tm.CUBLAS_GROUPED_MIN_ROWS} rows"))
+                               f"{GemmConfig().cublas_grouped_min_rows} rows"))
     return out
 
 

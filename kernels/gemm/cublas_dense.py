@@ -22,9 +22,9 @@ kernel runs); half-precision x with fp16 weights uses the plain GEMM.
 
 The device check (``supported``) compares the call with fp32 math on random inputs once per
 device; where it fails or ``torch.mm`` has no ``out_dtype`` (older torch), the capturable kernel
-runs. Registry status "available" on sm_90 since its tests passed on the H200 (session 10:
-tests/kernels/test_cublas_dense.py, benchmarks/results/h200-kernel-tests.md); "unvalidated" on
-other CUDA devices (MEGAGRAPH_UNVALIDATED_KERNELS=1).
+runs. Registry status "available" on sm_90, where its tests passed on the H200
+(tests/kernels/test_cublas_dense.py, benchmarks/results/h200-kernel-tests.md); "unvalidated" on
+other CUDA devices (MEGAGRAPH_UNVALIDATED_KERNELS=1). GemmConfig.cublas_dense switches it off.
 """
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ import logging
 
 import torch
 from torch import Tensor
+
+from megagraph.kernels.gemm.config import GemmConfig
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +113,11 @@ def applies(x: Tensor, weight: Tensor, scale: Tensor | None, fmt: str) -> bool:
     return x.shape[-1] == weight.shape[1] and supported(weight.device.index or 0)
 
 
-def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None, *, fmt: str = "dense") -> Tensor:
+def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None, *, fmt: str = "dense",
+           kernel_config: GemmConfig | None = None) -> Tensor:
     """kernels.gemm.reference.linear: y = x @ W^T in fp32, cast to x.dtype; the capturable
-    kernel where applies() says no."""
-    if not applies(x, weight, scale, fmt):
+    kernel where applies() says no or kernel_config.cublas_dense is off."""
+    if not ((kernel_config or GemmConfig()).cublas_dense and applies(x, weight, scale, fmt)):
         from megagraph.kernels.dense.capturable import linear as fallback
 
         return fallback(x, weight, scale, fmt=fmt)

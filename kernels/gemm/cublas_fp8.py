@@ -2,8 +2,8 @@
 "`torch._scaled_mm` where it fits" for the attention projections and the shared expert.
 
 Why: the Triton FP8-block GEMM (kernels/moe/triton.py, role "dense") ran at 17-18% of the FP8
-peak at 8192 rows and 5-29% of the copy bandwidth at 64 rows on the H200 (seventh session,
-benchmarks/results/kernels-moe-h200.md), while cuBLAS's per-tensor FP8 GEMM at the same shapes
+peak at 8192 rows and 5-29% of the copy bandwidth at 64 rows on the H200
+(benchmarks/results/kernels-moe-h200.md), while cuBLAS's per-tensor FP8 GEMM at the same shapes
 was 3-6x faster. Since CUDA 12.9 cuBLAS also takes DeepSeek's block scales on sm_90: activation
 scales per (row, 128 columns) and weight scales per (row, 128 columns) or per 128 x 128 block,
 fp32, through ``torch.nn.functional.scaled_mm`` (ScalingType.BlockWise1x128 / BlockWise128x128).
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -36,28 +35,26 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from megagraph.kernels.gemm.config import GemmConfig
+
 log = logging.getLogger(__name__)
 
-MODE = os.environ.get("MEGAGRAPH_CUBLAS_FP8", "1")  # "0": never; "1": where supported()
 ACT_BLOCK = 128
 # |reblocked - original| per element, in units of the element's new scale 2^emax: half the E4M3
 # subnormal step 2^-9 (elements that stay normal are exact: a power-of-two shift)
 REBLOCK_ABS_ERR = 2.0 ** -10
 # the call forms (torch's scaled_mm takes the weight's block scales either per (row, 128 columns)
-# or per 128 x 128 block on sm_90); supported() takes the first one the device accepts, in the
-# order of MEGAGRAPH_CUBLAS_FP8_FORM first. Measured on the H200 (eighth session,
-# benchmarks/results/scaled-mm-probe-h200.md): 1x128 is 1.5-2x faster at <= 64 rows (decode),
+# or per 128 x 128 block on sm_90); supported() takes the first one the device accepts,
+# GemmConfig.cublas_form first. Measured on the H200
+# (benchmarks/results/scaled-mm-probe-h200.md): 1x128 is 1.5-2x faster at <= 64 rows (decode),
 # 128x128 20-25% faster at >= 1024 rows; both 4-5x faster than the Triton GEMM at 8192 rows.
 # 1x128 is the default: decode-bound serving, and it re-rounds fewer elements (one row's blocks).
 FORMS = ("1x128", "128x128")
-FORM = os.environ.get("MEGAGRAPH_CUBLAS_FP8_FORM", "1x128")
-# the recipe for prefill-sized calls of callers that ask for it (prefill_form: the shared
-# expert's two GEMMs at >= PREFILL_ROWS rows, where the same probe measured 128x128 20-25%
-# faster: 380 -> 307 us and 206 -> 166 us at 8192 rows). Its cost: a second reblocked copy of
-# those weights (V4.1's 32 x 32 blocks re-rounded per 128 x 128 block, the same error bound as
-# 1x128's; ~31 MB a layer for the shared expert). "" : the default recipe everywhere.
-FORM_PREFILL = os.environ.get("MEGAGRAPH_CUBLAS_FP8_FORM_PREFILL", "128x128")
-PREFILL_ROWS = 1024
+# The recipe for prefill-sized calls of callers that ask for it (GemmConfig.prefill_form: the
+# shared expert's two GEMMs at >= cublas_prefill_rows rows, where the same probe measured
+# 128x128 20-25% faster: 380 -> 307 us and 206 -> 166 us at 8192 rows). Its cost: a second
+# reblocked copy of those weights (V4.1's 32 x 32 blocks re-rounded per 128 x 128 block, the same
+# error bound as 1x128's; ~31 MB a layer for the shared expert).
 # the device check's bound on |cuBLAS fp32 output - fp32 math| / |fp32 math|: Hopper's FP8 MMA
 # accumulates each 128-column block at reduced precision before the fp32 promotion (2.0e-4
 # measured on the H200 at K 512-8192), far below a bf16 output's own rounding (~2e-3 on these
@@ -177,10 +174,10 @@ def matmul(x_q: Tensor, x_scale: Tensor, cw: CublasWeight, out_dtype: torch.dtyp
 
 
 @functools.cache
-def supported(index: int) -> str | None:
+def supported(index: int, first: str = "1x128") -> str | None:
     """The first form of FORMS whose cuBLAS call matches fp32 math on CUDA device ``index``
-    (form_ok), FORM first, or None; cached per device."""
-    for form in sorted(FORMS, key=lambda f: f != FORM):
+    (form_ok), `first` (GemmConfig.cublas_form) first, or None; cached per device."""
+    for form in sorted(FORMS, key=lambda f: f != first):
         if form_ok(index, form):
             return form
     return None
@@ -190,7 +187,7 @@ def supported(index: int) -> str | None:
 def form_ok(index: int, form: str) -> bool:
     """Whether cuBLAS's call in this form matches fp32 math on CUDA device ``index`` (odd
     sub-block scales, 6 rows: the padding path); cached per device and form."""
-    if MODE == "0" or not torch.cuda.is_available() or form not in FORMS:
+    if not torch.cuda.is_available() or form not in FORMS:
         return False
     F = torch.nn.functional
     if not (hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")):
@@ -282,19 +279,20 @@ def derived(pairs: tuple[tuple[Tensor, Tensor], ...], tag: str, build):
     return out
 
 
-def prepare(*pairs: tuple[Tensor, Tensor], form: str | None = None) -> CublasWeight | None:
+def prepare(*pairs: tuple[Tensor, Tensor], form: str | None = None,
+            first: str = "1x128") -> CublasWeight | None:
     """The cached CublasWeight of one or more (weight, scale) pairs stacked along N (reblocked on
     first use, derived()); None where the device check failed or the shapes do not fit. form:
     this recipe instead of the device's default (supported()) where the device takes it
     (form_ok) and the weights fit it (reblock; else the default: a recipe is a speed choice,
-    both match the same fp32 math); each form is its own cached copy."""
+    both match the same fp32 math); each form is its own cached copy. first: supported()'s."""
     ws = [w for w, _ in pairs]
     if not ws or any(w.device.type != "cuda" or w.dim() != 2 for w in ws):
         return None
     if len({(w.device, w.shape[1]) for w in ws}) != 1:
         return None
     index = ws[0].device.index or 0
-    default = supported(index)
+    default = supported(index, first)
     if form is None or not form_ok(index, form):
         form = default
     if form is None:
@@ -308,15 +306,15 @@ def prepare(*pairs: tuple[Tensor, Tensor], form: str | None = None) -> CublasWei
         return CublasWeight(w2, s2, form, exact)
 
     cw = derived(tuple(pairs), form, build)
-    return cw if cw is not None or form == default else prepare(*pairs)
+    return cw if cw is not None or form == default else prepare(*pairs, first=first)
 
 
-def dense_bf16(weight: Tensor, scale: Tensor) -> Tensor | None:
+def dense_bf16(weight: Tensor, scale: Tensor, cfg: GemmConfig | None = None) -> Tensor | None:
     """The cached bf16 [N, K] of an FP8-block weight (exact: an E4M3 value times a power of two
     is a bf16 number), for a GEMM whose other operand is not FP8 (the shared expert's W2 on its
     fp16 / bf16 H: cuBLAS's block-scaled GEMM takes FP8 operands only); None off CUDA or when
-    MODE is "0"."""
-    if MODE == "0" or weight.device.type != "cuda" or weight.dim() != 2:
+    GemmConfig.cublas_fp8 is off."""
+    if not (cfg or GemmConfig()).cublas_fp8 or weight.device.type != "cuda" or weight.dim() != 2:
         return None
     from megagraph.kernels import formats
 
@@ -324,22 +322,19 @@ def dense_bf16(weight: Tensor, scale: Tensor) -> Tensor | None:
                    lambda p: formats.dequantize_fp8_block(*p[0]).to(torch.bfloat16))
 
 
-def prefill_form(rows: int) -> str | None:
-    """FORM_PREFILL for calls of >= PREFILL_ROWS rows, else None (the device's default form)."""
-    return (FORM_PREFILL or None) if rows >= PREFILL_ROWS else None
-
-
 def linear(x_q: Tensor, x_scale: Tensor, pairs: list[tuple[Tensor, Tensor]],
-           out_dtype: torch.dtype, form: str | None = None) -> Tensor | None:
+           out_dtype: torch.dtype, form: str | None = None,
+           cfg: GemmConfig | None = None) -> Tensor | None:
     """y = dequant(x_q) @ dequant([W_1; W_2; ...])^T on cuBLAS (pairs: (weight, E8M0 scale) of
     one or more FP8-block weights with the same K, stacked along N), or None (the caller's GEMM
-    runs) where MODE is "0", the device check failed, the output dtype is not bf16 / fp32 or a
-    weight does not reblock. form: prepare's (None: the device's default recipe)."""
-    if MODE == "0" or out_dtype not in (torch.bfloat16, torch.float32):
+    runs) where cfg.cublas_fp8 is off, the device check failed, the output dtype is not bf16 /
+    fp32 or a weight does not reblock. form: prepare's (None: the device's default recipe)."""
+    cfg = cfg or GemmConfig()
+    if not cfg.cublas_fp8 or out_dtype not in (torch.bfloat16, torch.float32):
         return None
     if x_q.dtype != torch.float8_e4m3fn or x_scale.dtype != torch.float32 or x_q.dim() != 2:
         return None
-    cw = prepare(*pairs, form=form)
+    cw = prepare(*pairs, form=form, first=cfg.cublas_form)
     if cw is None:
         return None
     return matmul(x_q, x_scale, cw, out_dtype)

@@ -3,6 +3,8 @@
 NOT RUN YET: written on a CPU-only machine without DeepGEMM (the GPU at hand is an H200, sm_90;
 the kernel is Blackwell-only). The layout code below is tested on the CPU against its
 definitions (tests/kernels/test_deepgemm_mega.py); everything that calls DeepGEMM is unverified.
+One file of ~700 lines: the weight / scale layout conversions and the buffer lifecycle of one
+external kernel.
 
 Same signature and semantics as kernels/moe/triton.py's `mega_moe` (router, routed experts,
 shared expert, combine + mHC expand); returns None wherever this path does not apply, so the
@@ -43,13 +45,15 @@ Numerics (expected, unmeasured): like moe.py's FP8_H variant plus bf16 gate/up r
 % relative (Frobenius) against kernels.reference_table, not the Triton default's ~3e-3.
 
 Conditions under which this returns None (Triton runs), in the order checked:
-  * disabled: MEGAGRAPH_DEEPGEMM_MEGA_MOE unset or "0" (an unvalidated path); "1" turns it on
+  * disabled: MoeConfig.deepgemm_mega "off" (the default: never run on its device); "on" turns
+    it on (the plan's kernel deepgemm.fp8_fp4_mega_moe, chosen with compile --allow-unvalidated,
+    runs with it on: kernels/moe/deepgemm_entry.py)
   * `unsupported(...)`: routed fmt not "mxfp4" (1x32 E8M0 banks [E, F, d/2], [E, d, F/2]);
     act_fmt not "fp8_1x128" (e4m3 x_q [T, d], f32 power-of-two x_scale [T, d/128]); x not bf16
     (DeepGEMM's y is bf16) or not 2-D; streams not [T, n, d] in f32/bf16/f16; the bank does not
     hold every expert (E != gate_w rows); d or F not a multiple of 128; topk outside
-    [1, min(E, 32)]; T == 0 or T > MAX_TOKENS; score_func unknown; a shared expert the Triton
-    GEMM cannot take (moe.bank None or stacked)
+    [1, min(E, 32)]; T == 0 or T > MoeConfig.deepgemm_mega_max_tokens; score_func unknown;
+    a shared expert the Triton GEMM cannot take (moe.bank None or stacked)
   * `available(device)` false: not CUDA, compute capability major not 10, deep_gemm not
     importable or without the MegaMoE entry points, torch.distributed / symmetric memory
     missing, no usable 1-rank group (below)
@@ -79,16 +83,16 @@ Buffers are never freed while the process may replay graphs that use them (relea
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
 from torch import Tensor
 
-ENV_ENABLE = "MEGAGRAPH_DEEPGEMM_MEGA_MOE"  # "1" on; "0" or unset: off (never ran on its device)
-MAX_TOKENS = int(os.environ.get("MEGAGRAPH_DEEPGEMM_MEGA_MAX_TOKENS", "8192"))  # per step
+from megagraph.kernels.moe.config import MoeConfig
+
+# the symmetric buffer's tokens per step by default (MoeConfig.deepgemm_mega_max_tokens)
+MAX_TOKENS = MoeConfig.deepgemm_mega_max_tokens
 MIN_BUFFER_TOKENS = 128
-FAST_MATH = os.environ.get("MEGAGRAPH_DEEPGEMM_MEGA_FAST_MATH", "1") == "1"  # DeepGEMM's default
 ENTRY_POINTS = ("get_symm_buffer_for_mega_moe", "transform_weights_for_mega_moe",
                 "fp8_fp4_mega_moe")
 ARCH_MAJORS = (10,)  # csrc/apis/mega.hpp dispatches arch 10 only (tcgen05 / TMEM / 2-CTA UMMA)
@@ -107,10 +111,10 @@ class WarmupRequired(RuntimeError):
 # ---------------------------------------------------------------------------------------------
 
 
-def enabled() -> bool:
-    """MEGAGRAPH_DEEPGEMM_MEGA_MOE: "1" on; "0" or unset off (registry status "unvalidated":
-    never ran on its device)."""
-    return os.environ.get(ENV_ENABLE, "") == "1"
+def enabled(cfg: MoeConfig | None = None) -> bool:
+    """MoeConfig.deepgemm_mega == "on" (registry status "unvalidated": never ran on its device,
+    so off unless the plan asks)."""
+    return (cfg or MoeConfig()).deepgemm_mega == "on"
 
 
 _IMPORT_ERROR: list[str] = []
@@ -472,15 +476,15 @@ def clear_cache() -> None:
     _WEIGHTS.clear()
 
 
-def _capacity(tokens: int) -> int:
+def _capacity(tokens: int, max_tokens: int = MAX_TOKENS) -> int:
     cap = max(tokens, MIN_BUFFER_TOKENS)
-    return max(tokens, min(1 << (cap - 1).bit_length(), MAX_TOKENS))
+    return max(tokens, min(1 << (cap - 1).bit_length(), max_tokens))
 
 
 def symm_buffer(group, device: torch.device, num_experts: int, tokens: int, topk: int,
-                hidden: int, intermediate: int):
+                hidden: int, intermediate: int, max_tokens: int = MAX_TOKENS):
     """The SymmBuffer for this configuration holding at least `tokens` rows (a power of two,
-    >= MIN_BUFFER_TOKENS, <= MAX_TOKENS), made outside capture (WarmupRequired inside)."""
+    >= MIN_BUFFER_TOKENS, <= max_tokens), made outside capture (WarmupRequired inside)."""
     key = (device.index, id(group), num_experts, topk, hidden, intermediate)
     buf = _BUFFERS.get(key)
     if buf is not None and buf.num_max_tokens_per_rank >= tokens:
@@ -489,7 +493,8 @@ def symm_buffer(group, device: torch.device, num_experts: int, tokens: int, topk
         raise _warmup_error(f"a MegaMoE symmetric buffer for {tokens} tokens")
     dg = _deep_gemm()
     with torch.cuda.device(device):
-        new = dg.get_symm_buffer_for_mega_moe(group, num_experts, _capacity(tokens), topk,
+        new = dg.get_symm_buffer_for_mega_moe(group, num_experts,
+                                              _capacity(tokens, max_tokens), topk,
                                               hidden, intermediate)
     cap = new.num_max_tokens_per_rank
     expect = {"x": (torch.float8_e4m3fn, (cap, hidden)),
@@ -540,10 +545,11 @@ def unsupported(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_
                 w3_scale, w2, w2_scale, sw1=None, sw1_scale=None, sw3=None, sw3_scale=None,
                 sw2=None, sw2_scale=None, tid2eid=None, token_ids=None, *, topk, route_scale,
                 norm_topk=True, score_func="sqrtsoftplus", fmt="dense", shared_fmt="dense",
-                swiglu_limit=0.0, act_fmt) -> str | None:
+                swiglu_limit=0.0, act_fmt, kernel_config: MoeConfig | None = None) -> str | None:
     """Why these inputs are outside what this path takes (shapes and formats only; device
     independent), or None."""
     moe = _moe()
+    max_tokens = (kernel_config or MoeConfig()).deepgemm_mega_max_tokens
     if fmt != "mxfp4":
         return f"routed experts fmt {fmt!r}: DeepGEMM's MegaMoE takes MXFP4 (fp8xfp4)"
     if act_fmt != "fp8_1x128":
@@ -553,8 +559,8 @@ def unsupported(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_
     T, d = x.shape
     if T == 0:
         return "no tokens"
-    if T > MAX_TOKENS:
-        return f"{T} tokens > MAX_TOKENS {MAX_TOKENS} (symmetric buffer size)"
+    if T > max_tokens:
+        return f"{T} tokens > MAX_TOKENS {max_tokens} (symmetric buffer size)"
     if (x_q.dtype != torch.float8_e4m3fn or tuple(x_q.shape) != (T, d)
             or x_scale.dtype != torch.float32 or tuple(x_scale.shape) != (T, d // 128)
             or d % 128):
@@ -599,8 +605,8 @@ def _config(x, w1, topk, group, swiglu_limit, cap) -> tuple:
 
 def decline_reason(*args, **kw) -> str | None:
     """Why mega_moe(*args, **kw) would return None here, or None when it runs DeepGEMM."""
-    if not enabled():
-        return f"disabled ({ENV_ENABLE}=1 enables this unvalidated path)"
+    if not enabled(kw.get("kernel_config")):
+        return "disabled (moe.deepgemm_mega=on enables this unvalidated path)"
     why = unsupported(*args, **kw)
     if why:
         return why
@@ -617,7 +623,7 @@ def mega_moe(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_sca
              w2, w2_scale, sw1=None, sw1_scale=None, sw3=None, sw3_scale=None, sw2=None,
              sw2_scale=None, tid2eid=None, token_ids=None, *, topk, route_scale, norm_topk=True,
              score_func="sqrtsoftplus", fmt="dense", shared_fmt="dense", swiglu_limit=0.0,
-             act_fmt):
+             act_fmt, kernel_config: MoeConfig | None = None):
     """kernels.fused.reference.mega_moe with the routed experts in DeepGEMM's MegaMoE, or None
     (the caller runs its own kernels): the module doc lists when."""
     args = (x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_scale, w3, w3_scale,
@@ -625,10 +631,13 @@ def mega_moe(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_sca
     kw = {"topk": topk, "route_scale": route_scale, "norm_topk": norm_topk,
           "score_func": score_func, "fmt": fmt, "shared_fmt": shared_fmt,
           "swiglu_limit": swiglu_limit, "act_fmt": act_fmt}
+    kc = kernel_config or MoeConfig()
+    kw["kernel_config"] = kc
     if decline_reason(*args, **kw) is not None:
         return None
     group = group_status()[0]
-    cfg = _config(x, w1, topk, group, swiglu_limit, _capacity(x.shape[0]))
+    cfg = _config(x, w1, topk, group, swiglu_limit,
+                  _capacity(x.shape[0], kc.deepgemm_mega_max_tokens))
     if cfg in _FAILED:
         return None
     if _capturing():  # warmed up: any error is real
@@ -652,14 +661,14 @@ def mega_moe(x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_sca
 def _run(group, x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_scale, w3,
          w3_scale, w2, w2_scale, sw1, sw1_scale, sw3, sw3_scale, sw2, sw2_scale, tid2eid,
          token_ids, *, topk, route_scale, norm_topk, score_func, fmt, shared_fmt, swiglu_limit,
-         act_fmt):
+         act_fmt, kernel_config: MoeConfig):
     moe = _moe()
     dg = _deep_gemm()
     T, d = x.shape
     E, F = w1.shape[0], w1.shape[1]
     dev = x.device
     l1, l2 = converted_weights(w1, w1_scale, w3, w3_scale, w2, w2_scale)
-    buf = symm_buffer(group, dev, E, T, topk, d, F)
+    buf = symm_buffer(group, dev, E, T, topk, d, F, kernel_config.deepgemm_mega_max_tokens)
     ids, wts = moe.route_ids(x, gate_w, gate_bias, topk=topk, route_scale=route_scale,
                              norm_topk=norm_topk, score_func=score_func, tid2eid=tid2eid,
                              token_ids=token_ids, ids64=True)
@@ -669,14 +678,16 @@ def _run(group, x, x_q, x_scale, streams, post, comb, gate_w, gate_bias, w1, w1_
     buf.topk_weights[:T].copy_(wts)
     routed = torch.empty(T, d, dtype=torch.bfloat16, device=dev)
     clamp = float(swiglu_limit) if swiglu_limit and swiglu_limit > 0 else None
-    dg.fp8_fp4_mega_moe(routed, l1, l2, buf, activation_clamp=clamp, fast_math=FAST_MATH)
+    dg.fp8_fp4_mega_moe(routed, l1, l2, buf, activation_clamp=clamp,
+                        fast_math=kernel_config.deepgemm_mega_fast_math)
     shared = sw1 is not None
     y = torch.empty(T, 1 + int(shared), d, dtype=torch.bfloat16, device=dev)
     y[:, 0].copy_(routed)
     if shared:
         sbanks = [moe.bank(w, s, shared_fmt) for w, s in ((sw1, sw1_scale), (sw3, sw3_scale),
                                                           (sw2, sw2_scale))]
-        moe.shared_expert(x_q, x_scale, *sbanks, y[:, 1], swiglu_limit=swiglu_limit)
+        moe.shared_expert(x_q, x_scale, *sbanks, y[:, 1], swiglu_limit=swiglu_limit,
+                          cfg=kernel_config)
     out = torch.empty(streams.shape, dtype=streams.dtype, device=dev)
     sc = streams if streams.stride(-1) == 1 else streams.contiguous()
     return moe.combine(y, out, topk=1, shared=shared, rdt=x.dtype, streams=sc,

@@ -6,8 +6,8 @@ kernels' chunk top (refill_a: cp.async wait, writer-side proxy fence, CTA barrie
 the decode kernels' ring refills (issue_chunk, issue_side), the SwiGLU epilogue and the
 launchers' common argument checks.
 
-Why one module: moe_gluon.py (prefill L1) and moe_gluon_decode.py (decode L1) are written against
-the same Triton 3.6 Gluon API (the H200 image) and must agree on when they may run; a version
+Why one module: the Gluon kernels (decode L1 / L2, the prefill L2s, the warp-specialized L1) are
+written against the same Triton 3.6 Gluon API (the H200 image) and must agree on when they may run; a version
 gate or capability rule changed in one place and not the other would let one kernel try an API
 it was never checked on. The arithmetic upcast is the bit-exact reference both kernels' PTX
 upcasts are tested against, and the epilogue is the formula both must match moe_jit with, so
@@ -159,7 +159,7 @@ if IMPORT_OK:
 
     @gluon.jit
     def refill_a(a_nxt, a_ptrs, a_mask, i, n_k, BK: ttgl.constexpr):
-        """The prefill kernels' chunk top (moe_gluon.l1_kernel, moe_gluon_l2.l2_kernel: one A
+        """The prefill kernels' chunk top (moe_gluon_l2.l2_kernel: one A
         copy group in flight): wait for this thread's cp.async of A[i]; the writer-side proxy
         fence - each thread fences its own completed generic-proxy writes to shared memory (the
         cp.async bytes, and its upcast stores not fenced yet) for the wgmma's async proxy BEFORE

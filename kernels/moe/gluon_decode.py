@@ -1,7 +1,7 @@
 """Gluon (Triton 3.6, sm_90) kernel for the DECODE routed-expert L1 GEMM: the SwiGLU
 of W1 / W3 on MXFP4 weights with E4M3 activations gathered per expert-sorted row - the launch
-`routed_experts` makes through `moe.gemm` at <= 12 rows per expert (GemmConfig.swap,
-moe_jit.moe_acc_swap). routed_experts runs it there by default where available (moe._gluon_l1:
+`routed_experts` makes through `moe.gemm` at <= 12 rows per expert (Tile.swap,
+moe_jit.moe_acc_swap). routed_experts runs it there by default where available (moe._l1_kernel:
 Triton 3.6 on sm_90): 1.664 -> 1.106 ms at 64 tokens on the H200, 64% of HBM bandwidth
 (benchmarks/moe_gluon_decode_probe.py, benchmarks/results/moe-gluon-decode-h200.md).
 
@@ -16,7 +16,7 @@ upcast tile, no fence for it. X^T (the gathered activations of the chunk, E4M3) 
 in shared memory.
 
 Pipeline (NS = 4 stages, one warpgroup = 4 warps, every stage its own allocation and the loop
-unrolled by NS, as moe_gluon.py, so Gluon's barrier analysis sees static stages): per chunk i
+unrolled by NS, so Gluon's barrier analysis sees static stages): per chunk i
     cp.async.wait_group(NS - 2); fence.proxy.async; bar.sync        (stage i % NS landed)
     cp.async chunk i + NS - 1 into the stage chunk i - 1 used (its LDS and wgmmas are done)
     W1: LDS the packed bytes + exponents, tables, upcast -> wgmma (async)
@@ -27,7 +27,7 @@ exponents [128, 4] (one 4-byte cp.async per thread), X [16, 128] E4M3 (NVMMA 128
 four 4-byte cp.async per thread, zero-filled past the tile's rows). The A scales of every chunk
 ([NKP chunks, 16 tokens] f32) are copied once in the prologue.
 
-The TMA variant (l1_decode_tma_kernel; load="tma", the default from the ninth session: on the
+The TMA variant (l1_decode_tma_kernel; load="tma", the default: on the
 H200 at 64 tokens 0.922 ms with 3 stages against the cp.async kernel's 1.197 ms, 77% against 59%
 of the copy bandwidth, the same bits; 4 stages 0.986, 6 stages 1.182 ms;
 benchmarks/results/moe-gluon-decode-tma-h200.md): the packed W1 / W3 rows of a stage come by TMA
@@ -67,8 +67,8 @@ stages): BT 16: 112 / 122 registers, 36 / 47 KB; BT 32: 157 / 160, 46 / 59 KB; B
 241, 67 / 84 KB - no stack, no spills (2 CTAs per SM at BT 64, by registers). On the H200 at
 8192 tokens (TMA, 3 stages): BT 32 8.88 ms, BT 64 8.30 ms (279 TFLOP/s) against the cuBLAS grouped
 L1's 9.20 and the Triton L1's 10.42 (benchmarks/results/moe-gluon-l1-wide-h200.md); routed_experts
-runs BT 64 above 100 rows per expert (moe.GLUON_WIDE_L1). Other BT give other bits than BT = 16
-(the wgmma's n sets the tensor core's sum order), each within the same bound of the fp32 math.
+runs BT 64 above 100 rows per expert (MoeConfig.gluon_wide_l1). Other BT give other bits than
+BT = 16 (the wgmma's n sets the tensor core's sum order), each within the same bound of the fp32 math.
 
 Numerics == moe_acc_swap with MMA fp8 (per chunk and weight row S, codes at offset e - S, fp32
 partial per chunk promoted acc += part * (sb x sa), sb = 2^(S - 127)), epilogue
@@ -77,12 +77,11 @@ tensor core's sum order inside a chunk differs (as for every wgmma kernel here).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
 from megagraph.kernels.moe.gluon_common import IMPORT_OK as _IMPORT_OK
-from megagraph.kernels.moe.gluon_common import available  # noqa: F401  (moe._gluon_l1 and the tests call it here)
+from megagraph.kernels.moe.gluon_common import available  # noqa: F401  (moe._l1_kernel and the tests call it here)
 from megagraph.kernels.moe.gluon_common import (
     check_rows,
     l1_bank_problem,
@@ -107,7 +106,7 @@ BTS = (16, 32, 64)
 # unless the call says otherwise; the default) or "cp.async" (l1_decode_kernel); the same bits.
 # A bank whose expert rows are not one stride apart takes cp.async when the call did not ask.
 LOADS = ("cp.async", "tma")
-LOAD = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE_LOAD", "tma")
+LOAD = "tma"  # the dispatcher passes MoeConfig.gluon_decode_load
 TMA_STAGES = 3
 
 
@@ -130,7 +129,7 @@ def _signed_half(out: str, sel: str, sgn: str) -> str:
 # byte of w4 = word << 4 - and bit 7 of byte n // 2 for odd n: one prmt of (w4, word) with
 # selectors 0x5140 (nibbles 0..3: w4.b0, w.b0, w4.b1, w.b1) / 0x7362 (nibbles 4..7) puts every
 # output byte's sign at its bit 7 (moe_gluon_decode_l2's fp16 table does the same). 9 SASS a
-# pack against the 12 of the byte-spread table it replaced in the fourteenth session (git
+# pack against the 12 of the byte-spread table it replaced (git
 # history; H200: the MegaMoE layer at 8192 tokens 7.44 -> 7.21 ms, the same bits); the PTX
 # emulator test (tests/kernels/test_moe_gluon_decode_l2.py) checks the codes on the CPU.
 FP4_TABLE_ASM_TEXT = ("\n{\n"
@@ -533,7 +532,8 @@ def l1_gluon_decode(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_
     formula: min(P, P // bt + E)); tiles: moe.tile_list(counts, bt, max_tiles) if already built
     (else built here: one tiny launch, no host sync, CUDA-graph capturable). use_asm: the PRMT
     table upcast (default) or its integer-arithmetic twin. load: how the packed weights are
-    streamed, "cp.async" or "tma" (default LOAD, env MEGAGRAPH_MOE_GLUON_DECODE_LOAD); stages:
+    streamed, "cp.async" or "tma" (default LOAD; routed_experts passes
+    MoeConfig.gluon_decode_load); stages:
     the TMA ring's depth (>= 3, default TMA_STAGES). Both loads give the same bits at one bt;
     different bt need not (the wgmma's n changes the tensor core's sum order)."""
     if not _IMPORT_OK:

@@ -4,7 +4,7 @@ projection): Y = row_w x (H W2^T) on MXFP4 W2 with the fp16 H of the L1, scatter
 <= 12 rows per expert (moe_jit.moe_tile with SCATTER_C / WEIGHTED, load_b_tile's MXFP4 x fp16
 MMA). The Triton L2 runs there at ~33% of the H200's HBM bandwidth; this is the L2 twin of
 moe_gluon_decode.py (the decode L1: 1.66 -> 1.11 ms, 64%). routed_experts runs it there by
-default where available (moe._gluon_l2): 1.035 -> 0.607 ms at 64 tokens on the H200, 59% of HBM
+default where available (moe._l2_kernel): 1.035 -> 0.607 ms at 64 tokens on the H200, 59% of HBM
 bandwidth (benchmarks/moe_gluon_decode_l2_probe.py, benchmarks/results/moe-gluon-decode-h200.md).
 
 Swap AB, as the decode L1: per program one row tile of <= BT = 16 expert-sorted rows of one
@@ -27,7 +27,7 @@ A stage: the packed W2 rows [64, 64 bytes] (2 x 16-byte cp.async per thread), th
 exponents [64, 4] (4-byte cp.async), H [16, 128] fp16 (eight 4-byte cp.async per thread, in the
 k order below, zero-filled past the tile's rows). No A scales (H is fp16).
 
-The TMA variant (l2_decode_tma_kernel; load="tma" or MEGAGRAPH_MOE_GLUON_DECODE_L2_LOAD=tma; NOT
+The TMA variant (l2_decode_tma_kernel; load="tma", MoeConfig.gluon_decode_l2_load; NOT
 the default: correct on the H200 - the same bits, every test passed - but not faster, 0.642 ms at
 3 stages, 0.693 at 4, 0.721 at 6 against the cp.async kernel's 0.621 at 64 tokens, and mega_moe
 1.650 against 1.633 ms; unlike the L1, the L2's weight stream is not what bounds it:
@@ -87,7 +87,6 @@ chunk differs (as for every wgmma kernel here).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -108,7 +107,7 @@ H_SLAB = 16
 # "tma" (l2_decode_tma_kernel, TMA_STAGES stages unless the call says otherwise); the same bits.
 # A bank whose expert rows are not one stride apart takes cp.async when the call did not ask.
 LOADS = ("cp.async", "tma")
-LOAD = os.environ.get("MEGAGRAPH_MOE_GLUON_DECODE_L2_LOAD", "cp.async")
+LOAD = "cp.async"  # the dispatcher passes MoeConfig.gluon_decode_l2_load
 TMA_STAGES = 3
 
 # the decode L1's TMA pieces (the host descriptor and its fit check here; W_TMA_LAYOUT,
@@ -568,8 +567,8 @@ def l2_gluon_decode(h, w2, counts, c_idx, row_w, out, *, topk: int, ks: int, max
     min(P, P // bt + E)); tiles: moe.tile_list(counts, bt, max_tiles) if already built (else
     built here: one tiny launch, no host sync, CUDA-graph capturable).
     use_asm: the PTX table upcast (default) or its integer-arithmetic twin. load: how the packed
-    W2 rows are streamed, "cp.async" or "tma" (default LOAD, env
-    MEGAGRAPH_MOE_GLUON_DECODE_L2_LOAD; a bank TMA cannot describe takes cp.async unless the
+    W2 rows are streamed, "cp.async" or "tma" (default LOAD; routed_experts
+    passes MoeConfig.gluon_decode_l2_load; a bank TMA cannot describe takes cp.async unless the
     call asked); stages: the TMA ring's depth (>= 3, default TMA_STAGES). Both loads give the
     same bits at one bt; different bt need not (the wgmma's n changes the tensor core's sum
     order)."""

@@ -3,15 +3,14 @@
 the (token, slot) rows of y - the launch `routed_experts` makes through `moe.gemm(role="l2")`
 (moe.triton_l2: moe_jit's SCATTER_C / WEIGHTED tile, load_b_tile's MXFP4 x fp16 MMA). The
 Triton L2 takes 5.88 ms at 8192 tokens on the H200 (197 TFLOP/s): as in the Triton L1, its
-upcast in registers cannot overlap its MMA (docs/kernels/moe.md). This is the L2 twin of
-moe_gluon.py (the prefill L1: the same hand-written pipeline, which runs correctly on the H200).
-NOT yet run on a GPU (built and checked ahead of time for sm_90 on the CPU:
-tests/kernels/test_moe_gluon_l2.py).
+upcast in registers cannot overlap its MMA (docs/kernels/moe.md). A hand-written pipeline;
+the prefill L2 where its warp-specialized twin (gluon_l2_ws) does not take the call
+(tests/kernels/moe/test_moe_gluon_l2.py; 4.01 against the Triton L2's 5.82 ms on the H200).
 
 Tile: BM = 128 expert-sorted rows of H (one expert: moe.tile_list at 128 rows) x BN = 128
 output columns (W2 rows n0 .. n0 + 127), 8 warps = 2 warpgroups of 64 rows, wgmma m64n128k16
 fp16 -> fp32. Per 64-column K chunk i (stage i % 3 of a 3-stage ring; the loop is unrolled by 3
-so every stage is its own allocation with a static index, as in moe_gluon.py):
+so every stage is its own allocation with a static index):
 
     wait A[i]'s cp.async group, fence.proxy.async, CTA barrier   (A[i], B[i] visible to wgmma)
     cp.async A[i + 1] (H rows, contiguous: 4 x 16 bytes per thread) into stage (i + 1) % 3
@@ -192,9 +191,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         # while the tensor cores run chunks i - 1, i: upcast chunk i + 1 into its stage. No
         # fence here: the writer-side fence at the top of chunk i + 1 (after these stores in
         # each thread's program order, before the barrier wgmma(i + 1) waits at) orders them
-        # for the async proxy, as it does the thread's cp.async bytes. (moe_gluon.py's L1 also
-        # fences right after its stores, a remnant of its reader-side order; in its SASS ptxas
-        # hoists the next chunk's global loads above that MEMBAR.ALL.CTA.)
+        # for the async proxy, as it does the thread's cp.async bytes.
         if (DIAG & 1) == 0:
             _upcast_store(w, e, s0, b_nxt, USE_ASM, BN, BK)
             # chunk i + 2's bytes: a whole chunk of latency to hide

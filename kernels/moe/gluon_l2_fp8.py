@@ -2,7 +2,7 @@
 warp-specialized L1 kernel (moe_gluon_ws.l1_ws_kernel with EPI 2, "DOWN").
 
 Why: at 8192 tokens the fp16-H L2 (moe_gluon_l2_ws: fp16 wgmma on W2 upcast to exact fp16) took
-2.40 ms of the 6.65 ms MegaMoE layer on the H200 (ncu, fourteenth session) - half the L1's FLOPs
+2.40 ms of the 6.65 ms MegaMoE layer on the H200 (ncu) - half the L1's FLOPs
 at 77% of its time, because the fp16 tensor cores run at half the FP8 rate. DeepSeek's own
 serving path quantizes H to FP8 before the down projection (the fp8 x fp4 MegaMoE, sglang's
 silu_and_mul post-quant; the DeepGEMM grouped FP8 baseline of issue #7 too): with H in E4M3 the
@@ -20,7 +20,7 @@ registers, the loader's upcast share), runs it:
 
 H comes from l1_gluon_ws(out_scale=...): H quantized per row and 128 columns with the numerics of
 quantize_act fp8_1x128 (power-of-two scales, codes rounded to E4M3 nearest-even) - the same
-quantization the Triton FP8-H path (moe.FP8_H, moe_jit.quantize_out) and the reference
+quantization the Triton FP8-H path (MoeConfig.fp8_h, moe_jit.quantize_out) and the reference
 (kernels.moe.reference.moe_experts(h_fmt="fp8_1x128")) use.
 
 Numerics: per (row, output column) the sum over 128-column chunks of the tensor core's fp32
@@ -63,7 +63,7 @@ def down_frames(w2) -> torch.Tensor | None:
 
 def args_problem(h, h_scale, w2, y, P: int | None = None) -> str | None:
     """Why l2_gluon_ws_fp8 cannot take these arguments, or None (its launcher raises it;
-    moe._gluon_l2 asks first and falls back to the Triton FP8-H L2): an MXFP4 W2 whose expert
+    moe._l2_kernel asks first and falls back to the Triton FP8-H L2): an MXFP4 W2 whose expert
     rows are one TMA stream, d % 256 and F % 128, FP8 H (moe_gluon_ws._fp8_h_problem), y rows
     contiguous in one of OUT_DTYPES."""
     from megagraph.kernels.moe.gluon_decode import _tma_fits

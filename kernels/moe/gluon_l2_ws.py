@@ -2,10 +2,11 @@
 down projection, > 48 rows per expert): Y = row_w x (H W2^T) on MXFP4 W2 with the fp16 H of the
 L1, scattered to the (token, slot) rows of y - the drop-in twin of moe_gluon_l2.l2_gluon (same
 arguments, same numerics, the same bits expected), with persistent CTAs and the W2 upcast in its
-own warps. NOT yet run on a GPU (built and checked ahead of time for sm_90 on the CPU:
-tests/kernels/test_moe_gluon_l2_ws.py).
+own warps. routed_experts' prefill L2 by default (H200, 8192 tokens: 3.99 -> 3.45 ms at
+256-column tiles, benchmarks/results/moe-gluon-l2-ws-h200.md). One file of ~800 lines: the
+partitions, their rings and the launcher's register and shared-memory budget are one design.
 
-Why: the DIAG run of moe_gluon_l2 on the H200 (NOTES-moe.md, eleventh session) - everything 4.00
+Why: the DIAG run of moe_gluon_l2 on the H200 (docs/kernels/moe.md) - everything 4.00
 ms at 8192 tokens, 2.76 without the W2 loads / upcast, 2.34 for the wgmma + epilogue alone: the
 W2 path (exponent loads, PRMT upcast, shared stores) serializes with the MMA chain in the one set
 of 8 warps that does everything. Here each job has its own warps (moe_gluon_ws's structure, which
@@ -77,7 +78,7 @@ the two 128-row halves one after the other (frame scans looped, not unrolled: re
 the H bytes (TMA and shared-memory writes) per FLOP. Rings NS_256:NU_256 = 4:3 (~195 KB),
 setmaxnreg REGS_256.
 
-upp = 2 (the default at bn 256 since the thirteenth session, UPP; bn 128 keeps one): two upcast
+upp = 2 (the default at bn 256, UPP; bn 128 keeps one): two upcast
 partitions,
 each the rows of one half of the tile (bn 256: rows 0..127 / 128..255, the halves the one
 partition does one after the other; bn 128: 0..63 / 64..127), with the same upcast code per row
@@ -86,8 +87,8 @@ MMA warpgroups spin on b_ready, the loader on r_free, the one upcast partition n
 instructions per chunk and warp). 20 warps: launch maxnreg MAXNREG_U2 = 96, setmaxnreg
 REGS_256_U2 / REGS_U2 (bn 256 / 128: each MMA warpgroup 176 / 128, each upcast 48 / 96).
 
-Triton 3.6 sm_90 build (tests/kernels/test_moe_gluon_l2_ws.py::test_l2_ws_sm90_build): see
-NOTES-moe.md, twelfth session, for the numbers at the time of writing. upp 2
+Triton 3.6 sm_90 build (tests/kernels/test_moe_gluon_l2_ws.py::test_l2_ws_sm90_build): the
+test pins the numbers. upp 2
 (test_l2_ws_sm90_build_two_upcasts): no stack / spills; per chunk each upcast loop 67 PRMT /
 ~190 instructions at bn 256 (one partition: 134 / 328), 33 / ~108 at bn 128 (67 / 181).
 """
@@ -121,7 +122,7 @@ REGS_256 = (176, 128, 32)
 # bn 256 is bound by its one upcast partition - the MMA warpgroups spin on b_ready, the upcast
 # never waits): 20 warps at a launch cap of MAXNREG_U2 = 96 (20 x 32 x 96 <= 64K registers), so
 # per warpgroup lane 5 x 96 = 480 = the default MMA warpgroup (what Triton leaves it: 480 - the
-# workers' sum) + R_MMA + 2 R_UP + R_LD. Default at bn 256 since the thirteenth session (H200,
+# workers' sum) + R_MMA + 2 R_UP + R_LD. Default at bn 256 (H200,
 # 8192 tokens, balanced routing: the L2 2.69 -> 2.55 ms, mega_moe 7.85 -> 7.55 ms in one A/B, the
 # same bits; at bn 128 two partitions were slower, 2.89 -> 3.00 ms: one there)
 UPP = 2
@@ -138,13 +139,13 @@ REGS_U2 = (128, 96, 32)
 # a chunk ahead), with the rows' frames from the weight's cached row frames (row_frames: the
 # values the upcasts' scans compute, which they then skip); each upcast partition does 96 of its
 # 128 rows (a 64- and a 32-row block). The L1's twin (moe_gluon_ws.LOADER_UPCAST) won 0.4 ms;
-# this one LOST on the H200 (fourteenth session, 8192 tokens, one A/B each, the same bits):
+# this one LOST on the H200 (8192 tokens, one A/B each, the same bits):
 # balanced 6.81 -> 7.13 ms, gate routing 8.61 -> 9.20 ms (with the exponent loads not prefetched:
 # 6.84 -> 7.34; LUP_LAG 1: level balanced, slower gate-routed). Off. Why (ncu): the upcasts spin
 # on b_free and the MMA on b_ready - it waits for the loader. This kernel's MMA releases a raw
 # stage one chunk late, so the loader's load of chunk c waits for the MMA's issue of c - 3, and
 # its share of c - 2 comes after that wait: the loader sits on the MMA's critical path
-# (benchmarks/results/moe-ws-14-h200.md; NOTES-moe.md's fifteenth-session plan, item b)
+# (benchmarks/results/moe-ws-14-h200.md)
 LOADER_UPCAST = False
 LUP_LAG = 2
 # LUP's setmaxnreg: the loader holds both shares' exponent and frame loads and the tile
@@ -711,7 +712,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
 
 def args_problem(h, w2, y=None, bn: int = BN) -> str | None:
     """Why l2_gluon_ws cannot take these arguments beyond moe_gluon_l2's own checks (its
-    launcher raises it; moe._gluon_l2 asks first and falls back to moe_gluon_l2), or None: the
+    launcher raises it; moe._l2_kernel asks first and falls back to moe_gluon_l2), or None: the
     TMA streams - W2's expert rows one stride apart (one [G N, K / 8] word matrix), G N < 2^31,
     16-byte W2 / H rows (moe_gluon_l2 checks those too) - y's dtype (None: not checked) and the
     tile's bn output columns (d % bn)."""

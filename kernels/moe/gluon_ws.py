@@ -5,9 +5,10 @@ rows gathered through a_idx (row r reads token a_idx[r] // topk).
 
 Why: the decode kernel at 64-token tiles (moe_gluon_decode, bt=64) upcasts the weights in the same
 registers the wgmma accumulates in (247 registers, 2 CTAs of 4 warps per SM) and is latency-bound at
-~280 TFLOP/s; moe_gluon.py overlaps upcast and wgmma by hand inside one set of warps and was
-nondeterministic on the H200 in some variants. Here every job has its own warps (CUTLASS / DeepGEMM
-style), synchronized only by mbarriers:
+~280 TFLOP/s; overlapping upcast and wgmma by hand inside one set of warps gave wrong outputs on
+the H200 (docs/kernels/moe.md, "Tried and dropped"). Here every job has its own warps (CUTLASS /
+DeepGEMM style), synchronized only by mbarriers (one file of ~1300 lines: the partitions, rings
+and register budget are one design):
 
   loader  (worker, 4 warps): per K chunk c into ring stage s = c % NS - TMA of the packed W1 / W3
           rows [BN, BK / 2] bytes (moe_gluon_decode's host descriptors), cp.async of the gathered
@@ -53,9 +54,9 @@ warpgroups the registers the producers do not take (REGS: launch maxnreg 128 = 6
 CTA, one CTA per SM). Shared memory per ring stage 25 KB (A 16 KB, W1 + W3 8 KB, exponents,
 scales) and per B stage 16.5 KB: NS = 4, NU = 2 by default (~134 KB).
 
-The 128-column tile (bn=BN_WIDE; routed_experts' default since the twelfth session, moe.WS_L1_BN):
+The 128-column tile (bn=BN_WIDE; routed_experts' default, MoeConfig.ws_l1_bn):
 128 rows x 128 columns of W1 AND of W3 per CTA, so each A chunk feeds 256 wgmma columns and the A
-stream from L2 (the 64-column tile's floor, tenth session) halves. Each MMA warpgroup holds four
+stream from L2 (the 64-column tile's floor) halves. Each MMA warpgroup holds four
 64 x 64 accumulators (128 registers) and runs the chunk's four quarters one at a time (qlag 0) or
 with the next in flight (qlag 1, measured slower); the promotion is a non-pure asm fma so LLVM
 cannot sink it below the next wgmmas (all four partials live: spilled). With A by TMA the loader
@@ -64,7 +65,7 @@ a launch cap of 96): 8192 tokens on the H200, 7.94 ms (64 columns) -> 6.94 (128,
 6.21 ms (128, A by TMA, two upcasts; benchmarks/results/moe-ws-wide-12-h200.md). The same bits as
 the 64-column tile (the same wgmmas and promotion per output element).
 
-Row frames (frames=row_frames(w1, w3); routed_experts' default since the thirteenth session, 128
+Row frames (frames=row_frames(w1, w3); routed_experts' default, 128
 columns only): each weight row's frame S = max(largest exponent over ALL of K - 6, 1) instead of
 each chunk's. The loader copies the tile's frames with every chunk, the upcasts encode e - S (no
 per-chunk max reduction), the MMA warpgroups promote acc += part * sa (no column scales: no shared
@@ -77,8 +78,8 @@ are exact. Why: ncu on the H200 (benchmarks/ncu_moe.py) showed the MMA warpgroup
 L1 and ~30% of their stall samples on the column scales' shared loads after each wgmma wait;
 L1 4.35 -> 3.85 ms at 8192 tokens with balanced routing (benchmarks/results/moe-ws-13-h200.md).
 
-The loader's upcast share (lup, LOADER_UPCAST; routed_experts' default since the fourteenth
-session, two upcast partitions only): ncu showed the loader waiting on r_free ~80% of the time
+The loader's upcast share (lup, LOADER_UPCAST; routed_experts' default,
+two upcast partitions only): ncu showed the loader waiting on r_free ~80% of the time
 while the upcasts bounded the L1. The chunk's upcast is cut into eight 32-row blocks (P_L32):
 each upcast partition does three of its matrix's four, the loader the fourth of W1 and of W3
 (_upcast_units), LUP_LAG = 2 chunks behind its loads - after it published them (LAG <= LUP_LAG)
@@ -87,10 +88,10 @@ the loads already had (stage c - NS free = the MMA warpgroups done with c - NS; 
 chunk c - 2 needs B stage (c - 2) % 2 free = MMA done with c - 4). r_free and b_ready count
 the loader's arrival too. The same codes in the same places: the same bits. H200, 8192 tokens,
 balanced routing: the layer 7.21 -> 6.82 ms (benchmarks/results/moe-ws-14-h200.md). The upcast
-table (moe_gluon_decode.FP4_TABLE_ASM) is 9 SASS a pack since the same session (signs by one
+table (moe_gluon_decode.FP4_TABLE_ASM) is 9 SASS a pack (signs by one
 prmt of the word and the word << 4; 12 before): 7.44 -> 7.21 ms.
 
-FP8 H (EPI, the fifteenth session; routed_experts' default at prefill sizes): l1_gluon_ws(...,
+FP8 H (EPI; routed_experts' default at prefill sizes): l1_gluon_ws(...,
 out_scale=...) makes the 128-column tile's epilogue quantize H per row and its 128 columns with
 quantize_act fp8_1x128's numerics (_pow2_exp: the scale's exponent from amax's bits, the codes by
 the conversion's round-to-nearest-even) into an E4M3 out and f32 scales (EPI 1); and the same
@@ -111,7 +112,6 @@ K = 5120).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -181,30 +181,30 @@ REGS_WIDE_Q = (216, 56, 24)
 WIDE_UPP = 2
 # the rows 64..127 MMA warpgroup skips its wgmmas and promotions on tiles of <= 64 rows (an
 # expert's last partial tile: ~1/3 of the tiles at 8192 tokens, whose rows 64.. are never
-# stored), as moe_gluon_l2_ws's does; the stages are still waited for and released. Default
-# since the thirteenth session: 8192 tokens, gate-like random routing, 6.04 -> 5.73 ms, the same
+# stored), as moe_gluon_l2_ws's does; the stages are still waited for and released. Default:
+# 8192 tokens, gate-like random routing, 6.04 -> 5.73 ms, the same
 # bits (benchmarks/results/moe-ws-13-h200.md); no effect where every tile is full (balanced)
 SKIP_IDLE = True
 # LUP: the loader partition (idle ~80% of the time, ncu) upcasts a share of every chunk - the
 # last 32-row block of W1 and of W3, two of the chunk's eight - LUP_LAG chunks behind its loads,
 # so each upcast partition does three blocks instead of four (128 columns, two upcast
-# partitions). Default since the fourteenth session: H200, 8192 tokens, balanced routing, the
+# partitions). Default: H200, 8192 tokens, balanced routing, the
 # MegaMoE layer 7.21 -> 6.82 ms (with AREG; 7.17 without), the same bits
 # (benchmarks/results/moe-ws-14-h200.md)
 LOADER_UPCAST = True
 LUP_LAG = 2
 # STMA: the loader's small per-chunk copies (A scales, exponents, frames) by TMA on the stage's
-# barrier instead of cp.async - no cp.async wait and no publish in its loop (ncu, fourteenth
-# and fifteenth sessions: a third of the L1 loader's samples sat right after its cp.async
+# barrier instead of cp.async - no cp.async wait and no publish in its loop (ncu: a
+# third of the L1 loader's samples sat right after its cp.async
 # wait, the upcasts waited on r_ready). The A scales come from a tile-ordered copy
 # (moe.tile_scales: a TMA box's inner start must be 16-byte aligned - the H200 raised an illegal
 # instruction otherwise), the exponents in 16-byte groups of 4 chunks. Where it applies: A by
 # TMA, exponent rows of K / 32 % 16 == 0 bytes (K = 5120 yes; the down GEMM's K = 2304 no).
-# Default since the fifteenth session on the 128-column tile (routed_experts' L1; the tile
+# Default on the 128-column tile (routed_experts' L1; the tile
 # it was measured and tested on): H200, 8192 tokens, the MegaMoE layer 6.48 -> 6.30 ms balanced
 # (faster in each of 3 rounds), 8.04 -> 8.00 gate-routed, the same bits
-# (benchmarks/results/moe-fp8h-15-h200.md); MEGAGRAPH_MOE_WS_SMALL_TMA=0 turns it off.
-SMALL_TMA = os.environ.get("MEGAGRAPH_MOE_WS_SMALL_TMA", "1") == "1"
+# (benchmarks/results/moe-fp8h-15-h200.md); MoeConfig.ws_small_tma=false turns it off.
+SMALL_TMA = True
 
 
 def _lup_fits(lag: int, stages: int) -> bool:
@@ -216,7 +216,7 @@ def _lup_fits(lag: int, stages: int) -> bool:
 # the 128-column tile's MMA warpgroups read their 64 A rows of a chunk into registers once and run
 # the four quarters' wgmmas on them (wgmma's register A operand): the wgmmas' shared-memory reads
 # of A drop from 4 x 8 KB to one 8 KB load per chunk and warpgroup (row frames, A by TMA, qlag 0).
-# Default since the thirteenth session: H200, 8192 tokens, L1 3.94 -> 3.90 ms balanced, 5.28 ->
+# Default: H200, 8192 tokens, L1 3.94 -> 3.90 ms balanced, 5.28 ->
 # 5.19 gate-like; mega_moe 7.85 -> 7.81 / 9.96 -> 9.88 ms (one A/B, 2 rounds), the same bits.
 # Small: with row frames shared memory was no longer the limit (L1/TEX 75% -> 54% busy in ncu)
 AREG = True
@@ -626,8 +626,8 @@ if _IMPORT_OK:
         the rows' A scales sa and the quarter's columns' weight frames (sb_s: their [64] slice of
         the B stage's scales). FRAMES: the weights' frames are per row over all of K, applied
         once in the epilogue (_frame_scale), so acc += part * sa: no shared-memory load of the
-        column scales and no FMUL between the wgmma wait and the FFMAs (the ncu samples of the
-        thirteenth session: ~30% of the MMA warps' stalls sat there)."""
+        column scales and no FMUL between the wgmma wait and the FFMAs (the ncu samples:
+        ~30% of the MMA warps' stalls sat there)."""
         if FRAMES:
             scale = ttgl.broadcast(ttgl.expand_dims(sa, 1), part)[0]
         else:
@@ -1079,7 +1079,7 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
                 frames: tuple[torch.Tensor, torch.Tensor] | None = None,
                 areg: bool | None = None, lup: bool | None = None,
                 out_scale: torch.Tensor | None = None,
-                stma: bool | None = None) -> torch.Tensor:
+                stma: bool | None = None, a_prep: bool = True) -> torch.Tensor:
     """out [P, F] (expert-sorted rows; fp16 in routed_experts, fp32 / bf16 fine; a row-strided
     view is fine) = swiglu(A W1^T, A W3^T) per expert, A row of sorted row r = a_q[a_idx[r] //
     topk] (E4M3 [T, d] with 16-byte aligned rows, a_scale [T, d / 128] f32); w1 / w3: moe.Bank
@@ -1107,7 +1107,8 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     transposed expert-sorted copy made here), the exponents and the frames by TMA as well, so
     the loader neither waits for nor publishes cp.async copies (None: SMALL_TMA on the
     128-column tile where it applies: A by TMA and the exponent rows a TMA stream, K / 32 % 16
-    == 0); the same bits."""
+    == 0); the same bits. a_prep: the A copies (sorted rows, tile-ordered scales) by Triton
+    kernels (MoeConfig.a_prep_triton), else torch ops."""
     from megagraph.kernels.moe.gluon_decode import _weight_desc
 
     if not _IMPORT_OK:
@@ -1158,7 +1159,7 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
         from megagraph.kernels.moe import triton as moe
         from megagraph.kernels.moe.gluon_common import TensorDescriptor
 
-        a_sorted = moe.sorted_rows(a_q, a_idx, topk)
+        a_sorted = moe.sorted_rows(a_q, a_idx, topk, a_prep)
         a_desc = TensorDescriptor(a_sorted, [P, K], [a_sorted.stride(0), 1], [BM, BK],
                                   A_TMA_LAYOUT)
     sdesc = (w1_desc,) * 5  # placeholders of the right kind where STMA is off (never read)
@@ -1197,7 +1198,7 @@ def _small_descs(a_scale, a_idx, topk: int, tiles, MT: int, w1, w3, frames, K: i
     from megagraph.kernels.moe.gluon_common import TensorDescriptor
 
     kc = K // 128
-    sa_t = moe.tile_scales(a_scale, a_idx, topk, tiles, MT, kc, BM)
+    sa_t = moe.tile_scales(a_scale, a_idx, topk, tiles, MT, kc, BM, a_prep)
     P4 = sa_t.shape[1]
     G, N = w1.s.shape[0], w1.s.shape[1]
     e = [TensorDescriptor(b.s.view(torch.uint8).view(G * N, K // 32), [G * N, K // 32],
@@ -1275,7 +1276,7 @@ def row_frames(w1, w3) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def args_problem(a_q, a_scale, w1, w3, counts, out, bn: int = BN) -> str | None:
     """Why l1_gluon_ws cannot take these arguments, or None (its launcher raises it;
-    moe._gluon_l1 asks first and falls through to another L1): the formats, the tile, the
+    moe._l1_kernel asks first and falls through to another L1): the formats, the tile, the
     banks' copies, the TMA weight stream, 16-byte A rows and contiguous out rows. counts None:
     not checked."""
     from megagraph.kernels.moe.gluon_decode import _tma_fits

@@ -153,12 +153,13 @@ def l1_swiglu(x_q: Tensor, x_scale: Tensor, srt: Tensor, w1, w3, counts: Tensor,
         HAS_LIMIT=limit is not None and limit > 0, BF=bf, num_warps=4)
 
 
-def applies(x_q: Tensor, w1, w3, h: Tensor, rows_per_group: float) -> bool:
+def applies(x_q: Tensor, w1, w3, h: Tensor, rows_per_group: float,
+            min_rows: int = MIN_ROWS_PER_EXPERT) -> bool:
     """routed_experts' L1 goes here: prefill sizes, fp16 H, E4M3 activations, MXFP4 banks with
     one E8M0 per 32 columns, K a multiple of BK, on a device where supported() passed."""
     from megagraph.kernels.moe import triton as moe
 
-    if rows_per_group <= MIN_ROWS_PER_EXPERT or moe.INTERPRET:
+    if rows_per_group <= min_rows or moe.INTERPRET:
         return False
     if x_q.dtype != torch.float8_e4m3fn or h.dtype != torch.float16 or not moe.on_device(x_q):
         return False

@@ -1,7 +1,9 @@
 """Triton code of the MoE path (imported only by kernels/moe/triton.py, after triton): router
 scores and top-k, the expert permutation, the grouped / dense GEMM on MXFP4 or FP8-block
 weights with fused SwiGLU-clamp and fused combine weights, and the combine + mHC residual
-expand. Docs of the design and the numerics: kernels/moe/triton.py.
+expand. Docs of the design and the numerics: kernels/moe/triton.py. One file of ~950 lines:
+the jit functions share the tile helpers (upcast, scale folding, promotion), and Triton resolves
+a jit function's callees in its own module.
 
 Formats: MXFP4 weights [G, N, K/2] int8 (two E2M1 codes per byte, low nibble = even column) with
 E8M0 scales [G, N, K/32]; FP8-block weights [G, N, K] e4m3 with E8M0 scales
@@ -25,7 +27,7 @@ WFMT_FP8 = 1
 
 # E2M1 -> E4M3 in SIMD-within-a-register PTX (4 packed bytes = 8 codes per call). Every byte
 # lane carries its OWN exponent offset: $3 holds rel + 6 (in [0, 12], see fp4_rel6) for each of
-# the 4 elements of the pack. (The sixth session found the first version, which read one offset
+# the 4 elements of the pack. (A first version, which read one offset
 # from byte 0 for all four, wrong on the H200 whenever Triton laid a pack across two rows -
 # the dot-operand register layouts of the swapped decode tiles do; the element-wise contract
 # of inline_asm_elementwise promises nothing about which elements share a pack.)
@@ -422,92 +424,12 @@ def moe_acc(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask, K, stride_b
 
 
 @triton.jit
-def load_b_pair_scales(bs1, bs2, rn, nmask, k0, K, stride_bsn, NSUB: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr):
-    """The E8M0 exponents (int32 [2 BN, NSUB]) of the FUSE tile's rows (load_b_pair_fp4) for
-    columns k0 .. k0 + BK - 1 (127 from K on: the loop prefetches one chunk ahead)."""
-    r2 = tl.arange(0, 2 * BN)
-    rnj = tl.reshape(tl.join(rn, rn), (2 * BN,))
-    okj = tl.reshape(tl.join(nmask, nmask), (2 * BN,))
-    rs = tl.arange(0, NSUB)
-    srow = tl.where((r2 % 2) == 1, bs2, bs1) + rnj * stride_bsn
-    scol = (k0 + rs * (BK // NSUB)) // 32
-    return tl.load(srow[:, None] + scol[None, :], mask=okj[:, None] & ((k0 + rs * 0) < K)[None, :],
-                   other=127).to(tl.int32)
-
-
-@triton.jit
-def load_b_pair_fp4(b1, b2, e, rn, nmask, k0, stride_bn, MMA: tl.constexpr, NSUB: tl.constexpr,
-                    USE_ASM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """The FUSE tile of B: W1 and W3 rows rn interleaved (row 2j = W1 row rn[j], 2j + 1 = W3 row
-    rn[j]), columns k0 .. k0 + BK - 1, with their exponents e (load_b_pair_scales) -> ([2 BN, BK]
-    in the MMA dtype, columns in K order; per-row promotion scale f32 [2 BN]): one load of
-    [2 BN, BK / 2] packed bytes for both matrices, the upcast of load_b_tile."""
-    r2 = tl.arange(0, 2 * BN)
-    rnj = tl.reshape(tl.join(rn, rn), (2 * BN,))
-    okj = tl.reshape(tl.join(nmask, nmask), (2 * BN,))
-    rk2 = tl.arange(0, BK // 2)
-    # (the parity pick hides the bases' alignment from the axis analysis: restated, so the loads
-    # stay 16-byte cp.async; both bases and the row stride are 16-divisible at launch)
-    brow = tl.multiple_of(tl.where((r2 % 2) == 1, b2, b1) + rnj * stride_bn, 16)
-    p = tl.load(brow[:, None] + (k0 // 2 + rk2)[None, :], mask=okj[:, None],
-                other=0).to(tl.uint8, bitcast=True)
-    smax = tl.max(e, axis=1)
-    S = tl.maximum(smax - 6, 1)
-    rel6 = fp4_rel6(e, S)
-    rel6_p = tl.reshape(tl.broadcast_to(rel6[:, :, None], (2 * BN, NSUB, BK // NSUB // 2)),
-                        (2 * BN, BK // 2))
-    b = fp4_tile_e4m3(p, rel6_p, 2 * BN, BK, USE_ASM)
-    if MMA == 1:
-        b = b.to(tl.float16)
-    return b, exp2_biased(S)
-
-
-@triton.jit
-def moe_acc_fused(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask, K, stride_bn,
-                  stride_bsn, A_SCALED: tl.constexpr, MMA: tl.constexpr, NSUB: tl.constexpr,
-                  USE_ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """The SwiGLU GEMM's K loop on MXFP4 weights (BLK_K_S 32, BLK_N_S 1) as ONE MMA per K chunk
-    (GemmConfig.fuse, off by default; docs/kernels/moe.md, fifth session, "prefill L1 at
-    17%"): B = W1 and W3 rows interleaved ([2 BN, BK], load_b_pair_fp4), A in K order straight
-    from its cp.async buffer, so a chunk is one [BM, BK] x [BK, 2 BN] dot: one wgmma group
-    (wgmma N = 2 BN, A read from shared memory), one fence, one wait, where the default loop
-    issues four (W1 / W3 x the K-parity halves, each waited on before the next, A split in
-    registers). The exponents are prefetched one chunk ahead (moe_acc's reason). Returns
-    (acc1, acc2) = the g and u accumulators [BM, BN]: the even / odd columns of the [BM, 2 BN]
-    accumulator (a split within each thread's registers).
-    Numerics: the default's per-chunk promotion (sa x sb per row and weight row, fp32); each
-    chunk's partial product sums K in column order instead of evens then odds (the tensor
-    core's internal sum order differs, so results are not bit-equal to the default's)."""
-    acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
-    sa_next = tl.full((BM,), 1.0, tl.float32)
-    if A_SCALED:
-        sa_next = tl.load(as_ptrs, mask=rmask, other=1.0)
-    e_next = load_b_pair_scales(bs1, bs2, rn, nmask, 0, K, stride_bsn, NSUB, BN, BK)
-    for k0 in range(0, K, BK):
-        sa = sa_next
-        e = e_next
-        if A_SCALED:
-            sa_next = tl.load(as_ptrs + (k0 + BK) // 128, mask=rmask & ((k0 + BK + rm * 0) < K),
-                              other=1.0)
-        e_next = load_b_pair_scales(bs1, bs2, rn, nmask, k0 + BK, K, stride_bsn, NSUB, BN, BK)
-        a = tl.load(a_ptrs + k0, mask=rmask[:, None], other=0.0)
-        if MMA == 1:
-            a = a.to(tl.float16)
-        b, sb = load_b_pair_fp4(b1, b2, e, rn, nmask, k0, stride_bn, MMA, NSUB, USE_ASM, BN, BK)
-        part = tl.dot(a, tl.trans(b))
-        acc = promote(acc, part, sa, sb, A_SCALED, False)
-    acc1, acc2 = tl.split(tl.reshape(acc, (BM, BN, 2)))
-    return acc1, acc2
-
-
-@triton.jit
 def moe_acc_swap(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask, K, stride_bn,
                  stride_bsn, SWIGLU: tl.constexpr, A_SCALED: tl.constexpr, MMA: tl.constexpr,
                  NSUB: tl.constexpr, USE_ASM: tl.constexpr, PAR: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr):
-    """The K loop of one [BM, BN] tile on MXFP4 weights with the operands swapped (GemmConfig.swap,
-    off by default; docs/kernels/moe.md, fifth session, "decode MoE at 36%"): each chunk
+    """The K loop of one [BM, BN] tile on MXFP4 weights with the operands swapped (Tile.swap,
+    the default decode tiles; docs/kernels/moe.md): each chunk
     is C^T [BN, BM] += W [BN, BK] @ A [BM, BK]^T, so the BN weight rows are the MMA's M (64 per
     warpgroup instruction) and the BM (16) activation rows its N. At BM = 16 the default loop is
     on mma.sync (Triton's wgmma needs M >= 64), which upcasts the E4M3 weight tile to fp16 in
@@ -627,11 +549,9 @@ def moe_tile(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
              WFMT: tl.constexpr, MMA: tl.constexpr, BLK_N_S: tl.constexpr, BLK_K_S: tl.constexpr,
              NSUB: tl.constexpr, USE_ASM: tl.constexpr, MANUAL: tl.constexpr, PAR: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, QUANT_OUT: tl.constexpr,
-             QSPLIT: tl.constexpr = 1, FUSE: tl.constexpr = 0, SWAP: tl.constexpr = 0):
+             QSPLIT: tl.constexpr = 1, SWAP: tl.constexpr = 0):
     """One output tile: rows row0 .. row0 + min(nrows, BM) - 1 of group g, columns pid_n * BN ..
-    (+BN) - the whole K loop and the epilogue (moe_gemm's flags). Shared by moe_gemm and
-    moe_gemm_persistent, so both compute every output element with the same operations in the
-    same order. QUANT_OUT (the FP8-H path, off by default): the epilogue writes C as E4M3 codes
+    (+BN) - the whole K loop and the epilogue (moe_gemm's flags). QUANT_OUT (the FP8-H path, off by default): the epilogue writes C as E4M3 codes
     (c_ptr fp8) with one power-of-two f32 scale per row and 128 columns at hs_ptr + row *
     stride_hs + column // 128 (quantize_out); BN a multiple of 128, no group stride.
     QSPLIT = 2 (QUANT_OUT, BN = 128, no SCATTER_C): the 128 columns are computed as two
@@ -677,11 +597,7 @@ def moe_tile(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
         tl.store(hs_ptr + crow * stride_hs + pid_n, sc,
                  mask=rmask & ((pid_n * BN + rm * 0) < N))
     else:
-        if FUSE > 0:  # SWIGLU on MXFP4 (fp8 / fp16 MMA): one MMA per K chunk (moe_acc_fused)
-            acc1, acc2 = moe_acc_fused(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask,
-                                       K, stride_bn, stride_bsn, A_SCALED, MMA, NSUB, USE_ASM,
-                                       BM, BN, BK)
-        elif SWAP > 0:  # MXFP4, fp8 / fp16 MMA: weight rows as the MMA's M (moe_acc_swap)
+        if SWAP > 0:  # MXFP4, fp8 / fp16 MMA: weight rows as the MMA's M (moe_acc_swap)
             acc1, acc2 = moe_acc_swap(a_ptrs, as_ptrs, rm, rmask, b1, bs1, b2, bs2, rn, nmask, K,
                                       stride_bn, stride_bsn, SWIGLU, A_SCALED, MMA, NSUB,
                                       USE_ASM, PAR, BM, BN, BK)
@@ -721,7 +637,7 @@ def moe_gemm(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
              WFMT: tl.constexpr, MMA: tl.constexpr, BLK_N_S: tl.constexpr, BLK_K_S: tl.constexpr,
              NSUB: tl.constexpr, USE_ASM: tl.constexpr, MANUAL: tl.constexpr, PAR: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G_PAD: tl.constexpr,
-             QUANT_OUT: tl.constexpr = False, QSPLIT: tl.constexpr = 1, FUSE: tl.constexpr = 0,
+             QUANT_OUT: tl.constexpr = False, QSPLIT: tl.constexpr = 1,
              SWAP: tl.constexpr = 0):
     """C = A @ B^T (fp32 accumulate), per group.
 
@@ -766,12 +682,12 @@ def moe_gemm(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, c
              stride_am, stride_as, stride_ag, stride_asg,
              stride_bg, stride_bn, stride_bsg, stride_bsn, stride_cm, stride_cg, stride_hs,
              TOPK, KS, GATHER_A, SCATTER_C, WEIGHTED, SWIGLU, HAS_LIMIT, A_SCALED, WFMT, MMA,
-             BLK_N_S, BLK_K_S, NSUB, USE_ASM, MANUAL, PAR, BM, BN, BK, QUANT_OUT, QSPLIT, FUSE,
+             BLK_N_S, BLK_K_S, NSUB, USE_ASM, MANUAL, PAR, BM, BN, BK, QUANT_OUT, QSPLIT,
              SWAP)
 
 
 # ---------------------------------------------------------------------------------------------
-# the persistent grouped GEMM (decode): a compact device-side tile list, a fixed grid
+# the device-side tile list of a grouped GEMM (the Gluon kernels' persistent CTAs walk it)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -801,40 +717,6 @@ def moe_tile_list(cnt_ptr, work_ptr, G, MT, BM: tl.constexpr, G_PAD: tl.constexp
     tl.store(work_ptr + 1 + 2 * MT + j, r_end, mask=jm)
     if tl.program_id(0) == 0:
         tl.store(work_ptr, tl.sum(tiles, 0))
-
-
-@triton.jit
-def moe_gemm_persistent(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr,
-                        cidx_ptr, w_ptr, work_ptr, MT, N, K, limit,
-                        stride_am, stride_as, stride_bg, stride_bn, stride_bsg, stride_bsn,
-                        stride_cm, hs_ptr, stride_hs,
-                        TOPK: tl.constexpr, KS: tl.constexpr,
-                        GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, WEIGHTED: tl.constexpr,
-                        SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, A_SCALED: tl.constexpr,
-                        WFMT: tl.constexpr, MMA: tl.constexpr, BLK_N_S: tl.constexpr,
-                        BLK_K_S: tl.constexpr, NSUB: tl.constexpr, USE_ASM: tl.constexpr,
-                        MANUAL: tl.constexpr, PAR: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        QUANT_OUT: tl.constexpr = False, QSPLIT: tl.constexpr = 1):
-    """moe_gemm GROUPED on a fixed grid: the work items are (row tile of moe_tile_list) x (N tile),
-    item w = tile * num_n + n_tile (moe_gemm's program order); program p runs items p, p + grid,
-    p + 2 grid, ... up to the device-side total, so no program is launched for an empty expert
-    and the grid (a multiple of the SM count) stays static for CUDA graphs. Each item is
-    moe_gemm's tile (moe_tile): the same numbers, bit for bit in the same compiled code."""
-    num_n = tl.cdiv(N, BN)
-    total = tl.load(work_ptr) * num_n
-    for w in range(tl.program_id(0), total, tl.num_programs(0)):
-        t = w // num_n
-        pid_n = w % num_n
-        g = tl.load(work_ptr + 1 + t)
-        row0 = tl.load(work_ptr + 1 + MT + t)
-        nrows = tl.load(work_ptr + 1 + 2 * MT + t) - row0
-        moe_tile(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr, cidx_ptr,
-                 w_ptr, hs_ptr, g, row0, nrows, pid_n, N, K, limit,
-                 stride_am, stride_as, 0, 0, stride_bg, stride_bn, stride_bsg, stride_bsn,
-                 stride_cm, 0, stride_hs,
-                 TOPK, KS, GATHER_A, SCATTER_C, WEIGHTED, SWIGLU, HAS_LIMIT, A_SCALED, WFMT, MMA,
-                 BLK_N_S, BLK_K_S, NSUB, USE_ASM, MANUAL, PAR, BM, BN, BK, QUANT_OUT, QSPLIT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -993,9 +875,8 @@ def moe_gather_rows(src_ptr, idx_ptr, dst_ptr, P, W, stride_src, stride_dst,
     """dst[r] = src[idx[r] // TOPK] for sorted rows r < P, rows of W 32-bit words (the E4M3 A
     rows seen as int32: 16-byte accesses where the strides allow, which Triton's divisibility
     specialization sees). Why not index_select: its generic gather moved the 252 MB of A at
-    8192 tokens in 117 us on the H200 (fifteenth session, ncu), a third below the copy
-    bandwidth; and its `idx // topk` is one more launch. This kernel: 79.7 us (sixteenth
-    session)."""
+    8192 tokens in 117 us on the H200 (ncu), a third below the copy
+    bandwidth; and its `idx // topk` is one more launch. This kernel: 79.7 us."""
     rr = tl.program_id(0) * BR + tl.arange(0, BR)
     rm = rr < P
     tok = (tl.load(idx_ptr + rr, mask=rm, other=0) // TOPK).to(tl.int64)

@@ -208,11 +208,10 @@ def mhc_cases():
 
 
 def moe_cases():
-    """The persistent routed-expert GEMMs at the decode tile pick_config gives them (16 x 128,
-    4 warps, 3 stages, PTX upcast, parity split) and the tile-list kernel. A 7th element: the
-    arguments the launcher marks 16-divisible at V4.1-Flash dims (every pointer; L1 strides
-    5120 / 2560 / 160, L2 2304 / 1152, N and K) and the stages: without the hints the loads do
-    not vectorize and the L1 tile spills ~1 KB."""
+    """The routed-expert and FP8-H GEMMs at the tiles pick_tile gives them, and the tile-list
+    kernel. A 7th element: the arguments the launcher marks 16-divisible at V4.1-Flash dims
+    (every pointer; L1 strides 5120 / 2560 / 160, L2 2304 / 1152, N and K) and the stages:
+    without the hints the loads do not vectorize and the L1 tile spills ~1 KB."""
     from megagraph.kernels.moe import triton as M
 
     gemm = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", aidx_ptr="*i32", b1_ptr="*i8", bs1_ptr="*u8",
@@ -220,7 +219,7 @@ def moe_cases():
                 work_ptr="*i32", MT="i32", N="i32", K="i32", limit="fp32", stride_am="i32",
                 stride_as="i32", stride_bg="i32", stride_bn="i32", stride_bsg="i32",
                 stride_bsn="i32", stride_cm="i32")
-    cfg = M.pick_config("l1", 1.5)
+    cfg = M.pick_tile("l1", 1.5)
     l1 = dict(TOPK=6, KS=6, GATHER_A=True, SCATTER_C=False, WEIGHTED=False, SWIGLU=True,
               HAS_LIMIT=True, A_SCALED=True, WFMT=0, MMA=M.MMA_FP8, BLK_N_S=1, BLK_K_S=32,
               NSUB=4, USE_ASM=True, MANUAL=False, PAR=True, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
@@ -230,14 +229,12 @@ def moe_cases():
     ptrs = {n for n, t in gemm.items() if t.startswith("*")}
     div1 = ptrs | {"N", "K", "stride_am", "stride_bg", "stride_bn", "stride_bsg", "stride_bsn",
                    "stride_cm"}
-    opts = dict(stages=cfg.num_stages)
-    # the FP8-H path (MEGAGRAPH_MOE_FP8_H, off by default): L1 with the quantizing epilogue
-    # (QUANT_OUT: H e4m3 + f32 scales per 128 columns) and L2 on FP8 A with those scales, on the
-    # static grid at the prefill tiles (wgmma with FP8 operands: QGMMA) and persistent at decode
+    # the FP8-H path (MoeConfig.fp8_h; the Triton kernels' tiles): L1 with the quantizing
+    # epilogue (QUANT_OUT: H e4m3 + f32 scales per 128 columns) and L2 on FP8 A with those
+    # scales, at the prefill tiles (wgmma with FP8 operands: QGMMA)
     sgemm = dict(gemm, cnt_ptr="*i32", M="i32", G="i32", stride_ag="i32", stride_asg="i32",
                  stride_cg="i32", hs_ptr="*fp32", stride_hs="i32")
-    q1, q2 = M.pick_config("l1_fp8h", 48.0), M.pick_config("l2_fp8h", 48.0)
-    d1, d2 = M.pick_config("l1_fp8h", 1.5), M.pick_config("l2_fp8h", 1.5)
+    q1, q2 = M.pick_tile("l1_fp8h", 48.0), M.pick_tile("l2_fp8h", 48.0)
     l1q = dict(l1, QUANT_OUT=True, BM=q1.bm, BN=q1.bn, BK=q1.bk, GROUPED=True, G_PAD=512,
                QSPLIT=q1.qsplit)
     l2q = dict(l2, A_SCALED=True, MMA=M.MMA_FP8, BM=q2.bm, BN=q2.bn, BK=q2.bk, GROUPED=True,
@@ -245,8 +242,8 @@ def moe_cases():
     divq = div1 | {"hs_ptr"}  # the scale strides (F / 128 = 18, d / 128 = 40) are not
     # the static grid's launch also passes M = 0, G = 384 and the group strides 0, which Triton
     # specializes as 16-divisible too: without them the A pointers are not known aligned, A is
-    # loaded byte by byte outside the cp.async pipeline and every prefill tile spills (the
-    # fourth session's 432 B / 64 B were this artifact, not the kernels)
+    # loaded byte by byte outside the cp.async pipeline and every prefill tile spills (432 B /
+    # 64 B measured that way were this artifact, not the kernels)
     divs = divq | {"M", "G", "stride_ag", "stride_asg", "stride_cg"}
     out = {
         # FP8-H L1 at its prefill tile: 128 columns as two 64-column K loops (qsplit 2, 4 warps):
@@ -263,51 +260,24 @@ def moe_cases():
                                 dict(stages=q2.num_stages,
                                      div=divs - {"stride_bsn", "work_ptr"},
                                      no_sass=r"\b(LDL|STL|HGMMA|HMMA)\b")),
-        "moe fp8h l1 decode persistent": (
-            "moe_jit", "moe_gemm_persistent", dict(gemm, c_ptr="*fp8e4nv", hs_ptr="*fp32",
-                                                   stride_hs="i32"),
-            dict(l1, QUANT_OUT=True, BM=d1.bm, BN=d1.bn), d1.num_warps, "HMMA",
-            dict(stages=d1.num_stages, div=divq)),
-        "moe fp8h l2 decode persistent": (
-            "moe_jit", "moe_gemm_persistent", dict(gemm, c_ptr="*bf16", hs_ptr="*fp32",
-                                                   stride_hs="i32"),
-            dict(l2, A_SCALED=True, MMA=M.MMA_FP8, BM=d2.bm, BN=d2.bn, QUANT_OUT=False),
-            d2.num_warps, "HMMA", dict(stages=d2.num_stages, div=divq - {"stride_bsn"})),
     }
-    # GemmConfig.fuse (moe_jit.moe_acc_fused, off by default): the prefill L1 with one MMA per K
-    # chunk. Pinned on the K loop's SASS (the backward branch's body): ONE wgmma group and one
-    # wait (the default prefill L1 issues 4 groups of 2 QGMMA 64x64x32, each followed by
-    # WARPGROUP.DEPBAR 0 and preceded by MEMBAR + fence: the MMAs of a chunk serialize with
-    # each other and with the upcast), QGMMA 64x128x32 with A from shared memory, 4 barriers,
-    # no local memory; the sm_90 tiles moe_tune --fuse sweeps (64 x 64 x 4 warps, 128 x 64 x 8)
-    l1f = dict(l1, BM=64, BN=64, PAR=False, GROUPED=True, G_PAD=512, FUSE=1)
-    # (Triton 3.6, the H200 image, adds barriers: 6 / 9 where 3.9 has 4 - moe_tune --fuse timed
-    # it 1.00x on the H200 in the sixth session, so fuse stays off)
-    fused = dict(stages=3, div=divs - {"work_ptr"}, no_sass=r"\b(LDL|STL)\b",
-                 loop={r"WARPGROUP\.DEPBAR": 1, r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3": 4,
-                       r"MEMBAR": 1, r"BAR\.SYNC": {(3, 6): 6, (3, 9): 4}})
-    fused8 = dict(fused, loop=dict(fused["loop"], **{r"BAR\.SYNC": {(3, 6): 9, (3, 9): 4}}))
-    out["moe l1 fused prefill"] = ("moe_jit", "moe_gemm", sgemm, l1f, 4, "QGMMA", fused)
-    out["moe l1 fused prefill 8w"] = ("moe_jit", "moe_gemm", sgemm, dict(l1f, BM=128), 8,
-                                      "QGMMA", fused8)
-    # the default prefill L1 (pick_config at ~128 rows per expert), its K loop as the fifth
-    # session's SASS read it: 4 wgmma groups per chunk, each waited on (what fuse removes)
-    p1 = M.pick_config("l1", 128.0)
+    # the default prefill L1 (pick_tile at ~128 rows per expert), its K loop in SASS: 4 wgmma
+    # groups per chunk, each waited on
+    p1 = M.pick_tile("l1", 128.0)
     out["moe l1 prefill default"] = (
         "moe_jit", "moe_gemm", sgemm,
         dict(l1, BM=p1.bm, BN=p1.bn, BK=p1.bk, PAR=p1.par, GROUPED=True, G_PAD=512), p1.num_warps,
         "QGMMA", dict(stages=p1.num_stages, div=divs - {"work_ptr"}, no_sass=r"\b(LDL|STL)\b",
                       loop={r"WARPGROUP\.DEPBAR": 4, r"QGMMA\.64x64x32": 8}))
-    # GemmConfig.swap (moe_jit.moe_acc_swap): C^T = W A^T per chunk, so the 16-row decode tile
-    # runs on wgmma m64n16 (QGMMA for L1's fp8, HGMMA for L2's fp16 H) with the weight tile in
-    # E4M3 (L1: no F2FP upcast at all), where the unswapped K loop is mma.sync (HMMA) on an fp16
-    # copy of the weights staged through shared memory. Since the sixth session the default
-    # decode L1 (pick_config "l1" at ~1.6 rows per expert: 16 x 64, 4 warps, 3 stages, par,
-    # swap) and the FP8-H decode roles (16 x 128) swap; the fp16-H L2 does not (the case below
-    # forces it at its 16 x 128 tile). Pinned: no HMMA, no local memory, and the K loop's
+    # Tile.swap (moe_jit.moe_acc_swap): C^T = W A^T per chunk, so the 16-row decode tile runs on
+    # wgmma m64n16 (QGMMA for L1's fp8, HGMMA for L2's fp16 H) with the weight tile in E4M3 (L1:
+    # no F2FP upcast at all), where the unswapped K loop is mma.sync (HMMA) on an fp16 copy of
+    # the weights staged through shared memory. The default decode L1 (pick_tile "l1" at ~1.6
+    # rows per expert: 16 x 64, 4 warps, 3 stages, par, swap) and the FP8-H decode roles
+    # (16 x 128) swap; the fp16-H L2 does not (the case below forces it at its 16 x 128 tile). Pinned: no HMMA, no local memory, and the K loop's
     # instruction count per Triton version (the H200 image runs 3.6; K-loop sizes from the
     # per-lane MXFP4 upcast, moe_jit.FP4_E4M3_ASM).
-    d1s, d2s = M.pick_config("l1", 1.6), M.pick_config("l2", 1.6)
+    d1s, d2s = M.pick_tile("l1", 1.6), M.pick_tile("l2", 1.6)
     dl1 = dict(l1, BM=d1s.bm, BN=d1s.bn, BK=d1s.bk, PAR=d1s.par, GROUPED=True, G_PAD=512)
     dl2 = dict(l2, BM=d2s.bm, BN=d2s.bn, BK=d2s.bk, PAR=d2s.par, GROUPED=True, G_PAD=512)
     dl1w = dict(dl1, BN=128)  # the unswapped / FP8-H decode tiles' 128 columns
@@ -321,8 +291,7 @@ def moe_cases():
                                                  div=divs - {"work_ptr", "stride_bsn"},
                                                  no_sass=r"\b(LDL|STL|HMMA)\b",
                                                  max_loop={(3, 6): 920, (3, 9): 820}))
-    # swap with the FP8-H path (MEGAGRAPH_MOE_FP8_H, off by default) at its decode tiles
-    # (pick_config "l1_fp8h" / "l2_fp8h" at ~1.6 rows per expert: 16 x 128, 4 warps, 3 stages,
+    # swap with the FP8-H path (MoeConfig.fp8_h) at its decode tiles (pick_tile "l1_fp8h" / "l2_fp8h" at ~1.6 rows per expert: 16 x 128, 4 warps, 3 stages,
     # par, swap): L2 on E4M3 H with per-128 scales (A_SCALED) runs QGMMA m64n16 on the E4M3 W2
     # tile, no fp16 copy (no F2FP in the loop, no HGMMA / HMMA); L1 with the quantizing epilogue
     # has the 128-column swapped L1 loop
@@ -339,23 +308,16 @@ def moe_cases():
         dict(swap, stages=d1s.num_stages, div=divs - {"work_ptr"},
              loop={r"\bF2FP": 0, r"QGMMA\.64x16x32": 16},
              max_loop={(3, 6): 1420, (3, 9): 1400}))
-    # the unswapped decode L1 (the persistent grid's tile, and the default before the sixth
-    # session), as the SASS reads it: mma.sync with the E4M3 -> fp16 upcast (F2FP) of the
-    # weight tile in the K loop (what swap removes)
+    # the unswapped decode L1 (a tile with swap off), as the SASS reads it: mma.sync with the
+    # E4M3 -> fp16 upcast (F2FP) of the weight tile in the K loop (what swap removes)
     out["moe l1 decode mma.sync"] = (
         "moe_jit", "moe_gemm", sgemm, dl1w, d1s.num_warps, "HMMA",
         dict(stages=d1s.num_stages, div=divs - {"work_ptr"}, stack=80,  # 3.9: 72 B
              loop={r"HMMA\.16816": 64, r"F2FP\.F16\.E4M3": 160}))
-    gemm = dict(gemm, hs_ptr="*fp32", stride_hs="i32")
     up_types = dict(w_ptr="*u8", s_ptr="*u8", cnt_ptr="*i32", out_ptr="*fp8e4nv", os_ptr="*fp32",
                     N="i32", K="i32", stride_wg="i32", stride_wn="i32", stride_sg="i32",
                     stride_sn="i32", stride_og="i32", stride_on="i32", stride_osg="i32")
     return out | {
-        "moe persistent l1": ("moe_jit", "moe_gemm_persistent", gemm, l1, cfg.num_warps, "HMMA",
-                              dict(opts, div=div1)),
-        "moe persistent l2": ("moe_jit", "moe_gemm_persistent",
-                              dict(gemm, a_ptr="*fp16", c_ptr="*bf16"), l2, cfg.num_warps, "HMMA",
-                              dict(opts, div=div1 - {"stride_bsn"})),
         "moe tile list": ("moe_jit", "moe_tile_list",
                           dict(cnt_ptr="*i32", work_ptr="*i32", G="i32", MT="i32"),
                           dict(BM=cfg.bm, G_PAD=512, BT=32), 4, None, {}),
@@ -374,10 +336,8 @@ NAMES = ["attn decode q-epilogue", "attn decode split", "attn plain", "attn comb
          "attn prefill pipe", "index prefill", "index stream long bf16", "index stream short bf16",
          "index stream long tf32x3", "index stream short tf32x3", "compressor gemm", "compressor gemm small", "compressor rows r1",
          "compressor rows r2", "ring copy", "engram hash", "engram gate", "quantize act 1x128",
-         "quantize act mxfp8", "moe persistent l1", "moe persistent l2", "moe tile list",
-         "moe fp8h l1 prefill", "moe fp8h l2 prefill", "moe fp8h l1 decode persistent",
-         "moe fp8h l2 decode persistent", "moe l1 fused prefill", "moe l1 fused prefill 8w",
-         "moe l1 prefill default", "moe l1 swap decode", "moe l2 swap decode",
+         "quantize act mxfp8", "moe tile list",
+         "moe fp8h l1 prefill", "moe fp8h l2 prefill", "moe l1 prefill default", "moe l1 swap decode", "moe l2 swap decode",
          "moe grouped cublas upcast",
          "moe l1 decode mma.sync", "moe l2 fp8h swap decode", "moe l1 fp8h swap decode",
          "rope q", "rope q inverse", "rope ik", "rope f32",

@@ -28,6 +28,7 @@ release order.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -35,11 +36,19 @@ import torch
 from gluon_cases import check_repeats_and_graph, dbg_bank, explicit_rows, l2_reference, rel, \
     rows_case
 from megagraph.kernels.moe import gluon_l2_fp8 as m8
+from megagraph.kernels.moe.config import MoeConfig
 from megagraph.kernels.moe import gluon_ws as mw
 from poisoned_alloc import poisoned
 
 GPU_OK = m8.available()
-gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and Triton 3.6 Gluon")
+
+
+def gpu(test):
+    """GPU-only (pytest.mark.gpu), and skipped without sm_90 and Triton 3.6's Gluon."""
+    return pytest.mark.gpu(pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and "
+                                              "Triton 3.6 Gluon")(test))
+
+
 build = pytest.mark.skipif(not mw._IMPORT_OK, reason="needs Triton 3.6 with Gluon "
                            "(make sm90-h200)")
 
@@ -116,7 +125,7 @@ def _triton_l2_fp8(hq, hs, w2, counts, srt, wts, ks, dtype):
     rpg = P / max(1, min(E, P))
     moe.gemm(hq, hs, w2, y.view(T * ks, -1), role="l2_fp8h", rows_per_group=rpg, counts=counts,
              c_idx=srt, row_w=wts.reshape(-1), topk=k, ks=ks,
-             max_tiles=min(P, P // moe.pick_config("l2_fp8h", rpg).bm + E))
+             max_tiles=min(P, P // moe.pick_tile("l2_fp8h", rpg).bm + E))
     torch.cuda.synchronize()
     return y
 
@@ -223,10 +232,10 @@ def test_l1_ws_fp8_h_epilogue(name, stma):
 
 @gpu
 def test_routed_experts_fp8_h_takes_ws(monkeypatch):
-    """routed_experts(fp8_h=True) at > WIDE_L1_MIN_ROWS rows per expert runs the warp-specialized
-    L1 with the FP8 epilogue and l2_gluon_ws_fp8, and matches the Triton FP8-H kernels (GLUON
-    off) within 8e-3; the default (fp8_h None) does the same with FP8_H_PREFILL on, keeps fp16 H
-    at decode sizes and with FP8_H_PREFILL off (the fp16-H ws L1 then)."""
+    """routed_experts(fp8_h=True) at > wide_l1_min_rows rows per expert runs the
+    warp-specialized L1 with the FP8 epilogue and l2_gluon_ws_fp8, and matches the Triton FP8-H
+    kernels (gluon off) within 8e-3; the default (fp8_h None) does the same with fp8_h_prefill
+    on, keeps fp16 H at decode sizes and with fp8_h_prefill off (the fp16-H ws L1 then)."""
     from gluon_cases import case
     from megagraph.kernels.moe import triton as moe
 
@@ -248,31 +257,29 @@ def test_routed_experts_fp8_h_takes_ws(monkeypatch):
 
         monkeypatch.setattr(mod, name, spy)
 
-    def run(fp8_h=True, n=T):
+    def run(fp8_h=True, n=T, cfg=MoeConfig()):
         y = torch.full((n, k, d), float("nan"), dtype=torch.bfloat16, device="cuda")
         c = torch.bincount(ids[:n].flatten().long(), minlength=E).to(torch.int32)
         moe.routed_experts(xq[:n], xs[:n], ids[:n], wts[:n], c, w1, w3, w2, y, topk=k,
-                           swiglu_limit=10.0, fp8_h=fp8_h)
+                           swiglu_limit=10.0, fp8_h=fp8_h, cfg=cfg)
         torch.cuda.synchronize()
         return y
 
     y = run()
     assert calls == [("l1_gluon_ws", True), ("l2_gluon_ws_fp8", False)], calls
-    # the default (fp8_h None, FP8_H_PREFILL on): the same kernels, the same bits at prefill
+    # the default (fp8_h None, fp8_h_prefill on): the same kernels, the same bits at prefill
     # sizes; fp16 H at decode sizes (8 tokens: 4 rows per expert)
-    monkeypatch.setattr(moe, "FP8_H_PREFILL", True)
     calls.clear()
     assert torch.equal(run(None).view(torch.int16), y.view(torch.int16))
     assert calls == [("l1_gluon_ws", True), ("l2_gluon_ws_fp8", False)], calls
     calls.clear()
     small = run(None, 8)
     assert calls == [] and torch.isfinite(small.float()).all()
-    monkeypatch.setattr(moe, "FP8_H_PREFILL", False)
-    assert run(None, T) is not None and calls == [("l1_gluon_ws", False)], calls
+    assert run(None, T, MoeConfig(fp8_h_prefill=False)) is not None
+    assert calls == [("l1_gluon_ws", False)], calls
     calls.clear()
-    monkeypatch.setattr(moe, "GLUON", False)
-    y_tr = run()
-    assert calls == [], "GLUON off still ran a Gluon kernel"
+    y_tr = run(cfg=MoeConfig(gluon=False))
+    assert calls == [], "gluon off still ran a Gluon kernel"
     assert torch.isfinite(y.float()).all()
     assert rel(y, y_tr) < 8e-3, f"vs the Triton FP8-H path: {rel(y, y_tr):.3e}"
 
@@ -326,15 +333,13 @@ def test_fp8_h_kernel_choice(monkeypatch):
     on any machine): above 100 rows per expert _h_and_kernels with fp8_h gives an E4M3 H with
     its scales, l1_gluon_ws on the 128-column tile's rings with A by TMA, row frames and
     out_scale = those scales, and the down GEMM's launch; _prefill_fp8_h_may says yes there and
-    no at 100 rows, with FP8_H_PREFILL off or without Gluon; a bank the down GEMM refuses (d =
-    128: no 256-column tile) leaves its picker None (routed_experts then takes fp16 H)."""
+    no at 100 rows, with fp8_h_prefill off or without Gluon; a bank the down GEMM refuses (d =
+    128: no 256-column tile) leaves the Triton L2 (routed_experts then takes fp16 H)."""
     from megagraph.kernels.moe import triton as moe
 
     for mod in (mw, m8):
         monkeypatch.setattr(mod, "available", lambda device=None: True)
-    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
-    for knob in ("GLUON", "GLUON_WS_L1", "GLUON_WS_L2_FP8", "FP8_H_PREFILL", "WS_L1_FRAMES"):
-        monkeypatch.setattr(moe, knob, True)
+    cfg = MoeConfig()
     frames = object()
     monkeypatch.setattr(mw, "row_frames", lambda w1, w3: frames)
     E, d, F, T, k = 4, 256, 256, 300, 2
@@ -345,25 +350,23 @@ def test_fp8_h_kernel_choice(monkeypatch):
     def choose(dd, rpg=150.0):
         w2 = dbg_bank(torch.zeros(E, dd, F // 2), torch.full((E, dd, F // 32), 127), "cpu")
         y = torch.zeros(T, k, dd)
-        return moe._h_and_kernels(xq, xs, w13, w13, w2, y, T * k, rpg, True)
+        return moe._h_and_kernels(xq, xs, w13, w13, w2, y, T * k, rpg, True, cfg)
 
     h, hs, l1, l2 = choose(d)
     assert h.dtype == torch.float8_e4m3fn and tuple(h.shape) == (T * k, F)
     assert hs.dtype == torch.float32 and tuple(hs.shape) == (T * k, F // 128)
-    assert l1[0].func is mw.l1_gluon_ws and l1[1] == mw.BM
-    kw = l1[0].keywords
+    assert l1[0] == "gluon_ws_fp8h" and l1[1].func is mw.l1_gluon_ws and l1[2] == mw.BM
+    kw = l1[1].keywords
     assert (kw["bn"], kw["stages"], kw["bstages"], kw["a_tma"], kw["persist"]) == \
-        (mw.BN_WIDE, moe.WS_WIDE_STAGES, moe.WS_WIDE_BSTAGES, True, True)
+        (mw.BN_WIDE, *cfg.ws_wide_rings, True, True)
     assert kw["frames"] is frames and kw["out_scale"] is hs
-    assert l2 is not None and l2[1] == m8.BM
-    assert choose(128)[3] is None  # d = 128: the down GEMM's 256-column tile does not fit
-    assert choose(d, rpg=100.0)[2] is None  # at or below 100 rows per expert: moe_gemm's
-    assert moe._prefill_fp8_h_may(xq, 150.0) and not moe._prefill_fp8_h_may(xq, 100.0)
-    monkeypatch.setattr(moe, "FP8_H_PREFILL", False)
-    assert not moe._prefill_fp8_h_may(xq, 150.0)
-    monkeypatch.setattr(moe, "FP8_H_PREFILL", True)
+    assert l2[0] == "gluon_l2_fp8" and l2[2] == m8.BM
+    assert choose(128)[3][0] == "triton"  # d = 128: the down GEMM's 256-column tile
+    assert choose(d, rpg=100.0)[2][0] == "triton"  # at or below 100 rows per expert
+    assert moe._prefill_fp8_h_may(xq, 150.0, cfg) and not moe._prefill_fp8_h_may(xq, 100.0, cfg)
+    assert not moe._prefill_fp8_h_may(xq, 150.0, dataclasses.replace(cfg, fp8_h_prefill=False))
     monkeypatch.setattr(mw, "available", lambda device=None: False)
-    assert not moe._prefill_fp8_h_may(xq, 150.0)
+    assert not moe._prefill_fp8_h_may(xq, 150.0, cfg)
 
 
 def test_fp8_h_consts():

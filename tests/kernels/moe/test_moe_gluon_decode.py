@@ -34,6 +34,7 @@ of a bank run on the CPU.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -51,11 +52,16 @@ from gluon_cases import (
 from megagraph.kernels.moe import gluon_decode as md
 from sm90_build import (SYNC_COUNTS, build_stats, count, gluon_sm90, loop_instructions,
                         usage_and_sass)
-from test_moe_gluon import proxy_fence_problems
-from test_triton_moe import ACT, check_routed, routed_case
+from gluon_cases import proxy_fence_problems
+from test_triton_moe import ACT, FP16_H, check_routed, routed_case
 
 GPU_OK = md.available()
-gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and Triton 3.6 Gluon")
+
+
+def gpu(test):
+    """GPU-only (pytest.mark.gpu), and skipped without sm_90 and Triton 3.6's Gluon."""
+    return pytest.mark.gpu(pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and "
+                                              "Triton 3.6 Gluon")(test))
 
 
 def _max_tiles(P, E, bt=md.BT):
@@ -87,7 +93,7 @@ def test_l1_decode_matches(T, E, subset, load, bt):
     # the Triton L1 as routed_experts launches it (decode: the swapped 16-row tile)
     h = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
     rpg = P / max(1, min(E, P))
-    mt1 = min(P, P // moe.pick_config("l1", rpg).bm + E)
+    mt1 = min(P, P // moe.pick_tile("l1", rpg).bm + E)
     moe.gemm(xq, xs, w1, h, b2=w3, role="l1", rows_per_group=rpg, counts=counts, a_idx=srt,
              topk=k, max_tiles=mt1, limit=limit)
     torch.cuda.synchronize()
@@ -131,21 +137,17 @@ def test_l1_decode_asm_vs_arith_and_tiles(load, bt):
 @pytest.mark.parametrize("gluon,load", [(True, "cp.async"), (True, "tma"), (False, "cp.async")])
 def test_routed_experts_decode_uses_gluon(gluon, load, monkeypatch):
     """routed_experts at a decode size (24 tokens, top-6 of 48 experts: 3 rows per expert) runs
-    its L1 on l1_gluon_decode when on (once; with the module's LOAD, as
-    MEGAGRAPH_MOE_GLUON_DECODE_LOAD sets it) and on moe_gemm when MEGAGRAPH_MOE_GLUON_DECODE is
-    off; both against the reference op within test_triton_moe's bound (2e-3, fp32 output)."""
-    from megagraph.kernels.moe import triton as moe
-
-    monkeypatch.setattr(moe, "GLUON_DECODE", gluon)
-    monkeypatch.setattr(md, "LOAD", load)
-    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
+    its L1 on l1_gluon_decode when on (once; with MoeConfig.gluon_decode_load) and on moe_gemm
+    when MoeConfig.gluon_decode is off; both against the reference op within test_triton_moe's
+    bound (2e-3, fp32 output)."""
+    cfg = dataclasses.replace(FP16_H, gluon_decode=gluon, gluon_decode_load=load)
     calls = []
     real = md.l1_gluon_decode
     monkeypatch.setattr(md, "l1_gluon_decode",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     xq, xs, ids, wts, bank = routed_case(24, 48, 512, 128, 6, seed=91)
     check_routed(xq, xs, ids, wts, bank, dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT,
-                                              out_dtype="f32"))
+                                              out_dtype="f32"), cfg)
     assert len(calls) == (1 if gluon else 0)
 
 
@@ -153,23 +155,19 @@ def test_routed_experts_decode_uses_gluon(gluon, load, monkeypatch):
 @pytest.mark.parametrize("wide", [True, False])
 def test_routed_experts_prefill_uses_wide_tiles(wide, monkeypatch):
     """routed_experts at a prefill size (600 tokens, top-2 of 8 experts: 150 rows per expert)
-    runs its L1 on l1_gluon_decode with 64-token tiles by TMA when GLUON_WIDE_L1 is on (the
+    runs its L1 on l1_gluon_decode with 64-token tiles by TMA when gluon_wide_l1 is on (the
     default; once) and not when off (the cuBLAS / Triton L1); both against the reference op
-    within test_triton_moe's bound (fp32 output). Passed on the H200 (tenth session)."""
-    from megagraph.kernels.moe import triton as moe
-
-    monkeypatch.setattr(moe, "GLUON_WIDE_L1", wide)
-    monkeypatch.setattr(moe, "GLUON_WS_L1", False)  # the warp-specialized L1 goes first
-    monkeypatch.setattr(moe, "GLUON_PREFILL", False)
-    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
+    within test_triton_moe's bound (fp32 output). The warp-specialized L1, which goes first,
+    off."""
+    cfg = dataclasses.replace(FP16_H, gluon_wide_l1=wide, gluon_ws_l1=False)
     calls = []
     real = md.l1_gluon_decode
     monkeypatch.setattr(md, "l1_gluon_decode",
                         lambda *a, **k: calls.append(k.get("bt")) or real(*a, **k))
     xq, xs, ids, wts, bank = routed_case(600, 8, 256, 128, 2, seed=77)
     check_routed(xq, xs, ids, wts, bank, dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT,
-                                              out_dtype="f32"))
-    assert calls == ([moe.WIDE_BT] if wide else [])
+                                              out_dtype="f32"), cfg)
+    assert calls == ([cfg.wide_bt] if wide else [])
 
 
 @gpu
@@ -222,11 +220,11 @@ def test_l1_decode_sm90_build():
     128 registers (4 CTAs of 4 warps per SM), and per K chunk (the loop holds NS = 4): 8 register-
     A QGMMA 64x16x32 (W1, W3: 4 k32 steps each), 2 WARPGROUP.ARRIVE, 2 WARPGROUP.DEPBAR (the W1
     wait after the W3 wgmmas are issued), 2 BAR.SYNC (Triton's membar barrier after the cp.async
-    wait, then the one after every thread's proxy fence: the fence is writer-side since the
-    eighth session, proxy_fence_problems), 1 DEPBAR (cp.async wait), 4 LDGSTS.128 (weights) +
+    wait, then the one after every thread's proxy fence: the fence is writer-side,
+    proxy_fence_problems), 1 DEPBAR (cp.async wait), 4 LDGSTS.128 (weights) +
     5 LDGSTS (4 of X, 1 of the exponents), 4 LDS.128 (the packed bytes: one per row and
     matrix), no STS (no upcast tile stored), 64 PRMT (16 packs x 4); the loop's instruction
-    count is pinned (1231 with the fourteenth session's table, 3 SASS a pack shorter; 1423
+    count is pinned (1231 with the sign-by-prmt table, 3 SASS a pack shorter; 1423
     with the byte-spread table, 1407 with the old reader-side fence and one barrier per chunk;
     +- 8%)."""
     consts = dict(TOPK=6, HAS_LIMIT=True, USE_ASM=True, BW=md.BW, BT=md.BT, BK=md.BK, NS=md.NS,
@@ -418,7 +416,7 @@ def test_l1_decode_tma_sm90_build():
     (proxy_fence_problems) and the only one (Triton adds none of its own before the copies);
     the loop's instruction count per chunk pinned (the loop is unrolled by the stage count:
     1551 at 4 stages, 1141 at 3 when written, ~388 / ~380 per chunk; ~332 per chunk at 3 with
-    the fourteenth session's table, +- 8%; cp.async 1231 / 4)."""
+    the sign-by-prmt table, +- 8%; cp.async 1231 / 4)."""
     consts = dict(TOPK=6, HAS_LIMIT=True, USE_ASM=True, BW=md.BW, BT=md.BT, BK=md.BK, NKP=64,
                   NW=md.NUM_WARPS)
     ns = md.TMA_STAGES
@@ -559,3 +557,24 @@ def test_l1_decode_sm90_build_bt(bt, kernel, stages):
     got = dict({n: c[n] for n in per_chunk}, QGMMA=qgmma)
     assert got == {n: v * stages for n, v in per_chunk.items()}, got
     assert proxy_fence_problems(body, stages) == []
+
+
+def test_proxy_fence_problems():
+    """The fence-order check on hand-written loops: the writer-side order passes (with or
+    without Triton's own barrier right after the wait); the old reader-side order (wait,
+    barrier, fence, wgmma) and a fence-less chunk fail."""
+    new = ["DEPBAR.LE SB0, 0x0", "BAR.SYNC.DEFER_BLOCKING 0x0", "MEMBAR.ALL.CTA",
+           "FENCE.VIEW.ASYNC.S", "BAR.SYNC.DEFER_BLOCKING 0x0", "LDGSTS.E.BYPASS.128 [R1], [R2]",
+           "WARPGROUP.ARRIVE", "QGMMA.64x64x32.F32.E4M3.E4M3 R24, gdesc[UR4], RZ, !UPT",
+           "WARPGROUP.DEPBAR.LE gsb0, 0x0", "@P0 BRA 0x100"]
+    assert proxy_fence_problems(new, 1) == []
+    assert proxy_fence_problems(new[:1] + new[2:], 1) == []  # one barrier, after the fence
+    assert proxy_fence_problems(new + new, 2) == []
+    assert proxy_fence_problems(new, 2)  # chunk count
+    old = new[:2] + new[2:4] + new[5:]  # wait, barrier, fence, wgmma
+    assert any("writer-side" in p for p in proxy_fence_problems(old, 1))
+    assert any("reader-side" in p for p in proxy_fence_problems(old, 1))
+    assert proxy_fence_problems(new[:2] + new[4:], 1)  # no fence at all
+    hg = [t.replace("QGMMA.64x64x32.F32.E4M3.E4M3", "HGMMA.64x16x16.F32") for t in new]
+    assert proxy_fence_problems(hg, 1) == []
+    assert proxy_fence_problems([t.replace("SB0, 0x0", "SB0, 0x2") for t in old], 1)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megagraph.kernels.gemm import cublas_fp8 as cb
+from megagraph.kernels.gemm.config import GemmConfig
 from megagraph.kernels import formats
 from megagraph.kernels.fused import reference as rf
 
@@ -94,7 +95,7 @@ def test_cpu_tensors_keep_the_caller_kernel():
 # GPU
 # ---------------------------------------------------------------------------------------------
 
-gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (cuBLAS block-scaled FP8)")
+gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 def _form():
@@ -125,14 +126,14 @@ def test_linear_matches_fp32_math(M, N, K):
     assert float((y.float() - src).norm() / src.norm()) < 1e-2
 
 
-def test_prefill_form_picks_by_rows(monkeypatch):
-    """prefill_form: FORM_PREFILL from PREFILL_ROWS rows on, the device default (None) below
-    and where FORM_PREFILL is "" (the knob off)."""
-    monkeypatch.setattr(cb, "FORM_PREFILL", "128x128")
-    assert cb.prefill_form(cb.PREFILL_ROWS) == "128x128"
-    assert cb.prefill_form(cb.PREFILL_ROWS - 1) is None
-    monkeypatch.setattr(cb, "FORM_PREFILL", "")
-    assert cb.prefill_form(1 << 20) is None
+def test_prefill_form_picks_by_rows():
+    """GemmConfig.prefill_form: cublas_form_prefill from cublas_prefill_rows rows on, the
+    device default (None) below and where cublas_form_prefill is "" (off)."""
+    cfg = GemmConfig()
+    assert cfg.cublas_form_prefill == "128x128"
+    assert cfg.prefill_form(cfg.cublas_prefill_rows) == "128x128"
+    assert cfg.prefill_form(cfg.cublas_prefill_rows - 1) is None
+    assert GemmConfig(cublas_form_prefill="").prefill_form(1 << 20) is None
     assert cb.form_ok(0, "4x4") is False  # an unknown recipe is never taken
 
 
@@ -252,7 +253,7 @@ def test_shared_expert_l1_on_cublas(T):
 @gpu
 @pytest.mark.parametrize("T", [256, 517])
 def test_grouped_linear_on_cublas(T):
-    """grouped_linear_q (block-diagonal, wo_a-like) at >= CUBLAS_GROUPED_MIN_ROWS: one cuBLAS
+    """grouped_linear_q (block-diagonal, wo_a-like) at >= cublas_grouped_min_rows: one cuBLAS
     GEMM per group; each group's columns within bf16 of the reference (a group left unwritten
     would show there)."""
     from megagraph.kernels.moe import triton as tm
@@ -262,7 +263,7 @@ def test_grouped_linear_on_cublas(T):
     w, s = _weight(G * o, k, 32, 3, seed=T, device="cuda")
     xq, xs = rf.quantize_act(torch.randn(T, G * k, device="cuda"), act_fmt="fp8_1x128")
     kw = dict(groups=G, fmt="fp8_block", act_fmt="fp8_1x128", out_dtype="bf16")
-    assert T >= tm.CUBLAS_GROUPED_MIN_ROWS
+    assert T >= GemmConfig().cublas_grouped_min_rows
     y = tm.grouped_linear_q(xq, xs, w, s, **kw)
     ref = rf.grouped_linear_q(xq, xs, w, s, **kw)
     assert torch.isfinite(y).all()

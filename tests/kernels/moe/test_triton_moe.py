@@ -11,7 +11,10 @@ Every output is checked against kernels.reference_table with fresh random inputs
 allocations (every torch.empty of the call is filled with NaN / huge indices), so an element or
 a workspace row the kernels read without writing it shows up as NaN or a crash.
 Tolerances (relative Frobenius error; moe.py explains where the differences come from): fp32
-outputs 2e-3 (fp16 SwiGLU output feeding the second GEMM), bf16 outputs 1e-2.
+outputs 2e-3 (fp16 SwiGLU output feeding the second GEMM), bf16 outputs 1e-2. These bounds are
+fp16 H's: the calls pass FP16_H (MoeConfig with fp8_h_prefill off), since the default quantizes
+H to E4M3 at prefill sizes on sm_90 (~3.4% relative); the FP8-H path has its own tests
+(test_moe_gluon_l2_fp8.py, test_triton_moe_fp8h.py).
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ from megagraph.kernels.fused import reference as rf  # noqa: E402
 from megagraph.kernels.moe.reference import route as ref_route  # noqa: E402
 from megagraph.kernels.mhc import triton as tmhc  # noqa: E402
 from megagraph.kernels.moe import triton as tm  # noqa: E402
+from megagraph.kernels.moe.config import MoeConfig  # noqa: E402
+from megagraph.kernels.gemm.config import GemmConfig, Tile  # noqa: E402
 
 # The interpreter must be chosen before triton is first imported (its own library functions are
 # built then), which a shared pytest process cannot promise: without CUDA this module runs in a
@@ -43,6 +48,15 @@ ACT = "fp8_1x128"
 # MMA accumulates each 128-column chunk with ~2^-14 relative precision before the fp32 promotion
 TOL_GEMM = 1e-3 if GPU else 1e-5
 TOL_COEF = 1e-4 if GPU else 1e-5  # mixer coefficients (approximate exp / rsqrt on the GPU)
+FP16_H = MoeConfig(fp8_h_prefill=False)  # the fp16-H kernels these bounds are for
+
+
+def pinned(cfg: MoeConfig = FP16_H, **tiles: Tile) -> MoeConfig:
+    """cfg with the Triton tile of each role given (l1=Tile(...), ...): that role runs moe_gemm
+    with that tile (MoeConfig.tiles)."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, tiles=tuple(t.spec(r) for r, t in tiles.items()))
 
 
 def rel(a, b) -> float:
@@ -167,7 +181,7 @@ def test_ptx_upcast_bit_logic():
     """The prmt-based PTX upcast (4 packed bytes -> low-nibble and high-nibble E4M3 bytes)
     equals the arithmetic helper for every byte value and offset, with an independent offset in
     each of the 4 byte lanes ($3 = rel + 6 per lane: a pack may span rows / scale groups - the
-    sixth session's H200 failure of the swapped tiles, when one offset served the whole pack).
+    H200 failure of the swapped tiles when one offset served the whole pack).
     The GPU tests check that it compiles and runs (moe.asm_ok's device check)."""
     from megagraph.kernels.moe import triton_jit as moe_jit
 
@@ -207,20 +221,20 @@ def routed_case(T, E, d, F, k, seed, subset=None, **kw):
     return xq, xs, ids, wts, bank
 
 
-def check_routed(xq, xs, ids, wts, bank, kw) -> torch.Tensor:
-    """tm.moe_experts_q under poisoned allocations against the reference op: finite, same dtype
-    and shape, relative error < 2e-3 for fp32 outputs (fp16 H feeding the second GEMM), 1e-2 for
-    bf16 ones. Returns the kernel's output."""
+def check_routed(xq, xs, ids, wts, bank, kw, cfg: MoeConfig = FP16_H) -> torch.Tensor:
+    """tm.moe_experts_q (kernel_config cfg) under poisoned allocations against the reference op:
+    finite, same dtype and shape, relative error < 2e-3 for fp32 outputs (fp16 H feeding the
+    second GEMM), 1e-2 for bf16 ones. Returns the kernel's output."""
     with poisoned():
-        y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+        y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw, kernel_config=cfg)
     ref = rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
     finite(y)
     assert y.dtype == ref.dtype and y.shape == ref.shape
-    assert rel(y, ref) < (_f32_bound(xq, ids, bank) if kw["out_dtype"] == "f32" else 1e-2)
+    assert rel(y, ref) < (_f32_bound(xq, ids, bank, cfg) if kw["out_dtype"] == "f32" else 1e-2)
     return y
 
 
-def _f32_bound(xq, ids, bank) -> float:
+def _f32_bound(xq, ids, bank, cfg: MoeConfig = FP16_H) -> float:
     """check_routed's bound for fp32 outputs: 2e-3 (fp16 H), 5e-3 where the prefill L1 runs on
     cuBLAS's grouped FP8 GEMM (moe_grouped_cublas), whose bf16 output rounds W1 x and W3 x
     before the SwiGLU: 2^-9 relative per element, ~1.5e-3 on the norm on top of fp16 H."""
@@ -231,14 +245,15 @@ def _f32_bound(xq, ids, bank) -> float:
         return 2e-3
     h = torch.empty(0, b1.n, dtype=torch.float16, device=xq.device)
     rpg = ids.numel() / max(1, min(b1.groups, ids.numel()))
-    cub = (tm.CUBLAS_PREFILL and "l1" not in tm.CONFIG_OVERRIDE
-           and mgc.applies(xq, b1, b3, h, rpg))
+    cub = (cfg.cublas_prefill and "l1" not in cfg.tile_overrides()
+           and mgc.applies(xq, b1, b3, h, rpg, cfg.cublas_l1_min_rows))
     return 5e-3 if cub else 2e-3
 
 
-def check_dense_swiglu(seed: int, T: int) -> None:
+def check_dense_swiglu(seed: int, T: int, cfg: GemmConfig | None = None) -> None:
     """The dense SwiGLU MLP on MXFP4 weights (d 256, F 128, one expert's banks) for T tokens under
-    poisoned allocations, against the reference: finite, relative error < 2e-3 (fp32 output)."""
+    poisoned allocations (kernel_config cfg), against the reference: finite, relative error
+    < 2e-3 (fp32 output)."""
     g = gen(seed)
     d, F = 256, 128
     x = randn(T, d, g=g)
@@ -246,7 +261,7 @@ def check_dense_swiglu(seed: int, T: int) -> None:
     w1, s1, w3, s3, w2, s2 = (t[0] for t in _experts(1, d, F, g))
     kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype="f32")
     with poisoned():
-        y = tm.swiglu_mlp_q(xq, xs, w1, s1, w3, s3, w2, s2, **kw)
+        y = tm.swiglu_mlp_q(xq, xs, w1, s1, w3, s3, w2, s2, **kw, kernel_config=cfg)
     ref = rf.swiglu_mlp_q(xq, xs, w1, s1, w3, s3, w2, s2, **kw)
     finite(y)
     assert rel(y, ref) < 2e-3
@@ -282,7 +297,7 @@ def test_mxfp4_scale_spread(spread):
     check_scale_spread(100 + spread, 6, ((1, 120), (3, 120), (5, 120)), spread)
 
 
-def check_scale_spread(seed: int, T: int, bases, spread: int) -> None:
+def check_scale_spread(seed: int, T: int, bases, spread: int, cfg: MoeConfig = FP16_H) -> None:
     """Routed experts (4 experts, d 256, F 128, top-2) whose scale banks `bases` ((bank index,
     base exponent) pairs: 1 = W1, 3 = W3, 5 = W2) hold exponents base - spread .. base inside
     every 128 columns, against the reference: relative error < 2e-3 (fp32 output)."""
@@ -298,27 +313,24 @@ def check_scale_spread(seed: int, T: int, bases, spread: int) -> None:
     ids = torch.randint(0, E, (T, k), generator=g).to(DEV)
     wts = torch.rand(T, k, generator=g).to(DEV)
     kw = dict(fmt="mxfp4", swiglu_limit=0.0, act_fmt=ACT, out_dtype="f32")
-    y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw, kernel_config=cfg)
     ref = rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
     assert rel(y, ref) < 2e-3
 
 
 @pytest.mark.parametrize("par", [False, True])
-def test_moe_tiles_interleaved_and_parity(par, monkeypatch):
+def test_moe_tiles_interleaved_and_parity(par):
     """Both B layouts of the MXFP4 upcast (interleaved tile / K split by column parity) at a
     second tile shape."""
-    cfg = tm.GemmConfig(16, 16, 64, 4, 1, par=par) if not GPU else tm.GemmConfig(64, 64, 128, 4,
-                                                                                 3, par=par)
-    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1": cfg, "l2": cfg})
+    tile = Tile(16, 16, 64, 4, 1, par=par) if not GPU else Tile(64, 64, 128, 4, 3, par=par)
     xq, xs, ids, wts, bank = routed_case(9, 4, 256, 128, 2, seed=31)
     check_routed(xq, xs, ids, wts, bank, dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT,
-                                             out_dtype="f32"))
+                                             out_dtype="f32"), pinned(l1=tile, l2=tile))
 
 
-def test_moe_exact_mode(monkeypatch):
-    """MEGAGRAPH_MOE_EXACT: fully dequantized operands, fp32 H (bf16 / fp32 MMA): agrees to fp32
+def test_moe_exact_mode():
+    """MoeConfig.exact: fully dequantized operands, fp32 H (bf16 / fp32 MMA): agrees to fp32
     summation order."""
-    monkeypatch.setattr(tm, "EXACT", True)
     g = gen(7)
     E, d, F, k, T = 4, 256, 128, 2, 5
     x = randn(T, d, g=g)
@@ -327,7 +339,7 @@ def test_moe_exact_mode(monkeypatch):
     ids = torch.randint(0, E, (T, k), generator=g).to(DEV)
     wts = torch.rand(T, k, generator=g).to(DEV)
     kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype="f32")
-    y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw, kernel_config=MoeConfig(exact=True))
     ref = rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
     assert rel(y, ref) < (1e-3 if GPU else 1e-5)
 
@@ -444,7 +456,7 @@ def test_mega_moe(T, with_shared, hashed):
         extra, bias = (tid2eid, token_ids), None
     args = (x, xq, xs, streams, post, comb, gate, bias, *routed, *shared, *extra)
     with poisoned():
-        out = tm.mega_moe(*args, topk=k, **MOE_KW)
+        out = tm.mega_moe(*args, topk=k, **MOE_KW, kernel_config=FP16_H)
     ref = rf.mega_moe(*args, topk=k, **MOE_KW)
     finite(out)
     assert out.dtype == ref.dtype and out.shape == ref.shape
@@ -554,21 +566,19 @@ def test_ptx_upcast_device_check():
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
 @pytest.mark.parametrize("asm,shared_mode", [(False, "serial"), (True, "serial"),
-                                              (True, "early"), (True, "stream")])
+                                              (True, "early")])
 @pytest.mark.parametrize("T", [64, 1000, 1200])
-def test_mega_moe_cuda_graph(T, asm, shared_mode, monkeypatch):
+def test_mega_moe_cuda_graph(T, asm, shared_mode):
     """Captured once, replayed with new inputs copied into the static buffers: equals eager and
     the reference (tiles: decode at 64 tokens, prefill at 1000; at 1200, 112 rows per expert,
     the FP8-H prefill path on sm_90: the warp-specialized kernels with their Triton A copies,
     the shared expert on cuBLAS FP8 with its own output tensor - bounded against the fp32-H
     reference by 1e-2 + test_triton_moe_fp8h's LOOSE[1], H's E4M3 rounding); the shared expert
-    after the routed experts, on the side stream during the router only (SHARED_EARLY, at every
-    T here) or during the routed experts too (SHARED_STREAM): the same kernels, so eager gives
-    the serial order's bits in every mode."""
-    monkeypatch.setattr(tm, "USE_ASM", asm)
-    monkeypatch.setattr(tm, "SHARED_EARLY", shared_mode == "early")
-    monkeypatch.setattr(tm, "SHARED_EARLY_MAX_TOKENS", 1 << 20)
-    monkeypatch.setattr(tm, "SHARED_STREAM", shared_mode == "stream")
+    after the routed experts or on the side stream during the router (shared_early, at every T
+    here): the same kernels, so eager gives the serial order's bits in every mode. The
+    default config (FP8 H at prefill sizes)."""
+    cfg = MoeConfig(fp4_asm="on" if asm else "off", shared_early=shared_mode == "early",
+                    shared_early_max_tokens=1 << 20)
     g = gen(T)
     n, d, F, E, k = 4, 1024, 512, 64, 6
     streams, fn, base, scale, nw = _mhc_inputs(T, n, d, g)
@@ -578,7 +588,7 @@ def test_mega_moe_cuda_graph(T, asm, shared_mode, monkeypatch):
     def step(s):
         x, xq, xs, pre, post, comb = tmhc.mega_mhc(s, fn, base, scale, None, nw, **mkw)
         return tm.mega_moe(x, xq, xs, s, post, comb, gate, bias, *routed, *shared, topk=k,
-                           **MOE_KW)
+                           **MOE_KW, kernel_config=cfg)
 
     static = streams.clone()
     side = torch.cuda.Stream()
@@ -598,10 +608,9 @@ def test_mega_moe_cuda_graph(T, asm, shared_mode, monkeypatch):
     ref = rf.mega_moe(x, xq, xs, fresh, post, comb, gate, bias, *routed, *shared, topk=k,
                       **MOE_KW)
     assert rel(out, eager) < 1e-3
-    fp8_h = tm._prefill_fp8_h_may(xq, T * k / E)
+    fp8_h = tm._prefill_fp8_h_may(xq, T * k / E, cfg)
     assert rel(out, ref) < 1e-2 + (2.0 ** -4 if fp8_h else 0.0)
-    monkeypatch.setattr(tm, "SHARED_EARLY", False)
-    monkeypatch.setattr(tm, "SHARED_STREAM", False)
+    cfg = MoeConfig(fp4_asm=cfg.fp4_asm, shared_early=False)
     assert torch.equal(eager, step(fresh)), "the shared expert's stream changed the bits"
 
 
@@ -611,13 +620,13 @@ def test_mega_moe_cuda_graph(T, asm, shared_mode, monkeypatch):
                                                (torch.bfloat16, 96, False),
                                                (torch.float8_e4m3fn, 6, False)])
 @pytest.mark.parametrize("triton_prep", [True, False])
-def test_sorted_rows(dtype, K, strided, triton_prep, monkeypatch):
+def test_sorted_rows(dtype, K, strided, triton_prep):
     """moe.sorted_rows (the warp-specialized L1's expert-sorted A copy): row r = a[a_idx[r] //
     topk] bit for bit against index_select, for 32-bit words of 16-byte rows (K 1024 / 5120, a
     row-strided view), rows of 5 words (K 20: the masked column block) and bf16 rows; K 6 takes
     index_select itself (rows no multiple of 4 bytes). P = 1 + 331 * 3 (odd, partial last
-    block); every row of the poisoned output written. A_PREP_TRITON off: index_select."""
-    monkeypatch.setattr(tm, "A_PREP_TRITON", triton_prep)
+    block); every row of the poisoned output written. triton_copy off (MoeConfig.a_prep_triton):
+    index_select."""
     g = torch.Generator().manual_seed(K)
     T, topk = 331, 3
     base = torch.randint(-128, 128, (T, K + (16 if strided else 0)), generator=g,
@@ -628,7 +637,7 @@ def test_sorted_rows(dtype, K, strided, triton_prep, monkeypatch):
     a_idx = torch.randperm(T * topk, generator=g)[:T * topk - 2].to(torch.int32)
     a_idx = torch.cat([a_idx, torch.tensor([0, T * topk - 1], dtype=torch.int32)]).to(DEV)
     with poisoned():
-        got = tm.sorted_rows(a, a_idx, topk)
+        got = tm.sorted_rows(a, a_idx, topk, triton_prep)
     want = a.index_select(0, a_idx.long() // topk)
     assert got.shape == want.shape and got.dtype == dtype
     assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))
@@ -636,13 +645,12 @@ def test_sorted_rows(dtype, K, strided, triton_prep, monkeypatch):
 
 @pytest.mark.parametrize("kc", [3, 40])
 @pytest.mark.parametrize("triton_prep", [True, False])
-def test_tile_scales(kc, triton_prep, monkeypatch):
+def test_tile_scales(kc, triton_prep):
     """moe.tile_scales (the warp-specialized L1's STMA A scales in tile order): column j BM + r
     = the scales of tile j's row r (its sorted row's token), 0 past a tile's rows and past the
     list's total (entries there are garbage, one in range, one out), against a loop over a
     hand-made list; BM = 128, kc 3 (padded to 4 lanes) and 40 (the V4 K = 5120); the Triton
-    kernel and the torch ops (A_PREP_TRITON off) alike."""
-    monkeypatch.setattr(tm, "A_PREP_TRITON", triton_prep)
+    kernel and the torch ops (a_prep_triton off) alike."""
     P, MT, BM, topk = 136, 5, 128, 3
     g = torch.Generator().manual_seed(kc)
     a_scale = torch.rand(50, kc + 1, generator=g) + 0.5
@@ -651,7 +659,8 @@ def test_tile_scales(kc, triton_prep, monkeypatch):
     tiles = torch.tensor([3, 0, 2, 2, 7, -5, 0, 3, 131, 1, 999, 3, 136, 136, 2, 4],
                          dtype=torch.int32)
     with poisoned():
-        got = tm.tile_scales(a_scale.to(DEV), a_idx.to(DEV), topk, tiles.to(DEV), MT, kc, BM)
+        got = tm.tile_scales(a_scale.to(DEV), a_idx.to(DEV), topk, tiles.to(DEV), MT, kc, BM,
+                             triton_prep)
     want = torch.zeros(kc, MT * BM)
     for j, (r0, r1) in enumerate([(0, 3), (3, 136), (131, 136)]):
         for r in range(min(BM, r1 - r0)):

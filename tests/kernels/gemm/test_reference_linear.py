@@ -5,8 +5,7 @@ import torch
 from _reference_helpers import (naive_dequant_fp8_block, naive_unpack_mxfp4, random_e8m0,
                                 random_mxfp4)
 
-from megagraph.kernels.reference_table import grouped_linear
-from megagraph.kernels.gemm import reference as linear
+from megagraph.kernels.gemm.reference import grouped_linear, linear
 
 
 def naive_matvec(x, W):

@@ -1,14 +1,17 @@
-"""Inputs, fp32 reference and diagnostics shared by the Gluon L1 tests (test_moe_gluon.py: the
-prefill kernel, test_moe_gluon_decode.py: the decode kernel) and the Gluon L2 tests
-(test_moe_gluon_l2.py: prefill, test_moe_gluon_decode_l2.py: decode; l2_case, l2_reference).
+"""Inputs, fp32 reference and diagnostics shared by the Gluon L1 tests (test_moe_gluon_decode.py,
+test_moe_gluon_ws.py) and the Gluon L2 tests (test_moe_gluon_l2.py: prefill,
+test_moe_gluon_decode_l2.py: decode; l2_case, l2_reference), and the SASS check of their K
+loops' proxy-fence order (proxy_fence_problems).
 
-Why one module: both L1 kernels compute the same SwiGLU of W1 / W3 on MXFP4 weights and gathered
+Why one module: the L1 kernels compute the same SwiGLU of W1 / W3 on MXFP4 weights and gathered
 E4M3 activations, and both L2 kernels the same weighted scatter of H W2^T, so each pair is held
 to the same exact dequantization, the same fp32 math and the same failure report; one copy keeps
 the two tests' yardsticks identical. Imported as a sibling (`from gluon_cases import ...`:
 pytest puts tests/kernels on sys.path).
 """
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -339,3 +342,40 @@ def l2_arg_case(bm: int = 128):
            dict(wts=wts.reshape(-1)[:-1]), dict(wts=wts.to(torch.int32)),
            dict(counts=torch.zeros(E + 1, dtype=torch.int32))]
     return base, bad
+
+
+def proxy_fence_problems(body: list[str], chunks: int) -> list[str]:
+    """The proxy-fence order of a Gluon kernel's K loop (SASS, one instruction a line): for
+    every chunk - a cp.async wait (DEPBAR.LE SB0) followed by the chunk's first wgmma (QGMMA /
+    HGMMA) - the fence.proxy.async of the thread's own completed copies (SASS: MEMBAR.ALL.CTA +
+    FENCE.VIEW.ASYNC.S) must come after the wait and BEFORE the last BAR.SYNC ahead of the
+    wgmma (writer-side: every thread fences, then the CTA barrier the wgmma issuers wait at),
+    and no fence may sit between that barrier and the wgmma (the old reader-side order:
+    wait, barrier, fence, wgmma). [] when right, else what is wrong; also wrong when the
+    number of chunks found is not `chunks`."""
+    wait = re.compile(r"^(@!?U?P\w+\s+)?DEPBAR\.LE\s+SB0\b")
+    mma = re.compile(r"\b[HQI]GMMA\.")
+    bar = re.compile(r"\bBAR\.SYNC\b")
+    fence = re.compile(r"\bFENCE\.VIEW\.ASYNC\b")
+    waits = [i for i, t in enumerate(body) if wait.search(t)]
+    mmas = [i for i, t in enumerate(body) if mma.search(t)]
+    probs, found = [], 0
+    for w in waits:
+        g = next((i for i in mmas if i > w), None)
+        if g is None or any(w < v < g for v in waits):
+            continue  # no wgmma before the next wait (or the loop's end): not a chunk start
+        found += 1
+        bars = [i for i in range(w, g) if bar.search(body[i])]
+        if not bars:
+            probs.append(f"no BAR.SYNC between the cp.async wait ({w}) and the wgmma ({g})")
+            continue
+        if not any(fence.search(body[i]) for i in range(w, bars[-1])):
+            probs.append(f"no FENCE.VIEW.ASYNC between the cp.async wait ({w}) and the barrier "
+                         f"({bars[-1]}) before the wgmma ({g}): the fence is not writer-side")
+        late = [i for i in range(bars[-1], g) if fence.search(body[i])]
+        if late:
+            probs.append(f"FENCE.VIEW.ASYNC at {late} after the barrier ({bars[-1]}) before the "
+                         f"wgmma ({g}): reader-side")
+    if found != chunks:
+        probs.append(f"{found} chunks (cp.async wait -> wgmma) in the loop, expected {chunks}")
+    return probs

@@ -18,7 +18,7 @@ the proxy-fence / barrier order before every arrive (ws_order_problems).
 """
 from __future__ import annotations
 
-import os
+import dataclasses
 import re
 
 import pytest
@@ -29,7 +29,14 @@ from poisoned_alloc import poisoned
 from sm90_build import count, gluon_sm90, usage_and_sass
 
 GPU_OK = mw.available()
-gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and Triton 3.6 Gluon")
+
+
+def gpu(test):
+    """GPU-only (pytest.mark.gpu), and skipped without sm_90 and Triton 3.6's Gluon."""
+    return pytest.mark.gpu(pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and "
+                                              "Triton 3.6 Gluon")(test))
+
+
 build = pytest.mark.skipif(not mw._IMPORT_OK, reason="needs Triton 3.6 with Gluon "
                            "(PYTHONPATH=.cache/triton36)")
 
@@ -64,7 +71,7 @@ def _triton_l1(xq, xs, a_idx, w1, w3, counts, k, limit, F):
     P, E = a_idx.numel(), counts.numel()
     h = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
     rpg = P / max(1, min(E, P))
-    mt = min(P, P // moe.pick_config("l1", rpg).bm + E)
+    mt = min(P, P // moe.pick_tile("l1", rpg).bm + E)
     moe.gemm(xq, xs, w1, h, b2=w3, role="l1", rows_per_group=rpg, counts=counts, a_idx=a_idx,
              topk=k, max_tiles=mt, limit=limit)
     return h
@@ -320,26 +327,22 @@ def test_l1_ws_repeat_and_graph(persist, a_tma, bn):
 @pytest.mark.parametrize("ws", [True, False, "wide"])
 def test_routed_experts_prefill_uses_ws(ws, monkeypatch):
     """routed_experts at a prefill size (600 tokens, top-2 of 8 experts: 150 rows per expert)
-    runs its L1 on l1_gluon_ws (persistent, moe.WS_STAGES / WS_BSTAGES) when GLUON_WS_L1 is on
-    (the default; once) and not when off (the wide decode L1 then); with WS_L1_BN = 128 on the
-    128-column tile and its rings (WS_WIDE_STAGES / WS_WIDE_BSTAGES); each against the
-    reference op within test_triton_moe's bound (fp32 output)."""
-    from megagraph.kernels.moe import triton as moe
-    from test_triton_moe import ACT, check_routed, routed_case
+    runs its L1 on l1_gluon_ws (persistent, MoeConfig.ws_rings) when gluon_ws_l1 is on (the
+    default; once) and not when off (the wide decode L1 then); with ws_l1_bn = 128 on the
+    128-column tile and its rings (ws_wide_rings); each against the reference op within
+    test_triton_moe's bound (fp32 output)."""
+    from test_triton_moe import ACT, FP16_H, check_routed, routed_case
 
-    monkeypatch.setattr(moe, "GLUON_WS_L1", bool(ws))
-    monkeypatch.setattr(moe, "WS_L1_BN", W if ws == "wide" else 64)
-    monkeypatch.setattr(moe, "GLUON_PREFILL", False)
-    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
+    cfg = dataclasses.replace(FP16_H, gluon_ws_l1=bool(ws), ws_l1_bn=W if ws == "wide" else 64)
     calls = []
     real = mw.l1_gluon_ws
     monkeypatch.setattr(mw, "l1_gluon_ws", lambda *a, **k: calls.append(
         (k.get("persist"), k.get("stages"), k.get("bstages"), k.get("bn"))) or real(*a, **k))
     xq, xs, ids, wts, bank = routed_case(600, 8, 256, 128, 2, seed=78)
     check_routed(xq, xs, ids, wts, bank, dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT,
-                                              out_dtype="f32"))
-    want = {True: [(True, moe.WS_STAGES, moe.WS_BSTAGES, 64)], False: [],
-            "wide": [(True, moe.WS_WIDE_STAGES, moe.WS_WIDE_BSTAGES, W)]}[ws]
+                                              out_dtype="f32"), cfg)
+    want = {True: [(True, *cfg.ws_rings, 64)], False: [],
+            "wide": [(True, *cfg.ws_wide_rings, W)]}[ws]
     assert calls == want
 
 
@@ -348,53 +351,46 @@ def test_routed_experts_prefill_uses_ws(ws, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 def test_gluon_l1_ws_choice(monkeypatch):
-    """moe._gluon_l1's prefill pick (available() forced: the predicate's own logic, on any
-    machine): above 100 rows per expert the persistent ws L1 - at WS_L1_BN = 128 (the default;
-    a string knob as benchmarks/moe_ab.py may set it works too) the 128-column tile on its rings
-    WS_WIDE_STAGES / WS_WIDE_BSTAGES with A by TMA (WS_WIDE_A_TMA), where F % 128 == 0; at F = 192
-    or WS_L1_BN = 64 the 64-column tile on WS_STAGES / WS_BSTAGES with WS_A_TMA; GLUON_WS_L1 off:
-    not the ws kernel; the 128-column tile gets row_frames' answer with WS_L1_FRAMES (default)
-    and None without, the 64-column tile None."""
+    """routed_experts' prefill L1 (available() forced: the predicate's own logic, on any
+    machine): above 100 rows per expert the persistent ws L1 - at ws_l1_bn = 128 (the default)
+    the 128-column tile on its rings ws_wide_rings with A by TMA (ws_wide_a_tma), where
+    F % 128 == 0; at F = 192 or ws_l1_bn = 64 the 64-column tile on ws_rings with A gathered;
+    gluon_ws_l1 off: not the ws kernel; the 128-column tile gets row_frames' answer with
+    ws_l1_frames (default) and None without, the 64-column tile None."""
     from gluon_cases import dbg_bank
     from megagraph.kernels.moe import triton as moe
+    from megagraph.kernels.moe.config import MoeConfig
 
-    assert moe.WS_L1_BN == int(os.environ.get("MEGAGRAPH_MOE_GLUON_WS_L1_BN", "128"))
+    assert MoeConfig().ws_l1_bn == 128
     monkeypatch.setattr(mw, "available", lambda device=None: True)
-    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
-    monkeypatch.setattr(moe, "GLUON", True)
-    monkeypatch.setattr(moe, "GLUON_PREFILL", False)
-    monkeypatch.setattr(moe, "GLUON_WS_L1", True)
     frames = object()  # row_frames' answer (cached per weight, CUDA only): passed through as is
     monkeypatch.setattr(mw, "row_frames", lambda w1, w3: frames)
     E, d = 4, 256
     xq = torch.zeros(300, d, dtype=torch.float8_e4m3fn)
     xs = torch.ones(300, d // 128)
 
-    def pick(F, rpg=150.0):
+    def pick(F, rpg=150.0, cfg=MoeConfig()):
         w = dbg_bank(torch.zeros(E, F, d // 2), torch.full((E, F, d // 32), 127), "cpu")
         h = torch.zeros(300, F, dtype=torch.float16)
-        p = moe._gluon_l1(xq, xs, w, w, h, "l1", rpg)
-        if p is None or getattr(p[0], "func", None) is not mw.l1_gluon_ws:
+        p = moe._l1_kernel("gluon_ws", xq, xs, w, w, h, None, rpg, cfg)
+        if rpg <= cfg.wide_l1_min_rows or "gluon_ws" not in cfg.l1_candidates(rpg, False):
+            return None  # not a candidate at this size / with this config
+        if isinstance(p, str) or getattr(p[0], "func", None) is not mw.l1_gluon_ws:
             return None
         kw = p[0].keywords
-        assert kw["frames"] is (frames if kw["bn"] == mw.BN_WIDE and moe.WS_L1_FRAMES
+        assert kw["frames"] is (frames if kw["bn"] == mw.BN_WIDE and cfg.ws_l1_frames
                                 else None), kw["frames"]
         return kw["bn"], kw["stages"], kw["bstages"], kw["a_tma"], kw["persist"], p[1]
 
-    wide = (mw.BN_WIDE, moe.WS_WIDE_STAGES, moe.WS_WIDE_BSTAGES, moe.WS_WIDE_A_TMA, True, mw.BM)
-    narrow = (mw.BN, moe.WS_STAGES, moe.WS_BSTAGES, moe.WS_A_TMA, True, mw.BM)
-    for bn in (128, "128"):
-        monkeypatch.setattr(moe, "WS_L1_BN", bn)
-        assert pick(256) == wide
-        assert pick(192) == narrow  # F % 128 != 0: the 64-column tile
-    monkeypatch.setattr(moe, "WS_L1_FRAMES", False)
-    assert pick(256) == wide  # without row frames (checked inside pick)
-    monkeypatch.setattr(moe, "WS_L1_FRAMES", True)
-    monkeypatch.setattr(moe, "WS_L1_BN", 64)
-    assert pick(256) == narrow
+    base = MoeConfig()
+    wide = (mw.BN_WIDE, *base.ws_wide_rings, base.ws_wide_a_tma, True, mw.BM)
+    narrow = (mw.BN, *base.ws_rings, False, True, mw.BM)
+    assert pick(256) == wide
+    assert pick(192) == narrow  # F % 128 != 0: the 64-column tile
+    assert pick(256, cfg=MoeConfig(ws_l1_frames=False)) == wide  # no row frames (see pick)
+    assert pick(256, cfg=MoeConfig(ws_l1_bn=64)) == narrow
     assert pick(256, rpg=90.0) is None  # at or below 100 rows per expert: not the ws L1
-    monkeypatch.setattr(moe, "GLUON_WS_L1", False)
-    assert pick(256) is None
+    assert pick(256, cfg=MoeConfig(gluon_ws_l1=False)) is None
 
 
 def test_l1_ws_args():
@@ -606,7 +602,7 @@ WIDE_LOOP_COUNTS = {
                    LDS128=(r"\bLDS\.128\b", 8), STS128=(r"\bSTS\.128\b", 16)),
     "loader": dict(LOOP_COUNTS["loader"], LDGSTS4=(r"\bLDGSTS\.E\s", 3)),
 }
-# (upcast 571 with the byte-spread table before the fourteenth session)
+# (upcast 571 with the byte-spread table the sign-by-prmt one replaced)
 WIDE_LOOP_SIZES = {"mma": 390, "upcast": 475, "loader": 138}
 
 
@@ -723,7 +719,7 @@ def test_l1_ws_sm90_build_wide_qlag():
 def test_l1_ws_sm90_build_skip(kw):
     """skip=True (the rows 64.. warpgroup idle on tiles of <= 64 rows): no stack / spills, the
     same per-chunk wgmma / promotion counts and release order as without, the loop a branch
-    longer; skip=False (the default until the thirteenth session) is the same SASS as before the
+    longer; skip=False is the same SASS as before the
     switch existed."""
     on, off = _compile(skip=True, **kw), _compile(skip=False, **kw)
     for k in (on, off):

@@ -16,7 +16,7 @@ from megagraph.kernels.dense.capturable import linear as cap_linear
 from megagraph.kernels.gemm.reference import linear as ref_linear
 
 GPU = torch.cuda.is_available()
-gpu = pytest.mark.skipif(not GPU, reason="needs CUDA")
+gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 def wide_fp32(shape, seed: int) -> torch.Tensor:
@@ -77,7 +77,7 @@ def test_cuda_matches_reference(T, xdt):
     if xdt == torch.bfloat16:
         # per element: the fp32 sum's error (random-walk bound with a margin of 2: 2 sqrt(K)
         # 2^-24 of sum |x_k w_k|; a fixed relative bound fails where the sum cancels - it did
-        # on the H200 for a few of 5 M elements, session 10), then one bf16 rounding (2^-8 of
+        # on the H200 for a few of 5 M elements), then one bf16 rounding (2^-8 of
         # the value, with a margin of 2: 2^-7)
         exact = x.double() @ w.double().t()
         acc = 2 * x.shape[1] ** 0.5 * 2.0**-24 * (x.double().abs() @ w.double().abs().t())

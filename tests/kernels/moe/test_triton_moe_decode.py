@@ -1,9 +1,9 @@
-"""GemmConfig.swap (kernels/moe/triton_jit.py: moe_acc_swap, off by default): the routed-expert
+"""Tile.swap (kernels/moe/triton_jit.py: moe_acc_swap; the default decode tiles): the routed-expert
 GEMMs on MXFP4 weights with the MMA operands swapped (C^T = W A^T per K chunk: the weight rows are
 the MMA's M, the few rows of a decode tile its N, so a 16-row tile runs on wgmma m64n16 with the
 E4M3 weight tile instead of mma.sync on an fp16 copy routed through shared memory), against the
-reference ops with the option forced on, for L1 (SwiGLU, fp8 MMA) and L2 (fp16 H, fp16 MMA), and
-with the FP8-H path (MEGAGRAPH_MOE_FP8_H / routed_experts(fp8_h=True)): the "l2_fp8h" role on E4M3
+reference ops with the tiles pinned (MoeConfig.tiles), for L1 (SwiGLU, fp8 MMA) and L2 (fp16 H,
+fp16 MMA), and with the FP8-H path (MoeConfig.fp8_h / routed_experts(fp8_h=True)): the "l2_fp8h" role on E4M3
 H with per-128 scales (fp8 MMA, A_SCALED: QGMMA m64n16 on E4M3 H x E4M3 W2 on sm_90, no fp16 copy)
 and the "l1_fp8h" role (the swapped tile's H quantized in the epilogue, qsplit 1).
 
@@ -28,19 +28,21 @@ import torch
 
 pytest.importorskip("triton")
 
+from megagraph.kernels.gemm.config import GemmConfig, Tile
 from megagraph.kernels.moe import triton as tm
+from megagraph.kernels.moe.config import MoeConfig
 
 from test_triton_moe import (ACT, GPU, LaunchSpy, _experts, check_dense_swiglu, check_routed,
-                             check_scale_spread, gen, routed_case)
+                             check_scale_spread, gen, pinned, routed_case)
 from test_triton_moe_fp8h import check_l1_epilogue, check_l2_fp8_h, check_routed_fp8_h
 
 RUNNABLE = torch.cuda.is_available() or tm.INTERPRET
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason="runs in the interpreter child process")
 
 
-def _swap(bm: int, bn: int, par: bool = True, warps: int = 4) -> tm.GemmConfig:
+def _swap(bm: int, bn: int, par: bool = True, warps: int = 4) -> Tile:
     """A swapped tile (stages 1 in the interpreter; the sm_90 decode tile on the GPU)."""
-    return tm.GemmConfig(bm, bn, 128, warps, 1 if not GPU else 3, par=par, swap=True)
+    return Tile(bm, bn, 128, warps, 1 if not GPU else 3, par=par, swap=True)
 
 
 @pytest.mark.parametrize("T,subset,bm,bn,par,out", [
@@ -53,65 +55,60 @@ def test_swap_matches_reference(T, subset, bm, bn, par, out, monkeypatch):
     under poisoned allocations; both launches really pass SWAP = 1."""
     from megagraph.kernels.moe import triton_jit as moe_jit
 
-    cfg = _swap(bm, bn, par) if not GPU else _swap(16, 128, par)
-    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1": cfg, "l2": cfg})
+    tile = _swap(bm, bn, par) if not GPU else _swap(16, 128, par)
     spy = LaunchSpy(moe_jit.moe_gemm, "SWAP")
     monkeypatch.setattr(moe_jit, "moe_gemm", spy)
     E, d, F, k = 8, 256, 256, 3
     xq, xs, ids, wts, bank = routed_case(T, E, d, F, k, seed=40 + T, subset=subset)
     kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype=out)
-    check_routed(xq, xs, ids, wts, bank, kw)
+    check_routed(xq, xs, ids, wts, bank, kw, pinned(l1=tile, l2=tile))
     assert spy.values == [1, 1], spy.values  # L1 and L2 both swapped
 
 
 @pytest.mark.parametrize("spread", [0, 11, 14])
-def test_swap_scale_spread(spread, monkeypatch):
+def test_swap_scale_spread(spread):
     """Block scales of one row spanning `spread` binades within 128 columns (W1 / W3 / W2 each
     fold their own per-row exponents; the promotion scale is per weight row = per MMA row)."""
-    cfg = _swap(16, 32) if not GPU else _swap(16, 128)
-    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1": cfg, "l2": cfg})
-    check_scale_spread(300 + spread, 3, ((1, 120), (3, 117), (5, 121)), spread)
+    tile = _swap(16, 32) if not GPU else _swap(16, 128)
+    check_scale_spread(300 + spread, 3, ((1, 120), (3, 117), (5, 121)), spread,
+                       pinned(l1=tile, l2=tile))
 
 
-def test_swap_dense(monkeypatch):
+def test_swap_dense():
     """The dense SwiGLU MLP on MXFP4 weights (roles dense_swiglu / dense, moe_gemm not grouped)
     with the option on: same K loop, M rows instead of expert tiles (M = 5: a decode batch)."""
-    cfg = _swap(16, 32) if not GPU else _swap(16, 128)
-    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"dense_swiglu": cfg, "dense": cfg})
-    check_dense_swiglu(78, 5)
+    tile = _swap(16, 32) if not GPU else _swap(16, 128)
+    specs = (tile.spec("dense_swiglu"), tile.spec("dense"))
+    check_dense_swiglu(78, 5, GemmConfig(tiles=specs))
 
 
-def test_swap_applies_only_where_it_can(monkeypatch):
-    """_swap_ok: MXFP4 with the fp8 / fp16 MMA, a 128-column chunk, no quantized output, not
-    with fuse. The compiled kernels' default tiles (pick_config outside the interpreter) swap
-    where the sixth session's H200 sweep timed it faster: the decode L1 and both FP8-H decode
-    roles on the static grid; never the fp16-H L2, prefill sizes or the persistent grid."""
+def test_swap_applies_only_where_it_can():
+    """_swap_ok: MXFP4 with the fp8 / fp16 MMA, a 128-column chunk, a quantized output only
+    unsplit. The compiled kernels' default tiles (pick_tile outside the interpreter) swap
+    where the H200 sweep timed it faster: the decode L1 and both FP8-H decode roles; never the
+    fp16-H L2 or prefill sizes."""
     g = gen(6)
     w1, s1, _, _, _, _ = _experts(2, 256, 128, g)
     b1 = tm.bank(w1, s1, "mxfp4")
-    on = tm.GemmConfig(16, 128, 128, 4, 3, par=True, swap=True)
+    on = Tile(16, 128, 128, 4, 3, par=True, swap=True)
     assert tm._swap_ok(on, b1, tm.MMA_FP8, None)
     assert tm._swap_ok(on, b1, tm.MMA_FP16, None)
-    assert not tm._swap_ok(tm.GemmConfig(16, 128, 128, 4, 3, par=True), b1, tm.MMA_FP8, None)
+    assert not tm._swap_ok(Tile(16, 128, 128, 4, 3, par=True), b1, tm.MMA_FP8, None)
     assert not tm._swap_ok(on, b1, tm.MMA_F32, None)
-    assert not tm._swap_ok(tm.GemmConfig(16, 128, 64, 4, 3, swap=True), b1, tm.MMA_FP8, None)
-    assert not tm._swap_ok(tm.GemmConfig(16, 128, 128, 4, 3, swap=True, fuse=True), b1,
-                           tm.MMA_FP8, None)
+    assert not tm._swap_ok(Tile(16, 128, 64, 4, 3, swap=True), b1, tm.MMA_FP8, None)
     # a quantized output (the FP8-H L1) unsplit only
     assert tm._swap_ok(on, b1, tm.MMA_FP8, torch.empty(1))
-    assert not tm._swap_ok(tm.GemmConfig(16, 128, 128, 4, 3, par=True, qsplit=2, swap=True), b1,
+    assert not tm._swap_ok(Tile(16, 128, 128, 4, 3, par=True, qsplit=2, swap=True), b1,
                            tm.MMA_FP8, torch.empty(1))
-    monkeypatch.setattr(tm, "INTERPRET", False)
-    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {})
-    assert tm._swap_ok(tm.pick_config("l1", 1.6), b1, tm.MMA_FP8, None)
-    assert not tm._swap_ok(tm.pick_config("l2", 1.6), b1, tm.MMA_FP16, None)
+
+    def pick(role, rows):
+        return tm.pick_tile(role, rows, interpret=False)
+
+    assert tm._swap_ok(pick("l1", 1.6), b1, tm.MMA_FP8, None)
+    assert not tm._swap_ok(pick("l2", 1.6), b1, tm.MMA_FP16, None)
     for role in ("l1", "l2", "l1_fp8h", "l2_fp8h"):
-        assert tm.pick_config(role, 1.6).swap == (role != "l2"), role
-        assert not tm.pick_config(role, 100.0).swap, role
-    monkeypatch.setattr(tm, "PERSISTENT", True)
-    for role in ("l1", "l2", "l1_fp8h", "l2_fp8h"):
-        cfg = tm.pick_config(role, 1.6)
-        assert cfg.persistent and not cfg.swap, role
+        assert pick(role, 1.6).swap == (role != "l2"), role
+        assert not pick(role, 100.0).swap, role
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,7 +116,7 @@ def test_swap_applies_only_where_it_can(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-def _swap_fp8h(bn: int, par: bool = True) -> tm.GemmConfig:
+def _swap_fp8h(bn: int, par: bool = True) -> Tile:
     """A swapped FP8-H tile: bn any power of two for l2_fp8h, a multiple of 128 for l1_fp8h (its
     epilogue owns whole scale blocks); the sm_90 decode tile on the GPU."""
     return _swap(16, bn, par) if not GPU else _swap(16, 128, par)
@@ -137,13 +134,12 @@ def test_swap_fp8_h_routed(T, subset, bn2, par, out, l1_swap, monkeypatch):
     and the fp32-H one; the launches really pass SWAP (L1 when asked, L2 always)."""
     from megagraph.kernels.moe import triton_jit as moe_jit
 
-    monkeypatch.setattr(tm, "FP8_H", True)
-    l1 = _swap_fp8h(128, par) if l1_swap else tm.GemmConfig(16, 128, 128, 4, 1 if not GPU else 3,
-                                                              par=True)
-    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": l1, "l2_fp8h": _swap_fp8h(bn2, par)})
+    l1 = _swap_fp8h(128, par) if l1_swap else Tile(16, 128, 128, 4, 1 if not GPU else 3,
+                                                   par=True)
+    cfg = pinned(MoeConfig(fp8_h=True), l1_fp8h=l1, l2_fp8h=_swap_fp8h(bn2, par))
     spy = LaunchSpy(moe_jit.moe_gemm, "SWAP")
     monkeypatch.setattr(moe_jit, "moe_gemm", spy)
-    check_routed_fp8_h(T, 8, 3, 256, 256, subset, out)
+    check_routed_fp8_h(T, 8, 3, 256, 256, subset, out, cfg)
     assert spy.values == [int(l1_swap), 1], spy.values
 
 
@@ -156,10 +152,9 @@ def test_swap_l2_fp8_h_vs_torch(T, E, k, F, subset, bn, par, monkeypatch):
     accumulator row; a swapped orientation would show at once."""
     from megagraph.kernels.moe import triton_jit as moe_jit
 
-    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l2_fp8h": _swap_fp8h(bn, par)})
     spy = LaunchSpy(moe_jit.moe_gemm, "SWAP")
     monkeypatch.setattr(moe_jit, "moe_gemm", spy)
-    check_l2_fp8_h(T, E, k, F, subset)
+    check_l2_fp8_h(T, E, k, F, subset, pinned(l2_fp8h=_swap_fp8h(bn, par)))
     assert spy.values == [1]
 
 
@@ -171,8 +166,7 @@ def test_swap_l1_fp8_h_epilogue(T, E, k, F, subset, par, monkeypatch):
     after the one transpose, in the default's [BM, BN] orientation)."""
     from megagraph.kernels.moe import triton_jit as moe_jit
 
-    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": _swap_fp8h(128, par)})
     spy = LaunchSpy(moe_jit.moe_gemm, "SWAP")
     monkeypatch.setattr(moe_jit, "moe_gemm", spy)
-    check_l1_epilogue(T, E, k, F, subset)
+    check_l1_epilogue(T, E, k, F, subset, pinned(l1_fp8h=_swap_fp8h(128, par)))
     assert spy.values == [1, 1]  # the fp32-output run and the quantized one

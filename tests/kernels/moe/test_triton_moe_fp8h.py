@@ -1,5 +1,5 @@
-"""The FP8-H routed-expert path (kernels/moe/triton.py FP8_H / routed_experts(fp8_h=True);
-MEGAGRAPH_MOE_FP8_H=1, default OFF): L1's SwiGLU epilogue writes H as E4M3 codes with one
+"""The FP8-H routed-expert path (MoeConfig.fp8_h / routed_experts(fp8_h=True); at every size
+off by default, the prefill default fp8_h_prefill runs the Gluon kernels): L1's SwiGLU epilogue writes H as E4M3 codes with one
 power-of-two f32 scale per row and 128 columns (moe_jit.quantize_out), and L2 runs the FP8 MMA on
 them (A_SCALED, L1's machinery).
 
@@ -34,10 +34,6 @@ Tolerances and where they come from (relative Frobenius error unless said otherw
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -48,6 +44,8 @@ from megagraph.kernels import formats  # noqa: E402
 from megagraph.kernels.fused import reference as rf  # noqa: E402
 from megagraph.kernels.moe import reference as rmoe  # noqa: E402
 from megagraph.kernels.moe import triton as tm  # noqa: E402
+from megagraph.kernels.gemm.config import Tile  # noqa: E402
+from megagraph.kernels.moe.config import MoeConfig  # noqa: E402
 from test_triton_moe import (  # noqa: E402
     ACT,
     DEV,
@@ -61,6 +59,7 @@ from test_triton_moe import (  # noqa: E402
     fp8_block,
     gen,
     mxfp4,
+    pinned,
     poisoned,
     randn,
     rel,
@@ -72,20 +71,20 @@ TOL_Q = 8e-3 if GPU else 1e-3
 TOL_Q_BF16 = TOL_Q + 3 * 2.0 ** -9
 LOOSE = (0.005, 2.0 ** -4)
 HFMT = "fp8_1x128"
-ROOT = Path(__file__).resolve().parents[2]
+FP8_H = MoeConfig(fp8_h=True)  # FP8 H at every size
 
 
 def _bank(E, d, F, g):
     return (*mxfp4(E, F, d, g), *mxfp4(E, F, d, g), *mxfp4(E, d, F, g))
 
 
-def _cfg(bm, bn, persistent=0, qsplit=1):
+def _cfg(bm, bn, qsplit=1):
     """A tile for both FP8-H roles: the H200 prefill tile shape on the GPU, small ones here.
     qsplit = 2: L1's 128 columns as two 64-column K loops (moe_jit.moe_tile QSPLIT)."""
     if GPU:
-        return tm.GemmConfig(max(bm, 16), bn, 128, 8 if bm >= 64 and qsplit == 1 else 4, 3,
-                             par=True, persistent=persistent, qsplit=qsplit)
-    return tm.GemmConfig(bm, bn, 128, 4, 1, par=True, persistent=persistent, qsplit=qsplit)
+        return Tile(max(bm, 16), bn, 128, 8 if bm >= 64 and qsplit == 1 else 4, 3, par=True,
+                    qsplit=qsplit)
+    return Tile(bm, bn, 128, 4, 1, par=True, qsplit=qsplit)
 
 
 def _routing(T, E, k, g, subset=None):
@@ -118,16 +117,15 @@ def _l1_setup(T, E, k, d, F, g, subset):
     (13, 6, 3, 256, 16, 128, (0, 2, 5), 2),   # the 128 columns as two 64-column K loops
     (40, 3, 2, 384, 32, 128, None, 2),        # split, 27 rows per expert: full and partial tiles
 ])
-def test_l1_epilogue_equals_quantize_act(T, E, k, F, bm, bn, subset, qsplit, monkeypatch):
+def test_l1_epilogue_equals_quantize_act(T, E, k, F, bm, bn, subset, qsplit):
     """The quantized run's tile may split its 128 columns (qsplit 2); the fp32 run is the
     unsplit 128-column tile (qsplit applies to quantized outputs only), so the bitwise equality
     also proves that the split computes the same fp32 H."""
-    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": _cfg(bm, bn, qsplit=qsplit)})
-    check_l1_epilogue(T, E, k, F, subset)
+    check_l1_epilogue(T, E, k, F, subset, pinned(l1_fp8h=_cfg(bm, bn, qsplit=qsplit)))
 
 
-def check_l1_epilogue(T, E, k, F, subset):
-    """The "l1_fp8h" tile of tm.CONFIG_OVERRIDE run with an fp32 output and with the quantized
+def check_l1_epilogue(T, E, k, F, subset, cfg: MoeConfig):
+    """The "l1_fp8h" tile of cfg run with an fp32 output and with the quantized
     one (codes + scales, under poisoned allocations): the codes and scales are quantize_act of
     the fp32 H bit for bit (interpreter; GPU: <= 0.1% of the codes one E4M3 step apart), and the
     dequantized codes are within E4M3 rounding of that H."""
@@ -135,9 +133,9 @@ def check_l1_epilogue(T, E, k, F, subset):
     d = 128
     xq, xs, _ids, _wts, counts, srt, banks, _ = _l1_setup(T, E, k, d, F, g, subset)
     P = T * k
-    cfg = tm.pick_config("l1_fp8h", P / E)
+    tile = tm.pick_tile("l1_fp8h", P / E, cfg)
     kw = dict(b2=banks[1], role="l1_fp8h", rows_per_group=P / E, counts=counts, a_idx=srt,
-              topk=k, max_tiles=min(P, P // cfg.bm + E), limit=10.0)
+              topk=k, max_tiles=min(P, P // tile.bm + E), limit=10.0, kc=cfg)
     h32 = torch.empty(P, F, dtype=torch.float32, device=DEV)
     tm.gemm(xq, xs, banks[0], h32, **kw)
     with poisoned():
@@ -161,27 +159,27 @@ def check_l1_epilogue(T, E, k, F, subset):
     assert ((deq - h32).abs() <= bound + 1e-30).all()
 
 
-def test_quant_out_needs_whole_blocks(monkeypatch):
+def test_quant_out_needs_whole_blocks():
     """A tile narrower than 128 columns cannot own a scale block: refused, not miscomputed."""
     g = gen(3)
     xq, xs, _ids, _wts, counts, srt, banks, _ = _l1_setup(4, 4, 2, 128, 128, g, None)
-    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": tm.GemmConfig(16, 64, 128, 4, 1,
-                                                                          par=True)})
+    narrow = pinned(l1_fp8h=Tile(16, 64, 128, 4, 1, par=True))
     hq = torch.empty(8, 128, dtype=torch.float8_e4m3fn, device=DEV)
     hs = torch.empty(8, 1, dtype=torch.float32, device=DEV)
     with pytest.raises(ValueError, match="multiples of 128"):
         tm.gemm(xq, xs, banks[0], hq, b2=banks[1], role="l1_fp8h", rows_per_group=2,
-                counts=counts, a_idx=srt, topk=2, max_tiles=8, limit=10.0, out_scale=hs)
+                counts=counts, a_idx=srt, topk=2, max_tiles=8, limit=10.0, out_scale=hs,
+                kc=narrow)
     # the 128-column split exists for bn = 128 only (two 64-column halves)
     hq2 = torch.empty(8, 256, dtype=torch.float8_e4m3fn, device=DEV)
     hs2 = torch.empty(8, 2, dtype=torch.float32, device=DEV)
     _, _, _, _, counts2, srt2, banks2, _ = _l1_setup(4, 4, 2, 128, 256, g, None)
-    for bad in (tm.GemmConfig(16, 256, 128, 4, 1, par=True, qsplit=2),
-                tm.GemmConfig(16, 128, 128, 4, 1, par=True, qsplit=4)):
-        monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": bad})
+    for bad in (Tile(16, 256, 128, 4, 1, par=True, qsplit=2),
+                Tile(16, 128, 128, 4, 1, par=True, qsplit=4)):
         with pytest.raises(ValueError, match="qsplit"):
             tm.gemm(xq, xs, banks2[0], hq2, b2=banks2[1], role="l1_fp8h", rows_per_group=2,
-                    counts=counts2, a_idx=srt2, topk=2, max_tiles=8, limit=10.0, out_scale=hs2)
+                    counts=counts2, a_idx=srt2, topk=2, max_tiles=8, limit=10.0, out_scale=hs2,
+                    kc=pinned(l1_fp8h=bad))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,15 +188,14 @@ def test_quant_out_needs_whole_blocks(monkeypatch):
 
 
 @pytest.mark.parametrize("T,E,k,F,subset", [(11, 5, 2, 256, (1, 3)), (6, 3, 3, 128, None)])
-def test_l2_fp8_h_vs_torch(T, E, k, F, subset, monkeypatch):
+def test_l2_fp8_h_vs_torch(T, E, k, F, subset):
     """L2 alone on given H codes + scales (per-row scales spread over 2^-8 .. 2^4, so a wrong
     scale column shows) against fp32 torch on the dequantized H: summation order only."""
-    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l2_fp8h": _cfg(16, 32 if not GPU else 128)})
-    check_l2_fp8_h(T, E, k, F, subset)
+    check_l2_fp8_h(T, E, k, F, subset, pinned(l2_fp8h=_cfg(16, 32 if not GPU else 128)))
 
 
-def check_l2_fp8_h(T, E, k, F, subset):
-    """The "l2_fp8h" tile of tm.CONFIG_OVERRIDE on random E4M3 H codes whose per-(row, 128)
+def check_l2_fp8_h(T, E, k, F, subset, cfg: MoeConfig):
+    """The "l2_fp8h" tile of cfg on random E4M3 H codes whose per-(row, 128)
     scales span 2^-8 .. 2^4 (a scale applied to the wrong row or block shows), under poisoned
     allocations, against fp32 torch on the dequantized H: < TOL_GEMM (summation order only)."""
     g = gen(50 + T)
@@ -209,12 +206,12 @@ def check_l2_fp8_h(T, E, k, F, subset):
                                                                   generator=g).float()
                                                     ).repeat_interleave(128, dim=1)
     hq, hs = rf.quantize_act(h.to(DEV), act_fmt=HFMT)
-    cfg = tm.pick_config("l2_fp8h", P / E)
+    tile = tm.pick_tile("l2_fp8h", P / E, cfg)
     with poisoned():
         y = torch.empty(T, k, d, dtype=torch.float32, device=DEV)
         tm.gemm(hq, hs, banks[2], y.view(T * k, d), role="l2_fp8h", rows_per_group=P / E,
                 counts=counts, c_idx=srt, row_w=wts.reshape(-1).float().contiguous(), topk=k,
-                ks=k, max_tiles=min(P, P // cfg.bm + E))
+                ks=k, max_tiles=min(P, P // tile.bm + E), kc=cfg)
     finite(y)
     hd = rf.dequant_act(hq, hs, act_fmt=HFMT).cpu()
     w2 = [rmoe.dequantize_weight(bank[4][e].cpu(), bank[5][e].cpu(), "mxfp4") for e in range(E)]
@@ -237,18 +234,15 @@ def check_l2_fp8_h(T, E, k, F, subset):
     (13, 8, 3, 128, 256, (0, 2, 5), None, "f32"),      # odd count, 5 of 8 experts empty
     (96, 4, 2, 128, 128, None, (64, 128), "f32"),      # prefill-like: 48 rows / expert, 64-row tile
     (31, 6, 2, 256, 128, (1, 4), (32, 128), "bf16"),   # odd, empty experts, bf16 out
-    (96, 4, 2, 128, 256, None, (64, 128, 0, 2), "f32"),  # prefill-like, L1 split in 64-col halves
+    (96, 4, 2, 128, 256, None, (64, 128, 2), "f32"),  # prefill-like, L1 split in 64-col halves
 ])
-def test_routed_experts_fp8_h(T, E, k, d, F, subset, tile, out_dtype, monkeypatch):
-    monkeypatch.setattr(tm, "FP8_H", True)
-    if tile:
-        monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": _cfg(*tile),
-                                                    "l2_fp8h": _cfg(tile[0], 128)})
-    check_routed_fp8_h(T, E, k, d, F, subset, out_dtype)
+def test_routed_experts_fp8_h(T, E, k, d, F, subset, tile, out_dtype):
+    cfg = pinned(FP8_H, l1_fp8h=_cfg(*tile), l2_fp8h=_cfg(tile[0], 128)) if tile else FP8_H
+    check_routed_fp8_h(T, E, k, d, F, subset, out_dtype, cfg)
 
 
-def check_routed_fp8_h(T, E, k, d, F, subset, out_dtype):
-    """moe_experts_q with the FP8-H path on (the caller sets tm.FP8_H and the tiles) under
+def check_routed_fp8_h(T, E, k, d, F, subset, out_dtype, cfg: MoeConfig):
+    """moe_experts_q with the FP8-H path on (cfg: fp8_h and the tiles) under
     poisoned allocations: finite, < TOL_Q (TOL_Q_BF16) vs the reference that quantizes H the
     same way (h_fmt fp8_1x128), and within LOOSE of the fp32-H reference (H really quantized)."""
     g = gen(T * 31 + F)
@@ -258,7 +252,7 @@ def check_routed_fp8_h(T, E, k, d, F, subset, out_dtype):
     ids, wts = _routing(T, E, k, g, subset)
     kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype=out_dtype)
     with poisoned():
-        y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+        y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw, kernel_config=cfg)
     finite(y)
     ref_q = rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw, h_fmt=HFMT)
     ref = rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
@@ -267,32 +261,6 @@ def check_routed_fp8_h(T, E, k, d, F, subset, out_dtype):
     print(f"T={T} F={F} {out_dtype}: vs quantized-H reference {e_q:.2e}, vs fp32-H {e_f:.2e}")
     assert e_q < (TOL_Q if out_dtype == "f32" else TOL_Q_BF16)
     assert LOOSE[0] < e_f < LOOSE[1]
-
-
-def test_routed_experts_fp8_h_persistent(monkeypatch):
-    """Decode sizes with the persistent grouped GEMMs (MEGAGRAPH_MOE_PERSISTENT) and FP8-H: the
-    persistent kernel's epilogue quantizes the same way; one tile list for L1 and L2."""
-    g = gen(404)
-    T, E, k, d, F = 7, 8, 3, 128, 256
-    x = randn(T, d, g=g)
-    xq, xs = rf.quantize_act(x, act_fmt=ACT)
-    bank = _bank(E, d, F, g)
-    ids, wts = _routing(T, E, k, g, (0, 3, 6, 7))
-    kw = dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT, out_dtype="f32")
-    monkeypatch.setattr(tm, "FP8_H", True)
-    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": _cfg(16, 128, persistent=3),
-                                                "l2_fp8h": _cfg(16, 128, persistent=3)})
-    with poisoned():
-        y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
-    finite(y)
-    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {"l1_fp8h": _cfg(16, 128),
-                                                "l2_fp8h": _cfg(16, 128)})
-    static = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
-    if GPU:
-        assert rel(y, static) <= 1e-4
-    else:
-        assert torch.equal(y, static)
-    assert rel(y, rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw, h_fmt=HFMT)) < TOL_Q
 
 
 def test_mega_moe_with_switch(monkeypatch):
@@ -308,7 +276,6 @@ def test_mega_moe_with_switch(monkeypatch):
                                              act_fmt=ACT)
     gate, bias, routed, shared = _moe_weights(E, d, F, g)
     args = (x, xq, xs, streams, post, comb, gate, bias, *routed, *shared)
-    monkeypatch.setattr(tm, "FP8_H", True)
     seen = []
     real = tm.gemm
 
@@ -318,7 +285,7 @@ def test_mega_moe_with_switch(monkeypatch):
 
     monkeypatch.setattr(tm, "gemm", spy)
     with poisoned():
-        out = tm.mega_moe(*args, topk=k, **MOE_KW)
+        out = tm.mega_moe(*args, topk=k, **MOE_KW, kernel_config=FP8_H)
     ref = rf.mega_moe(*args, topk=k, **MOE_KW)
     finite(out)
     assert ("l1_fp8h", torch.float8_e4m3fn, True) in seen
@@ -332,23 +299,14 @@ def test_mega_moe_with_switch(monkeypatch):
 
 
 def test_switch_defaults_off_and_default_path_unchanged(monkeypatch):
-    if os.environ.get("MEGAGRAPH_MOE_FP8_H", "0") == "1":
-        pytest.skip("MEGAGRAPH_MOE_FP8_H=1 in this environment")
-    assert tm.FP8_H is False
-    env = {kk: v for kk, v in os.environ.items() if kk != "MEGAGRAPH_MOE_FP8_H"}
-    code = "from megagraph.kernels.moe import triton as moe; print(moe.FP8_H)"
-    for val, want in ((None, "False"), ("0", "False"), ("1", "True")):
-        e = dict(env, **({"MEGAGRAPH_MOE_FP8_H": val} if val else {}))
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e,
-                           cwd=ROOT, timeout=120, check=False)
-        assert p.stdout.strip().splitlines()[-1] == want, (val, p.stdout, p.stderr[-2000:])
-    # default: fp16 H, the l1 / l2 roles, no quantized output; the tiles the H200 sweep chose
-    monkeypatch.setattr(tm, "CONFIG_OVERRIDE", {})
-    if not tm.INTERPRET:
-        assert tm.pick_config("l1", 100) == tm.GemmConfig(64, 64, 128, 4, 3, par=True)
-        assert tm.pick_config("l2", 100) == tm.GemmConfig(64, 128, 128, 4, 3, par=True)
-    assert tm.pick_config("l1_fp8h", 100).bn % 128 == 0
-    assert tm.pick_config("l1_fp8h", 1.5).bn % 128 == 0
+    """fp8_h is off by default (FP8 H only at prefill sizes, fp8_h_prefill); the default path is
+    fp16 H on the l1 / l2 roles with the tiles the H200 sweep chose; routed_experts(fp8_h=...)
+    overrides the config per call."""
+    assert MoeConfig().fp8_h is False and MoeConfig().fp8_h_prefill is True
+    assert tm.pick_tile("l1", 100, interpret=False) == Tile(64, 64, 128, 4, 3, par=True)
+    assert tm.pick_tile("l2", 100, interpret=False) == Tile(64, 128, 128, 4, 3, par=True)
+    assert tm.pick_tile("l1_fp8h", 100).bn % 128 == 0
+    assert tm.pick_tile("l1_fp8h", 1.5).bn % 128 == 0
     g = gen(8)
     T, E, k, d, F = 9, 4, 2, 128, 128
     x = randn(T, d, g=g)
@@ -365,19 +323,19 @@ def test_switch_defaults_off_and_default_path_unchanged(monkeypatch):
 
     monkeypatch.setattr(tm, "gemm", spy)
     # the Triton kernels' roles: the Gluon decode kernels (the GPU default at this size) off
-    monkeypatch.setattr(tm, "GLUON", False)
-    y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
+    no_gluon = MoeConfig(gluon=False)
+    y = tm.moe_experts_q(xq, xs, ids, wts, *bank, **kw, kernel_config=no_gluon)
     assert seen == [("l1", torch.float8_e4m3fn, torch.float16, False),
                     ("l2", torch.float16, torch.float32, False)]
     ref = rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw)
     assert rel(y, ref) < 2e-3  # test_triton_moe's bound for the fp16-H path
-    # the per-call knob overrides the module default both ways
+    # the per-call argument overrides the config
     seen.clear()
     counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
     yb = torch.empty(T, k, d, dtype=torch.float32, device=DEV)
     banks = [tm.bank(w, s, "mxfp4") for w, s in zip(bank[0::2], bank[1::2], strict=True)]
     tm.routed_experts(xq, xs, ids.to(torch.int32), wts, counts, *banks, yb, topk=k,
-                      swiglu_limit=10.0, fp8_h=True)
+                      swiglu_limit=10.0, fp8_h=True, cfg=no_gluon)
     assert [s[0] for s in seen] == ["l1_fp8h", "l2_fp8h"]
     assert rel(yb.sum(1), rf.moe_experts_q(xq, xs, ids, wts, *bank, **kw, h_fmt=HFMT)) < TOL_Q
 
@@ -462,6 +420,7 @@ def test_combine_reads_the_shared_output_from_its_own_tensor():
                    shared=True, rdt=torch.bfloat16, shared_out=y[:, k].t().contiguous().t())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="cuBLAS's FP8 GEMM: CUDA only")
 @pytest.mark.parametrize("T,d,F", [(37, 256, 384), (256, 512, 1024), (1101, 512, 1024)])
 def test_shared_expert_fp8h(T, d, F):
@@ -471,8 +430,8 @@ def test_shared_expert_fp8h(T, d, F):
     moves across a bf16 / E4M3 rounding boundary flips: the argument of TOL_Q; the bf16 output);
     and against the unquantized shared expert (fp32 H, reference.fused.swiglu_mlp_q) within
     LOOSE: H really was quantized. T 37: cuBLAS's padding to rows of 4; F 384: 128-column
-    blocks; T 1101: a prefill-sized call (>= cublas_fp8.PREFILL_ROWS: the 128 x 128 weight
-    recipe, FORM_PREFILL)."""
+    blocks; T 1101: a prefill-sized call (>= GemmConfig.cublas_prefill_rows: the 128 x 128 weight
+    recipe, cublas_form_prefill)."""
     g = gen(T + F)
     x = randn(T, d, g=g)
     xq, xs = rf.quantize_act(x, act_fmt=ACT)

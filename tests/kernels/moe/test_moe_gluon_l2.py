@@ -13,7 +13,7 @@ case / reference helpers on the CPU); the launcher's argument checks. With Trito
 importable (make sm90-h200) the kernel is compiled ahead of time for sm_90: no local memory,
 <= 128 registers and <= 113 KB of shared memory (two CTAs per SM), per chunk 4 HGMMA.64x128x16
 chained on one accumulator with one wgmma group left in flight (WARPGROUP.DEPBAR.LE gsb0, 0x1),
-the fence order (test_moe_gluon.proxy_fence_problems), the upcast stores before the wait, the
+the fence order (gluon_cases.proxy_fence_problems), the upcast stores before the wait, the
 K loop's instruction count pinned.
 
 GPU (CUDA sm_90 + Triton 3.6 Gluon, else skipped): l2_gluon against the fp32 math of the same
@@ -24,7 +24,7 @@ every routed one written), fp32 / bf16 / fp16 y; tolerance 2e-3 relative (Froben
 y (H exact fp16, every weight an exact fp16, exact products, fp32 sums: the error is sum order,
 ~1e-6), 1e-2 for bf16 / fp16 (one rounding). The PTX table and its arithmetic twin give the same
 bits (also on 20-binade exponent spreads); every multi-launch case repeats its launch
-(REPEATS) and compares bits (the seventh / eighth sessions' nondeterminism: NOTES-moe.md); a
+(REPEATS) and compares bits (a nondeterministic pipeline shows as changed bits); a
 debug test of isolated pieces (one expert) names what fails.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ import gluon_cases
 import pytest
 import torch
 from gluon_cases import (
+    proxy_fence_problems,
     E2M1,
     check_l2_out,
     dbg_l2_case,
@@ -44,11 +45,16 @@ from gluon_cases import (
 )
 from megagraph.kernels.moe import gluon_l2 as mgl
 from sm90_build import count, gluon_sm90, loop_instructions, usage_and_sass
-from test_moe_gluon import proxy_fence_problems
 from test_moe_gluon_decode_l2 import _parse, _run, check_table_lanes, fp16_ref
 
 GPU_OK = mgl.available()
-gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and Triton 3.6 Gluon")
+
+
+def gpu(test):
+    """GPU-only (pytest.mark.gpu), and skipped without sm_90 and Triton 3.6's Gluon."""
+    return pytest.mark.gpu(pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and "
+                                              "Triton 3.6 Gluon")(test))
+
 
 REPEATS = 10  # launches of each repeated case (bits compared with the first)
 M32 = 0xFFFFFFFF
@@ -552,20 +558,19 @@ def test_l2_gluon_bit_stable(T, E, d, F):
 @pytest.mark.parametrize("on", [True, False])
 def test_routed_experts_prefill_uses_gluon_l2(on, monkeypatch):
     """routed_experts at a prefill size (300 tokens, top-2 of 8 experts: 75 rows per expert, d
-    256, F 384) runs its L2 on l2_gluon when MEGAGRAPH_MOE_GLUON_PREFILL_L2 is on (once) and
-    on the Triton L2 when off (the default); both within test_triton_moe's bound of the
-    reference op (check_routed)."""
-    from megagraph.kernels.moe import triton as moe
-    from test_triton_moe import ACT, check_routed, routed_case
+    256, F 384) runs its L2 on l2_gluon when MoeConfig.gluon_prefill_l2 is on (once; its ws
+    twin, tested in test_moe_gluon_l2_ws, off) and on the Triton L2 when off; both within
+    test_triton_moe's bound of the reference op (check_routed)."""
+    import dataclasses
 
-    monkeypatch.setattr(moe, "GLUON_PREFILL_L2", on)
-    monkeypatch.setattr(moe, "GLUON_PREFILL_L2_WS", False)  # its ws twin: test_moe_gluon_l2_ws
-    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
+    from test_triton_moe import ACT, FP16_H, check_routed, routed_case
+
+    cfg = dataclasses.replace(FP16_H, gluon_prefill_l2=on, gluon_prefill_l2_ws=False)
     calls = []
     real = mgl.l2_gluon
     monkeypatch.setattr(mgl, "l2_gluon", lambda *a, **k: calls.append(1) or real(*a, **k))
     xq, xs, ids, wts, bank = routed_case(300, 8, 256, 384, 2, seed=78)
     check_routed(xq, xs, ids, wts, bank, dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT,
-                                              out_dtype="f32"))
+                                              out_dtype="f32"), cfg)
     assert len(calls) == (1 if on else 0)
 

@@ -27,6 +27,7 @@ predicated expects - and the release order before every arrive.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
@@ -50,7 +51,14 @@ from megagraph.kernels.moe import gluon_l2_ws as mlw
 from sm90_build import count, gluon_sm90, usage_and_sass
 
 GPU_OK = mlw.available()
-gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and Triton 3.6 Gluon")
+
+
+def gpu(test):
+    """GPU-only (pytest.mark.gpu), and skipped without sm_90 and Triton 3.6's Gluon."""
+    return pytest.mark.gpu(pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and "
+                                              "Triton 3.6 Gluon")(test))
+
+
 build = pytest.mark.skipif(not mlw._IMPORT_OK, reason="needs Triton 3.6 with Gluon "
                            "(make sm90-h200)")
 # seconds a GPU wait may take before the process is ended (a deadlocked kernel never returns)
@@ -387,14 +395,12 @@ def test_l2_ws_repeat_and_graph(ctas, bn, upp, lup):
 @pytest.mark.parametrize("on", [True, False])
 def test_routed_experts_prefill_uses_l2_ws(on, monkeypatch):
     """routed_experts at a prefill size (300 tokens, top-2 of 8 experts: 75 rows per expert, d
-    256, F 384) runs its L2 on l2_gluon_ws when GLUON_PREFILL_L2_WS is on (once) and on l2_gluon
-    when off (the default); both within test_triton_moe's bound of the reference op."""
-    from megagraph.kernels.moe import triton as moe
-    from test_triton_moe import ACT, check_routed, routed_case
+    256, F 384) runs its L2 on l2_gluon_ws when MoeConfig.gluon_prefill_l2_ws is on (once; the
+    default) and on l2_gluon when off; both within test_triton_moe's bound of the reference
+    op."""
+    from test_triton_moe import ACT, FP16_H, check_routed, routed_case
 
-    monkeypatch.setattr(moe, "GLUON_PREFILL_L2", True)
-    monkeypatch.setattr(moe, "GLUON_PREFILL_L2_WS", on)
-    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
+    cfg = dataclasses.replace(FP16_H, gluon_prefill_l2=True, gluon_prefill_l2_ws=on)
     calls = []
     real_ws, real = mlw.l2_gluon_ws, mgl.l2_gluon
     monkeypatch.setattr(mlw, "l2_gluon_ws",
@@ -402,7 +408,7 @@ def test_routed_experts_prefill_uses_l2_ws(on, monkeypatch):
     monkeypatch.setattr(mgl, "l2_gluon", lambda *a, **k: calls.append("l2") or real(*a, **k))
     xq, xs, ids, wts, bank = routed_case(300, 8, 256, 384, 2, seed=78)
     check_routed(xq, xs, ids, wts, bank, dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT,
-                                              out_dtype="f32"))
+                                              out_dtype="f32"), cfg)
     _sync("routed_experts")
     assert calls == (["ws"] if on else ["l2"])
 
@@ -494,19 +500,16 @@ def test_l2_ws_descriptors():
 
 
 def test_gluon_l2_ws_choice(monkeypatch):
-    """moe._gluon_l2 picks l2_gluon_ws instead of l2_gluon above 48 rows per expert exactly when
-    GLUON_PREFILL_L2_WS is on (the default) and the call fits it (args_problem: W2 rows one
-    stride apart); else l2_gluon as before (available() forced: the predicate's own logic, on
+    """routed_experts' L2 is l2_gluon_ws instead of l2_gluon above 48 rows per expert exactly
+    when MoeConfig.gluon_prefill_l2_ws is on (the default) and the call fits it (args_problem:
+    W2 rows one stride apart); else l2_gluon (available() forced: the predicate's own logic, on
     any machine); the same 128-row tile (one tile list with the L1)."""
     from megagraph.kernels.moe import triton as moe
+    from megagraph.kernels.moe.config import MoeConfig
 
-    assert moe.GLUON_PREFILL_L2_WS is (os.environ.get("MEGAGRAPH_MOE_GLUON_PREFILL_L2_WS", "1")
-                                       == "1")
+    assert MoeConfig().gluon_prefill_l2_ws and MoeConfig().gluon_prefill_l2
     monkeypatch.setattr(mgl, "available", lambda device=None: True)
     monkeypatch.setattr(mlw, "available", lambda device=None: True)
-    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
-    monkeypatch.setattr(moe, "GLUON", True)
-    monkeypatch.setattr(moe, "GLUON_PREFILL_L2", True)
     E, d, F = 4, 128, 384
     w2 = dbg_bank(torch.zeros(E, d, F // 2), torch.full((E, d, F // 32), 127), "cpu")
     padded = torch.zeros(E, d + 16, F // 2, dtype=torch.int8)
@@ -514,30 +517,28 @@ def test_gluon_l2_ws_choice(monkeypatch):
     h = torch.zeros(300, F, dtype=torch.float16)
     y = torch.empty(50, 7, d)
 
-    def pick(w2, rpg=75.0, yy=y):
-        p = moe._gluon_l2(h, w2, yy, "l2", rpg)
-        return None if p is None else (getattr(p[0], "func", p[0]).__name__, p[1])
+    def run(cfg, w2, rpg=75.0, yy=y):
+        return moe._first_fit("L2", cfg.l2_candidates(rpg, False),
+                              lambda n: moe._l2_kernel(n, h, None, w2, yy, cfg))
 
-    monkeypatch.setattr(moe, "GLUON_PREFILL_L2_WS", False)
-    assert pick(w2) == ("l2_gluon", mgl.BM)
-    monkeypatch.setattr(moe, "GLUON_PREFILL_L2_WS", True)
+    def pick(w2, rpg=75.0, yy=y, cfg=MoeConfig()):
+        name, fn, rows = run(cfg, w2, rpg, yy)
+        return name if fn is None else (getattr(fn, "func", fn).__name__, rows)
+
+    assert pick(w2, cfg=MoeConfig(gluon_prefill_l2_ws=False)) == ("l2_gluon", mgl.BM)
     assert pick(w2) == ("l2_gluon_ws", mlw.BM) and mlw.BM == mgl.BM
     assert pick(w2, yy=y.bfloat16()) == ("l2_gluon_ws", mlw.BM)
     assert pick(w2_p) == ("l2_gluon", mgl.BM)  # no TMA matrix: the plain prefill L2
     assert pick(w2, rpg=40.0) != ("l2_gluon_ws", mlw.BM)  # below the threshold: unchanged
-    monkeypatch.setattr(moe, "WS_L2_BN", "256")  # d 128: no 256-column tile, the plain L2
-    assert pick(w2) == ("l2_gluon", mgl.BM)  # (a string: as benchmarks/moe_ab.py sets knobs)
-    monkeypatch.setattr(moe, "WS_L2_BN", 128)
-    monkeypatch.setattr(moe, "WS_L2_RINGS", (8, 3))
-    p = moe._gluon_l2(h, w2, y, "l2", 75.0)
-    assert p[0].func is mlw.l2_gluon_ws and p[0].keywords == dict(stages=8, bstages=3, bn=128)
-    monkeypatch.setattr(moe, "WS_L2_BN", None)
-    monkeypatch.setattr(moe, "WS_L2_RINGS", None)
+    # d 128: no 256-column tile, the plain L2
+    assert pick(w2, cfg=MoeConfig(ws_l2_bn=256)) == ("l2_gluon", mgl.BM)
+    _, fn, _ = run(MoeConfig(ws_l2_bn=128, ws_l2_rings=(8, 3)), w2)
+    assert fn.func is mlw.l2_gluon_ws and fn.keywords == dict(stages=8, bstages=3, bn=128)
     monkeypatch.setattr(mlw, "available", lambda device=None: False)
     assert pick(w2) == ("l2_gluon", mgl.BM)
-    monkeypatch.setattr(moe, "GLUON_PREFILL_L2", False)
     monkeypatch.setattr(mlw, "available", lambda device=None: True)
-    assert pick(w2) is None  # a variant of the Gluon prefill L2: off with it
+    # a variant of the Gluon prefill L2: off with it
+    assert pick(w2, cfg=MoeConfig(gluon_prefill_l2=False)) == "triton"
 
 
 TYPES = dict(bs_ptr="*u8", c_ptr="*bf16", cidx_ptr="*i32", w_ptr="*fp32", work_ptr="*i32",

@@ -22,7 +22,7 @@ from megagraph.kernels.moe import grouped_cublas as mgc  # noqa: E402
 RUNNABLE = torch.cuda.is_available() or tm.INTERPRET
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason="runs in the interpreter child process")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuBLAS grouped GEMM)")
+gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 def _bank(E, N, K, seed, spread=4):
@@ -126,8 +126,12 @@ def test_l1_matches_fp32_and_triton(T):
 
 
 @gpu
-def test_routed_experts_prefill_uses_it_and_captures(monkeypatch):
-    monkeypatch.setattr(tm, "GLUON_WIDE_L1", False)  # it would take the L1 first
+def test_routed_experts_prefill_uses_it_and_captures():
+    """The cuBLAS grouped L1 as routed_experts runs it (the Gluon prefill L1s, which go first,
+    and FP8 H off): within 1e-2 of the reference, and a CUDA-graph replay gives eager's bits."""
+    from megagraph.kernels.moe.config import MoeConfig
+
+    cfg = MoeConfig(fp8_h_prefill=False, gluon_ws_l1=False, gluon_wide_l1=False)
     if not mgc.supported(0):
         pytest.skip("cuBLAS rowwise grouped FP8 GEMM not available here (device check)")
     T, E, d, F, k = 700, 8, 512, 256, 6
@@ -138,14 +142,15 @@ def test_routed_experts_prefill_uses_it_and_captures(monkeypatch):
     b1, b3 = tm.bank(w1, s1, "mxfp4"), tm.bank(w3, s3, "mxfp4")
     h = torch.empty(T * k, F, dtype=torch.float16, device="cuda")
     assert mgc.applies(xq, b1, b3, h, T * k / E)
-    eager = tm.moe_experts_q(xq, xs, ids, wts, w1, s1, w3, s3, w2, s2, **kw)
+    eager = tm.moe_experts_q(xq, xs, ids, wts, w1, s1, w3, s3, w2, s2, **kw, kernel_config=cfg)
     ref = rf.moe_experts_q(xq, xs, ids, wts, w1, s1, w3, s3, w2, s2, **kw)
     assert float((eager.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     g = torch.cuda.CUDAGraph()
     with torch.cuda.stream(s), torch.cuda.graph(g):
-        out = tm.moe_experts_q(xq, xs, ids, wts, w1, s1, w3, s3, w2, s2, **kw)
+        out = tm.moe_experts_q(xq, xs, ids, wts, w1, s1, w3, s3, w2, s2, **kw,
+                               kernel_config=cfg)
     torch.cuda.current_stream().wait_stream(s)
     g.replay()
     torch.cuda.synchronize()

@@ -39,11 +39,13 @@ registers, no spills, HGMMA 64xbtx16, the BT = 16 chunk's barriers, fence order 
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 import torch
 from gluon_cases import (
+    proxy_fence_problems,
     E2M1,
     check_l2_out,
     check_repeats_and_graph,
@@ -54,15 +56,22 @@ from gluon_cases import (
     l2_reference,
     rel,
 )
+from megagraph.kernels.gemm.config import Tile
 from megagraph.kernels.moe import gluon_decode_l2 as ml2
+from megagraph.kernels.moe.config import MoeConfig
 from sm90_build import (SYNC_COUNTS, build_stats, count, gluon_sm90, loop_instructions,
                         usage_and_sass)
-from test_moe_gluon import proxy_fence_problems
 from test_moe_gluon_decode import _ctas_per_sm
-from test_triton_moe import ACT, _prmt, check_routed, routed_case
+from test_triton_moe import ACT, FP16_H, _prmt, check_routed, pinned, routed_case
 
 GPU_OK = ml2.available()
-gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and Triton 3.6 Gluon")
+
+
+def gpu(test):
+    """GPU-only (pytest.mark.gpu), and skipped without sm_90 and Triton 3.6's Gluon."""
+    return pytest.mark.gpu(pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and "
+                                              "Triton 3.6 Gluon")(test))
+
 
 # ---------------------------------------------------------------------------------------------
 # the PTX table upcast, emulated (CPU)
@@ -406,8 +415,8 @@ def test_l2_decode_sm90_build(use_asm):
     PTX upcast at most 96 registers (91 at the time of writing: 5 CTAs of 4 warps per SM) and,
     per K chunk (the loop holds NS = 4): 8 register-A HGMMA 64x16x16 (fp16, 8 k16 steps),
     1 WARPGROUP.ARRIVE, 1 WARPGROUP.DEPBAR, 2 BAR.SYNC (Triton's membar barrier after the
-    cp.async wait, then the one after every thread's proxy fence: writer-side since the eighth
-    session, proxy_fence_problems), 1 DEPBAR (cp.async wait), 2 LDGSTS.128 (weights) + 9 LDGSTS
+    cp.async wait, then the one after every thread's proxy fence: writer-side,
+    proxy_fence_problems), 1 DEPBAR (cp.async wait), 2 LDGSTS.128 (weights) + 9 LDGSTS
     (8 of H, 1 of the exponents), 2 LDS.128 (the packed words: one per row), no STS (no upcast
     tile stored), 64 PRMT (8 words x (2 table + 2 sign + 4 spread): the fp16 halves' joins
     cost no repacking), the loop's instruction count pinned (846 for 4 chunks at the time of
@@ -449,21 +458,28 @@ def test_l2_decode_sm90_build(use_asm):
 
 
 # ---------------------------------------------------------------------------------------------
-# routed_experts' choice of the Gluon decode L2 (moe._gluon_l2) and the wired-in path
+# routed_experts' choice of the Gluon decode L2 (MoeConfig.l2_candidates, moe._l2_kernel)
 # ---------------------------------------------------------------------------------------------
+
+
+def l2_pick(h, w2, y, cfg, rpg=3.0, fp8_h=False):
+    """The L2 routed_experts runs for these tensors under cfg: (name, launch, row tile) of the
+    first candidate that takes them (moe._first_fit over cfg.l2_candidates)."""
+    from megagraph.kernels.moe import triton as moe
+
+    return moe._first_fit("L2", cfg.l2_candidates(rpg, fp8_h),
+                          lambda n: moe._l2_kernel(n, h, None, w2, y, cfg))
 
 
 def test_gluon_l2_choice(monkeypatch):
     """The Gluon decode L2 runs where it was checked: the fp16-H "l2" role at <= 12 rows per
     expert, an MXFP4 W2 with E8M0 per 32 whose shape fits (d % 64, F % 128), y fp32 / bf16 /
-    fp16, MEGAGRAPH_MOE_GLUON and MEGAGRAPH_MOE_GLUON_DECODE_L2 on, no CONFIG_OVERRIDE for
-    "l2", and available() (forced here: the predicate's own logic, on any machine)."""
+    fp16, MoeConfig.gluon and gluon_decode_l2 on, no pinned "l2" tile, and available() (forced
+    here: the predicate's own logic, on any machine)."""
     from megagraph.kernels.moe import triton as moe
 
     monkeypatch.setattr(ml2, "available", lambda device=None: True)
-    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
-    monkeypatch.setattr(moe, "GLUON", True)
-    monkeypatch.setattr(moe, "GLUON_DECODE_L2", True)
+    cfg = MoeConfig()
     g = torch.Generator().manual_seed(5)
     w = torch.randint(-128, 128, (4, 128, 128), dtype=torch.int8, generator=g)
     s = torch.randint(119, 125, (4, 128, 8), dtype=torch.uint8, generator=g)
@@ -471,52 +487,43 @@ def test_gluon_l2_choice(monkeypatch):
     h = torch.randn(12, 256).half()
     y = torch.empty(2, 7, 128)
 
-    def ok(h, w2, y, role="l2", rpg=3.0):
-        pick = moe._gluon_l2(h, w2, y, role, rpg)
-        return None if pick is None else pick[0].__name__
+    def ok(h, w2, y, cfg=cfg, rpg=3.0, fp8_h=False):
+        name, launch, _ = l2_pick(h, w2, y, cfg, rpg, fp8_h)
+        return launch.func.__name__ if name == "gluon_decode_l2" else name
 
     assert ok(h, w2, y) == "l2_gluon_decode"
-    assert moe._gluon_l2(h, w2, y, "l2", 3.0)[1] == ml2.BT
+    assert l2_pick(h, w2, y, cfg)[2] == ml2.BT
     assert ok(h, w2, y.bfloat16()) == "l2_gluon_decode"
-    assert ok(h, w2, y, rpg=12.5) is None  # middle / prefill sizes keep moe_gemm
-    assert ok(h, w2, y, role="l2_fp8h") is None  # FP8 H: not this kernel
-    assert ok(h.float(), w2, y) is None  # exact mode / fp32 H
-    assert ok(h, w2, y.double()) is None
+    assert ok(h, w2, y, rpg=12.5) == "triton"  # middle / prefill sizes: not this kernel
+    assert ok(h, w2, y, fp8_h=True) == "triton"  # FP8 H: not this kernel
+    assert ok(h.float(), w2, y) == "triton"  # exact mode / fp32 H
+    assert ok(h, w2, y.double()) == "triton"
     w2b = moe.bank(w[:, :96], s[:, :96].view(torch.float8_e8m0fnu), "mxfp4")  # d = 96
-    assert ok(h, w2b, y[..., :96]) is None
+    assert ok(h, w2b, y[..., :96]) == "triton"
     w2c = moe.bank(w[..., :64], s[..., :4].view(torch.float8_e8m0fnu), "mxfp4")  # F = 128
     assert ok(h[:, :128], w2c, y) == "l2_gluon_decode"
-    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {"l2": moe.GemmConfig(16, 64)})
-    assert ok(h, w2, y) is None
-    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
-    for flag in ("GLUON", "GLUON_DECODE_L2"):
-        monkeypatch.setattr(moe, flag, False)
-        assert ok(h, w2, y) is None
-        monkeypatch.setattr(moe, flag, True)
+    assert ok(h, w2, y, cfg=pinned(MoeConfig(), l2=Tile(16, 64))) == "triton"
+    for flag in ("gluon", "gluon_decode_l2"):
+        assert ok(h, w2, y, cfg=dataclasses.replace(cfg, **{flag: False})) == "triton"
     monkeypatch.setattr(ml2, "available", lambda device=None: False)
-    assert ok(h, w2, y) is None
+    assert ok(h, w2, y) == "triton"
 
 
 @gpu
 @pytest.mark.parametrize("gluon,load", [(True, "cp.async"), (True, "tma"), (False, "cp.async")])
 def test_routed_experts_decode_uses_gluon_l2(gluon, load, monkeypatch):
     """routed_experts at a decode size (24 tokens, top-6 of 48 experts: 3 rows per expert) runs
-    its L2 on l2_gluon_decode when on (once per output dtype; with the module's LOAD, as
-    MEGAGRAPH_MOE_GLUON_DECODE_L2_LOAD sets it) and on moe_gemm when MEGAGRAPH_MOE_GLUON_DECODE_L2
-    is off; fp32 and bf16 outputs against the reference op within test_triton_moe's bounds
-    (2e-3 / 1e-2)."""
-    from megagraph.kernels.moe import triton as moe
-
-    monkeypatch.setattr(moe, "GLUON_DECODE_L2", gluon)
-    monkeypatch.setattr(ml2, "LOAD", load)
-    monkeypatch.setattr(moe, "CONFIG_OVERRIDE", {})
+    its L2 on l2_gluon_decode when on (once per output dtype; with MoeConfig.gluon_decode_l2_load)
+    and on moe_gemm when gluon_decode_l2 is off; fp32 and bf16 outputs against the reference op
+    within test_triton_moe's bounds (2e-3 / 1e-2)."""
+    cfg = dataclasses.replace(FP16_H, gluon_decode_l2=gluon, gluon_decode_l2_load=load)
     calls = []
     real = ml2.l2_gluon_decode
     monkeypatch.setattr(ml2, "l2_gluon_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
     xq, xs, ids, wts, bank = routed_case(24, 48, 512, 128, 6, seed=93)
     for out_dtype in ("f32", "bf16"):
         check_routed(xq, xs, ids, wts, bank, dict(fmt="mxfp4", swiglu_limit=10.0, act_fmt=ACT,
-                                                  out_dtype=out_dtype))
+                                                  out_dtype=out_dtype), cfg)
     assert len(calls) == (2 if gluon else 0)
 
 

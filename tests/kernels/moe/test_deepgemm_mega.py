@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megagraph.kernels.moe import deepgemm_mega as dgm
+from megagraph.kernels.moe.config import MoeConfig
 from megagraph.kernels import formats
 from megagraph.kernels.fused import reference as rf
 
@@ -297,6 +298,7 @@ def test_buffer_capacity():
 # what the path declines
 # ---------------------------------------------------------------------------------------------
 
+ON = MoeConfig(deepgemm_mega="on")  # the unvalidated path switched on
 KW = {"topk": 3, "route_scale": 1.5, "norm_topk": True, "score_func": "sqrtsoftplus",
       "fmt": "mxfp4", "shared_fmt": "fp8_block", "swiglu_limit": 10.0, "act_fmt": "fp8_1x128"}
 
@@ -363,20 +365,17 @@ def test_unsupported_conditions(monkeypatch):
     assert dgm.unsupported(*small_F, **KW) is not None
     F192 = case(F=384 - 128 - 64)  # F = 192: W2's K % 128 fails in bank()
     assert dgm.unsupported(*F192, **KW) is not None
-    monkeypatch.setattr(dgm, "MAX_TOKENS", 4)
-    assert "MAX_TOKENS" in dgm.unsupported(*args, **KW)
+    assert "MAX_TOKENS" in dgm.unsupported(*args, **KW,
+                                           kernel_config=MoeConfig(deepgemm_mega_max_tokens=4))
 
 
 def test_mega_moe_declines_here(monkeypatch):
     args = case()
-    monkeypatch.delenv(dgm.ENV_ENABLE, raising=False)
     assert not dgm.enabled() and "disabled" in dgm.decline_reason(*args, **KW)
-    monkeypatch.setenv(dgm.ENV_ENABLE, "0")
-    assert not dgm.enabled()
-    monkeypatch.setenv(dgm.ENV_ENABLE, "1")
-    assert dgm.enabled()
-    assert "not a CUDA device" in dgm.decline_reason(*args, **KW)
-    assert dgm.mega_moe(*args, **KW) is None
+    assert not dgm.enabled(MoeConfig(deepgemm_mega="off"))
+    assert dgm.enabled(ON)
+    assert "not a CUDA device" in dgm.decline_reason(*args, **KW, kernel_config=ON)
+    assert dgm.mega_moe(*args, **KW, kernel_config=ON) is None
     assert not dgm._WEIGHTS  # nothing converted on the way to None
 
 
@@ -441,8 +440,7 @@ def test_gpu_library_transform_matches_reference():
 @blackwell
 @pytest.mark.parametrize("T,with_shared,hashed", [(1, True, False), (37, True, False),
                                                   (300, False, False), (9, True, True)])
-def test_gpu_mega_moe_vs_reference(group, monkeypatch, T, with_shared, hashed):
-    monkeypatch.setenv(dgm.ENV_ENABLE, "1")
+def test_gpu_mega_moe_vs_reference(group, T, with_shared, hashed):
     E, d, F, k = 16, 512, 256, 4
     args = case(T=T, d=d, F=F, E=E, seed=T, device="cuda")
     if not with_shared:
@@ -453,22 +451,21 @@ def test_gpu_mega_moe_vs_reference(group, monkeypatch, T, with_shared, hashed):
         args = _with(args, gate_bias=None,
                      tid2eid=torch.randint(0, E, (50, k), generator=g).cuda(),
                      token_ids=torch.randint(0, 50, (T,), generator=g).cuda())
-    kw = {**KW, "topk": k}
+    kw = {**KW, "topk": k, "kernel_config": ON}
     assert dgm.decline_reason(*args, **kw) is None, dgm.decline_reason(*args, **kw)
     out = dgm.mega_moe(*args, **kw)
     assert out is not None, dgm._FAILED
-    ref = rf.mega_moe(*args, **kw)
+    ref = rf.mega_moe(*args, **KW, topk=k)
     assert out.shape == ref.shape and out.dtype == ref.dtype and torch.isfinite(out).all()
     assert rel(out, ref) < 5e-2  # FP8 H (per-32 UE8M0) and bf16 gate/up: a few % expected
 
 
 @pytest.mark.gpu
 @blackwell
-def test_gpu_capture_after_warmup(group, monkeypatch):
-    monkeypatch.setenv(dgm.ENV_ENABLE, "1")
+def test_gpu_capture_after_warmup(group):
     T, E, d, F, k = 64, 16, 512, 256, 4
     args = case(T=T, d=d, F=F, E=E, seed=1, device="cuda")
-    kw = {**KW, "topk": k}
+    kw = {**KW, "topk": k, "kernel_config": ON}
     static = args[3].clone()
     run = _with(args, streams=static)
     side = torch.cuda.Stream()
