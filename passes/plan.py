@@ -136,13 +136,13 @@ def bucket_shapes(cfg: ModelConfig, buckets: list[int], *, decode: bool) -> list
 
 def kernel_configs_plan(kernels: dict, cfg: ModelConfig, hw: HwProfile, *, prefill: list[int],
                         decode: list[int], overrides: dict | None = None) -> dict:
-    """Per family used by the graphs' ops: its resolved fields (defaults <- configs/kernels/
+    """Per family whose fast kernels the plan runs: its resolved fields (defaults <- configs/kernels/
     <profile>.yaml <- the compile's overrides), the kernel keys and step-graph node counts that
     use it, and its `choose()` per prefill and per decode bucket as runs of equal choices (none
     on a profile without captured buckets: its kernels call `choose` per launch)."""
     used: dict[str, dict[str, int]] = {}
-    for key, row in kernels.items():
-        if "family" in row:
+    for key, row in kernels.items():  # only where a fast kernel runs (reference / capturable
+        if "family" in row and row["kernel"] not in ("reference", "capturable"):  # take none)
             used.setdefault(row["family"], {})[key] = row["nodes"]
     configs = kc.compile_configs(hw.name, overrides)  # checks the layers even when none is used
     out = {}

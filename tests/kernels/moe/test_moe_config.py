@@ -53,7 +53,7 @@ def test_defaults_are_the_tuned_values():
     assert c.gate_tile == (128, 64, 4, 3) and c.shared_early_max_tokens == 256
     assert (c.gluon_decode_load, c.gluon_decode_l2_load) == ("tma", "cp.async")
     assert c.fp4_asm == "auto" and not c.exact and not c.fp8_h and c.fp8_h_prefill
-    assert (c.deepgemm_mega, c.deepgemm_mega_max_tokens) == ("auto", 8192)
+    assert (c.deepgemm_mega, c.deepgemm_mega_max_tokens) == ("off", 8192)
     g = GemmConfig()
     assert (g.cublas_form, g.cublas_form_prefill, g.cublas_prefill_rows) == \
         ("1x128", "128x128", 1024)
