@@ -391,8 +391,12 @@ class Bench:
         a = self.a
         if not a.warmup_requests:
             return
-        reqs = load.fixed_requests(a.warmup_requests, min(a.input_len, 1024),
-                                   min(a.output_len, 32), self.vocab, seed=a.seed + 999)
+        out_len = min(a.output_len, 32)
+        in_len = min(a.input_len, 1024)
+        if self.srv.proc is not None:  # within the context this script gave the server
+            in_len = max(1, min(in_len, serve_flags(a.server_args)["capacity"] - out_len))
+        reqs = load.fixed_requests(a.warmup_requests, in_len, out_len, self.vocab,
+                                   seed=a.seed + 999)
         lr = load.run(load.run_load(self.srv.base_url, a.served_model, reqs,
                                     concurrency=a.warmup_requests, timeout=a.timeout))
         s = stats.summarize(lr)
@@ -452,7 +456,8 @@ class Bench:
         samples: list[dict] = []
 
         def tick():
-            samples.append({"t": time.perf_counter() - self.t0, **self.srv.memory()})
+            samples.append({"t": time.perf_counter() - self.t0, **self.srv.memory(),
+                            **allocator_memory(self.srv.base_url)})
 
         tick()
         reqs = load.mixed_requests(a.soak, a.soak_in, a.soak_out, self.vocab, seed=a.seed + 7)
@@ -550,16 +555,31 @@ def mix_specs(p: dict, prefill_cap: int | None, slots: int) -> list[tuple[int, i
     return [(d0, 0, chunk), (d1, p1, chunk)]
 
 
+def allocator_memory(base_url: str) -> dict:
+    """The server's CUDA allocator gauges from /metrics in MiB (none on the CPU, or when the
+    scrape fails): allocated tells growth of live tensors apart from the allocator's cache."""
+    import httpx
+
+    try:
+        m = stats.read_metrics(base_url)
+    except httpx.HTTPError:
+        return {}
+    return {f"{k}_mib": round(m[f"megagraph_device_memory_{k}_bytes"] / 2**20, 1)
+            for k in ("allocated", "reserved") if f"megagraph_device_memory_{k}_bytes" in m}
+
+
 def flatness(samples: list[dict]) -> dict:
-    """first / last / max of RSS and GPU memory; flat when from the sample a quarter into the
-    run to the last neither grew by more than max(2%, 64 MiB)."""
+    """first / last / max of RSS, GPU memory (nvidia-smi) and the allocator's allocated and
+    reserved bytes; flat when from the sample a quarter into the run (the first under load at
+    the earliest: the one before the load holds no working set) to the last none grew by more
+    than max(2%, 64 MiB)."""
     out: dict = {"samples": samples}
     verdicts = []
-    for k in ("rss_mib", "gpu_mib"):
+    for k in ("rss_mib", "gpu_mib", "allocated_mib", "reserved_mib"):
         xs = [s[k] for s in samples if k in s]
         if len(xs) < 2:
             continue
-        ref = xs[len(xs) // 4]
+        ref = xs[max(len(xs) // 4, 1)]
         out[k] = {"first": xs[0], "last": xs[-1], "max": max(xs), "ref": ref}
         verdicts.append(xs[-1] - ref <= max(0.02 * ref, 64.0))
     out["flat"] = "-" if not verdicts else ("yes" if all(verdicts) else "no")

@@ -168,13 +168,17 @@ def soak_section(run: dict) -> list[str]:
                   f"{p['output_range'][0]}..{p['output_range'][1]} tokens (uniform):", ""]
         lines += table(["completed", "failed", "hung", "lost tokens", "duration s",
                         "output tok/s", "TTFT p99 ms", "ITL p99 ms", "RSS GiB first / last / max",
-                        "GPU GiB first / last / max", "memory flat", "state after"],
+                        "GPU GiB first / last / max", "allocated GiB first / last / max",
+                        "memory flat", "state after"],
                        [[m["completed"], m["failed"], m["hung"], m["lost_tokens"],
                          _f(m["duration_s"]), _f(m["output_tok_s"], 0), _ms(m["ttft_ms"], "p99", 0),
                          _ms(m["itl_ms"], "p99", 1), _mem3(mem.get("rss_mib")),
-                         _mem3(mem.get("gpu_mib")), mem.get("flat", "-"), _state(p)]])
-        lines += ["", f"Memory flat: from the sample a quarter into the soak to the last, growth "
-                  f"at most max(2%, 64 MiB); {len(mem.get('samples', []))} samples.", ""]
+                         _mem3(mem.get("gpu_mib")), _mem3(mem.get("allocated_mib")),
+                         mem.get("flat", "-"), _state(p)]])
+        lines += ["", f"Memory flat: from the sample a quarter into the soak (the first under "
+                  f"load at the earliest) to the last, growth at most max(2%, 64 MiB) in RSS, "
+                  f"GPU memory and the allocator's allocated and reserved bytes; "
+                  f"{len(mem.get('samples', []))} samples, one every 5 s.", ""]
     return lines + mix_table(pts)
 
 

@@ -99,6 +99,9 @@ def test_memory_flatness():
     v = serve_bench.flatness(growing)
     assert v["flat"] == "no" and v["rss_mib"]["last"] == 1700.0
     assert serve_bench.flatness([{}])["flat"] == "-"
+    # live tensors growing under a flat nvidia-smi figure (the allocator's cache shrinking)
+    leak = [{"gpu_mib": 90_000.0, "allocated_mib": 40_000.0 + 500 * i} for i in range(8)]
+    assert serve_bench.flatness(leak)["flat"] == "no"
 
 
 def test_step_mix_and_the_same_mix_shapes():
