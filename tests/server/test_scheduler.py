@@ -1,6 +1,7 @@
 """Scheduler + cache manager without HTTP: greedy output is the same alone, batched, with chunked
-prefill, with and without overlap, and under preemption by recompute; admission never exceeds
-the token ledger; sizing from a byte budget."""
+prefill, with and without overlap, under a bound on the prompt tokens mixed into decode steps,
+and under preemption by recompute; admission never exceeds the token ledger; sizing from a byte
+budget."""
 
 from __future__ import annotations
 
