@@ -95,7 +95,8 @@ V() { "$PEER_VENV/bin/python" -c "import importlib.metadata as m; print(m.versio
   echo "- versions: guidellm $(V guidellm), sglang $(V sglang) (\`sglang.benchmark.serving\`),"
   echo "  torch $("$PY" -c 'import torch; print(torch.__version__)') (server),"
   echo "  python $("$PY" -c 'import platform; print(platform.python_version())')"
-  echo "- server: \`megagraph runtime serve A $SERVER_ARGS\`" | sed 's/ --log-level/\n  --log-level/'
+  echo "- server: \`megagraph runtime serve A $SERVER_ARGS\`" \
+    | sed 's/ --log-level/\n  --log-level/'
   echo "  (A: \`megagraph compile --model v4.1-flash-tiny --hw cpu --out A\`)"
   echo "- serve_bench.py: \`python benchmarks/serve_bench.py --url URL --vocab 128000"
   echo "  --input-len $IN --output-len $OUTLEN --concurrency C --point-min $N --point-max $N\`"

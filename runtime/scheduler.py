@@ -17,9 +17,10 @@ then prompt chunks (continuing prefills, then newly admitted requests, FIFO) fil
 budget (`max_prefill_tokens`, within the plan's per-GPU graph token limit when it has one). A
 step that has decode rows takes at most `max_mixed_prefill_tokens` prompt tokens when that is
 set (the analogue of vLLM's `max_num_batched_tokens`, which bounds a step's tokens, and of
-SGLang's `--chunked-prefill-size`, which bounds a prompt chunk): the prompt chunks of arriving requests lengthen every decode step they join, so the bound
-trades time to first token for inter-token latency; a chunk over it waits for a step without
-decode rows (chunks are never cut smaller for it, so the cut stays independent of the batch).
+SGLang's `--chunked-prefill-size`, which bounds a prompt chunk): the prompt chunks of arriving
+requests lengthen every decode step they join, so the bound trades time to first token for
+inter-token latency; a chunk over it waits for a step without decode rows (chunks are never
+cut smaller for it, so the cut stays independent of the batch).
 Chunks are aligned to multiples of `max_prefill_tokens`, so a request is cut the same way
 whatever it is batched with (greedy output alone == batched). Admission
 asks the `CacheManager`; when decode growth does not fit its token ledger, the newest running
