@@ -15,8 +15,14 @@ Points, each on one server, in this order (each optional):
 After every point /metrics must show the state back to zero (no slot, ledger token, running or
 waiting sequence). Per sweep point the serving overhead: served ITL p50 / the engine's own step
 time at the same batch (engine_step.py on the same artifacts, in its own process before the
-server starts; `--engine-step PATH` reads an earlier run of it). The server's start-up time
-(weights, capture) and memory come from its start-up report, /proc and nvidia-smi.
+server starts; `--engine-step PATH` reads an earlier run of it). That baseline is decode-only,
+while served steps also carry the prompt chunks of arriving requests; so after the server has
+stopped (`--engine-mix auto`), engine_step.py measures each point's own mix, read from the
+server's step counters: a step of the mean rows of its decode-only steps, and one of the mean
+rows and prompt tokens of its mixed steps. The same-mix step time is their mean weighted by the
+two kinds' step counts, and the report sets served ITL against both baselines. The server's
+start-up time (weights, capture) and memory come from its start-up report, /proc and
+nvidia-smi.
 
 The server: `--url` (already running; nothing about its process is read), or one this script
 starts from `--artifacts DIR` / `--model NAME --hw HW` with `--server-args` (the CLI, in its own
@@ -59,7 +65,8 @@ SMOKE = dict(device="cpu", model="v4.1-flash-tiny", hw="cpu", input_len=16, outp
              concurrency="1,2", point_mult=2.0, point_min=2, point_max=4, point_time=60.0,
              prefill_heavy="96:2", prefill_output_len=2, prefill_requests=2, soak=8,
              soak_concurrency=4, soak_input="4:48", soak_output="2:8", soak_time=60.0,
-             engine_warmup=0, engine_iters=2, timeout=120.0, time_budget=240.0,
+             engine_warmup=0, engine_iters=2, engine_mix_time=60.0, timeout=120.0,
+             time_budget=240.0,
              server_args="--capacity 256 --max-running 4 --max-prefill-tokens 32 "
                          "--log-level warning")
 
@@ -114,6 +121,11 @@ def parse(argv=None):
     e.add_argument("--engine-warmup", type=int, default=3)
     e.add_argument("--engine-iters", type=int, default=10)
     e.add_argument("--engine-timeout", type=float, default=300.0)
+    e.add_argument("--engine-mix", choices=("auto", "none"), default=None,
+                   help="after the server stops, the engine alone at each point's step mix "
+                        "(default: auto when this script starts the server)")
+    e.add_argument("--engine-mix-time", type=float, default=150.0,
+                   help="seconds of --time-budget kept for the same-mix baseline")
     p.add_argument("--time-budget", type=float, default=float("inf"),
                    help="seconds for the whole run: no point starts once spent, results written")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few requests")
@@ -130,6 +142,8 @@ def parse(argv=None):
         p.error("give one of --url, --artifacts, --model (or --smoke, or --merge)")
     if a.engine_step is None:
         a.engine_step = "none" if a.url else "auto"
+    if a.engine_mix is None:
+        a.engine_mix = "none" if a.url else "auto"
     a.concurrency_list = [int(c) for c in str(a.concurrency).split(",") if c.strip()]
     a.prefill_points = [tuple(int(x) for x in s.split(":")) for s in a.prefill_heavy.split(",")
                         if s.strip()]
@@ -173,10 +187,13 @@ class Bench:
                                        else str(v)) for k, v in vars(a).items()},
                           "points": [], "skipped": [], "problems": []}
         self.engine: dict | None = None
+        # kept from the points for the same-mix baseline, which runs once the server is gone
+        self.reserve = a.engine_mix_time if (a.engine_mix == "auto" and not a.url and (
+            a.concurrency_list or a.soak)) else 0.0
 
     # -- budget ----------------------------------------------------------------------------------
     def left(self) -> float:
-        return self.a.time_budget - (time.perf_counter() - self.t0)
+        return self.a.time_budget - (time.perf_counter() - self.t0) - self.reserve
 
     def fits(self, what: str, need: float) -> bool:
         if self.left() >= need:
@@ -205,7 +222,7 @@ class Bench:
         if a.artifacts:
             return Path(a.artifacts)
         if a.model:
-            from workloads import compile_artifacts
+            from harness.models import compile_artifacts
 
             from megagraph.models.config import load_model_config
 
@@ -219,34 +236,82 @@ class Bench:
         if a.engine_step != "auto":
             self.engine = json.loads(Path(a.engine_step).read_text())
             return
+        slots = serve_flags(a.server_args)["max_running"]
+        self.engine = self.measure_engine(
+            art, "engine_step", batches=[c for c in a.concurrency_list if c <= slots], mixes=[],
+            timeout=a.engine_timeout)
+
+    def measure_engine(self, art: Path, name: str, *, batches: list[int],
+                       mixes: list[tuple[int, int, int]], timeout: float) -> dict | None:
+        """engine_step.py on the served artifacts with the server's engine flags: in this
+        process on the CPU (no device memory to share), else in its own process (a CUDA context
+        here would hold memory beside the server's); None with a problem noted on failure."""
+        a = self.a
         f = serve_flags(a.server_args)
         context = a.engine_context or a.input_len + a.output_len // 2
-        batches = [c for c in a.concurrency_list if c <= f["max_running"]]
         kw = dict(device=a.device, capacity=f["capacity"], slots=f["max_running"],
                   batches=batches, context=context, warmup=a.engine_warmup,
-                  iters=a.engine_iters, seed=f["seed"], cuda_graphs=not f["no_cuda_graphs"])
-        if a.device == "cpu":  # no device memory to share with the server: in this process
+                  iters=a.engine_iters, seed=f["seed"], cuda_graphs=not f["no_cuda_graphs"],
+                  mixes=mixes)
+        if a.device == "cpu":
             import engine_step
 
-            self.engine = engine_step.measure(str(art), **kw)
-            return
-        path = self.out / "engine_step.json"
+            return engine_step.measure(str(art), **kw)
+        path = self.out / f"{name}.json"
         cmd = [sys.executable, str(HERE / "engine_step.py"), "--artifacts", str(art),
                "--device", a.device, "--capacity", str(kw["capacity"]), "--slots",
                str(kw["slots"]), "--batches", ",".join(map(str, batches)), "--context",
                str(context), "--warmup", str(a.engine_warmup), "--iters", str(a.engine_iters),
-               "--seed", str(kw["seed"]), "--out", str(path)] + \
-            (["--no-cuda-graphs"] if f["no_cuda_graphs"] else [])
+               "--seed", str(kw["seed"]), "--mixes", ",".join(":".join(map(str, m))
+                                                            for m in mixes),
+               "--out", str(path)] + (["--no-cuda-graphs"] if f["no_cuda_graphs"] else [])
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent,
-                               timeout=min(a.engine_timeout, max(self.left(), 1)))
+                               timeout=max(min(timeout, self.left()), 1))
         except subprocess.TimeoutExpired:
-            self.run["problems"].append("engine_step.py ran past its time limit")
-            return
+            self.run["problems"].append(f"{name} (engine_step.py) ran past its time limit")
+            return None
         if p.returncode != 0:
-            self.run["problems"].append("engine_step.py failed: " + (p.stderr or p.stdout)[-800:])
+            self.run["problems"].append(f"{name} (engine_step.py) failed: "
+                                        + (p.stderr or p.stdout)[-800:])
+            return None
+        return json.loads(path.read_text())
+
+    def same_mix(self, art: Path | None) -> None:
+        """The engine alone at each point's step mix, after the server has stopped; then each
+        sweep and soak point's same-mix step time and served ITL over it."""
+        if art is None or self.a.engine_mix != "auto":
             return
-        self.engine = json.loads(path.read_text())
+        self.reserve = 0.0
+        pts = [p for p in self.run["points"] if p["kind"] in ("sweep", "soak")]
+        slots = serve_flags(self.a.server_args)["max_running"]
+        specs = {id(p): mix_specs(p, self.prefill_cap(), slots) for p in pts}
+        mixes = sorted({m for ms in specs.values() for m in ms if m[0] >= 1})
+        if not mixes or not self.fits("same-mix engine baseline", 20.0):
+            return
+        self.run["engine_mix"] = res = self.measure_engine(
+            art, "engine_mix", batches=[], mixes=mixes, timeout=self.left())
+        if res is None:
+            return
+        from engine_step import mix_ms
+
+        for p in pts:
+            mx = p["server"].get("mix") or {}
+            parts = [(n, mix_ms(res, *m)) for n, m in zip(
+                (mx.get("decode_only_steps"), mx.get("mixed_steps")), specs[id(p)])]
+            ov = p.setdefault("overhead", {})
+            ov["mixes"] = [list(m) for m in specs[id(p)]]
+            steps = sum(n for n, _ in parts if n)
+            if steps and all(ms is not None for n, ms in parts if n):
+                ms = sum(n * ms for n, ms in parts if n) / steps
+                itl = p["metrics"]["itl_ms"]
+                ov["same_mix_step_ms"] = ms
+                ov["same_mix_ratio"] = itl["p50"] / ms if itl["p50"] else None
+                ov["same_mix_mean_ratio"] = itl["mean"] / ms if itl["mean"] else None
+        self.save()
+
+    def prefill_cap(self) -> int | None:
+        return self.run.get("server", {}).get("startup", {}).get("prefill_cap")
 
     def start(self, art: Path | None) -> None:
         a = self.a
@@ -326,8 +391,12 @@ class Bench:
         a = self.a
         if not a.warmup_requests:
             return
-        reqs = load.fixed_requests(a.warmup_requests, min(a.input_len, 1024),
-                                   min(a.output_len, 32), self.vocab, seed=a.seed + 999)
+        out_len = min(a.output_len, 32)
+        in_len = min(a.input_len, 1024)
+        if self.srv.proc is not None:  # within the context this script gave the server
+            in_len = max(1, min(in_len, serve_flags(a.server_args)["capacity"] - out_len))
+        reqs = load.fixed_requests(a.warmup_requests, in_len, out_len, self.vocab,
+                                   seed=a.seed + 999)
         lr = load.run(load.run_load(self.srv.base_url, a.served_model, reqs,
                                     concurrency=a.warmup_requests, timeout=a.timeout))
         s = stats.summarize(lr)
@@ -369,7 +438,7 @@ class Bench:
 
     def prefill(self) -> None:
         a = self.a
-        budget = self.run.get("server", {}).get("startup", {}).get("prefill_cap")
+        budget = self.prefill_cap()
         for j, (L, c) in enumerate(a.prefill_points):
             if not self.ready(f"prefill-heavy {L}:{c}", 20.0):
                 continue
@@ -387,7 +456,8 @@ class Bench:
         samples: list[dict] = []
 
         def tick():
-            samples.append({"t": time.perf_counter() - self.t0, **self.srv.memory()})
+            samples.append({"t": time.perf_counter() - self.t0, **self.srv.memory(),
+                            **allocator_memory(self.srv.base_url)})
 
         tick()
         reqs = load.mixed_requests(a.soak, a.soak_in, a.soak_out, self.vocab, seed=a.seed + 7)
@@ -444,6 +514,11 @@ class Bench:
                             f"server exit code {srv['exit_code']} after SIGTERM")
                     if not srv["alive_at_end"]:
                         self.run["problems"].append("the server died during the run")
+            if stop_s > 8.0:  # not stopped by the caller's SIGTERM
+                try:
+                    self.same_mix(art)
+                except Terminated:
+                    self.run["problems"].append("stopped by SIGTERM in the same-mix baseline")
         self.run["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
         self.run["ok"] = not self.run["problems"]
         md = report.write({"runs": [self.run]}, self.out)
@@ -461,16 +536,50 @@ def _terminate(signum, frame):
     raise Terminated()
 
 
+def mix_specs(p: dict, prefill_cap: int | None, slots: int) -> list[tuple[int, int, int]]:
+    """The two step shapes of a point for engine_step.py, (decode rows, prompt tokens, largest
+    chunk): its decode-only steps' mean rows, and its mixed steps' mean rows and prompt tokens;
+    a prompt chunk is at most the mean prompt of the point (arrivals are one chunk each when
+    they fit the prefill cap) and the cap; decode rows and chunks together fit the `slots`, as
+    they did in the server. A kind of step the point did not run is (0, 0, C)."""
+    mx = p.get("server", {}).get("mix") or {}
+    if p["kind"] == "soak":
+        mean_in = sum(p["input_range"]) / 2
+    else:
+        mean_in = p["input_len"]
+    chunk = max(1, int(min(mean_in, prefill_cap or mean_in)))
+    d0 = round(mx["decode_only_rows"]) if mx.get("decode_only_rows") else 0
+    d1 = round(mx["mixed_rows"]) if mx.get("mixed_rows") else 0
+    p1 = round(mx["mixed_prompt_tokens"]) if d1 and mx.get("mixed_prompt_tokens") else 0
+    d1 = max(1, min(d1, slots - math.ceil(p1 / chunk))) if d1 else 0
+    return [(d0, 0, chunk), (d1, p1, chunk)]
+
+
+def allocator_memory(base_url: str) -> dict:
+    """The server's CUDA allocator gauges from /metrics in MiB (none on the CPU, or when the
+    scrape fails): allocated tells growth of live tensors apart from the allocator's cache."""
+    import httpx
+
+    try:
+        m = stats.read_metrics(base_url)
+    except httpx.HTTPError:
+        return {}
+    return {f"{k}_mib": round(m[f"megagraph_device_memory_{k}_bytes"] / 2**20, 1)
+            for k in ("allocated", "reserved") if f"megagraph_device_memory_{k}_bytes" in m}
+
+
 def flatness(samples: list[dict]) -> dict:
-    """first / last / max of RSS and GPU memory; flat when from the sample a quarter into the
-    run to the last neither grew by more than max(2%, 64 MiB)."""
+    """first / last / max of RSS, GPU memory (nvidia-smi) and the allocator's allocated and
+    reserved bytes; flat when from the sample a quarter into the run (the first under load at
+    the earliest: the one before the load holds no working set) to the last none grew by more
+    than max(2%, 64 MiB)."""
     out: dict = {"samples": samples}
     verdicts = []
-    for k in ("rss_mib", "gpu_mib"):
+    for k in ("rss_mib", "gpu_mib", "allocated_mib", "reserved_mib"):
         xs = [s[k] for s in samples if k in s]
         if len(xs) < 2:
             continue
-        ref = xs[len(xs) // 4]
+        ref = xs[max(len(xs) // 4, 1)]
         out[k] = {"first": xs[0], "last": xs[-1], "max": max(xs), "ref": ref}
         verdicts.append(xs[-1] - ref <= max(0.02 * ref, 64.0))
     out["flat"] = "-" if not verdicts else ("yes" if all(verdicts) else "no")

@@ -68,7 +68,10 @@ def sweep_section(run: dict) -> list[str]:
     lines = [f"### Concurrency sweep: input {a['input_len']} / output {a['output_len']} tokens "
              f"(range ratio {a['range_ratio']}), request rate {a['request_rate']}", "",
              "Latencies in ms. Serving overhead = served ITL p50 / the engine's step time at the "
-             "same batch (engine_step.py on the same artifacts; goal <= 1.05).", ""]
+             "same batch (engine_step.py on the same artifacts; goal <= 1.05): the decode-only "
+             "step at `concurrency` rows, and the same-mix step, the engine alone at the "
+             "point's own step composition (its decode-only steps' mean rows, its mixed steps' "
+             "mean rows + prompt tokens, weighted by their step counts; table below).", ""]
     rows = []
     for p in pts:
         m, sv, ov = p["metrics"], p.get("server", {}), p.get("overhead", {})
@@ -78,11 +81,13 @@ def sweep_section(run: dict) -> list[str]:
                      _ms(m["tpot_ms"], "p50", 2), _ms(m["itl_ms"], "p50", 2),
                      _ms(m["itl_ms"], "p99", 2), _ms(m["e2e_ms"], "p50", 0),
                      _f(ov.get("engine_step_ms"), 2), _f(ov.get("ratio"), 3),
+                     _f(ov.get("same_mix_step_ms"), 2), _f(ov.get("same_mix_ratio"), 3),
                      _f(sv.get("forward_ms_per_step"), 2), _f(sv.get("exposed_ms_per_step"), 3),
                      _state(p)])
     lines += table(["concurrency", "done/issued", "failed", "hung", "duration s", "req/s",
                     "input tok/s", "output tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p50",
-                    "ITL p99", "E2E p50", "engine step", "ITL p50 / step", "server fwd/step",
+                    "ITL p99", "E2E p50", "engine step", "ITL p50 / step", "same-mix step",
+                    "ITL p50 / same-mix", "server fwd/step",
                     "exposed/step", "state after"], rows)
     lines += ["", "Means and the rest of the percentiles (mean / p90 / max):", ""]
     def three(d: dict) -> str:
@@ -94,9 +99,32 @@ def sweep_section(run: dict) -> list[str]:
                _f(p.get("server", {}).get("decode_tokens_per_step"), 1),
                _f(p.get("server", {}).get("prefill_tokens_per_step"), 1),
                _f(100 * p["metrics"]["client_cpu_share"], 0) + "%"] for p in pts]
-    return lines + table(["concurrency", "TTFT", "TPOT", "ITL", "E2E", "achieved concurrency",
-                          "peak in flight", "decode rows/step", "prompt tokens/step",
-                          "client CPU"], rows) + [""]
+    lines += table(["concurrency", "TTFT", "TPOT", "ITL", "E2E", "achieved concurrency",
+                    "peak in flight", "decode rows/step", "prompt tokens/step",
+                    "client CPU"], rows)
+    return lines + [""] + mix_table(pts)
+
+
+def mix_table(pts: list[dict]) -> list[str]:
+    """The steps that decoded, by composition, and the engine alone at each (same-mix)."""
+    rows = []
+    for p in pts:
+        mx, ov = p.get("server", {}).get("mix") or {}, p.get("overhead", {})
+        if not mx:
+            continue
+        rows.append([p["kind"], p["concurrency"], mx["decode_only_steps"],
+                     _f(mx["decode_only_rows"], 1), mx["mixed_steps"], _f(mx["mixed_rows"], 1),
+                     _f(mx["mixed_prompt_tokens"], 0), _f(ov.get("same_mix_step_ms"), 2),
+                     _ms(p["metrics"]["itl_ms"], "p50", 2), _f(ov.get("same_mix_ratio"), 3),
+                     _ms(p["metrics"]["itl_ms"], "mean", 2),
+                     _f(ov.get("same_mix_mean_ratio"), 3)])
+    if not rows:
+        return []
+    return ["Step composition (the server's counters over the point) and the same-mix engine "
+            "step (ms):", ""] + table(
+        ["point", "concurrency", "decode-only steps", "rows", "mixed steps", "rows",
+         "prompt tokens", "same-mix step", "ITL p50", "p50 / same-mix", "ITL mean",
+         "mean / same-mix"], rows) + [""]
 
 
 def prefill_section(run: dict) -> list[str]:
@@ -140,14 +168,18 @@ def soak_section(run: dict) -> list[str]:
                   f"{p['output_range'][0]}..{p['output_range'][1]} tokens (uniform):", ""]
         lines += table(["completed", "failed", "hung", "lost tokens", "duration s",
                         "output tok/s", "TTFT p99 ms", "ITL p99 ms", "RSS GiB first / last / max",
-                        "GPU GiB first / last / max", "memory flat", "state after"],
+                        "GPU GiB first / last / max", "allocated GiB first / last / max",
+                        "memory flat", "state after"],
                        [[m["completed"], m["failed"], m["hung"], m["lost_tokens"],
                          _f(m["duration_s"]), _f(m["output_tok_s"], 0), _ms(m["ttft_ms"], "p99", 0),
                          _ms(m["itl_ms"], "p99", 1), _mem3(mem.get("rss_mib")),
-                         _mem3(mem.get("gpu_mib")), mem.get("flat", "-"), _state(p)]])
-        lines += ["", f"Memory flat: from the sample a quarter into the soak to the last, growth "
-                  f"at most max(2%, 64 MiB); {len(mem.get('samples', []))} samples.", ""]
-    return lines
+                         _mem3(mem.get("gpu_mib")), _mem3(mem.get("allocated_mib")),
+                         mem.get("flat", "-"), _state(p)]])
+        lines += ["", f"Memory flat: from the sample a quarter into the soak (the first under "
+                  f"load at the earliest) to the last, growth at most max(2%, 64 MiB) in RSS, "
+                  f"GPU memory and the allocator's allocated and reserved bytes; "
+                  f"{len(mem.get('samples', []))} samples, one every 5 s.", ""]
+    return lines + mix_table(pts)
 
 
 def _mem3(x: dict | None) -> str:

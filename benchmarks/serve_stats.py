@@ -8,7 +8,9 @@ as SGLang reports it), and mean / p50 / p90 / p99 / max of TTFT, TPOT, ITL and E
 each request's usage block.
 
 Server side: deltas of the scheduler counters over a point (steps, forward seconds, the overhead
-the overlap left exposed, prompt and decode tokens per step), and the state after the point, which
+the overlap left exposed, prompt and decode tokens per step, and the mix of the steps that
+decoded: decode-only ones and mixed ones with their mean rows and prompt tokens, the batch
+compositions of the same-mix engine baseline), and the state after the point, which
 must be back to zero: no slot or ledger token held, nothing running or waiting, no HTTP request
 in flight but the scrape itself.
 """
@@ -92,7 +94,9 @@ def server_delta(before: dict, after: dict) -> dict:
         "megagraph_scheduler_cpu_seconds_total", "megagraph_scheduler_prefill_tokens_total",
         "megagraph_scheduler_decode_tokens_total", "megagraph_step_seconds_sum",
         "megagraph_step_seconds_count", "megagraph_cache_preemptions_total",
-        "megagraph_engine_errors_total")}
+        "megagraph_engine_errors_total", "megagraph_scheduler_decode_only_steps_total",
+        "megagraph_scheduler_mixed_steps_total", "megagraph_scheduler_mixed_decode_tokens_total",
+        "megagraph_scheduler_mixed_prefill_tokens_total")}
     steps = d["megagraph_scheduler_steps_total"]
     per = (lambda v: v / steps) if steps else (lambda v: None)
     ms = (lambda v: 1e3 * v / steps) if steps else (lambda v: None)
@@ -108,10 +112,24 @@ def server_delta(before: dict, after: dict) -> dict:
             "exposed_fraction": exp / (exp + fwd) if exp + fwd > 0 else None,
             "prefill_tokens_per_step": per(d["megagraph_scheduler_prefill_tokens_total"]),
             "decode_tokens_per_step": per(d["megagraph_scheduler_decode_tokens_total"]),
+            "mix": step_mix(d),
             "preemptions": int(d["megagraph_cache_preemptions_total"]),
             "engine_errors": int(d["megagraph_engine_errors_total"]),
             "responses": {k: int(v - codes0.get(k, 0)) for k, v in codes.items()
                           if v - codes0.get(k, 0) and not k.startswith(("metrics", "health"))}}
+
+
+def step_mix(d: dict[str, float]) -> dict:
+    """The batch composition of the point's steps that decoded: decode-only steps and their mean
+    rows, mixed steps (decode rows + prompt chunks) and their mean rows and prompt tokens."""
+    n0 = d["megagraph_scheduler_decode_only_steps_total"]
+    n1 = d["megagraph_scheduler_mixed_steps_total"]
+    dec1 = d["megagraph_scheduler_mixed_decode_tokens_total"]
+    dec0 = d["megagraph_scheduler_decode_tokens_total"] - dec1
+    return {"decode_only_steps": int(n0), "decode_only_rows": dec0 / n0 if n0 else None,
+            "mixed_steps": int(n1), "mixed_rows": dec1 / n1 if n1 else None,
+            "mixed_prompt_tokens": (d["megagraph_scheduler_mixed_prefill_tokens_total"] / n1
+                                    if n1 else None)}
 
 
 def state_of(m: dict[str, float]) -> dict[str, float]:

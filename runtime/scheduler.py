@@ -14,9 +14,15 @@ the scheduling overhead that remains (`SchedulerStats`).
 
 Step policy: every running sequence that can decode gets its token first (inter-token latency),
 then prompt chunks (continuing prefills, then newly admitted requests, FIFO) fill the prefill
-budget (`max_prefill_tokens`, within the plan's per-GPU graph token limit when it has one).
-Chunks are aligned to multiples of that budget, so a request is cut the same way whatever it
-is batched with (greedy output alone == batched). Admission
+budget (`max_prefill_tokens`, within the plan's per-GPU graph token limit when it has one). A
+step that has decode rows takes at most `max_mixed_prefill_tokens` prompt tokens when that is
+set (the analogue of vLLM's `max_num_batched_tokens`, which bounds a step's tokens, and of
+SGLang's `--chunked-prefill-size`, which bounds a prompt chunk): the prompt chunks of arriving
+requests lengthen every decode step they join, so the bound trades time to first token for
+inter-token latency; a chunk over it waits for a step without decode rows (chunks are never
+cut smaller for it, so the cut stays independent of the batch).
+Chunks are aligned to multiples of `max_prefill_tokens`, so a request is cut the same way
+whatever it is batched with (greedy output alone == batched). Admission
 asks the `CacheManager`; when decode growth does not fit its token ledger, the newest running
 sequences are preempted: they leave their slot and are recomputed (prompt + outputs so far)
 when admitted again, with their sampler and grammar states kept.
@@ -90,6 +96,13 @@ class SchedulerConfig:
     max_prefill_tokens: int = 256  # prompt tokens per step (chunked prefill)
     max_queue: int = 4096  # waiting sequences before submissions are refused
     overlap: bool = True  # assemble step N+1 while step N runs
+    # prompt tokens in a step that also has decode rows (None: max_prefill_tokens)
+    max_mixed_prefill_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.max_mixed_prefill_tokens is not None and self.max_mixed_prefill_tokens < 0:
+            raise ValueError("max_mixed_prefill_tokens must be >= 0 (0: no prompt token beside "
+                             "decode rows)")
 
 
 @dataclass
@@ -105,6 +118,12 @@ class SchedulerStats:
     busy_steps: int = 0  # steps that followed another without the queue running dry
     cpu_s: float = 0.0  # scheduler thread work (assembly + processing), mostly hidden
     errors: int = 0
+    # steps with decode rows and prompt tokens both, and their tokens: the batch composition
+    # a served step had, for an engine-alone baseline at the same mix (benchmarks/engine_step.py)
+    mixed_steps: int = 0
+    mixed_decode_tokens: int = 0
+    mixed_prefill_tokens: int = 0
+    decode_only_steps: int = 0  # steps of decode rows alone
     recent_exposed: deque = field(default_factory=lambda: deque(maxlen=4096))
 
     @property
@@ -323,6 +342,9 @@ class Scheduler:
                 add(s, [None] if s.pending else [s.token_at(s.scheduled)], True)
         # then prompt chunks: continuing prefills, then admissions (decodes are not counted)
         budget = self.config.max_prefill_tokens
+        mixed = self.config.max_mixed_prefill_tokens
+        if seqs and mixed is not None:
+            budget = min(budget, mixed)
         for s in self.running:
             if s.finished or s.preempt or s.pending or s.slot < 0 or s.faults \
                     or s.num_known - s.scheduled <= 1 or s in seqs:
@@ -516,7 +538,14 @@ class Scheduler:
         st.steps += 1
         n_dec = job.num_decode
         st.decode_tokens += n_dec
-        st.prefill_tokens += res.num_tokens - n_dec
+        n_pre = res.num_tokens - n_dec
+        st.prefill_tokens += n_pre
+        if n_dec and n_pre:
+            st.mixed_steps += 1
+            st.mixed_decode_tokens += n_dec
+            st.mixed_prefill_tokens += n_pre
+        elif n_dec:
+            st.decode_only_steps += 1
         st.forward_s += res.forward_s
         st.sample_s += res.sample_s
         if job.continues:

@@ -44,6 +44,10 @@ def add_serve_arguments(sub) -> None:
                    help="token ledger for admission/preemption (default: every slot full)")
     s.add_argument("--max-prefill-tokens", type=int, default=None,
                    help="prompt tokens per step (default and cap: the plan's per-GPU limit)")
+    s.add_argument("--max-mixed-prefill-tokens", type=int, default=None,
+                   help="prompt tokens in a step that also decodes: a lower bound than "
+                   "--max-prefill-tokens keeps arriving prompts from lengthening decode steps, "
+                   "at the cost of their time to first token (default: --max-prefill-tokens)")
     s.add_argument("--max-queue", type=int, default=C.max_queue,
                    help="queued sequences before new requests get 503")
     s.add_argument("--no-overlap", action="store_true",
@@ -81,7 +85,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         api_key=args.api_key, served_model_name=args.served_model_name, device=args.device,
         capacity=args.capacity, max_running=args.max_running, mem_fraction=args.mem_fraction,
         state_bytes=args.state_bytes, max_total_tokens=args.max_total_tokens,
-        max_prefill_tokens=args.max_prefill_tokens, max_queue=args.max_queue,
+        max_prefill_tokens=args.max_prefill_tokens,
+        max_mixed_prefill_tokens=args.max_mixed_prefill_tokens, max_queue=args.max_queue,
         overlap=not args.no_overlap, default_thinking=args.thinking_default == "on",
         grammar=not args.no_grammar, seed=args.seed, drain_timeout=args.drain_timeout,
         log_level=args.log_level, compile=args.compile, compile_numerics=args.compile_numerics,
@@ -162,10 +167,13 @@ def setup_logging(level: str) -> None:
 
 def startup_lines(service) -> list[str]:
     s = service
+    sc = s.scheduler.config
     return [*s.engine.report.lines(),
             f"state cache: {s.sizing.describe()}; token ledger {s.cache.max_total_tokens}",
-            f"scheduler: prefill cap {s.scheduler.config.max_prefill_tokens} tokens/step, "
-            f"overlap {'on' if s.scheduler.config.overlap else 'off'}",
+            f"scheduler: prefill cap {sc.max_prefill_tokens} tokens/step, "
+            + ("" if sc.max_mixed_prefill_tokens is None
+               else f"{sc.max_mixed_prefill_tokens} beside decode rows, ")
+            + f"overlap {'on' if sc.overlap else 'off'}",
             f"tokenizer: {s.tokenizer_note}",
             f"grammar: {'xgrammar' if s.grammar else 'off (structured output answers 400)'}",
             f"chat: thinking {'on' if s.config.default_thinking else 'off'} unless the request "

@@ -21,6 +21,8 @@ class ServeConfig:
     state_bytes: int | None = None  # explicit state-pool budget in bytes (overrides the fraction)
     max_total_tokens: int | None = None  # token ledger (default: every slot full)
     max_prefill_tokens: int | None = None  # prompt tokens per step (default: the plan's limit)
+    # prompt tokens in a step that also has decode rows (default: max_prefill_tokens)
+    max_mixed_prefill_tokens: int | None = None
     max_queue: int = 4096  # waiting sequences before 503
     overlap: bool = True  # assemble step N+1 while step N runs
     # thinking mode when a chat request does not say: off, as SGLang serves V4.1 (clients that do

@@ -3,7 +3,8 @@
 Requests (by route, status and outcome), tokens, TTFT / inter-token latency / end-to-end
 latency histograms, queue and running sequences, state-cache usage (slots, tokens, bytes,
 preemptions) and scheduler timings: step count, forward seconds, and the scheduling overhead
-left exposed by the overlap.
+left exposed by the overlap; the batch composition of the steps (decode rows alone, or mixed
+with prompt tokens); device memory of the allocator, on CUDA.
 """
 
 from __future__ import annotations
@@ -146,6 +147,13 @@ class Metrics:
                st.prefill_tokens)
         metric("megagraph_scheduler_decode_tokens_total", "counter", "decode tokens run",
                st.decode_tokens)
+        for name, v, help_ in (
+                ("decode_only_steps", st.decode_only_steps, "steps of decode rows alone"),
+                ("mixed_steps", st.mixed_steps, "steps with decode rows and prompt tokens"),
+                ("mixed_decode_tokens", st.mixed_decode_tokens, "decode rows of mixed steps"),
+                ("mixed_prefill_tokens", st.mixed_prefill_tokens,
+                 "prompt tokens of mixed steps")):
+            metric(f"megagraph_scheduler_{name}_total", "counter", help_, v)
         metric("megagraph_scheduler_forward_seconds_total", "counter", "time in forward passes",
                f"{st.forward_s:.6f}")
         metric("megagraph_scheduler_exposed_overhead_seconds_total", "counter",
@@ -161,5 +169,24 @@ class Metrics:
                "could not load here and runs its reference kernel (--allow-fallback)")
         for key in sorted(getattr(getattr(svc.engine, "kernels", None), "fallbacks", {}) or {}):
             out.append(f'megagraph_kernel_fallback{{kernel="{key}"}} 1')
+        for name, v, help_ in device_memory(getattr(svc.engine, "device", None)):
+            metric(f"megagraph_device_memory_{name}_bytes", "gauge", help_, v)
         out.append(f'megagraph_model_info{{model="{model}",capacity="{svc.capacity}"}} 1')
         return "\n".join(out) + "\n"
+
+
+def device_memory(device) -> list[tuple[str, int, str]]:
+    """The CUDA caching allocator's view of the engine's device (none on the CPU): allocated is
+    what tensors hold, reserved what the allocator holds from the driver (what nvidia-smi counts
+    of this process, less the CUDA context), peak the most allocated since start-up, so that a
+    soak can tell growth of live tensors from allocator caching."""
+    import torch
+
+    if device is None or torch.device(device).type != "cuda":
+        return []
+    return [("allocated", torch.cuda.memory_allocated(device), "device memory held by tensors"),
+            ("reserved", torch.cuda.memory_reserved(device),
+             "device memory held by the caching allocator"),
+            ("peak_allocated", torch.cuda.max_memory_allocated(device),
+             "most device memory held by tensors since start-up")]
+

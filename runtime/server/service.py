@@ -139,8 +139,10 @@ class ServingEngine:
         if getattr(engine, "sites", None):  # expert parallel: the dispatch buffers' token limit
             cap = min(cap, max(engine.layout.max_tokens - sizing.slots, 1))
         self.scheduler = Scheduler(
-            engine, self.cache, SchedulerConfig(max_prefill_tokens=cap, max_queue=config.max_queue,
-                                                overlap=config.overlap),
+            engine, self.cache,
+            SchedulerConfig(max_prefill_tokens=cap, max_queue=config.max_queue,
+                            overlap=config.overlap,
+                            max_mixed_prefill_tokens=config.max_mixed_prefill_tokens),
             self.grammar, seed=config.seed, on_step=self.metrics.on_step,
             on_flush=self._flush, lockstep=ctx is not None and ctx.world > 1)
         self._ids = itertools.count()

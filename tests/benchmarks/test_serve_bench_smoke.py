@@ -1,6 +1,7 @@
 """benchmarks/serve_bench.py --smoke end to end on the CPU: compiles the tiny model, times its
 engine step, starts `megagraph runtime serve` as its own process, runs the sweep, a prefill-heavy
-point and a short soak over streaming /v1/completions, stops the server, writes the report."""
+point and a short soak over streaming /v1/completions, stops the server, times the engine alone
+at each point's step mix, writes the report."""
 from __future__ import annotations
 
 import json
@@ -43,6 +44,13 @@ def test_serve_bench_smoke(tmp_path, check_png):
     assert pre["prefill_cap"] == 32  # --max-prefill-tokens 32: 96-token prompts in 3 chunks
     assert 0 < pre["server"]["prefill_tokens_per_step"] <= 32
     assert run["points"][-1]["memory"]["flat"] in ("yes", "no")
+    for x in sweep + [run["points"][-1]]:  # the step counters add up; same-mix baseline ran
+        mx, sv = x["server"]["mix"], x["server"]
+        assert mx["decode_only_steps"] + mx["mixed_steps"] <= sv["steps"]
+        assert x["overhead"]["same_mix_step_ms"] > 0 and x["overhead"]["same_mix_ratio"] > 0
+    mixes = {tuple(r[k] for k in ("decode", "prompt", "chunk")) for r in run["engine_mix"]
+             ["mix_rows"]}
+    assert {tuple(m) for x in sweep for m in x["overhead"]["mixes"] if m[0]} <= mixes
     eng = run["engine_step"]
     assert [r["B"] for r in eng["rows"]] == [1, 2] and all(r["ms"] > 0 for r in eng["rows"])
     srv = run["server"]
@@ -50,4 +58,5 @@ def test_serve_bench_smoke(tmp_path, check_png):
     assert srv["alive_at_end"] and srv["memory_start"]["rss_mib"] > 0
     md = (tmp_path / "serve.md").read_text()
     assert "| concurrency | done/issued |" in md and "### Soak" in md
+    assert "| ITL p50 / same-mix |" in md and "Step composition" in md
     check_png(md, tmp_path / "serve.png")

@@ -1,6 +1,7 @@
 """The serving benchmark's arithmetic and its server handling, without a load: the anchors'
 metric definitions on hand-made request timings, the start-up report parser on the server's own
-lines, the soak's memory verdict, and a server that dies at start-up ending the wait at once."""
+lines, the soak's memory verdict, the step mix behind the same-mix engine baseline, and a server
+that dies at start-up ending the wait at once."""
 from __future__ import annotations
 
 import sys
@@ -12,10 +13,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import engine_step  # noqa: E402
 import serve_bench  # noqa: E402
 import serve_server  # noqa: E402
 from serve_load import LoadRun, Result, fixed_requests, mixed_requests  # noqa: E402
-from serve_stats import is_zero, summarize  # noqa: E402
+from serve_stats import is_zero, step_mix, summarize  # noqa: E402
 
 
 def _result(inp, out, ttft, gaps, *, ok=True, usage=None):
@@ -97,6 +99,36 @@ def test_memory_flatness():
     v = serve_bench.flatness(growing)
     assert v["flat"] == "no" and v["rss_mib"]["last"] == 1700.0
     assert serve_bench.flatness([{}])["flat"] == "-"
+    # live tensors growing under a flat nvidia-smi figure (the allocator's cache shrinking)
+    leak = [{"gpu_mib": 90_000.0, "allocated_mib": 40_000.0 + 500 * i} for i in range(8)]
+    assert serve_bench.flatness(leak)["flat"] == "no"
+
+
+def test_step_mix_and_the_same_mix_shapes():
+    """Counters over a point -> the mean rows of its decode-only steps and the mean rows and
+    prompt tokens of its mixed ones -> the two steps engine_step.py runs, within the slots."""
+    d = {"megagraph_scheduler_decode_only_steps_total": 90.0,
+         "megagraph_scheduler_mixed_steps_total": 10.0,
+         "megagraph_scheduler_decode_tokens_total": 90 * 255.0 + 10 * 254.6,
+         "megagraph_scheduler_mixed_decode_tokens_total": 10 * 254.6,
+         "megagraph_scheduler_mixed_prefill_tokens_total": 10 * 1500.0}
+    mx = step_mix(d)
+    assert mx["decode_only_steps"] == 90 and mx["mixed_steps"] == 10
+    assert mx["decode_only_rows"] == pytest.approx(255.0)
+    assert mx["mixed_rows"] == pytest.approx(254.6)
+    assert mx["mixed_prompt_tokens"] == pytest.approx(1500.0)
+    p = {"kind": "sweep", "input_len": 1024, "server": {"mix": mx}}
+    # 1500 prompt tokens are two chunks (<= 1024): 255 rows + 2 chunks would need 257 slots
+    assert serve_bench.mix_specs(p, 4096, 256) == [(255, 0, 1024), (254, 1500, 1024)]
+    assert serve_bench.mix_specs(p, 512, 512) == [(255, 0, 512), (255, 1500, 512)]
+    assert engine_step.mix_chunks(2, 1500, 1024) == [1, 1, 1024, 476]
+    idle = step_mix({k: 0.0 for k in d})
+    assert idle["mixed_rows"] is None and idle["decode_only_rows"] is None
+    soak = {"kind": "soak", "input_range": [64, 1024], "server": {"mix": idle}}
+    assert serve_bench.mix_specs(soak, 4096, 128) == [(0, 0, 544), (0, 0, 544)]
+    assert engine_step.parse_mixes("3:0, 2:40:16") == [(3, 0), (2, 40, 16)]
+    with pytest.raises(ValueError):
+        engine_step.parse_mixes("3")
 
 
 def test_a_server_that_dies_ends_the_wait_at_once(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -15,7 +16,7 @@ from megagraph.runtime.server.cli import add_serve_arguments, config_from_args, 
 from megagraph.runtime.server.config import ServeConfig
 from megagraph.runtime.server.service import ServingEngine
 
-from .conftest import MODEL, free_port, start_server
+from .conftest import MODEL, free_port, fresh_config, start_server, wait_idle
 
 
 def parse(*argv: str) -> ServeConfig:
@@ -63,5 +64,31 @@ def test_other_hardware_is_refused_then_served_with_allow_fallback(h200_artifact
         out = srv.client().completions.create(model=MODEL, prompt="Hello", max_tokens=4,
                                               temperature=0, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "length"
+    finally:
+        srv.stop()
+
+
+def test_max_mixed_prefill_tokens_reaches_the_scheduler_and_metrics(server_config):
+    """With the bound at 0 no step mixes prompt tokens into decode rows, and /metrics counts
+    the steps by composition (the like-for-like engine baseline reads these counters)."""
+    assert parse().max_mixed_prefill_tokens is None
+    assert parse("--max-mixed-prefill-tokens", "64").max_mixed_prefill_tokens == 64
+    srv = start_server(fresh_config(server_config, max_mixed_prefill_tokens=0, api_key=None))
+    try:
+        assert srv.service.scheduler.config.max_mixed_prefill_tokens == 0
+        assert any("0 beside decode rows" in line for line in startup_lines(srv.service))
+
+        def one(i):
+            return srv.client().completions.create(
+                model=MODEL, prompt=list(range(10 + i, 60 + i)), max_tokens=8, temperature=0,
+                extra_body={"ignore_eos": True}).usage.completion_tokens
+
+        with ThreadPoolExecutor(4) as ex:
+            assert list(ex.map(one, range(6))) == [8] * 6
+        m = wait_idle(srv)
+        assert m["megagraph_scheduler_mixed_steps_total"] == 0
+        assert m["megagraph_scheduler_mixed_prefill_tokens_total"] == 0
+        assert m["megagraph_scheduler_decode_only_steps_total"] > 0
+        assert not any(k.startswith("megagraph_device_memory_") for k in m)  # CUDA only
     finally:
         srv.stop()

@@ -1,6 +1,7 @@
 """Scheduler + cache manager without HTTP: greedy output is the same alone, batched, with chunked
-prefill, with and without overlap, and under preemption by recompute; admission never exceeds
-the token ledger; sizing from a byte budget."""
+prefill, with and without overlap, under a bound on the prompt tokens mixed into decode steps,
+and under preemption by recompute; admission never exceeds the token ledger; sizing from a byte
+budget."""
 
 from __future__ import annotations
 
@@ -41,12 +42,12 @@ def alone(engine):
     return get
 
 
-def run(engine, prompts, params, *, max_total_tokens=None, **cfg):
+def run(engine, prompts, params, *, max_total_tokens=None, on_step=None, **cfg):
     """Run `prompts` through a fresh scheduler; returns (token ids per prompt, cache, stats)."""
     sizing = size_cache(engine.plan.graph, capacity=CAP, max_running=4)
     cache = CacheManager(engine, sizing, max_total_tokens)
     ledger_peak = [0]
-    sch = Scheduler(engine, cache, SchedulerConfig(**cfg))
+    sch = Scheduler(engine, cache, SchedulerConfig(**cfg), on_step=on_step)
     out, done = {}, threading.Event()
 
     finished: set[int] = set()
@@ -76,6 +77,38 @@ def test_batched_and_chunked_equals_alone(engine, alone, overlap):
     got, _, stats, _ = run(engine, PROMPTS, GREEDY, max_prefill_tokens=32, overlap=overlap)
     assert got == alone(32)
     assert stats.steps > 0 and stats.decode_tokens > 0 and stats.prefill_tokens > 0
+
+
+@pytest.mark.parametrize("mixed", [None, 16, 0])
+def test_mixed_prefill_bound(engine, alone, mixed):
+    """--max-mixed-prefill-tokens: a step with decode rows takes at most that many prompt
+    tokens, chunks that do not fit wait (never cut smaller), and the tokens are those of each
+    prompt alone; the mixed-step counters add up to the steps' own rows."""
+    steps = []  # (decode rows, prompt tokens) per step, on the scheduler thread
+
+    def on_step(job, res):
+        steps.append((job.num_decode, res.num_tokens - job.num_decode))
+
+    got, _, stats, _ = run(engine, PROMPTS, GREEDY, on_step=on_step, max_prefill_tokens=32,
+                           max_mixed_prefill_tokens=mixed)
+    assert got == alone(32)
+    mixed_rows = [(d, p) for d, p in steps if d and p]
+    assert max(p for _, p in steps) <= 32
+    if mixed is None:
+        assert mixed_rows  # the default mixes prompt chunks into decode steps
+    else:
+        assert all(p <= mixed for _, p in mixed_rows)
+    assert stats.mixed_steps == len(mixed_rows)
+    assert stats.mixed_prefill_tokens == sum(p for _, p in mixed_rows)
+    assert stats.mixed_decode_tokens == sum(d for d, _ in mixed_rows)
+    assert stats.decode_only_steps == sum(1 for d, p in steps if d and not p)
+    if mixed == 0:
+        assert stats.mixed_steps == 0
+
+
+def test_mixed_prefill_bound_refuses_a_negative_value():
+    with pytest.raises(ValueError, match="max_mixed_prefill_tokens"):
+        SchedulerConfig(max_mixed_prefill_tokens=-1)
 
 
 def test_preemption_recomputes_the_same_tokens(engine, alone):
