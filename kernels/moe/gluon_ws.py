@@ -1166,7 +1166,7 @@ def l1_gluon_ws(a_q, a_scale, a_idx, w1, w3, counts, out, *, topk: int, max_tile
     stride_as = a_scale.stride(0)
     if consts["STMA"]:
         sdesc, stride_as = _small_descs(a_scale, a_idx, topk, tiles, max_tiles, w1, w3, frames,
-                                        K, bn)
+                                        K, bn, a_prep)
     ep = out_scale if out_scale is not None else a_scale  # (EPI 0: a placeholder, never read)
     l1_ws_kernel[grid](
         a_q, a_desc, a_scale, a_idx, w1_desc, w1.s, _weight_desc(w3, bn), w3.s, out, tiles,
@@ -1188,7 +1188,8 @@ def _stma_fits(w1, w3) -> bool:
     return True
 
 
-def _small_descs(a_scale, a_idx, topk: int, tiles, MT: int, w1, w3, frames, K: int, bn: int):
+def _small_descs(a_scale, a_idx, topk: int, tiles, MT: int, w1, w3, frames, K: int, bn: int,
+                 a_prep: bool = True):
     """STMA's descriptors (e1, e3, sa, f1, f3) and the scale copy's row length: the A scales in
     tile order (moe.tile_scales: [K / 128, MT BM], chunk i of tile j = one [1, BM] box at [i, j
     BM]), the banks' exponents as [G N, K / 32] bytes in [bn, 16] boxes (chunks 4 (i // 4) ..
