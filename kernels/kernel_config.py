@@ -128,7 +128,11 @@ def _coerce(v, hint, where: str):
 
 # -- the families ----------------------------------------------------------------------------------
 # modules that define (and register) one family's config each; imported by `families()`
-FAMILY_MODULES: tuple[str, ...] = ()
+FAMILY_MODULES: tuple[str, ...] = (
+    "megagraph.kernels.attention.config",
+    "megagraph.kernels.indexer.config",
+    "megagraph.kernels.mhc.config",
+)
 _FAMILIES: dict[str, type[KernelConfig]] = {}
 
 

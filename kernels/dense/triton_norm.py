@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megagraph.kernels.attention.triton import INTERPRET, _on_device, available
+from megagraph.kernels.common.triton import INTERPRET, available, on_device as _on_device
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_D = 16384  # one row per program, held in registers

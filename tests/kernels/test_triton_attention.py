@@ -93,7 +93,8 @@ def run(args, kw, *, quant=None, splits=0, act_fmt="fp8_1x128", pipe=False):
         out = (torch.full((T, h, d), float("nan"), dtype=q.dtype, device=DEV),)
     res = A.launch(*args, window=kw["window"], scale=kw["scale"], ratio=kw["ratio"],
                    attend_all=kw["attend_all_compressed"],
-                   quant=(act_fmt, ROPE) if quant else None, config=A.AttnConfig(splits=splits, pipe=pipe),
+                   quant=(act_fmt, ROPE) if quant else None, 
+                   launch_shape=A.AttnLaunch(splits=splits, pipe=pipe),
                    out=out)
     if quant:
         o, sc = res
@@ -140,7 +141,7 @@ def check_quant(o, sc, want_rot, dtype, act_fmt):
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("pipe", [False, True])
 def test_sparse_attn_matches_reference(mode, dtype, splits, pipe):
-    """pipe: the top-k loop without its empty-tile skip (AttnConfig.pipe); the cases' top-k rows
+    """pipe: the top-k loop without its empty-tile skip (AttnLaunch.pipe); the cases' top-k rows
     hold -1 and out-of-range entries, so whole empty tiles run through the products."""
     g = torch.Generator().manual_seed(seed(mode, dtype, splits))
     args, kw = make_inputs(g, PADDED, mode, dtype)
