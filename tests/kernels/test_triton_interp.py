@@ -22,12 +22,12 @@ pytest.importorskip("triton")
 HERE = Path(__file__).resolve().parent
 # longest first (their child times on the CPU CI machine, thirteenth session: top-k 450 s, mhc
 # 74, moe 44, decode 30, persistent 29, fused 18, fp8h 18, quant 12, the rest a few seconds)
-FILES = ["test_triton_topk.py", "test_triton_mhc.py", "test_triton_moe.py",
+FILES = ["indexer/test_triton_topk.py", "mhc/test_triton_mhc.py", "test_triton_moe.py",
          "test_triton_moe_decode.py", "test_triton_moe_persistent.py", "test_triton_moe_fused.py",
-         "test_triton_moe_fp8h.py", "test_triton_quant.py", "test_moe_grouped_cublas.py",
-         "test_triton_dense.py", "test_triton_norm.py"]
+         "test_triton_moe_fp8h.py", "dense/test_triton_quant.py", "test_moe_grouped_cublas.py",
+         "dense/test_triton_dense.py", "dense/test_triton_norm.py"]
 # a file run as several children: pytest -k expressions that together select every test once
-SHARDS = {"test_triton_topk.py": ["stream", "not stream"]}
+SHARDS = {"indexer/test_triton_topk.py": ["stream", "not stream"]}
 JOBS = [(name, k) for name in FILES for k in SHARDS.get(name, [None])]
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_capturable_ops import PADDED
-from test_triton_attention import CUDA, DEV, dev_meta, pytestmark, seed  # noqa: F401
+from triton_run import CUDA, DEV, dev_meta, pytestmark, seed  # noqa: F401
 
 from megagraph.kernels.indexer.capturable import candidate_mask, topk_select
 from megagraph.kernels.indexer.config import IndexerConfig

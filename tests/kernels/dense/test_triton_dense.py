@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_triton_attention import CUDA, DEV, pytestmark  # noqa: F401
+from triton_run import CUDA, DEV, pytestmark  # noqa: F401
 
 from megagraph.kernels.dense.capturable import fake_quant as cap_fake_quant, rope as cap_rope
 from megagraph.kernels.dense.quant import fake_quant as ref_fake_quant
@@ -192,7 +192,7 @@ def test_benchmark_rows_dry_run(monkeypatch):
     import sys
     from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3] / "benchmarks"))
     import kernel_rows
     import kernel_rows.dense as dense
 

@@ -22,24 +22,15 @@ Error bounds (outputs vs the reference's fp32 math on the same inputs, upcast):
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-import zlib
 
 import pytest
 import torch
-from test_capturable_ops import PADDED, REAL, meta, real_rows
+from test_capturable_ops import PADDED, REAL, real_rows
+from triton_run import CUDA, DEV, INTERP, dev_meta, pytestmark, seed  # noqa: F401
 
 from megagraph.kernels.attention.reference import sparse_attn as ref_sparse_attn
 from megagraph.kernels.fused.reference import dequant_act, sparse_attn_q as ref_sparse_attn_q
 from megagraph.kernels.dense.rope import rope as ref_rope
-
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-CUDA = torch.cuda.is_available() and not INTERP
-DEV = "cuda" if CUDA else "cpu"
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None or not (CUDA or INTERP),
-    reason="needs CUDA + triton, or TRITON_INTERPRET=1")
 
 ROPE = dict(rope_dim=64, theta=160000.0, yarn_factor=16.0, yarn_original=65536, yarn_beta_fast=32.0,
             yarn_beta_slow=1.0)
@@ -50,14 +41,6 @@ def ta():
     from megagraph.kernels.attention import triton as attention
 
     return attention
-
-
-def seed(*parts) -> int:
-    return zlib.crc32(repr(parts).encode())
-
-
-def dev_meta(reqs):
-    return {k: v.to(DEV) for k, v in meta(reqs).items()}
 
 
 def make_inputs(g, reqs, mode, dtype, *, s=S, w=W, h=H, d=D, c=C, k=K, ratio=2):

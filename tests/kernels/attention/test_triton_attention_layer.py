@@ -203,7 +203,7 @@ def check_nodes(g, w, inputs, vals) -> dict:
     from megagraph.graph.registry import get_op
     from megagraph.kernels.capturable_table import CAPTURABLE
     from megagraph.kernels.fused.reference import dequant_act
-    from test_triton_compressor import check as check_compressor
+    from triton_run import check_compressor
 
     cap = fit(CAPTURABLE)
     errs = {}
