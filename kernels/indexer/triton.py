@@ -23,7 +23,7 @@ fp32 summation-order noise at these lengths); "ieee" is exact fp32 FMA (slower);
 both operands to bf16, exact only for inputs representable in bf16 — which MXFP4 fake-quantized
 index queries and keys (V4.1's quantize_kv) are: the indexer-products pass marks such nodes
 `products="bf16"` and the kernels then multiply in bf16 (exactness:
-tests/kernels/test_triton_indexer.py).
+tests/kernels/indexer/test_triton_indexer.py).
 """
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ def stream_configs(T: int, R: int, C: int, prec: str, sms: int,
     The token tile cannot follow the step's shape: a captured prefill bucket of B tokens has B
     request rows (the real requests and padding), exactly like a decode bucket, so T / R says
     nothing. Each request's tokens therefore go to one of two classes on the device: requests with
-    at least index_long_request tokens to tiles of 8 (keys read once per 8 tokens: the prefill products
-    are bound by the keys' L2 bytes at 4), the others to tiles of 1 (decode: memory-bound, no
+    at least index_long_request tokens to tiles of 8 (keys read once per 8 tokens: the prefill
+    products are bound by the keys' L2 bytes at 4), the others to tiles of 1 (decode: memory-bound, no
     padded rows in the products). Each launch's programs of the other class exit at once; no
     tile list is built (a tile = BT consecutive tokens of the step: the decode step pays three
     small torch kernels for the classes, not segment_tiles' thirty). Long spans stay short for L2

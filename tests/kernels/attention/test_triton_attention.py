@@ -1,7 +1,7 @@
 """kernels/triton sparse attention with sink (sparse_attn, sparse_attn_q) vs the reference.
 
 Runs on a CUDA GPU, or on the CPU under the Triton interpreter (`TRITON_INTERPRET=1 pytest
-tests/kernels/test_triton_attention.py`, small sizes only); skipped otherwise.
+tests/kernels/attention/test_triton_attention.py`, small sizes only); skipped otherwise.
 
 Every check draws fresh random inputs and poisons the outputs (NaN) before the launch, so an
 unwritten element fails. Layouts: the ragged, padded step of test_capturable_ops (pad requests on a

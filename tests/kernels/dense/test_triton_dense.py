@@ -3,7 +3,7 @@
 CUDA GPU, or the CPU under TRITON_INTERPRET=1 (tests/kernels/test_triton_interp.py runs this file
 that way); skipped otherwise. Results are compared as bits (int views: torch.equal would take -0.0
 for +0.0). RoPE: the kernel multiplies x by the capturable version's own cos / sin table with
-torch's fp32 operations (no FMA contraction: tests/kernels/test_triton_attention_sm90.py checks
+torch's fp32 operations (no FMA contraction: tests/kernels/attention/test_triton_attention_sm90.py checks
 the sm_90 SASS has no FFMA), so it is bitwise the capturable version on any device and the
 reference where the two share the table (the CPU). fake_quant: the reference's arithmetic exactly
 (power-of-two scales from the f32 bits, round-to-nearest-even E4M3 / E2M1 grids, signs as bits).
