@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import os
 import re
 
 import pytest
+from megagraph.configs.process import triton_interpret
 from sm90_build import cuobjdump, last_loop
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+    importlib.util.find_spec("triton") is None or triton_interpret(),
     reason="needs triton (compiling, not the interpreter)")
 
 ATTN = dict(q_ptr="*bf16", kv_ptr="*bf16", ring_ptr="*bf16", ckv_ptr="*bf16", topk_ptr="*i64",
