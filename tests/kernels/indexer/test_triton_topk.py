@@ -128,14 +128,14 @@ def check(s, mask=None, *, k, cfg=None):
     return got
 
 
-@pytest.mark.parametrize("T,C,k", [(1, 100, 8), (7, 1024, 64), (5, 3000, 512), (64, 1500, 100),
-                                   (3, 2049, 600), (9, 40, 64), (2, 1, 8), (4, 512, 512)])
+@pytest.mark.parametrize("T,C,k", [(1, 100, 8), (4, 1024, 64), (5, 3000, 512), (8, 1500, 100),
+                                   (3, 2049, 600), (4, 40, 64), (2, 1, 8), (4, 512, 512)])
 def test_topk_select_matches_reference(T, C, k):
     """Rows of distinct values, of few values (ties), of signed zeros, of ReLU'd values."""
     check(mixed(T, C, T * 1009 + C * 7 + k, ["randn", "few", "zeros", "relu"]), k=k)
 
 
-@pytest.mark.parametrize("T,C,k", [(6, 1300, 256), (5, 300, 600), (6, 2500, 32)])
+@pytest.mark.parametrize("T,C,k", [(3, 1300, 256), (3, 300, 600), (3, 2500, 32)])
 def test_topk_select_fewer_selectable_than_k(T, C, k):
     """-inf suffixes (the indexer's invisible entries; first row all -inf, last none), -inf at
     random places (dense and sparse): those are never selected, -1 pads instead."""
@@ -149,7 +149,7 @@ def test_topk_select_fewer_selectable_than_k(T, C, k):
 def test_topk_select_mask():
     """The mask argument: masked-out entries count as -inf, with -inf scores too; a [C] mask
     broadcast over the rows as the reference's masked_fill does."""
-    T, C, k = 6, 1777, 200
+    T, C, k = 4, 1777, 200
     s = suffix_inf(mixed(T, C, 11, ["randn", "few"]), seed=12)
     g = torch.Generator().manual_seed(13)
     dense = (torch.rand(T, C, generator=g) < 0.3).to(DEV)
@@ -162,7 +162,7 @@ def test_topk_select_mask():
 def test_topk_select_infinities_and_signed_zeros():
     """+inf scores (selected first, tied among themselves), -0.0 == +0.0 as one tied value
     across the k-th position, -FLT_MAX (the smallest selectable key), all in one row set."""
-    T, C = 6, 900
+    T, C = 4, 900
     g = torch.Generator().manual_seed(21)
     s = scores(T, C, seed=22, kind="zeros")
     pick = torch.rand(T, C, generator=g)
@@ -171,7 +171,7 @@ def test_topk_select_infinities_and_signed_zeros():
     s[1] = -torch.finfo(torch.float32).max
     s[2, ::3] = -torch.finfo(torch.float32).max
     s[3] = float("inf")
-    for k in (8, 40, 60, 300, 1000):
+    for k in (8, 60, 1000):
         check(s, k=k)
 
 
@@ -179,15 +179,15 @@ def test_topk_select_infinities_and_signed_zeros():
 def test_topk_select_half_inputs(dtype):
     """bf16 / fp16 scores are widened to fp32 as the reference's .float(): heavy ties from the
     coarse rounding too."""
-    s = suffix_inf(scores(6, 2200, seed=31, dtype=dtype), seed=32)
+    s = suffix_inf(scores(4, 2200, seed=31, dtype=dtype), seed=32)
     check(s, k=300)
     check(scores(3, 700, seed=33, dtype=dtype, kind="zeros"), k=64)
 
 
 def test_topk_select_many_rows_and_strided():
     """A few hundred rows; a row-strided view gives the reference's (and its copy's) result."""
-    check(suffix_inf(scores(130, 200, seed=41, kind="relu"), seed=42), k=16)
-    wide = scores(10, 2 * 777, seed=43, kind="few")
+    check(suffix_inf(scores(24, 200, seed=41, kind="relu"), seed=42), k=16)
+    wide = scores(4, 2 * 777, seed=43, kind="few")
     view = wide[:, 5:5 + 777]
     got = check(view, k=100)
     assert torch.equal(got, tk.topk_select(view.contiguous(), k=100))
@@ -239,7 +239,7 @@ def check_cand(s, *, block, topk_blocks, cfg=None):
 
 
 @pytest.mark.parametrize("T,C,block,kb", [(1, 100, 8, 5), (7, 1024, 8, 64), (5, 3000, 8, 200),
-                                          (64, 700, 8, 30), (3, 2049, 2, 600), (4, 500, 16, 1000),
+                                          (8, 700, 8, 30), (3, 2049, 2, 600), (4, 500, 16, 1000),
                                           (6, 999, 3, 40), (2, 1, 8, 4), (5, 300, 8, 1)])
 def test_candidate_mask_matches_reference(T, C, block, kb):
     """Visible prefixes (first row none, last row all), block sizes 2 / 3 / 8 / 16 (C not a
@@ -252,7 +252,7 @@ def test_candidate_mask_corners():
     """-inf at random places (the newest block is then the one of entry n_visible - 1, as the
     reference computes it, even where that block holds no visible entry), +inf scores tied with
     the forced block, signed zeros, bf16 scores, all rows -inf, topk_blocks = 0."""
-    T, C = 6, 1500
+    T, C = 3, 1500
     s = suffix_inf(mixed(T, C, 81, ["randn", "few", "zeros"]), seed=82)
     check_cand(random_inf(s, seed=83), block=8, topk_blocks=50)
     check_cand(random_inf(s, seed=84, frac=0.98), block=8, topk_blocks=50)
@@ -267,7 +267,7 @@ def test_candidate_mask_corners():
 
 def test_candidate_mask_feeds_topk_select():
     """The V4.1 chain at a small size: candidates from the scores, then topk_select under them."""
-    s = suffix_inf(scores(16, 2000, seed=91, kind="relu"), seed=92)
+    s = suffix_inf(scores(4, 2000, seed=91, kind="relu"), seed=92)
     cand = check_cand(s, block=8, topk_blocks=64)
     check(s, cand, k=128)
 
@@ -309,15 +309,15 @@ def test_topk_select_stream(C, k, stream_knobs):
     """Rows that stress the stream: ascending (every entry enters the buffer, a tightening every
     step at the tight knobs), runs of equal values and one value for the whole row (the k-th
     value's bin is the row: the exact tie rule at every tightening), signed zeros, +-inf,
-    +-FLT_MAX, denormals; with -inf suffixes (some rows without a selectable entry)."""
-    base = mixed(len(STRESS), C, 5003 + C + k, STRESS)
-    check(base, k=k, cfg=stream_knobs)
-    check(suffix_inf(base, seed=C + 1), k=k, cfg=stream_knobs)
+    +-FLT_MAX, denormals; with -inf suffixes (the first row without a selectable entry, the
+    last fully visible)."""
+    check(suffix_inf(mixed(len(STRESS), C, 5003 + C + k, STRESS), seed=C + 1), k=k,
+          cfg=stream_knobs)
 
 
 def test_topk_select_stream_masks_and_few_selectable(stream_knobs):
     """Masks (dense, sparse, none selectable, broadcast), -inf at random places, all -inf, bf16."""
-    T, C, k = 3, 900, 120
+    T, C, k = 3, 600, 120
     g = torch.Generator().manual_seed(5101)
     s = suffix_inf(scores(T, C, seed=5102, kind="relu"), seed=5103)
     dens = torch.tensor([0.1, 0.5, 0.97])[:, None]  # one density per row: dense .. sparse
@@ -339,8 +339,8 @@ def test_candidate_mask_stream(C, block, kb, stream_knobs):
     random places (the forced block then may hold no visible entry)."""
     s = suffix_inf(mixed(len(CAND_STRESS), C, 5201 + C + block * 3 + kb, CAND_STRESS),
                    seed=5202 + C)
+    s = torch.cat([s[:3], random_inf(s[3:], seed=5203, frac=0.9)])  # half the rows holed
     check_cand(s, block=block, topk_blocks=kb, cfg=stream_knobs)
-    check_cand(random_inf(s, seed=5203, frac=0.9), block=block, topk_blocks=kb, cfg=stream_knobs)
 
 
 @pytest.mark.parametrize("kb", [1, 6, 7])
