@@ -73,8 +73,8 @@ _FREQS: dict = {}
 
 
 def rope_freqs(dev: torch.device, **rope) -> Tensor:
-    """kernels.capturable_table's rope frequencies on `dev` (same fp32 ops as its rope), cached outside
-    CUDA-graph capture."""
+    """The capturable rope's frequencies on `dev` (the same fp32 ops), cached outside CUDA-graph
+    capture."""
     from megagraph.kernels.dense.capturable import rope_frequencies
 
     key = (dev, tuple(sorted(rope.items())))

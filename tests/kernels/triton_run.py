@@ -36,8 +36,9 @@ COMPRESSOR_BLOCK = {"none": 32, "mxfp4": 32, "nvfp4": 16, "fp8_e4m3": 32}
 
 def check_compressor(got, want, fmts, written_frac=0.02, none_atol=0.0):
     """The compressor's outputs (ikey, ckv, pending rows) against the reference's: exact to
-    1e-5 where unquantized, within the format's rounding where quantized. none_atol: extra absolute slack for unquantized rows whose GEMM runs over a long K in
-    another summation order (fp32 accumulation of K bf16 products: ~sqrt(K) 2^-24 sum|x w|)."""
+    1e-5 where unquantized, within the format's rounding where quantized. none_atol: extra
+    absolute slack for unquantized rows whose GEMM runs over a long K in another summation order
+    (fp32 accumulation of K bf16 products: ~sqrt(K) 2^-24 sum|x w|)."""
     names = ("ikey", "ckv", "pend_kv", "pend_gate")
     for i, (a, b) in enumerate(zip(want, got)):
         a, b = a.float().cpu(), b.float().cpu()

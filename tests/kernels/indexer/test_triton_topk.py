@@ -346,8 +346,8 @@ def test_candidate_mask_stream(C, block, kb, stream_knobs):
 @pytest.mark.parametrize("kb", [1, 6, 7])
 def test_candidate_mask_stream_forced_block_ties(kb, stream_knobs):
     """The forced block (of entry n_visible - 1) tied at +inf with six lower +inf blocks: kept
-    only while it is among the kb lowest of them (not at 6, kept at 7). Row 0: its own max is low (never buffered: the
-    merge's virtual entry); row 1: it holds a +inf itself (buffered, read as +inf); row 2: its
+    only while it is among the kb lowest of them (not at 6, kept at 7). Row 0: its own max is
+    low (never buffered: the merge's virtual entry); row 1: it holds a +inf itself (buffered, read as +inf); row 2: its
     n_visible - 1 falls in block 64, whose entries are all -inf (visibility not a prefix: forced
     without a visible entry)."""
     C, block = 800, 8
