@@ -23,7 +23,7 @@ from megagraph.configs.process import triton_interpret
 
 pytest.importorskip("triton")
 HERE = Path(__file__).resolve().parent
-# longest first (child CPU times: top-k ~135 s in its two shards, mhc ~75, moe ~45, decode ~30,
+# longest first (child CPU times: top-k ~135 s in its two shards, mhc ~90, moe ~45, decode ~30,
 # persistent ~30, fused ~20, fp8h ~20, quant ~12, the rest a few seconds)
 FILES = ["indexer/test_triton_topk.py", "mhc/test_triton_mhc.py", "test_triton_moe.py",
          "test_triton_moe_decode.py", "test_triton_moe_persistent.py", "test_triton_moe_fused.py",
