@@ -57,13 +57,14 @@ def main(argv=None) -> int:
         a, kw = attn_case("cuda", R, ctx, ratio, new=new)
         byt, fl = _count_attn(a, ratio)
         run = lambda cfg: A.launch(*a[:10], window=128, scale=kw["scale"], ratio=ratio,  # noqa: E731
-                                   attend_all=False, quant=("fp8_1x128", ROPE), config=cfg)
+                                   attend_all=False, quant=("fp8_1x128", ROPE),
+                                   launch_shape=cfg)
         ref = _deq(run(None))
         scale = ref.abs().amax(1, keepdim=True) + 1e-6
-        launches = [("default " + str(A.pick_config(a[0].shape[0])), None)]
+        launches = [("default " + str(A.pick_launch(a[0].shape[0])), None)]
         for bh, bn, w, st, pipe in parse_configs(args.configs):
             launches.append((f"h{bh} n{bn} w{w} s{st} pipe{pipe}",
-                             A.AttnConfig(bh, bn, w, st, splits, bool(pipe))))
+                             A.AttnLaunch(bh, bn, w, st, splits, bool(pipe))))
         for label, cfg in launches:
             row = dict(ratio=ratio, T=a[0].shape[0], requests=R, launch=label)
             try:

@@ -74,23 +74,29 @@ def parse_configs(spec: str) -> list[tuple]:
 
 def case_rows(name, R, new, ctx, ratio, rows, configs, ikey_dtype) -> list[dict]:
     from megagraph.kernels.indexer import triton as I
+    from megagraph.kernels.indexer.config import IndexerConfig
+
+    tile = IndexerConfig(index_kernel_bf16="tile", index_kernel_fp32="tile")
+    stream = IndexerConfig(index_kernel_bf16="stream", index_kernel_fp32="stream")
 
     args, kw, flops, byt = make_case(R, new, ctx, ratio, rows, ikey_dtype, seed=ctx + new + ratio)
     T, C = args[0].shape[0], args[2].shape[1]
     ref = torch.empty(T, C, device="cuda")
     out = torch.empty_like(ref)
-    I.index_scores(*args, **kw, variant="tile", out=ref)
+    I.index_scores(*args, **kw, kernel_config=tile, out=ref)
     fin = torch.isfinite(ref)
     scale = 1 + torch.where(fin, ref.abs(), 0).amax(1, keepdim=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    variants = [("tile", dict(variant="tile")), ("stream (default)", dict(variant="stream"))]
+    variants = [("tile", dict(kernel_config=tile)),
+                ("stream (default)", dict(kernel_config=stream))]
     for bt, bc, km, warps, stages, span_keys in configs:
         nt = -(-T // bt)
-        span = I._spans(C, bc, nt, sms, span_keys if span_keys else (I.SPAN_KEYS if bt > 1 else None))
+        span_keys = span_keys or (stream.index_span_keys if bt > 1 else None)
+        span = I._spans(C, bc, nt, sms, span_keys, stream.index_programs_per_sm)
         cfg = I.StreamConfig(bt, bc, km, warps, stages, span)
         which = "short_config" if bt == 1 else "config"  # 1-token tiles: the short class
         variants.append((f"stream bt{bt} bc{bc} {'keysM' if km else 'qM'} w{warps} s{stages} "
-                         f"span{span}", {"variant": "stream", which: cfg}))
+                         f"span{span}", {"kernel_config": stream, which: cfg}))
     res = []
     for label, opt in variants:
         row = dict(case=name, T=T, C=C, requests=R, rows=rows, ratio=ratio, kernel=label)

@@ -1,7 +1,7 @@
 """Probe: which forms of the swapped decode MMA (C^T [BN, BM] = W [BN, K] @ A [BM, K]^T, BM = 16)
-does this Triton compile correctly on this GPU? (session 6: the GemmConfig.swap kernels were wrong
-on the H200 with Triton 3.6 for fp16 and for unsplit 128-column fp8 chunks.) Prints one JSON line
-per variant with the relative error against torch."""
+does this Triton compile correctly on this GPU? (Triton 3.6 on the H200 miscompiles some of the
+GemmConfig.swap forms: fp16, and unsplit 128-column fp8 chunks.) Prints one JSON line per variant
+with the relative error against torch."""
 from __future__ import annotations
 
 import argparse

@@ -131,6 +131,9 @@ def _coerce(v, hint, where: str):
 FAMILY_MODULES: tuple[str, ...] = (
     "megagraph.kernels.moe.config",
     "megagraph.kernels.gemm.config",
+    "megagraph.kernels.attention.config",
+    "megagraph.kernels.indexer.config",
+    "megagraph.kernels.mhc.config",
 )
 _FAMILIES: dict[str, type[KernelConfig]] = {}
 

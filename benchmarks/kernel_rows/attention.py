@@ -172,9 +172,9 @@ def attention_rows(device, smoke, t_end) -> list[dict]:
     if smoke:
         decode = [(4, 1024)]
     variants = {"default": None,
-                "h16w4": A.AttnConfig(16, 32, 4, 2, 0), "h32w8": A.AttnConfig(32, 32, 8, 2, 0),
-                "h64w8": A.AttnConfig(64, 32, 8, 2, 0), "h16w8n16": A.AttnConfig(16, 16, 8, 2, 0),
-                "h16w8s1": A.AttnConfig(16, 32, 8, 1, 0)}
+                "h16w4": A.AttnLaunch(16, 32, 4, 2, 0), "h32w8": A.AttnLaunch(32, 32, 8, 2, 0),
+                "h64w8": A.AttnLaunch(64, 32, 8, 2, 0), "h16w8n16": A.AttnLaunch(16, 16, 8, 2, 0),
+                "h16w8s1": A.AttnLaunch(16, 32, 8, 1, 0)}
     for ratio in (2, 1):
         for R, ctx in decode:
             if time.perf_counter() > t_end:
@@ -185,7 +185,7 @@ def attention_rows(device, smoke, t_end) -> list[dict]:
             byt, fl = _count_attn(args, ratio)
             fn = lambda cfg=None: A.launch(  # noqa: E731
                 *args[:10], window=128, scale=kw["scale"], ratio=ratio, attend_all=False,
-                quant=("fp8_1x128", ROPE), config=cfg)
+                quant=("fp8_1x128", ROPE), launch_shape=cfg)
             times = {}
             for name, cfg in variants.items():
                 if name != "default" and (smoke or ctx != 8192 or ratio != 2 or R not in (64, 256)):
@@ -213,13 +213,13 @@ def attention_rows(device, smoke, t_end) -> list[dict]:
         args, kw = attn_case(device, 1, ctx, ratio, new=T)
         byt, fl = _count_attn(args, ratio)
         times = {}
-        for name, cfg in {"prefill-default": None, "h64w8": A.AttnConfig(64, 32, 8, 2, 1),
-                          "h32w8": A.AttnConfig(32, 32, 8, 2, 1),
-                          "h16w4": A.AttnConfig(16, 32, 4, 2, 1)}.items():
+        for name, cfg in {"prefill-default": None, "h64w8": A.AttnLaunch(64, 32, 8, 2, 1),
+                          "h32w8": A.AttnLaunch(32, 32, 8, 2, 1),
+                          "h16w4": A.AttnLaunch(16, 32, 4, 2, 1)}.items():
             try:
                 times[name] = time_ms(lambda: A.launch(
                     *args[:10], window=128, scale=kw["scale"], ratio=ratio, attend_all=False,
-                    quant=("fp8_1x128", ROPE), config=cfg))
+                    quant=("fp8_1x128", ROPE), launch_shape=cfg))
             except Exception as e:  # noqa: BLE001 (a shape Triton rejects on this GPU)
                 times[name] = f"{type(e).__name__}: {str(e)[:80]}"
         base = err = None
@@ -236,6 +236,7 @@ def attention_rows(device, smoke, t_end) -> list[dict]:
 
 def indexer_rows(device, smoke, t_end) -> list[dict]:
     from megagraph.kernels.indexer.capturable import index_scores as cap, topk_select
+    from megagraph.kernels.indexer.config import IndexerConfig
     from megagraph.kernels.indexer.triton import index_scores
 
     out = []
@@ -248,8 +249,9 @@ def indexer_rows(device, smoke, t_end) -> list[dict]:
             return out
         args, kw = index_case(device, R, ctx, ratio)
         byt, fl = _count_index(args, kw)
-        times = {p: time_ms(lambda p=p: index_scores(*args, **kw, precision=p))
-                 for p in ("tf32x3", "bf16", "ieee")}
+        times = {p: time_ms(lambda p=p: index_scores(
+            *args, **kw, kernel_config=IndexerConfig(index_precision=p)))
+            for p in ("tf32x3", "bf16", "ieee")}
         sc = index_scores(*args, **kw)
         tk_ms = time_ms(lambda: topk_select(sc, k=512))
         base = err = None
@@ -267,7 +269,8 @@ def indexer_rows(device, smoke, t_end) -> list[dict]:
         args, kw = index_case(device, 1, 16384, 2, new=1024)
         byt, fl = _count_index(args, kw)
         ms = time_ms(lambda: index_scores(*args, **kw))
-        ms_bf = time_ms(lambda: index_scores(*args, **kw, precision="bf16"))
+        ms_bf = time_ms(lambda: index_scores(*args, **kw,
+                                             kernel_config=IndexerConfig(index_precision="bf16")))
         base = time_once_ms(lambda: cap(*args, **kw))
         out.append(_row("triton.index_scores", "prefill T=1024 new, ctx=16K r=2", ms, byt, fl, base,
                         rel_err(index_scores(*args, **kw), cap(*args, **kw)),

@@ -70,7 +70,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def device_rows(dev, dims: dict, Ts, budget_s: float) -> list[dict]:
     """Triton vs capturable for every case (also runs on the CPU under the Triton interpreter: the
-    dry run of tests/kernels/test_triton_dense.py)."""
+    dry run of tests/kernels/dense/test_triton_dense.py)."""
     t_end = time.perf_counter() + budget_s
     out: list[dict] = []
     g = torch.Generator(device=dev)

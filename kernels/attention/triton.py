@@ -30,22 +30,27 @@ counts once, are adjacent; topk_select's rows are already unique.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from megagraph.kernels.attention.config import AttentionConfig
+from megagraph.kernels.common.triton import INTERPRET, available, on_device as _on_device
+from megagraph.kernels.common.triton import sm_count
+
 ACT_BLOCKS = {"mxfp8": 32, "fp8_1x128": 128}
 SORT_TOPK = True  # sort top-k rows first (exact duplicate handling for unsorted rows)
 
 
 @dataclass(frozen=True)
-class AttnConfig:
-    """Launch shape: heads per program, keys per tile, warps, pipeline stages, splits (0 = auto:
-    enough programs for two waves of the GPU, at most 8), pipe (the top-k loop without its skip of
-    empty tiles, so it is software-pipelined: attention_jit.sparse_attn_fwd's PIPE)."""
+class AttnLaunch:
+    """One launch shape: heads per program, keys per tile, warps, pipeline stages, splits (0 =
+    auto: enough programs for two waves of the GPU, at most AttentionConfig.max_splits), pipe
+    (the top-k loop without its skip of empty tiles, so it is software-pipelined:
+    triton_jit.sparse_attn_fwd's PIPE). The sm_90 build of the default 16 x 32 x 8 warps is the
+    one that does not spill (tests/kernels/attention/test_triton_attention_sm90.py); the faster
+    shapes of AttentionConfig spill a little and win anyway."""
 
     block_h: int = 16
     block_n: int = 32
@@ -55,52 +60,21 @@ class AttnConfig:
     pipe: bool = False
 
 
-# Launch shapes from the H200 timings (benchmarks/results/kernels-h200.md, Triton 3.6): 16 heads x
-# 32 keys x 4 warps for up to 127 tokens (R=64: 135 us vs 149 us for 8 warps) and for prefill
-# (8K tokens over 16K-128K: 10.0-11.3 ms vs 11.9-12.8 ms), 64 heads (wgmma) x 32 keys x 8 warps for
-# 128 tokens on (R=256: 386 us vs 471 us). The sm_90 build of 16 x 32 x 8 warps is the one that
-# does not spill (tests/kernels/test_triton_attention_sm90.py); the faster shapes spill a little
-# and win anyway.
-NO_SPILL = AttnConfig()
-DECODE = AttnConfig(16, 32, 4, 2)
-DECODE_WIDE = AttnConfig(64, 32, 8, 2)
-WIDE_TOKENS = 128  # from this many decode tokens on, DECODE_WIDE
-# pipe: 11.41 -> 9.07 ms at the slice's 8K prefill step, ratio 1 (10.99 -> 8.99 at ratio 2), the
-# same output bits (benchmarks/results/attn-probe-11-h200.md)
-PREFILL = AttnConfig(16, 32, 4, 2, splits=1, pipe=True)
-COMBINE_HEADS = 16  # heads per program of the merge kernel (64 spills its 64 x 512 accumulator)
-PREFILL_TOKENS = 1024  # from this many tokens on, PREFILL (no split, fused epilogue)
-
-
-def available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _on_device(t: Tensor) -> bool:
-    return t.device.type == "cuda" or INTERPRET
-
-
-_SM_COUNT: dict = {}
-
-
-def sm_count(dev: torch.device) -> int:
-    if dev.type != "cuda":
-        return 4
-    if dev not in _SM_COUNT:
-        _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return _SM_COUNT[dev]
+def pick_launch(T: int, cfg: AttentionConfig | None = None) -> AttnLaunch:
+    """The launch shape cfg.choose gives a step of T tokens."""
+    cfg = cfg or AttentionConfig()
+    stage = cfg.choose({"tokens": T})["attention"]
+    if stage == "prefill":
+        return AttnLaunch(*cfg.prefill, splits=1, pipe=cfg.prefill_pipe)
+    return AttnLaunch(*(cfg.wide if stage == "wide" else cfg.decode), splits=cfg.decode_splits)
 
 
 _FREQS: dict = {}
 
 
 def rope_freqs(dev: torch.device, **rope) -> Tensor:
-    """kernels.capturable_table's rope frequencies on `dev` (same fp32 ops as its rope), cached outside
-    CUDA-graph capture."""
+    """The capturable rope's frequencies on `dev` (the same fp32 ops), cached outside CUDA-graph
+    capture."""
     from megagraph.kernels.dense.capturable import rope_frequencies
 
     key = (dev, tuple(sorted(rope.items())))
@@ -126,27 +100,23 @@ def supports(q: Tensor, kv: Tensor, ring: Tensor, ckv: Tensor | None) -> bool:
             and _pow2(q.shape[-1]))
 
 
-def pick_config(T: int) -> AttnConfig:
-    if T >= PREFILL_TOKENS:
-        return PREFILL
-    return DECODE_WIDE if T >= WIDE_TOKENS else DECODE
-
-
-def _splits(cfg: AttnConfig, programs: int, tiles: int, dev) -> int:
-    if cfg.splits:
-        return cfg.splits
+def _splits(launch: AttnLaunch, programs: int, tiles: int, dev, max_splits: int) -> int:
+    if launch.splits:
+        return launch.splits
     want = -(-2 * sm_count(dev) // max(1, programs))
-    return max(1, min(8, want, max(1, tiles // 2)))
+    return max(1, min(max_splits, want, max(1, tiles // 2)))
 
 
 def launch(q: Tensor, kv: Tensor, ring: Tensor, ckv: Tensor | None, topk: Tensor | None,
            sink: Tensor, positions: Tensor, token_req: Tensor, seq_slots: Tensor,
            seq_cached: Tensor, *, window: int, scale: float, ratio: int, attend_all: bool,
-           quant: tuple[str, dict] | None, config: AttnConfig | None = None,
-           out: tuple[Tensor, ...] | None = None):
+           quant: tuple[str, dict] | None, kernel_config: AttentionConfig | None = None,
+           launch_shape: AttnLaunch | None = None, out: tuple[Tensor, ...] | None = None):
     """Run the kernels. quant None: returns o [T, H, D] (q.dtype, not de-rotated); quant =
     (act_fmt, rope attrs): returns (o_q fp8 [T, H*D], scales [T, H*D/block]; e8m0 scales are
-    written as their bytes). `out`: preallocated outputs of those shapes (tests poison them)."""
+    written as their bytes). kernel_config: the family's choices (None: the defaults);
+    launch_shape: one launch shape instead of the one kernel_config picks (the probes' sweeps);
+    `out`: preallocated outputs of those shapes (tests poison them)."""
     import triton
 
     from megagraph.kernels.attention.triton_jit import sparse_attn_combine, sparse_attn_fwd
@@ -181,14 +151,15 @@ def launch(q: Tensor, kv: Tensor, ring: Tensor, ckv: Tensor | None, topk: Tensor
     if T == 0:
         return o if quant is None else _scales(o, os_, e8)
 
-    cfg = config or pick_config(T)
+    kc = kernel_config or AttentionConfig()
+    cfg = launch_shape or pick_launch(T, kc)
     bh = max(16, min(cfg.block_h, triton.next_power_of_2(H)))
     nhb = triton.cdiv(H, bh)
     bn = cfg.block_n
     nt_step = triton.cdiv(min(W, T), bn)
     K = topk.shape[1] if (has_comp and topk is not None) else 0
     tiles = triton.cdiv(W, bn) + nt_step + (triton.cdiv(K, bn) if K else 8)
-    ns = _splits(cfg, T * nhb, tiles, dev)
+    ns = _splits(cfg, T * nhb, tiles, dev, kc.max_splits)
 
     q = q if q.stride(-1) == 1 else q.contiguous()
     kv = kv.contiguous()
@@ -219,9 +190,9 @@ def launch(q: Tensor, kv: Tensor, ring: Tensor, ckv: Tensor | None, topk: Tensor
         MANUAL_FP8=INTERPRET, DOT_F32=q.dtype == torch.float32 or INTERPRET, PIPE=cfg.pipe,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if ns > 1:
-        sparse_attn_combine[(T, triton.cdiv(H, COMBINE_HEADS))](
+        sparse_attn_combine[(T, triton.cdiv(H, kc.combine_heads))](
             po, pml, positions, sinkf, freqs, o, os_, H,
-            D=D, BLOCK_H=COMBINE_HEADS, NS=ns, MODE=mode, ROPE_DIM=rope_dim, QBLOCK=qb, E8M0=e8,
+            D=D, BLOCK_H=kc.combine_heads, NS=ns, MODE=mode, ROPE_DIM=rope_dim, QBLOCK=qb, E8M0=e8,
             MANUAL_FP8=INTERPRET, OUT_DT=_TL_DTYPES[q.dtype], num_warps=4)
     return o if quant is None else _scales(o, os_, e8)
 
@@ -240,7 +211,8 @@ def _scales(o: Tensor, os_: Tensor, e8: bool) -> tuple[Tensor, Tensor]:
 
 
 def sparse_attn(q, kv, ring, ckv, topk, sink, positions, token_req, seq_slots, seq_cached, *,
-                window, scale, ratio=0, attend_all_compressed=False):
+                window, scale, ratio=0, attend_all_compressed=False,
+                kernel_config: AttentionConfig | None = None):
     """kernels.attention.reference.sparse_attn on the GPU."""
     if not supports(q, kv, ring, ckv):
         from megagraph.kernels.attention.capturable import sparse_attn as fallback
@@ -250,12 +222,13 @@ def sparse_attn(q, kv, ring, ckv, topk, sink, positions, token_req, seq_slots, s
                         attend_all_compressed=attend_all_compressed)
     return launch(q, kv, ring, ckv, topk, sink, positions, token_req, seq_slots, seq_cached,
                   window=window, scale=scale, ratio=ratio, attend_all=bool(attend_all_compressed),
-                  quant=None)
+                  quant=None, kernel_config=kernel_config)
 
 
 def sparse_attn_q(q, kv, ring, ckv, topk, sink, positions, token_req, seq_slots, seq_cached, *,
                   window, scale, ratio, attend_all_compressed, rope_dim, theta, yarn_factor,
-                  yarn_original, yarn_beta_fast, yarn_beta_slow, act_fmt):
+                  yarn_original, yarn_beta_fast, yarn_beta_slow, act_fmt,
+                  kernel_config: AttentionConfig | None = None):
     """kernels.fused.reference.sparse_attn_q on the GPU: one attention kernel whose epilogue
     de-rotates, merges heads and quantizes (plus a merge kernel when the key list is split)."""
     rope = dict(rope_dim=rope_dim, theta=theta, yarn_factor=yarn_factor,
@@ -270,10 +243,10 @@ def sparse_attn_q(q, kv, ring, ckv, topk, sink, positions, token_req, seq_slots,
                         attend_all_compressed=attend_all_compressed, act_fmt=act_fmt, **rope)
     return launch(q, kv, ring, ckv, topk, sink, positions, token_req, seq_slots, seq_cached,
                   window=window, scale=scale, ratio=ratio, attend_all=bool(attend_all_compressed),
-                  quant=(act_fmt, rope))
+                  quant=(act_fmt, rope), kernel_config=kernel_config)
 
 
 sparse_attn.capturable = True
 sparse_attn_q.capturable = True
 
-__all__ = ["sparse_attn", "sparse_attn_q", "launch", "AttnConfig", "DECODE", "PREFILL", "supports"]
+__all__ = ["sparse_attn", "sparse_attn_q", "launch", "AttnLaunch", "pick_launch", "supports"]

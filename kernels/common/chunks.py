@@ -5,7 +5,7 @@ index dots [rows, heads, entries], selection masks [rows, entries]); at prefill 
 over 128K cached) one of them is tens of GiB. Processing the rows in passes bounds them. Chunk sizes
 are static Python ints (no host sync), so the capturable ops that reuse the selections stay
 CUDA-graph capturable. Every row goes through the same ops: inputs that fit one pass run exactly as
-before, and on CPU the passes give bitwise the one-pass result (tests/kernels/test_reference_chunks.py);
+before, and on CPU the passes give bitwise the one-pass result (tests/kernels/common/test_reference_chunks.py);
 a GPU BLAS may pick another GEMM kernel for a smaller product, i.e. another fp32 summation order.
 """
 from __future__ import annotations

@@ -19,7 +19,7 @@ def ceil_log2_div(y: Tensor, c: float) -> Tensor:
     With c = mc·2^ec and y = m·2^e (mc, m in [0.5, 1)): y/c = (m/mc)·2^(e-ec), where m/mc lies in
     (1/2, 1] for m <= mc and in (1, 2) for m > mc. For normal quotients this equals the frexp of
     the correctly rounded y / c (m > mc by one ulp puts the quotient more than half an ulp above 1
-    whenever mc < 1): tests/kernels/test_reference_quant.py checks it against the division."""
+    whenever mc < 1): tests/kernels/dense/test_reference_quant.py checks it against the division."""
     mc, ec = math.frexp(c)
     m, e = torch.frexp(y)
     return e - ec + (m > mc).to(e.dtype)

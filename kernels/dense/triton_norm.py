@@ -7,15 +7,15 @@ program reads its row once (fp32 math: the sum of squares, rsqrt(mean + eps), th
 the normalization, as the reference) and writes it once. The sum of squares runs in Triton's
 reduction order: the output can differ from the reference by one rounding of its dtype where the
 fp32 value straddles a tie (bf16: 2^-8 relative), fp32 outputs by ~1e-6.
-Registry status "available" on sm_90: its tests passed on the H200 (session 10,
-tests/kernels/test_triton_norm.py).
+Registry status "available" on sm_90: its tests pass on the H200
+(tests/kernels/dense/test_triton_norm.py).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from megagraph.kernels.attention.triton import INTERPRET, _on_device, available
+from megagraph.kernels.common.triton import INTERPRET, available, on_device as _on_device
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_D = 16384  # one row per program, held in registers

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megagraph.kernels.attention.triton import ACT_BLOCKS, INTERPRET, _on_device, available
+from megagraph.kernels.attention.triton import ACT_BLOCKS
+from megagraph.kernels.common.triton import INTERPRET, available, on_device as _on_device
 
 BLOCKS_PER_PROGRAM = 8
 

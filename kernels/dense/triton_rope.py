@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megagraph.kernels.attention.triton import INTERPRET, _on_device, available
+from megagraph.kernels.common.triton import INTERPRET, available, on_device as _on_device
 
 TILE_ELEMS = 4096  # channels one program holds (rows x D)
 _FREQS: dict[tuple, Tensor] = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megagraph.kernels.attention.triton import INTERPRET, _on_device, available
+from megagraph.kernels.common.triton import INTERPRET, available, on_device as _on_device
 
 _TABLES: dict = {}
 

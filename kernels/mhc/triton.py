@@ -3,25 +3,21 @@ Sinkhorn, collapse, RMSNorm, activation quantization) writing x, x_q, x_scale st
 buffers mega_moe reads; same calling convention and semantics as
 kernels.fused.reference.mega_mhc, sync-free and CUDA-graph capturable.
 
-Launches (plan() picks the tiles; docs/kernels/mhc.md has the H200 numbers):
-  T <= FUSED_TOKENS (64, decode): ONE launch, mhc_jit.mhc_fused (was 3);
-  larger T: mhc_proj + mhc_reduce (split K) + mhc_finish, 3 launches (was 2-3).
-MEGAGRAPH_MHC_FUSED = auto (default: as above) | 1 (one launch at every T) | 0 (never), or the
-call's fused=...; both paths give the same bits at every T (they share plan() and the code).
-Status: run on the H200 once (Triton 3.6, a helper of the eighth session): the GPU tests of
-tests/kernels/test_triton_mhc.py (fused == unfused bitwise at d = 5120, CUDA-graph replays,
-counters back to zero) and the Mega-mHC / MegaMoE tests of test_triton_moe.py passed; 64 tokens
-61.7 -> 45.8 us, 8192 tokens 1005 -> 327 us. Not yet timed in benchmarks/kernels.py.
+Launches (plan() picks the tiles, MhcConfig.choose the path; docs/kernels/mhc.md has the H200
+numbers):
+  T <= fused_tokens (64, decode): one launch, mhc_jit.mhc_fused;
+  larger T: mhc_proj + mhc_reduce (split K) + mhc_finish, 2-3 launches.
+MhcConfig.fused = auto (as above) | always | never; both paths give the same bits at every T
+(they share plan() and the code). On the H200: 64 tokens 45.8 us (61.7 unfused), 8192 tokens
+327 us.
 
 Projection: [BM, n*d] x [n*d, 24] per token block on tensor cores plus the sum of squares:
 blocks of 8 tokens under the 16-row mma.sync tile at decode sizes, 16 tokens up to
-SPLIT_TOKENS, 64-row wgmma tiles above (the weight read and split into bf16 hi / lo once per 64
+split_tokens, 64-row wgmma tiles above (the weight read and split into bf16 hi / lo once per 64
 tokens: the 8192-token projection 504 -> ~140 us). The n*d reduction is split over `split`
 programs per block (~2-2.5 programs per SM) that each write their partial products to their own
 [T, 32] slab; the slabs are summed in the fixed order s = 0..split-1, so every run gives the
-same bits. (Until the fifth session the partial sums were added atomically, the only float
-atomics of the decode path: the likely source of the uncompiled engine's run-to-run differences
-on the H200 slice, 3e-5 in decode logits.)
+same bits (adding them atomically would make decode logits differ from run to run).
   fused: each split program writes its slab, then takes a ticket from its block's arrival
     counter (one atomic add, acq_rel, gpu scope); the program holding the last ticket sums the
     slabs in split order (whichever program that is: the same bits), puts the counter back to
@@ -60,20 +56,17 @@ except where a block's amax sits on a power of two. fp32 streams use "ieee" fp32
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from megagraph.kernels.moe.triton import INTERPRET, RDT, available, on_device
+from megagraph.kernels.common.triton import INTERPRET, RDT, available
+from megagraph.kernels.common.triton import on_fp8_device as on_device
+
+from megagraph.kernels.mhc.config import MhcConfig
 
 ACT_BLOCKS = {"mxfp8": 32, "fp8_1x128": 128}
-FUSED_TOKENS = 64  # up to here: the one-launch plan (plan())
-SPLIT_TOKENS = 256  # from here: the prefill plan (64-row wgmma tiles)
-# auto: one launch (mhc_jit.mhc_fused) where plan() says so (decode sizes); 1: always; 0: never
-# (the unfused 2-3 launches, for comparison: the same bits)
-FUSED = os.environ.get("MEGAGRAPH_MHC_FUSED", "auto")
 COUNTER_SLOTS = 1024  # arrival counters per device (one per token block of a split launch)
 _COUNTERS: dict = {}
 NPAD = 32
@@ -95,7 +88,6 @@ class Plan:
     bt: int = 0  # 0: bm
     fstages: int = 1
     nq: int = 1
-    fused: bool = True  # the launch mega_mhc makes by default (MEGAGRAPH_MHC_FUSED=auto)
 
     @property
     def block(self) -> int:
@@ -106,33 +98,34 @@ def _sms(dev: torch.device) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
 
 
-def plan(T: int, kd: int, dev: torch.device, sms: int | None = None) -> Plan:
+def plan(T: int, kd: int, dev: torch.device, sms: int | None = None,
+         cfg: MhcConfig | None = None) -> Plan:
     """The launch shape at T tokens and n*d = kd on `dev` (sms: its multiprocessor count, for
-    ahead-of-time builds); module-level so that tests and sweeps can replace it. Picked from the
-    H200 sweeps in NOTES-mhc.md:
-      T <= FUSED_TOKENS: one launch (Plan.fused): blocks of 8 tokens under the 16-row mma.sync
+    ahead-of-time builds). Picked from the H200 sweeps in docs/kernels/mhc.md:
+      T <= fused_tokens: one launch (MhcConfig auto): blocks of 8 tokens under the 16-row mma.sync
         tile, split so that there are ~2 programs per SM, 8 warps (the last arriver's finish is
         latency-bound: more warps, a pipelined collapse, 4 quantization blocks a step);
-      T < SPLIT_TOKENS: the unfused launches with 16-token blocks split over K and a finish
+      T < split_tokens: the unfused launches with 16-token blocks split over K and a finish
         program per token (more finishing programs than the fused kernel's one per block);
       else: the unfused launches with 64-row wgmma tiles (the 2 MB weight read and split into
         bf16 hi / lo once per 64 tokens, not 16), split to ~2.5 programs per SM, the finish on
         16-token programs (4x the programs the fused kernel leaves for it: 64-token blocks)."""
+    cfg = cfg or MhcConfig()
     sms = sms or _sms(dev)
     bk = 128 if INTERPRET else 64
     cap = max(1, kd // (bk * 4))
-    if T <= FUSED_TOKENS:
-        bm, bt, fbm, warps, nq, fused = 16, 8, 8, 8, 4, True
+    if T <= cfg.fused_tokens:
+        bm, bt, fbm, warps, nq = 16, 8, 8, 8, 4
         split = -(-2 * sms // -(-T // bt))
-    elif T < SPLIT_TOKENS:
-        bm, bt, fbm, warps, nq, fused = 16, 0, 1, 4, 1, False
+    elif T < cfg.split_tokens:
+        bm, bt, fbm, warps, nq = 16, 0, 1, 4, 1
         split = -(-2 * sms // -(-T // bm))
     else:
-        bm, bt, fbm, warps, nq, fused = 64, 0, 16, 4, 1, False
+        bm, bt, fbm, warps, nq = 64, 0, 16, 4, 1
         split = -(-5 * sms // (2 * -(-T // bm)))
     k_per = -(-kd // (max(1, min(split, cap)) * bk)) * bk
     return Plan(bm=bm, bk=bk, split=-(-kd // k_per), k_per=k_per, fbm=fbm, warps=warps,
-                stages=3, bt=bt, fstages=3, nq=nq, fused=fused)
+                stages=3, bt=bt, fstages=3, nq=nq)
 
 
 def counters(dev: torch.device) -> Tensor | None:
@@ -168,10 +161,11 @@ def supports(streams: Tensor, fn: Tensor, act_fmt: str) -> bool:
 
 
 def mega_mhc(streams, fn, base, scale, mix=None, norm_weight=None, *, eps, hc_eps,
-             sinkhorn_iters, norm_eps, act_fmt, fused=None):
-    """kernels.fused.reference.mega_mhc -> (x, x_q, x_scale, pre, post, comb). fused: True for
-    one launch, False for the unfused 2-3 launches (the same bits), None for FUSED (the
-    environment's MEGAGRAPH_MHC_FUSED: auto = plan(...).fused, 1, 0)."""
+             sinkhorn_iters, norm_eps, act_fmt, kernel_config: MhcConfig | None = None,
+             tiles: Plan | None = None):
+    """kernels.fused.reference.mega_mhc -> (x, x_q, x_scale, pre, post, comb). kernel_config:
+    one launch or the unfused 2-3 (MhcConfig.choose; the same bits either way); tiles: a launch
+    shape instead of plan()'s (the tests' forced splits and tiles)."""
     if not supports(streams, fn, act_fmt):
         from megagraph.kernels.fused.capturable import mega_mhc as fallback
 
@@ -194,11 +188,11 @@ def mega_mhc(streams, fn, base, scale, mix=None, norm_weight=None, *, eps, hc_ep
     h = streams if streams.is_contiguous() else streams.contiguous()
     fnc = fn if fn.stride(-1) == 1 else fn.contiguous()
     kd = n * d
-    p = plan(T, kd, dev)
+    cfg = kernel_config or MhcConfig()
+    p = tiles or plan(T, kd, dev, cfg=cfg)
     mt = -(-T // p.block)
     split = p.split
-    if fused is None:
-        fused = p.fused if FUSED not in ("0", "1") else FUSED == "1"
+    fused = cfg.choose({"tokens": T})["mega_mhc"] == "fused"
     cnt = counters(dev) if (fused and split > 1 and mt <= COUNTER_SLOTS) else None
     fused = fused and (split == 1 or cnt is not None)
     m = torch.empty(T, NPAD, dtype=torch.float32, device=dev)
@@ -253,14 +247,17 @@ def reduce_partials(part: Tensor, sqp: Tensor) -> tuple[Tensor, Tensor]:
 __all__ = ["mega_mhc", "supports", "plan", "counters", "reset_counters"]
 
 
-def hc_expand(H: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+def hc_expand(H: Tensor, y: Tensor, post: Tensor, comb: Tensor, *,
+              kernel_config: MhcConfig | None = None) -> Tensor:
     """kernels.mhc.reference.hc_expand at the attention sites (the FFN sites' expand runs inside
     mega_moe's combine): H'[t, j] = post[t, j] y[t] + sum_i comb[t, i, j] H[t, i], fp32 math, one
     launch of mega_moe's combine kernel with one slot (moe.combine: K = 1, no shared slot, so y
     passes through unrounded). The capturable version is a broadcast product, an einsum and a
     cast (3-4 kernels, and its einsum over bf16 streams upcasts all of H first). The sum over i
     runs in the kernel's order: an output element can differ from the reference by one rounding
-    of the output dtype (bf16: 2^-8 relative) where the fp32 values straddle a tie."""
+    of the output dtype (bf16: 2^-8 relative) where the fp32 values straddle a tie.
+    kernel_config: the family's (hc_expand has a single path; it takes it like every fast
+    kernel of the family)."""
     T, n, d = H.shape
     if not (available() and on_device(H)) or H.dtype not in RDT or y.dtype not in RDT \
             or n & (n - 1) or y.shape != (T, d) or y.stride(-1) != 1:

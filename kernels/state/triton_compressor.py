@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megagraph.kernels.attention.triton import INTERPRET, _on_device, available, rope_freqs
+from megagraph.kernels.attention.triton import rope_freqs
+from megagraph.kernels.common.triton import INTERPRET, available, on_device as _on_device
 
 FMT_CODES = {"none": (0, 32), "fp8_e4m3": (1, 32), "mxfp4": (2, 32), "nvfp4": (3, 16)}
 ROW_TILE = 16

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from megagraph.kernels.attention.triton import _on_device, available
+from megagraph.kernels.common.triton import available, on_device as _on_device
 
 BLOCK_D = 512
 

@@ -1,12 +1,13 @@
-"""Runs the Triton kernel tests that cover their logic on the CPU (test_triton_moe.py,
-test_triton_moe_persistent.py, test_triton_moe_fp8h.py, test_triton_moe_fused.py, test_triton_moe_decode.py, test_moe_grouped_cublas.py, test_triton_mhc.py, test_triton_quant.py,
-test_triton_dense.py, test_triton_norm.py, test_triton_topk.py) under the Triton interpreter in a child pytest when there is no CUDA device: TRITON_INTERPRET must be set before triton is first imported (its library
-functions are built at import), which a shared pytest process cannot promise.
+"""Runs the Triton kernel tests that cover their logic on the CPU under the Triton interpreter,
+each file in a child pytest, when there is no CUDA device: TRITON_INTERPRET must be set before
+triton is first imported (its library functions are built at import), which a shared pytest
+process cannot promise.
 
 The children are independent, so they run side by side, as many at once as the machine has cores
-(the CI machine: 2), the longest first; the top-k file, a third of the whole suite's time on its
-own (450 of ~1300 s, thirteenth session), runs as two halves (-k shards whose union is the
-file). Each test below still asserts on its own file's children."""
+(the CI machine: 2), the longest first; the top-k file runs as two halves (-k shards whose union
+is the file). The interpreter's cost is per program step, so the kernel tests keep their rows and
+steps few while still reaching every branch (the top-k file puts one row per data kind in one
+launch). Each test below asserts on its own file's children."""
 from __future__ import annotations
 
 import os
@@ -18,16 +19,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from megagraph.configs.process import triton_interpret
+
 pytest.importorskip("triton")
 HERE = Path(__file__).resolve().parent
-# longest first (their child times on the CPU CI machine, thirteenth session: top-k 450 s, mhc
-# 74, moe 44, decode 30, persistent 29, fused 18, fp8h 18, quant 12, the rest a few seconds)
-FILES = ["test_triton_topk.py", "test_triton_mhc.py", "test_triton_moe.py",
+# longest first (child CPU times: top-k ~135 s in its two shards, mhc ~90, moe ~45, decode ~30,
+# persistent ~30, fused ~20, fp8h ~20, quant ~12, the rest a few seconds)
+FILES = ["indexer/test_triton_topk.py", "mhc/test_triton_mhc.py", "test_triton_moe.py",
          "test_triton_moe_decode.py", "test_triton_moe_persistent.py", "test_triton_moe_fused.py",
-         "test_triton_moe_fp8h.py", "test_triton_quant.py", "test_moe_grouped_cublas.py",
-         "test_triton_dense.py", "test_triton_norm.py"]
+         "test_triton_moe_fp8h.py", "dense/test_triton_quant.py", "test_moe_grouped_cublas.py",
+         "dense/test_triton_dense.py", "dense/test_triton_norm.py"]
 # a file run as several children: pytest -k expressions that together select every test once
-SHARDS = {"test_triton_topk.py": ["stream", "not stream"]}
+SHARDS = {"indexer/test_triton_topk.py": ["stream", "not stream"]}
 JOBS = [(name, k) for name in FILES for k in SHARDS.get(name, [None])]
 
 
@@ -47,7 +50,7 @@ def children() -> dict:
         return dict(pool.map(_child, JOBS))
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+@pytest.mark.skipif(torch.cuda.is_available() or triton_interpret(),
                     reason="the file runs in this process")
 @pytest.mark.parametrize("name", FILES)
 def test_under_interpreter(name, children):

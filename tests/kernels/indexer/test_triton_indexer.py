@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 from test_capturable_ops import PADDED
-from test_triton_attention import CUDA, DEV, dev_meta, pytestmark, seed  # noqa: F401
+from triton_run import CUDA, DEV, dev_meta, pytestmark, seed  # noqa: F401
 
 from megagraph.kernels.indexer.capturable import candidate_mask, topk_select
+from megagraph.kernels.indexer.config import IndexerConfig
 from megagraph.kernels.indexer.reference import index_scores as ref_index_scores
 from megagraph.kernels.dense.quant import fake_quant
 
@@ -40,10 +41,16 @@ def case(g, reqs, ratio, dtype, *, s=S, hi=HI, di=DI, cap=32, mxfp4=False):
         dict(ratio=ratio, weight_scale=(di ** -0.5) * (hi ** -0.5))
 
 
-def run(args, kw, **opt):
+def run(args, kw, *, variant=None, precision=None, **opt):
+    """index_scores into a poisoned output; variant: the kernel for either kind of products,
+    precision: the fp32 products' mode (None: IndexerConfig's defaults)."""
     T, C = args[0].shape[0], args[2].shape[1]
     out = torch.full((T, C), float("nan"), device=DEV)
-    got = tk().index_scores(*args, **kw, out=out, **opt)
+    over = dict(index_kernel_bf16=variant, index_kernel_fp32=variant) if variant else {}
+    if precision:
+        over["index_precision"] = precision
+    cfg = IndexerConfig(**over)
+    got = tk().index_scores(*args, **kw, out=out, kernel_config=cfg, **opt)
     assert not torch.isnan(got).any(), "unwritten scores"
     return got
 
@@ -123,15 +130,20 @@ def test_stream_classes_padded_bucket():
 
 
 def test_stream_configs_follow_precision_and_grid():
-    """bf16 products take 8-token tiles, others 4; spans never exceed SPAN_KEYS entries in the long
-    class and shrink until the grid has PROGRAMS_PER_SM programs per SM."""
-    I = tk()
+    """bf16 products take 8-token tiles, others 4; spans never exceed index_span_keys entries in
+    the long class and shrink until the grid has index_programs_per_sm programs per SM; both
+    follow the config."""
+    I, d = tk(), IndexerConfig()
     long, short = I.stream_configs(8192, 8192, 135168, "bf16", 132)
-    assert long.bt == 8 and short.bt == 1 and long.span <= I.SPAN_KEYS
+    assert long.bt == 8 and short.bt == 1 and long.span <= d.index_span_keys
     assert long.span % long.bc == 0 and short.span % short.bc == 0
     _, short64 = I.stream_configs(64, 64, 32768, "bf16", 132)
-    assert 64 * -(-32768 // short64.span) >= I.PROGRAMS_PER_SM * 132
+    assert 64 * -(-32768 // short64.span) >= d.index_programs_per_sm * 132
     assert I.stream_configs(4096, 1, 65536, "tf32x3", 132)[0].bt == 4
+    narrow = IndexerConfig(index_span_keys=1024)
+    assert I.stream_configs(8192, 8192, 135168, "bf16", 132, narrow)[0].span <= 1024 < long.span
+    wide = IndexerConfig(index_programs_per_sm=16)
+    assert I.stream_configs(64, 64, 32768, "bf16", 132, wide)[1].span < short64.span
 
 
 @pytest.mark.parametrize("ratio", [1, 2])
@@ -162,7 +174,7 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @gpu
 def test_node_attr_products_bf16_selects_the_bf16_mode():
     """`products="bf16"` (the indexer-products pass's attr) runs the bf16 mode: bitwise the
-    explicit precision="bf16" result; "fp32" runs the default tf32x3 mode."""
+    explicit index_precision="bf16" result; "fp32" runs the default tf32x3 mode."""
     g = torch.Generator().manual_seed(19)
     args, kw = case(g, PADDED, 2, torch.bfloat16, mxfp4=True)
     assert torch.equal(run(args, kw, products="bf16"), run(args, kw, precision="bf16"))
@@ -224,5 +236,5 @@ def test_captures_in_cuda_graph():
 def test_stream_token_tile_above_long_request_is_an_error():
     g = torch.Generator().manual_seed(3)
     args, kw = case(g, PADDED, 1, torch.float32)
-    with pytest.raises(ValueError, match="LONG_REQUEST"):
-        run(args, kw, variant="stream", token_tile=tk().LONG_REQUEST * 2)
+    with pytest.raises(ValueError, match="index_long_request"):
+        run(args, kw, variant="stream", token_tile=IndexerConfig().index_long_request * 2)

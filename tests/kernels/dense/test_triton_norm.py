@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from poisoned_alloc import poisoned
-from test_triton_attention import CUDA, DEV, pytestmark  # noqa: F401
+from triton_run import CUDA, DEV, pytestmark  # noqa: F401
 
 from megagraph.kernels.dense.capturable import rms_norm as cap_rms_norm
 from megagraph.kernels.dense.norm import rms_norm as ref_rms_norm

@@ -3,7 +3,7 @@
 CUDA GPU, or the CPU under TRITON_INTERPRET=1 (tests/kernels/test_triton_interp.py runs this file
 that way); skipped otherwise. Results are compared as bits (int views: torch.equal would take -0.0
 for +0.0). RoPE: the kernel multiplies x by the capturable version's own cos / sin table with
-torch's fp32 operations (no FMA contraction: tests/kernels/test_triton_attention_sm90.py checks
+torch's fp32 operations (no FMA contraction: tests/kernels/attention/test_triton_attention_sm90.py checks
 the sm_90 SASS has no FFMA), so it is bitwise the capturable version on any device and the
 reference where the two share the table (the CPU). fake_quant: the reference's arithmetic exactly
 (power-of-two scales from the f32 bits, round-to-nearest-even E4M3 / E2M1 grids, signs as bits).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_triton_attention import CUDA, DEV, pytestmark  # noqa: F401
+from triton_run import CUDA, DEV, pytestmark  # noqa: F401
 
 from megagraph.kernels.dense.capturable import fake_quant as cap_fake_quant, rope as cap_rope
 from megagraph.kernels.dense.quant import fake_quant as ref_fake_quant
@@ -192,7 +192,7 @@ def test_benchmark_rows_dry_run(monkeypatch):
     import sys
     from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3] / "benchmarks"))
     import kernel_rows
     import kernel_rows.dense as dense
 

@@ -4,12 +4,12 @@ them by name, and on CPU tensors (outside the Triton interpreter) every entry po
 what the capturable kernel returns."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 from test_capturable_ops import PADDED, meta
 
+from megagraph.configs.process import triton_interpret
 from megagraph.kernels import registry
 from megagraph.kernels.capturable_table import CAPTURABLE
 
@@ -34,7 +34,7 @@ def test_registered_for_hopper_and_loadable(op, monkeypatch):
     assert registry.choose_kernel(op, {}, no_triton, "sm_90")[0] in ("capturable", "reference")
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="CPU tensors run the interpreter")
+@pytest.mark.skipif(triton_interpret(), reason="CPU tensors run the interpreter")
 def test_cpu_tensors_fall_back_to_capturable():
     from test_triton_attention import ROPE, make_inputs
 

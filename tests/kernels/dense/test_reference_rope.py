@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from megagraph.kernels.reference_table import rope_frequencies
-from megagraph.kernels.dense import rope
+from megagraph.kernels.dense.rope import rope
 from megagraph.kernels.dense.rope import yarn_correction_range
 
 YARN = dict(theta=160000.0, yarn_factor=16.0, yarn_original=65536, yarn_beta_fast=32.0, yarn_beta_slow=1.0)

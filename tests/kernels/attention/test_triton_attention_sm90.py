@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import os
 import re
 
 import pytest
+from megagraph.configs.process import triton_interpret
 from sm90_build import cuobjdump, last_loop
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+    importlib.util.find_spec("triton") is None or triton_interpret(),
     reason="needs triton (compiling, not the interpreter)")
 
 ATTN = dict(q_ptr="*bf16", kv_ptr="*bf16", ring_ptr="*bf16", ckv_ptr="*bf16", topk_ptr="*i64",
@@ -67,10 +67,15 @@ def cases():
     import triton.language as tl
 
     from megagraph.kernels.attention import triton as A
+    from megagraph.kernels.attention.config import AttentionConfig
+    from megagraph.kernels.indexer.config import IndexerConfig
     from megagraph.kernels.state import triton_compressor as C
     from megagraph.kernels.indexer import triton as I
 
-    a = A.NO_SPILL
+    a = A.AttnLaunch()  # the shape whose build does not spill
+    pre = A.pick_launch(AttentionConfig().prefill_tokens)
+    combine_heads = AttentionConfig().combine_heads
+    ic = IndexerConfig()
     idx = dict(qi_ptr="*bf16", w_ptr="*bf16", ikey_ptr="*fp32", out_ptr="*fp32", pos_ptr="*i64",
                items_ptr="*i64", ivalid_ptr="*i8", tslot_ptr="*i64", C="i32", ratio="i32",
                weight_scale="fp32", s_qt="i32", s_qh="i32", s_wt="i32", s_ks="i32", s_kc="i32",
@@ -90,17 +95,19 @@ def cases():
         "attn decode split": ("attention_jit", "sparse_attn_fwd", ATTN,
                               dict(ATTN_C, NS=4, BLOCK_H=a.block_h, BLOCK_N=a.block_n), a.num_warps, "HMMA"),
         "attn prefill pipe": ("attention_jit", "sparse_attn_fwd", ATTN,
-                              dict(ATTN_C, BLOCK_H=A.PREFILL.block_h, BLOCK_N=A.PREFILL.block_n,
-                                   NS=1, PIPE=A.PREFILL.pipe), A.PREFILL.num_warps, "HMMA"),
+                              dict(ATTN_C, BLOCK_H=pre.block_h, BLOCK_N=pre.block_n,
+                                   NS=1, PIPE=pre.pipe), pre.num_warps, "HMMA"),
         "attn plain": ("attention_jit", "sparse_attn_fwd", dict(ATTN, o_ptr="*bf16"),
                        dict(ATTN_C, MODE=0, BLOCK_H=a.block_h, BLOCK_N=a.block_n), a.num_warps, "HMMA"),
         "attn combine": ("attention_jit", "sparse_attn_combine", comb,
-                         dict(D=512, BLOCK_H=A.COMBINE_HEADS, NS=4, MODE=1, ROPE_DIM=64, QBLOCK=128,
+                         dict(D=512, BLOCK_H=combine_heads, NS=4, MODE=1, ROPE_DIM=64, QBLOCK=128,
                               E8M0=False, MANUAL_FP8=False, OUT_DT=tl.bfloat16), 4, None),
         "index decode": ("indexer_jit", "index_scores_fwd", idx,
-                         dict(HI=32, DI=128, BT=1, BC=I.BLOCK_C, PREC=I.PRECISION), 8, "HMMA"),
+                         dict(HI=32, DI=128, BT=1, BC=ic.index_block_c, PREC=ic.index_precision), 8,
+                         "HMMA"),
         "index prefill": ("indexer_jit", "index_scores_fwd", idx,
-                          dict(HI=32, DI=128, BT=4, BC=I.BLOCK_C, PREC=I.PRECISION), 8, "HGMMA"),
+                          dict(HI=32, DI=128, BT=4, BC=ic.index_block_c, PREC=ic.index_precision), 8,
+                          "HGMMA"),
         **stream_cases(idx, I),
         "compressor gemm": ("compressor_jit", "proj_gemm", gemm,
                             dict(BM=64, BN=128, BK=64, DOT_F32=False), 8, "HGMMA"),

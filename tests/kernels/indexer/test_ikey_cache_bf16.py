@@ -22,12 +22,12 @@ the cache stays f32.
 from __future__ import annotations
 
 import importlib.util
-import os
 import zlib
 
 import pytest
 import torch
 
+from megagraph.configs.process import triton_interpret
 from megagraph.kernels.reference_table import reference_impls
 from megagraph.graph.verify import verify_graph
 from megagraph.kernels.capturable_table import CAPTURABLE
@@ -42,7 +42,7 @@ from megagraph.passes.plan import state_plan
 from tests.tiny import SeqChunk, random_tokens, session, tiny
 
 V41, V4 = "v4.1-flash-tiny", "v4-flash-tiny"
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+INTERP = triton_interpret()
 CUDA = torch.cuda.is_available() and not INTERP
 TRITON = importlib.util.find_spec("triton") is not None and (CUDA or INTERP)
 DEV = "cuda" if CUDA else "cpu"

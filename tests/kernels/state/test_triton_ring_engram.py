@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_capturable_ops import PADDED, SCRATCH
-from test_triton_attention import CUDA, DEV, dev_meta, pytestmark, seed  # noqa: F401
+from triton_run import CUDA, DEV, dev_meta, pytestmark, seed  # noqa: F401
 
 from megagraph.kernels.engram.reference import engram_gate as ref_gate, engram_hash as ref_hash
 from megagraph.kernels.engram.reference import engram_layout

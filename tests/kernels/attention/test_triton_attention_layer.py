@@ -199,11 +199,11 @@ def checked_values(g) -> tuple[str, ...]:
 def check_nodes(g, w, inputs, vals) -> dict:
     """Every node a Triton kernel ran, recomputed with the capturable kernel on the inputs it
     actually saw in the step (graph inputs before the step, intermediates as the step made them),
-    within that kernel's bound (tests/kernels/test_triton_*.py). Returns {node: error}."""
+    within that kernel's bound (tests/kernels/<family>/test_triton_*.py). Returns {node: error}."""
     from megagraph.graph.registry import get_op
     from megagraph.kernels.capturable_table import CAPTURABLE
     from megagraph.kernels.fused.reference import dequant_act
-    from test_triton_compressor import check as check_compressor
+    from triton_run import check_compressor
 
     cap = fit(CAPTURABLE)
     errs = {}

@@ -1,9 +1,9 @@
-"""The indexer top-k / candidate-mask kernels (kernels/indexer/triton_topk_jit.py) compile for sm_90
-ahead of time, without a GPU, at the launchers' default knobs (kernels/indexer/triton_topk.py), with no
-stack and no local memory (no spills), and the streaming kernels' score loads vectorized
-(LDG.E.128) where there is no per-entry load mask.
+"""The indexer top-k / candidate-mask kernels (kernels/indexer/triton_topk_jit.py) compile for
+sm_90 ahead of time, without a GPU, at IndexerConfig's default knobs, with no stack and no local
+memory (no spills), and the streaming kernels' score loads vectorized (LDG.E.128) where there is
+no per-entry load mask.
 
-Why: the stream variant's kernels hold a step of the row and the candidate buffer's select in
+Why: the stream kernels hold a step of the row and the candidate buffer's select in
 one program; their registers decide how many programs (and bytes in flight) an SM holds, and a
 spill would put local-memory traffic in the loop that reads the row. Registers are reported
 (`-s`), not pinned: they differ between Triton 3.6 (the H200 image: `PYTHONPATH=.cache/triton36`,
@@ -13,14 +13,15 @@ cuobjdump is missing, and under the interpreter.
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 
 import pytest
 from sm90_build import usage_and_sass
 
+from megagraph.configs.process import triton_interpret
+
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+    importlib.util.find_spec("triton") is None or triton_interpret(),
     reason="needs triton (compiling, not the interpreter)")
 
 STREAM = dict(s_ptr="*fp32", m_ptr="*fp32", buf_ptr="*i64", cnt_ptr="*i32", C="i32", KK="i32",
@@ -37,18 +38,20 @@ def cases():
     launchers' defaults (topk_select at k = 512, candidate_mask at blocks of 8)."""
     from megagraph.kernels.indexer import triton_topk as tk
     from megagraph.kernels.indexer import triton_topk_jit as J
+    from megagraph.kernels.indexer.config import IndexerConfig
 
-    tb, mtb, w = tk.STREAM_TB, tk.STREAM_MERGE_TB, tk.STREAM_WARPS
-    nbb = max(1, tk.CAND_STREAM_ELEMS // 8)
+    c = IndexerConfig()
+    tb, mtb, w = c.stream_tb, c.stream_merge_tb, tk.WARPS
+    nbb = max(1, c.cand_stream_elems // 8)
     return {
         "topk stream": (J.topk_stream_rows, STREAM, dict(HAS_MASK=False, MASKED_LOADS=False,
-                                                        BLOCK=tk.STREAM_BLOCK, TB=tb), w, True),
+                                                        BLOCK=c.stream_block, TB=tb), w, True),
         "topk stream mask": (J.topk_stream_rows, dict(STREAM, m_ptr="*u8"),
-                             dict(HAS_MASK=True, MASKED_LOADS=False, BLOCK=tk.STREAM_BLOCK,
+                             dict(HAS_MASK=True, MASKED_LOADS=False, BLOCK=c.stream_block,
                                   TB=tb), w, True),
         "topk stream masked loads": (J.topk_stream_rows, dict(STREAM, m_ptr="*u8"),
                                      dict(HAS_MASK=True, MASKED_LOADS=True,
-                                          BLOCK=tk.STREAM_BLOCK, TB=tb), w, False),
+                                          BLOCK=c.stream_block, TB=tb), w, False),
         "topk merge": (J.topk_merge_rows, dict(out_ptr="*i64", buf_ptr="*i64", cnt_ptr="*i32",
                                                K="i32", KK="i32", S="i32", CAP="i32",
                                                stride_o="i32"),
@@ -56,21 +59,15 @@ def cases():
         "cand stream": (J.cand_stream_rows, CAND, dict(BS=8, BLK=8, NBB=nbb, TB=tb), w, True),
         "cand merge": (J.cand_merge_rows, dict(buf_ptr="*i64", cnt_ptr="*i32", nv_ptr="*i32",
                                                par_ptr="*i64", KB="i32", S="i32", CAP="i32"),
-                       dict(BS=8, TB=tk.CAND_MERGE_TB), w, False),
+                       dict(BS=8, TB=c.cand_merge_tb), w, False),
         "cand write": (J.cand_write_rows, dict(s_ptr="*fp32", par_ptr="*i64", out_ptr="*u8",
                                                C="i32", stride_s="i32", stride_o="i32"),
-                       dict(BS=8, BLK=8, NBB=max(1, tk.CAND_WRITE_ELEMS // 8)), w, True),
-        "radix topk": (J.topk_select_rows, dict(s_ptr="*fp32", m_ptr="*fp32", out_ptr="*i64",
-                                                C="i32", K="i32", KK="i32", stride_s="i32",
-                                                stride_m="i32", stride_o="i32"),
-                       dict(HAS_MASK=False, BLOCK=tk.BLOCK, BLOCK_K=tk.BLOCK_K, RB=8),
-                       tk.NUM_WARPS, True),
+                       dict(BS=8, BLK=8, NBB=max(1, c.cand_write_elems // 8)), w, True),
     }
 
 
 @pytest.mark.parametrize("name", ["topk stream", "topk stream mask", "topk stream masked loads",
-                                  "topk merge", "cand stream", "cand merge", "cand write",
-                                  "radix topk"])
+                                  "topk merge", "cand stream", "cand merge", "cand write"])
 def test_topk_kernels_compile_for_sm90_without_spills(name):
     import triton
 

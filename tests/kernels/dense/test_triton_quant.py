@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_triton_attention import CUDA, DEV, pytestmark  # noqa: F401
+from triton_run import CUDA, DEV, pytestmark  # noqa: F401
 
 from megagraph.kernels.fused.reference import quantize_act as ref_quantize_act
 

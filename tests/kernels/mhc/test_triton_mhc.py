@@ -6,8 +6,7 @@ arrival counters (zero after every launch, CUDA-graph replays included).
 Without CUDA this module runs under the Triton interpreter (test_triton_interp.py), which runs the
 programs one after another in grid order: the last-arriver logic is exercised deterministically
 (the program with the highest split index arrives last), the races are not; the run-to-run and
-CUDA-graph tests only have teeth on the GPU. On the H200 (Triton 3.6) every test here passed once
-(docs/kernels/mhc.md)."""
+CUDA-graph tests only have teeth on the GPU."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,11 +20,12 @@ pytest.importorskip("triton")
 
 from megagraph.kernels.fused import reference as rf  # noqa: E402
 from megagraph.kernels.mhc import triton as tmhc  # noqa: E402
+from megagraph.kernels.mhc.config import MhcConfig  # noqa: E402
 from megagraph.kernels.mhc import triton_jit as mhc_jit  # noqa: E402
-from megagraph.kernels.moe import triton as tm  # noqa: E402
+from megagraph.kernels.common.triton import INTERPRET  # noqa: E402
 from test_triton_moe import check_mhc  # noqa: E402
 
-RUNNABLE = torch.cuda.is_available() or tm.INTERPRET
+RUNNABLE = torch.cuda.is_available() or INTERPRET
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason="runs in the interpreter child process")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GPU = DEV == "cuda"
@@ -97,20 +97,21 @@ class Launches:
         return Spy()
 
 
-def force_split(monkeypatch, split, **tiles):
-    """plan() with `split` programs per token block (None: the plan's) and other Plan fields
-    (bt: tokens per block under the 16-row MMA tile, fbm, fstages, nq, warps)."""
+ALWAYS = MhcConfig(fused="always")  # one launch
+NEVER = MhcConfig(fused="never")  # the unfused 2-3 launches
+
+
+def forced(args, split, **tiles):
+    """mega_mhc's `tiles` for these inputs: plan()'s with `split` programs per token block
+    (None: the plan's) and other Plan fields (bt: tokens per block under the 16-row MMA tile,
+    fbm, fstages, nq, warps); None (plan() itself) when nothing is forced."""
     if split is None and not tiles:
-        return
-    real = tmhc.plan
-
-    def plan(T, kd, dev):
-        p = dataclasses.replace(real(T, kd, dev), **tiles)
-        s = p.split if split is None else split
-        k_per = -(-kd // (s * p.bk)) * p.bk
-        return dataclasses.replace(p, split=-(-kd // k_per), k_per=k_per)
-
-    monkeypatch.setattr(tmhc, "plan", plan)
+        return None
+    T, kd, dev = args[0].shape[0], args[1].shape[1], args[0].device
+    p = dataclasses.replace(tmhc.plan(T, kd, dev), **tiles)
+    s = p.split if split is None else split
+    k_per = -(-kd // (s * p.bk)) * p.bk
+    return dataclasses.replace(p, split=-(-kd // k_per), k_per=k_per)
 
 
 TILES = {"": {}, "bt4": dict(bt=4, fbm=4), "bt8/fbm2/nq2": dict(bt=8, fbm=2, nq=2),
@@ -122,11 +123,16 @@ TILES = {"": {}, "bt4": dict(bt=4, fbm=4), "bt8/fbm2/nq2": dict(bt=8, fbm=2, nq=
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("T,split,tiles", [
+BITWISE_CASES = [
     (1, None, ""), (3, None, ""), (17, None, ""), (64, None, ""), (300, None, ""), (64, 3, ""),
     (300, 2, ""), (17, 8, ""), (1, 1, ""), (17, None, "bt4"), (64, 3, "bt4"),
-    (40, 2, "bt8/fbm2/nq2"), (300, 2, "nq4/fs2"), (40, None, "nq4/fs2"), (5, 2, "bt2/fbm1")])
-@pytest.mark.parametrize("act_fmt", ["fp8_1x128", "mxfp8"])
+    (40, 2, "bt8/fbm2/nq2"), (300, 2, "nq4/fs2"), (40, None, "nq4/fs2"), (5, 2, "bt2/fbm1")]
+
+
+# both activation formats on alternate cases (the format only changes the finish's quantizer
+# block, which every plan runs the same way)
+@pytest.mark.parametrize("T,split,tiles,act_fmt", [
+    (*c, "mxfp8" if i % 2 else "fp8_1x128") for i, c in enumerate(BITWISE_CASES)])
 def test_fused_equals_unfused_bitwise(T, split, tiles, act_fmt, monkeypatch):
     """Split and unsplit token counts (default plan: split below 32 tokens in the interpreter,
     below 256 on the GPU; forced splits: uneven last K range at 3, one K step per split at 8;
@@ -134,17 +140,17 @@ def test_fused_equals_unfused_bitwise(T, split, tiles, act_fmt, monkeypatch):
     quantize steps wider than d = 256 (masked blocks), a pipelined collapse), outputs and
     scratch poisoned: every element written, the two paths' bits equal, counters back to zero,
     and one launch for the fused path."""
-    force_split(monkeypatch, split, **TILES[tiles])
     args = inputs(T)
-    kw = dict(KW, act_fmt=act_fmt)
+    p = forced(args, split, **TILES[tiles])
+    kw = dict(KW, act_fmt=act_fmt, tiles=p)
     spy = Launches(monkeypatch)
     with poisoned():
-        fused = tmhc.mega_mhc(*args, **kw, fused=True)
+        fused = tmhc.mega_mhc(*args, **kw, kernel_config=ALWAYS)
     assert spy.n == {"mhc_fused": 1}
     assert counters_zero()
     with poisoned():
-        plain = tmhc.mega_mhc(*args, **kw, fused=False)
-    p = tmhc.plan(T, args[1].shape[1], args[0].device)
+        plain = tmhc.mega_mhc(*args, **kw, kernel_config=NEVER)
+    p = p or tmhc.plan(T, args[1].shape[1], args[0].device)
     assert spy.n["mhc_proj"] == 1 and spy.n.get("mhc_reduce", 0) == (p.split > 1)
     all_written(fused, act_fmt)
     assert same_bits(fused, plain) == []
@@ -158,30 +164,31 @@ def test_fused_equals_unfused_bitwise(T, split, tiles, act_fmt, monkeypatch):
     (33, torch.float32, "fp8_1x128", False, None, "nq4/fs2"),
     (9, torch.float16, "mxfp8", False, 2, "bt8/fbm2/nq2"),
 ])
-def test_fused_matches_reference(T, dtype, act_fmt, with_mix, split, tiles, monkeypatch):
+def test_fused_matches_reference(T, dtype, act_fmt, with_mix, split, tiles):
     """test_triton_moe.py::test_mega_mhc's tolerances, on the fused path."""
-    force_split(monkeypatch, split, **TILES[tiles])
     streams, fn, base, scale, mix, nw = inputs(T, dtype=dtype, mix=with_mix, seed=3)
     kw = dict(KW, act_fmt=act_fmt)
     with poisoned():
-        out = tmhc.mega_mhc(streams, fn, base, scale, mix, nw, **kw, fused=True)
+        out = tmhc.mega_mhc(streams, fn, base, scale, mix, nw, **kw, kernel_config=ALWAYS,
+                            tiles=forced((streams, fn), split, **TILES[tiles]))
     ref = rf.mega_mhc(streams, fn, base, scale, mix, nw, **kw)
     all_written(out, act_fmt)
     check_mhc(out, ref, act_fmt)
 
 
-def test_default_follows_the_flag(monkeypatch):
-    """MEGAGRAPH_MHC_FUSED (tmhc.FUSED) picks the path when the call does not: "auto" takes
-    plan().fused (one launch at decode sizes, the unfused launches from SPLIT_TOKENS on), "0"
-    never fuses, "1" always."""
+def test_launches_follow_the_config(monkeypatch):
+    """MhcConfig.fused picks the launches: "auto" (the default) one launch up to fused_tokens,
+    the unfused launches above; "never" / "always" at every T; a lower fused_tokens moves the
+    crossover."""
     kw = dict(KW, act_fmt="fp8_1x128")
     spy = Launches(monkeypatch)
-    for flag, T, want in (("auto", 3, True), ("auto", tmhc.SPLIT_TOKENS, False), ("0", 3, False),
-                          ("1", tmhc.SPLIT_TOKENS, True)):
-        monkeypatch.setattr(tmhc, "FUSED", flag)
+    top = MhcConfig().fused_tokens
+    for cfg, T, want in ((None, 3, True), (None, top, True), (None, top + 1, False),
+                         (NEVER, 3, False), (ALWAYS, top + 1, True),
+                         (MhcConfig(fused_tokens=2), 3, False)):
         spy.n.clear()
-        tmhc.mega_mhc(*inputs(T), **kw)
-        assert (spy.n == {"mhc_fused": 1}) == want and ("mhc_finish" in spy.n) != want, flag
+        tmhc.mega_mhc(*inputs(T), **kw, kernel_config=cfg)
+        assert (spy.n == {"mhc_fused": 1}) == want and ("mhc_finish" in spy.n) != want, cfg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,19 +203,20 @@ def test_same_bits_every_run(T, fused):
     programs arrive in a different order each run; the slabs are still added in split order)."""
     args = inputs(T, seed=5)
     kw = dict(KW, act_fmt="fp8_1x128")
-    runs = [tmhc.mega_mhc(*args, **kw, fused=fused) for _ in range(3)]
+    runs = [tmhc.mega_mhc(*args, **kw, kernel_config=ALWAYS if fused else NEVER)
+            for _ in range(3)]
     for out in runs[1:]:
         assert same_bits(out, runs[0]) == []
     assert counters_zero()
 
 
-def test_counters_stay_zero_across_token_counts(monkeypatch):
+def test_counters_stay_zero_across_token_counts():
     """Launches with different block counts and splits one after another (each leaves every
     counter at zero, so the next starts clean); reset_counters repairs a stale counter."""
-    force_split(monkeypatch, 3)
     kw = dict(KW, act_fmt="fp8_1x128")
     for T in (40, 1, 17, 40):
-        tmhc.mega_mhc(*inputs(T, seed=7), **kw, fused=True)
+        args = inputs(T, seed=7)
+        tmhc.mega_mhc(*args, **kw, kernel_config=ALWAYS, tiles=forced(args, 3))
         assert counters_zero(), T
     c = tmhc.counters(torch.device(DEV))
     assert c.dtype == torch.int32 and c.numel() == tmhc.COUNTER_SLOTS
@@ -216,8 +224,9 @@ def test_counters_stay_zero_across_token_counts(monkeypatch):
     tmhc.reset_counters()
     assert counters_zero()
     args = inputs(40, seed=7)
-    assert same_bits(tmhc.mega_mhc(*args, **kw, fused=True),
-                     tmhc.mega_mhc(*args, **kw, fused=False)) == []
+    kw["tiles"] = forced(args, 3)
+    assert same_bits(tmhc.mega_mhc(*args, **kw, kernel_config=ALWAYS),
+                     tmhc.mega_mhc(*args, **kw, kernel_config=NEVER)) == []
 
 
 def test_incomplete_block_is_not_finished(monkeypatch):
@@ -226,8 +235,9 @@ def test_incomplete_block_is_not_finished(monkeypatch):
     block's counter holds split - 1 arrivals (an early finisher, e.g. a test on the first ticket,
     would write x; the interpreter's sequential order cannot show that otherwise: the last
     program's finish would overwrite it)."""
-    force_split(monkeypatch, 3)
     T = 40
+    args = inputs(T)
+    p = forced(args, 3)
     real = mhc_jit.mhc_fused
 
     class Cut:
@@ -237,9 +247,10 @@ def test_incomplete_block_is_not_finished(monkeypatch):
     monkeypatch.setattr(mhc_jit, "mhc_fused", Cut())
     try:
         with poisoned():
-            x, *_ = tmhc.mega_mhc(*inputs(T), **KW, act_fmt="fp8_1x128", fused=True)
+            x, *_ = tmhc.mega_mhc(*args, **KW, act_fmt="fp8_1x128", kernel_config=ALWAYS,
+                                  tiles=p)
         assert torch.isnan(x.float()).all()
-        mt = -(-T // tmhc.plan(T, 4 * 256, torch.device(DEV)).block)
+        mt = -(-T // p.block)
         c = tmhc.counters(torch.device(DEV))
         assert mt > 1 and c[:mt].tolist() == [2] * mt and int(c[mt:].abs().sum()) == 0
     finally:
@@ -285,11 +296,11 @@ def test_fused_cuda_graph_replay(T):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        tmhc.mega_mhc(static, fn, base, scale, mix, nw, **kw, fused=True)
+        tmhc.mega_mhc(static, fn, base, scale, mix, nw, **kw, kernel_config=ALWAYS)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = tmhc.mega_mhc(static, fn, base, scale, mix, nw, **kw, fused=True)
+        out = tmhc.mega_mhc(static, fn, base, scale, mix, nw, **kw, kernel_config=ALWAYS)
     for seed in (12, 13):
         fresh = inputs(T, d=5120, seed=seed)[0]
         static.copy_(fresh)
@@ -300,7 +311,7 @@ def test_fused_cuda_graph_replay(T):
         graph.replay()
         torch.cuda.synchronize()
         assert same_bits(out, first) == []
-        eager = tmhc.mega_mhc(fresh, fn, base, scale, mix, nw, **kw, fused=False)
+        eager = tmhc.mega_mhc(fresh, fn, base, scale, mix, nw, **kw, kernel_config=NEVER)
         assert same_bits(out, eager) == [], seed
     ref = rf.mega_mhc(fresh, fn, base, scale, mix, nw, **kw)
     assert rel(out[3], ref[3]) < TOL_COEF and rel(out[0], ref[0]) < 1e-2
@@ -315,15 +326,16 @@ def test_capture_before_counters_takes_unfused_path(monkeypatch):
     T = 64
     streams, fn, base, scale, mix, nw = inputs(T, d=5120, seed=21)
     kw = dict(KW, act_fmt="fp8_1x128")
-    tmhc.mega_mhc(streams, fn, base, scale, mix, nw, **kw, fused=False)  # compile outside
+    tmhc.mega_mhc(streams, fn, base, scale, mix, nw, **kw, kernel_config=NEVER)  # compile outside
     static = streams.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = tmhc.mega_mhc(static, fn, base, scale, mix, nw, **kw, fused=True)
+        out = tmhc.mega_mhc(static, fn, base, scale, mix, nw, **kw, kernel_config=ALWAYS)
     assert tmhc._COUNTERS == {}
     graph.replay()
     torch.cuda.synchronize()
-    assert same_bits(out, tmhc.mega_mhc(streams, fn, base, scale, mix, nw, **kw, fused=True)) == []
+    again = tmhc.mega_mhc(streams, fn, base, scale, mix, nw, **kw, kernel_config=ALWAYS)
+    assert same_bits(out, again) == []
 
 
 @pytest.mark.gpu
@@ -335,8 +347,8 @@ def test_fused_equals_unfused_full_width(T):
     args = inputs(T, d=5120, seed=31, mix=T == 200)
     kw = dict(KW, act_fmt="fp8_1x128")
     with poisoned():
-        fused = tmhc.mega_mhc(*args, **kw, fused=True)
-    plain = tmhc.mega_mhc(*args, **kw, fused=False)
+        fused = tmhc.mega_mhc(*args, **kw, kernel_config=ALWAYS)
+    plain = tmhc.mega_mhc(*args, **kw, kernel_config=NEVER)
     all_written(fused, "fp8_1x128")
     assert same_bits(fused, plain) == []
     assert counters_zero()

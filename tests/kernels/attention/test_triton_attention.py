@@ -1,7 +1,7 @@
 """kernels/triton sparse attention with sink (sparse_attn, sparse_attn_q) vs the reference.
 
 Runs on a CUDA GPU, or on the CPU under the Triton interpreter (`TRITON_INTERPRET=1 pytest
-tests/kernels/test_triton_attention.py`, small sizes only); skipped otherwise.
+tests/kernels/attention/test_triton_attention.py`, small sizes only); skipped otherwise.
 
 Every check draws fresh random inputs and poisons the outputs (NaN) before the launch, so an
 unwritten element fails. Layouts: the ragged, padded step of test_capturable_ops (pad requests on a
@@ -22,24 +22,15 @@ Error bounds (outputs vs the reference's fp32 math on the same inputs, upcast):
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-import zlib
 
 import pytest
 import torch
-from test_capturable_ops import PADDED, REAL, meta, real_rows
+from test_capturable_ops import PADDED, REAL, real_rows
+from triton_run import CUDA, DEV, INTERP, dev_meta, pytestmark, seed  # noqa: F401
 
 from megagraph.kernels.attention.reference import sparse_attn as ref_sparse_attn
 from megagraph.kernels.fused.reference import dequant_act, sparse_attn_q as ref_sparse_attn_q
 from megagraph.kernels.dense.rope import rope as ref_rope
-
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-CUDA = torch.cuda.is_available() and not INTERP
-DEV = "cuda" if CUDA else "cpu"
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None or not (CUDA or INTERP),
-    reason="needs CUDA + triton, or TRITON_INTERPRET=1")
 
 ROPE = dict(rope_dim=64, theta=160000.0, yarn_factor=16.0, yarn_original=65536, yarn_beta_fast=32.0,
             yarn_beta_slow=1.0)
@@ -50,14 +41,6 @@ def ta():
     from megagraph.kernels.attention import triton as attention
 
     return attention
-
-
-def seed(*parts) -> int:
-    return zlib.crc32(repr(parts).encode())
-
-
-def dev_meta(reqs):
-    return {k: v.to(DEV) for k, v in meta(reqs).items()}
 
 
 def make_inputs(g, reqs, mode, dtype, *, s=S, w=W, h=H, d=D, c=C, k=K, ratio=2):
@@ -93,7 +76,8 @@ def run(args, kw, *, quant=None, splits=0, act_fmt="fp8_1x128", pipe=False):
         out = (torch.full((T, h, d), float("nan"), dtype=q.dtype, device=DEV),)
     res = A.launch(*args, window=kw["window"], scale=kw["scale"], ratio=kw["ratio"],
                    attend_all=kw["attend_all_compressed"],
-                   quant=(act_fmt, ROPE) if quant else None, config=A.AttnConfig(splits=splits, pipe=pipe),
+                   quant=(act_fmt, ROPE) if quant else None, 
+                   launch_shape=A.AttnLaunch(splits=splits, pipe=pipe),
                    out=out)
     if quant:
         o, sc = res
@@ -140,7 +124,7 @@ def check_quant(o, sc, want_rot, dtype, act_fmt):
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("pipe", [False, True])
 def test_sparse_attn_matches_reference(mode, dtype, splits, pipe):
-    """pipe: the top-k loop without its empty-tile skip (AttnConfig.pipe); the cases' top-k rows
+    """pipe: the top-k loop without its empty-tile skip (AttnLaunch.pipe); the cases' top-k rows
     hold -1 and out-of-range entries, so whole empty tiles run through the products."""
     g = torch.Generator().manual_seed(seed(mode, dtype, splits))
     args, kw = make_inputs(g, PADDED, mode, dtype)
