@@ -45,7 +45,7 @@ $(T36)/triton/__init__.py: install
 
 sm90-h200: $(T36)/triton/__init__.py
 	PYTHONPATH=$(T36) $(BIN)/python -m pytest -q -p no:cacheprovider \
-	  tests/kernels/test_triton_attention_sm90.py tests/kernels/test_triton_topk_sm90.py \
-	  $(wildcard tests/kernels/test_moe_gluon*.py)
+	  tests/kernels/attention/test_triton_attention_sm90.py tests/kernels/indexer/test_triton_topk_sm90.py \
+	  $(wildcard tests/kernels/moe/test_moe_gluon*.py)
 
 .PHONY: install test demo serve-demo sm90-h200

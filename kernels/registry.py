@@ -2,7 +2,8 @@
 
 Every op has a pure-torch `reference` kernel (any device) and most a `capturable` one (device
 torch, no host sync). Fast kernels carry a status: `available` once they ran against their
-references on their device (the Hopper Triton kernels: tests/kernels/test_triton_*.py on an H200),
+references on their device (the Hopper Triton kernels: tests/kernels/<family>/test_triton_*.py
+on an H200),
 `unvalidated` while built but never run there (chosen only with `compile --allow-unvalidated`),
 and `planned` with the capability they need, so the plan says what a profile would use and what
 it actually gets. A fast kernel whose key a kernel family claims (kernel_config.py, `OPS`) takes
@@ -85,7 +86,7 @@ KERNELS: dict[str, list[KernelImpl]] = {
     "hc_expand": [_k("triton.hc_expand", "sm_90 triton", "available",
                      note="kernels/mhc/triton.py: mega_moe's combine kernel with one slot (the "
                           "attention sites' residual expand; the FFN sites' is inside mega_moe; "
-                          "tests/kernels/test_triton_mhc.py on the H200)")],
+                          "tests/kernels/mhc/test_triton_mhc.py on the H200)")],
     "sparse_attn": [_k("flashmla.sparse_fwd", "cuda flashmla"),
                     _k("triton.sparse_attn", "sm_90 triton", "available", note=TRITON_ATTN)],
     "sparse_attn_q": [_k("flashmla.mega_attention", "sm_100f flashmla mxfp8"),
@@ -110,16 +111,17 @@ KERNELS: dict[str, list[KernelImpl]] = {
                     _k("capturable", "sm_90", "available", note="device torch.topk + sort")],
     "quantize_act": [_k("triton.quantize_act", "sm_90 triton", "available",
                         note="kernels/dense/triton_quant.py: one pass per row, bitwise the "
-                             "reference (tests/kernels/test_triton_quant.py)"),
+                             "reference (tests/kernels/dense/test_triton_quant.py)"),
                      _k("triton.quantize_act", "cuda triton", "unvalidated")],
     "rope": [_k("triton.rope", "sm_90 triton", "available",
                 note="kernels/dense/triton_rope.py: one pass over x with the capturable "
                      "version's cos/sin table, no FMA contraction: bitwise the capturable rope "
-                     "(tests/kernels/test_triton_dense.py)"),
+                     "(tests/kernels/dense/test_triton_dense.py)"),
              _k("triton.rope", "cuda triton", "unvalidated")],
     "fake_quant": [_k("triton.fake_quant", "sm_90 triton", "available",
                       note="kernels/dense/triton_quant.py: one pass per row, fp8_e4m3 / mxfp4 / "
-                           "nvfp4, bitwise the reference (tests/kernels/test_triton_dense.py)"),
+                           "nvfp4, bitwise the reference "
+                           "(tests/kernels/dense/test_triton_dense.py)"),
                    _k("triton.fake_quant", "cuda triton", "unvalidated")],
     "compressor": [_k("triton.compressor", "sm_90 triton", "available",
                       note="kernels/state/triton_compressor.py: GEMM + pool / norm / RoPE / "

@@ -798,7 +798,7 @@ def l2_gluon_ws(h, w2_bank, counts, srt, wts, y, *, topk: int, ks: int, max_tile
         consts = kernel_consts(w2_bank.k, use_asm, ns, nu, bn=bn, upp=upp, lup=False)
     if not _IMPORT_OK:
         raise RuntimeError("l2_gluon_ws needs Triton 3.6's Gluon (moe_gluon_l2_ws.available())")
-    from megagraph.kernels.attention.triton import sm_count
+    from megagraph.kernels.common.triton import sm_count
 
     tiles = tile_list(counts, BM, max_tiles, tiles)
     N, K = w2_bank.n, w2_bank.k

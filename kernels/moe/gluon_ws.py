@@ -115,7 +115,7 @@ from __future__ import annotations
 
 import torch
 
-from megagraph.kernels.attention.triton import sm_count
+from megagraph.kernels.common.triton import sm_count
 from megagraph.kernels.moe.gluon_common import IMPORT_OK as _IMPORT_OK
 from megagraph.kernels.moe.gluon_common import (
     available,  # noqa: F401  (the tests and the probe call it here)

@@ -24,11 +24,10 @@ from megagraph.configs.process import triton_interpret
 pytest.importorskip("triton")
 HERE = Path(__file__).resolve().parent
 # longest first (child CPU times: top-k ~135 s in its two shards, mhc ~90, moe ~45, decode ~30,
-# persistent ~30, fused ~20, fp8h ~20, quant ~12, the rest a few seconds)
-FILES = ["indexer/test_triton_topk.py", "mhc/test_triton_mhc.py", "test_triton_moe.py",
-         "test_triton_moe_decode.py", "test_triton_moe_persistent.py", "test_triton_moe_fused.py",
-         "test_triton_moe_fp8h.py", "dense/test_triton_quant.py", "test_moe_grouped_cublas.py",
-         "dense/test_triton_dense.py", "dense/test_triton_norm.py"]
+# fp8h ~20, quant ~12, the rest a few seconds)
+FILES = ["indexer/test_triton_topk.py", "mhc/test_triton_mhc.py", "moe/test_triton_moe.py",
+         "moe/test_triton_moe_decode.py", "moe/test_triton_moe_fp8h.py", "dense/test_triton_quant.py",
+         "moe/test_moe_grouped_cublas.py", "dense/test_triton_dense.py", "dense/test_triton_norm.py"]
 # a file run as several children: pytest -k expressions that together select every test once
 SHARDS = {"indexer/test_triton_topk.py": ["stream", "not stream"]}
 JOBS = [(name, k) for name in FILES for k in SHARDS.get(name, [None])]

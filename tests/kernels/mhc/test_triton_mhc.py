@@ -23,7 +23,7 @@ from megagraph.kernels.mhc import triton as tmhc  # noqa: E402
 from megagraph.kernels.mhc.config import MhcConfig  # noqa: E402
 from megagraph.kernels.mhc import triton_jit as mhc_jit  # noqa: E402
 from megagraph.kernels.common.triton import INTERPRET  # noqa: E402
-from test_triton_moe import check_mhc  # noqa: E402
+from mhc_checks import check_mhc  # noqa: E402
 
 RUNNABLE = torch.cuda.is_available() or INTERPRET
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason="runs in the interpreter child process")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mhc_checks import check_mhc  # noqa: E402
 from poisoned_alloc import poisoned  # noqa: E402
 
 triton = pytest.importorskip("triton")
@@ -500,25 +501,6 @@ def test_mega_mhc(T, dtype, act_fmt, with_mix):
     ref = rf.mega_mhc(streams, fn, base, scale, mix, nw, **kw)
     finite(*out)
     check_mhc(out, ref, act_fmt)
-
-
-def check_mhc(out, ref, act_fmt) -> None:
-    """Mega-mHC's six outputs (x, x_q, x_scale, pre, post, comb) against the reference op's:
-    dtypes and shapes, the coefficients within TOL_COEF, x within bf16 (1e-2), the dequantized
-    x_q within one E4M3 step of the reference's (2e-2: x may round the other way) and of x
-    (5e-2: the quantizer's own error). test_triton_mhc.py checks the fused path with it."""
-    names = ("x", "x_q", "x_scale", "pre", "post", "comb")
-    for name, a, b in zip(names, out, ref, strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape, name
-    x, xq, xs, pre, post, comb = out
-    rx, rxq, rxs, rpre, rpost, rcomb = ref
-    for a, b in ((pre, rpre), (post, rpost), (comb, rcomb)):
-        assert rel(a, b) < TOL_COEF
-    assert rel(x, rx) < 1e-2
-    deq = rf.dequant_act(xq, xs, act_fmt=act_fmt)
-    rdeq = rf.dequant_act(rxq, rxs, act_fmt=act_fmt)
-    assert rel(deq, rdeq) < 2e-2  # one E4M3 step where x rounded the other way
-    assert rel(deq, x.float()) < 5e-2  # the quantizer's own error
 
 
 # ---------------------------------------------------------------------------------------------
