@@ -19,7 +19,7 @@ for step in "${STEP_LIST[@]}"; do
   case $step in
     tests) timeout ${T_TESTS:-330} python3 -m pytest -q -o addopts="" -rfE --tb=short \
              --durations=15 -p no:cacheprovider ${PYTEST_ARGS:-} \
-             ${TESTS:-tests/kernels/test_triton_*.py tests/kernels/test_capturable_cuda.py} \
+             ${TESTS:-tests/kernels/*/test_triton_*.py tests/kernels/test_capturable_cuda.py} \
              > "$OUT/tests.log" 2>&1
            echo "tests rc=$?" >> "$OUT/env.txt";;
     kernels) timeout ${T_KERNELS:-200} python3 benchmarks/kernels.py --out "$OUT/kernels" \
