@@ -186,7 +186,7 @@ def overhead(before: dict, after: dict) -> dict:
 
 def start_local(artifacts: Path, *, max_running: int, overlap: bool, capacity: int):
     sys.path.insert(0, str(ROOT))
-    from tests.server.conftest import free_port, start_server  # the suite's in-process server
+    from tests.runtime.server.conftest import free_port, start_server  # the suite's in-process server
 
     from megagraph.runtime.server import ServeConfig
 

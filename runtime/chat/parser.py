@@ -15,7 +15,7 @@ text chunks cut anywhere (single characters included) and returns `ChatDelta`s: 
 `content`, and `tool_calls` deltas (one per call: its id, name and whole JSON `arguments`).
 
 Why our own parser and not deepseek-recipe's `StreamProcessor`: the recipe processor is incremental
-and agrees with this one on well-formed output (tests/chat/test_parser.py checks the final
+and agrees with this one on well-formed output (tests/runtime/chat/test_parser.py checks the final
 reasoning/content/calls against it), but on anything else it loses or corrupts text, which is what
 users of SGLang/vLLM complain about (anchors.md §4): an unknown `<｜DSML｜ x>` tag or a bad attribute
 silently drops the rest of the answer, `string="false"` values that are not JSON (and a missing

@@ -15,7 +15,7 @@ the same all-reduced integer counts):
 3. align: on each rank, experts it already held keep their slot index, so only new experts move.
 
 `balance_ratio` = max rank load / mean rank load (1.0 = perfect). For the Zipf(1.0) load over
-384 experts on 8 ranks tested in tests/parallel/test_eplb.py: 1.000 with 32 redundant experts
+384 experts on 8 ranks tested in tests/runtime/distributed/test_eplb.py: 1.000 with 32 redundant experts
 (bound asserted: <= 1.01), against 1.26 for the best placement without replicas (the hottest
 expert alone carries 15% of all load, above a rank's 12.5% share) and 2.92 for the contiguous
 initial placement.

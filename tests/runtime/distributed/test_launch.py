@@ -17,7 +17,7 @@ from megagraph.runtime.distributed.launch import (
     torchrun_argv,
 )
 
-from tests.parallel.common import compile_artifacts
+from tests.runtime.distributed.common import compile_artifacts
 
 
 def test_torchrun_command_lines():

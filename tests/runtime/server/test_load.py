@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .conftest import wait_idle
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 from serving import make_requests, run_load, summarize  # noqa: E402
 
 

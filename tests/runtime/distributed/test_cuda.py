@@ -80,7 +80,7 @@ def test_collectives_inside_cuda_graphs():
 
 
 def test_tiny_model_dep2_on_gpus(tmp_path):
-    from tests.parallel.common import compile_artifacts, equivalence_rank, save_baseline
+    from tests.runtime.distributed.common import compile_artifacts, equivalence_rank, save_baseline
 
     jobs = [(m, str(compile_artifacts(m, tmp_path / m, dp=2, ep=2)), save_baseline(m, tmp_path / f"{m}.pt"))
             for m in ("v4.1-flash-tiny", "v4-flash-tiny")]

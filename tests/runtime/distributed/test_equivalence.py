@@ -1,5 +1,5 @@
 """1 vs 2 vs 4 ranks (gloo, spawned processes): the same logits as one process, for both tiny
-models, over the mixed prefill/decode SCHEDULE (tests/parallel/common.py) in which requests are
+models, over the mixed prefill/decode SCHEDULE (tests/runtime/distributed/common.py) in which requests are
 spread unevenly, some ranks have no request in some steps and the last of 4 ranks never has one.
 
 Tolerance (fp32 weights dequantized, act f32): |logit difference| <= 1e-4 and <= 1e-5 of the
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from megagraph.runtime.distributed.launch import launch
 
-from tests.parallel.common import (
+from tests.runtime.distributed.common import (
     ASSIGN,
     SCHEDULE,
     compile_artifacts,

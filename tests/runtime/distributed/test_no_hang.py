@@ -11,7 +11,7 @@ import pytest
 from megagraph.models.session import SeqChunk
 from megagraph.runtime.distributed.launch import launch
 
-from tests.parallel.common import compile_artifacts, rank_engine, tokens_for
+from tests.runtime.distributed.common import compile_artifacts, rank_engine, tokens_for
 
 MODEL = "v4-flash-tiny"
 

@@ -10,7 +10,7 @@ import torch
 from megagraph.runtime.distributed import eplb
 from megagraph.runtime.distributed.launch import launch
 
-from tests.parallel.common import (
+from tests.runtime.distributed.common import (
     ASSIGN,
     SCHEDULE,
     compare,
