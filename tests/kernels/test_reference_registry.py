@@ -35,8 +35,8 @@ def test_attributes_are_keyword_only():
 def test_available_library_kernels_are_marked_capturable():
     """Every loadable kernel marked available says it can be captured (fn.capturable): the
     runtime captures a node only when its kernel says so (runtime.kernels), so an unmarked one
-    silently splits the decode CUDA graph into eager segments (the ninth session's hc_expand:
-    45.6 against 18.7 ms per decode step on the H200 until it was marked)."""
+    silently splits the decode CUDA graph into eager segments (an unmarked hc_expand took
+    45.6 against 18.7 ms per decode step on the H200)."""
     import pytest
 
     pytest.importorskip("triton")
