@@ -300,7 +300,7 @@ def balanced_routing(T: int, E: int, k: int, dev) -> tuple[torch.Tensor, torch.T
 def layer_call(dims: dict, w: dict, T: int, dev, routing: str = "gate", configs=None):
     """A no-argument call of the whole Triton MegaMoE layer on layer_inputs at T tokens (seed
     T + 1, the kernel table's inputs), routed by the gate ("gate") or balanced_routing
-    ("balanced"): what benchmarks/moe_ab.py times and benchmarks/ncu_moe.py profiles, with
+    ("balanced"): what benchmarks/probes/moe_ab.py times and benchmarks/probes/ncu_moe.py profiles, with
     `configs` (family -> KernelConfig, kernel_config.resolve's answer; None: the defaults) bound
     as the plan binds them: MoeConfig as kernel_config, GemmConfig as gemm_config."""
     from megagraph.kernels.moe import triton as tm

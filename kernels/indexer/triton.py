@@ -119,7 +119,7 @@ def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_r
     args = (qi if qi.stride(-1) == 1 else qi.contiguous(), w.contiguous(),
             ikey if ikey.stride(-1) == 1 else ikey.contiguous(), out, positions, token_req,
             seq_slots, ratio, float(weight_scale), prec, cfg)
-    # the stream kernel is measured with bf16 products (V4.1's, benchmarks/index_probe.py); the
+    # the stream kernel is measured with bf16 products (V4.1's, benchmarks/probes/index_probe.py); the
     # fp32-product modes keep the tile kernel (IndexerConfig.choose)
     if cfg.choose({"bf16_products": int(prec == "bf16")})["index_scores"] == "stream":
         _launch_stream(*args, config, short_config, token_tile)

@@ -3,7 +3,7 @@ of W1 / W3 on MXFP4 weights with E4M3 activations gathered per expert-sorted row
 `routed_experts` makes through `moe.gemm` at <= 12 rows per expert (Tile.swap,
 moe_jit.moe_acc_swap). routed_experts runs it there by default where available (moe._l1_kernel:
 Triton 3.6 on sm_90): 1.664 -> 1.106 ms at 64 tokens on the H200, 64% of HBM bandwidth
-(benchmarks/moe_gluon_decode_probe.py, benchmarks/results/moe-gluon-decode-h200.md).
+(benchmarks/probes/moe_gluon_decode_probe.py, benchmarks/results/moe-gluon-decode-h200.md).
 
 Swap AB: per program one row tile of <= 16 expert-sorted rows of one expert (moe.tile_list at 16
 rows) and a block of BW = 64 weight rows of W1 and the same 64 rows of W3; per 128-column K chunk

@@ -5,7 +5,7 @@ projection): Y = row_w x (H W2^T) on MXFP4 W2 with the fp16 H of the L1, scatter
 MMA). The Triton L2 runs there at ~33% of the H200's HBM bandwidth; this is the L2 twin of
 moe_gluon_decode.py (the decode L1: 1.66 -> 1.11 ms, 64%). routed_experts runs it there by
 default where available (moe._l2_kernel): 1.035 -> 0.607 ms at 64 tokens on the H200, 59% of HBM
-bandwidth (benchmarks/moe_gluon_decode_l2_probe.py, benchmarks/results/moe-gluon-decode-h200.md).
+bandwidth (benchmarks/probes/moe_gluon_decode_l2_probe.py, benchmarks/results/moe-gluon-decode-h200.md).
 
 Swap AB, as the decode L1: per program one row tile of <= BT = 16 expert-sorted rows of one
 expert (moe.tile_list at 16 rows) and a block of BW = 64 weight rows (output columns of y); per

@@ -74,7 +74,7 @@ loads, no FMUL between a quarter's wgmma wait and its FFMAs) and scale the accum
 weights (every exponent of a row within 11 binades of its largest, so neither frame flushes a
 group): the row frame's codes are the chunk frame's times 2^(S_chunk - S_row), exact in E4M3,
 the tensor core's sums scale with them, the promotions' FMAs and the final power-of-two scale
-are exact. Why: ncu on the H200 (benchmarks/ncu_moe.py) showed the MMA warpgroups bounding the
+are exact. Why: ncu on the H200 (benchmarks/probes/ncu_moe.py) showed the MMA warpgroups bounding the
 L1 and ~30% of their stall samples on the column scales' shared loads after each wgmma wait;
 L1 4.35 -> 3.85 ms at 8192 tokens with balanced routing (benchmarks/results/moe-ws-13-h200.md).
 

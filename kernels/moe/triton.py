@@ -101,7 +101,7 @@ def pick_tile(role: str, rows_per_group: float, kc: MoeConfig | GemmConfig | Non
               interpret: bool = INTERPRET) -> Tile:
     """Tile per role and expected rows per group (expert or dense M): kc.tiles' entry for the role
     where it pins one, else the tuned table below. The routed-expert tiles come from the H200
-    sweep (benchmarks/moe_tune.py -> benchmarks/results/moe-tune-h200.md: routed experts at 64
+    sweep (benchmarks/probes/moe_tune.py -> benchmarks/results/moe-tune-h200.md: routed experts at 64
     tokens 3.91 -> 2.98 ms with 16-row L1 tiles; at 8192 tokens 18.6 -> 16.5 / 17.5 ms with a
     64-row, 4-warp L1 / L2 tile); the dense FP8-block tiles and the middle range (12 < rows <=
     48) are SASS-based picks (issue slots per KB of weights in the K loop, spills). interpret:

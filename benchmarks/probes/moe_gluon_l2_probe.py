@@ -6,14 +6,14 @@ F = 2304 (MXFP4 W2, E8M0 per 32), top-6, 8192 tokens, y [T, ks = 7, d] bf16 (meg
 the shared expert's slot). H is random fp16 (the L1's output, expert-sorted rows), weights made
 on the device. Each launch is timed as CUDA-graph replays (events, median of batches).
 
-    python benchmarks/moe_gluon_l2_probe.py --out /tmp/gl2                    # balanced, 8192
-    python benchmarks/moe_gluon_l2_probe.py --routing poisson --out /tmp/gl2  # realistic routing
-    python benchmarks/moe_gluon_l2_probe.py --y-dtype f32 --out /tmp/gl2
-    python benchmarks/moe_gluon_l2_probe.py --smoke                           # small dims
-    python benchmarks/moe_gluon_l2_probe.py --diag "w,mma,a,w+mma" --out /tmp/gl2  # by parts
-    python benchmarks/moe_gluon_l2_probe.py --ws 6:3,8:3,4:3:256 --out /tmp/gl2  # ws rings[:bn]
-    python benchmarks/moe_gluon_l2_probe.py --ws 4:3:256,4:3:256:2 --out /tmp/gl2  # [:upcasts]
-    python benchmarks/moe_gluon_l2_probe.py --ws none --out /tmp/gl2     # without the ws rows
+    python benchmarks/probes/moe_gluon_l2_probe.py --out /tmp/gl2                    # balanced, 8192
+    python benchmarks/probes/moe_gluon_l2_probe.py --routing poisson --out /tmp/gl2  # realistic routing
+    python benchmarks/probes/moe_gluon_l2_probe.py --y-dtype f32 --out /tmp/gl2
+    python benchmarks/probes/moe_gluon_l2_probe.py --smoke                           # small dims
+    python benchmarks/probes/moe_gluon_l2_probe.py --diag "w,mma,a,w+mma" --out /tmp/gl2  # by parts
+    python benchmarks/probes/moe_gluon_l2_probe.py --ws 6:3,8:3,4:3:256 --out /tmp/gl2  # ws rings[:bn]
+    python benchmarks/probes/moe_gluon_l2_probe.py --ws 4:3:256,4:3:256:2 --out /tmp/gl2  # [:upcasts]
+    python benchmarks/probes/moe_gluon_l2_probe.py --ws none --out /tmp/gl2     # without the ws rows
 
 --routing balanced: token t -> experts 6t .. 6t + 5 mod 384 (128 rows per expert at 8192 tokens:
 one 128-row tile each); poisson: top-6 of random router logits (rows per expert ~89 .. 183: an
@@ -47,8 +47,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for _p in (HERE, HERE.parent):  # probes/ and benchmarks/
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 # the shared inputs, timing, child checks and report (after the sys.path entry: E402)
 from gluon_probe_common import V41_FLASH as REAL  # noqa: E402

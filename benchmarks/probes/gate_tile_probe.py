@@ -3,7 +3,7 @@ stages) timed alone: route_ids at V4.1-Flash dims (hidden 5120, 384
 experts, top-6, sqrtsoftplus with bias), each tile's ids and weights compared with the first
 tile's (a layer-level A/B cannot see a 40 us change through the H200's clock drift).
 
-    python3 benchmarks/gate_tile_probe.py --out DIR [--tokens 8192]
+    python3 benchmarks/probes/gate_tile_probe.py --out DIR [--tokens 8192]
 
 Writes DIR/gate-tiles.json and DIR/gate-tiles.md.
 """
@@ -16,7 +16,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # probes/ and benchmarks/
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from kernel_rows import time_ms  # noqa: E402
 
 # (rows, experts, warps, stages) per tile; the first is the default (MoeConfig.gate_tile)

@@ -1,5 +1,5 @@
 """One MegaMoE layer call under Nsight Compute: the profiling target for `ncu`, which reads the
-H200's hardware counters (the device's Firecracker runtime; benchmarks/ncu_moe.sh runs it and
+H200's hardware counters (the device's Firecracker runtime; benchmarks/probes/ncu_moe.sh runs it and
 turns the report into text). Why: the warp-specialized kernels' DIAG runs (leave a part out, time
 the difference) say which part costs time, not why a part is slow; ncu's warp-state sampling per
 SASS instruction says where each partition's warps wait (mbarrier, wgmma wait, barrier, issue).
@@ -8,7 +8,7 @@ Real V4.1-Flash dims and the inputs of benchmarks/kernels.py's MoE rows; the lay
 (compiled, autotuned, cached) --warm times before the profiled call, which alone sits between
 cudaProfilerStart / Stop (ncu --profile-from-start off).
 
-    ncu --profile-from-start off --set full -o OUT/moe python3 benchmarks/ncu_moe.py --routing balanced
+    ncu --profile-from-start off --set full -o OUT/moe python3 benchmarks/probes/ncu_moe.py --routing balanced
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # probes/ and benchmarks/
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from kernel_rows import moe as m  # noqa: E402
 
 
@@ -29,7 +30,7 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=2)
     ap.add_argument("--set", dest="sets", default="",
                     help="family.field=v,... kernel-config settings (moe.fp8_h_prefill=false), "
-                         "as benchmarks/moe_ab.py takes them")
+                         "as benchmarks/probes/moe_ab.py takes them")
     args = ap.parse_args()
     from moe_ab import parse_configs
 

@@ -7,9 +7,9 @@ bt=64, load="tma": the best L1 before it, 8.30 ms at 8192 tokens), at V4.1-Flash
 expert). Random weights made on the device; each launch timed as CUDA-graph replays (events,
 median of batches); TFLOP/s of 2 P 2F d per call and % of the H200's 1979 dense FP8 peak.
 
-    python benchmarks/moe_gluon_ws_probe.py --tokens 8192 --out /tmp/ws          # H200
-    python benchmarks/moe_gluon_ws_probe.py --rings 4:2,6:3,3:2 --out /tmp/ws
-    python benchmarks/moe_gluon_ws_probe.py --smoke                              # small dims
+    python benchmarks/probes/moe_gluon_ws_probe.py --tokens 8192 --out /tmp/ws          # H200
+    python benchmarks/probes/moe_gluon_ws_probe.py --rings 4:2,6:3,3:2 --out /tmp/ws
+    python benchmarks/probes/moe_gluon_ws_probe.py --smoke                              # small dims
 
 Order: the Triton L1 is timed first (its row survives whatever a Gluon kernel does), the JSON /
 md written after every row; then each Gluon item - "decode64" and one "ws NS:NU" per --rings
@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for _p in (HERE, HERE.parent):  # probes/ and benchmarks/
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 # the shared inputs, timing, child checks and report (after the sys.path entry: E402)
 from gluon_probe_common import V41_FLASH as REAL  # noqa: E402

@@ -11,7 +11,7 @@ bf16 on MXFP4 inputs). Timing: gluon_probe_common.time_ms (CUDA-graph replays, m
 Roofline columns: FLOPs 2 x Hi x Di per visible (token, entry); bytes = the keys once per request +
 queries + the f32 scores written, against the profile's bf16 peak (989 TFLOP/s) and 4.8 TB/s.
 
-    python benchmarks/index_probe.py --out /tmp/idx [--configs "8,64,1,8,2/16,32,0,8,2"]
+    python benchmarks/probes/index_probe.py --out /tmp/idx [--configs "8,64,1,8,2/16,32,0,8,2"]
 """
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for _p in (HERE, HERE.parent):  # probes/ and benchmarks/
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 from gluon_probe_common import time_ms  # noqa: E402  (after the sys.path entry)
 
@@ -121,7 +122,7 @@ def case_rows(name, R, new, ctx, ratio, rows, configs, ikey_dtype) -> list[dict]
 
 def markdown(rows: list[dict], argv: list[str]) -> str:
     lines = ["# Indexer scores: query-stationary vs tile kernel (H200)", "",
-             f"`python3 benchmarks/index_probe.py {' '.join(argv)}`", "",
+             f"`python3 benchmarks/probes/index_probe.py {' '.join(argv)}`", "",
              "| case | T x C | kernel | ms | TFLOP/s | % bf16 peak | TB/s (ideal bytes) | % HBM | "
              "err vs tile | -inf same |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:

@@ -2,11 +2,11 @@
 routing weights) at V4.1-Flash dims on the GPU, one launch timed at a time (CUDA-graph replays),
 each candidate checked against the reference `moe_experts_q` before it counts.
 
-    python benchmarks/moe_tune.py --out /tmp/tune --budget 200          # H200
-    python benchmarks/moe_tune.py --smoke --out /tmp/tune               # CPU: Triton interpreter
-    python benchmarks/moe_tune.py --fp8-h --tokens 8192 --out /tmp/tune8  # the FP8-H roles
-    python benchmarks/moe_tune.py --swap --tokens 64 --out /tmp/tunes     # decode, swapped MMA
-    python benchmarks/moe_tune.py --swap --fp8-h --tokens 64 --out /tmp/tunesq  # same, FP8-H
+    python benchmarks/probes/moe_tune.py --out /tmp/tune --budget 200          # H200
+    python benchmarks/probes/moe_tune.py --smoke --out /tmp/tune               # CPU: Triton interpreter
+    python benchmarks/probes/moe_tune.py --fp8-h --tokens 8192 --out /tmp/tune8  # the FP8-H roles
+    python benchmarks/probes/moe_tune.py --swap --tokens 64 --out /tmp/tunes     # decode, swapped MMA
+    python benchmarks/probes/moe_tune.py --swap --fp8-h --tokens 64 --out /tmp/tunesq  # same, FP8-H
 
 --fp8-h tunes the FP8-H path's roles (l1_fp8h: L1 with H quantized to E4M3 per 128 in the
 epilogue, bn a multiple of 128; l2_fp8h: L2 on E4M3 H) with MoeConfig.fp8_h on;
@@ -42,8 +42,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for _p in (HERE, HERE.parent):  # probes/ and benchmarks/
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 from kernel_rows import rel_err, time_ms  # noqa: E402
 from kernel_rows import moe as mr  # noqa: E402

@@ -9,7 +9,7 @@ row's max |value|: only the summation order of the online softmax differs) befor
 (gluon_probe_common.time_ms: CUDA-graph replays, median of 5). FLOPs: two 64 x 512 products per
 (token, key), bf16 dense peak 989 TFLOP/s (profile h200).
 
-    python benchmarks/attn_probe.py --configs "16,32,4,2,1/64,32,8,2,1" --out /tmp/attn
+    python benchmarks/probes/attn_probe.py --configs "16,32,4,2,1/64,32,8,2,1" --out /tmp/attn
 """
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for _p in (HERE, HERE.parent):  # probes/ and benchmarks/
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 from gluon_probe_common import time_ms  # noqa: E402  (after the sys.path entry)
 from kernel_rows.attention import ROPE, _count_attn, _deq, attn_case  # noqa: E402

@@ -5,7 +5,7 @@ what the model means), and times (CUDA-graph replays) next to moe.linear_q's Tri
 Also whether torch's scaled_grouped_mm runs the routed experts' shapes on this GPU (rowwise /
 blockwise FP8), timed, for the prefill MoE.
 
-    python3 benchmarks/scaled_mm_probe.py --out DIR   # DIR/scaled-mm-probe.{json,md}
+    python3 benchmarks/probes/scaled_mm_probe.py --out DIR   # DIR/scaled-mm-probe.{json,md}
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # probes/ and benchmarks/
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from kernel_rows import time_ms  # noqa: E402
 
 # (name, N, K) of the dense FP8 weights (../shared/reference/v41-flash-architecture.md)

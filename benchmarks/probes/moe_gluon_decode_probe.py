@@ -8,11 +8,11 @@ d = 5120, 384 experts x F = 2304 (MXFP4, E8M0 per 32), top-6, 64 tokens with ran
 Random weights made on the device. Each launch is timed as CUDA-graph replays (events, median
 of batches).
 
-    python benchmarks/moe_gluon_decode_probe.py --out /tmp/gd            # H200, 64 tokens
-    python benchmarks/moe_gluon_decode_probe.py --tokens 16 --out /tmp/gd
-    python benchmarks/moe_gluon_decode_probe.py --smoke                  # small dims
-    python benchmarks/moe_gluon_decode_probe.py --load cp.async,tma,tma:6 --out /tmp/gd
-    python benchmarks/moe_gluon_decode_probe.py --tokens 8192 --load tma,tma:4 --bt 16,32,64 \\
+    python benchmarks/probes/moe_gluon_decode_probe.py --out /tmp/gd            # H200, 64 tokens
+    python benchmarks/probes/moe_gluon_decode_probe.py --tokens 16 --out /tmp/gd
+    python benchmarks/probes/moe_gluon_decode_probe.py --smoke                  # small dims
+    python benchmarks/probes/moe_gluon_decode_probe.py --load cp.async,tma,tma:6 --out /tmp/gd
+    python benchmarks/probes/moe_gluon_decode_probe.py --tokens 8192 --load tma,tma:4 --bt 16,32,64 \\
         --out /tmp/gp                                                    # prefill size
 
 Order: the Triton L1 is timed first, then (more than 12 rows per expert, where
@@ -45,8 +45,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for _p in (HERE, HERE.parent):  # probes/ and benchmarks/
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 # the shared inputs, timing, child checks and report (after the sys.path entry: E402)
 from gluon_probe_common import build, check_lines, finish, reference_rows, rel  # noqa: E402

@@ -10,12 +10,12 @@ with random routing (~240 experts touched, 1..5 rows each) or a prefill size (--
 bf16 for a bf16 model). Random weights made on the device. Each launch is timed as CUDA-graph
 replays (events, median of batches).
 
-    python benchmarks/moe_gluon_decode_l2_probe.py --out /tmp/gd2            # H200, 64 tokens
-    python benchmarks/moe_gluon_decode_l2_probe.py --tokens 16 --out /tmp/gd2
-    python benchmarks/moe_gluon_decode_l2_probe.py --y-dtype f32 --out /tmp/gd2
-    python benchmarks/moe_gluon_decode_l2_probe.py --smoke                  # small dims
-    python benchmarks/moe_gluon_decode_l2_probe.py --load cp.async,tma,tma:4 --out /tmp/gd2
-    python benchmarks/moe_gluon_decode_l2_probe.py --tokens 8192 --load cp.async,tma \\
+    python benchmarks/probes/moe_gluon_decode_l2_probe.py --out /tmp/gd2            # H200, 64 tokens
+    python benchmarks/probes/moe_gluon_decode_l2_probe.py --tokens 16 --out /tmp/gd2
+    python benchmarks/probes/moe_gluon_decode_l2_probe.py --y-dtype f32 --out /tmp/gd2
+    python benchmarks/probes/moe_gluon_decode_l2_probe.py --smoke                  # small dims
+    python benchmarks/probes/moe_gluon_decode_l2_probe.py --load cp.async,tma,tma:4 --out /tmp/gd2
+    python benchmarks/probes/moe_gluon_decode_l2_probe.py --tokens 8192 --load cp.async,tma \\
         --bt 64,128 --out /tmp/gp2                                        # prefill size
 
 Order: the Triton L2 is timed first, then the Gluon prefill L2 (the run on the H200 checked
@@ -47,8 +47,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for _p in (HERE, HERE.parent):  # probes/ and benchmarks/
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 # the shared inputs, timing, child checks and report (after the sys.path entry: E402)
 from gluon_probe_common import V41_FLASH as REAL  # noqa: E402

@@ -6,7 +6,7 @@ inputs of benchmarks/kernels.py's MoE rows.
 Each configuration's output is compared with the first configuration's (relative Frobenius
 error), so a faster row that is wrong shows.
 
-    python3 benchmarks/moe_ab.py --out DIR --tokens 8192 \
+    python3 benchmarks/probes/moe_ab.py --out DIR --tokens 8192 \
         --configs "base:/no_fp8h:moe.fp8_h_prefill=false/triton_l2:moe.gluon_prefill_l2=false"
 
 Writes DIR/moe-ab.json and DIR/moe-ab.md.
@@ -21,7 +21,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # probes/ and benchmarks/
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from kernel_rows import moe as m, time_ms  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 variants, FP8-H, pieces) at V4.1-Flash dims, without the FP8 GEMM / quantizer rows: for a short
 device call after a MoE change. Writes OUT/moe-rows.json (rows as kernels.py's JSON holds them).
 
-    python3 benchmarks/moe_layer_rows.py --out DIR [--tokens 64,8192] [--budget 150]
+    python3 benchmarks/probes/moe_layer_rows.py --out DIR [--tokens 64,8192] [--budget 150]
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # probes/ and benchmarks/
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from kernel_rows import moe  # noqa: E402
 
 
