@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_capture import capture
 from test_capturable_ops import ALL_META, ALL_PLAIN, PADDED, as_tuple, build_meta_case, gen
 from torch.utils._pytree import tree_map
 
@@ -28,20 +29,6 @@ DEV = "cuda"
 
 def to_dev(x):
     return tree_map(lambda a: a.to(DEV) if isinstance(a, torch.Tensor) else a, x)
-
-
-def capture(fn):
-    """Warm fn up on a side stream, capture it; returns (graph, static outputs)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 def close(a, b, tol, what):

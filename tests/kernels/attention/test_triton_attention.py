@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_capture import capture
 from test_capturable_ops import PADDED, REAL, real_rows
 from triton_run import CUDA, DEV, INTERP, dev_meta, pytestmark, seed  # noqa: F401
 
@@ -256,14 +257,7 @@ def test_captures_in_cuda_graph():
     ctx = [3, 700, 4095, 9000]
     static, kw = long_context_case(g, 2, ctx, c_cap=16384)
     fn = lambda: A.sparse_attn_q(*static, **kw, **ROPE, act_fmt="fp8_1x128")  # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(), fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    graph, out = capture(fn)
     for seed, new_ctx in ((6, [10, 11, 12, 13]), (7, [5000, 1, 16000, 129])):
         new, _ = long_context_case(torch.Generator().manual_seed(seed), 2, new_ctx, c_cap=16384)
         for a, b in zip(static, new):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_capture import capture
 from test_capturable_ops import PADDED
 from triton_run import CUDA, DEV, dev_meta, pytestmark, seed  # noqa: F401
 
@@ -217,14 +218,7 @@ def test_captures_in_cuda_graph():
     g = torch.Generator().manual_seed(4)
     static, kw = long_case(g, 2, [5, 900, 16000, 3], cap=32768)
     fn = lambda: topk_select(tk().index_scores(*static, **kw), k=512)  # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(), fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    graph, out = capture(fn)
     new, _ = long_case(torch.Generator().manual_seed(5), 2, [30000, 2, 77, 12345], cap=32768)
     for a, b in zip(static, new):
         a.copy_(b)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 import torch
+from cuda_capture import capture
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -301,14 +302,7 @@ def check_repeats_and_graph(launch, out, want, same, why=lambda o, w: "", launch
         launch(out)
         torch.cuda.synchronize()
         assert same(out, want), f"launch {i} differs {why(out, want)}"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        launch(out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch(out)
+    graph, _ = capture(lambda: launch(out), warmup=1)
     for j in range(replays):
         out.fill_(float("nan"))
         graph.replay()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cuda_capture import capture  # noqa: E402
 from mhc_checks import check_mhc  # noqa: E402
 from poisoned_alloc import poisoned  # noqa: E402
 
@@ -573,14 +574,7 @@ def test_mega_moe_cuda_graph(T, asm, shared_mode):
                            **MOE_KW, kernel_config=cfg)
 
     static = streams.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(static)
+    graph, out = capture(lambda: step(static), warmup=1)
     fresh = randn(T, n, d, g=g, dtype=torch.bfloat16)
     static.copy_(fresh)
     graph.replay()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_capture import capture
 from test_capturable_ops import PADDED, SCRATCH
 from triton_run import check_compressor as check
 from triton_run import CUDA, DEV, dev_meta, pytestmark, seed  # noqa: F401
@@ -103,14 +104,7 @@ def test_captures_in_cuda_graph():
                       s=4, cap=8192, rope=REAL_ROPE)
     state = [a.clone() for a in (static[8], static[9], static[3], static[4])]
     fn = lambda: tk().compressor(*static, **kw, inplace=True)  # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(), fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph, _ = capture(fn)
     for a, b in zip((static[8], static[9], static[3], static[4]), state):
         a.copy_(b)
     want = tk().compressor(*static, **kw, inplace=False)

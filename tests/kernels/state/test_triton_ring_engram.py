@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_capture import capture
 from test_capturable_ops import PADDED, SCRATCH
 from triton_run import CUDA, DEV, dev_meta, pytestmark, seed  # noqa: F401
 
@@ -102,14 +103,7 @@ def test_capture_in_cuda_graph():
         ring_update_batched(*meta[:3], *ops, window=128, inplace=True)
         return engram_hash(cids, hist, *meta, **kw), engram_gate(H, kv, qw, kw_, eps=1e-20)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(), fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    graph, out = capture(fn)
     cids.copy_(torch.randint(0, 99092, (S,), device=DEV))
     for k in kvs:
         k.normal_()
