@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from cuda_capture import capture
 
@@ -24,6 +25,22 @@ TYPES = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", aidx_ptr="*i32", b1_ptr="*i8", bs
              G="i32", P="i32", K="i32", limit="fp32", stride_am="i32", stride_as="i32",
              stride_bg="i32", stride_bn="i32", stride_bsg="i32", stride_bsn="i32",
              stride_cm="i32")
+
+
+def gluon_gpu(ok: bool):
+    """The `gpu` decorator of a Gluon kernel's GPU tests (ok: the module's available()):
+    pytest.mark.gpu, and skipped without sm_90 and Triton 3.6's Gluon."""
+    def gpu(test):
+        return pytest.mark.gpu(pytest.mark.skipif(not ok, reason="needs CUDA sm_90 and "
+                                                  "Triton 3.6 Gluon")(test))
+    return gpu
+
+
+def gluon_build(import_ok: bool):
+    """The `build` mark of the tests that compile a Gluon kernel ahead of time for sm_90 on the
+    CPU (import_ok: the module's _IMPORT_OK, Triton 3.6's Gluon importable)."""
+    return pytest.mark.skipif(not import_ok, reason="needs Triton 3.6 with Gluon "
+                              "(make sm90-h200)")
 
 
 def mxfp4_f32(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ import re
 import pytest
 import torch
 from gluon_cases import (
+    gluon_gpu,
     TYPES,
     case,
     check_repeats_and_graph,
@@ -56,12 +57,7 @@ from gluon_cases import proxy_fence_problems
 from test_triton_moe import ACT, FP16_H, check_routed, routed_case
 
 GPU_OK = md.available()
-
-
-def gpu(test):
-    """GPU-only (pytest.mark.gpu), and skipped without sm_90 and Triton 3.6's Gluon."""
-    return pytest.mark.gpu(pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and "
-                                              "Triton 3.6 Gluon")(test))
+gpu = gluon_gpu(GPU_OK)
 
 
 def _max_tiles(P, E, bt=md.BT):

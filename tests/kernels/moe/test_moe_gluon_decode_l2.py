@@ -45,6 +45,7 @@ import re
 import pytest
 import torch
 from gluon_cases import (
+    gluon_gpu,
     proxy_fence_problems,
     E2M1,
     check_l2_out,
@@ -65,12 +66,7 @@ from test_moe_gluon_decode import _ctas_per_sm
 from test_triton_moe import ACT, FP16_H, _prmt, check_routed, pinned, routed_case
 
 GPU_OK = ml2.available()
-
-
-def gpu(test):
-    """GPU-only (pytest.mark.gpu), and skipped without sm_90 and Triton 3.6's Gluon."""
-    return pytest.mark.gpu(pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and "
-                                              "Triton 3.6 Gluon")(test))
+gpu = gluon_gpu(GPU_OK)
 
 
 # ---------------------------------------------------------------------------------------------

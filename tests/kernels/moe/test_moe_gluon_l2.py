@@ -35,6 +35,7 @@ import gluon_cases
 import pytest
 import torch
 from gluon_cases import (
+    gluon_gpu,
     proxy_fence_problems,
     E2M1,
     check_l2_out,
@@ -48,12 +49,7 @@ from sm90_build import count, gluon_sm90, loop_instructions, usage_and_sass
 from test_moe_gluon_decode_l2 import _parse, _run, check_table_lanes, fp16_ref
 
 GPU_OK = mgl.available()
-
-
-def gpu(test):
-    """GPU-only (pytest.mark.gpu), and skipped without sm_90 and Triton 3.6's Gluon."""
-    return pytest.mark.gpu(pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and "
-                                              "Triton 3.6 Gluon")(test))
+gpu = gluon_gpu(GPU_OK)
 
 
 REPEATS = 10  # launches of each repeated case (bits compared with the first)

@@ -35,22 +35,15 @@ import pytest
 import torch
 from gluon_cases import check_repeats_and_graph, dbg_bank, explicit_rows, l2_reference, rel, \
     rows_case
+from gluon_cases import gluon_build, gluon_gpu
 from megagraph.kernels.moe import gluon_l2_fp8 as m8
 from megagraph.kernels.moe.config import MoeConfig
 from megagraph.kernels.moe import gluon_ws as mw
 from poisoned_alloc import poisoned
 
 GPU_OK = m8.available()
-
-
-def gpu(test):
-    """GPU-only (pytest.mark.gpu), and skipped without sm_90 and Triton 3.6's Gluon."""
-    return pytest.mark.gpu(pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and "
-                                              "Triton 3.6 Gluon")(test))
-
-
-build = pytest.mark.skipif(not mw._IMPORT_OK, reason="needs Triton 3.6 with Gluon "
-                           "(make sm90-h200)")
+gpu = gluon_gpu(GPU_OK)
+build = gluon_build(mw._IMPORT_OK)
 
 # (rows per expert, tokens, top-k, d, F, W2 exponent range)
 CASES = {

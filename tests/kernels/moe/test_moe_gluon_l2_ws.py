@@ -35,6 +35,8 @@ import time
 import pytest
 import torch
 from gluon_cases import (
+    gluon_gpu,
+    gluon_build,
     l2_arg_case,
     check_l2_out,
     check_repeats_and_graph,
@@ -51,16 +53,8 @@ from megagraph.kernels.moe import gluon_l2_ws as mlw
 from sm90_build import count, gluon_sm90, usage_and_sass
 
 GPU_OK = mlw.available()
-
-
-def gpu(test):
-    """GPU-only (pytest.mark.gpu), and skipped without sm_90 and Triton 3.6's Gluon."""
-    return pytest.mark.gpu(pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and "
-                                              "Triton 3.6 Gluon")(test))
-
-
-build = pytest.mark.skipif(not mlw._IMPORT_OK, reason="needs Triton 3.6 with Gluon "
-                           "(make sm90-h200)")
+gpu = gluon_gpu(GPU_OK)
+build = gluon_build(mlw._IMPORT_OK)
 # seconds a GPU wait may take before the process is ended (a deadlocked kernel never returns)
 WATCHDOG_S = float(os.environ.get("MEGAGRAPH_TEST_WATCHDOG_S", "60"))
 

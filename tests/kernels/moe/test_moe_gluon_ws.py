@@ -24,21 +24,14 @@ import re
 import pytest
 import torch
 from gluon_cases import TYPES, case, check_repeats_and_graph, reference, rel, rows_case
+from gluon_cases import gluon_build, gluon_gpu
 from megagraph.kernels.moe import gluon_ws as mw
 from poisoned_alloc import poisoned
 from sm90_build import count, gluon_sm90, usage_and_sass
 
 GPU_OK = mw.available()
-
-
-def gpu(test):
-    """GPU-only (pytest.mark.gpu), and skipped without sm_90 and Triton 3.6's Gluon."""
-    return pytest.mark.gpu(pytest.mark.skipif(not GPU_OK, reason="needs CUDA sm_90 and "
-                                              "Triton 3.6 Gluon")(test))
-
-
-build = pytest.mark.skipif(not mw._IMPORT_OK, reason="needs Triton 3.6 with Gluon "
-                           "(PYTHONPATH=.cache/triton36)")
+gpu = gluon_gpu(GPU_OK)
+build = gluon_build(mw._IMPORT_OK)
 
 
 def _max_tiles(P, E):
