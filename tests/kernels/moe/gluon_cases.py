@@ -390,3 +390,31 @@ def proxy_fence_problems(body: list[str], chunks: int) -> list[str]:
     if found != chunks:
         probs.append(f"{found} chunks (cp.async wait -> wgmma) in the loop, expected {chunks}")
     return probs
+
+
+def check_chunks(what: str, regs: int, shared: int, body: list[str], counts: dict, stages: int,
+                 per_chunk: dict, **measured) -> None:
+    """Print a Gluon kernel's sm_90 build (what, registers, shared memory, CTAs per SM, the K
+    loop's instructions) and check its K loop, unrolled by the stage count: every per_chunk
+    count (a name of the build's SASS counts -> its number per chunk) stands `stages` times,
+    `measured` counts (found outside the build's counts, e.g. the wgmma at a tile's n) in place
+    of theirs, and every chunk's proxy fence is writer-side (proxy_fence_problems)."""
+    print(f"\nsm_90 {what} ({stages} stages): {regs} registers, {shared} B shared, "
+          f"{ctas_per_sm(regs, shared)} CTAs per SM, K loop {len(body)} instructions "
+          f"({len(body) / stages:.0f} per chunk)")
+    got = dict({n: counts[n] for n in per_chunk}, **measured)
+    assert got == {n: v * stages for n, v in per_chunk.items()}, got
+    assert proxy_fence_problems(body, stages) == []
+
+
+def ctas_per_sm(regs: int, shared: int) -> int:
+    """CTAs of one warpgroup an H100 / H200 SM holds: 64 K registers (allocated per thread in
+    units of 8), 228 KB shared with 1 KB reserved per CTA."""
+    return min(65536 // (-(-regs // 8) * 8 * 128), 228 * 1024 // (shared + 1024))
+
+
+def bt_rows(bt: int) -> list[int]:
+    """Rows per expert for the decode kernels' token tile bt: every tile size 1..bt (one expert
+    each), experts of bt + 1, 2 bt + 7 and 3 bt rows (2-3 tiles, the last partial or full) and
+    5 rows between empty experts."""
+    return list(range(1, bt + 1)) + [0, bt + 1, 2 * bt + 7, 0, 3 * bt, 5, 0]

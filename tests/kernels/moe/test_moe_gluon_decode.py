@@ -40,7 +40,10 @@ import re
 import pytest
 import torch
 from gluon_cases import (
+    gluon_build,
     gluon_gpu,
+    bt_rows,
+    check_chunks,
     TYPES,
     case,
     check_repeats_and_graph,
@@ -58,6 +61,7 @@ from test_triton_moe import ACT, FP16_H, check_routed, routed_case
 
 GPU_OK = md.available()
 gpu = gluon_gpu(GPU_OK)
+build = gluon_build(md._IMPORT_OK)
 
 
 def _max_tiles(P, E, bt=md.BT):
@@ -210,7 +214,7 @@ def test_l1_decode_debug_pieces(load):
 
 
 
-@pytest.mark.skipif(not md._IMPORT_OK, reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+@build
 def test_l1_decode_sm90_build():
     """Triton 3.6 sm_90 build at the real shapes' divisibility: no stack / local memory, at most
     128 registers (4 CTAs of 4 warps per SM), and per K chunk (the loop holds NS = 4): 8 register-
@@ -363,7 +367,7 @@ def test_l1_decode_load_args():
             md._token_tile(bt)
 
 
-@pytest.mark.skipif(not md._IMPORT_OK, reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+@build
 def test_l1_decode_weight_desc():
     """The host TMA descriptor of a bank (CPU tensors: no launch): the packed bytes as one
     [E F, d / 2] uint8 matrix with the row stride, [64, 64] boxes in W_TMA_LAYOUT; a bank whose
@@ -400,7 +404,7 @@ def _build_stats(kernel, types, consts):
     return build_stats(kernel, types, consts, SASS_COUNTS, md.NUM_WARPS)
 
 
-@pytest.mark.skipif(not md._IMPORT_OK, reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+@build
 def test_l1_decode_tma_sm90_build():
     """Triton 3.6 sm_90 build of l1_decode_tma_kernel at TMA_STAGES (3) next to the cp.async
     kernel's: no stack / local memory, <= 128 registers and <= 56 KB shared (4 CTAs per SM), and
@@ -434,7 +438,7 @@ def test_l1_decode_tma_sm90_build():
     assert proxy_fence_problems(body, ns) == []
 
 
-@pytest.mark.skipif(not md._IMPORT_OK, reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+@build
 @pytest.mark.parametrize("stages", [3, 5, 6, 8])
 def test_l1_decode_tma_sm90_build_stages(stages):
     """Other ring depths build the same chunk (per-chunk counts as at TMA_STAGES), with no
@@ -443,34 +447,24 @@ def test_l1_decode_tma_sm90_build_stages(stages):
     consts = dict(TOPK=6, HAS_LIMIT=True, USE_ASM=True, BW=md.BW, BT=md.BT, BK=md.BK, NKP=64,
                   NW=md.NUM_WARPS, NS=stages)
     regs, shared, body, c = _build_stats(md.l1_decode_tma_kernel, _tma_types(), consts)
-    print(f"\nsm_90 tma ({stages} stages): {regs} registers, {shared} B shared, K loop "
-          f"{len(body)} instructions ({len(body) / stages:.0f} per chunk)")
     per_chunk = dict(QGMMA=8, BAR_SYNC=2, UTMALDG=2, TRYWAIT=1, EXPECT=1, FENCE=1, PRMT=64)
-    assert {n: c[n] for n in per_chunk} == {n: v * stages for n, v in per_chunk.items()}, c
-    assert proxy_fence_problems(body, stages) == []
+    check_chunks("tma", regs, shared, body, c, stages, per_chunk)
 
 
 # ---------------------------------------------------------------------------------------------
 # wider token tiles (bt = 32 / 64: prefill sizes)
 # ---------------------------------------------------------------------------------------------
 
-def _bt_rows(bt):
-    """Rows per expert for the token tile bt: every tile size 1..bt (one expert each), experts
-    of bt + 1, 2 bt + 7 and 3 bt rows (2-3 tiles, the last partial or full) and 5 rows between
-    empty experts."""
-    return list(range(1, bt + 1)) + [0, bt + 1, 2 * bt + 7, 0, 3 * bt, 5, 0]
-
-
 @gpu
 @pytest.mark.parametrize("d", [256, 1024])
 @pytest.mark.parametrize("bt", md.BTS)
 def test_l1_decode_bt_rows(bt, d):
-    """The token tile bt on _bt_rows (an odd token count; K of 2 chunks - fewer than the stages
+    """The token tile bt on bt_rows (an odd token count; K of 2 chunks - fewer than the stages
     - and of 8), into NaN-poisoned fp16 outputs: every row written, within 2e-3 of the fp32
     math; cp.async and TMA at 3 and 4 stages give the same bits at one bt (one math code path);
     against the bt = 16 output only within the bound (other bits allowed: the wgmma's n sets the
     tensor core's sum order)."""
-    rows, k, F = _bt_rows(bt), 3, 128
+    rows, k, F = bt_rows(bt), 3, 128
     P = sum(rows)
     T = (P // k + 8) | 1  # odd
     xq, xs, w1, w3, counts, a_idx = rows_case(rows, T, k, d, F, seed=bt + d)
@@ -518,13 +512,7 @@ def test_l1_decode_bt_repeat_and_graph(bt):
                             lambda o, w: f"rel {rel(o, w):.3e}")
 
 
-def _ctas_per_sm(regs: int, shared: int) -> int:
-    """CTAs of one warpgroup an H100 / H200 SM holds: 64 K registers (allocated per thread in
-    units of 8), 228 KB shared with 1 KB reserved per CTA."""
-    return min(65536 // (-(-regs // 8) * 8 * 128), 228 * 1024 // (shared + 1024))
-
-
-@pytest.mark.skipif(not md._IMPORT_OK, reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+@build
 @pytest.mark.parametrize("kernel,stages", [("tma", 3), ("tma", 4), ("cp.async", 4)])
 @pytest.mark.parametrize("bt", [32, 64])
 def test_l1_decode_sm90_build_bt(bt, kernel, stages):
@@ -543,16 +531,11 @@ def test_l1_decode_sm90_build_bt(bt, kernel, stages):
     else:
         regs, shared, body, c = _build_stats(md.l1_decode_kernel, TYPES, consts)
         copies = dict(UTMALDG=0, TRYWAIT=0, EXPECT=0, LDGSTS128=4)
-    print(f"\nsm_90 {kernel} bt {bt} ({stages} stages): {regs} registers, {shared} B shared, "
-          f"{_ctas_per_sm(regs, shared)} CTAs per SM, K loop {len(body)} instructions "
-          f"({len(body) / stages:.0f} per chunk)")
-    assert regs <= 255, regs
     qgmma = count(body, rf"\bQGMMA\.64x{bt}x32\.F32\.E4M3\.E4M3\b")
     per_chunk = dict(QGMMA=8, ARRIVE=2, WG_DEPBAR=2, BAR_SYNC=2, DEPBAR=1, LDS128=4, STS=0,
                      PRMT=64, FENCE=1, LDGSTS=bt // 4 + 1, **copies)
-    got = dict({n: c[n] for n in per_chunk}, QGMMA=qgmma)
-    assert got == {n: v * stages for n, v in per_chunk.items()}, got
-    assert proxy_fence_problems(body, stages) == []
+    check_chunks(f"{kernel} bt {bt}", regs, shared, body, c, stages, per_chunk, QGMMA=qgmma)
+    assert regs <= 255, regs
 
 
 def test_proxy_fence_problems():

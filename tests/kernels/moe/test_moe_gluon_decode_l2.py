@@ -45,7 +45,10 @@ import re
 import pytest
 import torch
 from gluon_cases import (
+    gluon_build,
     gluon_gpu,
+    bt_rows,
+    check_chunks,
     proxy_fence_problems,
     E2M1,
     check_l2_out,
@@ -62,11 +65,11 @@ from megagraph.kernels.moe import gluon_decode_l2 as ml2
 from megagraph.kernels.moe.config import MoeConfig
 from sm90_build import (SYNC_COUNTS, build_stats, count, gluon_sm90, loop_instructions,
                         usage_and_sass)
-from test_moe_gluon_decode import _ctas_per_sm
 from test_triton_moe import ACT, FP16_H, _prmt, check_routed, pinned, routed_case
 
 GPU_OK = ml2.available()
 gpu = gluon_gpu(GPU_OK)
+build = gluon_build(ml2._IMPORT_OK)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,8 +406,7 @@ TYPES = dict(h_ptr="*fp16", b_ptr="*i8", bs_ptr="*u8", c_ptr="*fp32", cidx_ptr="
 
 
 
-@pytest.mark.skipif(not ml2._IMPORT_OK,
-                    reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+@build
 @pytest.mark.parametrize("use_asm", [True, False])
 def test_l2_decode_sm90_build(use_asm):
     """Triton 3.6 sm_90 build at the real shapes' divisibility: no stack / local memory; with the
@@ -646,8 +648,7 @@ def test_l2_decode_load_args():
             token_tile(bt, ml2.BT, ml2.BTS)
 
 
-@pytest.mark.skipif(not ml2._IMPORT_OK,
-                    reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+@build
 def test_l2_decode_weight_desc():
     """The host TMA descriptor of a W2 bank (CPU tensors: no launch): the packed bytes as one
     [E d, F / 2] uint8 matrix with the row stride, [64, 64] boxes in the layout the kernel's
@@ -692,8 +693,7 @@ TMA_PER_CHUNK = dict(BAR_SYNC=2, DEPBAR=1, LDGSTS128=0, LDGSTS=9, UTMALDG=1, TRY
                      EXPECT=1, FENCE=1)
 
 
-@pytest.mark.skipif(not ml2._IMPORT_OK,
-                    reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+@build
 @pytest.mark.parametrize("use_asm", [True, False])
 def test_l2_decode_tma_sm90_build(use_asm):
     """Triton 3.6 sm_90 build of l2_decode_tma_kernel at TMA_STAGES (3) next to the cp.async
@@ -725,8 +725,7 @@ def test_l2_decode_tma_sm90_build(use_asm):
         assert abs(len(body) - 705) <= 0.08 * 705, len(body)
 
 
-@pytest.mark.skipif(not ml2._IMPORT_OK,
-                    reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+@build
 @pytest.mark.parametrize("stages", [4, 5, 6, 8])
 def test_l2_decode_tma_sm90_build_stages(stages):
     """Other ring depths build the same chunk (per-chunk counts as at TMA_STAGES), with no
@@ -735,35 +734,25 @@ def test_l2_decode_tma_sm90_build_stages(stages):
     consts = dict(TOPK=6, KS=6, USE_ASM=True, BW=ml2.BW, BT=ml2.BT, BK=ml2.BK,
                   NW=ml2.NUM_WARPS, NS=stages)
     regs, shared, body, c = _build_stats(ml2.l2_decode_tma_kernel, _tma_types(), consts)
-    print(f"\nsm_90 tma ({stages} stages): {regs} registers, {shared} B shared, K loop "
-          f"{len(body)} instructions ({len(body) / stages:.0f} per chunk)")
     per_chunk = dict(TMA_PER_CHUNK, HGMMA=8, PRMT=64, LDS128=2)
-    assert {n: c[n] for n in per_chunk} == {n: v * stages for n, v in per_chunk.items()}, c
-    assert proxy_fence_problems(body, stages) == []
+    check_chunks("tma", regs, shared, body, c, stages, per_chunk)
 
 
 # ---------------------------------------------------------------------------------------------
 # wider token tiles (bt = 32 / 64 / 128: prefill sizes)
 # ---------------------------------------------------------------------------------------------
 
-def _bt_rows(bt):
-    """Rows per expert for the token tile bt: every tile size 1..bt (one expert each), experts
-    of bt + 1, 2 bt + 7 and 3 bt rows (2-3 tiles, the last partial or full) and 5 rows between
-    empty experts (test_moe_gluon_decode's)."""
-    return list(range(1, bt + 1)) + [0, bt + 1, 2 * bt + 7, 0, 3 * bt, 5, 0]
-
-
 @gpu
 @pytest.mark.parametrize("F", [256, 640])
 @pytest.mark.parametrize("bt", ml2.BTS)
 def test_l2_decode_bt_rows(bt, F):
-    """The token tile bt on _bt_rows (an odd token count, top-3 into 4 slots per token; K of 2
+    """The token tile bt on bt_rows (an odd token count, top-3 into 4 slots per token; K of 2
     chunks - fewer than the stages - and of 5), into NaN-poisoned fp32 y: exactly the slots of
     the pairs written (finite; the others stay NaN), within 2e-3 of the fp32 math; cp.async and
     TMA at 3 and 4 stages give the same bits at one bt (one math code path); against the
     bt = 16 output only within the bound (other bits allowed: the wgmma's n sets the tensor
     core's sum order)."""
-    rows, k, ks, d = _bt_rows(bt), 3, 4, 128
+    rows, k, ks, d = bt_rows(bt), 3, 4, 128
     P = sum(rows)
     T = (P // k + 8) | 1  # odd
     h, w2, counts, c_idx, wts = _rows_case(rows, T, k, d, F, seed=bt + F)
@@ -818,8 +807,7 @@ def test_l2_decode_bt_repeat_and_graph(bt, load):
                             lambda a, b: torch.equal(_bits(a), _bits(b)))
 
 
-@pytest.mark.skipif(not ml2._IMPORT_OK,
-                    reason="needs Triton 3.6 with Gluon (PYTHONPATH=/tmp/t36)")
+@build
 @pytest.mark.parametrize("kernel,stages", [("tma", 3), ("tma", 4), ("cp.async", 4)])
 @pytest.mark.parametrize("bt", [32, 64, 128])
 def test_l2_decode_sm90_build_bt(bt, kernel, stages):
@@ -839,13 +827,8 @@ def test_l2_decode_sm90_build_bt(bt, kernel, stages):
     else:
         regs, shared, body, c = _build_stats(ml2.l2_decode_kernel, TYPES, consts)
         copies = dict(UTMALDG=0, TRYWAIT=0, EXPECT=0, LDGSTS128=2)
-    print(f"\nsm_90 {kernel} bt {bt} ({stages} stages): {regs} registers, {shared} B shared, "
-          f"{_ctas_per_sm(regs, shared)} CTAs per SM, K loop {len(body)} instructions "
-          f"({len(body) / stages:.0f} per chunk)")
-    assert regs <= 255, regs
     hgmma = count(body, rf"\bHGMMA\.64x{bt}x16\.F32\b")
     per_chunk = dict(HGMMA=8, ARRIVE=1, WG_DEPBAR=1, BAR_SYNC=2, DEPBAR=1, LDS128=2, STS=0,
                      PRMT=64, FENCE=1, LDGSTS=bt // 2 + 1, **copies)
-    got = dict({n: c[n] for n in per_chunk}, HGMMA=hgmma)
-    assert got == {n: v * stages for n, v in per_chunk.items()}, got
-    assert proxy_fence_problems(body, stages) == []
+    check_chunks(f"{kernel} bt {bt}", regs, shared, body, c, stages, per_chunk, HGMMA=hgmma)
+    assert regs <= 255, regs
