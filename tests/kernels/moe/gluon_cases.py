@@ -227,6 +227,54 @@ def dbg_l2_case(x, codes, exps, k: int, ks: int, perm, g, device="cuda"):
     return h, w2, counts, srt, wts, ref
 
 
+# the prefill L2 launchers' cases (T, E, k, subset, ks, dtype, d, F), shared by their tests
+# (test_moe_gluon_l2.test_l2_gluon_matches says what each covers)
+L2_PREFILL_CASES = [
+    (203, 8, 4, None, 4, torch.float32, 512, 384),
+    (77, 4, 3, None, 5, torch.float32, 256, 1152),
+    (515, 16, 6, [0, 3, 5, 6, 9, 12, 14], 7, torch.bfloat16, 512, 384),
+    (300, 8, 6, None, 6, torch.float16, 384, 768),
+    (1, 8, 6, None, 7, torch.float32, 256, 384),
+    (1024, 16, 6, None, 7, torch.bfloat16, 1024, 2304)]
+
+
+def l2_debug_pieces(K: int, bm: int, g: torch.Generator, names=None) -> list[tuple]:
+    """The prefill L2 kernels' debug pieces at d = 256, F = K, rows of bm
+    (test_moe_gluon_l2.test_l2_gluon_debug_pieces says what each checks): (name, H rows,
+    W2 codes, exponents, topk, ks, pair order or None) for those in `names` (all by default),
+    drawn from g in this order."""
+    d, F = 256, K
+
+    def codes():
+        return torch.randint(0, 256, (1, d, F // 2), generator=g)
+
+    def rexp(lo, hi):
+        return torch.randint(lo, hi, (1, d, F // 32), generator=g)
+
+    e127 = torch.full((1, d, F // 32), 127)
+    eye = torch.zeros(bm, F)
+    eye[torch.arange(bm), (torch.arange(bm) * (2 * K // 128 + 1)) % K] = 1.0
+    col = torch.arange(F // 2)
+    ramp = (((2 * col) % 16) | (((2 * col + 1) % 16) << 4)).expand(1, d, F // 2)
+    pieces = {
+        "ones": lambda: (torch.ones(bm, F), torch.full((1, d, F // 2), 0x22), e127, 1, 1, None),
+        "onehot": lambda: (eye, codes(), e127, 1, 1, None),
+        "col_ramp": lambda: (torch.where(torch.arange(F) % 16 < 8, 2.0, 1.0)[None], ramp, e127,
+                             1, 1, None),
+        "exps_flat": lambda: (torch.randn(bm, F, generator=g), codes(),
+                              torch.full((1, d, F // 32), 120), 1, 1, None),
+        "exps_wide": lambda: (torch.randn(bm, F, generator=g), codes(), rexp(108, 128), 1, 1,
+                              None),
+        "exps_flush": lambda: (torch.randn(bm, F, generator=g), codes(), rexp(60, 128), 1, 1,
+                               None),
+        "frame_lo": lambda: (torch.randn(64, F, generator=g) * 1024, codes(), rexp(2, 12), 1, 1,
+                             None),
+        "rows_37": lambda: (torch.randn(37, F, generator=g), codes(), e127 - 6, 1, 1, None),
+        "rows_300": lambda: (torch.randn(300, F, generator=g), codes(), e127 - 4, 2, 3,
+                             torch.randperm(300, generator=g))}
+    return [(n, *piece()) for n, piece in pieces.items() if names is None or n in names]
+
+
 def diagnose(name, out, ref):
     """'' when out matches ref (2e-3 relative, finite), else where it does not: the bad rows /
     columns, the first bad element, and the median ratio out / ref (a power of two: a scale

@@ -35,6 +35,8 @@ import gluon_cases
 import pytest
 import torch
 from gluon_cases import (
+    L2_PREFILL_CASES,
+    l2_debug_pieces,
     gluon_gpu,
     proxy_fence_problems,
     E2M1,
@@ -402,13 +404,7 @@ def _differ(outs) -> list[int]:
 
 
 @gpu
-@pytest.mark.parametrize("T,E,k,subset,ks,dtype,d,F", [
-    (203, 8, 4, None, 4, torch.float32, 512, 384),
-    (77, 4, 3, None, 5, torch.float32, 256, 1152),
-    (515, 16, 6, [0, 3, 5, 6, 9, 12, 14], 7, torch.bfloat16, 512, 384),
-    (300, 8, 6, None, 6, torch.float16, 384, 768),
-    (1, 8, 6, None, 7, torch.float32, 256, 384),
-    (1024, 16, 6, None, 7, torch.bfloat16, 1024, 2304)])
+@pytest.mark.parametrize("T,E,k,subset,ks,dtype,d,F", L2_PREFILL_CASES)
 def test_l2_gluon_matches(T, E, k, subset, ks, dtype, d, F):
     """Prefill sizes: ~100 rows per expert (T 203, top-4 of 8), a partial tile; 58 per expert
     at K = 1152 (6 loop trips of 3 chunks); 7 of 16 experts (the rest empty) at 441 rows each (4
@@ -477,35 +473,9 @@ def test_l2_gluon_debug_pieces(K):
       rows_37    37 rows (a partial row tile: the A copy masks, the store masks)
       rows_300   300 rows (3 row tiles, the last partial), topk 2, ks 3, a shuffled pair
                  order and random weights (the scatter, the weights, unrouted slots stay NaN)"""
-    d, F = 256, K
+    d = 256
     g = torch.Generator().manual_seed(7)
-
-    def codes():
-        return torch.randint(0, 256, (1, d, F // 2), generator=g)
-
-    def rexp(lo, hi):
-        return torch.randint(lo, hi, (1, d, F // 32), generator=g)
-
-    e127 = torch.full((1, d, F // 32), 127)
-    eye = torch.zeros(mgl.BM, F)
-    eye[torch.arange(mgl.BM), (torch.arange(mgl.BM) * (2 * K // 128 + 1)) % K] = 1.0
-    col = torch.arange(F // 2)
-    ramp = (((2 * col) % 16) | (((2 * col + 1) % 16) << 4)).expand(1, d, F // 2)
-    cases = [("ones", torch.ones(mgl.BM, F), torch.full((1, d, F // 2), 0x22), e127, 1, 1, None),
-             ("onehot", eye, codes(), e127, 1, 1, None),
-             ("col_ramp", torch.where(torch.arange(F) % 16 < 8, 2.0, 1.0)[None], ramp, e127,
-              1, 1, None),
-             ("exps_flat", torch.randn(mgl.BM, F, generator=g), codes(),
-              torch.full((1, d, F // 32), 120), 1, 1, None),
-             ("exps_wide", torch.randn(mgl.BM, F, generator=g), codes(), rexp(108, 128), 1, 1,
-              None),
-             ("exps_flush", torch.randn(mgl.BM, F, generator=g), codes(), rexp(60, 128), 1, 1,
-              None),
-             ("frame_lo", torch.randn(64, F, generator=g) * 1024, codes(), rexp(2, 12), 1, 1,
-              None),
-             ("rows_37", torch.randn(37, F, generator=g), codes(), e127 - 6, 1, 1, None),
-             ("rows_300", torch.randn(300, F, generator=g), codes(), e127 - 4, 2, 3,
-              torch.randperm(300, generator=g))]
+    cases = l2_debug_pieces(K, mgl.BM, g)
     msgs = []
     for name, x, c, e, k, ks, perm in cases:
         h, w2, counts, srt, wts, ref = dbg_l2_case(x, c, e, k, ks, perm, g, DEV)

@@ -35,6 +35,8 @@ import time
 import pytest
 import torch
 from gluon_cases import (
+    L2_PREFILL_CASES,
+    l2_debug_pieces,
     gluon_gpu,
     gluon_build,
     l2_arg_case,
@@ -123,13 +125,7 @@ def _check_same_as_l2(h, w2, counts, srt, wts, ks, dtype, tol, routed=None, **kw
 
 
 @gpu
-@pytest.mark.parametrize("T,E,k,subset,ks,dtype,d,F", [
-    (203, 8, 4, None, 4, torch.float32, 512, 384),
-    (77, 4, 3, None, 5, torch.float32, 256, 1152),
-    (515, 16, 6, [0, 3, 5, 6, 9, 12, 14], 7, torch.bfloat16, 512, 384),
-    (300, 8, 6, None, 6, torch.float16, 384, 768),
-    (1, 8, 6, None, 7, torch.float32, 256, 384),
-    (1024, 16, 6, None, 7, torch.bfloat16, 1024, 2304)])
+@pytest.mark.parametrize("T,E,k,subset,ks,dtype,d,F", L2_PREFILL_CASES)
 def test_l2_ws_matches(T, E, k, subset, ks, dtype, d, F):
     """test_moe_gluon_l2's prefill cases (a partial tile; 6 loop trips of 3 chunks; 7 of 16
     experts at 441 rows each into bf16 y with ks 7 > topk; fp16 y; one token; the real F = 2304,
@@ -311,29 +307,10 @@ def test_l2_ws_debug_pieces(K):
       frame_lo   exponents 2 .. 11 (S0 clamps at 1: the frame 2^-126; compared x 2^100)
       rows_37    37 rows (a partial tile: the H box's rows past P zero-filled)
       rows_300   300 rows (3 row tiles), topk 2, ks 3, shuffled pairs, random weights"""
-    d, F = 256, K
+    d = 256
     g = torch.Generator().manual_seed(7)
-
-    def codes():
-        return torch.randint(0, 256, (1, d, F // 2), generator=g)
-
-    def rexp(lo, hi):
-        return torch.randint(lo, hi, (1, d, F // 32), generator=g)
-
-    e127 = torch.full((1, d, F // 32), 127)
-    eye = torch.zeros(mlw.BM, F)
-    eye[torch.arange(mlw.BM), (torch.arange(mlw.BM) * (2 * K // 128 + 1)) % K] = 1.0
-    cases = [("ones", torch.ones(mlw.BM, F), torch.full((1, d, F // 2), 0x22), e127, 1, 1, None),
-             ("onehot", eye, codes(), e127, 1, 1, None),
-             ("exps_wide", torch.randn(mlw.BM, F, generator=g), codes(), rexp(108, 128), 1, 1,
-              None),
-             ("exps_flush", torch.randn(mlw.BM, F, generator=g), codes(), rexp(60, 128), 1, 1,
-              None),
-             ("frame_lo", torch.randn(64, F, generator=g) * 1024, codes(), rexp(2, 12), 1, 1,
-              None),
-             ("rows_37", torch.randn(37, F, generator=g), codes(), e127 - 6, 1, 1, None),
-             ("rows_300", torch.randn(300, F, generator=g), codes(), e127 - 4, 2, 3,
-              torch.randperm(300, generator=g))]
+    cases = l2_debug_pieces(K, mlw.BM, g, names=("ones", "onehot", "exps_wide", "exps_flush",
+                                                 "frame_lo", "rows_37", "rows_300"))
     msgs = []
     for name, x, c, e, k, ks, perm in cases:
         h, w2, counts, srt, wts, ref = dbg_l2_case(x, c, e, k, ks, perm, g, "cuda")
