@@ -27,19 +27,21 @@ TYPES = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", aidx_ptr="*i32", b1_ptr="*i8", bs
              stride_cm="i32")
 
 
-def gluon_gpu(ok: bool):
-    """The `gpu` decorator of a Gluon kernel's GPU tests (ok: the module's available()):
-    pytest.mark.gpu, and skipped without sm_90 and Triton 3.6's Gluon."""
+def gluon_gpu(kernels):
+    """The `gpu` decorator of the GPU tests of a Gluon kernel module: pytest.mark.gpu, and
+    skipped unless kernels.available() (CUDA sm_90 and Triton 3.6's Gluon)."""
+    ok = kernels.available()
+
     def gpu(test):
         return pytest.mark.gpu(pytest.mark.skipif(not ok, reason="needs CUDA sm_90 and "
                                                   "Triton 3.6 Gluon")(test))
     return gpu
 
 
-def gluon_build(import_ok: bool):
-    """The `build` mark of the tests that compile a Gluon kernel ahead of time for sm_90 on the
-    CPU (import_ok: the module's _IMPORT_OK, Triton 3.6's Gluon importable)."""
-    return pytest.mark.skipif(not import_ok, reason="needs Triton 3.6 with Gluon "
+def gluon_build(kernels):
+    """The `build` mark of the tests that compile a Gluon kernel module's kernels ahead of time
+    for sm_90 on the CPU: skipped unless kernels._IMPORT_OK (Triton 3.6's Gluon importable)."""
+    return pytest.mark.skipif(not kernels._IMPORT_OK, reason="needs Triton 3.6 with Gluon "
                               "(make sm90-h200)")
 
 

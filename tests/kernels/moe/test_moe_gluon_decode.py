@@ -59,9 +59,8 @@ from sm90_build import (SYNC_COUNTS, build_stats, count, gluon_sm90, loop_instru
 from gluon_cases import proxy_fence_problems
 from test_triton_moe import ACT, FP16_H, check_routed, routed_case
 
-GPU_OK = md.available()
-gpu = gluon_gpu(GPU_OK)
-build = gluon_build(md._IMPORT_OK)
+gpu = gluon_gpu(md)
+build = gluon_build(md)
 
 
 def _max_tiles(P, E, bt=md.BT):

@@ -67,9 +67,8 @@ from sm90_build import (SYNC_COUNTS, build_stats, count, gluon_sm90, loop_instru
                         usage_and_sass)
 from test_triton_moe import ACT, FP16_H, _prmt, check_routed, pinned, routed_case
 
-GPU_OK = ml2.available()
-gpu = gluon_gpu(GPU_OK)
-build = gluon_build(ml2._IMPORT_OK)
+gpu = gluon_gpu(ml2)
+build = gluon_build(ml2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import gluon_cases
 import pytest
 import torch
 from gluon_cases import (
+    gluon_build,
     L2_PREFILL_CASES,
     l2_debug_pieces,
     gluon_gpu,
@@ -50,8 +51,8 @@ from megagraph.kernels.moe import gluon_l2 as mgl
 from sm90_build import count, gluon_sm90, loop_instructions, usage_and_sass
 from test_moe_gluon_decode_l2 import _parse, _run, check_table_lanes, fp16_ref
 
-GPU_OK = mgl.available()
-gpu = gluon_gpu(GPU_OK)
+gpu = gluon_gpu(mgl)
+build = gluon_build(mgl)
 
 
 REPEATS = 10  # launches of each repeated case (bits compared with the first)
@@ -275,7 +276,7 @@ def sm90_build(use_asm: bool = True, out: str = "*bf16"):
     return k, regs, stack, sass, [t.strip() for t in loop_instructions(sass)]
 
 
-@pytest.mark.skipif(not mgl._IMPORT_OK, reason="needs Triton 3.6 with Gluon (make sm90-h200)")
+@build
 def test_l2_sm90_build_diag():
     """The DIAG bits (timing diagnosis only) build without spills, and DIAG = 0 is exactly the
     default kernel (the bits are constexpr-guarded: the same SASS)."""
@@ -318,7 +319,7 @@ def sass_stats(use_asm: bool = True, out: str = "*bf16") -> dict:
                 fence_problems=proxy_fence_problems(body, mgl.NS))
 
 
-@pytest.mark.skipif(not mgl._IMPORT_OK, reason="needs Triton 3.6 with Gluon (make sm90-h200)")
+@build
 @pytest.mark.parametrize("use_asm", [True, False])
 def test_l2_gluon_sm90_build(use_asm):
     """Triton 3.6 sm_90 build at the real shapes' divisibility, bf16 y: no stack / local memory;
@@ -367,7 +368,7 @@ def test_l2_gluon_sm90_build(use_asm):
         assert abs(len(body) - LOOP_PIN) <= 0.08 * LOOP_PIN, len(body)
 
 
-@pytest.mark.skipif(not mgl._IMPORT_OK, reason="needs Triton 3.6 with Gluon (make sm90-h200)")
+@build
 @pytest.mark.parametrize("out", ["*fp32", "*fp16"])
 def test_l2_gluon_sm90_build_outputs(out):
     """The fp32 and fp16 y builds (the GPU tests' and mega_moe's other dtypes): no spills, the

@@ -54,9 +54,8 @@ from megagraph.kernels.moe import gluon_l2 as mgl
 from megagraph.kernels.moe import gluon_l2_ws as mlw
 from sm90_build import count, gluon_sm90, usage_and_sass
 
-GPU_OK = mlw.available()
-gpu = gluon_gpu(GPU_OK)
-build = gluon_build(mlw._IMPORT_OK)
+gpu = gluon_gpu(mlw)
+build = gluon_build(mlw)
 # seconds a GPU wait may take before the process is ended (a deadlocked kernel never returns)
 WATCHDOG_S = float(os.environ.get("MEGAGRAPH_TEST_WATCHDOG_S", "60"))
 

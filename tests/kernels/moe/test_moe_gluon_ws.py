@@ -29,9 +29,8 @@ from megagraph.kernels.moe import gluon_ws as mw
 from poisoned_alloc import poisoned
 from sm90_build import count, gluon_sm90, usage_and_sass
 
-GPU_OK = mw.available()
-gpu = gluon_gpu(GPU_OK)
-build = gluon_build(mw._IMPORT_OK)
+gpu = gluon_gpu(mw)
+build = gluon_build(mw)
 
 
 def _max_tiles(P, E):
