@@ -16,6 +16,7 @@ from megagraph.models.build import build_step
 from megagraph.models.checkpoint.hf_v4 import hf_state_dict_to_official
 from megagraph.models.config import load_model_config
 from megagraph.models.session import ReferenceSession, SeqChunk, weight_specs
+from tests.v4_weights import randomize_model
 
 tfm = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 from transformers import DeepseekV4Config  # noqa: E402
@@ -49,20 +50,7 @@ def randomized_model(hf_cfg, seed: int):
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     m = tfm.DeepseekV4ForCausalLM(hf_cfg).float().eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if p.dim() == 1 and "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-            elif p.dim() <= 1 or "position_bias" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-        for name, b in m.named_buffers():
-            if name.endswith("tid2eid"):
-                v, k = b.shape
-                b.copy_(torch.stack([torch.randperm(hf_cfg.n_routed_experts, generator=g)[:k] for _ in range(v)]))
-            elif name.endswith("e_score_correction_bias"):
-                b.copy_(0.3 * torch.randn(b.shape, generator=g))
+    randomize_model(m, g)
     return m
 
 

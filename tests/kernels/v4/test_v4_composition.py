@@ -24,6 +24,7 @@ from megagraph.kernels.moe.reference import moe_experts, route, swiglu_mlp
 from megagraph.kernels.dense.norm import rms_norm
 from megagraph.kernels.dense.rope import rope
 from megagraph.kernels.v4.reference import hash_route, hc_head_mix, v4_compress_pool
+from tests.v4_weights import randomize_model
 
 tfm = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 from transformers import DeepseekV4Config  # noqa: E402
@@ -54,20 +55,7 @@ def _model(g: torch.Generator):
     cfg = _cfg()
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=g)))
     m = tfm.DeepseekV4ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if p.dim() == 1 and "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-            elif p.dim() <= 1 or "position_bias" in name:  # sinks, hc base/scale, ...
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-        for name, b in m.named_buffers():
-            if name.endswith("tid2eid"):
-                V, k = b.shape
-                b.copy_(torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:k] for _ in range(V)]))
-            elif name.endswith("e_score_correction_bias"):
-                b.copy_(0.3 * torch.randn(b.shape, generator=g))
+    randomize_model(m, g)
     return m
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megagraph.kernels.v4.reference import V4_REFERENCE, hash_route, hc_head_mix, v4_compress_pool
+from tests.v4_weights import randomize_params
 
 tfm = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 from transformers import DeepseekV4Config  # noqa: E402
@@ -40,14 +41,7 @@ def _cfg(**kw) -> DeepseekV4Config:
 
 def _randomize(module: torch.nn.Module, g: torch.Generator) -> torch.nn.Module:
     """Overwrite every parameter (incl. the ones _init_weights zeroes: position_bias, sinks, hc base)."""
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if p.dim() == 1 and "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-            elif p.dim() <= 1 or "position_bias" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    randomize_params(module, g)
     return module.float().eval()
 
 
