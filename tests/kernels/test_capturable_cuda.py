@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cuda_capture import capture
-from test_capturable_ops import ALL_META, ALL_PLAIN, PADDED, as_tuple, build_meta_case, gen
+from test_capturable_ops import ALL_META, ALL_PLAIN, as_tuple, op_case
 from torch.utils._pytree import tree_map
 
 from megagraph.graph.interp import interpret
@@ -47,11 +47,7 @@ def close(a, b, tol, what):
 
 @pytest.mark.parametrize("name", sorted(ALL_PLAIN) + sorted(ALL_META))
 def test_op_captures_in_cuda_graph(name):
-    if name in ALL_PLAIN:
-        op, build = ALL_PLAIN[name]
-        args, kw = build(gen(1))
-    else:
-        op, (args, kw, _) = build_meta_case(ALL_META[name], PADDED)
+    op, args, kw = op_case(name)
     static = to_dev(args)
     fn = CAPTURABLE[op]
     # functional kernels never write their inputs, so replay reads the same static args

@@ -745,13 +745,20 @@ def check_no_sync(fn, args, kw):
         assert b.device.type == "meta" and a.shape == b.shape and a.dtype == b.dtype
 
 
-@pytest.mark.parametrize("name", sorted(ALL_PLAIN) + sorted(ALL_META))
-def test_no_host_sync_on_meta(name):
+def op_case(name):
+    """(op, args, kw) of the ALL_PLAIN or ALL_META case `name`: a plain case built from gen(1),
+    a meta case at the PADDED requests."""
     if name in ALL_PLAIN:
         op, build = ALL_PLAIN[name]
         args, kw = build(gen(1))
     else:
         op, (args, kw, _) = build_meta_case(ALL_META[name], PADDED)
+    return op, args, kw
+
+
+@pytest.mark.parametrize("name", sorted(ALL_PLAIN) + sorted(ALL_META))
+def test_no_host_sync_on_meta(name):
+    op, args, kw = op_case(name)
     check_no_sync(CAPTURABLE[op], args, kw)
     if op in ("ring_update", "cache_write", "compress_pool", "v4_compress_pool", "compressor"):
         check_no_sync(capturable_impls(inplace_state=True)[op], args, kw)

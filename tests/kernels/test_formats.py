@@ -242,19 +242,15 @@ def test_mxfp4_known_packing():
 def test_batched_dequantizers_match_per_expert():
     g, seed = _gen()
     w = torch.randn(3, 70, 64, generator=g)
-    qs = [F.quantize_fp8_block(w[e]) for e in range(3)]
-    q, s = torch.stack([a for a, _ in qs]), torch.stack([b for _, b in qs])
-    d = F.dequantize_fp8_block(q, s)
-    assert d.shape == (3, 70, 64)
-    for e in range(3):
-        assert torch.equal(d[e], F.dequantize_fp8_block(qs[e][0], qs[e][1])), seed
-    ps = [F.quantize_mxfp4(w[e]) for e in range(3)]
-    p, sc = torch.stack([a for a, _ in ps]), torch.stack([b for _, b in ps])
-    u = F.unpack_mxfp4(p, sc)
-    assert u.shape == (3, 70, 64)
-    for e in range(3):
-        assert torch.equal(u[e], F.unpack_mxfp4(ps[e][0], ps[e][1])), seed
-    with pytest.raises(ValueError):
-        F.unpack_mxfp4(p, sc[:2])
-    with pytest.raises(ValueError):
-        F.dequantize_fp8_block(q, s[0])
+    # (quantizer, its dequantizer, scales of a wrong shape for the batch)
+    for quant, dequant, wrong in ((F.quantize_fp8_block, F.dequantize_fp8_block, lambda s: s[0]),
+                                  (F.quantize_mxfp4, F.unpack_mxfp4, lambda s: s[:2])):
+        per_expert = [quant(w[e]) for e in range(3)]
+        codes = torch.stack([c for c, _ in per_expert])
+        scales = torch.stack([sc for _, sc in per_expert])
+        d = dequant(codes, scales)
+        assert d.shape == (3, 70, 64)
+        for e in range(3):
+            assert torch.equal(d[e], dequant(*per_expert[e])), seed
+        with pytest.raises(ValueError):
+            dequant(codes, wrong(scales))
