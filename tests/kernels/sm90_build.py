@@ -111,14 +111,16 @@ SYNC_COUNTS = [
     ("EXPECT", r"SYNCS\.ARRIVE\.TRANS64"), ("FENCE", r"\bFENCE\.VIEW\.ASYNC\.S\b")]
 
 
-def build_stats(kernel, types: dict, consts: dict, counts, num_warps: int):
+def build_stats(kernel, types: dict, consts: dict, counts, num_warps: int,
+                loop=outer_loop_instructions):
     """(registers, shared bytes, K-loop instructions, {name: count} of `counts` patterns) of an
     sm_90 build of a Gluon kernel, with no stack and no local memory (spills) asserted. The K
-    loop is outer_loop_instructions' (the mbarrier retry loops sit after the function end)."""
+    loop is `loop`'s: outer_loop_instructions' by default (the mbarrier retry loops sit after
+    the function end), loop_instructions' for a kernel without mbarrier waits."""
     k = gluon_sm90(kernel, types, consts, num_warps=num_warps)
     usage, sass = usage_and_sass(k)
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
-    body = [t.strip() for t in outer_loop_instructions(sass)]
+    body = [t.strip() for t in loop(sass)]
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     return regs, k.metadata.shared, body, {n: count(body, p) for n, p in counts}

@@ -468,3 +468,36 @@ def bt_rows(bt: int) -> list[int]:
     each), experts of bt + 1, 2 bt + 7 and 3 bt rows (2-3 tiles, the last partial or full) and
     5 rows between empty experts."""
     return list(range(1, bt + 1)) + [0, bt + 1, 2 * bt + 7, 0, 3 * bt, 5, 0]
+
+
+def check_load_and_stages(kernels) -> None:
+    """A Gluon decode module's launcher checks of load / stages (plain Python, before any
+    launch): the default is the module's LOAD with TMA_STAGES; unknown loads, stages without
+    load='tma' and rings under 3 stages are refused."""
+    assert kernels._load_and_stages(None, None) == (kernels.LOAD, kernels.TMA_STAGES)
+    assert kernels._load_and_stages("tma", 6) == ("tma", 6)
+    for load, stages in (("tma2", None), ("cp.async", 4), ("tma", 2)):
+        with pytest.raises(ValueError):
+            kernels._load_and_stages(load, stages)
+
+
+def check_weight_desc(kernels) -> None:
+    """A Gluon decode module's host TMA descriptor of an MXFP4 bank of 3 experts of 128 rows x
+    512 columns (CPU tensors: no launch): the packed bytes as one [3 x 128, 256] uint8 matrix
+    with the row stride, [BW, BK / 2] boxes in W_TMA_LAYOUT; a bank whose experts are not one row
+    stride apart does not fit (_tma_fits) and is refused."""
+    from megagraph.kernels.moe import triton as moe
+
+    E, rows, cols = 3, 128, 512
+    w = torch.zeros(E, rows, cols // 2, dtype=torch.int8)
+    s = torch.zeros(E, rows, cols // 32, dtype=torch.uint8)
+    desc = kernels._weight_desc(moe.bank(w, s, "mxfp4"))
+    assert list(desc.shape) == [E * rows, cols // 2] and list(desc.strides) == [cols // 2, 1]
+    assert list(desc.block_shape) == [kernels.BW, kernels.BK // 2]
+    assert desc.layout == kernels.W_TMA_LAYOUT
+    assert desc.base.dtype == torch.uint8 and desc.base.data_ptr() == w.data_ptr()
+    gapped = moe.bank(torch.zeros(E, rows + 64, cols // 2, dtype=torch.int8)[:, :rows], s,
+                      "mxfp4")
+    assert kernels._tma_fits(moe.bank(w, s, "mxfp4")) and not kernels._tma_fits(gapped)
+    with pytest.raises(ValueError):
+        kernels._weight_desc(gapped)

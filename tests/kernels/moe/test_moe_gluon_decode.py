@@ -44,6 +44,8 @@ from gluon_cases import (
     gluon_gpu,
     bt_rows,
     check_chunks,
+    check_load_and_stages,
+    check_weight_desc,
     TYPES,
     case,
     check_repeats_and_graph,
@@ -54,8 +56,7 @@ from gluon_cases import (
     rows_case,
 )
 from megagraph.kernels.moe import gluon_decode as md
-from sm90_build import (SYNC_COUNTS, build_stats, count, gluon_sm90, loop_instructions,
-                        usage_and_sass)
+from sm90_build import SYNC_COUNTS, build_stats, count, loop_instructions
 from gluon_cases import proxy_fence_problems
 from test_triton_moe import ACT, FP16_H, check_routed, routed_case
 
@@ -228,35 +229,14 @@ def test_l1_decode_sm90_build():
     +- 8%)."""
     consts = dict(TOPK=6, HAS_LIMIT=True, USE_ASM=True, BW=md.BW, BT=md.BT, BK=md.BK, NS=md.NS,
                   NKP=64, NW=md.NUM_WARPS)
-    k = gluon_sm90(md.l1_decode_kernel, TYPES, consts, num_warps=md.NUM_WARPS)
-    assert k.metadata.shared <= 56 * 1024, k.metadata.shared  # 4 CTAs per SM
-    usage, sass = usage_and_sass(k)
-    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
-    regs = int(re.search(r"REG:(\d+)", usage).group(1))
-    assert regs <= 128, usage
-    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
-    body = [t.strip() for t in loop_instructions(sass)]
-    ns = md.NS
-    counts = {name: count(body, pat) for name, pat in [
-        ("QGMMA", r"\bQGMMA\.64x16x32\.F32\.E4M3\.E4M3\b"), ("ARRIVE", r"WARPGROUP\.ARRIVE"),
-        ("WG_DEPBAR", r"WARPGROUP\.DEPBAR"), ("BAR_SYNC", r"\bBAR\.SYNC"),
-        ("DEPBAR", r"^(@\S+\s+)?DEPBAR"), ("LDGSTS128", r"\bLDGSTS\.E\.BYPASS\.128\b"),
-        ("LDGSTS", r"\bLDGSTS\.E\s"), ("LDS128", r"\bLDS\.128\b"), ("STS", r"\bSTS"),
-        ("PRMT", r"\bPRMT\b")]}
-    print(f"\nsm_90 build: {regs} registers, {k.metadata.shared} B shared, K loop "
-          f"{len(body)} instructions for {ns} chunks ({len(body) / ns:.0f} per chunk): {counts}")
-    assert counts["QGMMA"] == 8 * ns
-    assert counts["ARRIVE"] == 2 * ns
-    assert counts["WG_DEPBAR"] == 2 * ns
-    assert counts["BAR_SYNC"] == 2 * ns
-    assert counts["DEPBAR"] == ns
-    assert counts["LDGSTS128"] == 4 * ns
-    assert counts["LDGSTS"] == 5 * ns
-    assert counts["LDS128"] == 4 * ns
-    assert counts["STS"] == 0
-    assert counts["PRMT"] == 64 * ns
+    regs, shared, body, counts = _build_stats(md.l1_decode_kernel, TYPES, consts,
+                                              loop=loop_instructions)
+    assert shared <= 56 * 1024, shared  # 4 CTAs per SM
+    assert regs <= 128, regs
+    per_chunk = dict(QGMMA=8, ARRIVE=2, WG_DEPBAR=2, BAR_SYNC=2, DEPBAR=1, LDGSTS128=4,
+                     LDGSTS=5, LDS128=4, STS=0, PRMT=64)
+    check_chunks("cp.async", regs, shared, body, counts, md.NS, per_chunk)
     assert abs(len(body) - 1231) <= 0.08 * 1231, len(body)
-    assert proxy_fence_problems(body, ns) == []
     # the W1 wgmmas are in flight while W3 is upcast: PRMTs between the first QGMMA of a chunk
     # and its first WARPGROUP.DEPBAR
     chunk = "\n".join(body).split("WARPGROUP.DEPBAR")[0]
@@ -351,14 +331,9 @@ def test_l1_decode_tma_repeat_and_graph():
 
 
 def test_l1_decode_load_args():
-    """The launcher's load / stages / bt checks (plain Python, before any launch): the default
-    is the module's LOAD with TMA_STAGES and the decode tile BT = 16; unknown loads, stages
-    without load='tma', rings under 3 stages and token tiles outside BTS are refused."""
-    assert md._load_and_stages(None, None) == (md.LOAD, md.TMA_STAGES)
-    assert md._load_and_stages("tma", 6) == ("tma", 6)
-    for load, stages in (("tma2", None), ("cp.async", 4), ("tma", 2)):
-        with pytest.raises(ValueError):
-            md._load_and_stages(load, stages)
+    """The launcher's load / stages checks (check_load_and_stages) and its token tiles: the
+    decode tile BT = 16 by default, tiles outside BTS refused."""
+    check_load_and_stages(md)
     assert md.BT == 16 and md._token_tile(None) == 16
     assert [md._token_tile(bt) for bt in md.BTS] == [16, 32, 64]
     for bt in (8, 48, 128):
@@ -368,22 +343,8 @@ def test_l1_decode_load_args():
 
 @build
 def test_l1_decode_weight_desc():
-    """The host TMA descriptor of a bank (CPU tensors: no launch): the packed bytes as one
-    [E F, d / 2] uint8 matrix with the row stride, [64, 64] boxes in W_TMA_LAYOUT; a bank whose
-    experts are not one row stride apart is refused."""
-    from megagraph.kernels.moe import triton as moe
-
-    E, F, d = 3, 128, 512
-    w = torch.zeros(E, F, d // 2, dtype=torch.int8)
-    s = torch.zeros(E, F, d // 32, dtype=torch.uint8)
-    desc = md._weight_desc(moe.bank(w, s, "mxfp4"))
-    assert list(desc.shape) == [E * F, d // 2] and list(desc.strides) == [d // 2, 1]
-    assert list(desc.block_shape) == [md.BW, md.BK // 2] and desc.layout == md.W_TMA_LAYOUT
-    assert desc.base.dtype == torch.uint8 and desc.base.data_ptr() == w.data_ptr()
-    gapped = torch.zeros(E, F + 64, d // 2, dtype=torch.int8)[:, :F]
-    assert md._tma_fits(moe.bank(w, s, "mxfp4")) and not md._tma_fits(moe.bank(gapped, s, "mxfp4"))
-    with pytest.raises(ValueError):
-        md._weight_desc(moe.bank(gapped, s, "mxfp4"))
+    """The host TMA descriptor of a W1 / W3 bank ([E F, d / 2]): check_weight_desc."""
+    check_weight_desc(md)
 
 
 def _tma_types():
@@ -398,9 +359,9 @@ def _tma_types():
 SASS_COUNTS = [("QGMMA", r"\bQGMMA\.64x16x32\.F32\.E4M3\.E4M3\b")] + SYNC_COUNTS
 
 
-def _build_stats(kernel, types, consts):
+def _build_stats(kernel, types, consts, **kw):
     """sm90_build.build_stats with this kernel family's patterns and warps."""
-    return build_stats(kernel, types, consts, SASS_COUNTS, md.NUM_WARPS)
+    return build_stats(kernel, types, consts, SASS_COUNTS, md.NUM_WARPS, **kw)
 
 
 @build

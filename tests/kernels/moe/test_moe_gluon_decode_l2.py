@@ -40,7 +40,6 @@ registers, no spills, HGMMA 64xbtx16, the BT = 16 chunk's barriers, fence order 
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import pytest
 import torch
@@ -49,6 +48,8 @@ from gluon_cases import (
     gluon_gpu,
     bt_rows,
     check_chunks,
+    check_load_and_stages,
+    check_weight_desc,
     proxy_fence_problems,
     E2M1,
     check_l2_out,
@@ -63,8 +64,7 @@ from gluon_cases import (
 from megagraph.kernels.gemm.config import Tile
 from megagraph.kernels.moe import gluon_decode_l2 as ml2
 from megagraph.kernels.moe.config import MoeConfig
-from sm90_build import (SYNC_COUNTS, build_stats, count, gluon_sm90, loop_instructions,
-                        usage_and_sass)
+from sm90_build import SYNC_COUNTS, build_stats, count, loop_instructions
 from test_triton_moe import ACT, FP16_H, _prmt, check_routed, pinned, routed_case
 
 gpu = gluon_gpu(ml2)
@@ -421,36 +421,16 @@ def test_l2_decode_sm90_build(use_asm):
     built, no spills, the same fence order."""
     consts = dict(TOPK=6, KS=6, USE_ASM=use_asm, BW=ml2.BW, BT=ml2.BT, BK=ml2.BK, NS=ml2.NS,
                   NW=ml2.NUM_WARPS)
-    k = gluon_sm90(ml2.l2_decode_kernel, TYPES, consts, num_warps=ml2.NUM_WARPS)
-    assert k.metadata.shared <= 40 * 1024, k.metadata.shared
-    usage, sass = usage_and_sass(k)
-    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
-    regs = int(re.search(r"REG:(\d+)", usage).group(1))
-    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills) in the kernel"
-    body = [t.strip() for t in loop_instructions(sass)]
-    ns = ml2.NS
-    counts = {name: count(body, pat) for name, pat in [
-        ("HGMMA", r"\bHGMMA\.64x16x16\.F32\b"), ("ARRIVE", r"WARPGROUP\.ARRIVE"),
-        ("WG_DEPBAR", r"WARPGROUP\.DEPBAR"), ("BAR_SYNC", r"\bBAR\.SYNC"),
-        ("DEPBAR", r"^(@\S+\s+)?DEPBAR"), ("LDGSTS128", r"\bLDGSTS\.E\.BYPASS\.128\b"),
-        ("LDGSTS", r"\bLDGSTS\.E\s"), ("LDS128", r"\bLDS\.128\b"), ("STS", r"\bSTS"),
-        ("PRMT", r"\bPRMT\b")]}
-    print(f"\nsm_90 build ({'asm' if use_asm else 'arith'}): {regs} registers, "
-          f"{k.metadata.shared} B shared, K loop {len(body)} instructions for {ns} chunks "
-          f"({len(body) / ns:.0f} per chunk): {counts}")
-    assert counts["HGMMA"] == 8 * ns
-    assert counts["ARRIVE"] == ns
-    assert counts["WG_DEPBAR"] == ns
-    assert counts["BAR_SYNC"] == 2 * ns
-    assert counts["DEPBAR"] == ns
-    assert counts["LDGSTS128"] == 2 * ns
-    assert counts["LDGSTS"] == 9 * ns
-    assert counts["LDS128"] == 2 * ns
-    assert counts["STS"] == 0
-    assert proxy_fence_problems(body, ns) == []
+    regs, shared, body, counts = _build_stats(ml2.l2_decode_kernel, TYPES, consts,
+                                              loop=loop_instructions)
+    assert shared <= 40 * 1024, shared
+    per_chunk = dict(HGMMA=8, ARRIVE=1, WG_DEPBAR=1, BAR_SYNC=2, DEPBAR=1, LDGSTS128=2,
+                     LDGSTS=9, LDS128=2, STS=0)
+    check_chunks(f"cp.async ({'asm' if use_asm else 'arith'})", regs, shared, body, counts,
+                 ml2.NS, per_chunk)
     if use_asm:
-        assert regs <= 96, usage
-        assert counts["PRMT"] == 64 * ns
+        assert regs <= 96, regs
+        assert counts["PRMT"] == 64 * ml2.NS
         assert abs(len(body) - 846) <= 0.08 * 846, len(body)
 
 
@@ -630,16 +610,11 @@ def test_l2_decode_tma_repeat_and_graph():
 
 
 def test_l2_decode_load_args():
-    """The launcher's load / stages / bt checks (plain Python, before any launch): the default
-    is the module's LOAD with TMA_STAGES and the decode tile BT = 16; unknown loads, stages
-    without load='tma', rings under 3 stages and token tiles outside BTS are refused."""
+    """The launcher's load / stages checks (check_load_and_stages) and its token tiles: the
+    decode tile BT = 16 by default, tiles outside BTS refused."""
     from megagraph.kernels.moe.gluon_common import token_tile
 
-    assert ml2._load_and_stages(None, None) == (ml2.LOAD, ml2.TMA_STAGES)
-    assert ml2._load_and_stages("tma", 6) == ("tma", 6)
-    for load, stages in (("tma2", None), ("cp.async", 4), ("tma", 2)):
-        with pytest.raises(ValueError):
-            ml2._load_and_stages(load, stages)
+    check_load_and_stages(ml2)
     assert ml2.BT == 16 and token_tile(None, ml2.BT, ml2.BTS) == 16
     assert [token_tile(bt, ml2.BT, ml2.BTS) for bt in ml2.BTS] == [16, 32, 64, 128]
     for bt in (8, 48, 256):
@@ -649,23 +624,9 @@ def test_l2_decode_load_args():
 
 @build
 def test_l2_decode_weight_desc():
-    """The host TMA descriptor of a W2 bank (CPU tensors: no launch): the packed bytes as one
-    [E d, F / 2] uint8 matrix with the row stride, [64, 64] boxes in the layout the kernel's
-    stages take; a bank whose experts are not one row stride apart does not fit (the default
-    load falls back to cp.async) and is refused."""
-    from megagraph.kernels.moe import triton as moe
-
-    E, d, F = 3, 128, 512
-    w = torch.zeros(E, d, F // 2, dtype=torch.int8)
-    s = torch.zeros(E, d, F // 32, dtype=torch.uint8)
-    desc = ml2._weight_desc(moe.bank(w, s, "mxfp4"))
-    assert list(desc.shape) == [E * d, F // 2] and list(desc.strides) == [F // 2, 1]
-    assert list(desc.block_shape) == [ml2.BW, ml2.BK // 2] and desc.layout == ml2.W_TMA_LAYOUT
-    assert desc.base.dtype == torch.uint8 and desc.base.data_ptr() == w.data_ptr()
-    gapped = moe.bank(torch.zeros(E, d + 64, F // 2, dtype=torch.int8)[:, :d], s, "mxfp4")
-    assert ml2._tma_fits(moe.bank(w, s, "mxfp4")) and not ml2._tma_fits(gapped)
-    with pytest.raises(ValueError):
-        ml2._weight_desc(gapped)
+    """The host TMA descriptor of a W2 bank ([E d, F / 2]): check_weight_desc (a bank that does
+    not fit: the default load falls back to cp.async)."""
+    check_weight_desc(ml2)
 
 
 def _tma_types():
@@ -679,9 +640,9 @@ def _tma_types():
 SASS_COUNTS = [("HGMMA", r"\bHGMMA\.64x16x16\.F32\b")] + SYNC_COUNTS
 
 
-def _build_stats(kernel, types, consts):
+def _build_stats(kernel, types, consts, **kw):
     """sm90_build.build_stats with this kernel family's patterns and warps."""
-    return build_stats(kernel, types, consts, SASS_COUNTS, ml2.NUM_WARPS)
+    return build_stats(kernel, types, consts, SASS_COUNTS, ml2.NUM_WARPS, **kw)
 
 
 # per K chunk of the TMA kernel, besides the cp.async kernel's math: 2 BAR.SYNC (A: stage
