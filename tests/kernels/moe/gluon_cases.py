@@ -457,6 +457,19 @@ def check_chunks(what: str, regs: int, shared: int, body: list[str], counts: dic
     assert proxy_fence_problems(body, stages) == []
 
 
+def check_same_chunk_math(what: str, tma, ns: int, cp, cp_ns: int, names) -> None:
+    """Print a decode kernel's TMA build (`what`, at ns stages) and its cp.async build (at
+    cp_ns), each (registers, shared bytes, K loop, counts) from build_stats, and check that one
+    K chunk of either holds the same count of every name in `names` (the math: the wgmma, the
+    upcast), the loops being unrolled by their stage counts."""
+    (regs, shared, body, c), (regs_cp, shared_cp, body_cp, c_cp) = tma, cp
+    print(f"\nsm_90 {what} ({ns} stages): {regs} registers, {shared} B shared, K loop "
+          f"{len(body)} instructions ({len(body) / ns:.0f} per chunk): {c}\nsm_90 cp.async "
+          f"({cp_ns} stages): {regs_cp} registers, {shared_cp} B shared, K loop {len(body_cp)} "
+          f"({len(body_cp) / cp_ns:.0f} per chunk): {c_cp}")
+    for name in names:
+        assert c[name] / ns == c_cp[name] / cp_ns, (name, c[name], c_cp[name])
+
 def ctas_per_sm(regs: int, shared: int) -> int:
     """CTAs of one warpgroup an H100 / H200 SM holds: 64 K registers (allocated per thread in
     units of 8), 228 KB shared with 1 KB reserved per CTA."""

@@ -45,6 +45,7 @@ from gluon_cases import (
     bt_rows,
     check_chunks,
     check_load_and_stages,
+    check_same_chunk_math,
     check_weight_desc,
     TYPES,
     case,
@@ -380,17 +381,12 @@ def test_l1_decode_tma_sm90_build():
     consts = dict(TOPK=6, HAS_LIMIT=True, USE_ASM=True, BW=md.BW, BT=md.BT, BK=md.BK, NKP=64,
                   NW=md.NUM_WARPS)
     ns = md.TMA_STAGES
-    regs, shared, body, c = _build_stats(md.l1_decode_tma_kernel, _tma_types(),
-                                         dict(consts, NS=ns))
-    regs_cp, shared_cp, body_cp, c_cp = _build_stats(md.l1_decode_kernel, TYPES,
-                                                     dict(consts, NS=md.NS))
-    print(f"\nsm_90 tma ({ns} stages): {regs} registers, {shared} B shared, K loop {len(body)} "
-          f"instructions ({len(body) / ns:.0f} per chunk): {c}\nsm_90 cp.async ({md.NS} "
-          f"stages): {regs_cp} registers, {shared_cp} B shared, K loop {len(body_cp)} "
-          f"({len(body_cp) / md.NS:.0f} per chunk): {c_cp}")
+    tma = _build_stats(md.l1_decode_tma_kernel, _tma_types(), dict(consts, NS=ns))
+    cp = _build_stats(md.l1_decode_kernel, TYPES, dict(consts, NS=md.NS))
+    check_same_chunk_math("tma", tma, ns, cp, md.NS,
+                          ("QGMMA", "ARRIVE", "WG_DEPBAR", "LDS128", "PRMT", "STS"))
+    regs, shared, body, c = tma
     assert regs <= 128 and shared <= 56 * 1024, (regs, shared)
-    for name in ("QGMMA", "ARRIVE", "WG_DEPBAR", "LDS128", "PRMT", "STS"):
-        assert c[name] / ns == c_cp[name] / md.NS, (name, c[name], c_cp[name])
     per_chunk = dict(BAR_SYNC=2, DEPBAR=1, LDGSTS128=0, LDGSTS=5, UTMALDG=2, TRYWAIT=1,
                      EXPECT=1, FENCE=1)
     assert {n: c[n] for n in per_chunk} == {n: v * ns for n, v in per_chunk.items()}, c

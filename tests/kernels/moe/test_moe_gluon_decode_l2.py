@@ -49,6 +49,7 @@ from gluon_cases import (
     bt_rows,
     check_chunks,
     check_load_and_stages,
+    check_same_chunk_math,
     check_weight_desc,
     proxy_fence_problems,
     E2M1,
@@ -667,17 +668,12 @@ def test_l2_decode_tma_sm90_build(use_asm):
     consts = dict(TOPK=6, KS=6, USE_ASM=use_asm, BW=ml2.BW, BT=ml2.BT, BK=ml2.BK,
                   NW=ml2.NUM_WARPS)
     ns = ml2.TMA_STAGES
-    regs, shared, body, c = _build_stats(ml2.l2_decode_tma_kernel, _tma_types(),
-                                         dict(consts, NS=ns))
-    regs_cp, shared_cp, body_cp, c_cp = _build_stats(ml2.l2_decode_kernel, TYPES,
-                                                     dict(consts, NS=ml2.NS))
-    print(f"\nsm_90 tma ({ns} stages, {'asm' if use_asm else 'arith'}): {regs} registers, "
-          f"{shared} B shared, K loop {len(body)} instructions ({len(body) / ns:.0f} per chunk): "
-          f"{c}\nsm_90 cp.async ({ml2.NS} stages): {regs_cp} registers, {shared_cp} B shared, "
-          f"K loop {len(body_cp)} ({len(body_cp) / ml2.NS:.0f} per chunk): {c_cp}")
+    tma = _build_stats(ml2.l2_decode_tma_kernel, _tma_types(), dict(consts, NS=ns))
+    cp = _build_stats(ml2.l2_decode_kernel, TYPES, dict(consts, NS=ml2.NS))
+    check_same_chunk_math(f"tma {'asm' if use_asm else 'arith'}", tma, ns, cp, ml2.NS,
+                          ("HGMMA", "ARRIVE", "WG_DEPBAR", "LDS128", "PRMT", "STS"))
+    regs, shared, body, c = tma
     assert shared <= 40 * 1024, shared
-    for name in ("HGMMA", "ARRIVE", "WG_DEPBAR", "LDS128", "PRMT", "STS"):
-        assert c[name] / ns == c_cp[name] / ml2.NS, (name, c[name], c_cp[name])
     assert {n: c[n] for n in TMA_PER_CHUNK} == {n: v * ns for n, v in TMA_PER_CHUNK.items()}, c
     assert proxy_fence_problems(body, ns) == []
     if use_asm:
