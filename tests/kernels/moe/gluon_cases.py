@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 from cuda_capture import capture
+from sm90_build import count
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -456,6 +457,17 @@ def check_chunks(what: str, regs: int, shared: int, body: list[str], counts: dic
     assert got == {n: v * stages for n, v in per_chunk.items()}, got
     assert proxy_fence_problems(body, stages) == []
 
+
+def check_bt_build(kernel: str, bt: int, stages: int, stats, mma: tuple[str, str],
+                   per_chunk: dict) -> None:
+    """A decode kernel's sm_90 build at the token tile bt (stats: build_stats'): check_chunks
+    with the wgmma `mma` = (its name, its SASS pattern at n = bt) counted in place of the
+    build's n = 16 count, and <= 255 registers."""
+    regs, shared, body, c = stats
+    name, pattern = mma
+    check_chunks(f"{kernel} bt {bt}", regs, shared, body, c, stages, per_chunk,
+                 **{name: count(body, pattern)})
+    assert regs <= 255, regs
 
 def check_same_chunk_math(what: str, tma, ns: int, cp, cp_ns: int, names) -> None:
     """Print a decode kernel's TMA build (`what`, at ns stages) and its cp.async build (at

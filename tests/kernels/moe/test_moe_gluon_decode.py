@@ -43,6 +43,7 @@ from gluon_cases import (
     gluon_build,
     gluon_gpu,
     bt_rows,
+    check_bt_build,
     check_chunks,
     check_load_and_stages,
     check_same_chunk_math,
@@ -57,7 +58,7 @@ from gluon_cases import (
     rows_case,
 )
 from megagraph.kernels.moe import gluon_decode as md
-from sm90_build import SYNC_COUNTS, build_stats, count, loop_instructions
+from sm90_build import SYNC_COUNTS, build_stats, loop_instructions
 from gluon_cases import proxy_fence_problems
 from test_triton_moe import ACT, FP16_H, check_routed, routed_case
 
@@ -482,16 +483,15 @@ def test_l1_decode_sm90_build_bt(bt, kernel, stages):
     consts = dict(TOPK=6, HAS_LIMIT=True, USE_ASM=True, BW=md.BW, BT=bt, BK=md.BK, NKP=64,
                   NW=md.NUM_WARPS, NS=stages)
     if kernel == "tma":
-        regs, shared, body, c = _build_stats(md.l1_decode_tma_kernel, _tma_types(), consts)
+        stats = _build_stats(md.l1_decode_tma_kernel, _tma_types(), consts)
         copies = dict(UTMALDG=2, TRYWAIT=1, EXPECT=1, LDGSTS128=0)
     else:
-        regs, shared, body, c = _build_stats(md.l1_decode_kernel, TYPES, consts)
+        stats = _build_stats(md.l1_decode_kernel, TYPES, consts)
         copies = dict(UTMALDG=0, TRYWAIT=0, EXPECT=0, LDGSTS128=4)
-    qgmma = count(body, rf"\bQGMMA\.64x{bt}x32\.F32\.E4M3\.E4M3\b")
     per_chunk = dict(QGMMA=8, ARRIVE=2, WG_DEPBAR=2, BAR_SYNC=2, DEPBAR=1, LDS128=4, STS=0,
                      PRMT=64, FENCE=1, LDGSTS=bt // 4 + 1, **copies)
-    check_chunks(f"{kernel} bt {bt}", regs, shared, body, c, stages, per_chunk, QGMMA=qgmma)
-    assert regs <= 255, regs
+    check_bt_build(kernel, bt, stages, stats,
+                   ("QGMMA", rf"\bQGMMA\.64x{bt}x32\.F32\.E4M3\.E4M3\b"), per_chunk)
 
 
 def test_proxy_fence_problems():

@@ -47,6 +47,7 @@ from gluon_cases import (
     gluon_build,
     gluon_gpu,
     bt_rows,
+    check_bt_build,
     check_chunks,
     check_load_and_stages,
     check_same_chunk_math,
@@ -65,7 +66,7 @@ from gluon_cases import (
 from megagraph.kernels.gemm.config import Tile
 from megagraph.kernels.moe import gluon_decode_l2 as ml2
 from megagraph.kernels.moe.config import MoeConfig
-from sm90_build import SYNC_COUNTS, build_stats, count, loop_instructions
+from sm90_build import SYNC_COUNTS, build_stats, loop_instructions
 from test_triton_moe import ACT, FP16_H, _prmt, check_routed, pinned, routed_case
 
 gpu = gluon_gpu(ml2)
@@ -778,13 +779,12 @@ def test_l2_decode_sm90_build_bt(bt, kernel, stages):
     consts = dict(TOPK=6, KS=6, USE_ASM=True, BW=ml2.BW, BT=bt, BK=ml2.BK, NW=ml2.NUM_WARPS,
                   NS=stages)
     if kernel == "tma":
-        regs, shared, body, c = _build_stats(ml2.l2_decode_tma_kernel, _tma_types(), consts)
+        stats = _build_stats(ml2.l2_decode_tma_kernel, _tma_types(), consts)
         copies = dict(UTMALDG=1, TRYWAIT=1, EXPECT=1, LDGSTS128=0)
     else:
-        regs, shared, body, c = _build_stats(ml2.l2_decode_kernel, TYPES, consts)
+        stats = _build_stats(ml2.l2_decode_kernel, TYPES, consts)
         copies = dict(UTMALDG=0, TRYWAIT=0, EXPECT=0, LDGSTS128=2)
-    hgmma = count(body, rf"\bHGMMA\.64x{bt}x16\.F32\b")
     per_chunk = dict(HGMMA=8, ARRIVE=1, WG_DEPBAR=1, BAR_SYNC=2, DEPBAR=1, LDS128=2, STS=0,
                      PRMT=64, FENCE=1, LDGSTS=bt // 2 + 1, **copies)
-    check_chunks(f"{kernel} bt {bt}", regs, shared, body, c, stages, per_chunk, HGMMA=hgmma)
-    assert regs <= 255, regs
+    check_bt_build(kernel, bt, stages, stats, ("HGMMA", rf"\bHGMMA\.64x{bt}x16\.F32\b"),
+                   per_chunk)
