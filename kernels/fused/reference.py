@@ -27,7 +27,7 @@ from megagraph.kernels.mhc.reference import hc_collapse, hc_expand, hc_mixer
 from megagraph.kernels.moe.reference import moe_experts, route, swiglu_mlp
 from megagraph.kernels.state.reference import cache_write, compress_pool
 
-from .compose import compose
+from .compose import COMPOSED, compose, table_from
 
 FP8_MAX = 448.0
 ACT_BLOCKS = {"mxfp8": 32, "fp8_1x128": 128}
@@ -96,22 +96,10 @@ def _v4_compress_pool(*args, **attrs):
 
 
 # kernels/v4/reference.py is imported on first use (it imports the MoE reference kernels)
-_COMPOSED = compose({
-    "linear": linear, "grouped_linear": grouped_linear, "moe_experts": moe_experts,
-    "swiglu_mlp": swiglu_mlp, "sparse_attn": sparse_attn, "rope": rope, "hc_mixer": hc_mixer,
-    "hc_collapse": hc_collapse, "hc_expand": hc_expand, "rms_norm": rms_norm, "route": route,
-    "hash_route": _hash_route, "add": add, "compress_pool": compress_pool,
-    "v4_compress_pool": _v4_compress_pool, "cache_write": cache_write, "fake_quant": fake_quant,
-    "quantize_act": quantize_act, "dequant_act": dequant_act})
-linear_q = _COMPOSED["linear_q"]
-grouped_linear_q = _COMPOSED["grouped_linear_q"]
-moe_experts_q = _COMPOSED["moe_experts_q"]
-swiglu_mlp_q = _COMPOSED["swiglu_mlp_q"]
-sparse_attn_q = _COMPOSED["sparse_attn_q"]
-mega_mhc = _COMPOSED["mega_mhc"]
-mega_moe = _COMPOSED["mega_moe"]
-compressor = _COMPOSED["compressor"]
-v4_compressor = _COMPOSED["v4_compressor"]
+_COMPOSED = compose(table_from(globals(), hash_route=_hash_route,
+                                  v4_compress_pool=_v4_compress_pool))
+(linear_q, grouped_linear_q, moe_experts_q, swiglu_mlp_q, sparse_attn_q, mega_mhc, mega_moe,
+ compressor, v4_compressor) = (_COMPOSED[n] for n in COMPOSED)
 
 FUSED = {**_COMPOSED, "ring_update_batched": ring_update_batched, "select_rows": select_rows,
          "suffix_meta": suffix_meta, "fill": fill}
