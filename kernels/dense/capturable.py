@@ -15,6 +15,7 @@ from megagraph.graph.types import TORCH_DTYPES
 
 from megagraph.kernels.mhc.reference import hc_coefficients
 from megagraph.kernels.dense.quant import E2M1_MAX, fake_quant_with
+from megagraph.kernels.dense.rope import rotate_tail
 
 from megagraph.kernels.common.capturable import dequantize, e2m1_decode
 
@@ -100,14 +101,7 @@ def rope(x: Tensor, positions: Tensor, *, rope_dim: int, theta: float, yarn_fact
                              yarn_original=yarn_original, yarn_beta_fast=yarn_beta_fast,
                              yarn_beta_slow=yarn_beta_slow)
     cos, sin = rope_table(positions, freqs, offset)
-    if inverse:
-        sin = -sin
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim // 2,)
-    cos, sin = cos.reshape(shape), sin.reshape(shape)
-    xr = x[..., d - rope_dim:].float()
-    a, b = xr[..., 0::2], xr[..., 1::2]
-    rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
-    return torch.cat((x[..., :d - rope_dim], rot), dim=-1)
+    return rotate_tail(x, cos, sin, rope_dim=rope_dim, inverse=inverse)
 
 
 # ---------------------------------------------------------------------------------------------
