@@ -11,11 +11,11 @@ import math
 import torch
 from torch import Tensor
 
-from megagraph.graph.types import TORCH_DTYPES
-
 from megagraph.kernels.mhc.reference import hc_coefficients
 from megagraph.kernels.dense.quant import E2M1_MAX, fake_quant_with
 from megagraph.kernels.dense.rope import rotate_tail
+# the views and the cast are the reference's own: they move no data between devices
+from megagraph.kernels.dense.structural import cast, merge_heads, split_heads
 
 from megagraph.kernels.common.capturable import dequantize, e2m1_decode
 
@@ -164,18 +164,6 @@ def hc_head_mix(H: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, eps: floa
 # ---------------------------------------------------------------------------------------------
 # structural
 # ---------------------------------------------------------------------------------------------
-
-
-def split_heads(x: Tensor, *, heads: int) -> Tensor:
-    return x.reshape(x.shape[0], heads, x.shape[1] // heads)
-
-
-def merge_heads(x: Tensor) -> Tensor:
-    return x.reshape(x.shape[0], -1)
-
-
-def cast(x: Tensor, *, dtype: str) -> Tensor:
-    return x.to(TORCH_DTYPES[dtype])
 
 
 def select_last(x: Tensor, seq_new: Tensor) -> Tensor:
