@@ -13,18 +13,7 @@ from megagraph.kernels.dense.capturable import (add, fake_quant, grouped_linear,
 from megagraph.kernels.moe.capturable import hash_route, moe_experts, route, swiglu_mlp
 from megagraph.kernels.state.capturable import cache_write, compress_pool, v4_compress_pool
 
-from .compose import COMPOSED, compose, table_from
-
-FP8_MAX = 448.0
-ACT_BLOCKS = {"mxfp8": 32, "fp8_1x128": 128}
-
-
-def _blocks(x: Tensor, block: int) -> tuple[Tensor, int]:
-    d = x.shape[-1]
-    nb = -(-d // block)
-    xf = torch.nn.functional.pad(x.float(), (0, nb * block - d))
-    return xf.reshape(*x.shape[:-1], nb, block), d
-
+from .compose import ACT_BLOCKS, COMPOSED, FP8_MAX, act_blocks, compose, table_from
 
 def _quantize_blocks(xb: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """xb f32[..., nb, block] -> (E4M3 codes, e8m0 scales, f32 scales) with power-of-two scales."""
@@ -57,7 +46,7 @@ def quantize_act(x: Tensor, *, act_fmt: str) -> tuple[Tensor, Tensor]:
 
 def dequant_act(q: Tensor, s: Tensor, *, act_fmt: str) -> Tensor:
     sf = e8m0_to_f32(s) if s.dtype == torch.float8_e8m0fnu else s.float()
-    qb, d = _blocks(q.float(), ACT_BLOCKS[act_fmt])
+    qb, d = act_blocks(q.float(), ACT_BLOCKS[act_fmt])
     return (qb * sf[..., None]).reshape(*q.shape[:-1], qb.shape[-2] * qb.shape[-1])[..., :d]
 
 

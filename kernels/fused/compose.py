@@ -12,9 +12,13 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 import torch
+from torch import Tensor
 
 from megagraph.graph.types import TORCH_DTYPES
 
+# activation quantization (quantize_act / dequant_act): the E4M3 range, the block of each format
+FP8_MAX = 448.0
+ACT_BLOCKS = {"mxfp8": 32, "fp8_1x128": 128}
 # fake-quant block of each cache format the compressor writes
 FQ_BLOCK = {"mxfp4": 32, "nvfp4": 16, "fp8_e4m3": 32}
 # the unfused kernels a composition needs from its table
@@ -25,6 +29,14 @@ NEEDS = ("linear", "grouped_linear", "moe_experts", "swiglu_mlp", "sparse_attn",
 # the fused ops a composition returns, in the order a table module binds them
 COMPOSED = ("linear_q", "grouped_linear_q", "moe_experts_q", "swiglu_mlp_q", "sparse_attn_q",
             "mega_mhc", "mega_moe", "compressor", "v4_compressor")
+
+
+def act_blocks(x: Tensor, block: int) -> tuple[Tensor, int]:
+    """x [..., D] -> (f32 [..., ceil(D/block), block], zero-padded, D)."""
+    d = x.shape[-1]
+    nb = -(-d // block)
+    xf = torch.nn.functional.pad(x.float(), (0, nb * block - d))
+    return xf.reshape(*x.shape[:-1], nb, block), d
 
 
 def ir_dtype(dt: torch.dtype) -> str:

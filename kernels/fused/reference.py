@@ -27,25 +27,14 @@ from megagraph.kernels.mhc.reference import hc_collapse, hc_expand, hc_mixer
 from megagraph.kernels.moe.reference import moe_experts, route, swiglu_mlp
 from megagraph.kernels.state.reference import cache_write, compress_pool
 
-from .compose import COMPOSED, compose, table_from
-
-FP8_MAX = 448.0
-ACT_BLOCKS = {"mxfp8": 32, "fp8_1x128": 128}
-
-
-def _blocks(x: Tensor, block: int) -> tuple[Tensor, int]:
-    d = x.shape[-1]
-    nb = -(-d // block)
-    xf = torch.nn.functional.pad(x.float(), (0, nb * block - d))
-    return xf.reshape(*x.shape[:-1], nb, block), d
-
+from .compose import ACT_BLOCKS, COMPOSED, FP8_MAX, act_blocks, compose, table_from
 
 def quantize_act(x: Tensor, *, act_fmt: str) -> tuple[Tensor, Tensor]:
     """x [..., D] -> (q float8_e4m3fn [..., D], scales [..., ceil(D/b)]): e8m0 for mxfp8 (b=32),
     power-of-two f32 for fp8_1x128 (b=128). scale = 2^ceil(log2(max(amax, 1e-4) / 448))."""
     from megagraph.kernels import formats
 
-    xb, d = _blocks(x, ACT_BLOCKS[act_fmt])
+    xb, d = act_blocks(x, ACT_BLOCKS[act_fmt])
     amax = xb.abs().amax(dim=-1).clamp(min=1e-4)
     e8 = formats.f32_to_e8m0(amax / FP8_MAX, rounding="ceil")
     s = formats.e8m0_to_f32(e8)
@@ -59,7 +48,7 @@ def dequant_act(q: Tensor, s: Tensor, *, act_fmt: str) -> Tensor:
     from megagraph.kernels import formats
 
     sf = formats.e8m0_to_f32(s) if s.dtype == torch.float8_e8m0fnu else s.float()
-    qb, d = _blocks(q.float(), ACT_BLOCKS[act_fmt])
+    qb, d = act_blocks(q.float(), ACT_BLOCKS[act_fmt])
     return (qb * sf[..., None]).reshape(*q.shape[:-1], qb.shape[-2] * qb.shape[-1])[..., :d]
 
 
