@@ -28,6 +28,8 @@ import argparse
 import json
 from pathlib import Path
 
+from serve_stats import parse_metrics
+
 COLS = ("client", "concurrency", "completed", "prompt tokens/request", "req/s", "output tok/s",
         "TTFT mean", "TTFT p50", "TTFT p99", "ITL mean", "ITL p50", "ITL p99", "TPOT p50",
         "server step", "ITL mean / server step")
@@ -36,15 +38,7 @@ KEYS = ("req_s", "out_tok_s", "ttft_mean", "ttft_p50", "ttft_p99", "itl_mean", "
 
 
 def prom(path: Path) -> dict[str, float]:
-    out = {}
-    for line in path.read_text().splitlines():
-        if line and not line.startswith("#"):
-            k, _, v = line.rpartition(" ")
-            try:
-                out[k] = float(v)
-            except ValueError:
-                continue
-    return out
+    return parse_metrics(path.read_text())
 
 
 def server_step_ms(result: Path) -> float | None:

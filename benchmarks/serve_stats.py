@@ -61,12 +61,10 @@ def summarize(run: LoadRun) -> dict:
 
 
 # ------------------------------------------------------------------------------------ /metrics
-def read_metrics(base_url: str) -> dict[str, float]:
-    """Samples of /metrics: unlabelled ones by name, labelled ones by their full name."""
-    import httpx
-
+def parse_metrics(text: str) -> dict[str, float]:
+    """The samples of a Prometheus text exposition (comments and non-numeric values skipped)."""
     out = {}
-    for line in httpx.get(base_url + "/metrics", timeout=30).text.splitlines():
+    for line in text.splitlines():
         if line and not line.startswith("#"):
             k, _, v = line.rpartition(" ")
             try:
@@ -74,6 +72,13 @@ def read_metrics(base_url: str) -> dict[str, float]:
             except ValueError:
                 continue
     return out
+
+
+def read_metrics(base_url: str) -> dict[str, float]:
+    """Samples of /metrics: unlabelled ones by name, labelled ones by their full name."""
+    import httpx
+
+    return parse_metrics(httpx.get(base_url + "/metrics", timeout=30).text)
 
 
 def requests_by_status(m: dict[str, float]) -> dict[str, float]:

@@ -8,6 +8,7 @@ the MoE, the attention core and the LM head.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from megagraph.graph.builder import GraphBuilder
 from megagraph.graph.types import T
@@ -84,6 +85,24 @@ def collapse_norm(s: Step, streams: str, mix: str, norm_weight: str) -> str:
     x = s.b.op("hc_collapse", streams, mix, name="x")
     w = s.w.vector(norm_weight, s.cfg.hidden_size)
     return s.b.op("rms_norm", x, w, eps=s.cfg.rms_norm_eps, name="xn")
+
+
+def hc_sublayers(s: Step, streams: str, pre_mix: str, prefix: str, attend: Callable[[str], str],
+                 layer: int, *, n_experts: int, topk: int) -> tuple[str, str]:
+    """A V4.1 block's two mixed sublayers over `streams` (weights under `prefix`): attention, the
+    caller's `attend(x)`, then the routed MoE; each collapses the streams by the previous mix,
+    normalizes and expands its output back. Returns (streams, the FFN's pre-mix)."""
+    b = s.b
+    with b.scope("attn"):
+        a_pre, a_post, a_comb = hc_mixer(s, streams, f"{prefix}.hc_attn")
+        x = collapse_norm(s, streams, pre_mix, f"{prefix}.attn_norm.weight")
+        streams = b.op("hc_expand", streams, attend(x), a_post, a_comb, name="streams")
+    with b.scope("ffn"):
+        f_pre, f_post, f_comb = hc_mixer(s, streams, f"{prefix}.hc_ffn")
+        x = collapse_norm(s, streams, a_pre, f"{prefix}.ffn_norm.weight")
+        y = moe(s, x, layer, n_experts=n_experts, topk=topk, prefix=f"{prefix}.ffn")
+        streams = b.op("hc_expand", streams, y, f_post, f_comb, name="streams")
+    return streams, f_pre
 
 
 def moe(s: Step, x: str, layer: int, *, n_experts: int, topk: int, prefix: str) -> str:

@@ -12,7 +12,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -139,12 +139,7 @@ class ModelConfig:
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
-        try:
-            d = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: malformed YAML: {e}") from None
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+        d = _parse(path, yaml.safe_load, yaml.YAMLError, "YAML")
         if not isinstance(d, dict):
             raise ConfigError(f"{path}: expected a mapping of fields, got {type(d).__name__}")
         return cls.from_dict(d, str(path))
@@ -156,15 +151,21 @@ class ModelConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: malformed JSON: {e}") from None
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+        raw = _parse(path, json.loads, json.JSONDecodeError, "JSON")
         d = hf_to_fields(raw, str(path))
         d.update(overrides)
         return cls.from_dict(d, str(path))
+
+
+def _parse(path: Path, loads: Callable[[str], Any], error: type[Exception], kind: str) -> Any:
+    """`loads` of the text at `path`, a ConfigError naming the file where it cannot be read or
+    is not well-formed `kind`."""
+    try:
+        return loads(path.read_text())
+    except error as e:
+        raise ConfigError(f"{path}: malformed {kind}: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
 
 
 def _coerce(key: str, v: Any, typ: Any, source: str) -> Any:

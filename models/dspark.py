@@ -28,7 +28,7 @@ from megagraph.graph.builder import GraphBuilder
 from megagraph.graph.ir import Graph
 from megagraph.graph.types import T
 
-from .blocks import Step, collapse_norm, hc_mixer, moe, rope_attrs
+from .blocks import Step, hc_sublayers, rope_attrs
 from .config import ModelConfig
 from .weights import Weights
 
@@ -143,20 +143,10 @@ def build_dspark_draft(cfg: ModelConfig) -> Graph:
 
 def draft_stage(s: Step, st: int, streams: str, pre_mix: str, ring: str) -> tuple[str, str]:
     """One DSpark stage: a V4.1 block with block attention and the stage's expert bank."""
-    cfg, b = s.cfg, s.b
-    pfx = f"mtp.{st}"
-    with b.scope("attn"):
-        a_pre, a_post, a_comb = hc_mixer(s, streams, f"{pfx}.hc_attn")
-        x = collapse_norm(s, streams, pre_mix, f"{pfx}.attn_norm.weight")
-        y = draft_attention(s, st, x, ring)
-        streams = b.op("hc_expand", streams, y, a_post, a_comb, name="streams")
-    with b.scope("ffn"):
-        f_pre, f_post, f_comb = hc_mixer(s, streams, f"{pfx}.hc_ffn")
-        x = collapse_norm(s, streams, a_pre, f"{pfx}.ffn_norm.weight")
-        y = moe(s, x, st, n_experts=cfg.dspark_n_routed_experts, topk=cfg.dspark_experts_per_token,
-                prefix=f"{pfx}.ffn")
-        streams = b.op("hc_expand", streams, y, f_post, f_comb, name="streams")
-    return streams, f_pre
+    cfg = s.cfg
+    return hc_sublayers(s, streams, pre_mix, f"mtp.{st}", lambda x: draft_attention(s, st, x, ring),
+                        st, n_experts=cfg.dspark_n_routed_experts,
+                        topk=cfg.dspark_experts_per_token)
 
 
 def draft_attention(s: Step, st: int, x: str, ring: str) -> str:

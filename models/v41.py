@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from megagraph.graph.ir import Graph
 
-from .blocks import Step, attention_core, collapse_norm, finish, hc_mixer, lm_head, moe, rope_attrs
+from .blocks import Step, attention_core, finish, hc_sublayers, lm_head, rope_attrs
 from .config import ModelConfig
 
 
@@ -101,18 +101,9 @@ def block(s: Step, role: LayerRole, streams: str, pre_mix: str, published: dict,
             streams = engram_block(s, role.layer, role.engram_table, streams, cids)
     if cfg.num_mtp_layers > 0 and i in cfg.dspark_target_layers:  # DSpark target feature (§3.9)
         published[f"dspark_feat.{i}"] = b.op("stream_mean", streams, name="dspark_feat")
-    with b.scope("attn"):
-        a_pre, a_post, a_comb = hc_mixer(s, streams, f"layers.{i}.hc_attn")
-        x = collapse_norm(s, streams, pre_mix, f"layers.{i}.attn_norm.weight")
-        y = attention(s, role, x, published)
-        streams = b.op("hc_expand", streams, y, a_post, a_comb, name="streams")
-    with b.scope("ffn"):
-        f_pre, f_post, f_comb = hc_mixer(s, streams, f"layers.{i}.hc_ffn")
-        x = collapse_norm(s, streams, a_pre, f"layers.{i}.ffn_norm.weight")
-        y = moe(s, x, i, n_experts=cfg.n_routed_experts, topk=cfg.experts_per_token,
-                prefix=f"layers.{i}.ffn")
-        streams = b.op("hc_expand", streams, y, f_post, f_comb, name="streams")
-    return streams, f_pre
+    return hc_sublayers(s, streams, pre_mix, f"layers.{i}",
+                        lambda x: attention(s, role, x, published), i,
+                        n_experts=cfg.n_routed_experts, topk=cfg.experts_per_token)
 
 
 def attention(s: Step, role: LayerRole, x: str, published: dict) -> str:

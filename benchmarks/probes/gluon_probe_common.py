@@ -405,3 +405,33 @@ def bandwidth_rates(res: dict, counts, bytes_per_expert: int, peak_gbs: float):
         return dict(gbs=gbs, pct_bw=100 * gbs / peak_gbs)
 
     return rates
+
+
+def checks_passed(res: dict, write, name: str, checks: list) -> bool:
+    """Records a launch's child checks (small dims, then the probe's); where either is missing,
+    wrong or crashed, an error row for `name` instead (the launch is then not timed)."""
+    res["gluon_checks"] += checks
+    print(json.dumps(checks), flush=True)
+    write()
+    if len(checks) < 2 or not all(c.get("ok") for c in checks):
+        msg = f"{name} is wrong or crashed (gluon_checks): not timed"
+        res["rows"].append(dict(name=name, error=msg))
+        print(msg, flush=True)
+        return False
+    return True
+
+
+def time_decode_variants(timed, name: str, launch, tiles, mod, bt: int, load: str,
+                         stages: int | None, out):
+    """The rows of one decode launch (module `mod`'s tile constants): with the prebuilt tile
+    list, with the list built in the call, with the integer-arithmetic upcast. Returns `out`
+    refilled by one plain launch (NaN first, so a row it skips shows), None if not timed."""
+    tile = dict(bw=mod.BW, bt=bt, bk=mod.BK, warps=mod.NUM_WARPS, load=load,
+                ns=mod.NS if load == "cp.async" else (stages or mod.TMA_STAGES))
+    if not timed(name, lambda: launch(tiles=tiles), tile):
+        return None
+    timed(f"{name} + tile_list", launch, None)
+    timed(f"{name} (arith upcast)", lambda: launch(tiles=tiles, use_asm=False), None)
+    out.fill_(float("nan"))
+    launch(tiles=tiles)
+    return out

@@ -39,7 +39,6 @@ so and exits 0. Well under 2 minutes at 64 tokens; a few minutes at 8192 with 2 
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -59,6 +58,7 @@ from gluon_probe_common import check_cases_in_child, reference_l2_slots, rel  # 
 from gluon_probe_common import parse_load, run_checks, skipped, slot_errors  # noqa: E402
 from gluon_probe_common import bandwidth_rates, table, timed_row, write_report  # noqa: E402
 from gluon_probe_common import flop_rates  # noqa: E402
+from gluon_probe_common import checks_passed, time_decode_variants  # noqa: E402
 
 PEAK_GBS = 4240.0
 PEAK_TFLOPS = 989.0  # the H200's dense fp16 tensor-core peak (the L2s' MMA is fp16 x fp16)
@@ -243,14 +243,8 @@ def time_load(res, write, timed, spec, bt, inputs, mtg, tiles, T, dims, ks, ydt)
     d, k = dims["d"], dims["k"]
     load, stages = parse_load(spec)
     checks = check_in_child(T, dims, ks, ydt, spec, bt)
-    res["gluon_checks"] += checks
-    print(json.dumps(checks), flush=True)
-    write()
     name = f"gluon decode l2 [{_label(spec, bt)}]"
-    if len(checks) < 2 or not all(c.get("ok") for c in checks):
-        msg = f"{name} is wrong or crashed (gluon_checks): not timed"
-        res["rows"].append(dict(name=name, error=msg))
-        print(msg, flush=True)
+    if not checks_passed(res, write, name, checks):
         return None
     y_gl = torch.full((T, ks, d), float("nan"), dtype=YDT[ydt], device="cuda")
 
@@ -258,15 +252,7 @@ def time_load(res, write, timed, spec, bt, inputs, mtg, tiles, T, dims, ks, ydt)
         ml2.l2_gluon_decode(h, w2, counts, srt, wts.reshape(-1), y_gl.view(T * ks, d), topk=k,
                             ks=ks, max_tiles=mtg, load=load, stages=stages, bt=bt, **kw)
 
-    tile = dict(bw=ml2.BW, bt=bt, bk=ml2.BK, warps=ml2.NUM_WARPS, load=load,
-                ns=ml2.NS if load == "cp.async" else (stages or ml2.TMA_STAGES))
-    if timed(name, lambda: launch(tiles=tiles), tile):
-        timed(f"{name} + tile_list", launch, None)
-        timed(f"{name} (arith upcast)", lambda: launch(tiles=tiles, use_asm=False), None)
-        y_gl.fill_(float("nan"))
-        launch(tiles=tiles)
-        return y_gl
-    return None
+    return time_decode_variants(timed, name, launch, tiles, ml2, bt, load, stages, y_gl)
 
 
 def _write(out, res) -> None:

@@ -37,7 +37,6 @@ tokens; a few minutes at 8192 with 3 loads x 3 tiles.
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -53,6 +52,7 @@ for _p in (HERE, HERE.parent):  # probes/ and benchmarks/
 from gluon_probe_common import build, check_lines, finish, reference_rows, rel  # noqa: E402
 from gluon_probe_common import check_cases_in_child, run_checks, table  # noqa: E402
 from gluon_probe_common import time_triton_l1, timed_row  # noqa: E402
+from gluon_probe_common import checks_passed, time_decode_variants  # noqa: E402
 from gluon_probe_common import V41_FLASH as REAL  # noqa: E402
 from gluon_probe_common import parse_load, probe_parser, skipped  # noqa: E402
 from gluon_probe_common import bandwidth_rates, flop_rates, write_report  # noqa: E402
@@ -227,14 +227,8 @@ def time_load(res, write, timed, spec, bt, limit, inputs, P, F, k, mtg, tiles, T
     xq, xs, w1, w3, counts, srt = inputs
     load, stages = parse_load(spec)
     checks = check_in_child(T, dims, limit, spec, bt)
-    res["gluon_checks"] += checks
-    print(json.dumps(checks), flush=True)
-    write()
     name = f"gluon decode l1 [{_label(spec, bt)}]"
-    if len(checks) < 2 or not all(c.get("ok") for c in checks):
-        msg = f"{name} is wrong or crashed (gluon_checks): not timed"
-        res["rows"].append(dict(name=name, error=msg))
-        print(msg, flush=True)
+    if not checks_passed(res, write, name, checks):
         return None
     h_gl = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
 
@@ -242,15 +236,7 @@ def time_load(res, write, timed, spec, bt, limit, inputs, P, F, k, mtg, tiles, T
         md.l1_gluon_decode(xq, xs, srt, w1, w3, counts, h_gl, topk=k, max_tiles=mtg,
                            limit=limit, load=load, stages=stages, bt=bt, **kw)
 
-    tile = dict(bw=md.BW, bt=bt, bk=md.BK, warps=md.NUM_WARPS, load=load,
-                ns=md.NS if load == "cp.async" else (stages or md.TMA_STAGES))
-    if timed(name, lambda: launch(tiles=tiles), tile):
-        timed(f"{name} + tile_list", launch, None)
-        timed(f"{name} (arith upcast)", lambda: launch(tiles=tiles, use_asm=False), None)
-        h_gl.fill_(float("nan"))
-        launch(tiles=tiles)
-        return h_gl
-    return None
+    return time_decode_variants(timed, name, launch, tiles, md, bt, load, stages, h_gl)
 
 
 def _write(out, res) -> None:

@@ -2,7 +2,7 @@
 
 from ..registry import REQUIRED, expect, op
 from ..types import TensorType
-from ._util import expect_meta, expect_rows
+from ._util import expect_meta, expect_mqa, expect_rows
 
 
 @op("sparse_attn",
@@ -14,13 +14,7 @@ def sparse_attn(q, kv, ring, ckv, topk, sink, pos, req, slots, cached, *, window
     """MQA (K = V = one latent) over window keys (ring rows of earlier steps + this step's rows of the
     same request within `window`) and the compressed entries listed in topk (or all visible ones),
     softmax with exp(sink[h]) added to the denominator only."""
-    expect_meta(pos, req, slots)
-    expect(q.rank == 3, f"q must be [T, H, D], got {q}")
-    expect_rows(q, pos, "q")
-    d = q.shape[2]
-    expect(kv.shape == (q.shape[0], d), f"kv must be [T, {d}], got {kv}")
-    expect(ring.rank == 3 and ring.shape[1:] == (window, d), f"ring must be [S, {window}, {d}], got {ring}")
-    expect(sink.shape == (q.shape[1],) and sink.dtype == "f32", f"sink must be f32[{q.shape[1]}], got {sink}")
+    d = expect_mqa(q, kv, ring, sink, pos, req, slots, window)
     if ratio:
         expect(ckv is not None and ckv.rank == 3 and ckv.shape[2] == d, f"ckv must be [S, C, {d}], got {ckv}")
         expect(topk is not None or attend_all_compressed, "compressed attention needs topk or attend_all_compressed")

@@ -9,7 +9,7 @@ of request r (B = block size), so the row dim is written `R*B`.
 
 from ..registry import REQUIRED, expect, op
 from ..types import TensorType, scale_dim
-from ._util import expect_meta, expect_rows, is_float
+from ._util import expect_mqa, is_float
 
 
 @op("stream_mean", ("streams",), cost="memory")
@@ -54,13 +54,7 @@ def block_attn(q, kv, ring, sink, pos, req, slots, cached, *, window, scale) -> 
     visible to every row, whatever its own position) plus ALL of this step's rows of request r
     (non-causal inside the block). softmax with exp(sink[h]) added to the denominator only; the
     output is not de-rotated."""
-    expect_meta(pos, req, slots)
-    expect(q.rank == 3, f"q must be [T, H, D], got {q}")
-    expect_rows(q, pos, "q")
-    d = q.shape[2]
-    expect(kv.shape == (q.shape[0], d), f"kv must be [T, {d}], got {kv}")
-    expect(ring.rank == 3 and ring.shape[1:] == (window, d), f"ring must be [S, {window}, {d}], got {ring}")
-    expect(sink.shape == (q.shape[1],) and sink.dtype == "f32", f"sink must be f32[{q.shape[1]}], got {sink}")
+    d = expect_mqa(q, kv, ring, sink, pos, req, slots, window)
     expect(cached == slots, f"seq_cached must be {slots}, got {cached}")
     return q
 

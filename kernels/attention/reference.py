@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from megagraph.kernels.common.chunks import row_slices
-from megagraph.kernels.common.meta import last_positions, request_spans
+from megagraph.kernels.common.meta import last_positions, live_requests
 
 
 def ring_positions(cached: int, ring_size: int) -> Tensor:
@@ -45,11 +45,8 @@ def sparse_attn(q: Tensor, kv: Tensor, ring: Tensor, ckv: Tensor | None, topk: T
         raise ValueError("compressed keys need ratio >= 1")
     out = torch.zeros(T, H, D, dtype=torch.float32, device=q.device)
     sinkf = sink.float()
-    for r, (start, n) in enumerate(request_spans(token_req, seq_slots.shape[0])):
-        if n == 0:
-            continue
+    for start, n, slot, c in live_requests(token_req, seq_slots, seq_cached):
         sl = slice(start, start + n)
-        slot, c = int(seq_slots[r]), int(seq_cached[r])
         rp = ring_positions(c, W).to(positions.device)
         keys = [ring[slot].float(), kv[sl].float()] + ([ckv[slot].float()] if use_comp else [])
         K = torch.cat(keys, dim=0)  # [L, D]
@@ -58,7 +55,7 @@ def sparse_attn(q: Tensor, kv: Tensor, ring: Tensor, ckv: Tensor | None, topk: T
             masks = [_window_mask(p, positions[sl], rp, c, window)]
             if use_comp:
                 masks.append(_compressed_mask(p, None if topk is None else topk[ch], ckv.shape[1], ratio))
-            out[ch] = _attend(q[ch], K, torch.cat(masks, dim=1), sinkf, scale)
+            out[ch] = attend_rows(q[ch], K, torch.cat(masks, dim=1), sinkf, scale)
     return out.to(q.dtype)
 
 
@@ -82,7 +79,7 @@ def _compressed_mask(p: Tensor, idx: Tensor | None, C: int, ratio: int) -> Tenso
     return sel.scatter_(1, idx, True)[:, :C] & vis
 
 
-def _attend(q: Tensor, K: Tensor, M: Tensor, sink: Tensor, scale: float) -> Tensor:
+def attend_rows(q: Tensor, K: Tensor, M: Tensor, sink: Tensor, scale: float) -> Tensor:
     """Sink attention of rows q [n, H, D] over keys K f32[L, D] where M bool[n, L]: f32[n, H, D].
     The [n, H, L] scores are the one large temporary; they are updated in place into the weights."""
     s = torch.einsum("nhd,ld->nhl", q.float(), K).mul_(scale)

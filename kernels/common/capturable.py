@@ -14,6 +14,7 @@ a static bound, so the tile table has a static shape; unused tile slots are mark
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -233,9 +234,14 @@ def unpack_mxfp4(packed: Tensor, scale: Tensor, lut: Tensor | None = None) -> Te
     return vals.reshape(*packed.shape[:-1], i)
 
 
-def dequantize(weight: Tensor, scale: Tensor | None, fmt: str, lut: Tensor | None = None) -> Tensor:
-    """Weights (optionally stacked [E, O, I]) -> f32, as kernels.gemm.reference.dequantize_weight
-    (lut: an e2m1_pair_table to reuse across calls)."""
+WEIGHT_FORMATS = ("dense", "fp8_block", "mxfp4")
+
+
+def dequantize(weight: Tensor, scale: Tensor | None, fmt: str, lut: Tensor | None = None, *,
+               mxfp4: Callable[[Tensor, Tensor], Tensor] | None = None) -> Tensor:
+    """Weights (optionally stacked [E, O, I]) -> f32 (lut: an e2m1_pair_table to reuse across
+    calls; mxfp4: the MXFP4 unpack in place of this module's, the reference's for
+    kernels.gemm.reference.dequantize_weight)."""
     if fmt == "dense":
         if scale is not None:
             raise ValueError("dense weights take no scale")
@@ -247,5 +253,5 @@ def dequantize(weight: Tensor, scale: Tensor | None, fmt: str, lut: Tensor | Non
 
         return formats.dequantize_fp8_block(weight, scale).float()
     if fmt == "mxfp4":
-        return unpack_mxfp4(weight, scale, lut)
-    raise ValueError(f"unknown weight format {fmt!r}")
+        return unpack_mxfp4(weight, scale, lut) if mxfp4 is None else mxfp4(weight, scale)
+    raise ValueError(f"unknown weight format {fmt!r}; expected one of {WEIGHT_FORMATS}")

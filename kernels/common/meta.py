@@ -15,6 +15,14 @@ def request_spans(token_req: Tensor, num_requests: int) -> list[tuple[int, int]]
     return spans
 
 
+def live_requests(token_req: Tensor, seq_slots: Tensor, seq_cached: Tensor | None = None):
+    """(start, count, slot, cached) of each request row with new tokens, in row order (cached is
+    None without seq_cached): the per-request loop of the reference kernels."""
+    for r, (start, n) in enumerate(request_spans(token_req, seq_slots.shape[0])):
+        if n:
+            yield start, n, int(seq_slots[r]), None if seq_cached is None else int(seq_cached[r])
+
+
 def first_positions(positions: Tensor, token_req: Tensor, num_requests: int) -> Tensor:
     """Position of each request's first new token (= seq_cached), i64[R]; requests with no token get
     a large sentinel."""

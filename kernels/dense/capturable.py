@@ -11,10 +11,11 @@ import math
 import torch
 from torch import Tensor
 
-from megagraph.graph.types import TORCH_DTYPES
-
 from megagraph.kernels.mhc.reference import hc_coefficients
 from megagraph.kernels.dense.quant import E2M1_MAX, fake_quant_with
+from megagraph.kernels.dense.rope import rotate_tail
+# the views and the cast are the reference's own: they move no data between devices
+from megagraph.kernels.dense.structural import cast, merge_heads, split_heads
 
 from megagraph.kernels.common.capturable import dequantize, e2m1_decode
 
@@ -100,14 +101,7 @@ def rope(x: Tensor, positions: Tensor, *, rope_dim: int, theta: float, yarn_fact
                              yarn_original=yarn_original, yarn_beta_fast=yarn_beta_fast,
                              yarn_beta_slow=yarn_beta_slow)
     cos, sin = rope_table(positions, freqs, offset)
-    if inverse:
-        sin = -sin
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim // 2,)
-    cos, sin = cos.reshape(shape), sin.reshape(shape)
-    xr = x[..., d - rope_dim:].float()
-    a, b = xr[..., 0::2], xr[..., 1::2]
-    rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
-    return torch.cat((x[..., :d - rope_dim], rot), dim=-1)
+    return rotate_tail(x, cos, sin, rope_dim=rope_dim, inverse=inverse)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,18 +164,6 @@ def hc_head_mix(H: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, eps: floa
 # ---------------------------------------------------------------------------------------------
 # structural
 # ---------------------------------------------------------------------------------------------
-
-
-def split_heads(x: Tensor, *, heads: int) -> Tensor:
-    return x.reshape(x.shape[0], heads, x.shape[1] // heads)
-
-
-def merge_heads(x: Tensor) -> Tensor:
-    return x.reshape(x.shape[0], -1)
-
-
-def cast(x: Tensor, *, dtype: str) -> Tensor:
-    return x.to(TORCH_DTYPES[dtype])
 
 
 def select_last(x: Tensor, seq_new: Tensor) -> Tensor:

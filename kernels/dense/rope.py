@@ -41,6 +41,20 @@ def rope_frequencies(*, rope_dim: int, theta: float, yarn_factor: float = 1.0, y
     return freqs
 
 
+def rotate_tail(x: Tensor, cos: Tensor, sin: Tensor, *, rope_dim: int, inverse: bool) -> Tensor:
+    """x with its last rope_dim columns rotated pairwise by angle tables cos, sin [T, rope_dim/2]
+    (backwards when inverse), in fp32 and cast back to x.dtype; the other columns are unchanged."""
+    d = x.shape[-1]
+    if inverse:
+        sin = -sin
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim // 2,)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    xr = x[..., d - rope_dim:].float()
+    a, b = xr[..., 0::2], xr[..., 1::2]
+    rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat((x[..., :d - rope_dim], rot), dim=-1)
+
+
 def rope(x: Tensor, positions: Tensor, *, rope_dim: int, theta: float, yarn_factor: float = 1.0,
          yarn_original: int = 0, yarn_beta_fast: float = 32.0, yarn_beta_slow: float = 1.0,
          offset: int = 0, inverse: bool = False) -> Tensor:
@@ -61,13 +75,4 @@ def rope(x: Tensor, positions: Tensor, *, rope_dim: int, theta: float, yarn_fact
     freqs = freqs.to(positions.device)
     ang = (positions + offset).to(torch.float32)[:, None] * freqs[None, :]  # [T, rope_dim/2]
     cos, sin = torch.cos(ang), torch.sin(ang)
-    if inverse:
-        sin = -sin
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim // 2,)
-    cos, sin = cos.reshape(shape), sin.reshape(shape)
-    xr = x[..., d - rope_dim:].float()
-    a, b = xr[..., 0::2], xr[..., 1::2]
-    rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-    out = x.clone()
-    out[..., d - rope_dim:] = rot.to(x.dtype)
-    return out
+    return rotate_tail(x, cos, sin, rope_dim=rope_dim, inverse=inverse)

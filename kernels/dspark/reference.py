@@ -7,8 +7,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from megagraph.kernels.common.meta import request_spans
-from megagraph.kernels.attention.reference import ring_positions
+from megagraph.kernels.common.meta import live_requests
+from megagraph.kernels.attention.reference import attend_rows, ring_positions
 
 
 def stream_mean(streams: Tensor) -> Tensor:
@@ -58,22 +58,14 @@ def block_attn(q: Tensor, kv: Tensor, ring: Tensor, sink: Tensor, positions: Ten
         raise ValueError(f"ring has {W} rows, window is {window}")
     out = torch.zeros(T, H, D, dtype=torch.float32, device=q.device)
     sinkf = sink.float()
-    for r, (start, n) in enumerate(request_spans(token_req, seq_slots.shape[0])):
-        if n == 0:
-            continue
+    for start, n, slot, c in live_requests(token_req, seq_slots, seq_cached):
         sl = slice(start, start + n)
-        slot, c = int(seq_slots[r]), int(seq_cached[r])
         rp = ring_positions(c, W).to(q.device)
         m_ring = (rp >= 0)[None, :].expand(n, W)
         m_new = torch.ones(n, n, dtype=torch.bool, device=q.device)
         K = torch.cat([ring[slot].float(), kv[sl].float()], dim=0)  # [W + n, D]
         M = torch.cat([m_ring, m_new], dim=1)  # [n, W + n]
-        s = torch.einsum("nhd,ld->nhl", q[sl].float(), K) * scale
-        s = s.masked_fill(~M[:, None, :], float("-inf"))
-        m = s.amax(dim=-1, keepdim=True).clamp(min=-1e30)
-        e = torch.exp(s - m)
-        den = torch.exp(sinkf[None, :, None] - m) + e.sum(dim=-1, keepdim=True)
-        out[sl] = torch.einsum("nhl,ld->nhd", e, K) / den
+        out[sl] = attend_rows(q[sl], K, M, sinkf, scale)  # every row sees itself: never empty
     return out.to(q.dtype)
 
 

@@ -13,18 +13,7 @@ from megagraph.kernels.dense.capturable import (add, fake_quant, grouped_linear,
 from megagraph.kernels.moe.capturable import hash_route, moe_experts, route, swiglu_mlp
 from megagraph.kernels.state.capturable import cache_write, compress_pool, v4_compress_pool
 
-from .compose import compose
-
-FP8_MAX = 448.0
-ACT_BLOCKS = {"mxfp8": 32, "fp8_1x128": 128}
-
-
-def _blocks(x: Tensor, block: int) -> tuple[Tensor, int]:
-    d = x.shape[-1]
-    nb = -(-d // block)
-    xf = torch.nn.functional.pad(x.float(), (0, nb * block - d))
-    return xf.reshape(*x.shape[:-1], nb, block), d
-
+from .compose import ACT_BLOCKS, COMPOSED, FP8_MAX, act_blocks, compose, table_from
 
 def _quantize_blocks(xb: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """xb f32[..., nb, block] -> (E4M3 codes, e8m0 scales, f32 scales) with power-of-two scales."""
@@ -57,26 +46,14 @@ def quantize_act(x: Tensor, *, act_fmt: str) -> tuple[Tensor, Tensor]:
 
 def dequant_act(q: Tensor, s: Tensor, *, act_fmt: str) -> Tensor:
     sf = e8m0_to_f32(s) if s.dtype == torch.float8_e8m0fnu else s.float()
-    qb, d = _blocks(q.float(), ACT_BLOCKS[act_fmt])
+    qb, d = act_blocks(q.float(), ACT_BLOCKS[act_fmt])
     return (qb * sf[..., None]).reshape(*q.shape[:-1], qb.shape[-2] * qb.shape[-1])[..., :d]
 
 
-_COMPOSED = compose({
-    "linear": linear, "grouped_linear": grouped_linear, "moe_experts": moe_experts,
-    "swiglu_mlp": swiglu_mlp, "sparse_attn": sparse_attn, "rope": rope, "hc_mixer": hc_mixer,
-    "hc_collapse": hc_collapse, "hc_expand": hc_expand, "rms_norm": rms_norm, "route": route,
-    "hash_route": hash_route, "add": add, "compress_pool": compress_pool,
-    "v4_compress_pool": v4_compress_pool, "cache_write": cache_write, "fake_quant": fake_quant,
-    "quantize_act": quantize_act, "dequant_act": dequant_act})
-linear_q = _COMPOSED["linear_q"]
-grouped_linear_q = _COMPOSED["grouped_linear_q"]
-moe_experts_q = _COMPOSED["moe_experts_q"]
-swiglu_mlp_q = _COMPOSED["swiglu_mlp_q"]
-sparse_attn_q = _COMPOSED["sparse_attn_q"]
-mega_mhc = _COMPOSED["mega_mhc"]
-mega_moe = _COMPOSED["mega_moe"]
-compressor = _COMPOSED["compressor"]
-v4_compressor = _COMPOSED["v4_compressor"]
+# the kernels imported above are the table, read from this module's names
+_COMPOSED = compose(table_from(globals()))
+(linear_q, grouped_linear_q, moe_experts_q, swiglu_mlp_q, sparse_attn_q, mega_mhc, mega_moe,
+ compressor, v4_compressor) = (_COMPOSED[n] for n in COMPOSED)
 
 
 def suffix_meta(keep_rows, positions, token_req, seq_new, *, keep):

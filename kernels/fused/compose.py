@@ -12,9 +12,13 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 import torch
+from torch import Tensor
 
 from megagraph.graph.types import TORCH_DTYPES
 
+# activation quantization (quantize_act / dequant_act): the E4M3 range, the block of each format
+FP8_MAX = 448.0
+ACT_BLOCKS = {"mxfp8": 32, "fp8_1x128": 128}
 # fake-quant block of each cache format the compressor writes
 FQ_BLOCK = {"mxfp4": 32, "nvfp4": 16, "fp8_e4m3": 32}
 # the unfused kernels a composition needs from its table
@@ -22,11 +26,28 @@ NEEDS = ("linear", "grouped_linear", "moe_experts", "swiglu_mlp", "sparse_attn",
          "hc_mixer", "hc_collapse", "hc_expand", "rms_norm", "route", "hash_route", "add",
          "compress_pool", "v4_compress_pool", "cache_write", "fake_quant", "quantize_act",
          "dequant_act")
+# the fused ops a composition returns, in the order a table module binds them
+COMPOSED = ("linear_q", "grouped_linear_q", "moe_experts_q", "swiglu_mlp_q", "sparse_attn_q",
+            "mega_mhc", "mega_moe", "compressor", "v4_compressor")
+
+
+def act_blocks(x: Tensor, block: int) -> tuple[Tensor, int]:
+    """x [..., D] -> (f32 [..., ceil(D/block), block], zero-padded, D)."""
+    d = x.shape[-1]
+    nb = -(-d // block)
+    xf = torch.nn.functional.pad(x.float(), (0, nb * block - d))
+    return xf.reshape(*x.shape[:-1], nb, block), d
 
 
 def ir_dtype(dt: torch.dtype) -> str:
     """The IR dtype name of a torch dtype (int8 is i8, never the packed fp4x2)."""
     return next(k for k, v in TORCH_DTYPES.items() if v == dt and k != "fp4x2")
+
+
+def table_from(ns: Mapping[str, Callable], **overrides: Callable) -> dict[str, Callable]:
+    """The NEEDS kernels of namespace `ns` (a kernel table module's globals), `overrides` in place
+    of the ones that module imports only on first use."""
+    return {n: overrides[n] if n in overrides else ns[n] for n in NEEDS}
 
 
 def compose(k: Mapping[str, Callable]) -> dict[str, Callable]:

@@ -27,25 +27,14 @@ from megagraph.kernels.mhc.reference import hc_collapse, hc_expand, hc_mixer
 from megagraph.kernels.moe.reference import moe_experts, route, swiglu_mlp
 from megagraph.kernels.state.reference import cache_write, compress_pool
 
-from .compose import compose
-
-FP8_MAX = 448.0
-ACT_BLOCKS = {"mxfp8": 32, "fp8_1x128": 128}
-
-
-def _blocks(x: Tensor, block: int) -> tuple[Tensor, int]:
-    d = x.shape[-1]
-    nb = -(-d // block)
-    xf = torch.nn.functional.pad(x.float(), (0, nb * block - d))
-    return xf.reshape(*x.shape[:-1], nb, block), d
-
+from .compose import ACT_BLOCKS, COMPOSED, FP8_MAX, act_blocks, compose, table_from
 
 def quantize_act(x: Tensor, *, act_fmt: str) -> tuple[Tensor, Tensor]:
     """x [..., D] -> (q float8_e4m3fn [..., D], scales [..., ceil(D/b)]): e8m0 for mxfp8 (b=32),
     power-of-two f32 for fp8_1x128 (b=128). scale = 2^ceil(log2(max(amax, 1e-4) / 448))."""
     from megagraph.kernels import formats
 
-    xb, d = _blocks(x, ACT_BLOCKS[act_fmt])
+    xb, d = act_blocks(x, ACT_BLOCKS[act_fmt])
     amax = xb.abs().amax(dim=-1).clamp(min=1e-4)
     e8 = formats.f32_to_e8m0(amax / FP8_MAX, rounding="ceil")
     s = formats.e8m0_to_f32(e8)
@@ -59,7 +48,7 @@ def dequant_act(q: Tensor, s: Tensor, *, act_fmt: str) -> Tensor:
     from megagraph.kernels import formats
 
     sf = formats.e8m0_to_f32(s) if s.dtype == torch.float8_e8m0fnu else s.float()
-    qb, d = _blocks(q.float(), ACT_BLOCKS[act_fmt])
+    qb, d = act_blocks(q.float(), ACT_BLOCKS[act_fmt])
     return (qb * sf[..., None]).reshape(*q.shape[:-1], qb.shape[-2] * qb.shape[-1])[..., :d]
 
 
@@ -96,22 +85,10 @@ def _v4_compress_pool(*args, **attrs):
 
 
 # kernels/v4/reference.py is imported on first use (it imports the MoE reference kernels)
-_COMPOSED = compose({
-    "linear": linear, "grouped_linear": grouped_linear, "moe_experts": moe_experts,
-    "swiglu_mlp": swiglu_mlp, "sparse_attn": sparse_attn, "rope": rope, "hc_mixer": hc_mixer,
-    "hc_collapse": hc_collapse, "hc_expand": hc_expand, "rms_norm": rms_norm, "route": route,
-    "hash_route": _hash_route, "add": add, "compress_pool": compress_pool,
-    "v4_compress_pool": _v4_compress_pool, "cache_write": cache_write, "fake_quant": fake_quant,
-    "quantize_act": quantize_act, "dequant_act": dequant_act})
-linear_q = _COMPOSED["linear_q"]
-grouped_linear_q = _COMPOSED["grouped_linear_q"]
-moe_experts_q = _COMPOSED["moe_experts_q"]
-swiglu_mlp_q = _COMPOSED["swiglu_mlp_q"]
-sparse_attn_q = _COMPOSED["sparse_attn_q"]
-mega_mhc = _COMPOSED["mega_mhc"]
-mega_moe = _COMPOSED["mega_moe"]
-compressor = _COMPOSED["compressor"]
-v4_compressor = _COMPOSED["v4_compressor"]
+_COMPOSED = compose(table_from(globals(), hash_route=_hash_route,
+                                  v4_compress_pool=_v4_compress_pool))
+(linear_q, grouped_linear_q, moe_experts_q, swiglu_mlp_q, sparse_attn_q, mega_mhc, mega_moe,
+ compressor, v4_compressor) = (_COMPOSED[n] for n in COMPOSED)
 
 FUSED = {**_COMPOSED, "ring_update_batched": ring_update_batched, "select_rows": select_rows,
          "suffix_meta": suffix_meta, "fill": fill}

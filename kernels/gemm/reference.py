@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-FORMATS = ("dense", "fp8_block", "mxfp4")
+from megagraph.kernels.common.capturable import WEIGHT_FORMATS as FORMATS, dequantize
 
 
 def dequantize_weight(weight: Tensor, scale: Tensor | None, fmt: str) -> Tensor:
@@ -17,19 +17,10 @@ def dequantize_weight(weight: Tensor, scale: Tensor | None, fmt: str) -> Tensor:
     float8_e8m0fnu scale [ceil(O/b), ceil(I/b)] (b inferred from the shapes); ``mxfp4``: int8
     [O, I/2] (two E2M1 nibbles per byte, low nibble = even column) with e8m0 scale [O, I/32].
     """
-    if fmt == "dense":
-        if scale is not None:
-            raise ValueError("dense weights take no scale")
-        return weight.float()
     from megagraph.kernels import formats  # lazy: written in parallel by a colleague
 
-    if scale is None:
-        raise ValueError(f"fmt {fmt!r} needs a scale tensor")
-    if fmt == "fp8_block":
-        return formats.dequantize_fp8_block(weight, scale).float()
-    if fmt == "mxfp4":
-        return formats.unpack_mxfp4(weight, scale).float()
-    raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
+    return dequantize(weight, scale, fmt,
+                      mxfp4=lambda w, sc: formats.unpack_mxfp4(w, sc).float())
 
 
 def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None, *, fmt: str) -> Tensor:

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from megagraph.kernels.common.chunks import by_rows, row_slices
-from megagraph.kernels.common.meta import request_spans
+from megagraph.kernels.common.meta import live_requests
 
 
 def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_req: Tensor,
@@ -23,10 +23,8 @@ def index_scores(qi: Tensor, w: Tensor, ikey: Tensor, positions: Tensor, token_r
     T, Hi, _ = qi.shape
     C = ikey.shape[1]
     out = torch.full((T, C), float("-inf"), dtype=torch.float32, device=qi.device)
-    for r, (start, n) in enumerate(request_spans(token_req, seq_slots.shape[0])):
-        if n == 0:
-            continue
-        keys = ikey[int(seq_slots[r])].float()  # [C, Di]
+    for start, n, slot, _ in live_requests(token_req, seq_slots):
+        keys = ikey[slot].float()  # [C, Di]
         for sl in row_slices(start, start + n, Hi * C):
             out[sl] = _index_rows(qi[sl], w[sl], keys, positions[sl], ratio, weight_scale)
     return out

@@ -14,23 +14,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megagraph.kernels.moe.reference import router_scores
+# route is the reference's own (sync-free as it is)
+from megagraph.kernels.moe.reference import route, router_scores
 
 from megagraph.kernels.common import capturable as _common
 from megagraph.kernels.common.capturable import I64, chunk_ranges, dequantize, e2m1_pair_table, scatter_rows, segment_tiles
-
-
-
-
-def route(x: Tensor, gate_w: Tensor, bias: Tensor | None, *, topk: int, route_scale: float,
-          norm_topk: bool = True, score_func: str = "sqrtsoftplus") -> tuple[Tensor, Tensor]:
-    sc = router_scores(x.float() @ gate_w.float().t(), score_func)
-    sel = sc if bias is None else sc + bias.float()
-    ids = sel.topk(topk, dim=-1).indices
-    wts = sc.gather(1, ids)
-    if norm_topk:
-        wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20)
-    return ids, wts * route_scale
 
 
 def hash_route(x: Tensor, gate_w: Tensor, tid2eid: Tensor, token_ids: Tensor, *, topk: int,

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from megagraph.kernels.common.capturable import I64, chunk_ranges, compact, final_writer_update, first_last_positions, \
     ring_writers
+from megagraph.kernels.state.shapes import pool_passthrough, v4_pool_dims
 
 
 def _completing(positions: Tensor, ratio: int, num_requests: int) -> tuple[Tensor, Tensor]:
@@ -41,12 +42,8 @@ def _member_rows(qpos: Tensor, t: Tensor, p: Tensor, first: Tensor, slot: Tensor
 def compress_pool(kv_proj: Tensor, gate_proj: Tensor | None, pend_kv: Tensor | None,
                   pend_gate: Tensor | None, positions: Tensor, token_req: Tensor, seq_slots: Tensor,
                   *, ratio: int, inplace: bool = False):
-    if ratio == 1:
-        if gate_proj is not None:
-            raise ValueError("ratio 1 takes no gate projection")
-        return kv_proj.float(), pend_kv, pend_gate
-    if gate_proj is None or pend_kv is None or pend_gate is None:
-        raise ValueError(f"ratio {ratio} needs gate_proj and pending state")
+    if (out := pool_passthrough(kv_proj, gate_proj, pend_kv, pend_gate, ratio)) is not None:
+        return out
     T, Dc = kv_proj.shape
     R = seq_slots.shape[0]
     dev = positions.device
@@ -80,19 +77,8 @@ def compress_pool(kv_proj: Tensor, gate_proj: Tensor | None, pend_kv: Tensor | N
 def v4_compress_pool(kv_proj: Tensor, gate_proj: Tensor, ape: Tensor, pend_kv: Tensor, pend_gate: Tensor,
                      positions: Tensor, token_req: Tensor, seq_slots: Tensor, *, ratio: int,
                      overlap: bool, inplace: bool = False):
-    r = int(ratio)
-    c = 2 if overlap else 1
-    T, width = kv_proj.shape
-    if width % c:
-        raise ValueError(f"kv_proj width {width} not divisible by {c}")
-    D = width // c
-    P = c * r
-    if gate_proj.shape != kv_proj.shape:
-        raise ValueError(f"gate_proj {tuple(gate_proj.shape)} != kv_proj {tuple(kv_proj.shape)}")
-    if tuple(ape.shape) != (r, width):
-        raise ValueError(f"ape must be [{r}, {width}], got {tuple(ape.shape)}")
-    if pend_kv.shape[1:] != (P, width) or pend_gate.shape != pend_kv.shape:
-        raise ValueError(f"pending state must be [S, {P}, {width}], got {tuple(pend_kv.shape)}")
+    r, c, T, width, D, P = v4_pool_dims(kv_proj, gate_proj, ape, pend_kv, pend_gate,
+                                        ratio=ratio, overlap=overlap)
     R = seq_slots.shape[0]
     dev = positions.device
     u, s = kv_proj.float(), gate_proj.float()

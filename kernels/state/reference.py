@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from megagraph.kernels.common.meta import first_positions, last_positions
+from megagraph.kernels.state.shapes import pool_passthrough
 
 
 def compress_pool(kv_proj: Tensor, gate_proj: Tensor | None, pend_kv: Tensor | None,
@@ -23,12 +24,8 @@ def compress_pool(kv_proj: Tensor, gate_proj: Tensor | None, pend_kv: Tensor | N
     through unchanged. fp32 math.
     Returns (latent f32[T, Dc], pend_kv', pend_gate').
     """
-    if ratio == 1:
-        if gate_proj is not None:
-            raise ValueError("ratio 1 takes no gate projection")
-        return kv_proj.float(), pend_kv, pend_gate
-    if gate_proj is None or pend_kv is None or pend_gate is None:
-        raise ValueError(f"ratio {ratio} needs gate_proj and pending state")
+    if (out := pool_passthrough(kv_proj, gate_proj, pend_kv, pend_gate, ratio)) is not None:
+        return out
     T = kv_proj.shape[0]
     R = seq_slots.shape[0]
     dev = positions.device

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from megagraph.kernels.common.meta import first_positions, last_positions
 from megagraph.kernels.moe.reference import router_scores
+from megagraph.kernels.state.shapes import v4_pool_dims
 
 __all__ = ["v4_compress_pool", "hash_route", "hc_head_mix", "V4_REFERENCE"]
 
@@ -59,20 +60,8 @@ def v4_compress_pool(kv_proj: Tensor, gate_proj: Tensor, ape: Tensor, pend_kv: T
     its slot (cast to the pending dtype); other rows are unchanged.
     Returns (latent f32[T, D], pend_kv' [S, P, c·D], pend_gate' [S, P, c·D]).
     """
-    r = int(ratio)
-    c = 2 if overlap else 1
-    T, width = kv_proj.shape
-    if width % c:
-        raise ValueError(f"kv_proj width {width} not divisible by {c}")
-    D = width // c
-    P = c * r
-    if gate_proj.shape != kv_proj.shape:
-        raise ValueError(f"gate_proj {tuple(gate_proj.shape)} != kv_proj {tuple(kv_proj.shape)}")
-    if tuple(ape.shape) != (r, width):
-        raise ValueError(f"ape must be [{r}, {width}], got {tuple(ape.shape)}")
-    if pend_kv.shape[1:] != (P, width) or pend_gate.shape != pend_kv.shape:
-        raise ValueError(f"pending state must be [S, {P}, {width}], got {tuple(pend_kv.shape)}, "
-                         f"{tuple(pend_gate.shape)}")
+    r, c, T, width, D, P = v4_pool_dims(kv_proj, gate_proj, ape, pend_kv, pend_gate,
+                                        ratio=ratio, overlap=overlap)
     dev = positions.device
     R = seq_slots.shape[0]
     first = first_positions(positions, token_req, R)[token_req]  # [T]

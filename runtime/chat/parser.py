@@ -199,6 +199,17 @@ def _default_id(index: int) -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def _first_of(buf: str, triggers) -> tuple[int, str]:
+    """(index, trigger) of the trigger that starts earliest in buf (the first listed on a tie),
+    (-1, "") where none occurs."""
+    best, which = -1, ""
+    for t in triggers:
+        i = buf.find(t)
+        if i >= 0 and (best < 0 or i < best):
+            best, which = i, t
+    return best, which
+
+
 def _partial_len(buf: str, patterns: tuple[str, ...]) -> int:
     """Length of the longest suffix of `buf` that is a proper prefix of one of `patterns`."""
     n = min(len(buf), max(len(p) for p in patterns) - 1)
@@ -426,11 +437,7 @@ class ChatOutputParser:
             self._strip_ws = False
         buf = self._buf
         triggers = _CONTENT_TRIGGERS if self.options.parse_tool_calls else (_THINK_END,)
-        best, which = -1, ""
-        for t in triggers:
-            i = buf.find(t)
-            if i >= 0 and (best < 0 or i < best):
-                best, which = i, t
+        best, which = _first_of(buf, triggers)
         if best < 0:
             hold = max(_partial_len(buf, triggers), _open_tag_len(buf))
             self._emit_text("content", self._consume(len(buf) - hold))
@@ -516,11 +523,7 @@ class ChatOutputParser:
         buf = self._buf
         param, call = self._param, self._call
         assert param is not None and call is not None
-        best, which = -1, ""
-        for t in _PARAM_CLOSERS:
-            i = buf.find(t)
-            if i >= 0 and (best < 0 or i < best):
-                best, which = i, t
+        best, which = _first_of(buf, _PARAM_CLOSERS)
         if best < 0:
             hold = _partial_len(buf, _PARAM_CLOSERS)
             param["value"] += self._consume_raw(len(buf) - hold)

@@ -113,27 +113,23 @@ class RankEngine(Engine):
         self.load = eplb.ExpertLoad(len(self.sites), lay.experts, self.device) if self.sites else None
         self.idle_program = self._idle_program() if self.sites else None
         self._last_out: dict | None = None
-        run = self.program.run
-
-        def run_and_keep(meta):
-            out = run(meta)
-            self._last_out = out
-            return out
-
-        self.program.run = run_and_keep
+        self.program.run = self._keeping(self.program.run)
         if self.runner is not None:
-            replay = self.runner.replay
-
-            def replay_and_keep(batch):
-                out = replay(batch)
-                self._last_out = out
-                return out
-
-            self.runner.replay = replay_and_keep
+            self.runner.replay = self._keeping(self.runner.replay)
         self.report.hardware += f"; {ctx}" + (f", DEP x{lay.ep}, {lay.slots_per_rank} expert slots"
                                              if lay.ep > 1 else f", DP x{lay.dp}")
 
     # -- start-up pieces ---------------------------------------------------------------------------
+    def _keeping(self, fn):
+        """`fn` (a forward: program run or graph replay) that also keeps its output as
+        self._last_out."""
+        def keep(arg):
+            out = fn(arg)
+            self._last_out = out
+            return out
+
+        return keep
+
     def _weights_origin(self, weights):
         return self._origin  # the caller's weights argument, not this rank's tensors made from it
 

@@ -111,9 +111,7 @@ async def _stream(run: RequestRun, prep, n: int, meta: dict):
     for i in range(n):
         yield chunk(i, {"role": "assistant", "content": ""})
     async for i, ev in run.events():
-        if ev.finish_reason in ("error", "abort"):
-            if ev.finish_reason == "abort":
-                run.error = "the request was aborted (server shutting down)"
+        if run.ends_in_error(ev):
             yield run.error_event()
             yield SSE_DONE
             return

@@ -204,9 +204,7 @@ async def _stream(runs, n: int, lp, meta: dict, include_usage: bool, echoes):
                 open_ -= 1
                 continue
             idx, run, ev = item
-            if ev.finish_reason in ("error", "abort"):
-                if ev.finish_reason == "abort":
-                    run.error = "the request was aborted (server shutting down)"
+            if run.ends_in_error(ev):
                 yield run.error_event()
                 yield SSE_DONE
                 return

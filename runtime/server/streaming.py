@@ -121,6 +121,15 @@ class RequestRun:
             e.code = "engine_error"
             raise e
 
+    def ends_in_error(self, ev) -> bool:
+        """Whether event `ev` ends the stream in an engine error or an abort (the stream then
+        sends error_event() and [DONE]); an abort records its message as the run's error."""
+        if ev.finish_reason not in ("error", "abort"):
+            return False
+        if ev.finish_reason == "abort":
+            self.error = "the request was aborted (server shutting down)"
+        return True
+
     def error_event(self) -> str:
         """The stream's last event before `[DONE]`: the engine failure, or the abort."""
         if self.failed:

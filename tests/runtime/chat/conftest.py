@@ -60,3 +60,19 @@ def recipe_convert(body: dict, version=None):
     if version is not None:
         opts = opts.with_model_alias(body["model"], version)
     return dr.ChatCompletionRequest(json.loads(json.dumps(body))).convert(opts)
+
+
+def recipe_stream(req, chunks) -> dict:
+    """The recipe's StreamProcessor over converted request `req` fed the text `chunks`, then a
+    stop: the accumulated response's first choice."""
+    proc = dr.StreamProcessor(dr.ChatCompletionRequest.chunk_generator(req, "id", "m"),
+                              req.parsing_options, None)
+    out = proc.push(dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(prompt_tokens=1)))
+    for c in chunks:
+        out += proc.push(dr.InferenceChunk.text(c, 1))
+    out += proc.push(dr.InferenceChunk.finish(dr.InferenceFinishReason.Stop))
+    out += proc.finish()
+    resp = dr.ChatCompletionResponse("id", "m", 0, 1, 0)
+    for o in out:
+        resp.accumulate(o)
+    return json.loads(resp.to_json())["choices"][0]

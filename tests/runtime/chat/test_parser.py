@@ -11,7 +11,7 @@ import pytest
 
 from megagraph.runtime.chat import ChatOutputParser, ParserOptions, parse_completion
 
-from .conftest import TIME, WEATHER, dr, recipe_convert
+from .conftest import TIME, WEATHER, recipe_convert, recipe_stream
 
 REASONING = "The user wants the weather in Paris 🌦️ and the time in 東京; call both tools."
 
@@ -92,17 +92,7 @@ def _recipe(text, *, v41=True, chunks=None):
     body = {"model": "DeepSeek-V4.1-Flash" if v41 else "DeepSeek-V4-Pro",
             "messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER, TIME]}
     req = recipe_convert(body)
-    proc = dr.StreamProcessor(dr.ChatCompletionRequest.chunk_generator(req, "id", "m"),
-                              req.parsing_options, None)
-    out = proc.push(dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(prompt_tokens=1)))
-    for c in chunks or [text]:
-        out += proc.push(dr.InferenceChunk.text(c, 1))
-    out += proc.push(dr.InferenceChunk.finish(dr.InferenceFinishReason.Stop))
-    out += proc.finish()
-    resp = dr.ChatCompletionResponse("id", "m", 0, 1, 0)
-    for o in out:
-        resp.accumulate(o)
-    choice = json.loads(resp.to_json())["choices"][0]
+    choice = recipe_stream(req, chunks or [text])
     m = choice["message"]
     return (m.get("reasoning_content"), m.get("content") or "",
             [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", [])],

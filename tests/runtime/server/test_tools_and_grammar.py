@@ -13,6 +13,7 @@ import re
 
 import pytest
 
+from ..chat.conftest import recipe_stream
 from .conftest import MODEL, wait_idle
 
 dr = pytest.importorskip("deepseek_recipe")
@@ -43,16 +44,7 @@ def _recipe_calls(body: dict, text: str) -> list[tuple[str, str]]:
     opts = dr.ConversionOptions().with_model_versions_by_name(
         {MODEL: dr.ModelVersion.DeepseekV41Flash})
     req = dr.ChatCompletionRequest(json.loads(json.dumps(body))).convert(opts)
-    proc = dr.StreamProcessor(dr.ChatCompletionRequest.chunk_generator(req, "id", "m"),
-                              req.parsing_options, None)
-    out = proc.push(dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(prompt_tokens=1)))
-    out += proc.push(dr.InferenceChunk.text(text, 1))
-    out += proc.push(dr.InferenceChunk.finish(dr.InferenceFinishReason.Stop))
-    out += proc.finish()
-    resp = dr.ChatCompletionResponse("id", "m", 0, 1, 0)
-    for o in out:
-        resp.accumulate(o)
-    msg = json.loads(resp.to_json())["choices"][0]["message"]
+    msg = recipe_stream(req, [text])["message"]
     return [(c["function"]["name"], c["function"]["arguments"])
             for c in msg.get("tool_calls") or []]
 
