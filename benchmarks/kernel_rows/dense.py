@@ -14,7 +14,6 @@ CPU / --smoke without a GPU: the capturable chain vs the reference at tiny shape
 """
 from __future__ import annotations
 
-import os
 import time
 import traceback
 
@@ -59,7 +58,9 @@ def cases(dims: dict, T: int, dev, g) -> list[tuple]:
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    from megagraph.configs.process import triton_interpret
+
+    return triton_interpret()
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -83,16 +83,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megagraph.configs.process import triton_interpret
+from megagraph.kernels.common.triton import INTERPRET, RDT, available  # noqa: F401 (re-exported)
+from megagraph.kernels.common.triton import on_fp8_device as on_device
 from megagraph.kernels.gemm.config import GemmConfig, Tile
 from megagraph.kernels.moe.config import MoeConfig
 
 log = logging.getLogger(__name__)
 
-INTERPRET = triton_interpret()
 MMA_FP8, MMA_FP16, MMA_BF16, MMA_F32 = 0, 1, 2, 3
 WFMT = {"mxfp4": 0, "fp8_block": 1}
-RDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MOE = MoeConfig()
 _GEMM = GemmConfig()
 
@@ -171,32 +170,12 @@ def _note_fallback(stage: str, wanted: str, ran: str, why: str) -> None:
         log.warning("moe: %s %s does not take this call (%s); %s runs", stage, wanted, why, ran)
 
 
-def available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@functools.cache
-def _cuda_ok(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 9)  # FP8 tensor cores
-
-
 @functools.cache
 def num_sms(index: int) -> int:
     """Streaming multiprocessors of CUDA device `index` (1 under the interpreter)."""
     if INTERPRET:
         return 1
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def on_device(t: Tensor) -> bool:
-    """Triton runs here: a CUDA tensor on an sm_89+ device, or any tensor under the interpreter."""
-    if INTERPRET:
-        return t.device.type == "cpu"
-    return t.device.type == "cuda" and _cuda_ok(t.device.index or 0)
 
 
 def _jit():
