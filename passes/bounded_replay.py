@@ -1,18 +1,14 @@
-"""Bounded-suffix decoder replay and encoder replay: approximate prefill graphs, emitted next to the
-exact step graph (which stays the default), on by a compile flag.
+"""Bounded-suffix decoder replay: approximate prefill graphs, emitted next to the exact step graph
+(which stays the default), on by a compile flag.
 
 Decoder replay. Layers after the last KV-source layer (V4.1: 21-39) own nothing but their sliding
 windows, so in prefill only each request's last `keep` rows (window + draft backtracking) need them
 for the next decode. The step splits into a prefix graph (every layer up to the boundary, all rows)
 and a suffix graph that selects the kept rows (`select_rows`, new dim K) and runs the late layers
 and the LM head on them only. Rows before the kept suffix lose their late-layer keys, so the first
-kept rows see truncated windows: an approximation (measured in benchmarks/probes/bounded_replay.py), never
-used for requests that want prompt logprobs.
-
-Encoder replay. A prefix-cache hit restores compressed KV, index keys and pending rows but not the
-sliding-window rings. The encoder-replay graph re-runs the last `window` cached tokens with the ring
-treated as empty and no compressed-state writes, producing only the rings; the request then
-continues exactly. The replayed tokens see truncated windows, so this is approximate too.
+kept rows see truncated windows: an approximation (measured in benchmarks/probes/bounded_replay.py),
+never used for requests that want prompt logprobs. (Encoder replay, the prefix cache's ring
+rebuild, is its own pass: passes/encoder_replay.py.)
 """
 
 from __future__ import annotations
@@ -32,13 +28,13 @@ from .hw import HwProfile
 KV_SOURCE_OPS = ("cache_write", "compressor", "compress_pool", "v4_compressor", "v4_compress_pool")
 NOT_IN_SUFFIX = KV_SOURCE_OPS + ("engram_hash", "engram_lookup", "engram_gate", "token_map",
                                  "engram_hist_update")
-PREFIX, SUFFIX, ENCODER = "prefill-prefix", "prefill-suffix", "encoder-replay"
+PREFIX, SUFFIX = "prefill-prefix", "prefill-suffix"
 
 
 @register_pass
 @dataclass(frozen=True)
 class BoundedReplay(Pass):
-    """Emit the bounded-suffix prefill graphs and the encoder-replay graph (the step is unchanged).
+    """Emit the bounded-suffix prefill graphs (the step is unchanged).
 
     prefill-prefix: the step up to and including the last KV-source layer; the values later layers
     read are returned as `bridge.<value>` outputs.
@@ -47,9 +43,6 @@ class BoundedReplay(Pass):
           %seq_new) {keep=14}
       %L5.ffn.streams.k = select_rows(%L5.ffn.streams, %keep_rows) : bf16[K, 4, 64]
       ... layers 6-8 and the LM head on K rows ...
-    encoder-replay: the step with every sparse attention's seq_cached replaced by
-      %seq_cached.empty_ring = fill(%seq_cached) {value=0}
-    and no compressed-state writes; it returns only the rings.
     """
 
     name: ClassVar[str] = "bounded-replay"
@@ -62,14 +55,13 @@ class BoundedReplay(Pass):
             return self.skip(g, "off (approximate; enable with --bounded-replay)")
         try:
             prefix, suffix, boundary, late = split_bounded(g, self._keep(g))
-            encoder = encoder_replay(g)
         except IRError as e:
             return self.skip(g, str(e))
         note = (f"emitted {PREFIX} (layers 0-{boundary}, all rows), {SUFFIX} (layers "
                 f"{late[0]}-{late[-1]} + head on each request's last {self._keep(g)} rows; buckets "
-                f"of {self.hw.replay_row_bucket} rows up to {self.hw.replay_max_rows}) and {ENCODER}")
+                f"of {self.hw.replay_row_bucket} rows up to {self.hw.replay_max_rows})")
         return PassResult(g, note, {"boundary": boundary, "keep": self._keep(g)},
-                          {PREFIX: prefix, SUFFIX: suffix, ENCODER: encoder})
+                          {PREFIX: prefix, SUFFIX: suffix})
 
     def _keep(self, g: Graph) -> int:
         if self.keep:
@@ -189,35 +181,3 @@ def _suffix(g: Graph, suf: list[Node], keep: int, boundary: int) -> Graph:
                                            or k in used})
     s = s.with_meta(step=SUFFIX, keep=keep, boundary_layer=boundary)
     return verify_graph(s)
-
-
-def encoder_replay(g: Graph) -> Graph:
-    """The ring-rebuild graph: attention with an empty ring, no compressed-state writes, rings out."""
-    renames: dict[str, str] = {}
-    nodes: list[Node] = []
-    fill = Node("fill", ("seq_cached",), ("seq_cached.empty_ring",), freeze_attrs({"value": 0}))
-    for n in g.nodes:
-        if n.op == "cache_write":
-            renames[n.outputs[0]] = n.inputs[0]
-        elif n.op == "compress_pool":
-            renames[n.outputs[1]], renames[n.outputs[2]] = n.inputs[2], n.inputs[3]
-            nodes.append(n)  # its latent output dies with the cache writes
-        elif n.op == "compressor":
-            for o, i in zip(n.outputs, (n.inputs[8], n.inputs[9], n.inputs[3], n.inputs[4])):
-                renames[o] = i
-        elif n.op in ("sparse_attn", "sparse_attn_q"):
-            nodes.append(replace(n, inputs=(*n.inputs[:9], fill.outputs[0])))
-        else:
-            nodes.append(n)
-    if not any(n.inputs[-1] == fill.outputs[0] for n in nodes if n.op.startswith("sparse_attn")):
-        raise IRError("no sparse attention to replay")
-    nodes = [replace(n, inputs=tuple(renames.get(i, i) for i in n.inputs)) for n in nodes]
-    nodes.insert(0, fill)
-    rings = tuple((lab, renames.get(v, v)) for lab, v in g.outputs if lab.endswith(".ring"))
-    types = {**g.types, fill.outputs[0]: g.types["seq_cached"]}
-    e = dead_code(g.with_nodes(nodes, types=types, outputs=rings))
-    used = {i for n in e.nodes for i in n.inputs}
-    e = replace(e, name=g.name.replace("/step", "") + f"/{ENCODER}",
-                inputs=tuple(i for i in g.inputs if i in used))
-    e = e.with_nodes(e.nodes).with_meta(step=ENCODER)
-    return verify_graph(e)

@@ -33,7 +33,8 @@ PIPELINE = (
     "indexer-products",     # after every attention rewrite: reads the final producers of qi / ikey
     "dead-code",            # safety net for anything the rewrites orphaned
     "partition-prefill",    # last pass that reorders nodes: the plan's segments index this order
-    "bounded-replay",       # last: derives side graphs from the final step (step unchanged)
+    "bounded-replay",       # derives side graphs from the final step (step unchanged)
+    "encoder-replay",       # likewise: the prefix cache's ring rebuild graph (always emitted)
 )
 
 

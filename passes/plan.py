@@ -207,6 +207,26 @@ def index_keys_plan(g: Graph, cfg: ModelConfig) -> dict:
     return {"reading": cfg.index_key_reading, "published_reads": reads}
 
 
+def prefix_cache_plan(g: Graph, cfg: ModelConfig) -> dict:
+    """How a prefix-cache hit resumes (runtime/prefix_cache.py): which state a cached node keeps
+    by position, which it keeps as a snapshot of its end, and the ring-rebuild graph."""
+    by_position, at_end, window = [], [], []
+    for name in g.state_labels:
+        dims = g.types[name].shape[1:]
+        if dims and isinstance(dims[0], str) and dims[0].startswith("N"):
+            by_position.append(name)
+        elif name.endswith(".ring"):
+            window.append(name)
+        else:
+            at_end.append(name)
+    return {"encoder_replay": "encoder-replay", "replay_tokens": cfg.sliding_window,
+            "kept_by_position": by_position, "kept_at_node_end": at_end,
+            "window_tail": window,
+            "resume": "at a cached node's end: rows by position and the end snapshot restored; "
+                      "the window tail restored when kept, else rebuilt by encoder-replay over "
+                      "the last replay_tokens cached tokens (approximate; mode exact re-prefills)"}
+
+
 def build_plan(g: Graph, hw: HwProfile, *, context: int, extra: dict[str, Graph],
                cfg: ModelConfig, kernel_overrides: dict | None = None,
                allow_unvalidated: bool = False) -> dict:
@@ -247,8 +267,7 @@ def build_plan(g: Graph, hw: HwProfile, *, context: int, extra: dict[str, Graph]
         suffix = extra["prefill-suffix"]
         replay_plan = {
             "keep": suffix.meta_value("keep"), "boundary_layer": suffix.meta_value("boundary_layer"),
-            "graphs": {"prefix": "prefill-prefix", "suffix": "prefill-suffix",
-                       "encoder": "encoder-replay"},
+            "graphs": {"prefix": "prefill-prefix", "suffix": "prefill-suffix"},
             "suffix_row_buckets": replay,
             "use_for": "prefill steps; each request's last `keep` rows go through the suffix",
             "never_for": "requests that want prompt logprobs (they need every row): use the step graph",
@@ -280,6 +299,7 @@ def build_plan(g: Graph, hw: HwProfile, *, context: int, extra: dict[str, Graph]
         "kernel_configs": kernel_configs_plan(kernels, cfg, hw, prefill=prefill, decode=decode,
                                               overrides=kernel_overrides),
         **({"bounded_replay": replay_plan} if replay_plan else {}),
+        **({"prefix_cache": prefix_cache_plan(g, cfg)} if "encoder-replay" in extra else {}),
         "memory": memory,
         "index_keys": index_keys_plan(g, cfg),
     }

@@ -46,9 +46,9 @@ def bounded_graphs(g, keep: int, hw: str = "cpu"):
     """(step, prefix, suffix, encoder-replay) graphs of a built step graph."""
     final, records = compile_graph(g, load_hw_profile(hw), CompileOptions(bounded_replay=True),
                                    keep=keep)
-    extra = records[-1].extra_graphs
-    if not extra:
-        raise RuntimeError(f"bounded replay did not apply: {records[-1].note}")
+    extra = {k: v for r in records for k, v in r.extra_graphs.items()}
+    if "prefill-prefix" not in extra:
+        raise RuntimeError(f"bounded replay did not apply: {records[-2].note}")
     return final, extra["prefill-prefix"], extra["prefill-suffix"], extra["encoder-replay"]
 
 

@@ -28,7 +28,7 @@ def test_compile_writes_the_artifact_layout(tmp_path, capsys):
                      "graph/05-mega-moe-fusion.mgir", "graph/06-mega-mhc-fusion.mgir",
                      "graph/07-batch-window-copies.mgir", "graph/08-indexer-products.mgir",
                      "graph/09-dead-code.mgir", "graph/10-partition-prefill.mgir",
-                     "graph/11-bounded-replay.mgir",
+                     "graph/11-bounded-replay.mgir", "graph/12-encoder-replay.mgir",
                      "graph/encoder-replay.mgir",
                      "graph/prefill-prefix.mgir", "graph/prefill-suffix.mgir", "manifest.yaml",
                      "model.yaml", "plan.yaml"]

@@ -9,6 +9,7 @@ from benchmarks.probes.bounded_replay import (bounded_graphs, bounded_step, drop
                                               keep_rows)
 from megagraph.passes import load_hw_profile
 from megagraph.passes.bounded_replay import BoundedReplay
+from megagraph.passes.encoder_replay import EncoderReplay
 from tests.tiny import SeqChunk, random_tokens, session, tiny
 
 PROMPTS = (random_tokens(13, 21), random_tokens(6, 22))
@@ -76,7 +77,7 @@ def test_encoder_replay_from_position_zero_is_exact():
 
 def test_encoder_replay_graph_writes_only_rings():
     _, g, _, _ = tiny("v4.1-flash-tiny", "bf16")
-    enc = BoundedReplay(load_hw_profile("cpu"), enabled=True).run(g).extra_graphs["encoder-replay"]
+    enc = EncoderReplay().run(g).extra_graphs["encoder-replay"]
     assert all(lab.endswith(".ring") for lab, _ in enc.outputs)
     ops = enc.op_counts()
     assert "cache_write" not in ops and "compress_pool" not in ops and "route" in ops

@@ -45,7 +45,7 @@ def test_every_pass_is_registered_documented_and_in_the_pipeline():
     for name, cls in PASSES.items():
         doc = inspect.getdoc(cls) or ""
         assert doc and name == cls.name
-        if name not in ("bounded-replay",):
+        if name not in ("bounded-replay", "encoder-replay"):  # emit side graphs only
             assert "before" in doc and "after" in doc, f"{name}: docstring needs before/after"
         assert cls.__dataclass_params__.frozen
 
