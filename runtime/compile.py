@@ -172,6 +172,7 @@ class StartupReport:
     weights: str = ""  # where the weights came from
     hardware: str = ""  # artifacts' profile vs this device
     token_map: str = ""  # where the Engram token map came from (V4.1; runtime/token_map.py)
+    prefix_cache: str = ""  # the serving prefix cache's budget and mode (runtime/prefix_cache.py)
 
     @property
     def total(self) -> float:
@@ -206,6 +207,9 @@ class StartupReport:
                f"{self.hardware}; weights: {self.weights}"]
         if self.token_map:
             out.append(f"engram token map: {self.token_map}")
+        if self.prefix_cache:
+            out.append(self.prefix_cache if self.prefix_cache.startswith("prefix cache")
+                       else f"prefix cache: {self.prefix_cache}")
         if self.kernel_fallbacks:
             out.append("kernel fallbacks: " + "; ".join(f"{k}: {v}" for k, v in self.kernel_fallbacks.items()))
         for fam, fields_ in sorted(self.kernel_configs.items()):

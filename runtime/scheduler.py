@@ -45,6 +45,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -137,8 +138,16 @@ class Scheduler:
     def __init__(self, engine, cache: CacheManager, config: SchedulerConfig = SchedulerConfig(),
                  grammar_factory=None, *, seed: int = 0,
                  on_step: Callable[[StepJob, StepResult], None] | None = None,
-                 on_flush: Callable[[], None] | None = None, lockstep: bool = False):
+                 on_flush: Callable[[], None] | None = None, lockstep: bool = False,
+                 prefix_cache=None):
+        """`prefix_cache`: (PrefixCache, SlotCache) from runtime/prefix_state.py
+        `build_prefix_cache`, or None (every request prefills from scratch)."""
         self.engine, self.cache, self.config = engine, cache, config
+        self.prefix, self.slot_cache = prefix_cache or (None, None)
+        self._before: list = []  # prefix-cache ops for the next job (snapshots, then restores)
+        self._released: list = []  # (sequence, op) snapshots of released slots, same job
+        self._after: list = []  # (sequence, epoch, op) snapshots at chunk ends, same job
+        self._flushes: list = []  # futures of /flush_cache calls
         self.grammar = grammar_factory
         self.worker = StepWorker(engine, grammar_factory, seed=seed, lockstep=lockstep)
         self.stats = SchedulerStats()
@@ -169,6 +178,10 @@ class Scheduler:
         for s in seqs:
             if s.prompt_logprobs is not None:
                 s.prompt_lps = [None] * len(s.prompt_ids)
+        if self.prefix is not None and len(seqs) > 1 and seqs[0].prompt_logprobs is None:
+            for s in seqs[1:]:  # the other choices resume from the first one's prompt
+                if s.prompt_ids == seqs[0].prompt_ids:
+                    s.leader, seqs[0].has_followers = seqs[0], True
         with self._cv:
             if self.dead is not None:
                 raise Overloaded(f"the engine loop stopped: {self.dead}")
@@ -189,6 +202,19 @@ class Scheduler:
         with self._cv:
             self._abort_everything = reason
             self._cv.notify()
+
+    def flush_cache(self, timeout: float = 30.0) -> dict:
+        """Drop every cached prefix no running request holds (POST /flush_cache); returns
+        {nodes, bytes, kept}. Runs on the scheduler thread between steps."""
+        if self.prefix is None:
+            return {"nodes": 0, "bytes": 0, "kept": 0, "enabled": False}
+        fut: Future = Future()
+        with self._cv:
+            if self.dead is not None:
+                raise Overloaded(f"the engine loop stopped: {self.dead}")
+            self._flushes.append(fut)
+            self._cv.notify()
+        return fut.result(timeout)
 
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self._inbox)
@@ -224,7 +250,8 @@ class Scheduler:
             if self._stopping and not (self.waiting or self.running or inflight):
                 return
             self._release()
-            if not inflight:  # the worker is idle: reset released slots here
+            if not inflight:  # the worker is idle: snapshot and reset released slots here
+                self._snapshot_now()
                 for slot in self.cache.take_resets():
                     self.engine.cached.pop(slot, None)
             job = None
@@ -242,7 +269,7 @@ class Scheduler:
                 self._process(done, inflight[0] if inflight else None)
             elif not inflight:
                 with self._cv:
-                    if not (self._inbox or self._aborts or self._stopping):
+                    if not (self._inbox or self._aborts or self._stopping or self._flushes):
                         self._cv.wait(timeout=0.5)
 
     def _take_inbox(self) -> None:
@@ -250,6 +277,9 @@ class Scheduler:
             new, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
             everything, self._abort_everything = self._abort_everything, None
+            flushes, self._flushes = self._flushes, []
+        for fut in flushes:
+            fut.set_result(self.prefix.flush())
         for s in new:
             self._by_id[s.seq_id] = s
             self.waiting.append(s)
@@ -277,6 +307,7 @@ class Scheduler:
         keep = []
         for s in self.running:
             if s.slot >= 0 and (s.finished or s.preempt or not s.can_sample_more()):
+                self._snapshot_released(s)
                 self.cache.release(s.seq_id)
                 s.slot = -1
             if s.slot < 0 and s.pending == 0 and (s.finished or s.preempt):
@@ -316,9 +347,10 @@ class Scheduler:
         if suspect is not None:  # after a failed step: one suspect alone, every other step
             self._isolated_turn = False
             if self._add_alone(suspect, add):
-                return StepJob(seqs, tokens, samples, continues, num_decode=0,
-                               reset_slots=self.cache.take_resets(), slots=slots, epochs=epochs,
-                               starts=starts, isolated=True)
+                return self._with_cache_ops(StepJob(
+                    seqs, tokens, samples, continues, num_decode=0,
+                    reset_slots=self.cache.take_resets(), slots=slots, epochs=epochs,
+                    starts=starts, isolated=True))
         self._isolated_turn = True
 
         # decode first
@@ -354,14 +386,16 @@ class Scheduler:
                 break
             budget -= self._add_chunk(s, n, add)
         for s in [w for w in self.waiting if not w.faults]:
+            if self._held_back(s):
+                continue
             if self._chunk_len(s, 0) > budget or not self._admit(s):
                 break
             budget -= self._add_chunk(s, self._chunk_len(s), add)
         if not seqs:
             return None
-        return StepJob(seqs, tokens, samples, continues, num_decode=len(decodes),
-                       reset_slots=self.cache.take_resets(), slots=slots, epochs=epochs,
-                       starts=starts)
+        return self._with_cache_ops(StepJob(
+            seqs, tokens, samples, continues, num_decode=len(decodes),
+            reset_slots=self.cache.take_resets(), slots=slots, epochs=epochs, starts=starts))
 
     def _admit(self, s: Sequence) -> bool:
         """Give a waiting sequence a slot, if one and its tokens fit."""
@@ -372,6 +406,7 @@ class Scheduler:
         s.slot = self.cache.admit(s.seq_id, s.num_known)
         s.status, s.scheduled = RUNNING, 0
         self.running.append(s)
+        self._resume(s)
         return True
 
     def _next_suspect(self) -> Sequence | None:
@@ -400,11 +435,17 @@ class Scheduler:
         batched, so its numerics (and greedy output) do not depend on its neighbours."""
         c = self.config.max_prefill_tokens
         start = s.scheduled if start is None else start
-        return min(s.num_known - start, c - start % c)
+        n = min(s.num_known - start, c - start % c)
+        cut = next((x for x in s.cuts if x > start), None)
+        return n if cut is None else min(n, cut - start)
 
     def _add_chunk(self, s: Sequence, n: int, add) -> int:
         toks = [s.token_at(i) for i in range(s.scheduled, s.scheduled + n)]
         add(s, toks, s.scheduled + n == s.num_known)
+        if self.prefix is not None and s.cacheable and (
+                s.scheduled == s.num_known or s.scheduled in s.cuts):
+            self._after.append((s, s.epoch, self.slot_cache.capture(s.slot, s.snap_from,
+                                                                   s.scheduled)))
         return n
 
     def _preempt(self, s: Sequence) -> None:
@@ -422,6 +463,90 @@ class Scheduler:
                              if job.seqs[job.samples[r]].grammar.fill_mask(job.bitmask, r)]
         job.ready.set()
 
+    # -- prefix cache ----------------------------------------------------------------------------
+    def _resume(self, s: Sequence) -> None:
+        """Start an admitted sequence from the longest cached prefix of its tokens (the restore
+        runs with the job), and cut its prompt where its match ends (a branch point: the
+        snapshot there lets the next request with this prefix resume exactly) and, for the
+        first of `n` choices, one token before its end (where the others resume: a request's
+        last token always runs)."""
+        s.cacheable, s.snap_from, s.cuts = True, 0, ()
+        if self.prefix is None or s.prompt_logprobs is not None:
+            return
+        tokens = [s.token_at(i) for i in range(s.num_known)]
+        resume, matched = self.prefix.lookup(tokens, s.num_known - 1)
+        if resume is not None:
+            s.scheduled = s.snap_from = resume.end
+            s.anchor = resume.anchor
+            self._before.append(self.slot_cache.restore(s.slot, resume, tokens))
+        cuts = {matched} if matched > s.scheduled else set()
+        if s.has_followers and not s.output_ids:
+            cuts.add(len(s.prompt_ids) - 1)
+        s.cuts = tuple(sorted(x for x in cuts if x > s.scheduled))
+        if not s.output_ids:
+            s.cached_tokens = min(s.scheduled, len(s.prompt_ids))
+
+    def _held_back(self, s: Sequence) -> bool:
+        """Not admitted yet: its released state is still being cached, or it is a further
+        choice of a request whose first choice has not cached the prompt."""
+        if s.releasing:
+            return True
+        lead = s.leader
+        return lead is not None and not (lead.prompt_done or lead.finished)
+
+    def _snapshot_released(self, s: Sequence) -> None:
+        """A slot is given back: snapshot what it holds (with the next job, or now when no step
+        is in flight), so a later turn, choice or recompute resumes from it."""
+        if self.prefix is None:
+            return
+        if s.cacheable and s.scheduled > s.snap_from and s.finish_reason != "error":
+            s.releasing = True
+            self._released.append((s, self.slot_cache.capture(s.slot, s.snap_from, s.scheduled)))
+        else:
+            self._let_go(s)
+
+    def _snapshot_now(self) -> None:
+        released, self._released = self._released, []
+        for s, op in released:
+            self._insert_released(s, op())
+
+    def _with_cache_ops(self, job: StepJob) -> StepJob:
+        job.before = [op for _, op in self._released] + self._before
+        job.after = [op for _, _, op in self._after]
+        job.cache_meta = (self._released, self._after)
+        self._released, self._before, self._after = [], [], []
+        return job
+
+    def _cache_results(self, job: StepJob, res: StepResult | None) -> None:
+        """Insert a processed job's snapshots (res None: the job failed, drop them)."""
+        if job.cache_meta is None:
+            return
+        released, after = job.cache_meta
+        for i, (s, _) in enumerate(released):
+            self._insert_released(s, res.before[i] if res is not None else None)
+        for (s, epoch, _), snap in zip(after, res.after if res is not None else ()):
+            if epoch == s.epoch and s.cacheable:
+                self._insert(s, snap)
+
+    def _insert(self, s: Sequence, snap) -> None:
+        node = self.prefix.insert([s.token_at(i) for i in range(snap.end)], snap)
+        if node is not None:
+            self.prefix.lock(node)
+            self._let_go(s)
+            s.anchor, s.snap_from = node, snap.end
+
+    def _insert_released(self, s: Sequence, snap) -> None:
+        s.releasing = False
+        if snap is not None:
+            self.prefix.insert([s.token_at(i) for i in range(snap.end)], snap)
+        self._let_go(s)
+        s.snap_from = 0
+
+    def _let_go(self, s: Sequence) -> None:
+        if s.anchor is not None:
+            self.prefix.unlock(s.anchor)
+            s.anchor = None
+
     # -- results ---------------------------------------------------------------------------------
     def _process(self, job: StepJob, next_job: StepJob | None) -> None:
         try:
@@ -433,6 +558,7 @@ class Scheduler:
         t0 = time.perf_counter()
         for s in job.seqs:
             s.inflight -= 1
+        self._cache_results(job, res)
         for i, (first, lps) in res.prompt_logprobs.items():
             s = job.seqs[i]
             if job.epochs[i] == s.epoch and s.prompt_lps is not None:
@@ -441,6 +567,7 @@ class Scheduler:
         for idx, tok, lp in zip(job.samples, res.tokens, res.logprobs):
             s = job.seqs[idx]
             s.pending -= 1
+            s.prompt_done = True
             if not s.finished and job.epochs[idx] == s.epoch:
                 self._commit(s, tok)
                 committed.append((s, tok, lp))
@@ -492,7 +619,8 @@ class Scheduler:
             prompt_lps, s.prompt_lps = s.prompt_lps, None
         s.sink(SeqEvent(s.seq_id, [tok], delta, [lp] if lp is not None else None,
                         s.finish_reason, num_prompt_tokens=len(s.prompt_ids),
-                        num_output_tokens=len(s.output_ids), prompt_logprobs=prompt_lps))
+                        num_output_tokens=len(s.output_ids), prompt_logprobs=prompt_lps,
+                        num_cached_tokens=s.cached_tokens))
 
     def _recover(self, job: StepJob, e: BaseException) -> None:
         """A step raised: log it, void its sequences' work in flight and recompute them (the
@@ -508,8 +636,10 @@ class Scheduler:
                       exc_info=(type(e), e, e.__traceback__))
         for s in job.seqs:
             s.inflight -= 1
+            s.cacheable = False  # its slot's state is void: nothing of it enters the cache
         for i in job.samples:
             job.seqs[i].pending -= 1
+        self._cache_results(job, None)
         for s in dict.fromkeys(job.seqs):
             if s.finished:
                 continue

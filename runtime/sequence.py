@@ -36,6 +36,7 @@ class SeqEvent:
     error: str | None = None  # engine error message (finish_reason "error")
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens resumed from the prefix cache (OpenAI's field)
     #: with the first token, when asked for: one per prompt token (None for the first, which no
     #: position predicts), each the prompt token's log-probability and the top alternatives
     prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -74,6 +75,16 @@ class Sequence:
     request_id: str = ""  # the client-facing id (logs name it when a step fails)
     epoch: int = 0  # bumped when in-flight work is voided (a failed step): stale results dropped
     faults: int = 0  # failed steps since the last good isolated step (1: run alone, 2: fail it)
+    # prefix cache (runtime/prefix_cache.py; the scheduler's)
+    cached_tokens: int = 0  # prompt tokens resumed from the cache at the first admission
+    anchor: Any = None  # the cached node this sequence's state extends (locked while held)
+    snap_from: int = 0  # position from which the slot's rows are not in the cache yet
+    cuts: tuple[int, ...] = ()  # end prompt chunks here (branch points: snapshots for others)
+    leader: "Sequence | None" = None  # n > 1: a choice waits until the first one cached the prompt
+    has_followers: bool = False  # n > 1: the first choice (snapshots its prompt less one token)
+    prompt_done: bool = False  # the prompt's snapshot reached the cache (or never will)
+    cacheable: bool = True  # False once a failed step voided the slot's state
+    releasing: bool = False  # its released slot's snapshot is not in the cache yet
 
     @property
     def params(self) -> SamplingParams:

@@ -55,6 +55,13 @@ class StepJob:
     isolated: bool = False  # a step of one sequence under suspicion (after a failed step)
     num_decode: int = 0  # leading chunks that are single decode tokens
     reset_slots: list[int] = field(default_factory=list)  # released since the last job
+    #: prefix-cache work ordered with the step (runtime/prefix_state.py): `before` runs after the
+    #: resets and before the forward (snapshots of released slots, then restores of admitted
+    #: ones), `after` once the forward has written the state (snapshots at chunk ends); their
+    #: return values come back in StepResult.before / .after
+    before: list = field(default_factory=list)
+    after: list = field(default_factory=list)
+    cache_meta: Any = None  # the scheduler's bookkeeping of `before` / `after`
     ready: threading.Event = field(default_factory=threading.Event)
     bitmask: Any = None  # int32 [len(samples), V/32] (grammar rows), or None
     mask_rows: list[int] = field(default_factory=list)  # rows of `bitmask` to apply
@@ -75,6 +82,8 @@ class StepResult:
     #: chunk index -> (first position, logprobs of the prompt tokens at the positions after
     #: each of the chunk's rows), for sequences that asked for prompt logprobs
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    before: list = field(default_factory=list)  # StepJob.before's return values
+    after: list = field(default_factory=list)  # StepJob.after's return values
 
 
 class StepWorker:
@@ -138,6 +147,7 @@ class StepWorker:
     def _step(self, job: StepJob, t0: float, idle: float) -> StepResult:
         for slot in job.reset_slots:  # previous owners' steps have all run
             self.engine.cached.pop(slot, None)
+        before = [op() for op in job.before]
         chunks = []
         for s, slot, toks in zip(job.seqs, job.slots, job.tokens):
             if None in toks and s.seq_id not in self._last:
@@ -146,6 +156,7 @@ class StepWorker:
             ids = [self._last[s.seq_id] if t is None else t for t in toks]
             chunks.append(SeqChunk(slot, tuple(ids)))
         logits = self.engine.step(chunks)
+        after = [op() for op in job.after]
         rows = self._sample_rows(chunks, job.samples)
         picked = logits[rows].float() if rows else logits[:0].float()
         prompt_lps = self._prompt_logprobs(logits, chunks, job)
@@ -156,7 +167,7 @@ class StepWorker:
         tokens, lps = self._sample(picked, seqs, job)
         self._last = {s.seq_id: t for s, t in zip(seqs, tokens)}
         return StepResult(tokens, lps, sum(len(c.tokens) for c in chunks), t0, t1 - t0,
-                          time.perf_counter() - t2, t2 - t1, idle, prompt_lps)
+                          time.perf_counter() - t2, t2 - t1, idle, prompt_lps, before, after)
 
     def _prompt_logprobs(self, logits: torch.Tensor, chunks: list[SeqChunk], job: StepJob):
         """Row r of a chunk starting at position a predicts the token at a + r + 1: its

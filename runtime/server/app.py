@@ -1,9 +1,9 @@
 """The FastAPI app: routes, OpenAI-shaped errors, lifespan.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{model},
-GET /health, GET /metrics (and /openapi.json). With an API key, every /v1 route needs
-`Authorization: Bearer KEY` (401 otherwise); /health and /metrics stay open for probes and
-scrapers. The request id, the key check, request counting and the last-resort 500 are
+GET /health, GET /metrics, POST /flush_cache (and /openapi.json). With an API key, every /v1
+route needs `Authorization: Bearer KEY` (401 otherwise); /health, /metrics and /flush_cache stay
+open for probes, scrapers and routers (flushing costs speed, never an answer). The request id, the key check, request counting and the last-resort 500 are
 middleware.py's; what a generation body must look like is body.py's and fields.py's.
 """
 
@@ -25,6 +25,7 @@ from .errors import APIError, error_body
 from .fields import chat_endpoint, completions_endpoint
 from .middleware import ServerMiddleware, request_context
 from .openapi import build_openapi
+from ..scheduler import Overloaded
 
 __all__ = ["create_app", "MAX_BODY_BYTES"]
 
@@ -119,6 +120,16 @@ def create_app(service, *, close_on_shutdown: bool = True, router=None) -> FastA
             return JSONResponse({"status": "starting (waiting for the other ranks)"},
                                 status_code=503)
         return {"status": "ok"}
+
+    @app.post("/flush_cache")
+    async def _flush_cache():
+        """Drop every cached prefix no running request holds (SGLang's and SMG's route)."""
+        try:
+            out = await asyncio.to_thread(service.scheduler.flush_cache)
+        except Overloaded as e:
+            raise APIError(503, str(e), None, "unavailable") from None
+        return {"flushed_nodes": out["nodes"], "flushed_bytes": out["bytes"],
+                "kept_nodes": out["kept"], "enabled": out.get("enabled", True)}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def _metrics():

@@ -48,6 +48,18 @@ def add_serve_arguments(sub) -> None:
                    help="prompt tokens in a step that also decodes: a lower bound than "
                    "--max-prefill-tokens keeps arriving prompts from lengthening decode steps, "
                    "at the cost of their time to first token (default: --max-prefill-tokens)")
+    s.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every request from scratch (no radix prefix cache)")
+    s.add_argument("--prefix-cache-mode", choices=("replay", "exact"), default=C.prefix_cache_mode,
+                   help="replay (default): a hit whose sliding windows were not kept rebuilds "
+                   "them by encoder replay (approximate); exact: resume only where the windows "
+                   "were kept, else prefill")
+    s.add_argument("--prefix-cache-bytes", type=int, default=None,
+                   help="device bytes for cached prefixes (default: as many as the slot pools)")
+    s.add_argument("--host-cache-bytes", type=int, default=C.host_cache_bytes,
+                   help="host-memory tier for prefixes evicted from the device (default 0: off)")
+    s.add_argument("--prefix-replay-tokens", type=int, default=None,
+                   help="cached tokens an encoder replay re-runs (default: the window)")
     s.add_argument("--max-queue", type=int, default=C.max_queue,
                    help="queued sequences before new requests get 503")
     s.add_argument("--no-overlap", action="store_true",
@@ -87,6 +99,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         state_bytes=args.state_bytes, max_total_tokens=args.max_total_tokens,
         max_prefill_tokens=args.max_prefill_tokens,
         max_mixed_prefill_tokens=args.max_mixed_prefill_tokens, max_queue=args.max_queue,
+        prefix_cache=not args.no_prefix_cache, prefix_cache_mode=args.prefix_cache_mode,
+        prefix_cache_bytes=args.prefix_cache_bytes, host_cache_bytes=args.host_cache_bytes,
+        prefix_replay_tokens=args.prefix_replay_tokens,
         overlap=not args.no_overlap, default_thinking=args.thinking_default == "on",
         grammar=not args.no_grammar, seed=args.seed, drain_timeout=args.drain_timeout,
         log_level=args.log_level, compile=args.compile, compile_numerics=args.compile_numerics,

@@ -138,15 +138,17 @@ class Echo:
         return {k: prompt_part[k] + gen[k] for k in prompt_part}
 
 
-def _usage(runs, echoes=None) -> dict[str, int]:
+def _usage(runs, echoes=None) -> dict:
     u = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    cached = 0
     for r, e in zip(runs, echoes or [None] * len(runs)):
         got = r.usage()
+        cached += got.pop("prompt_tokens_details")["cached_tokens"]
         if e is not None and e.drop:  # max_tokens 0: the computed token is not an output
             got = {**got, "completion_tokens": 0, "total_tokens": got["prompt_tokens"]}
         for k, v in got.items():
             u[k] += v
-    return u
+    return {**u, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _collect(runs, n: int, lp, meta: dict, echoes) -> dict[str, Any]:

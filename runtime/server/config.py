@@ -24,6 +24,12 @@ class ServeConfig:
     # prompt tokens in a step that also has decode rows (default: max_prefill_tokens)
     max_mixed_prefill_tokens: int | None = None
     max_queue: int = 4096  # waiting sequences before 503
+    # prefix cache (runtime/prefix_cache.py): on by default
+    prefix_cache: bool = True
+    prefix_cache_mode: str = "replay"  # "replay" (encoder replay when it saves work) or "exact"
+    prefix_cache_bytes: int | None = None  # device tier (default: as many bytes as the pools)
+    host_cache_bytes: int = 0  # host-memory tier (0: off)
+    prefix_replay_tokens: int | None = None  # tokens an encoder replay re-runs (default: window)
     overlap: bool = True  # assemble step N+1 while step N runs
     # thinking mode when a chat request does not say: off, as SGLang serves V4.1 (clients that do
     # not know the field get content, not a budget spent in reasoning); --thinking-default on
@@ -40,6 +46,14 @@ class ServeConfig:
     allow_fallback: bool = False  # run kernels this device lacks as their reference kernels
     allow_edited_artifacts: bool = False  # serve artifacts whose files differ from the manifest
     log_level: str = "info"
+
+    def prefix_cache_config(self):
+        from ..prefix_cache import PrefixCacheConfig
+
+        return PrefixCacheConfig(enabled=self.prefix_cache, mode=self.prefix_cache_mode,
+                                 device_bytes=self.prefix_cache_bytes,
+                                 host_bytes=self.host_cache_bytes,
+                                 replay_tokens=self.prefix_replay_tokens)
 
     def prefill_cap(self, plan) -> int:
         """Prompt tokens per step: the flag, capped so that they and one decode token per

@@ -142,6 +142,7 @@ class Metrics:
             out.append(f'megagraph_cache_slot_bytes{{kind="{k}"}} {v}')
         metric("megagraph_cache_preemptions_total", "counter", "sequences preempted "
                "(recomputed later)", cache.preemptions)
+        prefix_metrics(metric, out, sch.prefix)
         metric("megagraph_scheduler_steps_total", "counter", "engine steps", st.steps)
         metric("megagraph_scheduler_prefill_tokens_total", "counter", "prompt tokens run",
                st.prefill_tokens)
@@ -173,6 +174,46 @@ class Metrics:
             metric(f"megagraph_device_memory_{name}_bytes", "gauge", help_, v)
         out.append(f'megagraph_model_info{{model="{model}",capacity="{svc.capacity}"}} 1')
         return "\n".join(out) + "\n"
+
+
+def prefix_metrics(metric, out: list[str], cache) -> None:
+    """The prefix cache (runtime/prefix_cache.py): lookups and hits by tier, tokens saved and
+    replayed, evictions by tier (and of window tails alone), bytes and nodes held by tier."""
+    metric("megagraph_prefix_cache_enabled", "gauge", "1 when the prefix cache is on",
+           int(cache is not None))
+    if cache is None:
+        return
+    st = cache.stats
+    for name, v, help_ in (
+            ("lookups", st.lookups, "admissions that looked up the prefix cache"),
+            ("lookup_tokens", st.lookup_tokens, "tokens those admissions could have resumed"),
+            ("hit_tokens", st.hit_tokens, "tokens resumed from the cache instead of prefilled"),
+            ("exact_hits", st.exact_hits, "hits that restored the kept sliding windows"),
+            ("replay_hits", st.replay_hits, "hits that rebuilt the windows by encoder replay"),
+            ("replayed_tokens", st.replayed_tokens, "tokens re-run by encoder replay"),
+            ("inserts", st.inserts, "snapshots added to the cache"),
+            ("host_loads", st.host_loads, "nodes copied back from the host tier"),
+            ("flushes", st.flushes, "POST /flush_cache calls")):
+        metric(f"megagraph_prefix_cache_{name}_total", "counter", help_, v)
+    metric("megagraph_prefix_cache_hits_total", "counter", "lookups that resumed, by the "
+           "lowest tier they read (host: part of the prefix came back from host memory)")
+    for tier, v in st.hits.items():
+        out.append(f'megagraph_prefix_cache_hits_total{{tier="{tier}"}} {v}')
+    metric("megagraph_prefix_cache_hit_rate", "gauge", "hit tokens / lookup tokens",
+           f"{st.hit_rate:.6f}")
+    metric("megagraph_prefix_cache_evictions_total", "counter", "evictions: device (a node "
+           "left the device), host (a node left the host tier), window (a window tail alone)")
+    for tier, v in st.evictions.items():
+        out.append(f'megagraph_prefix_cache_evictions_total{{tier="{tier}"}} {v}')
+    metric("megagraph_prefix_cache_bytes", "gauge", "bytes held, by tier")
+    for tier, v in cache.bytes.items():
+        out.append(f'megagraph_prefix_cache_bytes{{tier="{tier}"}} {v}')
+    metric("megagraph_prefix_cache_capacity_bytes", "gauge", "budget, by tier")
+    out.append(f'megagraph_prefix_cache_capacity_bytes{{tier="device"}} {cache.device_budget}')
+    out.append(f'megagraph_prefix_cache_capacity_bytes{{tier="host"}} {cache.host_budget}')
+    metric("megagraph_prefix_cache_nodes", "gauge", "radix tree nodes, by tier")
+    for tier, v in cache.count.items():
+        out.append(f'megagraph_prefix_cache_nodes{{tier="{tier}"}} {v}')
 
 
 def device_memory(device) -> list[tuple[str, int, str]]:

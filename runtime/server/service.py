@@ -138,13 +138,15 @@ class ServingEngine:
         cap = config.prefill_cap(engine.plan)
         if getattr(engine, "sites", None):  # expert parallel: the dispatch buffers' token limit
             cap = min(cap, max(engine.layout.max_tokens - sizing.slots, 1))
+        self.prefix = self._prefix_cache(engine, config, sizing, ctx)
         self.scheduler = Scheduler(
             engine, self.cache,
             SchedulerConfig(max_prefill_tokens=cap, max_queue=config.max_queue,
                             overlap=config.overlap,
                             max_mixed_prefill_tokens=config.max_mixed_prefill_tokens),
             self.grammar, seed=config.seed, on_step=self.metrics.on_step,
-            on_flush=self._flush, lockstep=ctx is not None and ctx.world > 1)
+            on_flush=self._flush, lockstep=ctx is not None and ctx.world > 1,
+            prefix_cache=self.prefix)
         self._ids = itertools.count()
         self.eos_id = cfg.eos_token_id
         extra = range(self.tokenizer.vocab_size, cfg.vocab_size) if self.tokenizer else ()
@@ -173,6 +175,26 @@ class ServingEngine:
 
             engine = RankEngine(plan, config.weights, ecfg, ctx=ctx)
         return cls(engine, config, sizing, ctx)
+
+    @staticmethod
+    def _prefix_cache(engine, config: ServeConfig, sizing, ctx):
+        """(PrefixCache, SlotCache) or None: off with --no-prefix-cache, for the ranks of a
+        data-parallel job (a rank's replay step would stall the others) and with a budget of 0."""
+        pc = config.prefix_cache_config()
+        if not pc.enabled or ctx is not None:
+            engine.report.prefix_cache = ("off (--no-prefix-cache)" if not pc.enabled else
+                                          "off (data-parallel ranks)")
+            return None
+        pools = (sizing.slots + 1) * sizing.bytes_per_slot
+        budget = pools if pc.device_bytes is None else pc.device_bytes
+        if budget <= 0:
+            engine.report.prefix_cache = "off (--prefix-cache-bytes 0)"
+            return None
+        from ..prefix_cache import build_prefix_cache
+
+        out = build_prefix_cache(engine, pc, device_bytes=budget)
+        engine.report.prefix_cache = out[0].note
+        return out
 
     # ------------------------------------------------------------------------------ requests
     def _flush(self) -> None:  # scheduler thread, after each batch of events

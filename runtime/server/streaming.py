@@ -45,6 +45,7 @@ class RequestRun:
         self.last: dict[int, float] = {}
         self.itls: list[float] = []
         self.prompt_tokens = 0
+        self.cached_tokens: dict[int, int] = {}  # per choice: prompt tokens from the cache
         self.completion_tokens: dict[int, int] = {}
         self.error: str | None = None  # set on an engine error (or by a route, on shutdown)
         self.failed = False  # the engine failed this request
@@ -67,6 +68,8 @@ class RequestRun:
                     self.service.metrics.tokens(len(ev.token_ids))
                 self.prompt_tokens = ev.num_prompt_tokens or self.prompt_tokens
                 self.completion_tokens[i] = ev.num_output_tokens
+                if ev.token_ids:
+                    self.cached_tokens[i] = ev.num_cached_tokens
                 if ev.finish_reason == "error" and not self.failed:
                     self._engine_failed(ev.error)
                 elif ev.finish_reason == "abort":
@@ -110,10 +113,14 @@ class RequestRun:
             with m.lock:
                 m.aborted += 1
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict:
+        """OpenAI's usage; `prompt_tokens_details.cached_tokens`: the prompt tokens this
+        request did not prefill (the first choice's: the others resume from its prompt)."""
         c = sum(self.completion_tokens.values())
+        cached = min(self.cached_tokens.values(), default=0)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": c,
-                "total_tokens": self.prompt_tokens + c}
+                "total_tokens": self.prompt_tokens + c,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def raise_if_failed(self) -> None:
         if self.failed:

@@ -99,9 +99,12 @@ def artifacts(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def server_config(artifacts) -> ServeConfig:
+    # exact prefix-cache resumes: the tests compare repeated requests token for token, and
+    # encoder replay (the default mode) is approximate; tests/runtime/server/test_prefix_cache.py
+    # serves it in replay mode too
     return ServeConfig(artifacts=str(artifacts), port=free_port(), api_key=API_KEY,
                        capacity=1024, max_running=8, max_prefill_tokens=128, seed=0,
-                       drain_timeout=20)
+                       drain_timeout=20, prefix_cache_mode="exact")
 
 
 @pytest.fixture(scope="session")
