@@ -275,7 +275,8 @@ def build_plan(g: Graph, hw: HwProfile, *, context: int, extra: dict[str, Graph]
             "use_for": (f"steps of more than {limit} tokens (above the captured step graphs) "
                         if limit else "steps ") + "with a chunk longer than `keep`: the prefix "
                        "on every row, eagerly; the suffix on each request's last `keep` rows",
-            "never_for": "steps with a request that wants prompt logprobs (every row): the step graph",
+            "never_for": "steps with a request that wants prompt logprobs (every row): the "
+                         "step graph",
             "captured": "the suffix after its row selection, per suffix row bucket (kept rows "
                         "padded to the smallest that holds them)" if replay
                         else "nothing (no CUDA graphs on this profile)",

@@ -1,7 +1,8 @@
 """The offline engine: artifacts + weights -> steps -> sampled tokens.
 
 `Engine.step(chunks)` runs one step of the plan (a captured bucket when one fits, else eagerly;
-a prefill step the plan's bounded-replay rule picks through runtime/replay.py) and returns logits; `generate` / `stream` drive it with a FIFO continuous-batching loop
+a prefill step the plan's bounded-replay rule picks through runtime/replay.py) and returns
+logits; `generate` / `stream` drive it with a FIFO continuous-batching loop
 (runtime/generate.py). The full scheduler (prefill caps, preemption, overlap) is a later issue
 and only needs `step`.
 """

@@ -166,7 +166,8 @@ class BoundedReplay:
             self._capture = capture
 
     def _runner(self, suffix, kernels, weights, constants, state, c: SuffixCapture) -> GraphRunner:
-        pools = {v: lab for lab, v in self.prefix.graph.outputs if lab in state and v in self.bridge}
+        pools = {v: lab for lab, v in self.prefix.graph.outputs
+                 if lab in state and v in self.bridge}
         g, extra = rows_graph(suffix, pools, tuple(v for v in self.bridge if v not in pools))
         self.rows_extra = extra
         segs = segments_of(g)

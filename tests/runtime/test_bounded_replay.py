@@ -195,3 +195,26 @@ def test_captured_suffix_equals_eager_suffix(tmp_path):
         rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
         assert rel < 2e-2, rel
     assert captured.replay.counts.captured == len(STEPS) and eager.replay.counts.captured == 0
+
+
+@pytest.mark.gpu
+def test_long_prompt_step_uses_the_captured_suffix(tmp_path):
+    """By the plan's rule alone (mode "plan", h200 default on): a step above the 8192-token limit
+    runs the prefix eagerly and the suffix from its captured bucket; shorter steps do not."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from megagraph.models.config import load_model_config
+    from megagraph.passes import compile_model, load_hw_profile
+    from megagraph.passes.artifacts import write_artifacts
+
+    out = tmp_path / "h200"
+    write_artifacts(compile_model(load_model_config(MODEL), load_hw_profile("h200")), out)
+    eng = make_engine(out, MODEL, device="cuda", act="bf16", capacity=8448, buckets=(4, 16),
+                      allow_fallback=True)
+    assert eng.replay is not None and "suffix captured" in eng.replay_summary()
+    keep = eng.replay.keep
+    logits = eng.step([SeqChunk(0, random_tokens(8200, 9)), SeqChunk(1, random_tokens(40, 10))])
+    assert logits.shape[0] == 2 * keep and eng.replay.counts.captured == 1
+    assert torch.isfinite(logits.float()).all()
+    eng.step([SeqChunk(2, random_tokens(300, 11))])  # below the limit: the exact step path
+    assert eng.replay.counts.captured == 1 and eng.replay.counts.eager == 0
