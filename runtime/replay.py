@@ -127,7 +127,8 @@ def _seg(index: int, kind: str, nodes: list[int], g: Graph) -> SegmentPlan:
 class ReplayCounts:
     """Steps that took bounded replay, by how their suffix ran (start-up report, tests)."""
 
-    captured: int = 0  # suffix padded to a row bucket (replayed from CUDA graphs on CUDA)
+    captured: int = 0  # suffix padded to a row bucket: replayed from its CUDA graph on CUDA,
+    #                    the same padded program uncaptured elsewhere
     eager: int = 0  # kept rows above the largest bucket, or no buckets
 
 
@@ -151,6 +152,8 @@ class BoundedReplay:
                  state: dict[str, torch.Tensor], keep: int, *, step_tokens_above: int = 0,
                  capture: SuffixCapture | None = None):
         self.keep, self.step_tokens_above = keep, step_tokens_above
+        self.device = next(iter(state.values())).device
+        self._kept_meta = reference_impls()["suffix_meta"]  # on host tensors, see _run_rows
         made = {v: lab for lab, v in prefix.outputs}
         self.bridge = {v: made[v] for v in suffix.inputs if v in made}  # suffix input -> label
         self.suffix_meta = tuple(m for m in METADATA if m in suffix.inputs)
@@ -194,7 +197,7 @@ class BoundedReplay:
     def run(self, meta: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """(suffix outputs, kept rows): logits has one row per kept row. `meta`: the step's
         metadata on the host (i64)."""
-        device = next(iter(self.prefix.state.values())).device
+        device = self.device
         pre = self.prefix.run({k: v.to(device) for k, v in meta.items()})
         rows = keep_rows(meta["seq_new"], self.keep)
         bridges = {v: pre[lab] if lab in pre else self.prefix.state[lab]
@@ -218,7 +221,7 @@ class BoundedReplay:
         dev = {**bridges, "keep_rows": rows.to(device)}
         for n, fn in self.selection:
             env = host if n.op == "suffix_meta" else dev
-            fn = reference_impls()["suffix_meta"] if n.op == "suffix_meta" else fn
+            fn = self._kept_meta if n.op == "suffix_meta" else fn
             outs = fn(*(env[i] for i in n.inputs), **n.attr_dict)
             outs = outs if isinstance(outs, tuple) else (outs,)
             env.update(zip(n.outputs, outs))

@@ -218,3 +218,20 @@ def test_long_prompt_step_uses_the_captured_suffix(tmp_path):
     assert torch.isfinite(logits.float()).all()
     eng.step([SeqChunk(2, random_tokens(300, 11))])  # below the limit: the exact step path
     assert eng.replay.counts.captured == 1 and eng.replay.counts.eager == 0
+
+
+def test_generate_and_serve_flags():
+    import argparse
+
+    from megagraph.runtime.cli import add_arguments
+    from megagraph.runtime.server.cli import config_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args(["generate", "a"]).bounded_replay == "plan"
+    assert p.parse_args(["generate", "a", "--bounded-replay", "off"]).bounded_replay == "off"
+    conf = config_from_args(p.parse_args(["serve", "a", "--bounded-replay", "on"]))
+    assert conf.bounded_replay == "on" and conf.engine_config(2).bounded_replay == "on"
+    assert config_from_args(p.parse_args(["serve", "a"])).engine_config(2).bounded_replay == "plan"
+    with pytest.raises(SystemExit):
+        p.parse_args(["generate", "a", "--bounded-replay", "yes"])
