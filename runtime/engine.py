@@ -390,6 +390,8 @@ class Engine:
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
+        if self.replay is not None and self.replay.runner is not None:
+            self.replay.runner.close()
 
 
 __all__ = ["Engine", "EngineConfig", "ArtifactsError"]
