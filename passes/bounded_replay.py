@@ -1,5 +1,8 @@
-"""Bounded-suffix decoder replay: approximate prefill graphs, emitted next to the exact step graph
-(which stays the default), on by a compile flag.
+"""Bounded-suffix decoder replay: approximate prefill graphs, emitted next to the exact step graph.
+
+Emitted when the hardware profile's `bounded_replay_default` says so (the GPU profiles: the
+runtime then uses them for prefill steps above the captured graphs' token limit) or when
+`--bounded-replay` asks; `--no-bounded-replay` leaves them out.
 
 Decoder replay. Layers after the last KV-source layer (V4.1: 21-39) own nothing but their sliding
 windows, so in prefill only each request's last `keep` rows (window + draft backtracking) need them
@@ -47,12 +50,16 @@ class BoundedReplay(Pass):
 
     name: ClassVar[str] = "bounded-replay"
     hw: HwProfile
-    enabled: bool = False  # the --bounded-replay flag
+    enabled: bool = False  # resolved by CompileOptions.replay_enabled (flag, else profile)
     keep: int = 0  # rows kept per request (0 = window of the graph's attention)
+    explicit: bool = True  # whether `enabled` came from the flag (only changes the note)
 
     def run(self, g: Graph) -> PassResult:
         if not self.enabled:
-            return self.skip(g, "off (approximate; enable with --bounded-replay)")
+            if self.explicit:
+                return self.skip(g, "off (approximate; enable with --bounded-replay)")
+            return self.skip(g, f"off (profile {self.hw.name}: bounded_replay_default false; "
+                                "enable with --bounded-replay)")
         try:
             prefix, suffix, boundary, late = split_bounded(g, self._keep(g))
         except IRError as e:

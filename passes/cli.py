@@ -20,8 +20,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hw", required=True, metavar="NAME", help="hardware profile (configs/hw/NAME.yaml)")
     p.add_argument("--out", required=True, metavar="DIR", help="artifact directory to write")
     p.add_argument("--force", action="store_true", help="replace an existing artifact directory")
-    p.add_argument("--bounded-replay", action="store_true", default=DEFAULTS.bounded_replay,
-                   help="also emit the approximate bounded-suffix / encoder-replay graphs")
+    p.add_argument("--bounded-replay", action=argparse.BooleanOptionalAction,
+                   default=DEFAULTS.bounded_replay,
+                   help="emit the approximate bounded-suffix (decoder replay) graphs or not "
+                        "(default: the profile's bounded_replay_default, on for GPU profiles)")
     p.add_argument("--logits", choices=("all", "last"), default=DEFAULTS.logits,
                    help=f"logits for all rows or each request's last (default {DEFAULTS.logits})")
     p.add_argument("-p", "--passes", metavar="A,B,...",

@@ -41,6 +41,8 @@ class HwProfile:
     decode_buckets: tuple[int, ...]  # captured decode batch sizes (rows)
     replay_row_bucket: int = 128  # bounded-suffix graphs: bucket step in rows
     replay_max_rows: int = 2048  # bounded-suffix graphs: largest bucket
+    bounded_replay_default: bool = False  # emit the bounded-replay graphs (and use them for
+    #                                       steps above graph_token_limit) unless compile says no
     source: str = field(default="", compare=False)  # file it was read from
 
     # -- questions passes ask ----------------------------------------------------------------
@@ -146,6 +148,8 @@ def _from_dict(d: dict, src: str) -> HwProfile:
          "prefill_buckets", "must be a list of [first, last, step]")
     need(isinstance(d["graph_token_limit"], int) and d["graph_token_limit"] >= 0, "graph_token_limit",
          "must be a non-negative int")
+    need(isinstance(d.get("bounded_replay_default", False), bool), "bounded_replay_default",
+         "must be true or false")
     return HwProfile(
         name=d["name"], description=d["description"], arch=d["arch"], sm_count=int(d["sm_count"]),
         memory_gib=float(d["memory_gib"]), hbm_tbps=float(d["hbm_tbps"]),
@@ -156,4 +160,5 @@ def _from_dict(d: dict, src: str) -> HwProfile:
         prefill_buckets=tuple(tuple(int(x) for x in r) for r in runs),
         decode_buckets=tuple(int(x) for x in d["decode_buckets"]),
         replay_row_bucket=int(d.get("replay_row_bucket", 128)),
-        replay_max_rows=int(d.get("replay_max_rows", 2048)), source=src)
+        replay_max_rows=int(d.get("replay_max_rows", 2048)),
+        bounded_replay_default=d.get("bounded_replay_default", False), source=src)

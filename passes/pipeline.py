@@ -42,7 +42,8 @@ PIPELINE = (
 class CompileOptions:
     """What `megagraph compile` can be asked for (CLI flags map 1:1)."""
 
-    bounded_replay: bool = False  # emit the approximate bounded-suffix / encoder-replay graphs
+    bounded_replay: bool | None = None  # emit the approximate bounded-suffix graphs; None: the
+    #                                     profile's bounded_replay_default (off with --ep > 1)
     logits: str = "all"  # logits for "all" rows or each request's "last" row
     passes: tuple[str, ...] | None = None  # -p: run exactly these passes, in this order
     keep: int = 0  # bounded replay: rows kept per request (0 = window + draft backtracking)
@@ -64,6 +65,13 @@ class CompileOptions:
     @property
     def parallel(self) -> bool:
         return self.dp > 1 or self.ep > 1
+
+    def replay_enabled(self, hw: HwProfile) -> bool:
+        """Whether the bounded-replay graphs are emitted: the flag, else the profile's default
+        (never by default with --ep > 1, where every rank must run the same graph)."""
+        if self.bounded_replay is not None:
+            return self.bounded_replay
+        return hw.bounded_replay_default and self.ep == 1
 
     def resolved_keep(self, cfg: ModelConfig) -> int:
         """window + the rows a draft may roll back (DSpark: block + 1 verify rows)."""
@@ -108,7 +116,8 @@ def make_pass(name: str, hw: HwProfile, opt: CompileOptions, keep: int = 0) -> P
     if "hw" in fields:
         kwargs["hw"] = hw
     if name == "bounded-replay":
-        kwargs.update(enabled=opt.bounded_replay, keep=keep or opt.keep)
+        kwargs.update(enabled=opt.replay_enabled(hw), keep=keep or opt.keep,
+                      explicit=opt.bounded_replay is not None)
     if name == "quantize-epilogues":
         kwargs.update(reference=opt.numerics == "reference")
     if name == "expert-parallel":

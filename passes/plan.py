@@ -265,15 +265,24 @@ def build_plan(g: Graph, hw: HwProfile, *, context: int, extra: dict[str, Graph]
     if "prefill-suffix" in extra:
         replay = hw.replay_buckets()
         suffix = extra["prefill-suffix"]
+        limit = hw.graph_token_limit if captured else 0
         replay_plan = {
             "keep": suffix.meta_value("keep"), "boundary_layer": suffix.meta_value("boundary_layer"),
             "graphs": {"prefix": "prefill-prefix", "suffix": "prefill-suffix"},
             "suffix_row_buckets": replay,
-            "use_for": "prefill steps; each request's last `keep` rows go through the suffix",
-            "never_for": "requests that want prompt logprobs (they need every row): use the step graph",
+            "default": "on" if hw.bounded_replay_default else "off",
+            "step_tokens_above": limit,
+            "use_for": (f"steps of more than {limit} tokens (above the captured step graphs) "
+                        if limit else "steps ") + "with a chunk longer than `keep`: the prefix "
+                       "on every row, eagerly; the suffix on each request's last `keep` rows",
+            "never_for": "steps with a request that wants prompt logprobs (every row): the "
+                         "step graph",
+            "captured": "the suffix after its row selection, per suffix row bucket (kept rows "
+                        "padded to the smallest that holds them)" if replay
+                        else "nothing (no CUDA graphs on this profile)",
             "above_largest_bucket": "the suffix runs eagerly",
-            "exact_path": "the step graph (default); replay is approximate, see "
-                          "benchmarks/results/bounded-replay-tiny.md"}
+            "exact_path": "the step graph; replay is approximate, see "
+                          "benchmarks/results/cpu/bounded-replay.md"}
         sprof = live_profile(extra["prefill-suffix"], context=context)
         buckets["suffix_rows"] = replay
         graph_mem["suffix"] = {b: peak_at(sprof, b) for b in replay}

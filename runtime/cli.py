@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from .engine import EngineConfig
+from .engine import REPLAY_MODES, EngineConfig
 from .sampling import SamplingParams
 
 E, S = EngineConfig, SamplingParams
@@ -54,9 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--buckets", metavar="B,B,...", help="capture these step sizes instead of the plan's")
     g.add_argument("--kernels", choices=("plan", "capturable"), default=E.kernels,
                    help="'capturable': capturable kernels wherever the plan chose reference")
-    g.add_argument("--bounded-replay", action="store_true",
-                   help="approximate prefill: late layers on each prompt's last rows only "
-                        "(artifacts compiled with --bounded-replay)")
+    g.add_argument("--bounded-replay", choices=REPLAY_MODES, default=E.bounded_replay,
+                   help="approximate prefill for large steps: late layers on each prompt's last "
+                        "rows only; plan: as the plan's bounded_replay.default says (on for GPU "
+                        "plans, above the graph token limit); docs/bounded-replay.md")
     g.add_argument("--allow-fallback", action="store_true",
                    help="run artifacts for another device, with reference kernels where needed")
     g.add_argument("--max-slots", type=int, default=E.max_slots, help="concurrent sequences")
@@ -99,7 +100,7 @@ def main(args: argparse.Namespace) -> int:
             kernels=args.kernels, allow_fallback=args.allow_fallback, progress=not args.quiet,
             bounded_replay=args.bounded_replay, tokenizer=args.tokenizer)
         if not args.quiet:
-            for line in eng.report.lines():
+            for line in [*eng.report.lines(), eng.replay_summary()]:
                 print(f"[megagraph] {line}", file=sys.stderr)
         outputs: dict = {}
         for ev in eng.stream(prompts, params):

@@ -9,6 +9,11 @@ for the largest bucket; a bucket's graphs read and write leading slices of them,
 never change. State updates go straight into the state pools when no later segment still reads
 the old state. On CPU (or for segments whose kernels are not capturable) the same callables run
 uncaptured: the padding and buffer logic is identical, only `torch.cuda.graph` is skipped.
+
+A graph may read runtime inputs besides the step metadata (`extra_inputs`: the bounded-replay
+suffix's kept bridge rows, runtime/replay.py); each gets a static buffer too, filled per replay
+(leading rows from the caller, pad rows zeroed so they stay finite and deterministic). Metadata
+the graph does not read gets no buffer.
 """
 
 from __future__ import annotations
@@ -54,11 +59,17 @@ class GraphRunner:
     def __init__(self, step: StepProgram, buckets: tuple[int, ...], *, capturable: set[int],
                  eager_reasons: dict[int, str], device: torch.device, capture: bool = True,
                  wrap: Callable[[int, Callable], Callable] | None = None,
-                 bucket_reqs: dict[int, int] | None = None):
+                 bucket_reqs: dict[int, int] | None = None, extra_inputs: tuple[str, ...] = ()):
         """`capturable`: segment indices to capture (CUDA only, unless `capture` is off);
         `wrap(seg, program)`: torch.compile; `bucket_reqs`: request rows per bucket (default b,
-        never more than b, nondecreasing in b)."""
+        never more than b, nondecreasing in b); `extra_inputs`: graph inputs other than metadata,
+        state and constants, given to each `replay`."""
         self.step, self.device = step, device
+        self.meta_inputs = tuple(m for m in METADATA if m in step.graph.inputs)
+        self.extra_inputs = tuple(extra_inputs)
+        unknown = [v for v in self.extra_inputs if v not in step.graph.inputs]
+        if unknown:
+            raise ValueError(f"graph {step.graph.name}: extra input(s) {unknown} are not inputs")
         self.buckets = tuple(sorted(buckets))
         self.bucket_reqs = {b: min(b, (bucket_reqs or {}).get(b, b)) for b in self.buckets}
         if any(self.bucket_reqs[a] > self.bucket_reqs[b] for a, b in zip(self.buckets, self.buckets[1:])):
@@ -88,14 +99,19 @@ class GraphRunner:
                 return b
         raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
 
-    def replay(self, batch: StepBatch) -> dict[str, torch.Tensor]:
-        """Run a batch already padded to a bucket; returns views of the output buffers."""
+    def replay(self, batch: StepBatch,
+               extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Run a batch already padded to a bucket; returns views of the output buffers. `extra`:
+        a value for each of `extra_inputs` (its real leading rows; omitted: the buffers as they
+        are, for warm-up)."""
         b = batch.padded_tokens
         if b not in self.buckets or batch.padded_reqs != self.bucket_reqs[b]:
             raise ValueError(f"batch padded to (T={b}, R={batch.padded_reqs}) is not a bucket")
         env = self._env(b)
-        for name in METADATA:
+        for name in self.meta_inputs:
             env[name].copy_(batch.meta[name], non_blocking=True)
+        if extra is not None:
+            self._fill_extra(env, extra)
         for k in range(len(self.fns)):
             g = self.graphs.get((b, k))
             if g is not None:
@@ -104,6 +120,19 @@ class GraphRunner:
                 self._run_segment(k, env)
         self._commit(env)
         return {lab: env[v] for lab, v in self.step.graph.outputs if lab in self.step.result_labels}
+
+    def _fill_extra(self, env: dict[str, torch.Tensor], extra: dict[str, torch.Tensor]) -> None:
+        missing = [v for v in self.extra_inputs if v not in extra]
+        if missing:
+            raise ValueError(f"graph {self.step.graph.name}: no value for extra input(s) {missing}")
+        for v in self.extra_inputs:
+            dst, src = env[v], extra[v]
+            if src.shape[1:] != dst.shape[1:] or src.shape[0] > dst.shape[0]:
+                raise ValueError(f"extra input {v}: shape {tuple(src.shape)} does not fit the "
+                                 f"bucket's buffer {tuple(dst.shape)}")
+            n = src.shape[0]
+            dst[:n].copy_(src, non_blocking=True)
+            dst[n:].zero_()
 
     def close(self) -> None:
         """Drop graphs and buffers (before any distributed teardown, or the process can hang)."""
@@ -159,7 +188,8 @@ class GraphRunner:
         dims["N"] = _capacity(g, st)
         self.aliased = self._aliasable()
         tensors: dict[str, torch.Tensor] = {}
-        values = list(METADATA) + [v for io in self.step.ios for v in io.outputs]
+        values = [*self.meta_inputs, *self.extra_inputs,
+                  *(v for io in self.step.ios for v in io.outputs)]
         for v in dict.fromkeys(values):
             if v in self.aliased:
                 tensors[v] = st[self.aliased[v]]
@@ -209,6 +239,8 @@ class GraphRunner:
 def _capacity(g, state) -> int:
     """N, read back from a pool whose type has an N dim."""
     for name, pool in state.items():
+        if name not in g.types:  # a pool this graph does not read (the suffix's rows graph)
+            continue
         for d, n in zip(g.types[name].shape, pool.shape):
             if isinstance(d, str) and d.startswith("N"):
                 return n * int(d.split("/")[1]) if "/" in d else n

@@ -1,7 +1,8 @@
 """The offline engine: artifacts + weights -> steps -> sampled tokens.
 
-`Engine.step(chunks)` runs one step of the plan (a captured bucket when one fits, else eagerly)
-and returns logits; `generate` / `stream` drive it with a FIFO continuous-batching loop
+`Engine.step(chunks)` runs one step of the plan (a captured bucket when one fits, else eagerly;
+a prefill step the plan's bounded-replay rule picks through runtime/replay.py) and returns
+logits; `generate` / `stream` drive it with a FIFO continuous-batching loop
 (runtime/generate.py). The full scheduler (prefill caps, preemption, overlap) is a later issue
 and only needs `step`.
 """
@@ -43,13 +44,19 @@ class EngineConfig:
     buckets: tuple[int, ...] | None = None  # override the plan's buckets (CPU: none unless given)
     allow_fallback: bool = False  # run kernels this device lacks as reference kernels
     kernels: str = "plan"  # "capturable": capturable kernels where the plan says reference
-    bounded_replay: bool = False  # approximate prefill through the plan's prefix/suffix graphs
+    bounded_replay: str = "plan"  # approximate prefill through the plan's prefix/suffix graphs
+    #                               for the steps its rule picks: "plan" (its default), "on", "off"
+    suffix_buckets: tuple[int, ...] | None = None  # override the plan's suffix row buckets
+    #                                               (CPU: none unless given)
     seed: int = 0  # random weights (no checkpoint) and unseeded sampling
     random_weights: str = "seeded"  # without a checkpoint: "seeded" (tests' values) or "fast"
     memory_budget: int | None = None  # bytes the fit check may use (default: free memory)
     progress: bool = True  # progress bar while loading a checkpoint
     tokenizer: str | None = None  # tokenizer.json (or its dir) for text and the Engram token map;
     #                              default: the checkpoint's (runtime/token_map.py)
+
+
+REPLAY_MODES = ("plan", "on", "off")
 
 
 def untraced_nodes(g, tile_loops: bool = True) -> set[str]:
@@ -105,6 +112,9 @@ class Engine:
         else:  # the plan's buckets are for captured graphs; on CPU nothing is gained by padding
             buckets = plan.buckets if self.device.type == "cuda" and c.cuda_graphs else ()
         pools = int(plan.memory.get("graph_pools_bytes", {}).get("decode", 0)) if buckets else 0
+        replay_on = self._replay_on()
+        if replay_on and self.device.type == "cuda" and c.cuda_graphs:
+            pools += int(plan.memory.get("graph_pools_bytes", {}).get("suffix", 0))
         need = memory_need(specs, host, state_bytes=state_bytes_per_slot(g, c.capacity) * (c.max_slots + 1),
                            graph_pools=pools)
         check_fit(self.cfg, need, available_bytes(self.device, c.memory_budget), str(self.device))
@@ -127,11 +137,16 @@ class Engine:
             self.constants = self._constants()
             self.program = StepProgram(g, plan.segments, self.kernels, self.weights,
                                        self.constants, self.state)
-        self.replay = self._bounded_replay(host) if c.bounded_replay else None
+        self.replay = self._bounded_replay(host) if replay_on else None
         self.last_rows = torch.zeros(0, dtype=torch.int64)  # set by step()
         self.runner = None
         if buckets:
             self._start_runner(buckets)
+        self.suffix_report = None  # CaptureReport of the suffix row buckets, if any
+        if self.replay is not None and self.replay.runner is not None:
+            with self.report.timed("suffix capture"):
+                self.suffix_report = self.replay.capture()
+            self.report.graph_memory_bytes += self.suffix_report.graph_memory_bytes
         self.report.remember()
         from .generate import Generator
 
@@ -181,14 +196,34 @@ class Engine:
         m = build_token_map(self.token_map_source, self.cfg, self._token_map_given)
         return {"engram_token_map": m.to(self.device)}
 
+    def _replay_on(self) -> bool:
+        """EngineConfig.bounded_replay resolved against the plan: "plan" follows its
+        `bounded_replay.default` (off when the plan has no such graphs), "on" needs the graphs."""
+        mode = self.config.bounded_replay
+        if mode not in REPLAY_MODES:
+            raise ValueError(f"bounded_replay must be one of {', '.join(REPLAY_MODES)}; got "
+                             f"{mode!r}")
+        if mode == "plan":
+            return self.plan.replay.get("default") == "on"
+        return mode == "on"
+
     def _bounded_replay(self, host: set[str]):
-        from .replay import BoundedReplay
+        from .replay import BoundedReplay, SuffixCapture
 
         names = self.plan.replay.get("graphs", {})
         graphs = [self.plan.extra_graphs.get(names.get(k, "")) for k in ("prefix", "suffix")]
         if None in graphs:
             raise ArtifactsError(f"{self.plan.source or 'artifacts'}: no bounded-replay graphs; "
                                  "compile with `megagraph compile ... --bounded-replay`")
+        c = self.config
+        if c.suffix_buckets is not None:
+            suffix_buckets = tuple(sorted(c.suffix_buckets))
+        elif self.device.type == "cuda" and c.cuda_graphs:
+            suffix_buckets = tuple(self.plan.replay.get("suffix_row_buckets") or ())
+        else:  # as for the step graphs: padding gains nothing without capture
+            suffix_buckets = ()
+        capture = SuffixCapture(suffix_buckets, self.device, c.cuda_graphs, self.slots.scratch_slot,
+                                c.capacity, lambda b: bucket_reqs(b, c.max_slots, c.capacity))
         kernels = []
         for g in graphs:
             ks = resolve_kernels(self.plan, [g], self.device, allow_fallback=self.config.allow_fallback,
@@ -196,7 +231,27 @@ class Engine:
             ks.run_on_host(g, host)
             kernels.append(ks)
         return BoundedReplay(*graphs, tuple(kernels), self.weights, self.constants, self.state,
-                             int(self.plan.replay["keep"]))
+                             int(self.plan.replay["keep"]),
+                             step_tokens_above=int(self.plan.replay.get("step_tokens_above", 0)),
+                             capture=capture)
+
+    def replay_summary(self) -> str:
+        """One start-up line: whether bounded replay is on, when it is used, what is captured."""
+        r, c = self.replay, self.config
+        if r is None:
+            has = "graphs in the plan" if self.plan.replay else "no graphs in the plan"
+            return f"bounded replay: off ({c.bounded_replay}; {has})"
+        when = (f"steps of more than {r.step_tokens_above} tokens" if r.step_tokens_above
+                else "steps") + f" with a chunk longer than {r.keep} rows"
+        rep = self.suffix_report
+        if rep is None:
+            how = "suffix eager (no row buckets)"
+        elif rep.captured_segments:
+            how = (f"suffix captured for {len(rep.buckets)} row buckets {rep.buckets[0]}.."
+                   f"{rep.buckets[-1]} (segments {rep.captured_segments})")
+        else:
+            how = f"suffix padded to row buckets {rep.buckets[0]}..{rep.buckets[-1]}, uncaptured"
+        return f"bounded replay: on ({c.bounded_replay}), {when}; {how}"
 
     def _start_runner(self, buckets: tuple[int, ...]) -> None:
         c, g = self.config, self.plan.graph
@@ -273,10 +328,22 @@ class Engine:
             self._tokenizer = Tokenizer(p, self.cfg) if p else None
         return self._tokenizer
 
-    def step(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+    @property
+    def replay_possible(self) -> bool:
+        """Whether some step may take bounded replay (its logits then hold kept rows only)."""
+        return self.replay is not None
+
+    def takes_replay(self, chunks: Sequence[SeqChunk], exact: bool = False) -> bool:
+        """Whether `step(chunks, exact=exact)` takes bounded replay (the plan's rule)."""
+        if self.replay is None or exact or not chunks:
+            return False
+        return self.replay.applies(torch.tensor([len(ch.tokens) for ch in chunks]))
+
+    def step(self, chunks: Sequence[SeqChunk], *, exact: bool = False) -> torch.Tensor:
         """Run one step over `chunks` (slot, new tokens); returns the logits of the real rows (one
         per token, one per request for a plan with logits=last, or one per kept row on the
-        bounded-replay path), on the device. `self.last_rows` then holds each request's last row."""
+        bounded-replay path), on the device. `self.last_rows` then holds each request's last row.
+        `exact`: never bounded replay (a request wants a logit row per prompt token)."""
         for ch in chunks:
             if not 0 <= ch.slot < self.slots.scratch_slot:
                 raise ValueError(f"slot {ch.slot} is not a request slot (0..{self.slots.scratch_slot - 1})")
@@ -286,8 +353,8 @@ class Engine:
         batch = make_batch(chunks, self.cached)
         per_token = self.plan.graph.types[self.plan.graph.output_value("logits")].shape[0] == "T"
         self.last_rows = batch.last_token_rows if per_token else torch.arange(batch.num_reqs)
-        if self.replay is not None and max(len(ch.tokens) for ch in chunks) > self.replay.keep:
-            out, rows = self.replay.run({k: v.to(self.device) for k, v in batch.meta.items()})
+        if self.takes_replay(chunks, exact):
+            out, rows = self.replay.run(batch.meta)
             self.last_rows = torch.cumsum(batch.meta["seq_new"].clamp(max=self.replay.keep), 0) - 1
             self._advance(chunks)
             return out["logits"][: len(rows)].clone()
@@ -323,6 +390,8 @@ class Engine:
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
+        if self.replay is not None and self.replay.runner is not None:
+            self.replay.runner.close()
 
 
 __all__ = ["Engine", "EngineConfig", "ArtifactsError"]

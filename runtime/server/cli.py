@@ -76,6 +76,8 @@ def add_serve_arguments(sub) -> None:
     s.add_argument("--compile-numerics", choices=("eager", "fast"), default=C.compile_numerics,
                    help="Inductor rounding: eager (the default) or fast; docs/compile.md")
     s.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly on CUDA")
+    s.add_argument("--bounded-replay", choices=("plan", "on", "off"), default=C.bounded_replay,
+                   help="approximate prefill of large steps (docs/bounded-replay.md; as generate)")
     s.add_argument("--allow-fallback", action="store_true",
                    help="serve artifacts compiled for another device: kernels this one lacks run "
                         "as their reference kernels (the start-up report lists them)")
@@ -106,7 +108,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         grammar=not args.no_grammar, seed=args.seed, drain_timeout=args.drain_timeout,
         log_level=args.log_level, compile=args.compile, compile_numerics=args.compile_numerics,
         cuda_graphs=not args.no_cuda_graphs, allow_fallback=args.allow_fallback,
-        allow_edited_artifacts=args.allow_edited_artifacts)
+        allow_edited_artifacts=args.allow_edited_artifacts, bounded_replay=args.bounded_replay)
 
 
 def serve_main(args: argparse.Namespace) -> int:

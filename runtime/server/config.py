@@ -43,6 +43,7 @@ class ServeConfig:
     compile: str = "none"  # torch.compile backend around the captured segments
     compile_numerics: str = "eager"  # Inductor rounding: eager or fast (docs/compile.md)
     cuda_graphs: bool = True  # capture the plan's buckets on CUDA
+    bounded_replay: str = "plan"  # plan, on or off: approximate prefill of large steps
     allow_fallback: bool = False  # run kernels this device lacks as their reference kernels
     allow_edited_artifacts: bool = False  # serve artifacts whose files differ from the manifest
     log_level: str = "info"
@@ -72,7 +73,7 @@ class ServeConfig:
                             random_weights=self.random_weights, progress=False,
                             compile=self.compile, compile_numerics=self.compile_numerics,
                             cuda_graphs=self.cuda_graphs, allow_fallback=self.allow_fallback,
-                            tokenizer=self.tokenizer)
+                            tokenizer=self.tokenizer, bounded_replay=self.bounded_replay)
 
 
 def _plan_token_limit(plan) -> int:

@@ -1,4 +1,5 @@
-"""bounded-replay: off by default (step unchanged), exact when every row is kept / when the
+"""bounded-replay: emitted by default where the hardware profile says so (GPU profiles; the
+step is unchanged either way), the flag overriding; exact when every row is kept / when the
 replayed tokens start at position 0, approximate otherwise (error measured in
 benchmarks/probes/bounded_replay.py), and skipped with a reason where it cannot apply."""
 
@@ -19,10 +20,73 @@ def test_keep_rows_selects_each_requests_tail():
     assert keep_rows([5, 2, 3], 2).tolist() == [3, 4, 5, 6, 8, 9]
 
 
-def test_off_by_default_returns_the_step_unchanged():
+def test_off_returns_the_step_unchanged():
     _, g, _, _ = tiny("v4.1-flash-tiny", "bf16")
     r = BoundedReplay(load_hw_profile("gb300")).run(g)
     assert r.graph is g and r.skipped and "--bounded-replay" in r.note and not r.extra_graphs
+
+
+@pytest.mark.parametrize("hw, flag, emitted, default", [
+    ("cpu", None, False, None), ("cpu", True, True, "off"),
+    ("h200", None, True, "on"), ("gb300", None, True, "on"), ("b200", None, True, "on"),
+    ("h200", False, False, None)])
+def test_plan_default_per_profile(hw, flag, emitted, default):
+    """GPU profiles emit the graphs and mark them on by default (used above the graph token
+    limit); cpu does not; --bounded-replay / --no-bounded-replay override the emission only."""
+    from megagraph.models.config import load_model_config
+    from megagraph.passes import CompileOptions, compile_model
+    from megagraph.passes.plan import build_plan
+
+    cfg = load_model_config("v4.1-flash-tiny").replace(act_dtype="f32")
+    prof = load_hw_profile(hw)
+    assert prof.bounded_replay_default == (hw != "cpu")
+    c = compile_model(cfg, prof, CompileOptions(bounded_replay=flag))
+    assert ("prefill-suffix" in c.extra_graphs) == emitted
+    rec = next(r for r in c.records if r.name == "bounded-replay")
+    assert (rec.status == "skipped") != emitted
+    if flag is None and not emitted:
+        assert "profile cpu: bounded_replay_default false" in rec.note
+    plan = build_plan(c.graph, c.hw, context=c.options.context, extra=c.extra_graphs, cfg=c.cfg)
+    section = plan.get("bounded_replay")
+    assert (section or {}).get("default") == default
+    if section:
+        assert section["step_tokens_above"] == (0 if hw == "cpu" else prof.graph_token_limit)
+        assert section["suffix_row_buckets"] == prof.replay_buckets()
+
+
+def test_no_default_replay_with_expert_parallel():
+    from megagraph.passes import CompileOptions
+
+    h200 = load_hw_profile("h200")
+    assert CompileOptions().replay_enabled(h200)
+    assert not CompileOptions(dp=2, ep=2).replay_enabled(h200)  # every rank runs one graph
+    assert not CompileOptions(bounded_replay=False).replay_enabled(h200)
+    assert CompileOptions(bounded_replay=True).replay_enabled(load_hw_profile("cpu"))
+
+
+def test_compile_flag_overrides_the_profile():
+    import argparse
+
+    from megagraph.passes.cli import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--model", "m", "--hw", "h200", "--out", "o"]
+    assert p.parse_args(base).bounded_replay is None
+    assert p.parse_args(base + ["--bounded-replay"]).bounded_replay is True
+    assert p.parse_args(base + ["--no-bounded-replay"]).bounded_replay is False
+
+
+def test_profile_field_must_be_a_bool(tmp_path):
+    from megagraph.models.config import ConfigError
+    from megagraph.passes.hw import HW_DIR
+
+    text = (HW_DIR / "h200.yaml").read_text().replace("bounded_replay_default: true",
+                                                       "bounded_replay_default: sometimes")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    with pytest.raises(ConfigError, match="bounded_replay_default.*true or false"):
+        load_hw_profile(bad)
 
 
 @pytest.mark.parametrize("hw", ("cpu", "gb300"))
