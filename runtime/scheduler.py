@@ -82,14 +82,13 @@ def check_runnable(s: Sequence, vocab_size: int, capacity: int) -> None:
 
 
 def check_prompt_logprobs(engine) -> None:
-    """Prompt logprobs need a logit row per token (a plan compiled with logits for every row,
-    and no bounded-replay path, which keeps only the last rows of a long chunk)."""
+    """Prompt logprobs need a logit row per token: a plan compiled with logits for every row
+    (steps with such a request skip bounded replay, which keeps only the last rows of a long
+    chunk: StepWorker passes `exact`)."""
     g = engine.plan.graph
     if g.types[g.output_value("logits")].shape[0] != "T":
         raise InvalidRequest("prompt logprobs (echo with logprobs) need a plan that computes "
                              "logits for every token; this plan computes the last row only")
-    if getattr(engine, "replay", None) is not None:
-        raise InvalidRequest("prompt logprobs are not available with bounded decoder replay")
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,8 @@ class StepWorker:
                                          "token")
             ids = [self._last[s.seq_id] if t is None else t for t in toks]
             chunks.append(SeqChunk(slot, tuple(ids)))
-        logits = self.engine.step(chunks)
+        exact = any(s.prompt_logprobs is not None for s in job.seqs)  # every row's logits
+        logits = self.engine.step(chunks, exact=exact) if exact else self.engine.step(chunks)
         after = [op() for op in job.after]
         rows = self._sample_rows(chunks, job.samples)
         picked = logits[rows].float() if rows else logits[:0].float()
@@ -194,13 +195,10 @@ class StepWorker:
         return out
 
     def _sample_rows(self, chunks: list[SeqChunk], samples: list[int]) -> list[int]:
-        g = self.engine.plan.graph
-        per_token = g.types[g.output_value("logits")].shape[0] == "T"
-        ends, end = [], 0
-        for c in chunks:
-            end += len(c.tokens)
-            ends.append(end - 1)
-        return [ends[i] if per_token else i for i in samples]
+        """Each sampling chunk's row of the step's logits: the engine's `last_rows` (its last
+        token's row; one row per request for logits=last, per kept row on bounded replay)."""
+        last = self.engine.last_rows.tolist()
+        return [int(last[i]) for i in samples]
 
     def _sample(self, x: torch.Tensor, seqs: list[Sequence], job: StepJob):
         if not seqs:

@@ -182,7 +182,7 @@ class RankEngine(Engine):
                 return f"rank {self.ctx.rank}: slot {c.slot} would exceed capacity {self.config.capacity}"
         return ""
 
-    def step(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+    def step(self, chunks: Sequence[SeqChunk], *, exact: bool = False) -> torch.Tensor:
         """One global step: this rank's `chunks` (may be empty). Every rank must call `step` (or
         be in `finish`) for every global step. Returns this rank's logits (no rows if none)."""
         tokens = sum(len(c.tokens) for c in chunks)
@@ -194,7 +194,7 @@ class RankEngine(Engine):
             self._run_idle()
             return self._no_logits()
         self._last_out = None
-        logits = super().step(chunks)
+        logits = super().step(chunks, exact=exact)
         self.stats.ran += 1
         if self.load is not None and self._last_out is not None:
             self._record(tokens)

@@ -185,7 +185,8 @@ def setup_logging(level: str) -> None:
 def startup_lines(service) -> list[str]:
     s = service
     sc = s.scheduler.config
-    return [*s.engine.report.lines(),
+    replay = getattr(s.engine, "replay_summary", None)
+    return [*s.engine.report.lines(), *([replay()] if replay else []),
             f"state cache: {s.sizing.describe()}; token ledger {s.cache.max_total_tokens}",
             f"scheduler: prefill cap {sc.max_prefill_tokens} tokens/step, "
             + ("" if sc.max_mixed_prefill_tokens is None

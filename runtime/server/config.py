@@ -56,12 +56,13 @@ class ServeConfig:
                                  host_bytes=self.host_cache_bytes,
                                  replay_tokens=self.prefix_replay_tokens)
 
-    def prefill_cap(self, plan) -> int:
+    def prefill_cap(self, plan, replay: bool = False) -> int:
         """Prompt tokens per step: the flag, capped so that they and one decode token per
-        running sequence fit the plan's per-GPU graph token limit."""
+        running sequence fit the plan's per-GPU graph token limit, unless the engine has the
+        bounded-replay path (`replay`), which is what steps above the limit take."""
         from_plan = _plan_token_limit(plan)
         want = self.max_prefill_tokens or 256
-        if from_plan:
+        if from_plan and not (replay and self.max_prefill_tokens):
             want = min(want, max(from_plan - self.max_running, 1))
         return max(1, want)
 

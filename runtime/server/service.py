@@ -135,7 +135,7 @@ class ServingEngine:
         self._buses: dict = {}
         self.cache = CacheManager(engine, sizing, config.max_total_tokens)
         self.metrics = Metrics(self)
-        cap = config.prefill_cap(engine.plan)
+        cap = config.prefill_cap(engine.plan, replay=getattr(engine, "replay_possible", False))
         if getattr(engine, "sites", None):  # expert parallel: the dispatch buffers' token limit
             cap = min(cap, max(engine.layout.max_tokens - sizing.slots, 1))
         self.prefix = self._prefix_cache(engine, config, sizing, ctx)
