@@ -22,9 +22,9 @@ Mode "exact" never replays: it resumes at the deepest node end with a window tai
 Eviction: under `device_bytes`, least recently used first, a node's window tail before its rows
 (a branch stays matchable, by replay, after its tail is gone), never a node a running request
 holds (`refs`: locks counted along the path to the root), never a node with children on the
-device. With `host_bytes`, evicted nodes move to host memory (pinned on CUDA) and stay in the
-tree; a hit on them copies them back on a side stream at admission, so the transfer overlaps
-the step in flight, and the restore waits for it.
+device. With `host_bytes`, evicted nodes move whole (window tails too) to host memory (pinned on
+CUDA) and stay in the tree; a hit on them copies them back on a side stream at admission, so
+the transfer overlaps the step in flight, and the restore waits for it.
 
 Single-threaded: the scheduler thread owns the tree.
 """
@@ -304,7 +304,9 @@ class PrefixCache:
     def _evict(self) -> None:
         """Bring the device tier under its budget (then the host tier under its own)."""
         while self.bytes["device"] > self.device_budget:
-            item = self._victim("device")
+            # with a host tier, whole nodes (window tails too) move there first
+            item = (self.host_budget and self._victim("device", windows=False)) or \
+                self._victim("device")
             if item is None:
                 break
             node, part = item
@@ -324,12 +326,14 @@ class PrefixCache:
                 break
             self._drop(item[0])
 
-    def _victim(self, tier: str) -> tuple[Node, str] | None:
+    def _victim(self, tier: str, windows: bool = True) -> tuple[Node, str] | None:
+        """The least recently used (node, "window" | "node") that may go; at equal age a
+        window tail before its node's rows."""
         best, best_key = None, None
         for n in self.nodes():
             if n.tier != tier or n.refs:
                 continue
-            if tier == "device" and n.window is not None:
+            if windows and tier == "device" and n.window is not None:
                 key = (n.used, 0)
                 if best_key is None or key < best_key:
                     best, best_key = (n, "window"), key

@@ -235,17 +235,27 @@ def test_rows_partition_across_splits_and_resume_choice():
 def test_eviction_order_locks_and_host_round_trip():
     s = [fake_snapshot(LAYOUT, 0, 20, i) for i in range(3)]
     size = s[0].nbytes()
-    c = tree(device_bytes=2 * size, host_bytes=4 * size)
-    keep = {i: {k: v.clone() for k, v in s[i].rows.items()} for i in range(3)}
     paths = [[i] * 30 for i in range(3)]
+    # no host tier: the oldest branch loses its window tail first, then its rows
+    window = sum(t.numel() * t.element_size() for t in s[0].window.values())
+    c = tree(device_bytes=3 * size - window)
     for i in range(3):
         c.insert(paths[i], s[i])
-    # the oldest branch left the device (window tail first, then its rows to the host)
-    assert c.stats.evictions["window"] >= 1 and c.bytes["device"] <= 2 * size
-    assert c.count["host"] == 1 and c.bytes["host"] > 0
-    r, _ = c.lookup(paths[0], 25)  # comes back from the host tier, bit for bit
-    assert r.tier == "host" and c.stats.host_loads == 1 and r.kind == "replay"
+    assert c.stats.evictions == {"device": 0, "host": 0, "window": 1}
+    r, _ = c.lookup(paths[0], 25)  # still matchable: by replay
+    assert r.kind == "replay" and r.end == 20
+    c.unlock(r.anchor)
+    # a host tier: whole nodes move there, and come back bit for bit
+    c = tree(device_bytes=2 * size, host_bytes=4 * size)
+    keep = {i: {k: v.clone() for k, v in s[i].rows.items()} for i in range(3)}
+    for i in range(3):
+        c.insert(paths[i], s[i])
+    assert c.stats.evictions == {"device": 1, "host": 0, "window": 0}
+    assert c.count["host"] == 1 and c.bytes["device"] <= 2 * size
+    r, _ = c.lookup(paths[0], 25)
+    assert r.tier == "host" and c.stats.host_loads == 1 and r.kind == "exact"
     assert torch.equal(r.parts[0][2]["L2.ckv"], keep[0]["L2.ckv"])
+    assert torch.equal(r.window["L0.ring"], s[0].window["L0.ring"])
     # held: no amount of pressure evicts it
     c.device_budget = 0
     c._evict()
@@ -254,6 +264,9 @@ def test_eviction_order_locks_and_host_round_trip():
     c._evict()
     c.check()
     assert c.bytes["device"] == 0
+    c.host_budget = 0
+    c._evict()
+    assert c.bytes == {"device": 0, "host": 0} and c.count == {"device": 0, "host": 0}
 
 
 # -- state: restore and replay against a cold prefill --------------------------------------------
