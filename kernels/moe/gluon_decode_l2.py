@@ -92,7 +92,13 @@ import torch
 
 from megagraph.kernels.moe.gluon_common import IMPORT_OK as _IMPORT_OK
 from megagraph.kernels.moe.gluon_common import available  # noqa: F401  (the tests and the probe call it here)
-from megagraph.kernels.moe.gluon_common import load_and_stages, tile_list, token_tile
+from megagraph.kernels.moe.gluon_common import (
+    OUT_DTYPES,
+    check_l2_pairs,
+    load_and_stages,
+    tile_list,
+    token_tile,
+)
 from megagraph.kernels.moe import gluon_decode as _l1
 
 BW, BT, BK, NS, NUM_WARPS = 64, 16, 128, 4, 4
@@ -519,9 +525,6 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         _store_y(acc, c_ptr, cidx_ptr, w_ptr, row0, nrows, n0, N, stride_cm, TOPK, KS, BW, BT)
 
 
-OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _check(h, w2, counts, c_idx, row_w, out, topk: int, ks: int) -> int:
     """The launcher's argument checks (ValueError); returns P, the sorted rows."""
     if not (w2.wfmt == 0 and w2.bk == 32 and w2.bn == 1):
@@ -536,21 +539,8 @@ def _check(h, w2, counts, c_idx, row_w, out, topk: int, ks: int) -> int:
     if w2.w.stride(1) % 16 or w2.w.data_ptr() % 16 or w2.s.stride(1) % 4 or \
             w2.s.data_ptr() % 4:
         raise ValueError("weight rows must be 16-byte, exponent rows 4-byte aligned")
-    if counts.dtype != torch.int32 or counts.numel() > w2.groups:
-        raise ValueError("counts: int32, at most one per expert of the bank")
-    P = c_idx.numel()
-    if c_idx.dtype != torch.int32 or c_idx.dim() != 1 or h.shape[0] < P:
-        raise ValueError("c_idx: int32 [P], P <= the rows of h")
-    if row_w.dim() != 1 or row_w.stride(0) != 1 or row_w.numel() < P or \
-            not row_w.is_floating_point():
-        raise ValueError("row_w: a contiguous float vector of >= P pair weights")
-    if topk < 1 or ks < topk:
-        raise ValueError(f"topk {topk}, ks {ks}: need 1 <= topk <= ks")
-    if out.dtype not in OUT_DTYPES or out.dim() != 2 or out.shape[1] != N or out.stride(1) != 1:
-        raise ValueError(f"out: fp32 / bf16 / fp16 [rows, {N}] with contiguous rows")
-    if P and out.shape[0] <= ((P - 1) // topk) * ks + (P - 1) % topk:
-        raise ValueError(f"out has {out.shape[0]} rows: too few for {P} pairs at ks {ks}")
-    return P
+    return check_l2_pairs(h, counts, c_idx, row_w, out, groups=w2.groups, N=N, topk=topk,
+                          ks=ks, names=("c_idx", "row_w", "out"))
 
 
 def l2_gluon_decode(h, w2, counts, c_idx, row_w, out, *, topk: int, ks: int, max_tiles: int,
