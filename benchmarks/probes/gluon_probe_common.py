@@ -308,6 +308,36 @@ def write_report(out, stem: str, res: dict, lines: list) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def probe_report(out, stem: str, head: list, res: dict, body) -> None:
+    """A probe's report (write_report; nothing without out): the `head` lines and a blank line,
+    then `skipped: <why>` where the probe did not run, else body(res)'s lines."""
+    if not out:
+        return
+    lines = [*head, ""]
+    lines += [f"skipped: {res['skipped']}"] if "skipped" in res else body(res)
+    write_report(out, stem, res, lines)
+
+
+def decode_label(spec: str, bt: int) -> str:
+    """A decode probe item's name in the report: its --load item and token tile."""
+    return f"{spec}, bt {bt}"
+
+
+def decode_body(res: dict, errors: list) -> list:
+    """The decode probes' report body: the experts touched, the bandwidth table, the probe's
+    own error lines (`errors`) and a line per child check, named by its load and token tile."""
+    lines = [(f"experts touched: {res.get('experts_touched')}, max rows per expert "
+              f"{res.get('max_rows_per_expert')}, weight bytes {res.get('weight_bytes')}"), ""]
+    lines += table(res["rows"], "| launch | ms | GB/s | % of 4.24 TB/s | TFLOP/s |",
+                   lambda r: [f"{r['ms']:.3f}", f"{r['gbs']:.0f}", f"{r['pct_bw']:.1f}",
+                              f"{r['tflops']:.0f}"])
+    lines += ["", *errors]
+    for c in res.get("gluon_checks", []):
+        lines += check_lines(f"gluon {decode_label(c.get('load', 'cp.async'), c.get('bt', 16))}",
+                             [c])
+    return lines
+
+
 def table(rows: list, head: str, cells) -> list:
     """A markdown table of the probe's rows: header `head` ("| a | b |"), one line a row, an
     errored row as its error in the second column (cells(row): the other rows' cells)."""
