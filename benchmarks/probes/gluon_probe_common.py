@@ -308,6 +308,32 @@ def write_report(out, stem: str, res: dict, lines: list) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def cuda_probe_args(ap: argparse.ArgumentParser, argv, name: str, smoke_help: str, stem: str):
+    """A CUDA probe's command line (the attention and indexer probes): its own options in ap,
+    then --smoke and --out (for <stem>.json / .md); argv parsed. None where there is no CUDA
+    device (said on stdout: such a probe times nothing on the CPU)."""
+    ap.add_argument("--smoke", action="store_true", help=smoke_help)
+    ap.add_argument("--out", default=None, help=f"directory for {stem}.json / .md")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{name}: needs CUDA; nothing timed")
+        return None
+    return args
+
+
+def write_rows(out, stem: str, argv, rows: list, md: str) -> None:
+    """A CUDA probe's rows as out/<stem>.json (with the command line: argv, or sys.argv's when
+    None) and its markdown `md` as out/<stem>.md; nothing without out."""
+    if not out:
+        return
+    os.makedirs(out, exist_ok=True)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with open(os.path.join(out, stem + ".json"), "w") as f:
+        f.write(json.dumps(dict(argv=argv, rows=rows), indent=1))
+    with open(os.path.join(out, stem + ".md"), "w") as f:
+        f.write(md)
+
+
 def probe_report(out, stem: str, head: list, res: dict, body) -> None:
     """A probe's report (write_report; nothing without out): the `head` lines and a blank line,
     then `skipped: <why>` where the probe did not run, else body(res)'s lines."""
