@@ -39,27 +39,12 @@ import re
 
 import pytest
 import torch
-from gluon_cases import (
-    gluon_build,
-    gluon_gpu,
-    bt_rows,
-    check_bt_build,
-    check_chunks,
-    check_load_and_stages,
-    check_same_chunk_math,
-    check_weight_desc,
-    TYPES,
-    case,
-    check_repeats_and_graph,
-    debug_cases,
-    diagnose,
-    reference,
-    rel,
-    rows_case,
-)
+from gluon_cases import bt_rows, case, check_bt_build, check_chunks, check_load_and_stages
+from gluon_cases import check_repeats_and_graph, check_same_chunk_math, check_weight_desc
+from gluon_cases import debug_cases, diagnose, gluon_build, gluon_gpu, proxy_fence_problems
+from gluon_cases import reference, rel, rows_case, TYPES
 from megagraph.kernels.moe import gluon_decode as md
 from sm90_build import SYNC_COUNTS, build_stats, loop_instructions
-from gluon_cases import proxy_fence_problems
 from test_triton_moe import ACT, FP16_H, check_routed, routed_case
 
 gpu = gluon_gpu(md)

@@ -43,26 +43,10 @@ import dataclasses
 
 import pytest
 import torch
-from gluon_cases import (
-    gluon_build,
-    gluon_gpu,
-    bt_rows,
-    check_bt_build,
-    check_chunks,
-    check_load_and_stages,
-    check_same_chunk_math,
-    check_weight_desc,
-    proxy_fence_problems,
-    E2M1,
-    check_l2_out,
-    check_repeats_and_graph,
-    dbg_l2_case,
-    diagnose,
-    explicit_rows,
-    l2_case,
-    l2_reference,
-    rel,
-)
+from gluon_cases import bt_rows, check_bt_build, check_chunks, check_l2_out, check_load_and_stages
+from gluon_cases import check_repeats_and_graph, check_same_chunk_math, check_weight_desc
+from gluon_cases import dbg_l2_case, diagnose, E2M1, explicit_rows, gluon_build, gluon_gpu, l2_case
+from gluon_cases import l2_reference, proxy_fence_problems, rel
 from megagraph.kernels.gemm.config import Tile
 from megagraph.kernels.moe import gluon_decode_l2 as ml2
 from megagraph.kernels.moe.config import MoeConfig

@@ -34,19 +34,8 @@ import re
 import gluon_cases
 import pytest
 import torch
-from gluon_cases import (
-    gluon_build,
-    L2_PREFILL_CASES,
-    l2_debug_pieces,
-    gluon_gpu,
-    proxy_fence_problems,
-    E2M1,
-    check_l2_out,
-    dbg_l2_case,
-    diagnose,
-    l2_reference,
-    rel,
-)
+from gluon_cases import check_l2_out, dbg_l2_case, diagnose, E2M1, gluon_build, gluon_gpu
+from gluon_cases import l2_debug_pieces, L2_PREFILL_CASES, l2_reference, proxy_fence_problems, rel
 from megagraph.kernels.moe import gluon_l2 as mgl
 from sm90_build import count, gluon_sm90, loop_instructions, usage_and_sass
 from test_moe_gluon_decode_l2 import _parse, _run, check_table_lanes, fp16_ref

@@ -34,22 +34,9 @@ import time
 
 import pytest
 import torch
-from gluon_cases import (
-    L2_PREFILL_CASES,
-    l2_debug_pieces,
-    gluon_gpu,
-    gluon_build,
-    l2_arg_case,
-    check_l2_out,
-    check_repeats_and_graph,
-    dbg_bank,
-    dbg_l2_case,
-    diagnose,
-    explicit_rows,
-    l2_case,
-    l2_reference,
-    rel,
-)
+from gluon_cases import check_l2_out, check_repeats_and_graph, dbg_bank, dbg_l2_case, diagnose
+from gluon_cases import explicit_rows, gluon_build, gluon_gpu, l2_arg_case, l2_case, l2_debug_pieces
+from gluon_cases import L2_PREFILL_CASES, l2_reference, rel
 from megagraph.kernels.moe import gluon_l2 as mgl
 from megagraph.kernels.moe import gluon_l2_ws as mlw
 from sm90_build import count, gluon_sm90, usage_and_sass
