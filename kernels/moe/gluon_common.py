@@ -62,6 +62,7 @@ __all__ = [
     "halves",
     "issue_chunk",
     "issue_side",
+    "program_tile",
     "mbarrier",
     "refill_a",
     "tile_entry",
@@ -216,6 +217,13 @@ if IMPORT_OK:
         nrows = ttgl.minimum(ttgl.minimum(rend, row0 + BM), P) - row0
         skip = (j >= total) | (g32 < 0) | (g32 >= G) | (row0 < 0) | (nrows <= 0)
         return skip, g32.to(ttgl.int64), row0, nrows, pid % num_n
+
+    @gluon.jit
+    def program_tile(work_ptr, N, MT, G, P, BN: ttgl.constexpr, BM: ttgl.constexpr):
+        """tile_entry for a kernel of one tile per program: program_id(0)'s row tile of BM rows
+        and its block of BN of the N output columns, (skip, group as int64, row0, nrows,
+        pid_n); the caller returns on skip before it forms any index or pointer from them."""
+        return tile_entry(work_ptr, ttgl.program_id(0), N // BN, MT, G, P, BM)
 
     @gluon.jit
     def swiglu(gt, up, limit, HAS_LIMIT: ttgl.constexpr):

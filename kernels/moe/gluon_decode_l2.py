@@ -175,7 +175,7 @@ REL_MIN = -5
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     from megagraph.kernels.moe.gluon_common import async_copy, fence_async_shared, fp16x2_regs, gluon, halves
-    from megagraph.kernels.moe.gluon_common import mbarrier, tile_entry, ttgl
+    from megagraph.kernels.moe.gluon_common import mbarrier, program_tile, ttgl
     from megagraph.kernels.moe.gluon_common import warpgroup_mma, warpgroup_mma_wait
     from megagraph.kernels.moe.gluon_common import wgmma_a, wgmma_acc, wgmma_cols, wgmma_rows
     from megagraph.kernels.moe.gluon_decode import W_TMA_LAYOUT, _tma_rows  # noqa: F401  (W_TMA_LAYOUT: the tests)
@@ -356,6 +356,18 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                    mask=tmask[None, :] & (rn < N)[:, None])
 
     @gluon.jit
+    def _check_sizes(NW: ttgl.constexpr, BW: ttgl.constexpr, BT: ttgl.constexpr,
+                     BK: ttgl.constexpr):
+        """The sizes this module's layouts are built for, asserted at compile time by both
+        loads' kernels: one warpgroup, 64 weight rows, one of BTS token tiles, 128-column
+        chunks."""
+        ttgl.static_assert(NW == 4, "one warpgroup")
+        ttgl.static_assert(BW == 64, "64 weight rows")
+        ttgl.static_assert((BT == 16) | (BT == 32) | (BT == 64) | (BT == 128),
+                           "16-, 32-, 64- or 128-token tiles")
+        ttgl.static_assert(BK == 128, "128-column chunks")
+
+    @gluon.jit
     def l2_decode_kernel(h_ptr, b_ptr, bs_ptr, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, N, K, G, P,
                          stride_hm, stride_bg, stride_bn, stride_bsg, stride_bsn, stride_cm,
                          TOPK: ttgl.constexpr, KS: ttgl.constexpr, USE_ASM: ttgl.constexpr,
@@ -367,15 +379,10 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         N % BW == 0, K % BK == 0 (the launcher checks); out-of-range list entries exit before
         any pointer is formed."""
         ttgl.static_assert(NS == 4, "the loop is unrolled for 4 stages")
-        ttgl.static_assert(NW == 4, "one warpgroup")
-        ttgl.static_assert(BW == 64, "64 weight rows")
-        ttgl.static_assert((BT == 16) | (BT == 32) | (BT == 64) | (BT == 128),
-                           "16-, 32-, 64- or 128-token tiles")
-        ttgl.static_assert(BK == 128, "128-column chunks")
+        _check_sizes(NW, BW, BT, BK)
 
         # ---- the tile ------------------------------------------------------------------
-        skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BW, MT, G,
-                                                 P, BT)
+        skip, g, row0, nrows, pid_n = program_tile(work_ptr, N, MT, G, P, BW, BT)
         if skip:
             return
         n0 = pid_n * BW
@@ -470,14 +477,9 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         by NS through static_range, every stage its own allocation: constant stage indices, as
         l2_decode_kernel)."""
         ttgl.static_assert(NS >= 3, "a ring of at least 3 stages")
-        ttgl.static_assert(NW == 4, "one warpgroup")
-        ttgl.static_assert(BW == 64, "64 weight rows")
-        ttgl.static_assert((BT == 16) | (BT == 32) | (BT == 64) | (BT == 128),
-                           "16-, 32-, 64- or 128-token tiles")
-        ttgl.static_assert(BK == 128, "128-column chunks")
+        _check_sizes(NW, BW, BT, BK)
 
-        skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BW, MT, G,
-                                                 P, BT)
+        skip, g, row0, nrows, pid_n = program_tile(work_ptr, N, MT, G, P, BW, BT)
         if skip:
             return
         n0 = pid_n * BW

@@ -124,8 +124,8 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         fp16x2_regs,
         gluon,
         halves,
+        program_tile,
         refill_a,
-        tile_entry,
         ttgl,
     )
     from megagraph.kernels.moe.gluon_common import warpgroup_mma, warpgroup_mma_wait
@@ -233,8 +233,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         s_sl: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [0])
 
         # ---- the tile ------------------------------------------------------------------
-        skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BN, MT, G,
-                                                 P, BM)
+        skip, g, row0, nrows, pid_n = program_tile(work_ptr, N, MT, G, P, BN, BM)
         if skip:
             return
         n0 = pid_n * BN
