@@ -95,8 +95,8 @@ from megagraph.kernels.moe.gluon_common import (
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     from megagraph.kernels.moe.gluon_common import TensorDescriptor, async_copy, fence_async_shared, gluon
-    from megagraph.kernels.moe.gluon_common import issue_chunk, issue_side, mbarrier, program_tile, swiglu
-    from megagraph.kernels.moe.gluon_common import tma, ttgl
+    from megagraph.kernels.moe.gluon_common import issue_chunk, issue_side, mbarrier, program_tile
+    from megagraph.kernels.moe.gluon_common import swiglu, tma, ttgl
     from megagraph.kernels.moe.gluon_common import e2m1_e4m3_bits as _e2m1_e4m3_bits
     from megagraph.kernels.moe.gluon_common import warpgroup_mma, warpgroup_mma_wait
     from megagraph.kernels.moe.gluon_common import wgmma_a, wgmma_acc, wgmma_cols, wgmma_rows

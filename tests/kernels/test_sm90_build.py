@@ -8,7 +8,7 @@ from sm90_build import branch_loops, partition_loops
 
 def _sass(lines: list[str]) -> str:
     """cuobjdump-style SASS: one instruction every 16 bytes from address 0."""
-    return "\n".join(f"        /*{16 * i:04x}*/                   {t} ;" for i, t in enumerate(lines))
+    return "\n".join(f"        /*{16 * i:04x}*/        {t} ;" for i, t in enumerate(lines))
 
 
 def _program() -> tuple[str, list[str]]:
