@@ -104,9 +104,9 @@ def markdown(rows: list[dict], ceil: dict, env: dict) -> str:
         notes = [str(r["notes"])] if r.get("notes") else []
         if r.get("ref_ms") is not None:
             notes.append(f"reference {_us(r['ref_ms'])}")
-        lines.append(f"| {g} | {r.get('kernel')} | {r.get('case')} | {_us(ms)} | {ptf} | {pgb} | "
-                     f"{btxt} | {_us(r.get('compile_ms'))} | {sp} | {etxt} | "
-                     f"{'; '.join(notes)} |")
+        cells = [g, r.get("kernel"), r.get("case"), _us(ms), ptf, pgb, btxt,
+                 _us(r.get("compile_ms")), sp, etxt, "; ".join(notes)]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 

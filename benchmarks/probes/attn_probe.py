@@ -25,7 +25,7 @@ for _p in (HERE, HERE.parent):  # probes/ and benchmarks/
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from gluon_probe_common import time_ms  # noqa: E402  (after the sys.path entry)
+from gluon_probe_common import cuda_probe_args, time_ms, write_rows  # noqa: E402  (sys.path)
 from kernel_rows.attention import ROPE, _count_attn, _deq, attn_case  # noqa: E402
 
 PEAK_BF16 = 989e12
@@ -40,12 +40,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="16,32,4,2,1", help="launches, see parse_configs")
     ap.add_argument("--ratios", default="1,2")
-    ap.add_argument("--smoke", action="store_true", help="a small context")
     ap.add_argument("--decode", action="store_true", help="also 64 decode requests at 32K")
-    ap.add_argument("--out", default=None, help="directory for attn-probe.json / .md")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("attn_probe: needs CUDA; nothing timed")
+    args = cuda_probe_args(ap, argv, "attn_probe", "a small context", "attn-probe")
+    if args is None:
         return 0
     from megagraph.kernels.attention import triton as A
 
@@ -78,16 +75,12 @@ def main(argv=None) -> int:
             rows.append(row)
         a = ref = None
         torch.cuda.empty_cache()
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "attn-probe.json").write_text(json.dumps(dict(argv=sys.argv[1:], rows=rows), indent=1))
-        md = ["| ratio | T | launch | ms | TFLOP/s | % bf16 peak | max err vs default |",
-              "|---|---|---|---:|---:|---:|---:|"]
-        md += [f"| {r['ratio']} | {r['T']} | {r['launch']} | " + (
-            f"{r['ms']:.3f} | {r['tflops']:.0f} | {r['pct']:.1f} | {r['err']:.1e} |" if "ms" in r
-            else f"{r['error']} | | | |") for r in rows]
-        (out / "attn-probe.md").write_text("\n".join(md) + "\n")
+    md = ["| ratio | T | launch | ms | TFLOP/s | % bf16 peak | max err vs default |",
+          "|---|---|---|---:|---:|---:|---:|"]
+    md += [f"| {r['ratio']} | {r['T']} | {r['launch']} | " + (
+        f"{r['ms']:.3f} | {r['tflops']:.0f} | {r['pct']:.1f} | {r['err']:.1e} |" if "ms" in r
+        else f"{r['error']} | | | |") for r in rows]
+    write_rows(args.out, "attn-probe", argv, rows, "\n".join(md) + "\n")
     return 0
 
 

@@ -308,6 +308,62 @@ def write_report(out, stem: str, res: dict, lines: list) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def cuda_probe_args(ap: argparse.ArgumentParser, argv, name: str, smoke_help: str, stem: str):
+    """A CUDA probe's command line (the attention and indexer probes): its own options in ap,
+    then --smoke and --out (for <stem>.json / .md); argv parsed. None where there is no CUDA
+    device (said on stdout: such a probe times nothing on the CPU)."""
+    ap.add_argument("--smoke", action="store_true", help=smoke_help)
+    ap.add_argument("--out", default=None, help=f"directory for {stem}.json / .md")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{name}: needs CUDA; nothing timed")
+        return None
+    return args
+
+
+def write_rows(out, stem: str, argv, rows: list, md: str) -> None:
+    """A CUDA probe's rows as out/<stem>.json (with the command line: argv, or sys.argv's when
+    None) and its markdown `md` as out/<stem>.md; nothing without out."""
+    if not out:
+        return
+    os.makedirs(out, exist_ok=True)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with open(os.path.join(out, stem + ".json"), "w") as f:
+        f.write(json.dumps(dict(argv=argv, rows=rows), indent=1))
+    with open(os.path.join(out, stem + ".md"), "w") as f:
+        f.write(md)
+
+
+def probe_report(out, stem: str, head: list, res: dict, body) -> None:
+    """A probe's report (write_report; nothing without out): the `head` lines and a blank line,
+    then `skipped: <why>` where the probe did not run, else body(res)'s lines."""
+    if not out:
+        return
+    lines = [*head, ""]
+    lines += [f"skipped: {res['skipped']}"] if "skipped" in res else body(res)
+    write_report(out, stem, res, lines)
+
+
+def decode_label(spec: str, bt: int) -> str:
+    """A decode probe item's name in the report: its --load item and token tile."""
+    return f"{spec}, bt {bt}"
+
+
+def decode_body(res: dict, errors: list) -> list:
+    """The decode probes' report body: the experts touched, the bandwidth table, the probe's
+    own error lines (`errors`) and a line per child check, named by its load and token tile."""
+    lines = [(f"experts touched: {res.get('experts_touched')}, max rows per expert "
+              f"{res.get('max_rows_per_expert')}, weight bytes {res.get('weight_bytes')}"), ""]
+    lines += table(res["rows"], "| launch | ms | GB/s | % of 4.24 TB/s | TFLOP/s |",
+                   lambda r: [f"{r['ms']:.3f}", f"{r['gbs']:.0f}", f"{r['pct_bw']:.1f}",
+                              f"{r['tflops']:.0f}"])
+    lines += ["", *errors]
+    for c in res.get("gluon_checks", []):
+        lines += check_lines(f"gluon {decode_label(c.get('load', 'cp.async'), c.get('bt', 16))}",
+                             [c])
+    return lines
+
+
 def table(rows: list, head: str, cells) -> list:
     """A markdown table of the probe's rows: header `head` ("| a | b |"), one line a row, an
     errored row as its error in the second column (cells(row): the other rows' cells)."""

@@ -27,7 +27,7 @@ for _p in (HERE, HERE.parent):  # probes/ and benchmarks/
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from gluon_probe_common import time_ms  # noqa: E402  (after the sys.path entry)
+from gluon_probe_common import cuda_probe_args, time_ms, write_rows  # noqa: E402  (sys.path)
 
 HI, DI = 32, 128  # V4.1-Flash's index heads x head dim
 PEAK_BF16, HBM = 989e12, 4.8e12  # profile h200 (dense bf16 FLOP/s, bytes/s)
@@ -141,11 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="", help="explicit stream launches, see parse_configs")
     ap.add_argument("--cases", default="", help="substrings of case names to keep (',')")
     ap.add_argument("--ikey", choices=["f32", "bf16"], default="f32", help="index-key cache dtype")
-    ap.add_argument("--smoke", action="store_true", help="small shapes")
-    ap.add_argument("--out", default=None, help="directory for index-probe.json / .md")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("index_probe: needs CUDA; nothing timed")
+    args = cuda_probe_args(ap, argv, "index_probe", "small shapes", "index-probe")
+    if args is None:
         return 0
     cases = SMOKE if args.smoke else CASES
     if args.cases:
@@ -155,12 +152,8 @@ def main(argv=None) -> int:
     rows = []
     for c in cases:
         rows += case_rows(*c, parse_configs(args.configs), dt)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        argv_s = sys.argv[1:] if argv is None else argv
-        (out / "index-probe.json").write_text(json.dumps(dict(argv=argv_s, rows=rows), indent=1))
-        (out / "index-probe.md").write_text(markdown(rows, argv_s))
+    argv_s = sys.argv[1:] if argv is None else argv
+    write_rows(args.out, "index-probe", argv_s, rows, markdown(rows, argv_s))
     return 0
 
 

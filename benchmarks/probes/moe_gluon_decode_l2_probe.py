@@ -53,10 +53,11 @@ for _p in (HERE, HERE.parent):  # probes/ and benchmarks/
 # the shared inputs, timing, child checks and report (after the sys.path entry: E402)
 from gluon_probe_common import V41_FLASH as REAL  # noqa: E402
 from gluon_probe_common import Y_DTYPES as YDT  # noqa: E402
-from gluon_probe_common import build_l2, check_lines, finish, probe_parser  # noqa: E402
+from gluon_probe_common import build_l2, finish, probe_parser  # noqa: E402
+from gluon_probe_common import decode_body, decode_label  # noqa: E402
 from gluon_probe_common import check_cases_in_child, reference_l2_slots, rel  # noqa: E402
 from gluon_probe_common import parse_load, run_checks, skipped, slot_errors  # noqa: E402
-from gluon_probe_common import bandwidth_rates, table, timed_row, write_report  # noqa: E402
+from gluon_probe_common import bandwidth_rates, probe_report, timed_row  # noqa: E402
 from gluon_probe_common import flop_rates  # noqa: E402
 from gluon_probe_common import checks_passed, time_decode_variants  # noqa: E402
 
@@ -188,17 +189,12 @@ def main() -> None:
     finish(res, t_start, write)
 
 
-def _label(spec: str, bt: int) -> str:
-    """An item's name in the report: its --load item and token tile."""
-    return f"{spec}, bt {bt}"
-
-
 def _compare(res, outs: dict, y_tr, idx, ref, k: int) -> None:
     """The timed items' outputs: slot_errors vs the fp32 math of the first experts' rows, the
     error vs the Triton L2, and the same bits as the first load at the same bt."""
     first = {}
     for (spec, bt), y_gl in outs.items():
-        label = _label(spec, bt)
+        label = decode_label(spec, bt)
         first.setdefault(bt, y_gl)
         res.setdefault("gluon", {})[label] = slot_errors(y_gl, idx, ref, k)
         res.setdefault("rel_err_gluon_vs_triton", {})[label] = rel(y_gl[:, :k], y_tr[:, :k])
@@ -243,7 +239,7 @@ def time_load(res, write, timed, spec, bt, inputs, mtg, tiles, T, dims, ks, ydt)
     d, k = dims["d"], dims["k"]
     load, stages = parse_load(spec)
     checks = check_in_child(T, dims, ks, ydt, spec, bt)
-    name = f"gluon decode l2 [{_label(spec, bt)}]"
+    name = f"gluon decode l2 [{decode_label(spec, bt)}]"
     if not checks_passed(res, write, name, checks):
         return None
     y_gl = torch.full((T, ks, d), float("nan"), dtype=YDT[ydt], device="cuda")
@@ -255,31 +251,24 @@ def time_load(res, write, timed, spec, bt, inputs, mtg, tiles, T, dims, ks, ydt)
     return time_decode_variants(timed, name, launch, tiles, ml2, bt, load, stages, y_gl)
 
 
+def _errors(res) -> list:
+    """The report's error lines: Triton's and the prefill Gluon L2's vs the fp32 math, each
+    Gluon decode item's."""
+    lines = [f"triton vs fp32 math (first 8 experts): {res.get('triton')}",
+             f"gluon prefill l2 vs fp32 math (first 8 experts): "
+             f"{res.get('prefill_gluon', 'n/a')}"]
+    for label in res.get("same_bits_as_first_load", {}):
+        v = res["rel_err_gluon_vs_triton"][label]
+        lines.append(f"gluon {label}: rel err vs triton {v:.2e}, vs fp32 math (first 8 "
+                     f"experts) {res['gluon'][label]}, same bits as the first load at this "
+                     f"bt {res['same_bits_as_first_load'][label]}")
+    return lines
+
+
 def _write(out, res) -> None:
-    if not out:
-        return
-    lines = [(f"# Gluon decode L2 probe, {res['tokens']} tokens, dims {res['dims']}, ks "
-              f"{res['ks']}, y {res['y_dtype']}"), ""]
-    if "skipped" in res:
-        lines.append(f"skipped: {res['skipped']}")
-    else:
-        lines += [(f"experts touched: {res.get('experts_touched')}, max rows per expert "
-                   f"{res.get('max_rows_per_expert')}, weight bytes {res.get('weight_bytes')}"), ""]
-        lines += table(res["rows"], "| launch | ms | GB/s | % of 4.24 TB/s | TFLOP/s |",
-                       lambda r: [f"{r['ms']:.3f}", f"{r['gbs']:.0f}", f"{r['pct_bw']:.1f}",
-                                  f"{r['tflops']:.0f}"])
-        lines += ["", f"triton vs fp32 math (first 8 experts): {res.get('triton')}",
-                  f"gluon prefill l2 vs fp32 math (first 8 experts): "
-                  f"{res.get('prefill_gluon', 'n/a')}"]
-        for label in res.get("same_bits_as_first_load", {}):
-            v = res["rel_err_gluon_vs_triton"][label]
-            lines.append(f"gluon {label}: rel err vs triton {v:.2e}, vs fp32 math (first 8 "
-                         f"experts) {res['gluon'][label]}, same bits as the first load at this "
-                         f"bt {res['same_bits_as_first_load'][label]}")
-        for c in res.get("gluon_checks", []):
-            lines += check_lines(f"gluon {_label(c.get('load', 'cp.async'), c.get('bt', 16))}",
-                                 [c])
-    write_report(out, "moe_gluon_decode_l2_probe", res, lines)
+    probe_report(out, "moe_gluon_decode_l2_probe",
+                 [(f"# Gluon decode L2 probe, {res['tokens']} tokens, dims {res['dims']}, ks "
+                   f"{res['ks']}, y {res['y_dtype']}")], res, lambda r: decode_body(r, _errors(r)))
 
 
 if __name__ == "__main__":

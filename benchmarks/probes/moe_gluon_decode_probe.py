@@ -49,13 +49,14 @@ for _p in (HERE, HERE.parent):  # probes/ and benchmarks/
         sys.path.insert(0, str(_p))
 
 # the shared inputs, timing, child checks and report (after the sys.path entry: E402)
-from gluon_probe_common import build, check_lines, finish, reference_rows, rel  # noqa: E402
-from gluon_probe_common import check_cases_in_child, run_checks, table  # noqa: E402
+from gluon_probe_common import build, finish, reference_rows, rel  # noqa: E402
+from gluon_probe_common import decode_body, decode_label  # noqa: E402
+from gluon_probe_common import check_cases_in_child, probe_report, run_checks  # noqa: E402
 from gluon_probe_common import time_triton_l1, timed_row  # noqa: E402
 from gluon_probe_common import checks_passed, time_decode_variants  # noqa: E402
 from gluon_probe_common import V41_FLASH as REAL  # noqa: E402
 from gluon_probe_common import parse_load, probe_parser, skipped  # noqa: E402
-from gluon_probe_common import bandwidth_rates, flop_rates, write_report  # noqa: E402
+from gluon_probe_common import bandwidth_rates, flop_rates  # noqa: E402
 
 PEAK_GBS = 4240.0
 PEAK_TFLOPS = 1430.0  # moe_gluon_probe's (the prefill L1 probe's) FP8 peak, for one scale
@@ -175,17 +176,12 @@ def _rates(res, counts, P: int, d: int, F: int):
     return lambda ms: dict(bw(ms), **fl(ms))
 
 
-def _label(spec: str, bt: int) -> str:
-    """An item's name in the report: its --load item and token tile."""
-    return f"{spec}, bt {bt}"
-
-
 def _compare(res, outs: dict, h_tr, ref, n: int) -> None:
     """The timed items' outputs: every row written, the error vs the Triton L1 and vs the fp32
     math of the first experts' rows, and the same bits as the first load at the same bt."""
     first = {}
     for (spec, bt), h_gl in outs.items():
-        label = _label(spec, bt)
+        label = decode_label(spec, bt)
         first.setdefault(bt, h_gl)
         res.setdefault("all_written", {})[label] = bool(torch.isfinite(h_gl).all())
         res.setdefault("rel_err_gluon_vs_triton", {})[label] = rel(h_gl, h_tr)
@@ -227,7 +223,7 @@ def time_load(res, write, timed, spec, bt, limit, inputs, P, F, k, mtg, tiles, T
     xq, xs, w1, w3, counts, srt = inputs
     load, stages = parse_load(spec)
     checks = check_in_child(T, dims, limit, spec, bt)
-    name = f"gluon decode l1 [{_label(spec, bt)}]"
+    name = f"gluon decode l1 [{decode_label(spec, bt)}]"
     if not checks_passed(res, write, name, checks):
         return None
     h_gl = torch.full((P, F), float("nan"), dtype=torch.float16, device="cuda")
@@ -239,36 +235,28 @@ def time_load(res, write, timed, spec, bt, limit, inputs, P, F, k, mtg, tiles, T
     return time_decode_variants(timed, name, launch, tiles, md, bt, load, stages, h_gl)
 
 
+def _errors(res) -> list:
+    """The report's error lines: Triton's and cuBLAS's vs the fp32 math, each Gluon item's."""
+    def f(key, label=None):
+        v = res.get(key)
+        v = v.get(label) if isinstance(v, dict) else v
+        return f"{v:.2e}" if isinstance(v, float) else "n/a"
+
+    lines = [f"triton vs fp32 math (first 8 experts): {f('rel_err_triton_vs_fp32')}",
+             f"cublas vs fp32 math (first 8 experts): {f('rel_err_cublas_vs_fp32')}"]
+    for label in res.get("same_bits_as_first_load", {}):
+        lines.append(f"gluon {label}: rel err vs triton "
+                     f"{f('rel_err_gluon_vs_triton', label)}, vs fp32 math "
+                     f"{f('rel_err_gluon_vs_fp32', label)}, every row written "
+                     f"{res['all_written'].get(label)}, same bits as the first load at "
+                     f"this bt {res['same_bits_as_first_load'][label]}")
+    return lines
+
+
 def _write(out, res) -> None:
-    if not out:
-        return
-    lines = [f"# Gluon decode L1 probe, {res['tokens']} tokens, dims {res['dims']}", ""]
-    if "skipped" in res:
-        lines.append(f"skipped: {res['skipped']}")
-    else:
-        lines += [(f"experts touched: {res.get('experts_touched')}, max rows per expert "
-                   f"{res.get('max_rows_per_expert')}, weight bytes {res.get('weight_bytes')}"), ""]
-        lines += table(res["rows"], "| launch | ms | GB/s | % of 4.24 TB/s | TFLOP/s |",
-                       lambda r: [f"{r['ms']:.3f}", f"{r['gbs']:.0f}", f"{r['pct_bw']:.1f}",
-                                  f"{r['tflops']:.0f}"])
-
-        def f(key, label=None):
-            v = res.get(key)
-            v = v.get(label) if isinstance(v, dict) else v
-            return f"{v:.2e}" if isinstance(v, float) else "n/a"
-
-        lines += ["", f"triton vs fp32 math (first 8 experts): {f('rel_err_triton_vs_fp32')}",
-                  f"cublas vs fp32 math (first 8 experts): {f('rel_err_cublas_vs_fp32')}"]
-        for label in res.get("same_bits_as_first_load", {}):
-            lines.append(f"gluon {label}: rel err vs triton "
-                         f"{f('rel_err_gluon_vs_triton', label)}, vs fp32 math "
-                         f"{f('rel_err_gluon_vs_fp32', label)}, every row written "
-                         f"{res['all_written'].get(label)}, same bits as the first load at "
-                         f"this bt {res['same_bits_as_first_load'][label]}")
-        for c in res.get("gluon_checks", []):
-            lines += check_lines(f"gluon {_label(c.get('load', 'cp.async'), c.get('bt', 16))}",
-                                 [c])
-    write_report(out, "moe_gluon_decode_probe", res, lines)
+    probe_report(out, "moe_gluon_decode_probe",
+                 [f"# Gluon decode L1 probe, {res['tokens']} tokens, dims {res['dims']}"], res,
+                 lambda r: decode_body(r, _errors(r)))
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ from gluon_probe_common import Y_DTYPES as YDT  # noqa: E402
 from gluon_probe_common import build_l2, check_cases_in_child, check_lines, finish  # noqa: E402
 from gluon_probe_common import flop_rates, l2_error_lines, not_checked, probe_parser  # noqa: E402
 from gluon_probe_common import reference_l2_slots, rel, run_checks, skipped  # noqa: E402
-from gluon_probe_common import slot_errors, table, timed_row, write_report  # noqa: E402
+from gluon_probe_common import probe_report, slot_errors, table, timed_row  # noqa: E402
 
 PEAK_TFLOPS = 989.0
 SMOKE = dict(d=1024, F=768, E=16, k=6)
@@ -301,30 +301,30 @@ def _ws_rows(res, write, specs, cases, inputs, tiles, mtg, y_gl, idx, ref, rates
             write()
 
 
+def _body(res) -> list:
+    """The report's body: the timing table, the error lines, the child checks and each
+    warp-specialized item's comparison with the Gluon L2."""
+    lines = table(res["rows"], "| launch | ms | TFLOP/s | % of 989 |",
+                  lambda r: [f"{r['ms']:.3f}", f"{r['tflops']:.0f}", f"{r['pct_peak']:.1f}"])
+    lines += l2_error_lines(res, experts=4)
+    lines += check_lines("gluon l2", res.get("gluon_checks", []))
+    for spec, w in res.get("ws", {}).items():
+        lines += check_lines(f"gluon l2 ws {spec}", w.get("checks", []))
+        lines.append(f"gluon l2 ws {spec} at these dims: same bits as gluon l2 "
+                     f"{w.get('same_bits_as_gluon_l2')}, rel vs gluon l2 "
+                     f"{w.get('rel_err_vs_gluon_l2')}, rel vs fp32 "
+                     f"{w.get('rel_err_vs_fp32')}, all written {w.get('all_written')}, "
+                     f"others untouched {w.get('others_untouched')}"
+                     + (f", error {w['error'][:200]}" if "error" in w else ""))
+    return lines
+
+
 def _write(out, res) -> None:
-    if not out:
-        return
-    lines = [(f"# Gluon prefill L2 probe, {res['tokens']} tokens, dims {res['dims']}, routing "
-              f"{res.get('routing')}, ks {res.get('ks')}, y {res.get('y_dtype')}"), ""]
+    head = [(f"# Gluon prefill L2 probe, {res['tokens']} tokens, dims {res['dims']}, routing "
+             f"{res.get('routing')}, ks {res.get('ks')}, y {res.get('y_dtype')}")]
     if "rows_per_expert" in res:
-        lines += [f"rows per expert: {res['rows_per_expert']}", ""]
-    if "skipped" in res:
-        lines.append(f"skipped: {res['skipped']}")
-    else:
-        lines += table(res["rows"], "| launch | ms | TFLOP/s | % of 989 |",
-                       lambda r: [f"{r['ms']:.3f}", f"{r['tflops']:.0f}",
-                                  f"{r['pct_peak']:.1f}"])
-        lines += l2_error_lines(res, experts=4)
-        lines += check_lines("gluon l2", res.get("gluon_checks", []))
-        for spec, w in res.get("ws", {}).items():
-            lines += check_lines(f"gluon l2 ws {spec}", w.get("checks", []))
-            lines.append(f"gluon l2 ws {spec} at these dims: same bits as gluon l2 "
-                         f"{w.get('same_bits_as_gluon_l2')}, rel vs gluon l2 "
-                         f"{w.get('rel_err_vs_gluon_l2')}, rel vs fp32 "
-                         f"{w.get('rel_err_vs_fp32')}, all written {w.get('all_written')}, "
-                         f"others untouched {w.get('others_untouched')}"
-                         + (f", error {w['error'][:200]}" if "error" in w else ""))
-    write_report(out, "moe_gluon_l2_probe", res, lines)
+        head += ["", f"rows per expert: {res['rows_per_expert']}"]
+    probe_report(out, "moe_gluon_l2_probe", head, res, _body)
 
 
 if __name__ == "__main__":

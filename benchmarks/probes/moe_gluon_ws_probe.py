@@ -43,6 +43,7 @@ from gluon_probe_common import (  # noqa: E402
     finish,
     flop_rates,
     probe_parser,
+    probe_report,
     reference_rows,
     rel,
     run_checks,
@@ -50,7 +51,6 @@ from gluon_probe_common import (  # noqa: E402
     table,
     time_triton_l1,
     timed_row,
-    write_report,
 )
 
 PEAK_TFLOPS = 1979.0  # H200 dense FP8
@@ -250,26 +250,25 @@ def main() -> None:
     finish(res, t_start, write)
 
 
+def _body(res) -> list:
+    """The report's body: the timing table, Triton's error vs the fp32 math, each Gluon item's
+    and the child checks."""
+    lines = [f"max rows per expert {res.get('max_rows_per_expert')}", ""]
+    lines += table(res["rows"], "| launch | ms | TFLOP/s | % of 1979 |",
+                   lambda r: [f"{r['ms']:.3f}", f"{r['tflops']:.0f}", f"{r['pct_peak']:.1f}"])
+    lines += ["", f"triton vs fp32 math (first 8 experts): {res.get('rel_err_triton_vs_fp32')}"]
+    for item, err in res.get("rel_err_vs_triton", {}).items():
+        lines.append(f"gluon {item}: rel err vs triton {err:.2e}, vs fp32 math "
+                     f"{res['rel_err_vs_fp32'][item]:.2e}")
+    for c in res.get("gluon_checks", []):
+        lines += check_lines(f"gluon {c.get('item')}", [c])
+    return lines
+
+
 def _write(out, res) -> None:
-    if not out:
-        return
-    lines = [f"# Gluon warp-specialized L1 probe, {res['tokens']} tokens ({res['routing']}), "
-             f"dims {res['dims']}", ""]
-    if "skipped" in res:
-        lines.append(f"skipped: {res['skipped']}")
-    else:
-        lines.append(f"max rows per expert {res.get('max_rows_per_expert')}")
-        lines += [""] + table(res["rows"], "| launch | ms | TFLOP/s | % of 1979 |",
-                              lambda r: [f"{r['ms']:.3f}", f"{r['tflops']:.0f}",
-                                         f"{r['pct_peak']:.1f}"])
-        err = res.get("rel_err_triton_vs_fp32")
-        lines += ["", f"triton vs fp32 math (first 8 experts): {err}"]
-        for item, err in res.get("rel_err_vs_triton", {}).items():
-            lines.append(f"gluon {item}: rel err vs triton {err:.2e}, vs fp32 math "
-                         f"{res['rel_err_vs_fp32'][item]:.2e}")
-        for c in res.get("gluon_checks", []):
-            lines += check_lines(f"gluon {c.get('item')}", [c])
-    write_report(out, "moe_gluon_ws_probe", res, lines)
+    probe_report(out, "moe_gluon_ws_probe",
+                 [f"# Gluon warp-specialized L1 probe, {res['tokens']} tokens ({res['routing']}), "
+                  f"dims {res['dims']}"], res, _body)
 
 
 if __name__ == "__main__":

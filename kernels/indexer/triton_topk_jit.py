@@ -189,6 +189,17 @@ def buf_compact(buf, n, lo, kth, need, TB: tl.constexpr):
 
 
 @triton.jit
+def stream_slot(buf_ptr, S, CAP):
+    """A stream program's (row, segment, slot, buffer), both streams' kernels alike: row
+    program_id(0) (int64: row offsets reach past 2^31 elements), segment program_id(1) of the
+    row's S, slot = row * S + segment (its count's index), buffer = the slot's CAP entries."""
+    r = tl.program_id(0).to(tl.int64)
+    sg = tl.program_id(1)
+    slot = r * S + sg
+    return r, sg, slot, buf_ptr + slot * CAP
+
+
+@triton.jit
 def stream_tighten(buf, cnt_ptr, n, KK, slack, TB: tl.constexpr):
     """Tightens buf[0:n] (n > KK) to its KK largest entries (up to KK + slack of them, in column
     order) and returns (n, thr): the new count and the stream's new threshold (section comment).
@@ -304,10 +315,7 @@ def topk_stream_rows(s_ptr, m_ptr, buf_ptr, cnt_ptr, C, KK, S, SEG, CAP, slack, 
     MASKED_LOADS (with a mask): scores loaded only where the mask is True (row_scores_where),
     the mask two steps ahead so that the scores' load, which needs it, is issued a step ahead
     like the unmasked one's (the last steps' prefetches past the segment are unused)."""
-    r = tl.program_id(0).to(tl.int64)
-    sg = tl.program_id(1)
-    slot = r * S + sg
-    buf = buf_ptr + slot * CAP
+    r, sg, slot, buf = stream_slot(buf_ptr, S, CAP)
     c0 = sg * SEG
     cols = tl.arange(0, BLOCK)
     row_s = r * stride_s
@@ -418,10 +426,7 @@ def cand_stream_rows(s_ptr, buf_ptr, cnt_ptr, nv_ptr, C, KB, S, SEGB, CAP, slack
     block keys (block_keys' max, f32_key; 0 for a block without a visible entry), NBB blocks a
     step, the next step's tile loaded first; counts the visible entries. Leaves the segment's KB
     largest blocks and its visible count for cand_merge_rows."""
-    r = tl.program_id(0).to(tl.int64)
-    sg = tl.program_id(1)
-    slot = r * S + sg
-    buf = buf_ptr + slot * CAP
+    r, sg, slot, buf = stream_slot(buf_ptr, S, CAP)
     b0 = sg * SEGB
     lanes = tl.arange(0, NBB)
     n = tl.zeros([], dtype=tl.int32)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from megagraph.kernels.moe.triton_jit import cast_out, round_e4m3, round_like
+from megagraph.kernels.moe.triton_jit import cast_out, dot_split_bf16, round_e4m3, round_like
 
 
 @triton.jit
@@ -31,11 +31,7 @@ def proj_tile(h_ptr, fn_ptr, rm, rmask, k_lo, k_hi, stride_h, stride_fn, NM: tl.
         hf = h.to(tl.float32)
         sq += tl.sum(hf * hf, axis=1)
         if SPLIT_BF16:
-            hb = h.to(tl.bfloat16)
-            hi = f.to(tl.bfloat16)
-            lo = (f - hi.to(tl.float32)).to(tl.bfloat16)
-            acc = tl.dot(hb, tl.trans(hi), acc)
-            acc = tl.dot(hb, tl.trans(lo), acc)
+            acc = dot_split_bf16(h.to(tl.bfloat16), f, acc)
         else:
             acc = tl.dot(hf, tl.trans(f), acc, input_precision="ieee")
     return acc, sq

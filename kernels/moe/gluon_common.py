@@ -52,6 +52,7 @@ __all__ = [
     "TensorDescriptor",
     "async_copy",
     "available",
+    "check_l2_pairs",
     "e2m1_e4m3_bits",
     "fence_async_shared",
     "fp16_bits",
@@ -61,6 +62,7 @@ __all__ = [
     "halves",
     "issue_chunk",
     "issue_side",
+    "program_tile",
     "mbarrier",
     "refill_a",
     "tile_entry",
@@ -217,6 +219,13 @@ if IMPORT_OK:
         return skip, g32.to(ttgl.int64), row0, nrows, pid % num_n
 
     @gluon.jit
+    def program_tile(work_ptr, N, MT, G, P, BN: ttgl.constexpr, BM: ttgl.constexpr):
+        """tile_entry for a kernel of one tile per program: program_id(0)'s row tile of BM rows
+        and its block of BN of the N output columns, (skip, group as int64, row0, nrows,
+        pid_n); the caller returns on skip before it forms any index or pointer from them."""
+        return tile_entry(work_ptr, ttgl.program_id(0), N // BN, MT, G, P, BM)
+
+    @gluon.jit
     def swiglu(gt, up, limit, HAS_LIMIT: ttgl.constexpr):
         """moe_jit.swiglu_act on the fp32 accumulators of W1 (gt) and W3 (up): silu(min(gt,
         limit)) * clamp(up, -limit, limit) (no clamp unless HAS_LIMIT): both kernels' epilogue,
@@ -238,6 +247,34 @@ def check_rows(a_scale, a_idx, out, N: int, K: int) -> int:
     P = a_idx.numel()
     if out.shape[0] < P or out.shape[1] != N:
         raise ValueError(f"out {tuple(out.shape)} for {P} sorted rows x {N}")
+    return P
+
+
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the L2 kernels' y dtypes
+
+
+def check_l2_pairs(h, counts, c_idx, row_w, out, *, groups: int, N: int, topk: int, ks: int,
+                   names: tuple[str, str, str]) -> int:
+    """The L2 launchers' checks of the pair arguments (ValueError): counts [E <= groups] int32,
+    c_idx int32 [P] with P <= the rows of h, row_w >= P contiguous float pair weights, out one of
+    OUT_DTYPES [rows, N] with contiguous rows and a row for every pair's (token, slot); returns
+    P. names: what the launcher calls c_idx, row_w and out (its own argument names, so that the
+    message names what the caller passed)."""
+    idx_name, w_name, out_name = names
+    if counts.dtype != torch.int32 or counts.dim() != 1 or counts.numel() > groups:
+        raise ValueError("counts: int32, at most one per expert of the bank")
+    P = c_idx.numel()
+    if c_idx.dtype != torch.int32 or c_idx.dim() != 1 or h.shape[0] < P:
+        raise ValueError(f"{idx_name}: int32 [P], P <= the rows of h")
+    if row_w.dim() != 1 or row_w.stride(0) != 1 or row_w.numel() < P or \
+            not row_w.is_floating_point():
+        raise ValueError(f"{w_name}: a contiguous float vector of >= P pair weights")
+    if topk < 1 or ks < topk:
+        raise ValueError(f"topk {topk}, ks {ks}: need 1 <= topk <= ks")
+    if out.dtype not in OUT_DTYPES or out.dim() != 2 or out.shape[1] != N or out.stride(1) != 1:
+        raise ValueError(f"{out_name}: fp32 / bf16 / fp16 [rows, {N}] with contiguous rows")
+    if P and out.shape[0] <= ((P - 1) // topk) * ks + (P - 1) % topk:
+        raise ValueError(f"{out_name} has {out.shape[0]} rows: too few for {P} pairs at ks {ks}")
     return P
 
 

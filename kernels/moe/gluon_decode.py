@@ -4,6 +4,8 @@ of W1 / W3 on MXFP4 weights with E4M3 activations gathered per expert-sorted row
 moe_jit.moe_acc_swap). routed_experts runs it there by default where available (moe._l1_kernel:
 Triton 3.6 on sm_90): 1.664 -> 1.106 ms at 64 tokens on the H200, 64% of HBM bandwidth
 (benchmarks/probes/moe_gluon_decode_probe.py, benchmarks/results/moe-gluon-decode-h200.md).
+One file of ~600 lines: the two loads' kernels (cp.async, TMA) share its layouts, chunk math,
+epilogue and launcher.
 
 Swap AB: per program one row tile of <= 16 expert-sorted rows of one expert (moe.tile_list at 16
 rows) and a block of BW = 64 weight rows of W1 and the same 64 rows of W3; per 128-column K chunk
@@ -93,7 +95,8 @@ from megagraph.kernels.moe.gluon_common import (
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     from megagraph.kernels.moe.gluon_common import TensorDescriptor, async_copy, fence_async_shared, gluon
-    from megagraph.kernels.moe.gluon_common import issue_chunk, issue_side, mbarrier, swiglu, tile_entry, tma, ttgl
+    from megagraph.kernels.moe.gluon_common import issue_chunk, issue_side, mbarrier, program_tile
+    from megagraph.kernels.moe.gluon_common import swiglu, tma, ttgl
     from megagraph.kernels.moe.gluon_common import e2m1_e4m3_bits as _e2m1_e4m3_bits
     from megagraph.kernels.moe.gluon_common import warpgroup_mma, warpgroup_mma_wait
     from megagraph.kernels.moe.gluon_common import wgmma_a, wgmma_acc, wgmma_cols, wgmma_rows
@@ -319,6 +322,17 @@ if _IMPORT_OK:
                    mask=(tk < nrows)[None, :] & (rn < N)[:, None])
 
     @gluon.jit
+    def _check_sizes(NW: ttgl.constexpr, BW: ttgl.constexpr, BT: ttgl.constexpr,
+                     BK: ttgl.constexpr):
+        """The sizes this module's layouts are built for, asserted at compile time by both
+        loads' kernels: one warpgroup, 64 weight rows per matrix, 128-column chunks, one of
+        BTS token tiles."""
+        ttgl.static_assert(NW == 4, "one warpgroup")
+        ttgl.static_assert(BW == 64, "64 weight rows per matrix")
+        ttgl.static_assert(BK == 128, "128-column chunks")
+        ttgl.static_assert((BT == 16) | (BT == 32) | (BT == 64), "16-, 32- or 64-token tiles")
+
+    @gluon.jit
     def l1_decode_kernel(a_ptr, as_ptr, aidx_ptr, b1_ptr, bs1_ptr, b2_ptr, bs2_ptr, c_ptr,
                          work_ptr, MT, N, K, G, P, limit, stride_am, stride_as, stride_bg,
                          stride_bn, stride_bsg, stride_bsn, stride_cm,
@@ -331,14 +345,10 @@ if _IMPORT_OK:
         N % BW == 0, K % BK == 0, K / BK <= NKP (the launcher checks); out-of-range list entries
         exit before any pointer is formed."""
         ttgl.static_assert(NS == 4, "the loop is unrolled for 4 stages")
-        ttgl.static_assert(NW == 4, "one warpgroup")
-        ttgl.static_assert(BW == 64, "64 weight rows per matrix")
-        ttgl.static_assert(BK == 128, "128-column chunks")
-        ttgl.static_assert((BT == 16) | (BT == 32) | (BT == 64), "16-, 32- or 64-token tiles")
+        _check_sizes(NW, BW, BT, BK)
 
         # ---- the tile ------------------------------------------------------------------
-        skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BW, MT, G,
-                                                 P, BT)
+        skip, g, row0, nrows, pid_n = program_tile(work_ptr, N, MT, G, P, BW, BT)
         if skip:
             return
         n0 = pid_n * BW
@@ -451,13 +461,9 @@ if _IMPORT_OK:
         loop unrolled by NS through static_range, every stage its own allocation: constant
         stage indices, as l1_decode_kernel)."""
         ttgl.static_assert(NS >= 3, "a ring of at least 3 stages")
-        ttgl.static_assert(NW == 4, "one warpgroup")
-        ttgl.static_assert(BW == 64, "64 weight rows per matrix")
-        ttgl.static_assert(BK == 128, "128-column chunks")
-        ttgl.static_assert((BT == 16) | (BT == 32) | (BT == 64), "16-, 32- or 64-token tiles")
+        _check_sizes(NW, BW, BT, BK)
 
-        skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BW, MT, G,
-                                                 P, BT)
+        skip, g, row0, nrows, pid_n = program_tile(work_ptr, N, MT, G, P, BW, BT)
         if skip:
             return
         n0 = pid_n * BW

@@ -92,7 +92,13 @@ import torch
 
 from megagraph.kernels.moe.gluon_common import IMPORT_OK as _IMPORT_OK
 from megagraph.kernels.moe.gluon_common import available  # noqa: F401  (the tests and the probe call it here)
-from megagraph.kernels.moe.gluon_common import load_and_stages, tile_list, token_tile
+from megagraph.kernels.moe.gluon_common import (
+    OUT_DTYPES,
+    check_l2_pairs,
+    load_and_stages,
+    tile_list,
+    token_tile,
+)
 from megagraph.kernels.moe import gluon_decode as _l1
 
 BW, BT, BK, NS, NUM_WARPS = 64, 16, 128, 4, 4
@@ -169,7 +175,7 @@ REL_MIN = -5
 
 if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
     from megagraph.kernels.moe.gluon_common import async_copy, fence_async_shared, fp16x2_regs, gluon, halves
-    from megagraph.kernels.moe.gluon_common import mbarrier, tile_entry, ttgl
+    from megagraph.kernels.moe.gluon_common import mbarrier, program_tile, ttgl
     from megagraph.kernels.moe.gluon_common import warpgroup_mma, warpgroup_mma_wait
     from megagraph.kernels.moe.gluon_common import wgmma_a, wgmma_acc, wgmma_cols, wgmma_rows
     from megagraph.kernels.moe.gluon_decode import W_TMA_LAYOUT, _tma_rows  # noqa: F401  (W_TMA_LAYOUT: the tests)
@@ -350,6 +356,18 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
                    mask=tmask[None, :] & (rn < N)[:, None])
 
     @gluon.jit
+    def _check_sizes(NW: ttgl.constexpr, BW: ttgl.constexpr, BT: ttgl.constexpr,
+                     BK: ttgl.constexpr):
+        """The sizes this module's layouts are built for, asserted at compile time by both
+        loads' kernels: one warpgroup, 64 weight rows, one of BTS token tiles, 128-column
+        chunks."""
+        ttgl.static_assert(NW == 4, "one warpgroup")
+        ttgl.static_assert(BW == 64, "64 weight rows")
+        ttgl.static_assert((BT == 16) | (BT == 32) | (BT == 64) | (BT == 128),
+                           "16-, 32-, 64- or 128-token tiles")
+        ttgl.static_assert(BK == 128, "128-column chunks")
+
+    @gluon.jit
     def l2_decode_kernel(h_ptr, b_ptr, bs_ptr, c_ptr, cidx_ptr, w_ptr, work_ptr, MT, N, K, G, P,
                          stride_hm, stride_bg, stride_bn, stride_bsg, stride_bsn, stride_cm,
                          TOPK: ttgl.constexpr, KS: ttgl.constexpr, USE_ASM: ttgl.constexpr,
@@ -361,15 +379,10 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         N % BW == 0, K % BK == 0 (the launcher checks); out-of-range list entries exit before
         any pointer is formed."""
         ttgl.static_assert(NS == 4, "the loop is unrolled for 4 stages")
-        ttgl.static_assert(NW == 4, "one warpgroup")
-        ttgl.static_assert(BW == 64, "64 weight rows")
-        ttgl.static_assert((BT == 16) | (BT == 32) | (BT == 64) | (BT == 128),
-                           "16-, 32-, 64- or 128-token tiles")
-        ttgl.static_assert(BK == 128, "128-column chunks")
+        _check_sizes(NW, BW, BT, BK)
 
         # ---- the tile ------------------------------------------------------------------
-        skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BW, MT, G,
-                                                 P, BT)
+        skip, g, row0, nrows, pid_n = program_tile(work_ptr, N, MT, G, P, BW, BT)
         if skip:
             return
         n0 = pid_n * BW
@@ -464,14 +477,9 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         by NS through static_range, every stage its own allocation: constant stage indices, as
         l2_decode_kernel)."""
         ttgl.static_assert(NS >= 3, "a ring of at least 3 stages")
-        ttgl.static_assert(NW == 4, "one warpgroup")
-        ttgl.static_assert(BW == 64, "64 weight rows")
-        ttgl.static_assert((BT == 16) | (BT == 32) | (BT == 64) | (BT == 128),
-                           "16-, 32-, 64- or 128-token tiles")
-        ttgl.static_assert(BK == 128, "128-column chunks")
+        _check_sizes(NW, BW, BT, BK)
 
-        skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BW, MT, G,
-                                                 P, BT)
+        skip, g, row0, nrows, pid_n = program_tile(work_ptr, N, MT, G, P, BW, BT)
         if skip:
             return
         n0 = pid_n * BW
@@ -519,9 +527,6 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         _store_y(acc, c_ptr, cidx_ptr, w_ptr, row0, nrows, n0, N, stride_cm, TOPK, KS, BW, BT)
 
 
-OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _check(h, w2, counts, c_idx, row_w, out, topk: int, ks: int) -> int:
     """The launcher's argument checks (ValueError); returns P, the sorted rows."""
     if not (w2.wfmt == 0 and w2.bk == 32 and w2.bn == 1):
@@ -536,21 +541,8 @@ def _check(h, w2, counts, c_idx, row_w, out, topk: int, ks: int) -> int:
     if w2.w.stride(1) % 16 or w2.w.data_ptr() % 16 or w2.s.stride(1) % 4 or \
             w2.s.data_ptr() % 4:
         raise ValueError("weight rows must be 16-byte, exponent rows 4-byte aligned")
-    if counts.dtype != torch.int32 or counts.numel() > w2.groups:
-        raise ValueError("counts: int32, at most one per expert of the bank")
-    P = c_idx.numel()
-    if c_idx.dtype != torch.int32 or c_idx.dim() != 1 or h.shape[0] < P:
-        raise ValueError("c_idx: int32 [P], P <= the rows of h")
-    if row_w.dim() != 1 or row_w.stride(0) != 1 or row_w.numel() < P or \
-            not row_w.is_floating_point():
-        raise ValueError("row_w: a contiguous float vector of >= P pair weights")
-    if topk < 1 or ks < topk:
-        raise ValueError(f"topk {topk}, ks {ks}: need 1 <= topk <= ks")
-    if out.dtype not in OUT_DTYPES or out.dim() != 2 or out.shape[1] != N or out.stride(1) != 1:
-        raise ValueError(f"out: fp32 / bf16 / fp16 [rows, {N}] with contiguous rows")
-    if P and out.shape[0] <= ((P - 1) // topk) * ks + (P - 1) % topk:
-        raise ValueError(f"out has {out.shape[0]} rows: too few for {P} pairs at ks {ks}")
-    return P
+    return check_l2_pairs(h, counts, c_idx, row_w, out, groups=w2.groups, N=N, topk=topk,
+                          ks=ks, names=("c_idx", "row_w", "out"))
 
 
 def l2_gluon_decode(h, w2, counts, c_idx, row_w, out, *, topk: int, ks: int, max_tiles: int,

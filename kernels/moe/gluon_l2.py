@@ -72,14 +72,13 @@ import torch
 
 from megagraph.kernels.moe.gluon_common import IMPORT_OK as _IMPORT_OK
 from megagraph.kernels.moe.gluon_common import available  # noqa: F401  (the tests, the probe and moe call it here)
-from megagraph.kernels.moe.gluon_common import tile_list
+from megagraph.kernels.moe.gluon_common import OUT_DTYPES, check_l2_pairs, tile_list
 from megagraph.kernels.moe.gluon_decode_l2 import STEP_A, STEP_B, TABLE_A, TABLE_B
 
 BM, BN, BK, NS, NUM_WARPS = 128, 128, 64, 3, 8
 # the per-row frame: rel = e - S0 in [REL_MIN, REL_MAX] is an exact normal fp16 of the table
 # (high byte 0x38 .. 0x46 + 4 rel in [0x04, 0x7A]); S0 = max(max e - REL_MAX, 1)
 REL_MIN, REL_MAX = -13, 13
-OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # DIAG bits (timing diagnosis only, WRONG results; 0 builds the same machine code as without
@@ -125,8 +124,8 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         fp16x2_regs,
         gluon,
         halves,
+        program_tile,
         refill_a,
-        tile_entry,
         ttgl,
     )
     from megagraph.kernels.moe.gluon_common import warpgroup_mma, warpgroup_mma_wait
@@ -234,8 +233,7 @@ if _IMPORT_OK:  # the Triton 3.6 Gluon names (gluon_common's guarded import)
         s_sl: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [0])
 
         # ---- the tile ------------------------------------------------------------------
-        skip, g, row0, nrows, pid_n = tile_entry(work_ptr, ttgl.program_id(0), N // BN, MT, G,
-                                                 P, BM)
+        skip, g, row0, nrows, pid_n = program_tile(work_ptr, N, MT, G, P, BN, BM)
         if skip:
             return
         n0 = pid_n * BN
@@ -337,22 +335,8 @@ def _check(h, w2, counts, c_idx, row_w, out, topk: int, ks: int) -> int:
         raise ValueError("W2 rows contiguous and 16-byte aligned (16-byte word loads)")
     if w2.s.stride(2) != 1:
         raise ValueError("W2 exponent rows must be contiguous")
-    if counts.dtype != torch.int32 or counts.dim() != 1 or counts.numel() > w2.groups:
-        raise ValueError("counts: int32, at most one per expert of the bank")
-    P = c_idx.numel()
-    if c_idx.dtype != torch.int32 or c_idx.dim() != 1 or h.shape[0] < P:
-        raise ValueError("srt: int32 [P], P <= the rows of h")
-    if row_w.dim() != 1 or row_w.stride(0) != 1 or row_w.numel() < P or \
-            not row_w.is_floating_point():
-        raise ValueError("wts: contiguous float pair weights, >= P of them")
-    if topk < 1 or ks < topk:
-        raise ValueError(f"topk {topk}, ks {ks}: need 1 <= topk <= ks")
-    if out.dtype not in OUT_DTYPES or out.dim() != 2 or out.shape[1] != N or \
-            out.stride(1) != 1:
-        raise ValueError(f"y: fp32 / bf16 / fp16 [rows, {N}] with contiguous rows")
-    if P and out.shape[0] <= ((P - 1) // topk) * ks + (P - 1) % topk:
-        raise ValueError(f"y has {out.shape[0]} rows: too few for {P} pairs at ks {ks}")
-    return P
+    return check_l2_pairs(h, counts, c_idx, row_w, out, groups=w2.groups, N=N, topk=topk,
+                          ks=ks, names=("srt", "wts", "y"))
 
 
 def l2_gluon(h, w2_bank, counts, srt, wts, y, *, topk: int, ks: int, max_tiles: int,

@@ -725,6 +725,16 @@ def moe_tile_list(cnt_ptr, work_ptr, G, MT, BM: tl.constexpr, G_PAD: tl.constexp
 
 
 @triton.jit
+def dot_split_bf16(a, b, acc):
+    """acc + a @ b^T on the bf16 tensor cores for bf16 a and fp32 b: b split into bf16 hi + lo,
+    two exact-product MMAs (~2^-16 relative); the fp32 gate and mHC mixer weights' products."""
+    hi = b.to(tl.bfloat16)
+    lo = (b - hi.to(tl.float32)).to(tl.bfloat16)
+    acc = tl.dot(a, tl.trans(hi), acc)
+    return tl.dot(a, tl.trans(lo), acc)
+
+
+@triton.jit
 def gate_scores(x_ptr, w_ptr, s_ptr, T, E, D, k_per, stride_x, stride_w, stride_s, stride_split,
                 MODE: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
     """s[split, T, E] = x[:, K slice] @ w[:, K slice]^T in fp32, split = program axis 2 (K slices
@@ -751,11 +761,7 @@ def gate_scores(x_ptr, w_ptr, s_ptr, T, E, D, k_per, stride_x, stride_w, stride_
         if MODE == 0:
             acc = tl.dot(x, tl.trans(w), acc)
         elif MODE == 1:
-            wf = w.to(tl.float32)
-            hi = wf.to(tl.bfloat16)
-            lo = (wf - hi.to(tl.float32)).to(tl.bfloat16)
-            acc = tl.dot(x, tl.trans(hi), acc)
-            acc = tl.dot(x, tl.trans(lo), acc)
+            acc = dot_split_bf16(x, w.to(tl.float32), acc)
         else:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
                          input_precision="ieee")

@@ -143,12 +143,10 @@ class Metrics:
         metric("megagraph_cache_preemptions_total", "counter", "sequences preempted "
                "(recomputed later)", cache.preemptions)
         prefix_metrics(metric, out, sch.prefix)
-        metric("megagraph_scheduler_steps_total", "counter", "engine steps", st.steps)
-        metric("megagraph_scheduler_prefill_tokens_total", "counter", "prompt tokens run",
-               st.prefill_tokens)
-        metric("megagraph_scheduler_decode_tokens_total", "counter", "decode tokens run",
-               st.decode_tokens)
         for name, v, help_ in (
+                ("steps", st.steps, "engine steps"),
+                ("prefill_tokens", st.prefill_tokens, "prompt tokens run"),
+                ("decode_tokens", st.decode_tokens, "decode tokens run"),
                 ("decode_only_steps", st.decode_only_steps, "steps of decode rows alone"),
                 ("mixed_steps", st.mixed_steps, "steps with decode rows and prompt tokens"),
                 ("mixed_decode_tokens", st.mixed_decode_tokens, "decode rows of mixed steps"),

@@ -71,6 +71,38 @@ def outer_loop_instructions(sass: str) -> list[str]:
     return [t for a, t in ins if span[0] <= a <= span[1]]
 
 
+def branch_loops(sass: str, innermost: bool = False) -> list[list[str]]:
+    """The bodies (instruction texts up to the ';', stripped) of the conditional backward
+    branches longer than 16 instructions, in address order: the loops of a warp-specialized
+    kernel's partitions (the mbarrier try-wait retries ptxas moves out of line are 2-3
+    instructions). innermost: only the loops that hold no other (a persistent tile loop holds
+    its K loops)."""
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    spans = []
+    for addr, text in ins:
+        m = re.search(r"^@!?U?P\w+\s+BRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr - 16 * 16:
+            spans.append((int(m.group(1), 16), addr))
+    if innermost:
+        spans = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1]
+                                             for o in spans)]
+    return [[t for a, t in ins if lo <= a <= hi] for lo, hi in spans]
+
+
+def partition_loops(sass: str, marks: tuple[tuple[str, str], ...],
+                    innermost: bool = False) -> dict[str, list[list[str]]]:
+    """The branch_loops of a warp-specialized kernel by partition: marks are (partition, SASS
+    pattern of what only it runs) pairs; a loop goes to the first partition whose pattern one
+    of its instructions matches, a loop matching none is left out."""
+    loops: dict[str, list[list[str]]] = {name: [] for name, _ in marks}
+    for body in branch_loops(sass, innermost):
+        kind = next((name for name, pat in marks if any(re.search(pat, t) for t in body)), None)
+        if kind:
+            loops[kind].append(body)
+    return loops
+
+
 def last_loop(sass: str) -> str:
     """loop_instructions as one text, an instruction a line."""
     return "\n".join(loop_instructions(sass))

@@ -458,6 +458,15 @@ def check_chunks(what: str, regs: int, shared: int, body: list[str], counts: dic
     assert proxy_fence_problems(body, stages) == []
 
 
+def decode_copies(load: str, tma: int, cp: int) -> dict:
+    """A decode kernel's weight copies per K chunk at its load (check_bt_build's counts):
+    `tma` UTMALDG, 1 mbarrier try-wait and 1 expect (the re-arm) for "tma", else `cp`
+    LDGSTS.128 (cp.async); the other load's instructions counted as absent."""
+    if load == "tma":
+        return dict(UTMALDG=tma, TRYWAIT=1, EXPECT=1, LDGSTS128=0)
+    return dict(UTMALDG=0, TRYWAIT=0, EXPECT=0, LDGSTS128=cp)
+
+
 def check_bt_build(kernel: str, bt: int, stages: int, stats, mma: tuple[str, str],
                    per_chunk: dict) -> None:
     """A decode kernel's sm_90 build at the token tile bt (stats: build_stats'): check_chunks

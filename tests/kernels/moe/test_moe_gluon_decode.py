@@ -39,27 +39,12 @@ import re
 
 import pytest
 import torch
-from gluon_cases import (
-    gluon_build,
-    gluon_gpu,
-    bt_rows,
-    check_bt_build,
-    check_chunks,
-    check_load_and_stages,
-    check_same_chunk_math,
-    check_weight_desc,
-    TYPES,
-    case,
-    check_repeats_and_graph,
-    debug_cases,
-    diagnose,
-    reference,
-    rel,
-    rows_case,
-)
+from gluon_cases import bt_rows, case, check_bt_build, check_chunks, check_load_and_stages
+from gluon_cases import check_repeats_and_graph, check_same_chunk_math, check_weight_desc
+from gluon_cases import debug_cases, decode_copies, diagnose, gluon_build, gluon_gpu
+from gluon_cases import proxy_fence_problems, reference, rel, rows_case, TYPES
 from megagraph.kernels.moe import gluon_decode as md
 from sm90_build import SYNC_COUNTS, build_stats, loop_instructions
-from gluon_cases import proxy_fence_problems
 from test_triton_moe import ACT, FP16_H, check_routed, routed_case
 
 gpu = gluon_gpu(md)
@@ -482,14 +467,11 @@ def test_l1_decode_sm90_build_bt(bt, kernel, stages):
     253, 2 CTAs)."""
     consts = dict(TOPK=6, HAS_LIMIT=True, USE_ASM=True, BW=md.BW, BT=bt, BK=md.BK, NKP=64,
                   NW=md.NUM_WARPS, NS=stages)
-    if kernel == "tma":
-        stats = _build_stats(md.l1_decode_tma_kernel, _tma_types(), consts)
-        copies = dict(UTMALDG=2, TRYWAIT=1, EXPECT=1, LDGSTS128=0)
-    else:
-        stats = _build_stats(md.l1_decode_kernel, TYPES, consts)
-        copies = dict(UTMALDG=0, TRYWAIT=0, EXPECT=0, LDGSTS128=4)
+    tma = kernel == "tma"
+    stats = _build_stats(md.l1_decode_tma_kernel if tma else md.l1_decode_kernel,
+                         _tma_types() if tma else TYPES, consts)
     per_chunk = dict(QGMMA=8, ARRIVE=2, WG_DEPBAR=2, BAR_SYNC=2, DEPBAR=1, LDS128=4, STS=0,
-                     PRMT=64, FENCE=1, LDGSTS=bt // 4 + 1, **copies)
+                     PRMT=64, FENCE=1, LDGSTS=bt // 4 + 1, **decode_copies(kernel, 2, 4))
     check_bt_build(kernel, bt, stages, stats,
                    ("QGMMA", rf"\bQGMMA\.64x{bt}x32\.F32\.E4M3\.E4M3\b"), per_chunk)
 

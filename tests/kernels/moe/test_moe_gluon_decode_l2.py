@@ -43,26 +43,10 @@ import dataclasses
 
 import pytest
 import torch
-from gluon_cases import (
-    gluon_build,
-    gluon_gpu,
-    bt_rows,
-    check_bt_build,
-    check_chunks,
-    check_load_and_stages,
-    check_same_chunk_math,
-    check_weight_desc,
-    proxy_fence_problems,
-    E2M1,
-    check_l2_out,
-    check_repeats_and_graph,
-    dbg_l2_case,
-    diagnose,
-    explicit_rows,
-    l2_case,
-    l2_reference,
-    rel,
-)
+from gluon_cases import bt_rows, check_bt_build, check_chunks, check_l2_out, check_load_and_stages
+from gluon_cases import check_repeats_and_graph, check_same_chunk_math, check_weight_desc
+from gluon_cases import dbg_l2_case, decode_copies, diagnose, E2M1, explicit_rows, gluon_build
+from gluon_cases import gluon_gpu, l2_case, l2_reference, proxy_fence_problems, rel
 from megagraph.kernels.gemm.config import Tile
 from megagraph.kernels.moe import gluon_decode_l2 as ml2
 from megagraph.kernels.moe.config import MoeConfig
@@ -778,13 +762,10 @@ def test_l2_decode_sm90_build_bt(bt, kernel, stages):
     bt 64 147 / 156 / 153; bt 128 232 / 237 / 236, 2 / 1 / 1 CTAs per SM)."""
     consts = dict(TOPK=6, KS=6, USE_ASM=True, BW=ml2.BW, BT=bt, BK=ml2.BK, NW=ml2.NUM_WARPS,
                   NS=stages)
-    if kernel == "tma":
-        stats = _build_stats(ml2.l2_decode_tma_kernel, _tma_types(), consts)
-        copies = dict(UTMALDG=1, TRYWAIT=1, EXPECT=1, LDGSTS128=0)
-    else:
-        stats = _build_stats(ml2.l2_decode_kernel, TYPES, consts)
-        copies = dict(UTMALDG=0, TRYWAIT=0, EXPECT=0, LDGSTS128=2)
+    tma = kernel == "tma"
+    stats = _build_stats(ml2.l2_decode_tma_kernel if tma else ml2.l2_decode_kernel,
+                         _tma_types() if tma else TYPES, consts)
     per_chunk = dict(HGMMA=8, ARRIVE=1, WG_DEPBAR=1, BAR_SYNC=2, DEPBAR=1, LDS128=2, STS=0,
-                     PRMT=64, FENCE=1, LDGSTS=bt // 2 + 1, **copies)
+                     PRMT=64, FENCE=1, LDGSTS=bt // 2 + 1, **decode_copies(kernel, 1, 2))
     check_bt_build(kernel, bt, stages, stats, ("HGMMA", rf"\bHGMMA\.64x{bt}x16\.F32\b"),
                    per_chunk)

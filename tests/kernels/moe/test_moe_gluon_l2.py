@@ -34,19 +34,8 @@ import re
 import gluon_cases
 import pytest
 import torch
-from gluon_cases import (
-    gluon_build,
-    L2_PREFILL_CASES,
-    l2_debug_pieces,
-    gluon_gpu,
-    proxy_fence_problems,
-    E2M1,
-    check_l2_out,
-    dbg_l2_case,
-    diagnose,
-    l2_reference,
-    rel,
-)
+from gluon_cases import check_l2_out, dbg_l2_case, diagnose, E2M1, gluon_build, gluon_gpu
+from gluon_cases import l2_debug_pieces, L2_PREFILL_CASES, l2_reference, proxy_fence_problems, rel
 from megagraph.kernels.moe import gluon_l2 as mgl
 from sm90_build import count, gluon_sm90, loop_instructions, usage_and_sass
 from test_moe_gluon_decode_l2 import _parse, _run, check_table_lanes, fp16_ref
@@ -246,6 +235,40 @@ def test_kernel_consts_and_launcher_checks():
             call()
         with pytest.raises(RuntimeError):
             call(y=y.view(-1, y.shape[2]), wts=base["wts"].reshape(-1))
+
+
+def test_l2_pair_checks_name_the_callers_arguments():
+    """gluon_common.check_l2_pairs, the pair checks both L2 launchers share: it returns P for a
+    valid call, and each refusal names the argument as the launcher calls it (the prefill L2's
+    srt / wts / y here, the decode L2's c_idx / row_w / out)."""
+    from megagraph.kernels.moe.gluon_common import check_l2_pairs
+
+    g = torch.Generator().manual_seed(7)
+    T, k, ks, d, E = 5, 2, 3, 128, 4
+    P = T * k
+    h = torch.randn(P + 1, 256, generator=g).half()
+    counts = torch.randint(0, 4, (E,), generator=g, dtype=torch.int32)
+    srt = torch.randperm(P, generator=g).to(torch.int32)
+    wts = torch.rand(P, generator=g)
+    y = torch.randn(T * ks, d, generator=g)
+    ok = dict(groups=E, N=d, topk=k, ks=ks)
+    for names in (("srt", "wts", "y"), ("c_idx", "row_w", "out")):
+        assert check_l2_pairs(h, counts, srt, wts, y, **ok, names=names) == P
+        idx, w, out = names
+        for args, what in (((h, counts, srt.long(), wts, y), idx),
+                           ((h[: P - 1], counts, srt, wts, y), idx),
+                           ((h, counts, srt, wts[:-1], y), w),
+                           ((h, counts, srt, wts.to(torch.int32), y), w),
+                           ((h, counts, srt, wts, y.double()), out),
+                           ((h, counts, srt, wts, y[:, :64]), out),
+                           ((h, counts, srt, wts, y[: (T - 1) * ks + 1]), out)):
+            with pytest.raises(ValueError, match=f"^{what}"):
+                check_l2_pairs(*args, **ok, names=names)
+        with pytest.raises(ValueError, match="^counts"):
+            check_l2_pairs(h, torch.zeros(E + 1, dtype=torch.int32), srt, wts, y, **ok,
+                           names=names)
+        with pytest.raises(ValueError, match="need 1 <= topk <= ks"):
+            check_l2_pairs(h, counts, srt, wts, y, **{**ok, "ks": 1}, names=names)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,25 +34,13 @@ import time
 
 import pytest
 import torch
-from gluon_cases import (
-    L2_PREFILL_CASES,
-    l2_debug_pieces,
-    gluon_gpu,
-    gluon_build,
-    l2_arg_case,
-    check_l2_out,
-    check_repeats_and_graph,
-    dbg_bank,
-    dbg_l2_case,
-    diagnose,
-    explicit_rows,
-    l2_case,
-    l2_reference,
-    rel,
-)
+from gluon_cases import check_l2_out, check_repeats_and_graph, dbg_bank, dbg_l2_case, diagnose
+from gluon_cases import explicit_rows, gluon_build, gluon_gpu, l2_arg_case, l2_case, l2_debug_pieces
+from gluon_cases import L2_PREFILL_CASES, l2_reference, rel
 from megagraph.kernels.moe import gluon_l2 as mgl
 from megagraph.kernels.moe import gluon_l2_ws as mlw
 from sm90_build import count, gluon_sm90, usage_and_sass
+from sm90_build import partition_loops as sm90_partition_loops
 
 gpu = gluon_gpu(mlw)
 build = gluon_build(mlw)
@@ -538,25 +526,9 @@ def partition_loops(sass: str) -> dict:
     at bn 256 store nothing), "loader" (UTMALDG). A
     loop = the body of a conditional backward branch longer than 16 instructions (the mbarrier
     try-wait retries ptxas moves out of line are 2-3), innermost only (the persistent tile
-    loops around the K loops contain them)."""
-    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
-           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    spans = []
-    for addr, text in ins:
-        m = re.search(r"^@!?U?P\w+\s+BRA\s+(?:`\()?0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr - 16 * 16:
-            spans.append((int(m.group(1), 16), addr))
-    inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1]
-                                         for o in spans)]
-    loops = {"mma": [], "upcast": [], "loader": []}
-    for lo, hi in inner:
-        body = [t for a, t in ins if lo <= a <= hi]
-        kind = next((n for n, p in (("mma", "HGMMA"), ("upcast", r"\bSTS\.128\b"),
-                                    ("loader", "UTMALDG")) if any(re.search(p, t) for t in body)),
-                    None)
-        if kind:
-            loops[kind].append(body)
-    return loops
+    loops around the K loops contain them): sm90_build.partition_loops."""
+    return sm90_partition_loops(sass, (("mma", "HGMMA"), ("upcast", r"\bSTS\.128\b"),
+                                       ("loader", "UTMALDG")), innermost=True)
 
 
 ARRIVE = r"SYNCS\.ARRIVE\.TRANS64\.A1T0"

@@ -28,6 +28,7 @@ from gluon_cases import gluon_build, gluon_gpu
 from megagraph.kernels.moe import gluon_ws as mw
 from poisoned_alloc import poisoned
 from sm90_build import count, gluon_sm90, usage_and_sass
+from sm90_build import partition_loops as sm90_partition_loops
 
 gpu = gluon_gpu(mw)
 build = gluon_build(mw)
@@ -465,21 +466,9 @@ def partition_loops(sass: str) -> dict:
     """The K loop of each partition (SASS text up to ';', one instruction a list item), by what
     only it runs: "mma" (both MMA warpgroups: QGMMA), "upcast" (PRMT), "loader" (UTMALDG). A
     loop = the body of a conditional backward branch longer than 16 instructions (the mbarrier
-    try-wait retries ptxas moves out of line are 2-3)."""
-    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
-           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    loops = {"mma": [], "upcast": [], "loader": []}
-    for addr, text in ins:
-        m = re.search(r"^@!?U?P\w+\s+BRA\s+(?:`\()?0x([0-9a-f]+)", text)
-        if not m or int(m.group(1), 16) >= addr - 16 * 16:
-            continue
-        body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-        kind = next((n for n, p in (("mma", "QGMMA"), ("upcast", r"\bPRMT\b"),
-                                    ("loader", "UTMALDG")) if any(re.search(p, t) for t in body)),
-                    None)
-        if kind:
-            loops[kind].append(body)
-    return loops
+    try-wait retries ptxas moves out of line are 2-3): sm90_build.partition_loops."""
+    return sm90_partition_loops(sass, (("mma", "QGMMA"), ("upcast", r"\bPRMT\b"),
+                                       ("loader", "UTMALDG")))
 
 
 def ws_order_problems(loops: dict) -> list[str]:
