@@ -109,7 +109,7 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, lengt
     ok = (u * qd < pd) & _valid(lengths, K)  # u < p/q without dividing by q
     n = _leading(ok)
     pn = p.gather(1, n[:, None, None].expand(R, 1, p.shape[2]))[:, 0]
-    qn = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)
+    qn = torch.cat([q, q.new_zeros(R, 1, q.shape[2])], dim=1)
     qn = qn.gather(1, n[:, None, None].expand(R, 1, q.shape[2]))[:, 0]
     qn = torch.where((n < lengths)[:, None], qn, torch.zeros_like(qn))  # bonus: plain p_k
     res = (pn - qn).clamp(min=0)

@@ -1,0 +1,107 @@
+"""The speculative loop on tiny V4.1 (fp32): greedy outputs equal plain decoding token for token
+(stops inside a block included); a draft that proposes the target's own greedy continuation
+gives block + 1 tokens per target forward; the counters add up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megagraph.runtime.sampling import SamplingParams
+from megagraph.runtime.speculative.decoder import SpeculativeGenerator
+
+from tests.tiny import random_tokens
+
+
+def _prompts(eng, lens=(7, 12, 5)):
+    return [list(random_tokens(n, 100 + n, vocab=eng.cfg.vocab_size)) for n in lens]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_v41):
+    """Plain greedy outputs (ignore_eos, 20 tokens) of the test prompts."""
+    from tests.runtime.conftest import make_engine
+
+    eng = make_engine(tiny_v41, "v4.1-flash-tiny")
+    prompts = _prompts(eng)
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    return prompts, [o.token_ids for o in outs]
+
+
+def test_greedy_equals_plain_decoding(engine, reference):
+    prompts, want = reference
+    eng = engine()
+    gen = SpeculativeGenerator(eng)
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),  # ends mid-block
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                             stop_token_ids=(want[2][4],))]  # a stop token inside a block
+    got = [o.token_ids for o in gen.generate(prompts, params)]
+    assert got[0] == want[0]
+    assert got[1] == want[1][:9]
+    stop = want[2].index(want[2][4]) + 1
+    assert got[2] == want[2][:stop]
+    st = gen.stats
+    assert st.draft_forwards >= 1 and st.target_forwards >= 1
+    assert sum(st.histogram.values()) >= st.target_forwards
+    assert st.accepted <= st.proposed
+    assert eng.slots.num_free == eng.config.max_slots  # every slot released
+
+
+def oracle(reference_outputs: dict[tuple[int, ...], list[int]]):
+    """A proposer that drafts the target's own greedy continuation (the accept-all hook)."""
+
+    def propose(reqs, block):
+        rows = []
+        for r in reqs:
+            ref = reference_outputs[r.prompt_ids]
+            nxt = ref[len(r.output_ids):len(r.output_ids) + block]
+            rows.append(nxt + [0] * (block - len(nxt)))
+        return torch.tensor(rows, dtype=torch.int64)
+
+    return propose
+
+
+def test_accept_all_gives_block_plus_one_tokens_per_forward(engine, reference):
+    prompts, want = reference
+    eng = engine()
+    gen = SpeculativeGenerator(eng, proposer=oracle({tuple(p): w for p, w in zip(prompts, want)}))
+    B = gen.block
+    n = 1 + 3 * (B + 1)  # the prefill's token, then three full blocks
+    outs = gen.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    assert outs[0].token_ids == want[0][:n]
+    st = gen.stats
+    assert st.target_forwards == 3 and st.tokens_per_target_forward == B + 1
+    assert dict(st.histogram) == {B: 3} and st.accepted == st.proposed == 3 * B
+    assert st.acceptance_length == B + 1
+
+
+def test_sampled_requests_run_alongside_greedy(engine, reference):
+    prompts, want = reference
+    gen = SpeculativeGenerator(engine())
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=3, ignore_eos=True)]
+    outs = gen.generate(prompts[:2], params)
+    assert outs[0].token_ids == want[0][:12]
+    assert len(outs[1].token_ids) == 12
+    again = SpeculativeGenerator(engine()).generate(prompts[:2], params)
+    assert again[1].token_ids == outs[1].token_ids  # seeded: reproducible
+
+
+def test_block_larger_than_the_plan_is_refused(engine):
+    with pytest.raises(ValueError, match="at most 5"):
+        SpeculativeGenerator(engine(), block=6)
+
+
+def test_stops_inside_an_accepted_block(engine, reference):
+    """With every draft accepted, a stop token and a max_tokens inside a block end the request
+    at that token; the rest of the block is dropped."""
+    prompts, want = reference
+    gen = SpeculativeGenerator(engine(), proposer=oracle({tuple(p): w for p, w in zip(prompts, want)}))
+    tok = want[1][4]
+    params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=(tok,))]
+    outs = gen.generate(prompts[:2], params)
+    assert outs[0].token_ids == want[0][:9] and outs[0].completions[0].finish_reason == "length"
+    assert outs[1].token_ids == want[1][:want[1].index(tok) + 1]
+    assert outs[1].completions[0].finish_reason == "stop"
