@@ -18,9 +18,8 @@ the rows it was fed), and runtime/speculative/rollback.py writes them back from 
 and the per-row ids the Engram history keeps (`verify.engram_ids`, the input of
 `engram_hist_update`), so the history is rebuilt from the accepted rows alone.
 
-A fused `compressor` (fuse-compressor, GPU profiles) computes those rows inside the kernel, so
-the verify graph is not emitted there (the note and the plan say so) until the fused op exposes
-them; the draft graph is.
+A fused `compressor` (fuse-compressor, GPU profiles) computes those rows inside its kernel; there
+the verify graph recomputes them after the step's nodes (`verify.L<i>.kv_rows`, ...).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from megagraph.graph.errors import IRError
-from megagraph.graph.ir import Graph
+from megagraph.graph.ir import Graph, Node, freeze_attrs
 from megagraph.graph.verify import verify_graph
 from megagraph.models.config import ModelConfig
 
@@ -82,16 +81,31 @@ class DSparkDraft(Pass):
                           {DRAFT: d, VERIFY: v})
 
 def verify_step(g: Graph) -> Graph:
-    """The step graph with each compressor's per-row pending inputs as extra outputs."""
-    if "compressor" in g.op_counts() or "v4_compressor" in g.op_counts():
-        raise IRError("the fused compressor does not expose its per-row pending rows, which "
-                      "rollback of a rejected group needs")
-    extra = []
+    """The step graph with each compressor's per-row pending inputs as extra outputs. The
+    unfused `compress_pool` reads them as values; a fused `compressor` computes them inside its
+    kernel, so the verify graph recomputes them after the step's nodes (the same cast + dense
+    projections the unfused graph has: two [T, d] x [d, Dc] GEMMs per compressor, verify only)."""
+    if "v4_compressor" in g.op_counts() or "v4_compress_pool" in g.op_counts():
+        raise IRError("the V4 compressor's overlapping groups have no rollback rule")
+    extra, added, types = [], [], {}
     for n in g.nodes:
         if n.op == "compress_pool" and n.inputs[1] is not None:
             extra += list(zip(pend_row_labels(layer_of(n.outputs[0])), n.inputs[:2]))
+        elif n.op == "compressor" and n.inputs[2] is not None:
+            layer = layer_of(n.outputs[0])
+            x32, kv, gate = (f"verify.L{layer}.{v}" for v in ("x32", "kv_rows", "gate_rows"))
+            x = g.types[n.inputs[0]]
+            types[x32] = replace(x, dtype="f32")
+            for out, w in ((kv, n.inputs[1]), (gate, n.inputs[2])):
+                types[out] = replace(x, dtype="f32", shape=(x.shape[0], g.types[w].shape[0]))
+            added += [Node("cast", (n.inputs[0],), (x32,), freeze_attrs({"dtype": "f32"})),
+                      Node("linear", (x32, n.inputs[1], None), (kv,),
+                           freeze_attrs({"fmt": "dense"})),
+                      Node("linear", (x32, n.inputs[2], None), (gate,),
+                           freeze_attrs({"fmt": "dense"}))]
+            extra += list(zip(pend_row_labels(layer), (kv, gate)))
         if n.op == "engram_hist_update":
             extra.append((ENGRAM_IDS, n.inputs[1]))
-    v = replace(g, name=g.name.replace("/step", "") + f"/{VERIFY}", outputs=(*g.outputs, *extra))
+    v = g.with_nodes((*g.nodes, *added), types=types, outputs=(*g.outputs, *extra))
+    v = replace(v, name=g.name.replace("/step", "") + f"/{VERIFY}")
     return verify_graph(v.with_nodes(v.nodes).with_meta(step=VERIFY))
-

@@ -22,7 +22,7 @@ from ..batch import SeqChunk, make_batch
 from ..kernels import resolve_kernels
 from ..plan import ArtifactsError, SegmentPlan
 from ..step import StepProgram
-from ..weights import graph_weight_specs, load_weights, seeded_weights
+from ..weights import graph_weight_specs, host_resident, load_weights, seeded_weights
 
 DRAFT_INPUTS = ("anchor_ids", "seq_slots", "seq_cached")
 
@@ -50,6 +50,20 @@ def plan_graphs(plan) -> tuple[Graph, Graph]:
     return draft, verify
 
 
+def verify_segments(plan, verify: Graph) -> tuple[SegmentPlan, ...]:
+    """The step's segments (the verify graph starts with the step's nodes, in order), plus one
+    eager segment for the nodes it appends."""
+    n = len(plan.graph.nodes)
+    if verify.nodes[:n] != plan.graph.nodes:
+        raise ArtifactsError(f"{plan.source or 'artifacts'}: the {VERIFY} graph does not start "
+                             "with the step graph's nodes (graphs from different compiles?)")
+    if len(verify.nodes) == n:
+        return plan.segments
+    return (*plan.segments, SegmentPlan(len(plan.segments), "eager",
+                                        tuple(range(n, len(verify.nodes))),
+                                        "verify: the pending rows a fused compressor hides"))
+
+
 class SpecPrograms:
     """Draft and verify programs bound to one engine."""
 
@@ -67,8 +81,20 @@ class SpecPrograms:
                            "the draft graph runs eagerly"),)
         self.draft = StepProgram(self.draft_graph, seg, kernels, weights, {}, rings,
                                  runtime_inputs=DRAFT_INPUTS)
-        self.verify = StepProgram(self.verify_graph, plan.segments, engine.kernels, engine.weights,
-                                  engine.constants, engine.state)
+        self.verify = StepProgram(self.verify_graph, verify_segments(plan, self.verify_graph),
+                                  self._verify_kernels(), engine.weights, engine.constants,
+                                  engine.state)
+
+    def _verify_kernels(self):
+        """The step's kernels, plus the verify graph's own nodes (the pending-row projections
+        a fused compressor hides) resolved from the plan the same way."""
+        eng, g = self.engine, self.verify_graph
+        if len(g.nodes) == len(eng.plan.graph.nodes):
+            return eng.kernels
+        ks = resolve_kernels(eng.plan, [g], eng.device, allow_fallback=eng.config.allow_fallback,
+                             override=eng.config.kernels)
+        ks.run_on_host(g, host_resident(eng.plan.graph) if eng.device.type == "cuda" else set())
+        return ks
 
     def _draft_weights(self, given) -> dict[str, torch.Tensor]:
         eng = self.engine

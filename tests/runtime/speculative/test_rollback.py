@@ -34,9 +34,20 @@ def test_every_state_tensor_has_a_rule(engine):
     assert kinds == {"ring", "groups", "pending", "history"}
 
 
+@pytest.fixture(params=["cpu", "h200"])
+def engines(request, compiled):
+    """Two engines over one plan: cpu (unfused), or h200's (fused compressor, FP8 activation
+    quantization; run here with reference kernels)."""
+    from tests.runtime.conftest import make_engine
+
+    path = compiled("v4.1-flash-tiny", request.param)
+    kw = {"allow_fallback": True} if request.param != "cpu" else {}
+    return lambda: make_engine(path, "v4.1-flash-tiny", **kw)
+
+
 @pytest.mark.parametrize("keep", range(1, 7))
-def test_forced_rejection_restores_state(engine, keep):
-    spec, plain = engine(), engine()
+def test_forced_rejection_restores_state(engines, keep):
+    spec, plain = engines(), engines()
     progs = SpecPrograms(spec)
     B = progs.block
     slots = _prefill(spec, PROMPTS, 5)
