@@ -48,7 +48,13 @@ def pend_row_labels(layer: int) -> tuple[str, str]:
 @register_pass
 @dataclass(frozen=True)
 class DSparkDraft(Pass):
-    """Emit the DSpark draft and verify graphs (the step is unchanged)."""
+    """Emit the DSpark draft and verify graphs (the step is unchanged).
+
+    The verify graph, before (the step's outputs) and after:
+      outputs (logits, engram_hist, L0.ring, ..., mtp.2.ring)
+      outputs (logits, ..., mtp.2.ring, verify.engram_ids, verify.L2.pend_kv_rows,
+               verify.L2.pend_gate_rows, ...)
+    """
 
     name: ClassVar[str] = "dspark-draft"
     cfg: ModelConfig | None = None  # the model the step was built from (its draft head)
