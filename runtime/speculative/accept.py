@@ -113,7 +113,8 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, lengt
     qn = qn.gather(1, n[:, None, None].expand(R, 1, q.shape[2]))[:, 0]
     qn = torch.where((n < lengths)[:, None], qn, torch.zeros_like(qn))  # bonus: plain p_k
     res = (pn - qn).clamp(min=0)
-    res = torch.where(res.sum(1, keepdim=True) > 0, res, pn)  # p == q: residual is empty, never drawn
+    # p == q leaves an empty residual, but then every draft is accepted and it is never drawn
+    res = torch.where(res.sum(1, keepdim=True) > 0, res, pn)
     return _pack(drafts, n, (res / e).argmax(dim=1))
 
 
@@ -127,7 +128,8 @@ class TargetRows:
     greedy: torch.Tensor  # bool[R]
 
 
-def process_rows(logits: torch.Tensor, drafts: torch.Tensor, states: list[SampleState]) -> TargetRows:
+def process_rows(logits: torch.Tensor, drafts: torch.Tensor,
+                 states: list[SampleState]) -> TargetRows:
     """Apply the plain sampler's processors to every verify row; row j of request r sees
     output_ids + drafts[r, :j] (what the history would be had the drafts been sampled)."""
     R, K1, V = logits.shape
@@ -145,7 +147,8 @@ def process_rows(logits: torch.Tensor, drafts: torch.Tensor, states: list[Sample
     best = x.argmax(dim=-1)
     x = _truncate(x, [s.params for s in rows])
     probs = torch.where(greedy_rows[:, None], torch.zeros_like(x), torch.softmax(x, dim=-1))
-    return TargetRows(probs.reshape(R, K1, V), best.reshape(R, K1), greedy_rows.reshape(R, K1)[:, 0])
+    return TargetRows(probs.reshape(R, K1, V), best.reshape(R, K1),
+                      greedy_rows.reshape(R, K1)[:, 0])
 
 
 def accept(logits: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor,

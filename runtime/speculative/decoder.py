@@ -126,7 +126,8 @@ class SpeculativeGenerator(Generator):
                 if s.fed >= len(s.prompt_ids):
                     first.append((s, starts[i + 1] - 1))
             if first:
-                toks = sample(logits[[r for _, r in first]], [s.sampler for s, _ in first], self.rng)
+                toks = sample(logits[[r for _, r in first]], [s.sampler for s, _ in first],
+                              self.rng)
                 for (s, _), tok in zip(first, toks):
                     done.append((s, [tok]))
             for s, toks in done:

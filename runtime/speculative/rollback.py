@@ -118,7 +118,8 @@ class Rollback:
                 whole[name] = t[slot].clone()
         return Saved(slot, cached, fed, rows, whole)
 
-    def restore(self, saved: Saved, keep: int, outs: dict[str, torch.Tensor], first_row: int) -> None:
+    def restore(self, saved: Saved, keep: int, outs: dict[str, torch.Tensor],
+                first_row: int) -> None:
         """Keep the first `keep` of the fed rows: put back every row the others touched.
         `outs`: the verify step's outputs; `first_row`: this request's first row in them."""
         if not 1 <= keep <= saved.fed:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.runtime.conftest import compiled, make_engine  # noqa: F401
+from tests.runtime.conftest import make_engine
 
 MODEL = "v4.1-flash-tiny"
 
 
 @pytest.fixture(scope="session")
-def tiny_v41(compiled):  # noqa: F811
+def tiny_v41(compiled):
     return compiled(MODEL)
 
 

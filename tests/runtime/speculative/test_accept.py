@@ -27,7 +27,8 @@ def test_greedy_by_hand():
 def test_greedy_through_accept_uses_processed_argmax():
     """A repetition penalty changes the argmax of row j only through the drafts before it."""
     logits = torch.tensor([[[0.0, 3.0, 2.9, 0.0], [0.0, 3.0, 2.9, 0.0], [0.0, 3.0, 2.9, 0.0]]])
-    st = new_state(SamplingParams(temperature=0, repetition_penalty=2.0), [0], 0, torch.device("cpu"))
+    params = SamplingParams(temperature=0, repetition_penalty=2.0)
+    st = new_state(params, [0], 0, torch.device("cpu"))
     a = accept(logits, torch.tensor([[1, 2]]), torch.tensor([2]), [st], torch.Generator())
     # row 0: token 1 best; row 1 sees [1]: 3.0/2 < 2.9 -> 2; row 2 sees [1, 2]: 1 again
     assert a.emitted(0) == [1, 2, 1]

@@ -97,7 +97,8 @@ def test_stops_inside_an_accepted_block(engine, reference):
     """With every draft accepted, a stop token and a max_tokens inside a block end the request
     at that token; the rest of the block is dropped."""
     prompts, want = reference
-    gen = SpeculativeGenerator(engine(), proposer=oracle({tuple(p): w for p, w in zip(prompts, want)}))
+    gen = SpeculativeGenerator(engine(),
+                               proposer=oracle({tuple(p): w for p, w in zip(prompts, want)}))
     tok = want[1][4]
     params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=(tok,))]
