@@ -106,3 +106,19 @@ def test_stops_inside_an_accepted_block(engine, reference):
     assert outs[0].token_ids == want[0][:9] and outs[0].completions[0].finish_reason == "length"
     assert outs[1].token_ids == want[1][:want[1].index(tok) + 1]
     assert outs[1].completions[0].finish_reason == "stop"
+
+
+def test_many_prompts_with_admission_mid_run(engine, tiny_v41):
+    """Eight prompts on four slots: later prompts prefill in the same verify steps in which
+    earlier ones decode; each output equals plain greedy decoding of its prompt."""
+    from tests.runtime.conftest import make_engine
+
+    plain = make_engine(tiny_v41, "v4.1-flash-tiny")
+    prompts = [list(random_tokens(n, 200 + n, vocab=plain.cfg.vocab_size))
+               for n in (3, 17, 8, 11, 1, 6, 14, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    gen = SpeculativeGenerator(engine(max_step_tokens=16), block=3)
+    assert [o.token_ids for o in gen.generate(prompts, params)] == want
+    assert gen.stats.proposed > 0
