@@ -36,8 +36,17 @@ class DraftRequest:
     output_ids: tuple[int, ...]  # emitted so far, the anchor last
 
 
-#: (requests, block) -> drafts i64[R, block]. The default runs the plan's DSpark draft graph.
-Proposer = Callable[[Sequence[DraftRequest], int], torch.Tensor]
+@dataclass(frozen=True)
+class Proposal:
+    """A proposer's answer: drafts i64[R, block] and, if it has them, confidences f32[R, block]
+    (estimated probability that each draft is accepted given the ones before it)."""
+
+    drafts: torch.Tensor
+    confidence: torch.Tensor | None = None
+
+
+#: (requests, block) -> Proposal. The default runs the plan's DSpark draft graph.
+Proposer = Callable[[Sequence[DraftRequest], int], Proposal]
 
 
 @dataclass
@@ -74,10 +83,17 @@ class SpecStats:
 class SpeculativeGenerator(Generator):
     """Generator whose decode steps draft a block and verify it in one target step."""
 
-    def __init__(self, engine, *, block: int | None = None,
+    def __init__(self, engine, *, block: int | None = None, min_confidence: float = 0.0,
                  draft_weights: Mapping[str, torch.Tensor] | None = None,
                  proposer: Proposer | None = None):
+        """`block`: drafts verified per step (default and maximum: the plan's block size);
+        `min_confidence`: verify d_j only while the running product of the confidences of
+        d_1 .. d_j is at least this (vLLM's adaptive verification; 0 = always the block);
+        `proposer`: replaces the DSpark draft graph (tests)."""
         super().__init__(engine)
+        if not 0 <= min_confidence <= 1:
+            raise ValueError(f"min_confidence must be in [0, 1], got {min_confidence}")
+        self.min_confidence = min_confidence
         self.programs = SpecPrograms(engine, draft_weights)
         B = self.programs.block
         if block is not None and not 0 <= block <= B:
@@ -89,10 +105,10 @@ class SpeculativeGenerator(Generator):
         self.proposer = proposer or self._dspark
         self.stats = SpecStats()
 
-    def _dspark(self, reqs: Sequence[DraftRequest], block: int) -> torch.Tensor:
+    def _dspark(self, reqs: Sequence[DraftRequest], block: int) -> Proposal:
         self.stats.draft_forwards += 1
         out = self.programs.run_draft([r.slot for r in reqs], [r.anchor for r in reqs])
-        return out.drafts[:, :block]
+        return Proposal(out.drafts[:, :block], out.confidence[:, :block])
 
     # -- the loop --------------------------------------------------------------------------------
     def _loop(self, waiting: deque, running: list[_Seq]) -> Iterator[TokenEvent]:
@@ -151,11 +167,15 @@ class SpeculativeGenerator(Generator):
             return [[] for _ in decoding], ks
         reqs = [DraftRequest(s.slot, s.out.token_ids[-1], tuple(s.prompt_ids),
                              tuple(s.out.token_ids)) for s in decoding]
-        drafts = self.proposer(reqs, self.block)
-        if tuple(drafts.shape) != (len(reqs), self.block):
-            raise ValueError(f"proposer returned drafts {tuple(drafts.shape)}, expected "
+        prop = self.proposer(reqs, self.block)
+        if tuple(prop.drafts.shape) != (len(reqs), self.block):
+            raise ValueError(f"proposer returned drafts {tuple(prop.drafts.shape)}, expected "
                              f"({len(reqs)}, {self.block})")
-        return drafts.tolist(), ks
+        if self.min_confidence > 0 and prop.confidence is not None:
+            sure = (prop.confidence.float().cumprod(dim=1) >= self.min_confidence)
+            budget = sure.long().cumprod(dim=1).sum(dim=1).tolist()
+            ks = [min(k, b) for k, b in zip(ks, budget)]
+        return prop.drafts.tolist(), ks
 
     def _commit(self, decoding, drafts, ks, saved, logits, outs, starts):
         """Accept each decoding request's drafts, roll back the rejected rows; yields (seq,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megagraph.runtime.sampling import SamplingParams
-from megagraph.runtime.speculative.decoder import SpeculativeGenerator
+from megagraph.runtime.speculative.decoder import Proposal, SpeculativeGenerator
 
 from tests.tiny import random_tokens
 
@@ -57,7 +57,7 @@ def oracle(reference_outputs: dict[tuple[int, ...], list[int]]):
             ref = reference_outputs[r.prompt_ids]
             nxt = ref[len(r.output_ids):len(r.output_ids) + block]
             rows.append(nxt + [0] * (block - len(nxt)))
-        return torch.tensor(rows, dtype=torch.int64)
+        return Proposal(torch.tensor(rows, dtype=torch.int64))
 
     return propose
 
@@ -122,3 +122,22 @@ def test_many_prompts_with_admission_mid_run(engine, tiny_v41):
     gen = SpeculativeGenerator(engine(max_step_tokens=16), block=3)
     assert [o.token_ids for o in gen.generate(prompts, params)] == want
     assert gen.stats.proposed > 0
+
+
+def test_confidence_threshold_sets_the_verify_budget(engine, reference):
+    """Drafts are verified while the running product of confidences stays >= min_confidence:
+    with confidences (0.9, 0.8, 0.1, ...) and 0.5, two drafts per step; outputs unchanged."""
+    prompts, want = reference
+    propose = oracle({tuple(p): w for p, w in zip(prompts, want)})
+
+    def with_confidence(reqs, block):
+        p = propose(reqs, block)
+        conf = torch.tensor([[0.9, 0.8] + [0.1] * (block - 2)] * len(reqs))
+        return Proposal(p.drafts, conf)
+
+    gen = SpeculativeGenerator(engine(), min_confidence=0.5, proposer=with_confidence)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    assert gen.generate(prompts[:1], params)[0].token_ids == want[0][:10]
+    assert dict(gen.stats.histogram) == {2: 3} and gen.stats.proposed == 6  # 1 + 3 * 3 tokens
+    with pytest.raises(ValueError, match="min_confidence"):
+        SpeculativeGenerator(engine(), min_confidence=1.5)
