@@ -64,6 +64,8 @@ class SpecStats:
 
     @property
     def tokens_per_target_forward(self) -> float:
+        """Over the whole batch (with nothing accepted it is the number of decoding requests);
+        `acceptance_length` is the per-request figure."""
         return self.emitted / self.target_forwards if self.target_forwards else 0.0
 
     @property
