@@ -204,3 +204,18 @@ def test_sampled_tokens_keep_the_target_distribution_end_to_end(compiled):
     want = torch.tensor([joint[k] for k in joint]) * n
     assert got.sum() == n and 0 < accepted < n  # both the accept and the reject branch ran
     assert chisquare(got, want).pvalue > 1e-3
+
+
+def test_capacity_limits_the_block(engine, tiny_v41):
+    """Near the slot's capacity fewer drafts are verified, and the request ends where plain
+    decoding ends it (prompt + output = capacity), every draft being accepted."""
+    from tests.runtime.conftest import make_engine
+
+    plain = make_engine(tiny_v41, "v4.1-flash-tiny", capacity=32)
+    prompt = list(random_tokens(23, 600, vocab=plain.cfg.vocab_size))
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = plain.generate([prompt], params)[0].token_ids
+    assert len(want) == 32 - 23
+    gen = SpeculativeGenerator(engine(capacity=32), proposer=oracle({tuple(prompt): want}))
+    out = gen.generate([prompt], params)[0]
+    assert out.token_ids == want and out.completions[0].finish_reason == "length"
