@@ -3,8 +3,8 @@
 Importing this package registers every pass in `PASSES` (one module per pass).
 """
 
-from . import (batch_window_copies, bounded_replay, cleanup, encoder_replay,  # noqa: F401
-               fuse_compressor, indexer_products, mega_mhc, mega_moe, partition,
+from . import (batch_window_copies, bounded_replay, cleanup, dspark_draft,  # noqa: F401
+               encoder_replay, fuse_compressor, indexer_products, mega_mhc, mega_moe, partition,
                quantize_epilogues)
 from .base import PASSES, Pass, PassError, PassResult, register_pass
 from .hw import HwProfile, known_hw, load_hw_profile

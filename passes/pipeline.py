@@ -35,6 +35,7 @@ PIPELINE = (
     "partition-prefill",    # last pass that reorders nodes: the plan's segments index this order
     "bounded-replay",       # derives side graphs from the final step (step unchanged)
     "encoder-replay",       # likewise: the prefix cache's ring rebuild graph (always emitted)
+    "dspark-draft",         # likewise: DSpark's draft graph and verify step (V4.1 with a head)
 )
 
 
@@ -106,7 +107,8 @@ class StageRecord:
                 "nodes_added": self.nodes_added, "nodes_removed": self.nodes_removed}
 
 
-def make_pass(name: str, hw: HwProfile, opt: CompileOptions, keep: int = 0) -> Pass:
+def make_pass(name: str, hw: HwProfile, opt: CompileOptions, keep: int = 0,
+              cfg: ModelConfig | None = None) -> Pass:
     """An instance of pass `name` configured from the profile and the options."""
     cls = PASSES.get(name)
     if cls is None:
@@ -118,6 +120,8 @@ def make_pass(name: str, hw: HwProfile, opt: CompileOptions, keep: int = 0) -> P
     if name == "bounded-replay":
         kwargs.update(enabled=opt.replay_enabled(hw), keep=keep or opt.keep,
                       explicit=opt.bounded_replay is not None)
+    if name == "dspark-draft":
+        kwargs.update(cfg=cfg)
     if name == "quantize-epilogues":
         kwargs.update(reference=opt.numerics == "reference")
     if name == "expert-parallel":
@@ -155,8 +159,10 @@ def stage(g: Graph, p: Pass, index: int, opt: CompileOptions, done: list[str]) -
 
 
 def compile_graph(g: Graph, hw: HwProfile, options: CompileOptions | None = None, *,
-                  keep: int = 0) -> tuple[Graph, list[StageRecord]]:
-    """Run the pipeline (or `options.passes`) on a built step graph."""
+                  keep: int = 0,
+                  cfg: ModelConfig | None = None) -> tuple[Graph, list[StageRecord]]:
+    """Run the pipeline (or `options.passes`) on a built step graph; `cfg`, the model it was
+    built from, lets the passes that need more than the graph (dspark-draft) run."""
     opt = options or CompileOptions()
     expert_parallel.check_options(opt)
     unknown = [x for x in opt.disable_passes if x not in PASSES]
@@ -167,7 +173,7 @@ def compile_graph(g: Graph, hw: HwProfile, options: CompileOptions | None = None
         n for n in PIPELINE if n != "expert-parallel" or opt.parallel)  # single rank: no record
     records: list[StageRecord] = []
     for i, name in enumerate(names, start=1):
-        rec = stage(g, make_pass(name, hw, opt, keep), i, opt, [r.name for r in records])
+        rec = stage(g, make_pass(name, hw, opt, keep, cfg), i, opt, [r.name for r in records])
         records.append(rec)
         g = rec.graph
     return g, records
@@ -206,7 +212,7 @@ def compile_model(cfg: ModelConfig, hw: HwProfile, options: CompileOptions | Non
     t0 = time.perf_counter()
     built = build_step(cfg, logits=opt.logits)
     secs = time.perf_counter() - t0
-    final, records = compile_graph(built, hw, opt, keep=opt.resolved_keep(cfg))
+    final, records = compile_graph(built, hw, opt, keep=opt.resolved_keep(cfg), cfg=cfg)
     extra = {k: v for r in records for k, v in r.extra_graphs.items()}
     return Compiled(cfg, hw, opt, built, final, records, extra, secs)
 

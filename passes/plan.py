@@ -227,6 +227,23 @@ def prefix_cache_plan(g: Graph, cfg: ModelConfig) -> dict:
                       "the last replay_tokens cached tokens (approximate; mode exact re-prefills)"}
 
 
+def speculative_plan(extra: dict[str, Graph], cfg: ModelConfig) -> dict:
+    """The plan's `speculative` section: which graphs draft and verify, and how a step ends."""
+    B = cfg.dspark_block_size
+    return {"method": "dspark", "draft_graph": "dspark-draft",
+            "verify_graph": "dspark-verify" if "dspark-verify" in extra else None,
+            **({} if "dspark-verify" in extra else {
+                "verify_missing": "the fused compressor does not expose its per-row pending rows "
+                                  "(see the dspark-draft note in manifest.yaml)"}),
+            "block_size": B,
+            "max_tokens_per_target_forward": B + 1,
+            "proposal": "argmax of the Markov chain (one-hot q)",
+            "verify": "the step graph over [anchor, d_1 .. d_k] (k <= block_size), plus each "
+                      "compressor's per-row pending inputs",
+            "rollback": "explicit restore of the rows the verify step can touch "
+                        "(runtime/speculative/rollback.py, docs/speculative.md)"}
+
+
 def build_plan(g: Graph, hw: HwProfile, *, context: int, extra: dict[str, Graph],
                cfg: ModelConfig, kernel_overrides: dict | None = None,
                allow_unvalidated: bool = False) -> dict:
@@ -309,6 +326,7 @@ def build_plan(g: Graph, hw: HwProfile, *, context: int, extra: dict[str, Graph]
                                               overrides=kernel_overrides),
         **({"bounded_replay": replay_plan} if replay_plan else {}),
         **({"prefix_cache": prefix_cache_plan(g, cfg)} if "encoder-replay" in extra else {}),
+        **({"speculative": speculative_plan(extra, cfg)} if "dspark-draft" in extra else {}),
         "memory": memory,
         "index_keys": index_keys_plan(g, cfg),
     }
