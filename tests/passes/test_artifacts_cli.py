@@ -29,6 +29,8 @@ def test_compile_writes_the_artifact_layout(tmp_path, capsys):
                      "graph/07-batch-window-copies.mgir", "graph/08-indexer-products.mgir",
                      "graph/09-dead-code.mgir", "graph/10-partition-prefill.mgir",
                      "graph/11-bounded-replay.mgir", "graph/12-encoder-replay.mgir",
+                     "graph/13-dspark-draft.mgir", "graph/dspark-draft.mgir",
+                     "graph/dspark-verify.mgir",
                      "graph/encoder-replay.mgir",
                      "graph/prefill-prefix.mgir", "graph/prefill-suffix.mgir", "manifest.yaml",
                      "model.yaml", "plan.yaml"]
@@ -57,7 +59,8 @@ def test_rendering_is_deterministic_except_timing():
 def test_load_artifacts_for_the_runtime(tmp_path):
     assert _compile(tmp_path, "--bounded-replay", "--logits", "last") == 0
     arts = load_artifacts(tmp_path / "art")
-    assert set(arts.graphs) == {"step", "prefill-prefix", "prefill-suffix", "encoder-replay"}
+    assert set(arts.graphs) == {"step", "prefill-prefix", "prefill-suffix", "encoder-replay",
+                                "dspark-draft", "dspark-verify"}
     step = arts.graphs["step"]
     assert step.meta_value("logits") == "last" and step.op_counts()["mega_moe"] == 9
     assert arts.plan["segments"][1]["kind"] == "eager" and arts.model["name"] == TINY

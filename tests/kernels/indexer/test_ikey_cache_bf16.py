@@ -69,6 +69,8 @@ def test_compiled_v41_ikey_dtype_follows_quantize_kv(hw, quantize_kv):
     graphs = {"built": c.built, "final": c.graph, **c.extra_graphs}
     assert len(graphs) > 2  # the bounded-replay graphs are checked too
     for name, g in graphs.items():  # side graphs may read a pool or its update as a plain input
+        if name == "dspark-draft":
+            continue  # the drafter has no indexer
         types = {v: t.dtype for v, t in g.types.items() if v.endswith((".ikey", ".ikey.next"))}
         assert types and set(types.values()) == {want}, (name, types)
         for n in g.nodes:  # the index scores read the bf16 pool (or its update) directly
