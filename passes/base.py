@@ -16,6 +16,8 @@ from megagraph.graph.ir import Graph, Node, freeze_attrs
 from megagraph.graph.registry import REQUIRED, get_op
 from megagraph.graph.types import TensorType
 
+from .hw import HwProfile
+
 PASSES: dict[str, type["Pass"]] = {}
 
 
@@ -55,6 +57,25 @@ class Pass:
         for k, v in vars(self).items():
             out[k] = getattr(v, "name", v)
         return out
+
+
+@dataclass(frozen=True)
+class FusionPass(Pass):
+    """A pass that fires where the hardware profile lists its fusion: `run` asks the profile for
+    `fusion` and skips, naming the `kernel` it lacks, or calls `fuse(g, how)`."""
+
+    fusion: ClassVar[str] = ""  # the profile's fusion key
+    kernel: ClassVar[str] = ""  # what the skip note says is missing
+    hw: HwProfile
+
+    def run(self, g: Graph) -> PassResult:
+        how = self.hw.fusion(self.fusion)
+        if how is None:
+            return self.skip(g, f"profile {self.hw.name} has no {self.kernel}")
+        return self.fuse(g, how)
+
+    def fuse(self, g: Graph, how) -> PassResult:  # pragma: no cover - abstract
+        raise NotImplementedError
 
 
 def register_pass(cls: type[Pass]) -> type[Pass]:

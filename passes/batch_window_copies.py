@@ -14,13 +14,12 @@ from typing import ClassVar
 
 from megagraph.graph.ir import Graph
 
-from .base import Pass, PassResult, Rewrite, layer_of, register_pass
-from .hw import HwProfile
+from .base import FusionPass, PassResult, Rewrite, layer_of, register_pass
 
 
 @register_pass
 @dataclass(frozen=True)
-class BatchWindowCopies(Pass):
+class BatchWindowCopies(FusionPass):
     """Replace the per-layer ring updates by one ring_update_batched (per window size).
 
     before:
@@ -35,12 +34,10 @@ class BatchWindowCopies(Pass):
     """
 
     name: ClassVar[str] = "batch-window-copies"
-    hw: HwProfile
+    fusion: ClassVar[str] = "window_copies"
+    kernel: ClassVar[str] = "batched window-copy kernel"
 
-    def run(self, g: Graph) -> PassResult:
-        how = self.hw.fusion("window_copies")
-        if how is None:
-            return self.skip(g, f"profile {self.hw.name} has no batched window-copy kernel")
+    def fuse(self, g: Graph, how) -> PassResult:
         users = g.users()
         groups: dict[tuple, list] = {}
         held = []

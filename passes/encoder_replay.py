@@ -54,7 +54,8 @@ class EncoderReplay(Pass):
 
 
 def encoder_replay(g: Graph) -> Graph:
-    """The ring-rebuild graph: attention with an empty ring, no compressed-state writes, rings out."""
+    """The ring-rebuild graph: attention with an empty ring, no compressed-state writes, rings
+    out."""
     renames: dict[str, str] = {}
     nodes: list[Node] = []
     fill = Node("fill", ("seq_cached",), ("seq_cached.empty_ring",), freeze_attrs({"value": 0}))

@@ -9,8 +9,7 @@ from typing import ClassVar
 
 from megagraph.graph.ir import Graph, Node
 
-from .base import Pass, PassResult, Rewrite, escapes, layer_of, only_user, register_pass
-from .hw import HwProfile
+from .base import FusionPass, PassResult, Rewrite, escapes, layer_of, only_user, register_pass
 
 ROPE_KEYS = ("rope_dim", "theta", "yarn_factor", "yarn_original", "yarn_beta_fast",
              "yarn_beta_slow", "offset")
@@ -22,7 +21,7 @@ class NoMatch(Exception):
 
 @register_pass
 @dataclass(frozen=True)
-class FuseCompressor(Pass):
+class FuseCompressor(FusionPass):
     """Replace the compressor chain of every KV-source layer by one `compressor` op.
 
     before (V4.1 layer 2, ratio 2):
@@ -45,12 +44,10 @@ class FuseCompressor(Pass):
     """
 
     name: ClassVar[str] = "fuse-compressor"
-    hw: HwProfile
+    fusion: ClassVar[str] = "compressor"
+    kernel: ClassVar[str] = "fused compressor kernel"
 
-    def run(self, g: Graph) -> PassResult:
-        how = self.hw.fusion("compressor")
-        if how is None:
-            return self.skip(g, f"profile {self.hw.name} has no fused compressor kernel")
+    def fuse(self, g: Graph, how) -> PassResult:
         writes = [n for n in g.nodes if n.op == "cache_write"]
         if not writes:
             return self.skip(g, "no compressor (cache_write) in this graph")

@@ -23,8 +23,7 @@ from typing import ClassVar
 from megagraph.graph.ir import Graph, Node
 from megagraph.graph.registry import get_op
 
-from .base import Pass, PassResult, Rewrite, layer_of, only_user, register_pass
-from .hw import HwProfile
+from .base import FusionPass, PassResult, Rewrite, layer_of, only_user, register_pass
 
 
 class NoMatch(Exception):
@@ -38,7 +37,7 @@ def _need(cond: bool, why: str) -> None:
 
 @register_pass
 @dataclass(frozen=True)
-class MegaMhcFusion(Pass):
+class MegaMhcFusion(FusionPass):
     """Fuse each remaining mHC front half (mixer, collapse, norm, quantize) into one mega_mhc.
 
     before (one attention site, after quantize-epilogues and mega-moe-fusion):
@@ -52,12 +51,10 @@ class MegaMhcFusion(Pass):
     """
 
     name: ClassVar[str] = "mega-mhc-fusion"
-    hw: HwProfile
+    fusion: ClassVar[str] = "mega_mhc"
+    kernel: ClassVar[str] = "fused mHC kernel"
 
-    def run(self, g: Graph) -> PassResult:
-        how = self.hw.fusion("mega_mhc")
-        if how is None:
-            return self.skip(g, f"profile {self.hw.name} has no fused mHC kernel")
+    def fuse(self, g: Graph, how) -> PassResult:
         mixers = [n for n in g.nodes if n.op == "hc_mixer"]
         if not mixers:
             return self.skip(g, "no unfused mHC site left")

@@ -17,8 +17,7 @@ from typing import ClassVar
 from megagraph.graph.ir import Graph, Node
 from megagraph.graph.registry import get_op
 
-from .base import Pass, PassResult, Rewrite, escapes, layer_of, register_pass
-from .hw import HwProfile
+from .base import FusionPass, PassResult, Rewrite, escapes, layer_of, register_pass
 
 
 class NoMatch(Exception):
@@ -27,7 +26,7 @@ class NoMatch(Exception):
 
 @register_pass
 @dataclass(frozen=True)
-class MegaMoeFusion(Pass):
+class MegaMoeFusion(FusionPass):
     """Fuse each FFN site (mHC front half + MoE + residual expand) into mega_mhc -> mega_moe.
 
     before (one FFN site, after quantize-epilogues):
@@ -51,12 +50,10 @@ class MegaMoeFusion(Pass):
     """
 
     name: ClassVar[str] = "mega-moe-fusion"
-    hw: HwProfile
+    fusion: ClassVar[str] = "mega_moe"
+    kernel: ClassVar[str] = "fused MoE kernel"
 
-    def run(self, g: Graph) -> PassResult:
-        how = self.hw.fusion("mega_moe")
-        if how is None:
-            return self.skip(g, f"profile {self.hw.name} has no fused MoE kernel")
+    def fuse(self, g: Graph, how) -> PassResult:
         expands = [n for n in g.nodes if n.op == "hc_expand"]
         rw = Rewrite(g, self.name)
         prod, users = g.producers(), g.users()

@@ -150,11 +150,7 @@ class PrefixCache:
             child = node.children.get(tokens[pos])
             if child is None:
                 return path, pos, None
-            n = 0
-            for a, b in zip(child.key, tokens[pos:limit]):
-                if a != b:
-                    break
-                n += 1
+            n = _common(child.key, tokens, pos, limit)
             if n < len(child.key):
                 return path, pos + n, child
             path.append(child)
@@ -227,11 +223,7 @@ class PrefixCache:
                 self._account(new, +1)
                 node = new
                 break
-            n = 0
-            for a, b in zip(child.key, tokens[pos:end]):
-                if a != b:
-                    break
-                n += 1
+            n = _common(child.key, tokens, pos, end)
             if n < len(child.key):
                 child = self._split(child, n)
             node, pos = child, child.end
@@ -412,6 +404,16 @@ class PrefixCache:
             assert n.start == (n.parent.end if n.parent is not self.root else 0)
             assert n.refs >= sum(c.refs for c in n.children.values())
         assert totals == self.bytes and counts == self.count, (totals, self.bytes, counts)
+
+
+def _common(key: tuple[int, ...], tokens: list[int], pos: int, stop: int) -> int:
+    """Length of the common prefix of `key` and tokens[pos:stop]."""
+    n = 0
+    for a, b in zip(key, tokens[pos:stop]):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 def build_prefix_cache(engine, config: PrefixCacheConfig, *, device_bytes: int):

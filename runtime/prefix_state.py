@@ -160,8 +160,12 @@ class EncoderReplayer:
             raise ArtifactsError(f"{plan.source or 'artifacts'}: no encoder-replay graph; compile "
                                  "again (the pass is on by default) or serve with "
                                  "--prefix-cache-mode exact")
+        from .weights import host_resident
+
         ks = resolve_kernels(plan, [g], engine.device, allow_fallback=engine.config.allow_fallback,
                              override=engine.config.kernels)
+        if engine.device.type == "cuda":  # nodes over host-resident weights run where they are
+            ks.run_on_host(g, host_resident(plan.graph))
         seg = (SegmentPlan(0, "eager", tuple(range(len(g.nodes))), "encoder replay runs eagerly"),)
         self.engine = engine
         self.program = StepProgram(g, seg, ks, engine.weights, engine.constants, engine.state)

@@ -3,8 +3,9 @@
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{model},
 GET /health, GET /metrics, POST /flush_cache (and /openapi.json). With an API key, every /v1
 route needs `Authorization: Bearer KEY` (401 otherwise); /health, /metrics and /flush_cache stay
-open for probes, scrapers and routers (flushing costs speed, never an answer). The request id, the key check, request counting and the last-resort 500 are
-middleware.py's; what a generation body must look like is body.py's and fields.py's.
+open for probes, scrapers and routers (flushing costs speed, never an answer). The request id,
+the key check, request counting and the last-resort 500 are middleware.py's; what a generation
+body must look like is body.py's and fields.py's.
 """
 
 from __future__ import annotations

@@ -310,3 +310,43 @@ def test_restore_and_replay_against_a_cold_prefill(engine):
             assert torch.equal(got[k][:n], cold[k][:n]), (kind, fold, k)  # rows after the
             #   restored tokens stay the previous owner's: the request's count hides them
     engine.cached.pop(0, None), engine.cached.pop(1, None)
+
+
+# -- CUDA ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_on_cuda_with_captured_steps(tmp_path):
+    """The tiny V4.1 compiled for h200 on CUDA with captured buckets (bf16 plan kernels):
+    restores and snapshots happen between captured replays, into the pools they read; exact mode
+    gives the cold run's greedy tokens; the host tier's copies come back on the side stream;
+    replay mode runs the encoder replay on the device."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from megagraph.models.config import load_model_config
+    from megagraph.passes import compile_model, load_hw_profile
+    from megagraph.passes.artifacts import write_artifacts
+
+    model = "v4.1-flash-tiny"
+    out = tmp_path / "h200"
+    write_artifacts(compile_model(load_model_config(model), load_hw_profile("h200")), out)
+    eng = make_engine(out, model, device="cuda", act="bf16", capacity=CAP, buckets=(4, 16, 64),
+                      allow_fallback=True)
+    system = list(random_tokens(21, 7))
+    convs = [conversation(s, 3, system) for s in range(3)]
+    off = Runner(eng, None)
+    a = run_conversations(off, convs, system)
+    off.close()
+    for cfg, budget in ((EXACT, 1 << 30), (PrefixCacheConfig(mode="exact", host_bytes=1 << 26),
+                                            1 << 12)):
+        on = Runner(eng, cfg, budget=budget)
+        b = run_conversations(on, convs, system)
+        for x, y in zip(a, b):
+            assert [r[0][0] for r in x] == [r[0][0] for r in y]  # greedy tokens
+        assert on.cache.stats.exact_hits >= 6
+        if cfg.host_bytes:
+            assert on.cache.stats.hits["host"] >= 1 and on.cache.stats.host_loads >= 1
+        on.close()
+    rep = Runner(eng, PrefixCacheConfig(mode="replay", replay_tokens=4))
+    run_conversations(rep, convs, system)
+    rep.turn([system + list(random_tokens(6, 99))])  # branches off inside the system prompt
+    assert rep.cache.stats.replay_hits >= 1
+    rep.close()

@@ -39,7 +39,8 @@ def test_multi_turn_reports_cached_tokens_and_metrics(server):
     client = server.client()
     before = server.metrics()
     usages = chat_turns(client, ["What is a radix tree?", "And a trie?", "Which is smaller?"])
-    assert usages[0].prompt_tokens_details.cached_tokens < usages[1].prompt_tokens_details.cached_tokens
+    cached = [u.prompt_tokens_details.cached_tokens for u in usages]
+    assert cached[0] < cached[1]
     for prev, u in zip(usages, usages[1:]):
         # the next turn resumes at least where the previous prompt ended
         assert u.prompt_tokens_details.cached_tokens >= prev.prompt_tokens - 1
