@@ -157,6 +157,7 @@ class Turn:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    reply: str = ""
 
 
 async def chat_turn(client, model: str, messages: list[dict], max_tokens: int, timeout: float,
@@ -195,7 +196,8 @@ async def chat_turn(client, model: str, messages: list[dict], max_tokens: int, t
         turn.error = f"{type(e).__name__}: {e}"[:300]
     if not turn.ok:
         turn.latency = time.perf_counter() - t0
-    return "".join(parts)
+    turn.reply = "".join(parts)
+    return turn.reply
 
 
 async def run_chats(base_url: str, wl: Workload, *, max_tokens: int, concurrency: int,
@@ -276,7 +278,17 @@ def summarize(turns: list[Turn], wall: float, n_turns: int) -> dict:
             "output_tokens": out, "cached_share": cached / prompt if prompt else None,
             "output_tok_s": out / wall, "prompt_tok_s": prompt / wall,
             "ttft_ms": stats.dist([t.ttft for t in ok if t.ttft is not None]),
-            "turn_ms": stats.dist([t.latency for t in ok]), "per_turn": per_turn}
+            "turn_ms": stats.dist([t.latency for t in ok]), "per_turn": per_turn,
+            "replies": {f"{t.conversation}.{t.turn}": t.reply for t in ok}}
+
+
+def same_replies(c: dict, off: dict) -> dict:
+    """Turns whose reply equals cache off's (greedy): exact mode resumes the same state, so a
+    difference there is a numeric one (batch shapes) or a bug; replay rebuilds the windows
+    approximately, and a changed reply changes every later prompt of its conversation."""
+    a, b = c["replies"], off["replies"]
+    keys = sorted(set(a) & set(b))
+    return {"same": sum(a[k] == b[k] for k in keys), "compared": len(keys)}
 
 
 # ---------------------------------------------------------------------------------------- run
@@ -390,8 +402,9 @@ def main(argv=None) -> int:
     wl, warm = workload(a, a.seed), workload(argparse.Namespace(**{**vars(a), "conversations": 1,
                                                                    "turns": 1}), a.seed + 999)
     mode = f" --prefix-cache-mode {a.mode}" if a.mode != "replay" else ""
-    res: dict = {"command": " ".join(["python"] + sys.argv), "environment":
-                 environment(a.device), "args": {k: v for k, v in vars(a).items()},
+    env = {**environment(a.device), "cpus": os.cpu_count()}
+    res: dict = {"command": " ".join(["python"] + sys.argv), "environment": env,
+                 "args": {k: v for k, v in vars(a).items()},
                  "configs": [], "problems": []}
     with tempfile.TemporaryDirectory(prefix="megagraph-pc-bench-") as tmp:
         art = Path(a.artifacts) if a.artifacts else compile_model(a, Path(tmp))
@@ -415,6 +428,8 @@ def main(argv=None) -> int:
                 res["problems"].append(f"{name}: {type(e).__name__}: {str(e)[-1500:]}")
                 break
             outcomes[name] = o
+            if "off" in outcomes:
+                o.client["same_as_off"] = same_replies(o.client, outcomes["off"].client)
             res["configs"].append(asdict(o))
             res["problems"] += o.problems
             print(line(o), flush=True)
@@ -465,7 +480,8 @@ def markdown(res: dict) -> str:
              f"Command: `{res['command']}`", "",
              f"Environment: {env.get('date')}, python {env.get('python')}, torch "
              f"{env.get('torch')}, cuda {env.get('cuda')}, triton {env.get('triton')}, commit "
-             f"{env.get('commit', '-')}; device {a['device']} (hw profile {a['hw']}).", "",
+             f"{env.get('commit', '-')}; device {a['device']} (hw profile {a['hw']}), "
+             f"{env.get('cpus', '?')} CPUs visible.", "",
              f"**Workload.** {a['conversations']} conversations x {a['turns']} turns, "
              f"{a['concurrency']} conversations in flight, one shared system prompt of "
              f"{a['system_words']} random words, user messages of {a['user_words']} words, "
@@ -475,7 +491,7 @@ def markdown(res: dict) -> str:
              f"`{a['server_args'] or '-'}`.", ""]
     lines += ["| config | flags | turns ok | hit rate (/metrics) | cached / prompt (responses) |"
               " prompt tokens saved | exact / replay hits | evictions device / host / window |"
-              " host loads | state zero, nodes kept |", "|" + "---|" * 10]
+              " host loads | replies = off | state zero, nodes kept |", "|" + "---|" * 11]
     for c in cs:
         px, cl, cfg = c["prefix"], c["client"], c["config"]
         hits = f"{px.get('exact_hits', 0)} / {px.get('replay_hits', 0)}" if px.get("enabled", 1) \
@@ -486,7 +502,8 @@ def markdown(res: dict) -> str:
                      f"{fmt_pct(cl['cached_share'])} | {cl['cached_tokens']:,} of "
                      f"{cl['prompt_tokens']:,} | {hits} | {ev.get('device', 0)} / "
                      f"{ev.get('host', 0)} / {ev.get('window', 0)} | "
-                     f"{px.get('host_loads', 0)} | {'yes' if c['state_zero'] else 'NO'}, "
+                     f"{px.get('host_loads', 0)} | {same(cl)} | "
+                     f"{'yes' if c['state_zero'] else 'NO'}, "
                      f"{c['flush'].get('kept_nodes', '-')} |")
     lines += ["", "Latency and throughput (ratio: this / cache off):", "",
               "| config | TTFT p50 ms | p90 | p99 | TTFT p50 vs off | turn p50 ms | p90 |"
@@ -521,7 +538,10 @@ def markdown(res: dict) -> str:
               "cached / prompt = the responses' usage.prompt_tokens_details.cached_tokens over "
               "prompt_tokens; TTFT = send to the first chunk with content; turn = send to the "
               "last chunk; tok/s over the configuration's wall time (prompt tok/s counts cached "
-              "tokens as served). State zero: /metrics shows no running or waiting request and "
+              "tokens as served). Replies = off: turns whose greedy reply text equals cache "
+              "off's (replay mode rebuilds sliding windows approximately; one changed reply "
+              "changes the later prompts of its conversation). State zero: /metrics shows no "
+              "running or waiting request and "
               "no slot or ledger token after the run; nodes kept: what POST /flush_cache could "
               "not drop (held by a request) after it.", ""]
     notes = [n for c in cs for n in c.get("notes", [])]
@@ -529,6 +549,11 @@ def markdown(res: dict) -> str:
     lines.append("")
     lines.append("**Problems:** " + ("; ".join(res["problems"]) if res["problems"] else "none"))
     return "\n".join(lines) + "\n"
+
+
+def same(cl: dict) -> str:
+    s = cl.get("same_as_off")
+    return f"{s['same']} of {s['compared']}" if s else "-"
 
 
 def _get(d, path):
