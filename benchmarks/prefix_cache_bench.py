@@ -403,7 +403,7 @@ def main(argv=None) -> int:
                                                                    "turns": 1}), a.seed + 999)
     mode = f" --prefix-cache-mode {a.mode}" if a.mode != "replay" else ""
     env = {**environment(a.device), "cpus": os.cpu_count()}
-    res: dict = {"command": " ".join(["python"] + sys.argv), "environment": env,
+    res: dict = {"command": shlex.join(["python"] + sys.argv), "environment": env,
                  "args": {k: v for k, v in vars(a).items()},
                  "configs": [], "problems": []}
     with tempfile.TemporaryDirectory(prefix="megagraph-pc-bench-") as tmp:
