@@ -288,7 +288,10 @@ def same_replies(c: dict, off: dict) -> dict:
     approximately, and a changed reply changes every later prompt of its conversation."""
     a, b = c["replies"], off["replies"]
     keys = sorted(set(a) & set(b))
-    return {"same": sum(a[k] == b[k] for k in keys), "compared": len(keys)}
+    turns = sorted({int(k.split(".")[1]) for k in keys})
+    return {"same": sum(a[k] == b[k] for k in keys), "compared": len(keys),
+            "same_by_turn": [sum(a[k] == b[k] for k in keys if k.endswith(f".{t}"))
+                             for t in turns]}
 
 
 # ---------------------------------------------------------------------------------------- run
@@ -553,7 +556,10 @@ def markdown(res: dict) -> str:
 
 def same(cl: dict) -> str:
     s = cl.get("same_as_off")
-    return f"{s['same']} of {s['compared']}" if s else "-"
+    if not s:
+        return "-"
+    by = "/".join(map(str, s.get("same_by_turn", [])))
+    return f"{s['same']} of {s['compared']}" + (f" ({by} by turn)" if by else "")
 
 
 def _get(d, path):

@@ -37,6 +37,8 @@ def test_prefix_cache_bench_smoke(tmp_path, run_bench):
         # second turns resume past the shared system prompt: a larger share than first turns
         t1, t2 = (p["cached_share"] for p in c["client"]["per_turn"])
         assert t2 > t1 > 0
+        same = c["client"]["same_as_off"]  # greedy replies set against cache off's, per turn
+        assert same["compared"] == 6 and sum(same["same_by_turn"]) == same["same"] <= 6
     # the host config's budgets come from the on run's bytes, and the host tier was used
     held = on["prefix"]["bytes"]["device"]
     assert host["prefix"]["capacity_bytes"] == {"device": held // 4, "host": 2 * held}
