@@ -2,14 +2,17 @@
 # One device call (nvidia-h200, at most 10 minutes): `megagraph runtime serve` on the H200 over
 # the 5-layer full-width V4.1-Flash slice, measured the way SGLang's bench_serving and `vllm bench
 # serve` measure serving (benchmarks/serve_bench.py; docs/serving-gpu.md says what each number is).
-# MODE=sweep (the default) or MODE=soak picks what the call measures; each fits one call.
+# MODE=sweep (the default), MODE=soak or MODE=prefix picks what the call measures; each fits one
+# call.
 #
 #   device run, carry [".whl"] (made here by `bash benchmarks/gpu_wheels.sh`), timeout_s 600:
 #     bash benchmarks/h200_serve.sh                 # the sweep, prefill-heavy points
 #     MODE=soak bash benchmarks/h200_serve.sh       # 2,000 mixed-length requests at c=128
+#     MODE=prefix bash benchmarks/h200_serve.sh     # multi-turn chat, prefix cache off / on / host
 #   the same steps on the CPU at the smoke's sizes, no install (checks this script's logic):
 #     DRY=1 OUT=/tmp/hs bash benchmarks/h200_serve.sh
 #     DRY=1 MODE=soak OUT=/tmp/hs bash benchmarks/h200_serve.sh
+#     DRY=1 MODE=prefix OUT=/tmp/hs bash benchmarks/h200_serve.sh
 #
 # Time budget: TOTAL = 555 s of wall time (the device tool's 600 less its start and transfers).
 # Each step runs under `timeout` with the smaller of its limit and what is left of TOTAL less
@@ -29,10 +32,15 @@
 #     tokens (uniform), at concurrency 128: ~150, issuing for at most 260 s; memory sampled every
 #     5 s (RSS, nvidia-smi, the allocator's gauges on /metrics), /metrics back to zero at the
 #     end; then the same-mix baseline of the soak's steps, kept: 90 / ~50
+#   MODE=prefix (benchmarks/prefix_cache_bench.py), three servers one after the other (cache off,
+#     on, on + host tier), each: start-up at 16 slots ~40, a warm-up turn, 50 conversations x 5
+#     turns at 8 in flight, a ~1K-token system prompt, 32 tokens out per turn: ~60; ~350 in all
+#     (each configuration's result is written as it ends, so a cut run keeps the ones before)
 #   merge, bundle the logs                                         MERGE_S = 20
-# Outputs ($OUT): serve.md, serve.json, serve.png, logs.txt (environment, every step's output and
-# exit code, the servers' logs), and tests.log with KERNEL_TESTS=1 (the kernel suites have GPU
-# runs of their own; left out by default, their time goes to the serving points).
+# Outputs ($OUT): serve.md, serve.json, serve.png (MODE=prefix: prefix-cache.md, .json),
+# logs.txt (environment, every step's output and exit code, the servers' logs), and tests.log
+# with KERNEL_TESTS=1 (the kernel suites have GPU runs of their own; left out by default, their
+# time goes to the serving points).
 set -u
 TOTAL=${TOTAL:-555}
 MODE=${MODE:-sweep}
@@ -45,7 +53,7 @@ DRY=${DRY:-0}
 PY=${PY:-python3}
 WORK=${WORK:-/tmp/megagraph-serve}
 cd "$(dirname "$0")/.."
-case "$MODE" in sweep|soak) ;; *) echo "MODE=$MODE: sweep or soak" >&2; exit 2;; esac
+case "$MODE" in sweep|soak|prefix) ;; *) echo "MODE=$MODE: sweep, soak or prefix" >&2; exit 2;; esac
 mkdir -p "$OUT"; rm -rf "$WORK"; mkdir -p "$WORK"
 LOG="$OUT/logs.txt"; : > "$LOG"
 export PYTHONUNBUFFERED=1
@@ -79,6 +87,9 @@ if [ "$DRY" = 1 ]; then  # CPU, tiny model, the smoke's sizes
   S_LOAD="--concurrency= --soak 12 --soak-concurrency 4 --soak-input 4:48 --soak-output 2:8
           --soak-time 60 --engine-context 30 --engine-warmup 0 --engine-iters 2
           --engine-mix-time 60 --timeout 120"
+  P_SERVER="--capacity 256 --max-running 4 --max-prefill-tokens 64 --log-level warning"
+  P_LOAD="--conversations 3 --turns 2 --system-words 40 --user-words 6 --max-tokens 4
+          --concurrency 2 --timeout 120 --startup-timeout 120"
 else
   DEVICE=cuda; MODEL=v4.1-flash-slice5; HW=h200; INSTALL=${INSTALL:-1}
   # capacity 16640: a 16K prompt + its output; 256 slots x 31 MiB of state at that capacity
@@ -101,9 +112,15 @@ else
   S_LOAD="--concurrency= --soak 2000 --soak-concurrency 128 --soak-input 64:1024
           --soak-output 16:256 --soak-time 260 --engine-context 612
           --engine-iters 10 --engine-mix-time 90 --startup-timeout 240 --timeout 180"
+  # 750 words ~ a 1K-token system prompt; the last turn's prompt ~1.4K tokens: capacity 2048
+  P_SERVER="--capacity 2048 --max-running 16 --max-prefill-tokens 4096 --drain-timeout 10
+            --log-level warning"
+  P_LOAD="--conversations 50 --turns 5 --system-words 750 --user-words 20 --max-tokens 32
+          --concurrency 8 --timeout 120 --startup-timeout 150"
 fi
 # one line each (the report's titles): the flags as a user types them
 A_SERVER=$(echo $A_SERVER); B_SERVER=$(echo $B_SERVER); S_SERVER=$(echo $S_SERVER)
+P_SERVER=$(echo $P_SERVER)
 
 { echo "== environment"; date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader \
@@ -142,7 +159,16 @@ step "compile $MODEL for $HW" 90 $PY -m megagraph.main compile --model "$MODEL" 
   --logits last --out "$ART" --force || { echo "compile failed" >> "$LOG"; }
 
 RUNS=()
-if [ -f "$ART/plan.yaml" ] && [ "$MODE" = soak ]; then
+if [ -f "$ART/plan.yaml" ] && [ "$MODE" = prefix ]; then
+  # shellcheck disable=SC2086
+  step "prefix cache: off, on, on + host tier" $(( $(left) - MERGE_S - 5 )) $PY \
+    benchmarks/prefix_cache_bench.py --artifacts "$ART" --device "$DEVICE" --hw "$HW" \
+    --out "$WORK/p" --server-args "$P_SERVER $GRAMMAR" $P_LOAD
+  cp "$WORK"/p/prefix-cache.md "$WORK"/p/prefix-cache.json "$OUT"/ 2>> "$LOG"
+  for f in "$WORK"/p/server-*.log; do
+    [ -f "$f" ] && { echo "== $(basename "$f") (last 150 lines)"; tail -150 "$f"; } >> "$LOG"
+  done
+elif [ -f "$ART/plan.yaml" ] && [ "$MODE" = soak ]; then
   BUDGET=$(( $(left) - MERGE_S - 5 ))
   # shellcheck disable=SC2086
   step "soak, same-mix baseline" $(( BUDGET + 3 )) $PY \
