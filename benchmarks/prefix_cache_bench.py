@@ -50,7 +50,7 @@ sys.path.insert(0, str(HERE))
 
 import serve_server as server  # noqa: E402
 import serve_stats as stats  # noqa: E402
-from serve_bench import CLEAN_EXIT, environment  # noqa: E402
+from serve_bench import CLEAN_EXIT, _cuda, environment  # noqa: E402
 
 SMOKE = dict(device="cpu", model="v4.1-flash-tiny", hw="cpu", conversations=3, turns=2,
              system_words=40, user_words=6, max_tokens=4, concurrency=2, timeout=120.0,
@@ -58,7 +58,7 @@ SMOKE = dict(device="cpu", model="v4.1-flash-tiny", hw="cpu", conversations=3, t
                          "--log-level warning")
 PREFIX = "megagraph_prefix_cache_"
 COUNTERS = ("lookups", "lookup_tokens", "hit_tokens", "exact_hits", "replay_hits",
-            "replayed_tokens", "inserts", "host_loads", "flushes")
+            "derived_hits", "replayed_tokens", "inserts", "host_loads", "flushes")
 TIERS = {"hits": ("device", "host"), "evictions": ("device", "host", "window")}
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
          "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
@@ -90,6 +90,9 @@ def parse(argv=None):
     w.add_argument("--max-tokens", type=int, default=32, help="tokens of every reply")
     w.add_argument("--concurrency", type=int, default=8, help="conversations in flight")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--api", choices=("chat", "completions"), default="chat",
+                   help="chat completions, or /v1/completions of a plain-text transcript (for "
+                   "models served without a chat template)")
     w.add_argument("--timeout", type=float, default=600.0, help="per turn: longer is a failure")
     p.add_argument("--configs", default="off,on,host", help="which of off,on,host to run")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, 3 x 2 turns")
@@ -116,15 +119,6 @@ def parse(argv=None):
     if not 0 < a.host_device_frac < 1 or a.host_budget_mult <= 0:
         p.error("--host-device-frac must be in (0, 1) and --host-budget-mult > 0")
     return a
-
-
-def _cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
 
 
 # ---------------------------------------------------------------------------------- workload
@@ -160,22 +154,33 @@ class Turn:
     reply: str = ""
 
 
+def transcript(messages: list[dict]) -> str:
+    """The conversation as plain text for /v1/completions (`--api completions`: a model served
+    without a chat template, e.g. a random-weight layer slice at release widths)."""
+    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return "\n\n".join(lines) + "\n\nAssistant:"
+
+
 async def chat_turn(client, model: str, messages: list[dict], max_tokens: int, timeout: float,
-                    turn: Turn) -> str:
-    """One streaming chat completion; fills `turn`, returns the reply text ('' on failure)."""
+                    turn: Turn, api: str = "chat") -> str:
+    """One streaming chat completion (or completion of the transcript); fills `turn`, returns the
+    reply text ('' on failure)."""
     t0 = time.perf_counter()
     parts: list[str] = []
 
     async def consume():
-        stream = await client.chat.completions.create(
-            model=model, messages=messages, max_tokens=max_tokens, temperature=0.0,
-            stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True})
+        common = dict(model=model, max_tokens=max_tokens, temperature=0.0, stream=True,
+                      stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        if api == "chat":
+            stream = await client.chat.completions.create(messages=messages, **common)
+        else:
+            stream = await client.completions.create(prompt=transcript(messages), **common)
         async for ch in stream:
             now = time.perf_counter()
             for c in ch.choices or ():
-                if c.delta and c.delta.content:
-                    parts.append(c.delta.content)
+                text = (c.delta.content if c.delta else None) if api == "chat" else c.text
+                if text:
+                    parts.append(text)
                     if turn.ttft is None:
                         turn.ttft = now - t0
             if ch.usage:
@@ -201,7 +206,7 @@ async def chat_turn(client, model: str, messages: list[dict], max_tokens: int, t
 
 
 async def run_chats(base_url: str, wl: Workload, *, max_tokens: int, concurrency: int,
-                    timeout: float) -> tuple[list[Turn], float]:
+                    timeout: float, api: str = "chat") -> tuple[list[Turn], float]:
     """Every conversation, at most `concurrency` in flight, its turns in order; a failed turn
     ends its conversation (the next prompt would lack its reply). (turns, wall seconds)."""
     import httpx
@@ -222,7 +227,7 @@ async def run_chats(base_url: str, wl: Workload, *, max_tokens: int, concurrency
                 messages.append({"role": "user", "content": user})
                 turn = Turn(c, t)
                 turns.append(turn)
-                reply = await chat_turn(client, model, messages, max_tokens, timeout, turn)
+                reply = await chat_turn(client, model, messages, max_tokens, timeout, turn, api)
                 if not turn.ok:
                     return
                 messages.append({"role": "assistant", "content": reply})
@@ -334,14 +339,15 @@ def measure(a, art: Path, cfg: Config, wl: Workload, warm: Workload, out: Path) 
         shlex.quote(x) for x in srv.argv[5:]), "ready_s": srv.ready_s}
     try:
         wt, _ = asyncio.run(run_chats(srv.base_url, warm, max_tokens=a.max_tokens,
-                                      concurrency=1, timeout=a.timeout))
+                                      concurrency=1, timeout=a.timeout, api=a.api))
         if not all(t.ok for t in wt):
             res.problems.append(f"{cfg.name}: warm-up failed ({wt[0].error})")
         stats.wait_zero(srv.base_url)
         flush(srv.base_url)
         before = prefix_metrics(stats.read_metrics(srv.base_url))
         turns, wall = asyncio.run(run_chats(srv.base_url, wl, max_tokens=a.max_tokens,
-                                            concurrency=a.concurrency, timeout=a.timeout))
+                                            concurrency=a.concurrency, timeout=a.timeout,
+                                            api=a.api))
         res.client = summarize(turns, wall, a.turns)
         after_m, res.state_after = stats.wait_zero(srv.base_url)
         res.state_zero = stats.is_zero(res.state_after)
@@ -489,15 +495,19 @@ def markdown(res: dict) -> str:
              f"{a['concurrency']} conversations in flight, one shared system prompt of "
              f"{a['system_words']} random words, user messages of {a['user_words']} words, "
              f"{a['max_tokens']} output tokens per turn (greedy, ignore_eos), each turn carrying "
-             "the whole history with the replies (openai client, streaming chat completions). "
-             f"Cached servers in {a['mode']} mode. Server flags of all three: "
+             "the whole history with the replies (openai client, streaming "
+             + ("chat completions). " if a.get("api", "chat") == "chat" else
+                "completions of a plain-text transcript). ")
+             + f"Cached servers in {a['mode']} mode. Server flags of all three: "
              f"`{a['server_args'] or '-'}`.", ""]
     lines += ["| config | flags | turns ok | hit rate (/metrics) | cached / prompt (responses) |"
-              " prompt tokens saved | exact / replay hits | evictions device / host / window |"
+              " prompt tokens saved | exact / replay / replay-derived hits |"
+              " evictions device / host / window |"
               " host loads | replies = off | state zero, nodes kept |", "|" + "---|" * 11]
     for c in cs:
         px, cl, cfg = c["prefix"], c["client"], c["config"]
-        hits = f"{px.get('exact_hits', 0)} / {px.get('replay_hits', 0)}" if px.get("enabled", 1) \
+        hits = (f"{px.get('exact_hits', 0)} / {px.get('replay_hits', 0)} / "
+                f"{px.get('derived_hits', 0)}") if px.get("enabled", 1) \
             and c["config"]["name"] != "off" else "-"
         ev = px.get("evictions") or {}
         lines.append(f"| {cfg['name']} | `{cfg['flags'] or '-'}` | {cl['completed']}/"
@@ -541,7 +551,10 @@ def markdown(res: dict) -> str:
               "cached / prompt = the responses' usage.prompt_tokens_details.cached_tokens over "
               "prompt_tokens; TTFT = send to the first chunk with content; turn = send to the "
               "last chunk; tok/s over the configuration's wall time (prompt tok/s counts cached "
-              "tokens as served). Replies = off: turns whose greedy reply text equals cache "
+              "tokens as served). Hits: exact = the restored state is that of a cold prefill; "
+              "replay = the windows rebuilt by encoder replay; replay-derived = kept windows of "
+              "a node snapshotted from a request that had resumed by replay (approximate too). "
+              "Replies = off: turns whose greedy reply text equals cache "
               "off's (replay mode rebuilds sliding windows approximately; one changed reply "
               "changes the later prompts of its conversation). State zero: /metrics shows no "
               "running or waiting request and "

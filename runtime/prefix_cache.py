@@ -71,8 +71,9 @@ class PrefixCacheStats:
     lookup_tokens: int = 0  # their prompt tokens (up to the last, which always runs)
     hits: dict = field(default_factory=lambda: {"device": 0, "host": 0})
     hit_tokens: int = 0  # tokens resumed instead of prefilled
-    exact_hits: int = 0
+    exact_hits: int = 0  # resumes whose restored state is that of a cold prefill
     replay_hits: int = 0
+    derived_hits: int = 0  # window-tail resumes from nodes a replayed request snapshotted
     replayed_tokens: int = 0  # tokens re-run by encoder replay
     inserts: int = 0  # snapshots added
     evictions: dict = field(default_factory=lambda: {"device": 0, "host": 0, "window": 0})
@@ -97,6 +98,7 @@ class Node:
     refs: int = 0
     used: int = 0
     ready: object = None  # CUDA event of a copy back from the host tier
+    approx: bool = False  # snapshotted from a request that resumed by replay (or from such a node)
 
     @property
     def end(self) -> int:
@@ -124,6 +126,7 @@ class Resume:
     anchor: Node  # locked until the request lets go of it
     events: list = field(default_factory=list)  # host-tier copies to wait for
     tier: str = "device"  # "host" when part of it came back from the host tier
+    approx: bool = False  # not the state of a cold prefill: a replay, or a replay-derived node
 
 
 class PrefixCache:
@@ -195,8 +198,12 @@ class PrefixCache:
         resume.window = anchor.window if kind == "exact" else None
         self.stats.hits[resume.tier] += 1
         self.stats.hit_tokens += end
+        resume.approx = kind == "replay" or any(n.approx for n in used)
         if kind == "exact":
-            self.stats.exact_hits += 1
+            if resume.approx:
+                self.stats.derived_hits += 1
+            else:
+                self.stats.exact_hits += 1
         else:
             self.stats.replay_hits += 1
             self.stats.replayed_tokens += resume.replay
@@ -218,7 +225,8 @@ class PrefixCache:
             if child is None:
                 if pos < snap.start:
                     return None
-                new = Node(tuple(tokens[pos:end]), pos, node, self._slice(snap, pos, end))
+                new = Node(tuple(tokens[pos:end]), pos, node, self._slice(snap, pos, end),
+                           approx=snap.approx)
                 node.children[tokens[pos]] = new
                 self._account(new, +1)
                 node = new
@@ -235,8 +243,8 @@ class PrefixCache:
         return node if node.end == end else None
 
     def _attach_end(self, node: Node, snap: Snapshot) -> None:
-        if snap.at_end is None:
-            return
+        if snap.at_end is None or (snap.approx and not node.approx):
+            return  # an exact node keeps only an exact end
         if node.tier == "host":  # fresher on the device: the host copy goes
             self._load(node)
         if node.at_end is None:
@@ -258,7 +266,7 @@ class PrefixCache:
         """Cut `node` after its first `n` tokens; returns the new upper node (no end state)."""
         m = node.start + n
         upper = Node(node.key[:n], node.start, node.parent, tier=node.tier, refs=node.refs,
-                     used=node.used, ready=node.ready)
+                     used=node.used, ready=node.ready, approx=node.approx)
         lower_rows = {}
         for lab, t in node.rows.items():
             r = self.layout.by_position[lab]

@@ -92,6 +92,7 @@ class Snapshot:
     rows: dict[str, torch.Tensor]  # by-position label -> rows [start//r, end//r)
     at_end: dict[str, torch.Tensor] | None  # label -> the slot's tensor (None: not captured)
     window: dict[str, torch.Tensor] | None  # ring label -> the slot's ring (None: not kept)
+    approx: bool = False  # the slot's state descends from an encoder replay (not a cold prefill)
 
     def nbytes(self) -> int:
         parts = [self.rows, self.at_end or {}, self.window or {}]
@@ -217,5 +218,9 @@ class SlotCache:
     def restore(self, slot: int, resume, tokens: list[int]):
         return lambda: apply_resume(self.engine, self.layout, self.replayer, slot, resume, tokens)
 
-    def capture(self, slot: int, start: int, end: int):
-        return lambda: capture(self.engine.state, self.layout, slot, start, end)
+    def capture(self, slot: int, start: int, end: int, approx: bool = False):
+        def op():
+            snap = capture(self.engine.state, self.layout, slot, start, end)
+            snap.approx = approx
+            return snap
+        return op

@@ -443,8 +443,8 @@ class Scheduler:
         add(s, toks, s.scheduled + n == s.num_known)
         if self.prefix is not None and s.cacheable and (
                 s.scheduled == s.num_known or s.scheduled in s.cuts):
-            self._after.append((s, s.epoch, self.slot_cache.capture(s.slot, s.snap_from,
-                                                                   s.scheduled)))
+            self._after.append((s, s.epoch, self.slot_cache.capture(
+                s.slot, s.snap_from, s.scheduled, s.approx)))
         return n
 
     def _preempt(self, s: Sequence) -> None:
@@ -469,14 +469,14 @@ class Scheduler:
         snapshot there lets the next request with this prefix resume exactly) and, for the
         first of `n` choices, one token before its end (where the others resume: a request's
         last token always runs)."""
-        s.cacheable, s.snap_from, s.cuts = True, 0, ()
+        s.cacheable, s.snap_from, s.cuts, s.approx = True, 0, (), False
         if self.prefix is None or s.prompt_logprobs is not None:
             return
         tokens = [s.token_at(i) for i in range(s.num_known)]
         resume, matched = self.prefix.lookup(tokens, s.num_known - 1)
         if resume is not None:
             s.scheduled = s.snap_from = resume.end
-            s.anchor = resume.anchor
+            s.anchor, s.approx = resume.anchor, resume.approx
             self._before.append(self.slot_cache.restore(s.slot, resume, tokens))
         cuts = {matched} if matched > s.scheduled else set()
         if s.has_followers and not s.output_ids:
@@ -500,7 +500,8 @@ class Scheduler:
             return
         if s.cacheable and s.scheduled > s.snap_from and s.finish_reason != "error":
             s.releasing = True
-            self._released.append((s, self.slot_cache.capture(s.slot, s.snap_from, s.scheduled)))
+            self._released.append((s, self.slot_cache.capture(s.slot, s.snap_from, s.scheduled,
+                                                              s.approx)))
         else:
             self._let_go(s)
 

@@ -85,6 +85,7 @@ class Sequence:
     prompt_done: bool = False  # the prompt's snapshot reached the cache (or never will)
     cacheable: bool = True  # False once a failed step voided the slot's state
     releasing: bool = False  # its released slot's snapshot is not in the cache yet
+    approx: bool = False  # its state descends from an encoder replay (its snapshots say so)
 
     @property
     def params(self) -> SamplingParams:

@@ -186,8 +186,10 @@ def prefix_metrics(metric, out: list[str], cache) -> None:
             ("lookups", st.lookups, "admissions that looked up the prefix cache"),
             ("lookup_tokens", st.lookup_tokens, "tokens those admissions could have resumed"),
             ("hit_tokens", st.hit_tokens, "tokens resumed from the cache instead of prefilled"),
-            ("exact_hits", st.exact_hits, "hits that restored the kept sliding windows"),
+            ("exact_hits", st.exact_hits, "hits whose restored state is that of a cold prefill"),
             ("replay_hits", st.replay_hits, "hits that rebuilt the windows by encoder replay"),
+            ("derived_hits", st.derived_hits, "hits that restored the kept windows of a node "
+             "snapshotted from a request that had resumed by replay (approximate too)"),
             ("replayed_tokens", st.replayed_tokens, "tokens re-run by encoder replay"),
             ("inserts", st.inserts, "snapshots added to the cache"),
             ("host_loads", st.host_loads, "nodes copied back from the host tier"),

@@ -223,6 +223,8 @@ def test_long_prompt_step_uses_the_captured_suffix(tmp_path):
 def test_generate_and_serve_flags():
     import argparse
 
+    pytest.importorskip("fastapi")  # the serve flags' module imports the server
+
     from megagraph.runtime.cli import add_arguments
     from megagraph.runtime.server.cli import config_from_args
 
