@@ -160,6 +160,10 @@ class PrefixCache:
             node, pos = child, child.end
         return path, pos, None
 
+    def match_len(self, tokens: list[int]) -> int:
+        """Tokens of `tokens` the tree holds (no lock, no statistics: for ranking admissions)."""
+        return self._walk(tokens, len(tokens))[1]
+
     def lookup(self, tokens: list[int], limit: int) -> tuple[Resume | None, int]:
         """The best resume for a request whose first `limit` tokens may come from the cache
         (its last token always runs: it produces the logits), and the tokens matched."""

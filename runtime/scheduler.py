@@ -58,6 +58,10 @@ log = logging.getLogger("megagraph.scheduler")
 #: failed steps a sequence may be part of before it is failed itself: one (in a batch, where
 #: any of its neighbours may be the cause); the second is a step it ran alone in
 MAX_FAULTS = 1
+#: cache-aware admission: how many waiting sequences are ranked by their cached prefix, and how
+#: many later arrivals may be admitted before a passed-over sequence goes first
+CACHE_AWARE_WINDOW = 32
+MAX_BYPASS = 8
 
 
 class Overloaded(RuntimeError):
@@ -98,6 +102,7 @@ class SchedulerConfig:
     overlap: bool = True  # assemble step N+1 while step N runs
     # prompt tokens in a step that also has decode rows (None: max_prefill_tokens)
     max_mixed_prefill_tokens: int | None = None
+    cache_aware: bool = True  # with the prefix cache: longest cached prefix first (bounded)
 
     def __post_init__(self):
         if self.max_mixed_prefill_tokens is not None and self.max_mixed_prefill_tokens < 0:
@@ -384,17 +389,44 @@ class Scheduler:
             if n > budget:
                 break
             budget -= self._add_chunk(s, n, add)
-        for s in [w for w in self.waiting if not w.faults]:
+        admitted = []
+        for s in self._admission_order():
             if self._held_back(s):
                 continue
             if self._chunk_len(s, 0) > budget or not self._admit(s):
                 break
+            admitted.append(s)
             budget -= self._add_chunk(s, self._chunk_len(s), add)
+        self._count_bypasses(admitted)
         if not seqs:
             return None
         return self._with_cache_ops(StepJob(
             seqs, tokens, samples, continues, num_decode=len(decodes),
             reset_slots=self.cache.take_resets(), slots=slots, epochs=epochs, starts=starts))
+
+    def _admission_order(self) -> list[Sequence]:
+        """Waiting sequences in the order admission tries them: FIFO, or with the prefix cache
+        (`cache_aware`) and more waiting than free slots, the first `CACHE_AWARE_WINDOW` by the
+        longest cached prefix of their prompt (they prefill least, and share what they resume
+        from while it is hot), within a fairness bound: one passed over by `MAX_BYPASS` later
+        arrivals goes first (FIFO)."""
+        queue = [w for w in self.waiting if not w.faults]
+        if self.prefix is None or not self.config.cache_aware or \
+                len(queue) <= self.cache.slots_free:  # all fit: arrival order (no one waits)
+            return queue
+        head, tail = queue[:CACHE_AWARE_WINDOW], queue[CACHE_AWARE_WINDOW:]
+        rank = {id(w): (w.bypassed < MAX_BYPASS, -self.prefix.match_len(w.prompt_ids), i)
+                for i, w in enumerate(head)}
+        return sorted(head, key=lambda w: rank[id(w)]) + tail
+
+    def _count_bypasses(self, admitted: list[Sequence]) -> None:
+        """Every waiting sequence that arrived before one admitted now was passed over once."""
+        if not admitted or self.prefix is None:
+            return
+        last = max(a.arrival for a in admitted)
+        for w in self.waiting:
+            if w.arrival < last:
+                w.bypassed += 1
 
     def _admit(self, s: Sequence) -> bool:
         """Give a waiting sequence a slot, if one and its tokens fit."""

@@ -86,6 +86,7 @@ class Sequence:
     cacheable: bool = True  # False once a failed step voided the slot's state
     releasing: bool = False  # its released slot's snapshot is not in the cache yet
     approx: bool = False  # its state descends from an encoder replay (its snapshots say so)
+    bypassed: int = 0  # admissions of later arrivals while it waited (cache-aware admission)
 
     @property
     def params(self) -> SamplingParams:
