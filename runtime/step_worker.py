@@ -156,7 +156,7 @@ class StepWorker:
             ids = [self._last[s.seq_id] if t is None else t for t in toks]
             chunks.append(SeqChunk(slot, tuple(ids)))
         exact = any(s.prompt_logprobs is not None for s in job.seqs)  # every row's logits
-        logits = self.engine.step(chunks, exact=exact) if exact else self.engine.step(chunks)
+        logits = self.engine.step(chunks, exact=exact)
         after = [op() for op in job.after]
         rows = self._sample_rows(chunks, job.samples)
         picked = logits[rows].float() if rows else logits[:0].float()

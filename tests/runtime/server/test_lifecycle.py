@@ -56,10 +56,10 @@ def test_engine_error_fails_the_request_with_500_and_the_server_stays_up(server,
     real = eng.step
     poisoned = threading.Event()
 
-    def failing_step(chunks):
+    def failing_step(chunks, *, exact=False):
         if poisoned.is_set() and any(POISON in c.tokens for c in chunks):
             raise RuntimeError("injected kernel failure")
-        return real(chunks)
+        return real(chunks, exact=exact)
 
     eng.step = failing_step
     try:
@@ -100,11 +100,11 @@ def test_a_failed_step_is_retried_for_the_requests_it_held(server, client, caplo
     real = eng.step
     calls = {"n": 0}
 
-    def fail_third(chunks):
+    def fail_third(chunks, *, exact=False):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected transient failure")
-        return real(chunks)
+        return real(chunks, exact=exact)
 
     before = server.metrics()["megagraph_engine_errors_total"]
     eng.step = fail_third

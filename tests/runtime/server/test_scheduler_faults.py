@@ -33,11 +33,11 @@ class FaultyEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def step(self, chunks):
+    def step(self, chunks, *, exact: bool = False):
         if any(POISON in ch.tokens for ch in chunks):
             self.failures += 1
             raise RuntimeError("injected kernel failure")
-        return self._engine.step(chunks)
+        return self._engine.step(chunks, exact=exact)
 
 
 @pytest.fixture(scope="module")
