@@ -137,9 +137,8 @@ class Metrics:
         metric("megagraph_cache_bytes_used", "gauge", "state bytes of the reserved tokens",
                cache.bytes_used)
         metric("megagraph_cache_bytes_total", "gauge", "state pool bytes", cache.bytes_total)
-        metric("megagraph_cache_slot_bytes", "gauge", "state bytes of the slots in use, by kind")
-        for k, v in cache.by_kind_bytes.items():
-            out.append(f'megagraph_cache_slot_bytes{{kind="{k}"}} {v}')
+        labelled(metric, out, "megagraph_cache_slot_bytes", "gauge",
+                 "state bytes of the slots in use, by kind", "kind", cache.by_kind_bytes)
         metric("megagraph_cache_preemptions_total", "counter", "sequences preempted "
                "(recomputed later)", cache.preemptions)
         prefix_metrics(metric, out, sch.prefix)
@@ -195,25 +194,27 @@ def prefix_metrics(metric, out: list[str], cache) -> None:
             ("host_loads", st.host_loads, "nodes copied back from the host tier"),
             ("flushes", st.flushes, "POST /flush_cache calls")):
         metric(f"megagraph_prefix_cache_{name}_total", "counter", help_, v)
-    metric("megagraph_prefix_cache_hits_total", "counter", "lookups that resumed, by the "
-           "lowest tier they read (host: part of the prefix came back from host memory)")
-    for tier, v in st.hits.items():
-        out.append(f'megagraph_prefix_cache_hits_total{{tier="{tier}"}} {v}')
-    metric("megagraph_prefix_cache_hit_rate", "gauge", "hit tokens / lookup tokens",
-           f"{st.hit_rate:.6f}")
-    metric("megagraph_prefix_cache_evictions_total", "counter", "evictions: device (a node "
-           "left the device), host (a node left the host tier), window (a window tail alone)")
-    for tier, v in st.evictions.items():
-        out.append(f'megagraph_prefix_cache_evictions_total{{tier="{tier}"}} {v}')
-    metric("megagraph_prefix_cache_bytes", "gauge", "bytes held, by tier")
-    for tier, v in cache.bytes.items():
-        out.append(f'megagraph_prefix_cache_bytes{{tier="{tier}"}} {v}')
-    metric("megagraph_prefix_cache_capacity_bytes", "gauge", "budget, by tier")
-    out.append(f'megagraph_prefix_cache_capacity_bytes{{tier="device"}} {cache.device_budget}')
-    out.append(f'megagraph_prefix_cache_capacity_bytes{{tier="host"}} {cache.host_budget}')
-    metric("megagraph_prefix_cache_nodes", "gauge", "radix tree nodes, by tier")
-    for tier, v in cache.count.items():
-        out.append(f'megagraph_prefix_cache_nodes{{tier="{tier}"}} {v}')
+    p = "megagraph_prefix_cache_"
+    labelled(metric, out, p + "hits_total", "counter", "lookups that resumed, by the lowest "
+             "tier they read (host: part of the prefix came back from host memory)", "tier",
+             st.hits)
+    metric(p + "hit_rate", "gauge", "hit tokens / lookup tokens", f"{st.hit_rate:.6f}")
+    labelled(metric, out, p + "evictions_total", "counter", "evictions: device (a node left "
+             "the device), host (a node left the host tier), window (a window tail alone)",
+             "tier", st.evictions)
+    labelled(metric, out, p + "bytes", "gauge", "bytes held, by tier", "tier", cache.bytes)
+    labelled(metric, out, p + "capacity_bytes", "gauge", "budget, by tier", "tier",
+             {"device": cache.device_budget, "host": cache.host_budget})
+    labelled(metric, out, p + "nodes", "gauge", "radix tree nodes, by tier", "tier",
+             cache.count)
+
+
+def labelled(metric, out: list[str], name: str, kind: str, help_: str, label: str,
+             values: dict) -> None:
+    """One metric's HELP/TYPE lines and a sample per `label` value."""
+    metric(name, kind, help_)
+    for k, v in values.items():
+        out.append(f'{name}{{{label}="{k}"}} {v}')
 
 
 def device_memory(device) -> list[tuple[str, int, str]]:
