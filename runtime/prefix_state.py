@@ -141,9 +141,8 @@ def engram_history(token_map: torch.Tensor, tokens: list[int], at: int, width: i
     """The Engram history after `at` tokens: the compressed ids of positions at-width .. at-1
     (most recent last), -1 before position 0 (models/engram.py `engram_hist_update`)."""
     ids = [tokens[p] if p >= 0 else -1 for p in range(at - width, at)]
-    t = torch.tensor(ids, dtype=torch.int64)
-    mapped = token_map.cpu()[t.clamp(min=0)]
-    return torch.where(t >= 0, mapped, torch.full_like(t, -1)).to(token_map.device)
+    t = torch.tensor(ids, dtype=torch.int64, device=token_map.device)  # gather where the map is
+    return torch.where(t >= 0, token_map[t.clamp(min=0)], torch.full_like(t, -1))
 
 
 class EncoderReplayer:
